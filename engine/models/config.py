@@ -18,11 +18,11 @@ class ModelConfig:
     # source=tiny: geometry of the random model.
     family: str = "llama"  # llama | qwen3
     num_layers: int = 2
-    hidden_size: int = 64
+    hidden_size: int = 128
     num_heads: int = 4
     num_kv_heads: int = 2
-    head_dim: int = 16
-    intermediate_size: int = 128
+    head_dim: int = 64
+    intermediate_size: int = 256
     vocab_size: int = 300
     context_length: int = 2048
     seed: int = 0
