@@ -1,0 +1,30 @@
+"""kvbatch engine: everything that touches MLX.
+
+`ensure_blas()` runs first, before anything imports mlx: on Linux CPU it loads
+OpenBLAS globally so MLX's matmuls use it (~36x the bundled reference BLAS).
+"""
+from engine.blas import blas_in_use, ensure_blas
+
+ensure_blas()
+
+from engine.errors import KvbatchConfigError  # noqa: E402
+from engine.models.config import ModelConfig  # noqa: E402
+from engine.models.load import load_model  # noqa: E402
+from engine.types import ModelSpec, Request, Result, RowStats, SamplingParams  # noqa: E402
+
+_LAZY = {"Engine": "engine.engine", "EngineConfig": "engine.engine"}
+
+
+def __getattr__(name: str):
+    """Import the heavier engine pieces on first use."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")
+
+
+__all__ = [
+    "blas_in_use", "ensure_blas", "load_model", "KvbatchConfigError", "ModelConfig", "ModelSpec",
+    "Request", "Result", "RowStats", "SamplingParams", "Engine", "EngineConfig",
+]

@@ -1,0 +1,39 @@
+"""Load the model a `ModelConfig` names: (mlx-lm model, tokenizer, ModelSpec)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import load_model as mlx_lm_load_model
+from mlx_lm.utils import load_tokenizer
+
+from engine.errors import KvbatchConfigError
+from engine.models.config import ModelConfig
+from engine.models.sources import resolve_model_dir
+from engine.models.spec import model_spec
+from engine.types import ModelSpec
+
+_DEFAULT_NAME = ModelConfig.name
+
+
+def _display_name(cfg: ModelConfig, path: Path) -> str:
+    if cfg.source == "smollm2" or cfg.name != _DEFAULT_NAME:
+        return cfg.name
+    return path.name if cfg.source == "tiny" or not cfg.path else cfg.path.rstrip("/").split("/")[-1]
+
+
+def load_model(cfg: ModelConfig) -> tuple[nn.Module, TokenizerWrapper, ModelSpec]:
+    """Resolve (convert/build once if needed) and load the model; raise KvbatchConfigError on bad config."""
+    path = resolve_model_dir(cfg)
+    try:
+        model, config = mlx_lm_load_model(path)
+        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    except (FileNotFoundError, ValueError, OSError) as exc:
+        raise KvbatchConfigError(f"mlx-lm cannot load the model in {path}: {exc}") from exc
+    if cfg.source == "local" and cfg.dtype not in ("auto", "quantized"):
+        if cfg.dtype not in ("float32", "float16", "bfloat16"):
+            raise KvbatchConfigError(f"model.dtype={cfg.dtype!r} is not one of auto, float32, float16, bfloat16")
+        model.set_dtype(getattr(mx, cfg.dtype))
+    return model, tokenizer, model_spec(_display_name(cfg, path), model, config)
