@@ -81,9 +81,7 @@ def ensure_blas() -> str:
             "reference BLAS; import engine (or engine.blas.ensure_blas()) before mlx."
         )
         return _in_use
-    paths = [requested] if requested else []
-    paths += _candidates()
-    for path in paths:
+    for path in [requested] if requested else _candidates():
         if os.path.exists(path):
             try:
                 ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
@@ -95,9 +93,9 @@ def ensure_blas() -> str:
         _in_use = "n/a (gpu)"
         return _in_use
     _in_use = "reference (bundled)"
-    where = f"KVBATCH_BLAS={requested} not loadable; " if requested else ""
+    what = f"KVBATCH_BLAS={requested} could not be loaded" if requested else "no OpenBLAS found"
     _warn_once(
-        f"kvbatch: {where}no OpenBLAS found, MLX's CPU matmuls will be ~30x slower; "
+        f"kvbatch: {what}, MLX's CPU matmuls will be ~30x slower; "
         f"install it with `{INSTALL_HINT}` (or set KVBATCH_BLAS to a libblas.so)."
     )
     return _in_use
