@@ -26,5 +26,5 @@ def __getattr__(name: str):
 
 __all__ = [
     "blas_in_use", "ensure_blas", "load_model", "KvbatchConfigError", "ModelConfig", "ModelSpec",
-    "Request", "Result", "RowStats", "SamplingParams", "Engine", "EngineConfig",
+    "Request", "Result", "RowStats", "SamplingParams",
 ]
