@@ -1,0 +1,102 @@
+"""Attention over paged K/V, and the hook that routes mlx-lm models to it.
+
+Routes (reported per row and in summary.json):
+- `paged_sdpa`: pages gathered, then MLX's fused/fast SDPA with a padding+causal mask.
+- `paged_sdpa_f32`: the same with q/k/v upcast to float32 (fp16 models: scores can
+  exceed fp16 range, and MLX's CPU fallback computes q·kᵀ in the input dtype).
+- `paged_qmm_f32`: quantized pages. Decode runs `mx.quantized_matmul` on the packed
+  pages (never dequantizing the prefix) plus a float32 matmul on the row's dense
+  tail page; scores and softmax in float32. Prefill dequantizes the row's pages
+  once per chunk and attends in float32.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+ROUTE_DENSE = "paged_sdpa"
+ROUTE_DENSE_F32 = "paged_sdpa_f32"
+ROUTE_QMM = "paged_qmm_f32"
+
+
+def dense_attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array, scale: float,
+                    upcast: bool) -> mx.array:
+    """q (B,Hq,L,D); k, v (B,Hkv,T,D); mask bool (B,1,L,T)."""
+    dtype = q.dtype
+    if upcast:
+        q, k, v = q.astype(mx.float32), k.astype(mx.float32), v.astype(mx.float32)
+    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    return out.astype(dtype)
+
+
+def quantized_decode_attention(q: mx.array, qk: list[mx.array], qv: list[mx.array],
+                               tk: mx.array, tv: mx.array, mask_q: mx.array, mask_t: mx.array,
+                               scale: float, group_size: int, bits: int) -> mx.array:
+    """q (B,Hq,L,D); qk/qv packed triplets (B,Hkv,Tq,·) or None; tail tk/tv (B,Hkv,P,D).
+
+    mask_q (B,1,1,L,Tq) and mask_t (B,1,1,L,P) mark the valid keys.
+    """
+    B, Hq, L, D = q.shape
+    Hkv = tk.shape[1]
+    rep = Hq // Hkv
+    dtype = q.dtype
+    qf = (q.astype(mx.float32) * scale).reshape(B, Hkv, rep, L, D)
+    tk32 = tk.astype(mx.float32)[:, :, None]
+    scores_t = qf @ tk32.swapaxes(-1, -2)  # (B,Hkv,rep,L,P)
+    parts = [scores_t]
+    masks = [mask_t]
+    if qk is not None:
+        w, s, b = (a[:, :, None] for a in qk)
+        scores_q = mx.quantized_matmul(qf, w, s.astype(mx.float32), b.astype(mx.float32),
+                                       transpose=True, group_size=group_size, bits=bits)
+        parts.insert(0, scores_q)
+        masks.insert(0, mask_q)
+    scores = mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+    mask = mx.concatenate(masks, axis=-1) if len(masks) > 1 else masks[0]
+    scores = mx.where(mask, scores, mx.array(-mx.inf, mx.float32))
+    probs = mx.softmax(scores, axis=-1)
+    P = tk.shape[2]
+    out = probs[..., -P:] @ tv.astype(mx.float32)[:, :, None]
+    if qk is not None:
+        w, s, b = (a[:, :, None] for a in qv)
+        out = out + mx.quantized_matmul(probs[..., :-P], w, s.astype(mx.float32), b.astype(mx.float32),
+                                        transpose=False, group_size=group_size, bits=bits)
+    return out.reshape(B, Hq, L, D).astype(dtype)
+
+
+def install(model: nn.Module) -> None:
+    """Route the model module's `scaled_dot_product_attention` to paged caches.
+
+    mlx-lm model files import the function from `.base` into their own module, so
+    patching that module's name routes every attention call of the model; calls
+    with any other cache (or none) go to the original function unchanged.
+    """
+    for mod_name in {type(model).__module__, type(getattr(model, "model", model)).__module__}:
+        mod = sys.modules.get(mod_name)
+        if mod is None or not hasattr(mod, "scaled_dot_product_attention"):
+            continue
+        original = mod.scaled_dot_product_attention
+        if getattr(original, "_kvbatch_paged", False):
+            continue
+        mod.scaled_dot_product_attention = _make_dispatch(original)
+
+
+def _make_dispatch(original: Callable) -> Callable:
+    def scaled_dot_product_attention(queries, keys, values, cache: Any, scale: float, mask=None, sinks=None):
+        attend = getattr(cache, "paged_attend", None)
+        if attend is not None:
+            if sinks is not None:
+                raise NotImplementedError("attention sinks are not supported by the paged cache")
+            return attend(queries, scale)
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+    scaled_dot_product_attention._kvbatch_paged = True
+    return scaled_dot_product_attention
+
+
+def model_supports_paging(model: nn.Module) -> bool:
+    mod = sys.modules.get(type(model).__module__)
+    return mod is not None and hasattr(mod, "scaled_dot_product_attention")

@@ -1,0 +1,312 @@
+"""The engine: admission, chunked prefill, batched decode over the paged cache.
+
+Continuous batching: up to `max_batch` rows decode together; a row that ends
+frees its pages at once and the next waiting row is admitted before the next
+step. Admission prices a row's worst case (prompt + max_tokens) next to the rows
+already running; a row that can never fit ends with `insufficient_memory` before
+any page is allocated for it.
+"""
+from __future__ import annotations
+
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from engine import attention, errors
+from engine.errors import KvbatchConfigError, RowError
+from engine.gate import check_kv_mode
+from engine.kv_cache import CacheRow, PagedKVCache, trace_mode
+from engine.memory import MemoryModel, kv_layout, resolve_budget
+from engine.sampling import RowSampler, sample_batch
+from engine.types import ModelSpec, Request, Result, RowStats
+
+_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+@dataclass
+class EngineConfig:
+    kv_mode: str = "none"  # none | q8 | q4
+    page_size: int = 16
+    group_size: int = 64
+    max_batch: int = 8
+    prefill_chunk: int = 512
+    memory_budget: Optional[int] = None  # total bytes (weights included); None = auto
+    memory_fraction: float = 0.8
+    memory_headroom: str = "1GiB"
+    allow_unvalidated: bool = False
+    max_prompt_tokens: Optional[int] = None
+    inject_nonfinite: Optional[tuple[str, int]] = None  # testing only: (row key, output step)
+
+
+@dataclass
+class _Row:
+    req: Request
+    kv: CacheRow
+    sampler: RowSampler
+    worst: int
+    t_submit: float
+    out: list[int] = field(default_factory=list)
+    logits: list = field(default_factory=list)
+    t_first: Optional[float] = None
+    t_last: Optional[float] = None
+
+
+def _forward_last(model: nn.Module, tokens: mx.array, cache: list) -> mx.array:
+    """Logits of the last position only: skips the vocab projection of every prompt token."""
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "embed_tokens"):
+        return model(tokens, cache=cache)[:, -1, :]
+    h = inner(tokens, cache=cache)[:, -1:, :]
+    head = getattr(model, "lm_head", None)
+    out = head(h) if head is not None else inner.embed_tokens.as_linear(h)
+    return out[:, -1, :]
+
+
+class Engine:
+    def __init__(self, model: nn.Module, tokenizer, spec: ModelSpec, cfg: EngineConfig = EngineConfig()):
+        for name, lo in (("page_size", 1), ("max_batch", 1), ("prefill_chunk", 1)):
+            if getattr(cfg, name) < lo:
+                raise KvbatchConfigError(f"engine/kv {name}={getattr(cfg, name)} must be >= {lo}")
+        check_kv_mode(spec, cfg.kv_mode, cfg.group_size, cfg.allow_unvalidated)
+        if not attention.model_supports_paging(model):
+            raise KvbatchConfigError(f"model type '{spec.family}' does not route attention through mlx-lm's "
+                                     "scaled_dot_product_attention; the paged cache cannot run it")
+        attention.install(model)
+        self.model, self.tokenizer, self.spec, self.cfg = model, tokenizer, spec, cfg
+        budget = cfg.memory_budget
+        if budget is None:
+            budget = resolve_budget("auto", cfg.memory_fraction, cfg.memory_headroom)
+        self.layout = kv_layout(spec, cfg.kv_mode, cfg.page_size, cfg.group_size)
+        self.memory = MemoryModel(spec, self.layout, int(budget), cfg.prefill_chunk, cfg.max_batch)
+        dtype = _DTYPES[spec.dtype]
+        self.cache = PagedKVCache(self.layout, spec.num_layers, dtype, tail_slots=cfg.max_batch,
+                                  upcast=dtype == mx.float16, trace=trace_mode())
+        self.eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
+        self.waiting: deque[_Row] = deque()
+        self.running: list[_Row] = []
+        self._done: deque[Result] = deque()
+        self.generated_tokens = 0
+        self.peak_concurrency = 0
+        self.decode_time = 0.0
+        self.decode_tokens = 0
+        self.prefill_time = 0.0
+        self.prefill_tokens = 0
+        self.results_by_code: dict[str, int] = {}
+
+    # ---- public surface --------------------------------------------------------------------
+    def submit(self, req: Request) -> None:
+        p = req.sampling
+        worst = min(len(req.prompt_tokens) + max(p.max_tokens, 0), self.spec.context_length)
+        self.waiting.append(_Row(req, CacheRow(req.key), RowSampler(p), worst, time.perf_counter()))
+
+    def run(self) -> Iterator[Result]:
+        """Yield results as rows finish, until nothing is waiting or running."""
+        while self.waiting or self.running or self._done:
+            self._admit()
+            if self.running:
+                self._decode_step()
+            while self._done:
+                yield self._done.popleft()
+
+    def generate(self, requests: list[Request]) -> list[Result]:
+        for r in requests:
+            self.submit(r)
+        by_key = {r.key: r for r in self.run()}
+        return [by_key[r.key] for r in requests]
+
+    def plan(self, worst_tokens: int) -> dict:
+        return self.memory.plan(worst_tokens)
+
+    def summary(self) -> dict:
+        c = self.cache
+        return {
+            "kv_mode": self.cfg.kv_mode, "route": c.route, "page_size": self.cfg.page_size,
+            "group_size": self.cfg.group_size if self.layout.bits else None,
+            "kv_bytes_per_token": self.layout.bytes_per_token,
+            "budget_bytes": self.memory.budget, "weights_bytes": self.spec.weights_bytes,
+            "pool_capacity_pages": c.capacity_pages, "peak_capacity_pages": c.peak_capacity_pages,
+            "pool_bytes": c.capacity_bytes, "peak_pages_in_use": c.pool.peak_in_use,
+            "pages_in_use": c.pool.in_use, "growth_events": list(c.growth_events),
+            "peak_concurrency": self.peak_concurrency, "generated_tokens": self.generated_tokens,
+            "prefill_tokens_per_s": self.prefill_tokens / self.prefill_time if self.prefill_time else None,
+            "decode_tokens_per_s": self.decode_tokens / self.decode_time if self.decode_time else None,
+            "mlx_peak_memory_bytes": int(mx.get_peak_memory()),
+            "rows_by_error_code": dict(self.results_by_code),
+        }
+
+    # ---- admission -------------------------------------------------------------------------
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.cfg.max_batch:
+            row = self.waiting[0]
+            problem = self._refusal(row)
+            if problem:
+                self.waiting.popleft()
+                self._finish(row, "error", *problem)
+                continue
+            if not self.memory.fits([r.worst for r in self.running] + [row.worst]):
+                return  # waits for running rows to finish
+            self.waiting.popleft()
+            self.cache.admit(row.kv)
+            self.running.append(row)
+            self.peak_concurrency = max(self.peak_concurrency, len(self.running))
+            self._prefill(row)
+
+    def _refusal(self, row: _Row) -> Optional[tuple[str, str]]:
+        req, n = row.req, len(row.req.prompt_tokens)
+        p = req.sampling
+        if n == 0:
+            return errors.INVALID_INPUT, "empty prompt (0 tokens)"
+        if p.max_tokens < 1:
+            return errors.INVALID_INPUT, f"max_tokens must be >= 1, got {p.max_tokens}"
+        if p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k < 0:
+            return errors.INVALID_INPUT, f"bad sampling parameters: {p}"
+        if any((not isinstance(t, int)) or t < 0 or t >= self.spec.vocab_size for t in req.prompt_tokens):
+            return errors.INVALID_INPUT, "prompt has token ids outside the vocabulary"
+        limit = self.spec.context_length if self.cfg.max_prompt_tokens is None else min(
+            self.spec.context_length, self.cfg.max_prompt_tokens)
+        if n >= limit:
+            return errors.PROMPT_TOO_LONG, f"prompt has {n} tokens; the limit is {limit - 1} (context {self.spec.context_length})"
+        if not self.memory.fits([row.worst]):
+            need = self.memory.bytes_for([row.worst])
+            return errors.INSUFFICIENT_MEMORY, (f"row needs {need} bytes at worst ({row.worst} tokens) "
+                                                f"but the budget is {self.memory.budget}")
+        return None
+
+    def _kv_limit(self) -> int:
+        worst = [r.worst for r in self.running] or [1]
+        return self.memory.budget - self.spec.weights_bytes - self.memory.workspace(len(worst), max(worst))
+
+    def _poison(self, rows: list[_Row]) -> Optional[list[bool]]:
+        inj = self.cfg.inject_nonfinite
+        if not inj:
+            return None
+        return [r.req.key == inj[0] and len(r.out) == int(inj[1]) for r in rows]
+
+    # ---- forward passes --------------------------------------------------------------------
+    def _prefill(self, row: _Row) -> None:
+        t0 = time.perf_counter()
+        toks, chunk = row.req.prompt_tokens, self.cfg.prefill_chunk
+        try:
+            for start in range(0, len(toks), chunk):
+                piece = toks[start:start + chunk]
+                self.cache.reserve(row.kv, len(piece), self._kv_limit())
+                self.cache.begin([row.kv], len(piece), self._poison([row]))
+                try:
+                    logits = _forward_last(self.model, mx.array([piece]), self.cache.views)
+                    if start + chunk < len(toks):
+                        mx.eval(self.cache.store.all_arrays())
+                    else:
+                        logits = logits.astype(mx.float32)
+                        token = sample_batch(logits, [row.sampler])
+                        finite = mx.isfinite(logits).all(axis=-1)
+                        mx.eval(token, finite)
+                finally:
+                    self.cache.end()
+        except RowError as e:
+            self._end_running(row, "error", e.code, e.message)
+            return
+        except Exception as e:  # confined to this row
+            self._end_running(row, "error", errors.INTERNAL_ERROR, f"{type(e).__name__}: {e}")
+            return
+        self.prefill_time += time.perf_counter() - t0
+        self.prefill_tokens += len(toks)
+        self._accept([row], logits, token, finite)
+
+    def _decode_step(self) -> None:
+        rows = []
+        for r in list(self.running):
+            try:
+                self.cache.reserve(r.kv, 1, self._kv_limit())
+                rows.append(r)
+            except RowError as e:
+                self._end_running(r, "error", e.code, e.message)
+        if not rows:
+            return
+        t0 = time.perf_counter()
+        inputs = mx.array([[r.out[-1]] for r in rows])
+        try:
+            self.cache.begin([r.kv for r in rows], 1, self._poison(rows))
+            try:
+                logits = _forward_last(self.model, inputs, self.cache.views).astype(mx.float32)
+                tokens = sample_batch(logits, [r.sampler for r in rows])
+                finite = mx.isfinite(logits).all(axis=-1)
+                mx.eval(tokens, finite)
+            finally:
+                self.cache.end()
+        except Exception as e:
+            msg = f"{type(e).__name__}: {e}"
+            for r in rows:
+                self._end_running(r, "error", errors.INTERNAL_ERROR, msg)
+            traceback.print_exc()
+            return
+        self.decode_time += time.perf_counter() - t0
+        self.decode_tokens += len(rows)
+        self._accept(rows, logits, tokens, finite)
+
+    def _accept(self, rows: list[_Row], logits: mx.array, tokens: mx.array, finite: mx.array) -> None:
+        now = time.perf_counter()
+        toks, ok = tokens.tolist(), finite.tolist()
+        for i, r in enumerate(rows):
+            if not ok[i]:
+                nan = int(mx.isnan(logits[i]).sum().item())
+                inf = int(mx.isinf(logits[i]).sum().item())
+                self._end_running(r, "error", errors.NON_FINITE_LOGITS,
+                                  f"non-finite logits at output step {len(r.out)}: {nan} NaN, {inf} inf")
+                continue
+            if r.req.capture_logits:
+                r.logits.append(logits[i])
+            forced = r.req.forced_tokens
+            tok = forced[len(r.out)] if forced is not None and len(r.out) < len(forced) else toks[i]
+            if r.t_first is None:
+                r.t_first = now
+            r.t_last = now
+            p = r.req.sampling
+            if forced is None and (tok in self.eos_ids or tok in p.stop_token_ids):
+                self._end_running(r, "stop")
+                continue
+            r.out.append(tok)
+            self.generated_tokens += 1
+            if p.stop and self._hit_stop_string(r):
+                self._end_running(r, "stop")
+            elif len(r.out) >= p.max_tokens or len(r.req.prompt_tokens) + len(r.out) >= self.spec.context_length \
+                    or (forced is not None and len(r.out) >= len(forced)):
+                self._end_running(r, "length")
+
+    def _hit_stop_string(self, r: _Row) -> bool:
+        window = max(len(s) for s in r.req.sampling.stop) + 8
+        tail = self.tokenizer.decode(r.out[-window:])
+        return any(s in tail for s in r.req.sampling.stop)
+
+    # ---- endings ---------------------------------------------------------------------------
+    def _end_running(self, row: _Row, reason: str, code: Optional[str] = None, msg: Optional[str] = None) -> None:
+        if row in self.running:
+            self.running.remove(row)
+        self._finish(row, reason, code, msg)
+
+    def _finish(self, row: _Row, reason: str, code: Optional[str] = None, msg: Optional[str] = None) -> None:
+        peak_kv = row.kv.peak_pages * self.layout.page_bytes
+        if row.kv.tail is not None or (self.layout.bits and row.kv.peak_pages):
+            peak_kv += self.layout.page_size * self.layout.dense_bytes_per_token
+        self.cache.release(row.kv)
+        text = self.tokenizer.decode(row.out) if row.out else ""
+        if reason == "stop" and row.req.sampling.stop:
+            for s in row.req.sampling.stop:
+                if s in text:
+                    text = text[: text.index(s)]
+        n = len(row.out)
+        decode_tps = None
+        if n > 1 and row.t_last and row.t_first and row.t_last > row.t_first:
+            decode_tps = (n - 1) / (row.t_last - row.t_first)
+        stats = RowStats(prompt_tokens=len(row.req.prompt_tokens), output_tokens=n,
+                         ttft_s=(row.t_first - row.t_submit) if row.t_first else None,
+                         decode_tps=decode_tps, wall_s=time.perf_counter() - row.t_submit,
+                         peak_kv_bytes=peak_kv, route=self.cache.route)
+        key = code or "ok"
+        self.results_by_code[key] = self.results_by_code.get(key, 0) + 1
+        self._done.append(Result(row.req.key, list(row.out), text, reason, code, msg, stats,
+                                 row.logits if row.req.capture_logits else None))

@@ -1,0 +1,44 @@
+"""Which KV modes are validated for which model family and head size (fail closed).
+
+Every entry here is exercised by tests/test_kv_quant.py (teacher-forced logits
+against a dequantize-and-attend reference, batched, at page sizes 16 and 64).
+"""
+from __future__ import annotations
+
+from engine.errors import KvbatchConfigError
+from engine.types import ModelSpec
+
+# Families whose mlx-lm module routes attention through base.scaled_dot_product_attention
+# and reads cache.offset for RoPE: the paged cache runs them unchanged.
+PAGED_FAMILIES = frozenset({"llama", "qwen3", "qwen2", "mistral"})
+
+VALIDATED: dict[tuple[str, int], frozenset[str]] = {
+    ("llama", 64): frozenset({"none", "q8", "q4"}),
+    ("llama", 128): frozenset({"none", "q8", "q4"}),
+    ("llama", 256): frozenset({"none", "q8", "q4"}),
+    ("qwen3", 128): frozenset({"none", "q8", "q4"}),
+}
+KV_MODES = ("none", "q8", "q4")
+GROUP_SIZES = (32, 64, 128)
+
+
+def check_kv_mode(spec: ModelSpec, mode: str, group_size: int, allow_unvalidated: bool = False) -> None:
+    """Raise KvbatchConfigError (one line) unless this model may run this KV mode."""
+    if spec.unsupported_reason:
+        raise KvbatchConfigError(f"model type '{spec.family}' is not supported by the paged cache: "
+                                 f"{spec.unsupported_reason}")
+    if spec.family not in PAGED_FAMILIES:
+        raise KvbatchConfigError(f"model type '{spec.family}' is not supported by the paged cache "
+                                 f"(supported: {', '.join(sorted(PAGED_FAMILIES))})")
+    if mode not in KV_MODES:
+        raise KvbatchConfigError(f"kv mode '{mode}' is unknown (choose one of {', '.join(KV_MODES)})")
+    if mode != "none":
+        if group_size not in GROUP_SIZES or spec.head_dim % group_size:
+            raise KvbatchConfigError(f"kv.group_size={group_size} does not fit head size {spec.head_dim} "
+                                     f"(use one of {GROUP_SIZES} that divides it)")
+    ok = mode in VALIDATED.get((spec.family, spec.head_dim), frozenset())
+    if mode == "none" and spec.family in PAGED_FAMILIES:
+        ok = True  # the dense route has no head-size specific code
+    if not ok and not allow_unvalidated:
+        raise KvbatchConfigError(f"kv={mode} is not validated for {spec.family} with head size {spec.head_dim} "
+                                 f"(see the README's KV table); set kv.allow_unvalidated=true to run it anyway")

@@ -1,0 +1,296 @@
+"""The KV-cache manager: page tables, reservations, growth, and the per-layer views
+that mlx-lm model code talks to (`offset`, `update_and_fetch`, `make_mask`).
+
+One forward pass = `begin(rows, L)` (checks every row reserved room for L tokens,
+builds slot maps and masks once for all layers) → the model runs, each layer
+writing and attending through its view → `end()` advances the rows' lengths.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from engine import attention as att
+from engine.errors import INSUFFICIENT_MEMORY, RowError, UnreservedWriteError
+from engine.kv_store import DenseStore, QuantizedStore, dequantize
+from engine.memory import KVLayout, available_memory, fmt_bytes
+from engine.pages import PagePool
+
+
+@dataclass
+class CacheRow:
+    """A row's claim on the cache: its page table, stored and reserved lengths."""
+
+    key: str
+    pages: list[int] = field(default_factory=list)
+    length: int = 0  # tokens stored
+    reserved: int = 0  # tokens with a slot reserved (length <= reserved)
+    tail: Optional[int] = None  # quantized modes: its dense tail-page slot
+    peak_pages: int = 0
+
+
+@dataclass
+class _Plan:
+    rows: list[CacheRow]
+    L: int
+    offset: object
+    poison: Optional[mx.array] = None
+    tensors: dict = field(default_factory=dict)
+
+
+class PagedLayerCache:
+    """What one mlx-lm attention layer sees. Attention itself is routed via `paged_attend`."""
+
+    def __init__(self, mgr: "PagedKVCache", layer: int):
+        self.mgr, self.layer = mgr, layer
+
+    @property
+    def offset(self):
+        return self.mgr.plan.offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self.mgr.write(self.layer, keys, values)
+        return keys, values  # attention reads the pages, not these
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
+        if window_size is not None:
+            raise NotImplementedError("sliding-window attention is not supported by the paged cache")
+        return None  # the paged attention builds its own padding+causal masks
+
+    def paged_attend(self, queries: mx.array, scale: float) -> mx.array:
+        return self.mgr.attend(self.layer, queries, scale)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.mgr.store.layer_arrays(self.layer))
+
+    def __repr__(self) -> str:
+        return f"PagedLayerCache(layer={self.layer}, mode={self.mgr.layout.mode}, page_size={self.mgr.P})"
+
+
+class PagedKVCache:
+    def __init__(self, layout: KVLayout, num_layers: int, dtype: mx.Dtype, tail_slots: int,
+                 upcast: bool, trace: str = ""):
+        self.layout, self.P = layout, layout.page_size
+        self.num_layers = num_layers
+        if layout.bits:
+            self.store = QuantizedStore(num_layers, layout.num_kv_heads, layout.head_dim, self.P, dtype,
+                                        layout.bits, layout.group_size, tail_slots)
+            self.route = att.ROUTE_QMM
+        else:
+            self.store = DenseStore(num_layers, layout.num_kv_heads, layout.head_dim, self.P, dtype)
+            self.route = att.ROUTE_DENSE_F32 if upcast else att.ROUTE_DENSE
+        self.upcast = upcast
+        self.pool = PagePool()
+        self.free_tails = list(range(tail_slots))[::-1]
+        self.views = [PagedLayerCache(self, i) for i in range(num_layers)]
+        self.plan: Optional[_Plan] = None
+        self.growth_events: list[dict] = []
+        self.peak_capacity_pages = 0
+        self.trace = trace
+        self._reported: set = set()
+
+    # ---- capacity (always from the live buffers) -------------------------------------------
+    @property
+    def capacity_pages(self) -> int:
+        return self.store.capacity_pages
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.store.nbytes
+
+    # ---- reservation -----------------------------------------------------------------------
+    def admit(self, row: CacheRow) -> None:
+        if self.store.quantized:
+            if not self.free_tails:
+                raise RuntimeError("no free tail page: more rows admitted than tail slots")
+            row.tail = self.free_tails.pop()
+
+    def reserve(self, row: CacheRow, n_tokens: int, kv_limit_bytes: int) -> None:
+        """Make room for the next n_tokens of row, growing the pool if needed (priced first)."""
+        need_tokens = row.length + n_tokens
+        need_pages = -(-need_tokens // self.P) - len(row.pages)
+        if need_pages > 0:
+            if need_pages > self.pool.num_free:
+                self._grow(self.pool.in_use + need_pages, kv_limit_bytes, row.key)
+            row.pages += self.pool.allocate(need_pages)
+            row.peak_pages = max(row.peak_pages, len(row.pages))
+        row.reserved = max(row.reserved, need_tokens)
+
+    def release(self, row: CacheRow) -> None:
+        self.pool.free(row.pages)
+        row.pages = []
+        row.reserved = row.length = 0
+        if row.tail is not None:
+            self.free_tails.append(row.tail)
+            row.tail = None
+
+    def _grow(self, needed_pages: int, kv_limit_bytes: int, key: str) -> None:
+        cap, pb = self.capacity_pages, self.layout.page_bytes
+        free_now = available_memory()
+        for target in (max(needed_pages, 2 * cap), needed_pages):
+            transient = -(-target * pb // self.num_layers)  # one layer's new buffer coexists with the old
+            if target * pb + transient <= kv_limit_bytes and (target - cap) * pb + transient <= free_now:
+                t0 = time.perf_counter()
+                self.store.grow(target)
+                self.pool.add_pages(self.capacity_pages)
+                self.peak_capacity_pages = max(self.peak_capacity_pages, self.capacity_pages)
+                self.growth_events.append({"from_pages": cap, "to_pages": self.capacity_pages,
+                                           "bytes": self.capacity_bytes, "seconds": time.perf_counter() - t0})
+                return
+        raise RowError(INSUFFICIENT_MEMORY,
+                       f"KV pool growth to {needed_pages} pages ({fmt_bytes(needed_pages * pb)}) refused: "
+                       f"KV budget {fmt_bytes(kv_limit_bytes)}, machine free {fmt_bytes(free_now)}")
+
+    # ---- one forward pass ------------------------------------------------------------------
+    def begin(self, rows: list[CacheRow], L: int, poison: Optional[list[bool]] = None) -> None:
+        for r in rows:
+            if r.length + L > r.reserved:
+                raise UnreservedWriteError(
+                    f"row {r.key}: forward of {L} tokens at {r.length} but only {r.reserved} reserved")
+            if r.reserved > len(r.pages) * self.P or (r.pages and max(r.pages) >= self.capacity_pages):
+                raise UnreservedWriteError(f"row {r.key}: page table exceeds the live buffers")
+        pos = np.array([r.length for r in rows], dtype=np.int32)
+        offset = int(pos[0]) if len(rows) == 1 else mx.array(pos)
+        self.plan = _Plan(rows, L, offset)
+        if poison is not None and any(poison):
+            self.plan.poison = mx.array(poison)
+        build = self._plan_quantized if self.store.quantized else self._plan_dense
+        self.plan.tensors = build(rows, L, pos)
+        self._reported = set()
+
+    def end(self) -> None:
+        for r in self.plan.rows:
+            r.length += self.plan.L
+        self.plan = None
+
+    def _table(self, rows: list[CacheRow], n_pages: np.ndarray) -> mx.array:
+        width = max(int(n_pages.max()), 1)
+        table = np.zeros((len(rows), width), dtype=np.int32)
+        for i, r in enumerate(rows):
+            table[i, : n_pages[i]] = r.pages[: n_pages[i]]
+        return mx.array(table)
+
+    def _slots(self, r: CacheRow, start: int, stop: int) -> np.ndarray:
+        p = np.arange(start, stop)
+        return np.asarray(r.pages, dtype=np.int64)[p // self.P] * self.P + p % self.P
+
+    def _causal(self, pos: np.ndarray, L: int, T: int, extra_dims: int) -> mx.array:
+        qpos = mx.array(pos)[:, None] + mx.arange(L)[None]  # (B, L)
+        mask = mx.arange(T)[None, None, :] <= qpos[:, :, None]  # (B, L, T)
+        return mask.reshape(mask.shape[0], *([1] * extra_dims), L, T)
+
+    def _plan_dense(self, rows, L, pos) -> dict:
+        new_len = pos + L
+        n_pages = -(-new_len // self.P)
+        slots = np.concatenate([self._slots(r, int(p), int(p) + L) for r, p in zip(rows, pos)])
+        table = self._table(rows, n_pages)
+        return {"slots": mx.array(slots.astype(np.int32)), "table": table,
+                "mask": self._causal(pos, L, table.shape[1] * self.P, 1)}
+
+    def _plan_quantized(self, rows, L, pos) -> dict:
+        P = self.P
+        new_len = pos + L
+        n_full = new_len // P
+        t = {"tails": mx.array(np.array([r.tail for r in rows], dtype=np.int32))}
+        if n_full.max() > 0:
+            t["table_q"] = self._table(rows, n_full)
+        if L == 1:  # decode: one token per row into its tail; rows that fill their page seal it
+            fill = pos % P
+            tails = np.array([r.tail for r in rows])
+            t["tail_write"] = mx.array((tails * P + fill).astype(np.int32))
+            done = np.nonzero(fill == P - 1)[0]
+            if len(done):
+                ar = np.arange(P)
+                t["seal_from"] = mx.array(np.concatenate([tails[i] * P + ar for i in done]).astype(np.int32))
+                t["seal_to"] = mx.array(np.concatenate(
+                    [self._slots(rows[i], int(pos[i]) - P + 1, int(pos[i]) + 1) for i in done]).astype(np.int32))
+            if "table_q" in t:
+                Tq = t["table_q"].shape[1] * P
+                t["mask_q"] = (mx.arange(Tq)[None] < mx.array(n_full * P)[:, None]).reshape(len(rows), 1, 1, 1, Tq)
+            t["mask_t"] = (mx.arange(P)[None] < mx.array(new_len % P)[:, None]).reshape(len(rows), 1, 1, 1, P)
+            return t
+        if len(rows) != 1:
+            raise ValueError("quantized multi-token passes (prefill) run one row at a time")
+        r, p0 = rows[0], int(pos[0])
+        fill = p0 % P
+        done_pages = (fill + L) // P
+        start = p0 - fill
+        t["run"] = (r.tail, fill, mx.array(self._slots(r, start, start + done_pages * P).astype(np.int32))
+                    if done_pages else None)
+        T = int(n_full[0]) * P + P
+        t["mask"] = self._causal(pos, L, T, 1)
+        return t
+
+    # ---- called by the model, layer by layer -----------------------------------------------
+    def write(self, layer: int, keys: mx.array, values: mx.array) -> None:
+        plan = self.plan
+        if plan is None:
+            raise UnreservedWriteError("KV write outside a reserved forward pass")
+        B, H, L, D = keys.shape
+        if B != len(plan.rows) or L != plan.L:
+            raise UnreservedWriteError(f"KV write of {B}x{L} tokens into a pass reserved for "
+                                       f"{len(plan.rows)}x{plan.L}")
+        k = keys.transpose(0, 2, 1, 3).reshape(B * L, H, D)
+        v = values.transpose(0, 2, 1, 3).reshape(B * L, H, D)
+        t = plan.tensors
+        if not self.store.quantized:
+            self.store.write(layer, t["slots"], k, v)
+        elif "run" in t:
+            tail, fill, slots = t["run"]
+            self.store.write_run(layer, tail, fill, slots, k, v)
+        else:
+            self.store.write_tokens(layer, t["tail_write"], k, v)
+            if "seal_from" in t:
+                self.store.seal_tails(layer, t["seal_from"], t["seal_to"])
+
+    def attend(self, layer: int, queries: mx.array, scale: float) -> mx.array:
+        plan, t, st = self.plan, self.plan.tensors, self.store
+        if not st.quantized:
+            k, v = st.gather(layer, t["table"])
+            out = att.dense_attention(queries, k, v, t["mask"], scale, self.upcast)
+        elif "run" in t:  # prefill: dequantize this row's pages once for the chunk
+            tk, tv = st.gather_tails(layer, t["tails"])
+            if "table_q" in t:
+                qk = st.gather_quantized(layer, t["table_q"])
+                k = mx.concatenate([dequantize(*qk[:3], st.group_size, st.bits), tk], axis=2)
+                v = mx.concatenate([dequantize(*qk[3:], st.group_size, st.bits), tv], axis=2)
+            else:
+                k, v = tk, tv
+            out = att.dense_attention(queries, k, v, t["mask"], scale, upcast=True)
+        else:
+            tk, tv = st.gather_tails(layer, t["tails"])
+            qk = qv = mask_q = None
+            if "table_q" in t:
+                g = st.gather_quantized(layer, t["table_q"])
+                qk, qv, mask_q = g[:3], g[3:], t["mask_q"]
+            out = att.quantized_decode_attention(queries, qk, qv, tk, tv, mask_q, t["mask_t"], scale,
+                                                 st.group_size, st.bits)
+        if plan.poison is not None and layer == 0:  # testing-only fault injection
+            out = mx.where(plan.poison[:, None, None, None], mx.array(mx.nan, out.dtype), out)
+        if self.trace:
+            self._trace(layer, out)
+        return out
+
+    def _trace(self, layer: int, out: mx.array) -> None:
+        plan = self.plan
+        bad = (~mx.isfinite(out)).sum(axis=(1, 2, 3)).tolist()
+        for r, n_bad in zip(plan.rows, bad):
+            if self.trace == "nonfinite" and (not n_bad or r.key in self._reported):
+                continue
+            self._reported.add(r.key)
+            print(f"[kvbatch attention] layer={layer} cache={self.views[layer]!r} route={self.route} "
+                  f"row={r.key} offset={r.length} L={plan.L} capacity={self.capacity_pages * self.P} "
+                  f"reserved={r.reserved} nonfinite={n_bad}", file=sys.stderr, flush=True)
+
+
+def trace_mode() -> str:
+    """KVBATCH_ATTENTION_TRACE: '' (off), 'nonfinite', or '1' (every call)."""
+    v = os.environ.get("KVBATCH_ATTENTION_TRACE", "").strip().lower()
+    return "" if v in ("", "0", "off", "false") else ("nonfinite" if v == "nonfinite" else "1")

@@ -1,0 +1,179 @@
+"""The KV buffers themselves: per-layer page arrays, grown layer by layer.
+
+Buffers are flat token slots `(pages * page_size, kv_heads, head_dim)`, so a
+page is a contiguous run of `page_size` slots and a page table gathers with one
+take. Capacity is always read from the live buffers' shapes.
+
+Dense mode keeps K/V in the model dtype. Quantized modes (q8/q4) keep completed
+pages as mx.quantize triplets and the page each row is still filling in full
+precision, in a small fixed "tail" buffer with one page per batch slot.
+"""
+from __future__ import annotations
+
+import mlx.core as mx
+
+# Counts elements passed through dequantize, so tests can prove decode never
+# re-dequantizes a prefix (prefill may: it attends once per chunk).
+DEQUANT_COUNTER = {"elements": 0, "calls": 0}
+
+
+def dequantize(w: mx.array, s: mx.array, b: mx.array, group_size: int, bits: int) -> mx.array:
+    DEQUANT_COUNTER["calls"] += 1
+    DEQUANT_COUNTER["elements"] += w.size * 32 // bits
+    return mx.dequantize(w, s, b, group_size=group_size, bits=bits)
+
+
+def _grow(a: mx.array, extra_slots: int) -> mx.array:
+    pad = mx.zeros((extra_slots,) + a.shape[1:], dtype=a.dtype)
+    out = mx.concatenate([a, pad], axis=0)
+    mx.eval(out)
+    return out
+
+
+class DenseStore:
+    """K/V pages in the model dtype."""
+
+    quantized = False
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, page_size: int, dtype: mx.Dtype):
+        self.page_size, self.kv_heads, self.head_dim, self.dtype = page_size, kv_heads, head_dim, dtype
+        empty = mx.zeros((0, kv_heads, head_dim), dtype=dtype)
+        self.k = [empty] * num_layers
+        self.v = [empty] * num_layers
+
+    @property
+    def capacity_pages(self) -> int:
+        return self.k[0].shape[0] // self.page_size
+
+    def layer_arrays(self, layer: int) -> list[mx.array]:
+        return [self.k[layer], self.v[layer]]
+
+    def all_arrays(self) -> list[mx.array]:
+        return self.k + self.v
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.all_arrays())
+
+    def grow(self, new_pages: int) -> None:
+        """One layer at a time, so the transient copy is one layer's buffer, not the pool."""
+        extra = (new_pages - self.capacity_pages) * self.page_size
+        for i in range(len(self.k)):
+            self.k[i] = _grow(self.k[i], extra)
+            self.v[i] = _grow(self.v[i], extra)
+
+    def write(self, layer: int, slots: mx.array, k: mx.array, v: mx.array) -> None:
+        """k, v: (N, kv_heads, head_dim) for N token slots."""
+        self.k[layer][slots] = k.astype(self.dtype)
+        self.v[layer][slots] = v.astype(self.dtype)
+
+    def gather(self, layer: int, table: mx.array) -> tuple[mx.array, mx.array]:
+        """table (B, max_pages) -> K, V as (B, kv_heads, max_pages*page_size, head_dim)."""
+        return self._take(self.k[layer], table), self._take(self.v[layer], table)
+
+    def _take(self, buf: mx.array, table: mx.array) -> mx.array:
+        B, n = table.shape
+        pages = buf.reshape(-1, self.page_size, *buf.shape[1:])[table]
+        return pages.reshape(B, n * self.page_size, *buf.shape[1:]).transpose(0, 2, 1, 3)
+
+
+class QuantizedStore:
+    """Completed pages quantized (affine, mx.quantize over head_dim); the filling page dense."""
+
+    quantized = True
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, page_size: int, dtype: mx.Dtype,
+                 bits: int, group_size: int, tail_slots: int):
+        self.page_size, self.kv_heads, self.head_dim, self.dtype = page_size, kv_heads, head_dim, dtype
+        self.bits, self.group_size = bits, group_size
+        packed, groups = head_dim * bits // 32, head_dim // group_size
+
+        def empty(width, dt):
+            return mx.zeros((0, kv_heads, width), dtype=dt)
+
+        # per layer: [k_w, k_scales, k_biases, v_w, v_scales, v_biases]
+        self.q = [[empty(packed, mx.uint32), empty(groups, dtype), empty(groups, dtype),
+                   empty(packed, mx.uint32), empty(groups, dtype), empty(groups, dtype)]
+                  for _ in range(num_layers)]
+        tail_shape = (tail_slots * page_size, kv_heads, head_dim)
+        self.tk = [mx.zeros(tail_shape, dtype=dtype) for _ in range(num_layers)]
+        self.tv = [mx.zeros(tail_shape, dtype=dtype) for _ in range(num_layers)]
+        mx.eval(self.tk, self.tv)
+
+    @property
+    def capacity_pages(self) -> int:
+        return self.q[0][0].shape[0] // self.page_size
+
+    def layer_arrays(self, layer: int) -> list[mx.array]:
+        return self.q[layer] + [self.tk[layer], self.tv[layer]]
+
+    def all_arrays(self) -> list[mx.array]:
+        return [a for arrs in self.q for a in arrs] + self.tk + self.tv
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for arrs in self.q for a in arrs)
+
+    @property
+    def tail_nbytes(self) -> int:
+        return sum(a.nbytes for a in self.tk + self.tv)
+
+    def grow(self, new_pages: int) -> None:
+        extra = (new_pages - self.capacity_pages) * self.page_size
+        for arrs in self.q:
+            arrs[:] = [_grow(a, extra) for a in arrs]
+
+    def _store_pages(self, layer: int, slots: mx.array, k: mx.array, v: mx.array) -> None:
+        """Quantize full-precision completed pages (N slots) into the page buffers."""
+        arrs = self.q[layer]
+        kq = mx.quantize(k, group_size=self.group_size, bits=self.bits)
+        vq = mx.quantize(v, group_size=self.group_size, bits=self.bits)
+        for i, a in enumerate(kq + vq):
+            arrs[i][slots] = a.astype(arrs[i].dtype)
+
+    def write_tokens(self, layer: int, tail_slots: mx.array, k: mx.array, v: mx.array) -> None:
+        """One new token per row into its tail page (decode). k, v: (B, kv_heads, head_dim)."""
+        self.tk[layer][tail_slots] = k.astype(self.dtype)
+        self.tv[layer][tail_slots] = v.astype(self.dtype)
+
+    def seal_tails(self, layer: int, tail_pages: mx.array, page_slots: mx.array) -> None:
+        """Quantize whole tail pages (ids tail_pages) into pool slots page_slots (both slot indices)."""
+        self._store_pages(layer, page_slots, self.tk[layer][tail_pages], self.tv[layer][tail_pages])
+
+    def write_run(self, layer: int, tail: int, fill: int, page_slots: mx.array | None,
+                  k: mx.array, v: mx.array) -> None:
+        """A run of L tokens for one row (prefill): completes pages, keeps the rest in its tail.
+
+        fill: tokens already in the row's tail page; page_slots: pool slots of the
+        pages this run completes (None if none). k, v: (L, kv_heads, head_dim).
+        """
+        P = self.page_size
+        base = tail * P
+        if fill:
+            k = mx.concatenate([self.tk[layer][base:base + fill], k.astype(self.dtype)])
+            v = mx.concatenate([self.tv[layer][base:base + fill], v.astype(self.dtype)])
+        n_done = (k.shape[0] // P) * P
+        if n_done:
+            self._store_pages(layer, page_slots, k[:n_done], v[:n_done])
+        rest = k.shape[0] - n_done
+        if rest:
+            self.tk[layer][base:base + rest] = k[n_done:].astype(self.dtype)
+            self.tv[layer][base:base + rest] = v[n_done:].astype(self.dtype)
+
+    def gather_quantized(self, layer: int, table: mx.array) -> list[mx.array]:
+        """Quantized K/V triplets of the pages in table, as (B, kv_heads, T, width) each."""
+        B, n = table.shape
+        out = []
+        for a in self.q[layer]:
+            pages = a.reshape(-1, self.page_size, *a.shape[1:])[table]
+            out.append(pages.reshape(B, n * self.page_size, *a.shape[1:]).transpose(0, 2, 1, 3))
+        return out
+
+    def gather_tails(self, layer: int, tails: mx.array) -> tuple[mx.array, mx.array]:
+        """Tail pages of the rows: (B, kv_heads, page_size, head_dim) each."""
+        P = self.page_size
+
+        def take(a):
+            return a.reshape(-1, P, *a.shape[1:])[tails].transpose(0, 2, 1, 3)
+
+        return take(self.tk[layer]), take(self.tv[layer])

@@ -1,0 +1,165 @@
+"""Memory model: price weights, KV pages and workspace before anything is allocated.
+
+Every admission and every pool growth asks this module first; nothing in the
+engine allocates KV memory it has not priced here.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import psutil
+
+from engine.types import ModelSpec
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+KV_BITS = {"q8": 8, "q4": 4}
+
+
+def parse_size(text: str | int | float) -> int:
+    """'8GiB' -> 8589934592. Raises ValueError with the accepted forms."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        if text < 0:
+            raise ValueError(f"size must be >= 0, got {text}")
+        return int(text)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (use e.g. 512MiB, 8GiB, 2GB or a byte count)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def available_memory() -> int:
+    """What the machine can give right now: device free memory on a GPU, available RAM on the CPU."""
+    import mlx.core as mx
+
+    if mx.metal.is_available():
+        info = mx.device_info()
+        limit = int(info.get("max_recommended_working_set_size", info.get("memory_size", 0)))
+        return max(0, limit - int(mx.get_active_memory()))
+    if mx.cuda.is_available():
+        try:
+            free = int(mx.device_info().get("free_memory", 0))
+            if free:
+                return free
+        except Exception:  # pragma: no cover - backend specific
+            pass
+        total = int(mx.device_info().get("memory_size", 0)) or psutil.virtual_memory().total
+        return max(0, total - int(mx.get_active_memory()))
+    return int(psutil.virtual_memory().available)
+
+
+def resolve_budget(budget: str | int, fraction: float = 0.8, headroom: str | int = "1GiB") -> int:
+    """Total bytes kvbatch may use (weights included): explicit, or `auto` = fraction of what is free."""
+    if isinstance(budget, str) and budget.strip().lower() == "auto":
+        if not 0 < fraction <= 1:
+            raise ValueError(f"memory.fraction must be in (0, 1], got {fraction}")
+        return max(0, int(available_memory() * fraction) - parse_size(headroom))
+    return parse_size(budget)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Bytes of the KV cache for one model and one KV mode."""
+
+    num_kv_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+    mode: str  # none | q8 | q4
+    group_size: int
+    page_size: int
+
+    @property
+    def bits(self) -> int | None:
+        return KV_BITS.get(self.mode)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V, all KV layers; quantized modes include their scales and biases."""
+        per_head = self.head_dim * self.dtype_bytes
+        if self.bits:
+            per_head = self.head_dim * self.bits // 8 + 2 * (self.head_dim // self.group_size) * self.dtype_bytes
+        return 2 * self.num_kv_layers * self.num_kv_heads * per_head
+
+    @property
+    def dense_bytes_per_token(self) -> int:
+        return 2 * self.num_kv_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_size * self.bytes_per_token
+
+    def pages_for(self, tokens: int) -> int:
+        return max(1, math.ceil(tokens / self.page_size))
+
+
+def kv_layout(spec: ModelSpec, mode: str, page_size: int, group_size: int) -> KVLayout:
+    return KVLayout(len(spec.kv_layers), spec.num_kv_heads, spec.head_dim, DTYPE_BYTES[spec.dtype],
+                    mode, group_size, page_size)
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Prices a set of running rows: KV pages at their worst case plus the step workspace."""
+
+    spec: ModelSpec
+    layout: KVLayout
+    budget: int
+    prefill_chunk: int
+    max_batch: int
+
+    def workspace(self, rows: int, max_tokens: int) -> int:
+        """Transient bytes of one step: gathered K/V of one layer (float32), scores, logits, tail pages."""
+        s, lay = self.spec, self.layout
+        rows = max(rows, 1)
+        gathered = 2 * rows * s.num_kv_heads * max_tokens * s.head_dim * 4
+        scores = s.num_heads * min(self.prefill_chunk, max_tokens) * max_tokens * 4
+        logits = max(rows, self.prefill_chunk) * s.vocab_size * 4
+        tails = 0
+        if lay.bits:  # the page being filled stays in full precision, one per batch slot
+            tails = self.max_batch * lay.page_size * lay.dense_bytes_per_token
+        return gathered + scores + logits + tails
+
+    def bytes_for(self, worst_tokens: list[int]) -> int:
+        """Weights + worst-case KV pages of these rows + workspace."""
+        if not worst_tokens:
+            return self.spec.weights_bytes
+        pages = sum(self.layout.pages_for(t) for t in worst_tokens)
+        return (self.spec.weights_bytes + pages * self.layout.page_bytes
+                + self.workspace(len(worst_tokens), max(worst_tokens)))
+
+    def fits(self, worst_tokens: list[int]) -> bool:
+        return self.bytes_for(worst_tokens) <= self.budget
+
+    def rows_that_fit(self, worst_tokens: int) -> int:
+        """How many rows of this worst case fit at once (for the start-up plan)."""
+        lo, hi = 0, 1
+        while hi < 1_000_000 and self.fits([worst_tokens] * hi):
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:  # fits(lo) holds, fits(hi) does not
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.fits([worst_tokens] * mid) else (lo, mid)
+        return lo
+
+    def plan(self, worst_tokens: int) -> dict:
+        return {
+            "budget_bytes": self.budget,
+            "weights_bytes": self.spec.weights_bytes,
+            "kv_bytes_per_token": self.layout.bytes_per_token,
+            "page_bytes": self.layout.page_bytes,
+            "row_worst_tokens": worst_tokens,
+            "rows_fit": self.rows_that_fit(worst_tokens),
+            "predicted_kv_bytes_per_row": self.layout.pages_for(worst_tokens) * self.layout.page_bytes,
+        }
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f}{unit}" if unit != "B" else f"{int(n)}B"
+        n /= 1024
+    return f"{n}"
