@@ -95,6 +95,7 @@ class PagedKVCache:
         self.peak_capacity_pages = 0
         self.trace = trace
         self._reported: set = set()
+        self._segment: dict[int, tuple[mx.array, mx.array]] = {}
 
     # ---- capacity (always from the live buffers) -------------------------------------------
     @property
@@ -195,12 +196,13 @@ class PagedKVCache:
                 "mask": self._causal(pos, L, table.shape[1] * self.P, 1)}
 
     def _plan_quantized(self, rows, L, pos) -> dict:
+        """A pass attends to pages sealed before it (quantized) and to everything it wrote or
+        that is still in a tail page (full precision), like mlx-lm's quantized cache."""
         P = self.P
-        new_len = pos + L
-        n_full = new_len // P
+        n_before = pos // P  # pages sealed before this pass
         t = {"tails": mx.array(np.array([r.tail for r in rows], dtype=np.int32))}
-        if n_full.max() > 0:
-            t["table_q"] = self._table(rows, n_full)
+        if n_before.max() > 0:
+            t["table_q"] = self._table(rows, n_before)
         if L == 1:  # decode: one token per row into its tail; rows that fill their page seal it
             fill = pos % P
             tails = np.array([r.tail for r in rows])
@@ -213,8 +215,8 @@ class PagedKVCache:
                     [self._slots(rows[i], int(pos[i]) - P + 1, int(pos[i]) + 1) for i in done]).astype(np.int32))
             if "table_q" in t:
                 Tq = t["table_q"].shape[1] * P
-                t["mask_q"] = (mx.arange(Tq)[None] < mx.array(n_full * P)[:, None]).reshape(len(rows), 1, 1, 1, Tq)
-            t["mask_t"] = (mx.arange(P)[None] < mx.array(new_len % P)[:, None]).reshape(len(rows), 1, 1, 1, P)
+                t["mask_q"] = (mx.arange(Tq)[None] < mx.array(n_before * P)[:, None]).reshape(len(rows), 1, 1, 1, Tq)
+            t["mask_t"] = (mx.arange(P)[None] <= mx.array(fill)[:, None]).reshape(len(rows), 1, 1, 1, P)
             return t
         if len(rows) != 1:
             raise ValueError("quantized multi-token passes (prefill) run one row at a time")
@@ -224,8 +226,7 @@ class PagedKVCache:
         start = p0 - fill
         t["run"] = (r.tail, fill, mx.array(self._slots(r, start, start + done_pages * P).astype(np.int32))
                     if done_pages else None)
-        T = int(n_full[0]) * P + P
-        t["mask"] = self._causal(pos, L, T, 1)
+        t["mask"] = self._causal(pos, L, p0 + L, 1)
         return t
 
     # ---- called by the model, layer by layer -----------------------------------------------
@@ -244,7 +245,7 @@ class PagedKVCache:
             self.store.write(layer, t["slots"], k, v)
         elif "run" in t:
             tail, fill, slots = t["run"]
-            self.store.write_run(layer, tail, fill, slots, k, v)
+            self._segment[layer] = self.store.write_run(layer, tail, fill, slots, k, v)
         else:
             self.store.write_tokens(layer, t["tail_write"], k, v)
             if "seal_from" in t:
@@ -255,15 +256,13 @@ class PagedKVCache:
         if not st.quantized:
             k, v = st.gather(layer, t["table"])
             out = att.dense_attention(queries, k, v, t["mask"], scale, self.upcast)
-        elif "run" in t:  # prefill: dequantize this row's pages once for the chunk
-            tk, tv = st.gather_tails(layer, t["tails"])
+        elif "run" in t:  # prefill: sealed pages dequantized once for the chunk, the rest as written
+            sk, sv = (a.transpose(1, 0, 2)[None] for a in self._segment.pop(layer))
             if "table_q" in t:
                 qk = st.gather_quantized(layer, t["table_q"])
-                k = mx.concatenate([dequantize(*qk[:3], st.group_size, st.bits), tk], axis=2)
-                v = mx.concatenate([dequantize(*qk[3:], st.group_size, st.bits), tv], axis=2)
-            else:
-                k, v = tk, tv
-            out = att.dense_attention(queries, k, v, t["mask"], scale, upcast=True)
+                sk = mx.concatenate([dequantize(*qk[:3], st.group_size, st.bits), sk], axis=2)
+                sv = mx.concatenate([dequantize(*qk[3:], st.group_size, st.bits), sv], axis=2)
+            out = att.dense_attention(queries, sk, sv, t["mask"], scale, upcast=True)
         else:
             tk, tv = st.gather_tails(layer, t["tails"])
             qk = qv = mask_q = None

@@ -141,11 +141,13 @@ class QuantizedStore:
         self._store_pages(layer, page_slots, self.tk[layer][tail_pages], self.tv[layer][tail_pages])
 
     def write_run(self, layer: int, tail: int, fill: int, page_slots: mx.array | None,
-                  k: mx.array, v: mx.array) -> None:
+                  k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         """A run of L tokens for one row (prefill): completes pages, keeps the rest in its tail.
 
         fill: tokens already in the row's tail page; page_slots: pool slots of the
         pages this run completes (None if none). k, v: (L, kv_heads, head_dim).
+        Returns the run's full-precision segment (fill + L tokens): the pass that
+        wrote it attends to it unquantized, as mlx-lm's prefill does.
         """
         P = self.page_size
         base = tail * P
@@ -159,6 +161,7 @@ class QuantizedStore:
         if rest:
             self.tk[layer][base:base + rest] = k[n_done:].astype(self.dtype)
             self.tv[layer][base:base + rest] = v[n_done:].astype(self.dtype)
+        return k, v
 
     def gather_quantized(self, layer: int, table: mx.array) -> list[mx.array]:
         """Quantized K/V triplets of the pages in table, as (B, kv_heads, T, width) each."""
