@@ -1,0 +1,156 @@
+"""GPU benchmark (MLX CUDA / Metal): kvbatch vs mlx-lm's BatchGenerator, side by side.
+
+Random bf16 weights in real geometries (random weights cost the same compute).
+Decode tokens/s at batch 1/8/64/256 (128-token prompts, 256 new tokens), kv
+none/q8/q4 for kvbatch and none for mlx-lm; then 8k tokens of context. Also the
+fraction of the memory-bandwidth roofline: bytes read per decode step (weights +
+KV of every row) / measured copy bandwidth.
+
+    python benchmarks/gpu.py --geometry 1b --out results-1b.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import engine  # noqa: F401  (BLAS first; harmless on GPU)
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models import llama
+
+from engine.engine import Engine, EngineConfig
+from engine.models.spec import model_spec
+from engine.types import Request, SamplingParams
+
+GEOMETRIES = {
+    "1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=64, vocab_size=128256, rope_theta=500000.0,
+               tie_word_embeddings=True),
+    "8b": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0,
+               tie_word_embeddings=False),
+    "tiny": dict(hidden_size=256, num_hidden_layers=4, intermediate_size=512, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=64, vocab_size=4096, rope_theta=10000.0,
+                 tie_word_embeddings=False),
+}
+
+
+class _NullTokenizer:
+    eos_token_ids: list[int] = []
+
+    def decode(self, tokens):
+        return ""
+
+
+def build(geometry: str):
+    args = llama.ModelArgs(model_type="llama", rms_norm_eps=1e-5, max_position_embeddings=131072,
+                           **GEOMETRIES[geometry])
+    mx.random.seed(0)
+    model = llama.Model(args)
+    model.set_dtype(mx.bfloat16)
+    mx.eval(model.parameters())
+    config = dict(GEOMETRIES[geometry], model_type="llama", max_position_embeddings=131072)
+    return model, model_spec(f"llama-{geometry}-random", model, config)
+
+
+def copy_bandwidth() -> float:
+    a = mx.random.uniform(shape=(1 << 29,), dtype=mx.float32)  # 2 GiB
+    mx.eval(a)
+    for _ in range(2):
+        mx.eval(a + 1)
+    t = time.perf_counter()
+    n = 10
+    for _ in range(n):
+        mx.eval(a + 1)
+    return 2 * a.nbytes * n / (time.perf_counter() - t)  # read + write
+
+
+def prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
+    mx.random.seed(1)
+    return mx.random.randint(0, vocab, (batch, length)).tolist()
+
+
+def run_mlx_lm(model, ps, new_tokens):
+    mx.reset_peak_memory()
+    gen = BatchGenerator(model, stop_tokens=[], completion_batch_size=len(ps), prefill_batch_size=min(len(ps), 8))
+    gen.insert(ps, [new_tokens] * len(ps))
+    t0 = time.perf_counter()
+    n = 0
+    with gen.stats() as stats:
+        while responses := gen.next_generated():
+            n += len(responses)
+    wall = time.perf_counter() - t0
+    gen.close()
+    return {"decode_tps": stats.generation_tps, "e2e_tps": n / wall, "tokens": n,
+            "peak_gb": mx.get_peak_memory() / 1e9}
+
+
+def run_kvbatch(model, spec, ps, new_tokens, mode, budget):
+    mx.reset_peak_memory()
+    eng = Engine(model, _NullTokenizer(), spec,
+                 EngineConfig(kv_mode=mode, page_size=64, max_batch=len(ps), prefill_chunk=2048,
+                              memory_budget=budget, allow_unvalidated=True))
+    t0 = time.perf_counter()
+    res = eng.generate([Request(str(i), p, SamplingParams(max_tokens=new_tokens)) for i, p in enumerate(ps)])
+    wall = time.perf_counter() - t0
+    s = eng.summary()
+    bad = [r.error_code for r in res if r.error_code]
+    return {"decode_tps": s["decode_tokens_per_s"], "e2e_tps": sum(len(r.tokens) for r in res) / wall,
+            "tokens": sum(len(r.tokens) for r in res), "peak_gb": mx.get_peak_memory() / 1e9,
+            "route": s["route"], "errors": bad, "kv_bytes_per_token": s["kv_bytes_per_token"]}
+
+
+def roofline(spec, kv_bpt_dense, batch, context, bw):
+    step_bytes = spec.weights_bytes + batch * context * kv_bpt_dense
+    return batch * bw / step_bytes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--geometry", default="1b", choices=sorted(GEOMETRIES))
+    ap.add_argument("--batches", default="1,8,64,256")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--modes", default="none,q8,q4")
+    ap.add_argument("--long", type=int, default=8192)
+    ap.add_argument("--long-batches", default="1,8")
+    ap.add_argument("--long-new", type=int, default=64)
+    ap.add_argument("--budget-gb", type=float, default=120)
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+    model, spec = build(a.geometry)
+    bw = copy_bandwidth()
+    budget = int(a.budget_gb * 1e9)
+    from engine.memory import kv_layout
+    kv_dense = kv_layout(spec, "none", 64, 64).bytes_per_token
+    out = {"geometry": a.geometry, "device": str(mx.default_device()), "mlx": mx.__version__,
+           "python": platform.python_version(), "copy_bw_gbs": bw / 1e9, "weights_gb": spec.weights_bytes / 1e9,
+           "rows": []}
+    print(json.dumps({k: v for k, v in out.items() if k != "rows"}), flush=True)
+    cases = [(b, a.prompt, a.new) for b in map(int, a.batches.split(","))]
+    cases += [(b, a.long, a.long_new) for b in map(int, a.long_batches.split(",")) if a.long]
+    for batch, plen, new in cases:
+        ps = prompts(batch, plen, spec.vocab_size)
+        ctx = plen + new // 2
+        row = {"batch": batch, "prompt": plen, "new": new,
+               "roofline_tps": roofline(spec, kv_dense, batch, ctx, bw)}
+        row["mlx_lm_none"] = run_mlx_lm(model, ps, new)
+        for mode in a.modes.split(","):
+            row[f"kvbatch_{mode}"] = run_kvbatch(model, spec, ps, new, mode, budget)
+        base = row["mlx_lm_none"]["decode_tps"]
+        for k, v in list(row.items()):
+            if k.startswith("kvbatch_") and v.get("decode_tps"):
+                v["ratio_vs_mlx_lm"] = v["decode_tps"] / base if base else None
+                v["roofline_fraction"] = v["decode_tps"] / row["roofline_tps"]
+        print(json.dumps(row), flush=True)
+        out["rows"].append(row)
+        mx.clear_cache()
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
