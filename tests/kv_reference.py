@@ -44,3 +44,52 @@ def teacher_forced_logits(model, prompt: list[int], continuation: list[int], mak
         out.append(logits.astype(mx.float32))
         mx.eval(out[-1])
     return out
+
+
+class StoredPagesRefCache(KVCache):
+    """Reference that attends over the engine's *stored* quantized pages, dequantized.
+
+    QuantRefCache re-quantizes keys that it computed itself; q8's 255 levels make a
+    1e-7 difference in a key (a different but equally valid summation order in
+    attention) flip a rounding step now and then, which the next layers turn into
+    ~1e-4 logit differences. This reference removes that: for every page the
+    engine sealed before the current call, it reads the engine's stored triplets
+    (by the row's page table, with plain indexing) and dequantizes them; the rest
+    it computes itself, in full precision. Paging and batching must then add no
+    error at all beyond float rounding.
+    """
+
+    def __init__(self, store, layer: int, pages: list[int]):
+        super().__init__()
+        self.store, self.layer, self.pages = store, layer, pages
+        self.P = store.page_size
+
+    def _stored(self, which: int, n_pages: int, dtype) -> mx.array:
+        P = self.P
+        slots = mx.array([p * P + i for p in self.pages[:n_pages] for i in range(P)])
+        w, s, b = (self.store.q[self.layer][which + j][slots] for j in range(3))
+        deq = mx.dequantize(w, s, b, group_size=self.store.group_size, bits=self.store.bits)
+        return deq.transpose(1, 0, 2)[None].astype(dtype)  # (1, Hkv, n, D)
+
+    def update_and_fetch(self, keys, values):
+        n_pages = self.offset // self.P  # pages sealed before this call
+        k, v = super().update_and_fetch(keys, values)
+        if n_pages:
+            n = n_pages * self.P
+            k = mx.concatenate([self._stored(0, n_pages, k.dtype), k[:, :, n:]], axis=2)
+            v = mx.concatenate([self._stored(3, n_pages, v.dtype), v[:, :, n:]], axis=2)
+        return k, v
+
+
+def record_page_tables(cache_manager) -> dict[str, list[int]]:
+    """Keep each row's page table when the engine releases it (the data stays in the
+    buffers until another row reuses those pages)."""
+    tables: dict[str, list[int]] = {}
+    release = cache_manager.release
+
+    def keep(row):
+        tables[row.key] = list(row.pages)
+        release(row)
+
+    cache_manager.release = keep
+    return tables
