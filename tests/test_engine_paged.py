@@ -1,0 +1,357 @@
+"""The growable paged KV cache with continuous batching (issue 3), on tiny random models.
+
+Every comparison is against mlx-lm's own single-stream path (`generate_step` over a
+plain `KVCache`) on the same prompt: the paged, batched engine must give the same
+logits (within 1e-4) and the same greedy tokens.
+"""
+from __future__ import annotations
+
+import math
+
+import engine  # noqa: F401  (OpenBLAS before mlx)
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models import llama, mamba
+
+from engine.engine import Engine, EngineConfig
+from engine.errors import INVALID_INPUT, PROMPT_TOO_LONG, KvbatchConfigError, UnreservedWriteError
+from engine.kv_cache import CacheRow, PagedKVCache
+from engine.memory import kv_layout
+from engine.models.spec import model_spec
+from engine.types import Request, SamplingParams
+
+BUDGET = 2 << 30
+EOS = 257  # the tiny model's <|im_end|>
+
+
+def mlx_lm_reference(model, prompt: list[int], n: int) -> tuple[list[int], list[mx.array]]:
+    """Greedy tokens and the raw float32 logits of every step from mlx-lm's generate_step
+    (single stream, plain KVCache). The logits come through a pass-through logits processor."""
+    logits = []
+
+    def keep(tokens, lg):
+        logits.append(lg[0].astype(mx.float32))
+        return lg
+
+    tokens = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=n, logits_processors=[keep])]
+    mx.eval(logits)
+    return tokens, logits[:n]
+
+
+def until_eos(tokens: list[int], stop_ids=(EOS,)) -> list[int]:
+    """What the engine must return for a greedy row: mlx-lm's tokens up to the first stop id."""
+    for i, t in enumerate(tokens):
+        if t in stop_ids:
+            return tokens[:i]
+    return tokens
+
+
+def prompts_of(lengths: list[int], salt: int = 0) -> list[list[int]]:
+    return [[(31 * i + 7 * j + salt) % 256 for j in range(n)] for i, n in enumerate(lengths)]
+
+
+def make_engine(m, **cfg) -> Engine:
+    model, tok, spec = m
+    return Engine(model, tok, spec, EngineConfig(memory_budget=BUDGET, **cfg))
+
+
+def pool_is_empty(eng: Engine) -> None:
+    pool = eng.cache.pool
+    assert pool.in_use == 0
+    assert pool.num_free == pool.capacity == eng.cache.capacity_pages
+    assert eng.summary()["pages_in_use"] == 0
+
+
+# ---- (a) teacher-forced logits against mlx-lm, batch of 8, small pages, pool growth ---------
+@pytest.mark.parametrize("geometry", [dict(family="llama", head_dim=64),
+                                      dict(family="qwen3", head_dim=128)], ids=["llama64", "qwen3_128"])
+def test_teacher_forced_logits_match_mlx_lm(tiny_model, geometry):
+    m = tiny_model(**geometry)
+    model, _, spec = m
+    steps, P = 300, 4
+    lengths = [3, 17, 9, 40, 1, 26, 12, 33]  # every row crosses many pages, prefill crosses chunks
+    prompts = prompts_of(lengths)
+    refs = [mlx_lm_reference(model, p, steps) for p in prompts]
+
+    eng = make_engine(m, page_size=P, max_batch=8, prefill_chunk=5)
+    reqs = [Request(f"r{i}", p, SamplingParams(max_tokens=steps), forced_tokens=refs[i][0], capture_logits=True)
+            for i, p in enumerate(prompts)]
+    results = eng.generate(reqs)
+
+    for res, p, (ref_tokens, ref_logits) in zip(results, prompts, refs):
+        assert res.ok and res.finish_reason == "length", (res.key, res.error_code, res.error_message)
+        assert res.tokens == ref_tokens
+        assert len(res.logits) == len(ref_logits) == steps
+        diffs = [float(mx.abs(a - b).max()) for a, b in zip(res.logits, ref_logits)]
+        assert max(diffs) <= 1e-4, (res.key, max(diffs), diffs.index(max(diffs)))
+        # the row held whole pages for what it stored (prompt + every output token but the last)
+        stored = len(p) + steps - 1
+        assert res.stats.peak_kv_bytes == math.ceil(stored / P) * eng.layout.page_bytes
+        assert res.stats.prompt_tokens == len(p) and res.stats.output_tokens == steps
+
+    s = eng.summary()
+    assert s["peak_concurrency"] == 8
+    assert len(s["growth_events"]) >= 3
+    assert s["peak_pages_in_use"] == sum(math.ceil((n + steps - 1) / P) for n in lengths)
+    pool_is_empty(eng)
+
+
+# ---- (b) page sizes 1, 16 and 256 -------------------------------------------------------
+@pytest.mark.parametrize("page_size", [1, 16, 256])
+def test_page_sizes_greedy_tokens_equal_mlx_lm(tiny_model, page_size):
+    m = tiny_model()
+    model = m[0]
+    n = 40
+    prompts = prompts_of([5, 250, 23], salt=3)  # 250 + 40 crosses a 256-token page
+    expected = [until_eos(mlx_lm_reference(model, p, n)[0]) for p in prompts]
+    eng = make_engine(m, page_size=page_size, max_batch=4, prefill_chunk=64)
+    results = eng.generate([Request(f"r{i}", p, SamplingParams(max_tokens=n)) for i, p in enumerate(prompts)])
+    assert [r.tokens for r in results] == expected
+    assert all(r.ok for r in results)
+    assert eng.summary()["page_size"] == page_size
+    pool_is_empty(eng)
+
+
+# ---- (c) continuous batching --------------------------------------------------------------
+def test_continuous_batching_refills_finished_slots(tiny_model):
+    m = tiny_model()
+    model = m[0]
+    max_tokens = [4, 50, 45, 60, 6, 5, 30, 8, 3, 20, 7, 12]  # 12 rows, 4 slots
+    prompts = prompts_of([4 + (5 * i) % 19 for i in range(len(max_tokens))], salt=11)
+    expected = [until_eos(mlx_lm_reference(model, p, n)[0]) for p, n in zip(prompts, max_tokens)]
+
+    eng = make_engine(m, page_size=8, max_batch=4, prefill_chunk=16)
+    passes = []  # (rows in the decode pass, rows still waiting)
+    begin = eng.cache.begin
+
+    def record(rows, L, poison=None):
+        if L == 1:
+            passes.append((len(rows), len(eng.waiting)))
+        return begin(rows, L, poison)
+
+    eng.cache.begin = record
+    for i, (p, n) in enumerate(zip(prompts, max_tokens)):
+        eng.submit(Request(f"r{i}", p, SamplingParams(max_tokens=n)))
+    order = [r for r in eng.run()]
+
+    by_key = {r.key: r for r in order}
+    assert len(by_key) == len(prompts)
+    for i, exp in enumerate(expected):
+        r = by_key[f"r{i}"]
+        assert r.ok and r.tokens == exp, (r.key, r.error_code)
+        assert r.finish_reason == ("length" if len(exp) == max_tokens[i] else "stop")
+    s = eng.summary()
+    assert s["peak_concurrency"] == 4
+    assert max(n for n, _ in passes) == 4
+    # while rows were waiting, every decode pass ran a full batch: a finished row's slot was refilled
+    assert all(n == 4 for n, waiting in passes if waiting)
+    # results stream out as rows finish: short rows admitted late finish before the long first ones
+    keys = [r.key for r in order]
+    assert keys.index("r4") < keys.index("r1") and keys.index("r5") < keys.index("r3")
+    pool_is_empty(eng)
+
+
+# ---- (d) writes past the reservation raise ------------------------------------------------
+@pytest.mark.parametrize("kv_mode", ["none", "q8"])
+def test_write_past_reserved_capacity_raises(tiny_model, kv_mode):
+    _, _, spec = tiny_model()
+    P = 4
+    layout = kv_layout(spec, kv_mode, P, 64)
+    cache = PagedKVCache(layout, spec.num_layers, mx.float32, tail_slots=2, upcast=False)
+    row = CacheRow("a")
+    cache.admit(row)
+    cache.reserve(row, 5, BUDGET)
+    assert row.reserved == 5 and len(row.pages) == 2
+
+    with pytest.raises(UnreservedWriteError):  # a pass of 6 tokens when 5 were reserved
+        cache.begin([row], 6)
+    assert cache.plan is None and row.length == 0
+
+    def kv(L):
+        shape = (1, spec.num_kv_heads, L, spec.head_dim)
+        return mx.ones(shape), mx.ones(shape)
+
+    before = [mx.array(a) for a in cache.store.all_arrays()]
+    cache.begin([row], 3)
+    with pytest.raises(UnreservedWriteError):  # the model writes more tokens than the pass reserved
+        cache.views[0].update_and_fetch(*kv(4))
+    with pytest.raises(UnreservedWriteError):  # or more rows
+        k, v = kv(3)
+        cache.views[0].update_and_fetch(mx.concatenate([k, k]), mx.concatenate([v, v]))
+    for a, b in zip(before, cache.store.all_arrays()):
+        assert mx.array_equal(a, b).item(), "a refused write changed the buffers"
+    cache.views[0].update_and_fetch(*kv(3))  # the reserved write itself is fine
+    cache.end()
+    assert row.length == 3
+
+    with pytest.raises(UnreservedWriteError):  # 3 stored + 3 more > 5 reserved
+        cache.begin([row], 3)
+    with pytest.raises(UnreservedWriteError):  # no pass at all
+        cache.views[1].update_and_fetch(*kv(1))
+    cache.reserve(row, 3, BUDGET)
+    cache.begin([row], 3)  # now it is reserved
+    cache.end()
+    cache.release(row)
+    assert cache.pool.in_use == 0
+
+
+# ---- (e) freed pages are reused: no growth when they suffice -----------------------------
+def test_pool_reuses_freed_pages_without_growing(tiny_model):
+    m = tiny_model()
+    prompts = prompts_of([21] * 5, salt=5)
+    req = lambda i: Request(f"r{i}", prompts[i], SamplingParams(max_tokens=30))  # noqa: E731
+
+    alone = make_engine(m, page_size=4, max_batch=1, prefill_chunk=8)
+    alone.generate([req(0)])
+    one_row_growth = alone.summary()["growth_events"]
+    assert len(one_row_growth) >= 3
+
+    eng = make_engine(m, page_size=4, max_batch=1, prefill_chunk=8)
+    for i in range(5):
+        eng.submit(req(i))
+    caps = []
+    for res in eng.run():
+        assert res.ok
+        caps.append(eng.cache.capacity_pages)
+        pool_is_empty(eng)  # the finished row gave back every page at once
+    s = eng.summary()
+    assert len(caps) == 5 and len(set(caps)) == 1  # capacity never moved after the first row
+    assert [(g["from_pages"], g["to_pages"]) for g in s["growth_events"]] == \
+        [(g["from_pages"], g["to_pages"]) for g in one_row_growth]
+    assert s["peak_pages_in_use"] == math.ceil((21 + 30 - 1) / 4)
+    pool_is_empty(eng)
+
+
+# ---- (f) growth events and peak capacity in the run stats -------------------------------
+def test_summary_reports_growth_and_peak_capacity(tiny_model):
+    m = tiny_model()
+    P = 8
+    eng = make_engine(m, page_size=P, max_batch=8, prefill_chunk=32)
+    eng.generate([Request(f"r{i}", p, SamplingParams(max_tokens=64))
+                  for i, p in enumerate(prompts_of([10, 70, 30, 5, 50, 20], salt=9))])
+    s = eng.summary()
+    ev = s["growth_events"]
+    assert len(ev) >= 3
+    assert ev[0]["from_pages"] == 0
+    for a, b in zip(ev, ev[1:]):
+        assert b["from_pages"] == a["to_pages"] > a["from_pages"]
+    assert all(e["bytes"] == e["to_pages"] * eng.layout.page_bytes for e in ev)
+    assert s["pool_capacity_pages"] == s["peak_capacity_pages"] == ev[-1]["to_pages"]
+    assert s["pool_bytes"] == s["pool_capacity_pages"] * eng.layout.page_bytes
+    assert s["peak_pages_in_use"] <= s["peak_capacity_pages"]
+    # the live buffers agree with what summary says
+    assert eng.cache.store.k[0].shape[0] == s["pool_capacity_pages"] * P
+    pool_is_empty(eng)
+
+
+# ---- (g) per-row errors never crash the batch ---------------------------------------------
+def test_bad_rows_end_with_their_code_and_others_complete(tiny_model):
+    m = tiny_model(context_length=64)
+    model = m[0]
+    good = prompts_of([7, 20], salt=2)
+    expected = [until_eos(mlx_lm_reference(model, p, 16)[0]) for p in good]
+    eng = make_engine(m, page_size=4, max_batch=8, prefill_chunk=16)
+    results = eng.generate([
+        Request("empty", [], SamplingParams(max_tokens=16)),
+        Request("g0", good[0], SamplingParams(max_tokens=16)),
+        Request("too_long", list(range(64)), SamplingParams(max_tokens=16)),
+        Request("way_too_long", [1] * 500, SamplingParams(max_tokens=16)),
+        Request("g1", good[1], SamplingParams(max_tokens=16)),
+        Request("near_context", [5] * 60, SamplingParams(max_tokens=16)),
+    ])
+    by = {r.key: r for r in results}
+    assert (by["empty"].finish_reason, by["empty"].error_code) == ("error", INVALID_INPUT)
+    for k in ("too_long", "way_too_long"):
+        assert (by[k].finish_reason, by[k].error_code) == ("error", PROMPT_TOO_LONG), by[k]
+        assert by[k].tokens == []
+    assert by["g0"].ok and by["g0"].tokens == expected[0]
+    assert by["g1"].ok and by["g1"].tokens == expected[1]
+    # a row that reaches the model's context stops there with "length"
+    assert by["near_context"].ok and by["near_context"].finish_reason in ("length", "stop")
+    assert 60 + len(by["near_context"].tokens) <= 64
+    assert eng.summary()["rows_by_error_code"] == {"ok": 3, INVALID_INPUT: 1, PROMPT_TOO_LONG: 2}
+    pool_is_empty(eng)
+
+
+# ---- (h) sampling ---------------------------------------------------------------------------
+def test_seeded_sampling_does_not_depend_on_batch(tiny_model):
+    m = tiny_model()
+    p = prompts_of([12], salt=4)[0]
+    hot = SamplingParams(max_tokens=40, temperature=0.8, seed=7)
+
+    alone = make_engine(m, page_size=4, max_batch=4).generate([Request("x", p, hot)])[0]
+    others = prompts_of([30, 3, 17], salt=8)
+    batch = make_engine(m, page_size=4, max_batch=4).generate([
+        Request("o0", others[0], SamplingParams(max_tokens=25, temperature=0.8, seed=1)),
+        Request("x", p, hot),
+        Request("o1", others[1], SamplingParams(max_tokens=40)),
+        Request("o2", others[2], SamplingParams(max_tokens=10, temperature=1.0, top_k=20, seed=3)),
+    ])[1]
+    assert alone.ok and batch.ok
+    assert alone.tokens == batch.tokens
+    assert len(alone.tokens) == 40 or alone.finish_reason == "stop"
+    greedy = until_eos(mlx_lm_reference(m[0], p, 40)[0])
+    other_seed = make_engine(m, page_size=4).generate(
+        [Request("x", p, SamplingParams(max_tokens=40, temperature=0.8, seed=8))])[0]
+    assert alone.tokens != greedy and alone.tokens != other_seed.tokens  # it really samples
+
+
+def _row_with_printable_token(model, tok, n):
+    """A prompt whose greedy output has, at position >= 2, the first occurrence of a printable
+    ASCII token (so it can serve both as a stop id and as a stop string)."""
+    for salt in range(40):
+        p = prompts_of([9], salt=salt)[0]
+        out = until_eos(mlx_lm_reference(model, p, n)[0])
+        for j in range(2, len(out)):
+            if 33 <= out[j] < 127 and out[j] not in out[:j] and chr(out[j]) not in tok.decode(out[:j]):
+                return p, out, j
+    pytest.fail("no prompt found with a printable greedy token")
+
+
+def test_stop_ids_stop_strings_and_max_tokens(tiny_model):
+    m = tiny_model()
+    model, tok, _ = m
+    p, out, j = _row_with_printable_token(model, tok, 40)
+    stop_char = chr(out[j])
+    eng = make_engine(m, page_size=4, max_batch=4)
+    by = {r.key: r for r in eng.generate([
+        Request("ids", p, SamplingParams(max_tokens=40, stop_token_ids=(out[j],))),
+        Request("str", p, SamplingParams(max_tokens=40, stop=(stop_char,))),
+        Request("len", p, SamplingParams(max_tokens=j)),
+    ])}
+    assert by["ids"].finish_reason == "stop" and by["ids"].tokens == out[:j]
+    assert by["str"].finish_reason == "stop" and by["str"].tokens == out[:j + 1]
+    assert by["str"].text == tok.decode(out[:j]) and stop_char not in by["str"].text
+    assert by["len"].finish_reason == "length" and by["len"].tokens == out[:j]
+    assert all(r.ok for r in by.values())
+    pool_is_empty(eng)
+
+
+# ---- (i) models the paged cache cannot serve are refused at construction ------------------
+def _tiny_tok(m):
+    return m[1]
+
+
+def test_sliding_window_model_refused_at_construction(tiny_model):
+    config = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=32, vocab_size=300,
+                  rms_norm_eps=1e-6, max_position_embeddings=256, rope_theta=10000.0,
+                  layer_types=["sliding_attention", "full_attention"], sliding_window=16)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    spec = model_spec("swa", model, config)
+    with pytest.raises(KvbatchConfigError) as e:
+        Engine(model, _tiny_tok(tiny_model()), spec, EngineConfig(memory_budget=BUDGET))
+    msg = str(e.value)
+    assert "\n" not in msg and "'llama'" in msg and "sliding" in msg
+
+
+def test_recurrent_model_refused_at_construction(tiny_model):
+    config = dict(model_type="mamba", vocab_size=300, hidden_size=32, intermediate_size=64, state_size=8,
+                  num_hidden_layers=2, conv_kernel=4, use_bias=False, use_conv_bias=True, time_step_rank=4)
+    model = mamba.Model(mamba.ModelArgs.from_dict(config))
+    spec = model_spec("ssm", model, config)
+    with pytest.raises(KvbatchConfigError) as e:
+        Engine(model, _tiny_tok(tiny_model()), spec, EngineConfig(memory_budget=BUDGET))
+    msg = str(e.value)
+    assert "\n" not in msg and "'mamba'" in msg
