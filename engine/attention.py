@@ -37,19 +37,20 @@ def quantized_decode_attention(q: mx.array, qk: list[mx.array], qv: list[mx.arra
                                scale: float, group_size: int, bits: int) -> mx.array:
     """q (B,Hq,L,D); qk/qv packed triplets (B,Hkv,Tq,·) or None; tail tk/tv (B,Hkv,P,D).
 
-    mask_q (B,1,1,L,Tq) and mask_t (B,1,1,L,P) mark the valid keys.
+    mask_q (B,1,1,Tq) and mask_t (B,1,1,P) mark the valid keys (the same for every
+    query of the pass). Queries of a KV head's group are folded into rows,
+    (B, Hkv, rep*L, D): the 4-D shape that MLX's CUDA quantized_matmul implements
+    for every head size (a 5-D broadcast shape has no CUDA kernel at head size 64).
     """
     B, Hq, L, D = q.shape
     Hkv = tk.shape[1]
     rep = Hq // Hkv
     dtype = q.dtype
-    qf = (q.astype(mx.float32) * scale).reshape(B, Hkv, rep, L, D)
-    tk32 = tk.astype(mx.float32)[:, :, None]
-    scores_t = qf @ tk32.swapaxes(-1, -2)  # (B,Hkv,rep,L,P)
-    parts = [scores_t]
-    masks = [mask_t]
+    qf = (q.astype(mx.float32) * scale).reshape(B, Hkv, rep * L, D)
+    scores_t = qf @ tk.astype(mx.float32).swapaxes(-1, -2)  # (B,Hkv,rep*L,P)
+    parts, masks = [scores_t], [mask_t]
     if qk is not None:
-        w, s, b = (a[:, :, None] for a in qk)
+        w, s, b = qk
         scores_q = mx.quantized_matmul(qf, w, s.astype(mx.float32), b.astype(mx.float32),
                                        transpose=True, group_size=group_size, bits=bits)
         parts.insert(0, scores_q)
@@ -59,9 +60,9 @@ def quantized_decode_attention(q: mx.array, qk: list[mx.array], qv: list[mx.arra
     scores = mx.where(mask, scores, mx.array(-mx.inf, mx.float32))
     probs = mx.softmax(scores, axis=-1)
     P = tk.shape[2]
-    out = probs[..., -P:] @ tv.astype(mx.float32)[:, :, None]
+    out = probs[..., -P:] @ tv.astype(mx.float32)
     if qk is not None:
-        w, s, b = (a[:, :, None] for a in qv)
+        w, s, b = qv
         out = out + mx.quantized_matmul(probs[..., :-P], w, s.astype(mx.float32), b.astype(mx.float32),
                                         transpose=False, group_size=group_size, bits=bits)
     return out.reshape(B, Hq, L, D).astype(dtype)

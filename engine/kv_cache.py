@@ -215,8 +215,8 @@ class PagedKVCache:
                     [self._slots(rows[i], int(pos[i]) - P + 1, int(pos[i]) + 1) for i in done]).astype(np.int32))
             if "table_q" in t:
                 Tq = t["table_q"].shape[1] * P
-                t["mask_q"] = (mx.arange(Tq)[None] < mx.array(n_before * P)[:, None]).reshape(len(rows), 1, 1, 1, Tq)
-            t["mask_t"] = (mx.arange(P)[None] <= mx.array(fill)[:, None]).reshape(len(rows), 1, 1, 1, P)
+                t["mask_q"] = (mx.arange(Tq)[None] < mx.array(n_before * P)[:, None]).reshape(len(rows), 1, 1, Tq)
+            t["mask_t"] = (mx.arange(P)[None] <= mx.array(fill)[:, None]).reshape(len(rows), 1, 1, P)
             return t
         if len(rows) != 1:
             raise ValueError("quantized multi-token passes (prefill) run one row at a time")
