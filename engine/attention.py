@@ -4,6 +4,8 @@ Routes (reported per row and in summary.json):
 - `paged_sdpa`: pages gathered, then MLX's fused/fast SDPA with a padding+causal mask.
 - `paged_sdpa_f32`: the same with q/k/v upcast to float32 (fp16 models: scores can
   exceed fp16 range, and MLX's CPU fallback computes q·kᵀ in the input dtype).
+- `paged_cuda_kernel` (MLX CUDA, kv none): decode reads each row's pages in place with
+  a fused kernel (engine/cuda_attention.py), float32 softmax; prefill as `paged_sdpa`.
 - `paged_qmm_f32`: quantized pages. Decode runs `mx.quantized_matmul` on the packed
   pages (never dequantizing the prefix) plus a float32 matmul on the row's dense
   tail page; scores and softmax in float32. Prefill dequantizes the row's pages
@@ -20,6 +22,7 @@ import mlx.nn as nn
 ROUTE_DENSE = "paged_sdpa"
 ROUTE_DENSE_F32 = "paged_sdpa_f32"
 ROUTE_QMM = "paged_qmm_f32"
+ROUTE_CUDA = "paged_cuda_kernel"
 
 
 def dense_attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array, scale: float,

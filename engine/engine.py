@@ -85,7 +85,8 @@ class Engine:
         self.memory = MemoryModel(spec, self.layout, int(budget), cfg.prefill_chunk, cfg.max_batch)
         dtype = _DTYPES[spec.dtype]
         self.cache = PagedKVCache(self.layout, spec.num_layers, dtype, tail_slots=cfg.max_batch,
-                                  upcast=dtype == mx.float16, trace=trace_mode())
+                                  upcast=dtype == mx.float16, trace=trace_mode(),
+                                  query_heads=spec.num_heads)
         self.eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
         self.waiting: deque[_Row] = deque()
         self.running: list[_Row] = []

@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine import attention as att
+from engine import cuda_attention
 from engine.errors import INSUFFICIENT_MEMORY, RowError, UnreservedWriteError
 from engine.kv_store import DenseStore, QuantizedStore, dequantize
 from engine.memory import KVLayout, available_memory, fmt_bytes
@@ -76,7 +77,7 @@ class PagedLayerCache:
 
 class PagedKVCache:
     def __init__(self, layout: KVLayout, num_layers: int, dtype: mx.Dtype, tail_slots: int,
-                 upcast: bool, trace: str = ""):
+                 upcast: bool, trace: str = "", query_heads: int = 0):
         self.layout, self.P = layout, layout.page_size
         self.num_layers = num_layers
         if layout.bits:
@@ -86,6 +87,9 @@ class PagedKVCache:
         else:
             self.store = DenseStore(num_layers, layout.num_kv_heads, layout.head_dim, self.P, dtype)
             self.route = att.ROUTE_DENSE_F32 if upcast else att.ROUTE_DENSE
+        self.fused_decode = (not layout.bits and cuda_attention.usable(layout, self.store, query_heads))
+        if self.fused_decode:
+            self.route = att.ROUTE_CUDA
         self.upcast = upcast
         self.pool = PagePool()
         self.free_tails = list(range(tail_slots))[::-1]
@@ -192,8 +196,12 @@ class PagedKVCache:
         n_pages = -(-new_len // self.P)
         slots = np.concatenate([self._slots(r, int(p), int(p) + L) for r, p in zip(rows, pos)])
         table = self._table(rows, n_pages)
-        return {"slots": mx.array(slots.astype(np.int32)), "table": table,
-                "mask": self._causal(pos, L, table.shape[1] * self.P, 1)}
+        t = {"slots": mx.array(slots.astype(np.int32)), "table": table}
+        if L == 1 and self.fused_decode:
+            t["lengths"] = mx.array(new_len.astype(np.int32))
+        else:
+            t["mask"] = self._causal(pos, L, table.shape[1] * self.P, 1)
+        return t
 
     def _plan_quantized(self, rows, L, pos) -> dict:
         """A pass attends to pages sealed before it (quantized) and to everything it wrote or
@@ -253,7 +261,10 @@ class PagedKVCache:
 
     def attend(self, layer: int, queries: mx.array, scale: float) -> mx.array:
         plan, t, st = self.plan, self.plan.tensors, self.store
-        if not st.quantized:
+        if "lengths" in t:  # CUDA: pages read in place by the fused decode kernel
+            out = cuda_attention.paged_decode_attention(queries, st.k[layer], st.v[layer], t["table"],
+                                                        t["lengths"], scale)
+        elif not st.quantized:
             k, v = st.gather(layer, t["table"])
             out = att.dense_attention(queries, k, v, t["mask"], scale, self.upcast)
         elif "run" in t:  # prefill: sealed pages dequantized once for the chunk, the rest as written
