@@ -1,8 +1,9 @@
 """The KV buffers themselves: per-layer page arrays, grown layer by layer.
 
-Buffers are flat token slots `(pages * page_size, kv_heads, head_dim)`, so a
-page is a contiguous run of `page_size` slots and a page table gathers with one
-take. Capacity is always read from the live buffers' shapes.
+Dense buffers are `(pages, kv_heads, page_size, head_dim)`; quantized buffers are
+flat token slots `(pages * page_size, kv_heads, width)`. Either way a page table
+gathers with one take, and callers address tokens by slot (page * page_size +
+offset). Capacity is always read from the live buffers' shapes.
 
 Dense mode keeps K/V in the model dtype. Quantized modes (q8/q4) keep completed
 pages as mx.quantize triplets and the page each row is still filling in full
@@ -31,19 +32,25 @@ def _grow(a: mx.array, extra_slots: int) -> mx.array:
 
 
 class DenseStore:
-    """K/V pages in the model dtype."""
+    """K/V pages in the model dtype, laid out (pages, kv_heads, page_size, head_dim).
+
+    Head-major pages make one gather produce attention's (B, kv_heads, T, head_dim)
+    layout directly (contiguous), with no transpose copy: on the CPU backend a
+    transposed K/V costs SDPA several times a contiguous one.
+    """
 
     quantized = False
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, page_size: int, dtype: mx.Dtype):
         self.page_size, self.kv_heads, self.head_dim, self.dtype = page_size, kv_heads, head_dim, dtype
-        empty = mx.zeros((0, kv_heads, head_dim), dtype=dtype)
+        empty = mx.zeros((0, kv_heads, page_size, head_dim), dtype=dtype)
         self.k = [empty] * num_layers
         self.v = [empty] * num_layers
+        self._heads = mx.arange(kv_heads)[None, :, None]
 
     @property
     def capacity_pages(self) -> int:
-        return self.k[0].shape[0] // self.page_size
+        return self.k[0].shape[0]
 
     def layer_arrays(self, layer: int) -> list[mx.array]:
         return [self.k[layer], self.v[layer]]
@@ -57,24 +64,25 @@ class DenseStore:
 
     def grow(self, new_pages: int) -> None:
         """One layer at a time, so the transient copy is one layer's buffer, not the pool."""
-        extra = (new_pages - self.capacity_pages) * self.page_size
+        extra = new_pages - self.capacity_pages
         for i in range(len(self.k)):
             self.k[i] = _grow(self.k[i], extra)
             self.v[i] = _grow(self.v[i], extra)
 
     def write(self, layer: int, slots: mx.array, k: mx.array, v: mx.array) -> None:
-        """k, v: (N, kv_heads, head_dim) for N token slots."""
-        self.k[layer][slots] = k.astype(self.dtype)
-        self.v[layer][slots] = v.astype(self.dtype)
+        """k, v: (N, kv_heads, head_dim) for N token slots (slot = page * page_size + offset)."""
+        page, off = slots // self.page_size, slots % self.page_size
+        self.k[layer][page, :, off] = k.astype(self.dtype)
+        self.v[layer][page, :, off] = v.astype(self.dtype)
 
     def gather(self, layer: int, table: mx.array) -> tuple[mx.array, mx.array]:
-        """table (B, max_pages) -> K, V as (B, kv_heads, max_pages*page_size, head_dim)."""
+        """table (B, max_pages) -> K, V as (B, kv_heads, max_pages*page_size, head_dim), contiguous."""
         return self._take(self.k[layer], table), self._take(self.v[layer], table)
 
     def _take(self, buf: mx.array, table: mx.array) -> mx.array:
         B, n = table.shape
-        pages = buf.reshape(-1, self.page_size, *buf.shape[1:])[table]
-        return pages.reshape(B, n * self.page_size, *buf.shape[1:]).transpose(0, 2, 1, 3)
+        pages = buf[table[:, None, :], self._heads]  # (B, kv_heads, n, page_size, head_dim)
+        return pages.reshape(B, self.kv_heads, n * self.page_size, self.head_dim)
 
 
 class QuantizedStore:
