@@ -33,31 +33,41 @@ def parse_size(text: str | int | float) -> int:
 
 
 def available_memory() -> int:
-    """What the machine can give right now: device free memory on a GPU, available RAM on the CPU."""
+    """What the machine can give right now: device free memory on a GPU, available RAM on the CPU.
+
+    MLX 0.32 keys (mx.device_info(mx.gpu)): Metal has `max_recommended_working_set_size`
+    and `memory_size`; CUDA has `free_memory` (NVML, device-wide; cudaMemGetInfo as
+    fallback) and `total_memory`. Buffers in MLX's own cache count as available: MLX
+    reuses them, or returns them with mx.clear_cache().
+    """
     import mlx.core as mx
 
+    cached = int(mx.get_cache_memory())
     if mx.metal.is_available():
-        info = mx.device_info()
-        limit = int(info.get("max_recommended_working_set_size", info.get("memory_size", 0)))
+        info = mx.device_info(mx.gpu)
+        limit = int(info.get("max_recommended_working_set_size", 0) or info.get("memory_size", 0))
         return max(0, limit - int(mx.get_active_memory()))
     if mx.cuda.is_available():
-        try:
-            free = int(mx.device_info().get("free_memory", 0))
-            if free:
-                return free
-        except Exception:  # pragma: no cover - backend specific
-            pass
-        total = int(mx.device_info().get("memory_size", 0)) or psutil.virtual_memory().total
+        info = mx.device_info(mx.gpu)
+        if "free_memory" in info:
+            return int(info["free_memory"]) + cached
+        total = int(info.get("total_memory", 0)) or psutil.virtual_memory().total
         return max(0, total - int(mx.get_active_memory()))
-    return int(psutil.virtual_memory().available)
+    return int(psutil.virtual_memory().available) + cached
 
 
-def resolve_budget(budget: str | int, fraction: float = 0.8, headroom: str | int = "1GiB") -> int:
-    """Total bytes kvbatch may use (weights included): explicit, or `auto` = fraction of what is free."""
+def resolve_budget(budget: str | int, fraction: float = 0.8, headroom: str | int = "1GiB",
+                   resident: int = 0) -> int:
+    """Total bytes kvbatch may use (weights included): explicit, or `auto`.
+
+    auto = resident + fraction x available_memory() - headroom, where `resident` is
+    what this process already holds that the budget counts (the loaded weights:
+    they are no longer in the machine's free memory, but they are part of the budget).
+    """
     if isinstance(budget, str) and budget.strip().lower() == "auto":
         if not 0 < fraction <= 1:
             raise ValueError(f"memory.fraction must be in (0, 1], got {fraction}")
-        return max(0, int(available_memory() * fraction) - parse_size(headroom))
+        return int(resident) + max(0, int(available_memory() * fraction) - parse_size(headroom))
     return parse_size(budget)
 
 
@@ -128,9 +138,13 @@ class MemoryModel:
         """Weights + worst-case KV pages of these rows + workspace."""
         if not worst_tokens:
             return self.spec.weights_bytes
-        pages = sum(self.layout.pages_for(t) for t in worst_tokens)
-        return (self.spec.weights_bytes + pages * self.layout.page_bytes
+        kv = sum(self.layout.pages_for(t) for t in worst_tokens) * self.layout.page_bytes
+        return (self.spec.weights_bytes + kv + self.growth_transient(kv)
                 + self.workspace(len(worst_tokens), max(worst_tokens)))
+
+    def growth_transient(self, kv_bytes: int) -> int:
+        """Pool growth copies one layer at a time: one layer's new buffers coexist with the old."""
+        return -(-kv_bytes // max(self.layout.num_kv_layers, 1))
 
     def fits(self, worst_tokens: list[int]) -> bool:
         return self.bytes_for(worst_tokens) <= self.budget
@@ -146,15 +160,30 @@ class MemoryModel:
         return lo
 
     def plan(self, worst_tokens: int) -> dict:
+        """The start-up plan for rows of `worst_tokens` (prompt + max_tokens) each."""
+        n = self.rows_that_fit(worst_tokens)
+        lay = self.layout
         return {
+            "kv_mode": lay.mode,
             "budget_bytes": self.budget,
             "weights_bytes": self.spec.weights_bytes,
-            "kv_bytes_per_token": self.layout.bytes_per_token,
-            "page_bytes": self.layout.page_bytes,
+            "kv_bytes_per_token": lay.bytes_per_token,
+            "page_bytes": lay.page_bytes,
             "row_worst_tokens": worst_tokens,
-            "rows_fit": self.rows_that_fit(worst_tokens),
-            "predicted_kv_bytes_per_row": self.layout.pages_for(worst_tokens) * self.layout.page_bytes,
+            "rows_fit": n,
+            "predicted_kv_bytes_per_row": lay.pages_for(worst_tokens) * lay.page_bytes,
+            "workspace_bytes": self.workspace(max(n, 1), worst_tokens),
+            # total (weights + KV pages + growth copy + workspace) with rows_fit rows running
+            "predicted_peak_bytes": self.bytes_for([worst_tokens] * max(n, 1)),
         }
+
+
+def format_plan(plan: dict) -> str:
+    """One line for the start of a run, from MemoryModel.plan / Engine.plan."""
+    return (f"memory plan: budget {fmt_bytes(plan['budget_bytes'])}, weights {fmt_bytes(plan['weights_bytes'])}, "
+            f"KV ({plan['kv_mode']}) {plan['kv_bytes_per_token']} B/token, "
+            f"{plan['rows_fit']} rows of {plan['row_worst_tokens']} tokens fit at once "
+            f"(predicted peak {fmt_bytes(plan['predicted_peak_bytes'])})")
 
 
 def fmt_bytes(n: float) -> str:
