@@ -138,12 +138,17 @@ class PagedKVCache:
 
     def _grow(self, needed_pages: int, kv_limit_bytes: int, key: str) -> None:
         cap, pb = self.capacity_pages, self.layout.page_bytes
+        mx.clear_cache()  # buffers MLX cached (old pool layers) go back first
         free_now = available_memory()
-        for target in (max(needed_pages, 2 * cap), needed_pages):
+        # Geometric first; if the budget cannot take that, the largest pool it can take
+        # (not one page at a time: every growth copies the pool); then exactly what is needed.
+        budget_max = kv_limit_bytes * self.num_layers // ((self.num_layers + 1) * pb)
+        for target in (max(needed_pages, 2 * cap), max(needed_pages, min(2 * cap, budget_max)), needed_pages):
             transient = -(-target * pb // self.num_layers)  # one layer's new buffer coexists with the old
             if target * pb + transient <= kv_limit_bytes and (target - cap) * pb + transient <= free_now:
                 t0 = time.perf_counter()
                 self.store.grow(target)
+                mx.clear_cache()  # the old, smaller layer buffers: not kept in MLX's cache
                 self.pool.add_pages(self.capacity_pages)
                 self.peak_capacity_pages = max(self.peak_capacity_pages, self.capacity_pages)
                 self.growth_events.append({"from_pages": cap, "to_pages": self.capacity_pages,
