@@ -21,7 +21,7 @@ from engine import attention, errors
 from engine.errors import KvbatchConfigError, RowError
 from engine.gate import check_kv_mode
 from engine.kv_cache import CacheRow, PagedKVCache, trace_mode
-from engine.memory import MemoryModel, kv_layout, resolve_budget
+from engine.memory import MemoryModel, format_plan, kv_layout, resolve_budget
 from engine.sampling import RowSampler, sample_batch
 from engine.types import ModelSpec, Request, Result, RowStats
 
@@ -80,7 +80,7 @@ class Engine:
         self.model, self.tokenizer, self.spec, self.cfg = model, tokenizer, spec, cfg
         budget = cfg.memory_budget
         if budget is None:
-            budget = resolve_budget("auto", cfg.memory_fraction, cfg.memory_headroom)
+            budget = resolve_budget("auto", cfg.memory_fraction, cfg.memory_headroom, resident=spec.weights_bytes)
         self.layout = kv_layout(spec, cfg.kv_mode, cfg.page_size, cfg.group_size)
         self.memory = MemoryModel(spec, self.layout, int(budget), cfg.prefill_chunk, cfg.max_batch)
         dtype = _DTYPES[spec.dtype]
@@ -121,7 +121,12 @@ class Engine:
         return [by_key[r.key] for r in requests]
 
     def plan(self, worst_tokens: int) -> dict:
+        """Memory plan for rows of `worst_tokens` (prompt + max_tokens) each: see MemoryModel.plan."""
         return self.memory.plan(worst_tokens)
+
+    def plan_line(self, worst_tokens: int) -> str:
+        """The one-line start-up plan ("memory plan: budget ..., weights ..., KV ... B/token, N rows ...")."""
+        return format_plan(self.plan(worst_tokens))
 
     def summary(self) -> dict:
         c = self.cache
