@@ -67,6 +67,20 @@ def _forward_last(model: nn.Module, tokens: mx.array, cache: list) -> mx.array:
     return out[:, -1, :]
 
 
+def _raise_cache_limit(step_bytes: int) -> None:
+    """Let MLX keep freed buffers of one step's size for reuse (never lowers the limit).
+
+    MLX's CPU build caches at most 32 MiB of freed buffers. A decode step's temporaries
+    (every layer's gathered K/V) exceed that from batch ~8 on, and then every step maps
+    fresh pages from the OS: 8k minor faults and a 2.2x slower step at batch 32 on a
+    4M-parameter llama (benchmarks/RESULTS.md, issue 3). The memory model already prices
+    this workspace inside the budget.
+    """
+    old = mx.set_cache_limit(step_bytes)
+    if old > step_bytes:
+        mx.set_cache_limit(old)
+
+
 class Engine:
     def __init__(self, model: nn.Module, tokenizer, spec: ModelSpec, cfg: EngineConfig = EngineConfig()):
         for name, lo in (("page_size", 1), ("max_batch", 1), ("prefill_chunk", 1)):
@@ -83,6 +97,8 @@ class Engine:
             budget = resolve_budget("auto", cfg.memory_fraction, cfg.memory_headroom, resident=spec.weights_bytes)
         self.layout = kv_layout(spec, cfg.kv_mode, cfg.page_size, cfg.group_size)
         self.memory = MemoryModel(spec, self.layout, int(budget), cfg.prefill_chunk, cfg.max_batch)
+        _raise_cache_limit(min(self.memory.workspace(cfg.max_batch, spec.context_length),
+                               max(int(budget) - spec.weights_bytes, 0)))
         dtype = _DTYPES[spec.dtype]
         self.cache = PagedKVCache(self.layout, spec.num_layers, dtype, tail_slots=cfg.max_batch,
                                   upcast=dtype == mx.float16, trace=trace_mode(),
