@@ -122,46 +122,60 @@ class MemoryModel:
     prefill_chunk: int
     max_batch: int
 
-    def workspace(self, rows: int, max_tokens: int) -> int:
-        """Transient bytes of one step: gathered K/V of one layer (float32), scores, logits, tail pages."""
-        s, lay = self.spec, self.layout
-        rows = max(rows, 1)
-        gathered = 2 * rows * s.num_kv_heads * max_tokens * s.head_dim * 4
-        scores = s.num_heads * min(self.prefill_chunk, max_tokens) * max_tokens * 4
-        logits = max(rows, self.prefill_chunk) * s.vocab_size * 4
-        tails = 0
-        if lay.bits:  # the page being filled stays in full precision, one per batch slot
-            tails = self.max_batch * lay.page_size * lay.dense_bytes_per_token
-        return gathered + scores + logits + tails
+    def workspace(self, rows: int, max_tokens: int, max_prompt: int | None = None) -> int:
+        """Transient bytes of the largest step (decode and prefill never overlap), plus tail pages.
 
-    def bytes_for(self, worst_tokens: list[int]) -> int:
-        """Weights + worst-case KV pages of these rows + workspace."""
+        - decode (every row, one token): one layer's K/V of every row gathered from the
+          pages (quantized pages: gathered and made contiguous, twice their bytes; dense:
+          once, plus a float32 copy when a 2-byte dtype is upcast), float32 scores and
+          probabilities, float32 logits (the engine computes last-position logits only);
+        - prefill (one row, one chunk of up to prefill_chunk tokens at up to max_prompt
+          tokens of context; None = max_tokens): that row's K/V of one layer as stored plus
+          two float32 copies (dequantized/upcast, concatenated), the chunk's scores and
+          probabilities, its activations (about 16 hidden vectors per token), logits;
+        - quantized modes: the page each batch slot is filling, kept in full precision.
+        """
+        s, lay = self.spec, self.layout
+        rows, T = max(rows, 1), max(max_tokens, 1)
+        Tp = min(max_prompt, T) if max_prompt else T
+        c = min(self.prefill_chunk, Tp)
+        stored = lay.bytes_per_token // max(lay.num_kv_layers, 1)  # one token, one layer, K+V
+        f32 = 2 * s.num_kv_heads * s.head_dim * 4
+        per_token = 2 * stored if lay.bits else stored + (f32 if lay.dtype_bytes < 4 else 0)
+        decode = rows * T * per_token + 2 * rows * s.num_heads * T * 4 + 2 * rows * s.vocab_size * 4
+        prefill = (Tp * (stored + 2 * f32) + 2 * s.num_heads * c * Tp * 4
+                   + 16 * c * s.num_heads * s.head_dim * 4 + 2 * s.vocab_size * 4)
+        tails = self.max_batch * lay.page_size * lay.dense_bytes_per_token if lay.bits else 0
+        return max(decode, prefill) + tails
+
+    def bytes_for(self, worst_tokens: list[int], max_prompt: int | None = None) -> int:
+        """Weights + worst-case KV pages of these rows + the growth copy + workspace."""
         if not worst_tokens:
             return self.spec.weights_bytes
         kv = sum(self.layout.pages_for(t) for t in worst_tokens) * self.layout.page_bytes
         return (self.spec.weights_bytes + kv + self.growth_transient(kv)
-                + self.workspace(len(worst_tokens), max(worst_tokens)))
+                + self.workspace(len(worst_tokens), max(worst_tokens), max_prompt))
 
     def growth_transient(self, kv_bytes: int) -> int:
         """Pool growth copies one layer at a time: one layer's new buffers coexist with the old."""
         return -(-kv_bytes // max(self.layout.num_kv_layers, 1))
 
-    def fits(self, worst_tokens: list[int]) -> bool:
-        return self.bytes_for(worst_tokens) <= self.budget
+    def fits(self, worst_tokens: list[int], max_prompt: int | None = None) -> bool:
+        return self.bytes_for(worst_tokens, max_prompt) <= self.budget
 
-    def rows_that_fit(self, worst_tokens: int) -> int:
+    def rows_that_fit(self, worst_tokens: int, max_prompt: int | None = None) -> int:
         """How many rows of this worst case fit at once (for the start-up plan)."""
         lo, hi = 0, 1
-        while hi < 1_000_000 and self.fits([worst_tokens] * hi):
+        while hi < 1_000_000 and self.fits([worst_tokens] * hi, max_prompt):
             lo, hi = hi, hi * 2
         while hi - lo > 1:  # fits(lo) holds, fits(hi) does not
             mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if self.fits([worst_tokens] * mid) else (lo, mid)
+            lo, hi = (mid, hi) if self.fits([worst_tokens] * mid, max_prompt) else (lo, mid)
         return lo
 
-    def plan(self, worst_tokens: int) -> dict:
+    def plan(self, worst_tokens: int, max_prompt: int | None = None) -> dict:
         """The start-up plan for rows of `worst_tokens` (prompt + max_tokens) each."""
-        n = self.rows_that_fit(worst_tokens)
+        n = self.rows_that_fit(worst_tokens, max_prompt)
         lay = self.layout
         return {
             "kv_mode": lay.mode,
@@ -172,9 +186,9 @@ class MemoryModel:
             "row_worst_tokens": worst_tokens,
             "rows_fit": n,
             "predicted_kv_bytes_per_row": lay.pages_for(worst_tokens) * lay.page_bytes,
-            "workspace_bytes": self.workspace(max(n, 1), worst_tokens),
+            "workspace_bytes": self.workspace(max(n, 1), worst_tokens, max_prompt),
             # total (weights + KV pages + growth copy + workspace) with rows_fit rows running
-            "predicted_peak_bytes": self.bytes_for([worst_tokens] * max(n, 1)),
+            "predicted_peak_bytes": self.bytes_for([worst_tokens] * max(n, 1), max_prompt),
         }
 
 
