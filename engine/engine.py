@@ -136,13 +136,14 @@ class Engine:
         by_key = {r.key: r for r in self.run()}
         return [by_key[r.key] for r in requests]
 
-    def plan(self, worst_tokens: int) -> dict:
-        """Memory plan for rows of `worst_tokens` (prompt + max_tokens) each: see MemoryModel.plan."""
-        return self.memory.plan(worst_tokens)
+    def plan(self, worst_tokens: int, max_prompt: int | None = None) -> dict:
+        """Memory plan for rows of `worst_tokens` (prompt + max_tokens) each, prompts of at most
+        `max_prompt` tokens (None: up to worst_tokens): see MemoryModel.plan."""
+        return self.memory.plan(worst_tokens, max_prompt)
 
-    def plan_line(self, worst_tokens: int) -> str:
+    def plan_line(self, worst_tokens: int, max_prompt: int | None = None) -> str:
         """The one-line start-up plan ("memory plan: budget ..., weights ..., KV ... B/token, N rows ...")."""
-        return format_plan(self.plan(worst_tokens))
+        return format_plan(self.plan(worst_tokens, max_prompt))
 
     def summary(self) -> dict:
         c = self.cache
@@ -170,7 +171,8 @@ class Engine:
                 self.waiting.popleft()
                 self._finish(row, "error", *problem)
                 continue
-            if not self.memory.fits([r.worst for r in self.running] + [row.worst]):
+            if not self.memory.fits([r.worst for r in self.running] + [row.worst],
+                                    max(len(r.req.prompt_tokens) for r in self.running + [row])):
                 return  # waits for running rows to finish
             self.waiting.popleft()
             self.cache.admit(row.kv)
@@ -193,15 +195,16 @@ class Engine:
             self.spec.context_length, self.cfg.max_prompt_tokens)
         if n >= limit:
             return errors.PROMPT_TOO_LONG, f"prompt has {n} tokens; the limit is {limit - 1} (context {self.spec.context_length})"
-        if not self.memory.fits([row.worst]):
-            need = self.memory.bytes_for([row.worst])
+        if not self.memory.fits([row.worst], n):
+            need = self.memory.bytes_for([row.worst], n)
             return errors.INSUFFICIENT_MEMORY, (f"row needs {need} bytes at worst ({row.worst} tokens) "
                                                 f"but the budget is {self.memory.budget}")
         return None
 
     def _kv_limit(self) -> int:
         worst = [r.worst for r in self.running] or [1]
-        return self.memory.budget - self.spec.weights_bytes - self.memory.workspace(len(worst), max(worst))
+        prompt = max((len(r.req.prompt_tokens) for r in self.running), default=1)
+        return self.memory.budget - self.spec.weights_bytes - self.memory.workspace(len(worst), max(worst), prompt)
 
     def _poison(self, rows: list[_Row]) -> Optional[list[bool]]:
         inj = self.cfg.inject_nonfinite
