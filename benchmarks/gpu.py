@@ -136,6 +136,10 @@ def main() -> None:
         ctx = plen + new // 2
         row = {"batch": batch, "prompt": plen, "new": new,
                "roofline_tps": roofline(spec, kv_dense, batch, ctx, bw)}
+        # warm-up (kernel JIT for these shapes) for both sides, not measured
+        run_mlx_lm(model, ps, 8)
+        for mode in a.modes.split(","):
+            run_kvbatch(model, spec, ps, 8, mode, budget)
         row["mlx_lm_none"] = run_mlx_lm(model, ps, new)
         for mode in a.modes.split(","):
             row[f"kvbatch_{mode}"] = run_kvbatch(model, spec, ps, new, mode, budget)

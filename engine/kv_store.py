@@ -86,7 +86,14 @@ class DenseStore:
 
 
 class QuantizedStore:
-    """Completed pages quantized (affine, mx.quantize over head_dim); the filling page dense."""
+    """Completed pages quantized (affine, mx.quantize over head_dim); the filling page dense.
+
+    Pages are head-major, (pages, kv_heads, page_size, width), like DenseStore, so a
+    page-table gather yields contiguous (B, kv_heads, T, width) triplets: MLX CUDA's
+    quantized_matmul has kernels for those (not for strided ones), and the CPU path
+    avoids a transpose copy. Tails (one dense page per batch slot) are
+    (slots, kv_heads, page_size, head_dim).
+    """
 
     quantized = True
 
@@ -97,20 +104,21 @@ class QuantizedStore:
         packed, groups = head_dim * bits // 32, head_dim // group_size
 
         def empty(width, dt):
-            return mx.zeros((0, kv_heads, width), dtype=dt)
+            return mx.zeros((0, kv_heads, page_size, width), dtype=dt)
 
         # per layer: [k_w, k_scales, k_biases, v_w, v_scales, v_biases]
         self.q = [[empty(packed, mx.uint32), empty(groups, dtype), empty(groups, dtype),
                    empty(packed, mx.uint32), empty(groups, dtype), empty(groups, dtype)]
                   for _ in range(num_layers)]
-        tail_shape = (tail_slots * page_size, kv_heads, head_dim)
+        tail_shape = (tail_slots, kv_heads, page_size, head_dim)
         self.tk = [mx.zeros(tail_shape, dtype=dtype) for _ in range(num_layers)]
         self.tv = [mx.zeros(tail_shape, dtype=dtype) for _ in range(num_layers)]
+        self._heads = mx.arange(kv_heads)[None, :, None]
         mx.eval(self.tk, self.tv)
 
     @property
     def capacity_pages(self) -> int:
-        return self.q[0][0].shape[0] // self.page_size
+        return self.q[0][0].shape[0]
 
     def layer_arrays(self, layer: int) -> list[mx.array]:
         return self.q[layer] + [self.tk[layer], self.tv[layer]]
@@ -127,26 +135,33 @@ class QuantizedStore:
         return sum(a.nbytes for a in self.tk + self.tv)
 
     def grow(self, new_pages: int) -> None:
-        extra = (new_pages - self.capacity_pages) * self.page_size
+        extra = new_pages - self.capacity_pages
         for arrs in self.q:
             arrs[:] = [_grow(a, extra) for a in arrs]
 
     def _store_pages(self, layer: int, slots: mx.array, k: mx.array, v: mx.array) -> None:
-        """Quantize full-precision completed pages (N slots) into the page buffers."""
+        """Quantize full-precision tokens (N, kv_heads, head_dim) into page slots (page*P + offset)."""
         arrs = self.q[layer]
+        page, off = slots // self.page_size, slots % self.page_size
         kq = mx.quantize(k, group_size=self.group_size, bits=self.bits)
         vq = mx.quantize(v, group_size=self.group_size, bits=self.bits)
         for i, a in enumerate(kq + vq):
-            arrs[i][slots] = a.astype(arrs[i].dtype)
+            arrs[i][page, :, off] = a.astype(arrs[i].dtype)
+
+    def _tail_tokens(self, buf: mx.array, slots: mx.array) -> mx.array:
+        """Tail tokens by tail slot (tail*P + offset) -> (N, kv_heads, head_dim)."""
+        return buf[slots // self.page_size, :, slots % self.page_size]
 
     def write_tokens(self, layer: int, tail_slots: mx.array, k: mx.array, v: mx.array) -> None:
         """One new token per row into its tail page (decode). k, v: (B, kv_heads, head_dim)."""
-        self.tk[layer][tail_slots] = k.astype(self.dtype)
-        self.tv[layer][tail_slots] = v.astype(self.dtype)
+        t, off = tail_slots // self.page_size, tail_slots % self.page_size
+        self.tk[layer][t, :, off] = k.astype(self.dtype)
+        self.tv[layer][t, :, off] = v.astype(self.dtype)
 
-    def seal_tails(self, layer: int, tail_pages: mx.array, page_slots: mx.array) -> None:
-        """Quantize whole tail pages (ids tail_pages) into pool slots page_slots (both slot indices)."""
-        self._store_pages(layer, page_slots, self.tk[layer][tail_pages], self.tv[layer][tail_pages])
+    def seal_tails(self, layer: int, tail_slots: mx.array, page_slots: mx.array) -> None:
+        """Quantize whole tail pages (token slots tail_slots) into pool token slots page_slots."""
+        self._store_pages(layer, page_slots, self._tail_tokens(self.tk[layer], tail_slots),
+                          self._tail_tokens(self.tv[layer], tail_slots))
 
     def write_run(self, layer: int, tail: int, fill: int, page_slots: mx.array | None,
                   k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
@@ -158,33 +173,27 @@ class QuantizedStore:
         wrote it attends to it unquantized, as mlx-lm's prefill does.
         """
         P = self.page_size
-        base = tail * P
         if fill:
-            k = mx.concatenate([self.tk[layer][base:base + fill], k.astype(self.dtype)])
-            v = mx.concatenate([self.tv[layer][base:base + fill], v.astype(self.dtype)])
+            k = mx.concatenate([self.tk[layer][tail, :, :fill].swapaxes(0, 1), k.astype(self.dtype)])
+            v = mx.concatenate([self.tv[layer][tail, :, :fill].swapaxes(0, 1), v.astype(self.dtype)])
         n_done = (k.shape[0] // P) * P
         if n_done:
             self._store_pages(layer, page_slots, k[:n_done], v[:n_done])
         rest = k.shape[0] - n_done
         if rest:
-            self.tk[layer][base:base + rest] = k[n_done:].astype(self.dtype)
-            self.tv[layer][base:base + rest] = v[n_done:].astype(self.dtype)
+            self.tk[layer][tail, :, :rest] = k[n_done:].swapaxes(0, 1).astype(self.dtype)
+            self.tv[layer][tail, :, :rest] = v[n_done:].swapaxes(0, 1).astype(self.dtype)
         return k, v
 
     def gather_quantized(self, layer: int, table: mx.array) -> list[mx.array]:
-        """Quantized K/V triplets of the pages in table, as (B, kv_heads, T, width) each."""
+        """Quantized K/V triplets of the pages in table, as contiguous (B, kv_heads, T, width) each."""
         B, n = table.shape
         out = []
         for a in self.q[layer]:
-            pages = a.reshape(-1, self.page_size, *a.shape[1:])[table]
-            out.append(pages.reshape(B, n * self.page_size, *a.shape[1:]).transpose(0, 2, 1, 3))
+            pages = a[table[:, None, :], self._heads]  # (B, kv_heads, n, P, width)
+            out.append(pages.reshape(B, self.kv_heads, n * self.page_size, a.shape[-1]))
         return out
 
     def gather_tails(self, layer: int, tails: mx.array) -> tuple[mx.array, mx.array]:
         """Tail pages of the rows: (B, kv_heads, page_size, head_dim) each."""
-        P = self.page_size
-
-        def take(a):
-            return a.reshape(-1, P, *a.shape[1:])[tails].transpose(0, 2, 1, 3)
-
-        return take(self.tk[layer]), take(self.tv[layer])
+        return self.tk[layer][tails], self.tv[layer][tails]

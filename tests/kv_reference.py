@@ -65,11 +65,12 @@ class StoredPagesRefCache(KVCache):
         self.P = store.page_size
 
     def _stored(self, which: int, n_pages: int, dtype) -> mx.array:
-        P = self.P
-        slots = mx.array([p * P + i for p in self.pages[:n_pages] for i in range(P)])
-        w, s, b = (self.store.q[self.layer][which + j][slots] for j in range(3))
+        pages = mx.array(self.pages[:n_pages])
+        # buffers are (pages, kv_heads, page_size, width): pages in order, then tokens
+        w, s, b = (self.store.q[self.layer][which + j][pages] for j in range(3))
         deq = mx.dequantize(w, s, b, group_size=self.store.group_size, bits=self.store.bits)
-        return deq.transpose(1, 0, 2)[None].astype(dtype)  # (1, Hkv, n, D)
+        n, H, P, D = deq.shape
+        return deq.transpose(1, 0, 2, 3).reshape(1, H, n * P, D).astype(dtype)  # (1, Hkv, n*P, D)
 
     def update_and_fetch(self, keys, values):
         n_pages = self.offset // self.P  # pages sealed before this call

@@ -83,9 +83,8 @@ class PageSnapshots:
 
         def keep(row):
             if row.pages:
-                P = self.src.page_size
-                slots = mx.array([p * P + i for p in row.pages for i in range(P)])
-                q = [[a[slots] for a in layer] for layer in self.src.q]
+                pages = mx.array(row.pages)  # buffers are (pages, kv_heads, page_size, width)
+                q = [[a[pages] for a in layer] for layer in self.src.q]
                 mx.eval(q)
                 self.rows[row.key] = (q, row.length)
             release(row)
@@ -98,7 +97,7 @@ class PageSnapshots:
         return SimpleNamespace(q=q, page_size=s.page_size, group_size=s.group_size, bits=s.bits)
 
     def n_pages(self, key: str) -> int:
-        return len(self.rows[key][0][0][0]) // self.src.page_size
+        return self.rows[key][0][0][0].shape[0]
 
 
 def _quant_ref(model, prompt, forced, page, bits, group, chunk):
@@ -123,8 +122,9 @@ def _first_flip(snap: PageSnapshots, key: str, ref_caches, page: int, bits: int,
             raw = raw[0, :, : n_sealed * page].transpose(1, 0, 2)  # (T, H, D)
             rq = mx.quantize(raw, group_size=group, bits=bits)
             ref = mx.dequantize(*rq, group_size=group, bits=bits)
-            eng = mx.dequantize(*(a[: n_sealed * page] for a in q[layer][which:which + 3]),
-                                group_size=group, bits=bits)
+            eng = mx.dequantize(*(a[:n_sealed] for a in q[layer][which:which + 3]),
+                                group_size=group, bits=bits)  # (pages, H, P, D) -> (T, H, D)
+            eng = eng.transpose(0, 2, 1, 3).reshape(n_sealed * page, *eng.shape[1::2])
             diff = mx.abs(eng - ref)
             step = mx.abs(mx.repeat(rq[1], group, axis=-1))  # each element's quantization step (scales may be < 0)
             assert (diff <= 1.01 * step + 1e-5).all().item(), "stored page differs by more than one step"
