@@ -75,6 +75,15 @@ class DenseStore:
         self.k[layer][page, :, off] = k.astype(self.dtype)
         self.v[layer][page, :, off] = v.astype(self.dtype)
 
+    def clear_pages(self, pages: list[int]) -> None:
+        """Zero these pages in every layer (a row that ended non-finite leaves no NaN behind:
+        masked slots still meet attention's probs @ V, and 0 * NaN is NaN)."""
+        idx = mx.array(pages, dtype=mx.int32)
+        for i in range(len(self.k)):
+            self.k[i][idx] = 0
+            self.v[i][idx] = 0
+        mx.eval(self.k, self.v)
+
     def gather(self, layer: int, table: mx.array) -> tuple[mx.array, mx.array]:
         """table (B, max_pages) -> K, V as (B, kv_heads, max_pages*page_size, head_dim), contiguous."""
         return self._take(self.k[layer], table), self._take(self.v[layer], table)
@@ -151,6 +160,21 @@ class QuantizedStore:
     def _tail_tokens(self, buf: mx.array, slots: mx.array) -> mx.array:
         """Tail tokens by tail slot (tail*P + offset) -> (N, kv_heads, head_dim)."""
         return buf[slots // self.page_size, :, slots % self.page_size]
+
+    def clear_pages(self, pages: list[int]) -> None:
+        """Zero these pages in every layer (see DenseStore.clear_pages)."""
+        idx = mx.array(pages, dtype=mx.int32)
+        for arrs in self.q:
+            for a in arrs:
+                a[idx] = 0
+        mx.eval([a for arrs in self.q for a in arrs])
+
+    def clear_tail(self, tail: int) -> None:
+        """Zero one tail page in every layer."""
+        for i in range(len(self.tk)):
+            self.tk[i][tail] = 0
+            self.tv[i][tail] = 0
+        mx.eval(self.tk, self.tv)
 
     def write_tokens(self, layer: int, tail_slots: mx.array, k: mx.array, v: mx.array) -> None:
         """One new token per row into its tail page (decode). k, v: (B, kv_heads, head_dim)."""
