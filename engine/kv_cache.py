@@ -128,7 +128,14 @@ class PagedKVCache:
             row.peak_pages = max(row.peak_pages, len(row.pages))
         row.reserved = max(row.reserved, need_tokens)
 
-    def release(self, row: CacheRow) -> None:
+    def release(self, row: CacheRow, scrub: bool = False) -> None:
+        """Give the row's pages (and tail) back. scrub: zero them first (a row that ended in
+        error may hold NaN/inf K/V; the next owner's masked slots must not carry it)."""
+        if scrub:
+            if row.pages:
+                self.store.clear_pages(row.pages)
+            if row.tail is not None:
+                self.store.clear_tail(row.tail)
         self.pool.free(row.pages)
         row.pages = []
         row.reserved = row.length = 0
@@ -185,6 +192,9 @@ class PagedKVCache:
         table = np.zeros((len(rows), width), dtype=np.int32)
         for i, r in enumerate(rows):
             table[i, : n_pages[i]] = r.pages[: n_pages[i]]
+            # padding repeats the row's own first page (masked out): never another row's page,
+            # whose K/V may be NaN in this very pass (masked slots still meet probs @ V)
+            table[i, n_pages[i]:] = r.pages[0] if r.pages else 0
         return mx.array(table)
 
     def _slots(self, r: CacheRow, start: int, stop: int) -> np.ndarray:
