@@ -1,0 +1,326 @@
+"""Memory budget with a pre-allocation check (issue 6), on tiny random models.
+
+- a row that can never fit the budget ends `insufficient_memory` before any page is
+  allocated for it; the others complete;
+- a budget that fits two rows at a time runs eight rows two at a time;
+- predicted KV bytes against the live buffers (MLX's own allocator count) for none/q8/q4;
+- sizes and budgets (`auto` on the CPU), the start-up plan line;
+- pool growth refused by the live free-memory check or by the budget: the row whose
+  growth was refused ends `insufficient_memory`, nothing else moves.
+"""
+from __future__ import annotations
+
+import math
+import re
+
+import engine  # noqa: F401  (OpenBLAS before mlx)
+import mlx.core as mx
+import psutil
+import pytest
+
+import engine.kv_cache as kv_cache_mod
+import engine.memory as memory_mod
+from engine.engine import Engine, EngineConfig
+from engine.errors import INSUFFICIENT_MEMORY, RowError
+from engine.kv_cache import CacheRow, PagedKVCache
+from engine.memory import MemoryModel, format_plan, kv_layout, parse_size, resolve_budget
+from engine.types import Request, SamplingParams
+
+BIG = 2 << 30
+
+
+class NoEos:
+    """The tiny tokenizer with EOS switched off: every row runs to max_tokens."""
+
+    eos_token_ids: list[int] = []
+
+    def __init__(self, tok):
+        self._tok = tok
+
+    def decode(self, tokens):
+        return self._tok.decode(tokens)
+
+
+def prompt(n: int, salt: int = 0) -> list[int]:
+    return [(37 * salt + 13 * j + 5) % 256 for j in range(n)]
+
+
+def make_engine(m, budget, **cfg) -> Engine:
+    model, tok, spec = m
+    return Engine(model, NoEos(tok), spec, EngineConfig(memory_budget=budget, **cfg))
+
+
+def memory_model(spec, mode="none", page_size=16, group_size=64, prefill_chunk=512, max_batch=8) -> MemoryModel:
+    """The engine's memory model for a config, before any engine exists (budget 0: pricing only)."""
+    return MemoryModel(spec, kv_layout(spec, mode, page_size, group_size), 0, prefill_chunk, max_batch)
+
+
+def spy_cache(eng) -> dict:
+    """Record which row keys were admitted to the cache and reserved pages."""
+    seen = {"admit": [], "reserve": []}
+    admit, reserve = eng.cache.admit, eng.cache.reserve
+
+    def admit_spy(row):
+        seen["admit"].append(row.key)
+        return admit(row)
+
+    def reserve_spy(row, n, limit):
+        seen["reserve"].append(row.key)
+        return reserve(row, n, limit)
+
+    eng.cache.admit, eng.cache.reserve = admit_spy, reserve_spy
+    return seen
+
+
+def all_pages_free(eng) -> None:
+    pool = eng.cache.pool
+    assert pool.in_use == 0 and pool.num_free == pool.capacity == eng.cache.capacity_pages
+
+
+# ---- a row too big for the budget ---------------------------------------------------------
+@pytest.mark.parametrize("mode", ["none", "q8"])
+def test_row_that_can_never_fit_is_refused_before_any_page(tiny_model, mode):
+    m = tiny_model()
+    spec = m[2]
+    P, small, big_max = 8, 20, 1900
+    mm = memory_model(spec, mode, page_size=P, max_batch=4)
+    budget = mm.bytes_for([10 + small] * 3, 10)  # three small rows at once, no more
+    assert mm.bytes_for([10 + big_max], 10) > budget  # the big row cannot fit even alone
+
+    eng = make_engine(m, budget, kv_mode=mode, page_size=P, max_batch=4)
+    seen = spy_cache(eng)
+    keys = ["a", "big", "b", "c"]
+    for i, k in enumerate(keys):
+        eng.submit(Request(k, prompt(10, i), SamplingParams(max_tokens=big_max if k == "big" else small)))
+    big_kv = next(r.kv for r in eng.waiting if r.req.key == "big")
+    res = {r.key: r for r in eng.run()}
+
+    bad = res["big"]
+    assert (bad.finish_reason, bad.error_code) == ("error", INSUFFICIENT_MEMORY)
+    assert re.search(r"needs \d+ bytes .* budget is \d+", bad.error_message)
+    assert bad.tokens == [] and bad.stats.peak_kv_bytes == 0
+    # no page, no tail, no reservation, never admitted to the cache
+    assert big_kv.peak_pages == 0 and big_kv.pages == [] and big_kv.tail is None
+    assert "big" not in seen["admit"] and "big" not in seen["reserve"]
+    for k in ("a", "b", "c"):
+        assert res[k].ok and res[k].finish_reason == "length" and len(res[k].tokens) == small
+    s = eng.summary()
+    assert s["peak_concurrency"] == 3
+    # the pool never held more than the small rows' pages
+    assert s["peak_pages_in_use"] <= 3 * math.ceil((10 + small) / P)
+    assert s["rows_by_error_code"] == {"ok": 3, INSUFFICIENT_MEMORY: 1}
+    all_pages_free(eng)
+
+
+# ---- a budget for two rows, eight rows ------------------------------------------------------
+def test_budget_for_two_rows_runs_eight_two_at_a_time(tiny_model):
+    m = tiny_model()
+    P, plen, new = 8, 12, 40
+    worst = plen + new
+    mm = memory_model(m[2], page_size=P, max_batch=8)
+    budget = mm.bytes_for([worst] * 2, plen)
+    assert mm.bytes_for([worst] * 3, plen) > budget
+    reqs = [Request(f"r{i}", prompt(plen, i), SamplingParams(max_tokens=new)) for i in range(8)]
+
+    eng = make_engine(m, budget, page_size=P, max_batch=8)
+    assert eng.plan(worst, plen)["rows_fit"] == 2
+    running = []
+    step = eng._decode_step
+
+    def watch():
+        running.append(len(eng.running))
+        step()
+
+    eng._decode_step = watch
+    res = eng.generate(reqs)
+    assert all(r.ok and r.finish_reason == "length" and len(r.tokens) == new for r in res)
+    assert eng.summary()["peak_concurrency"] == 2 and max(running) == 2 and min(running) >= 1
+    all_pages_free(eng)
+
+    # the same tokens as with room for all eight at once
+    free = make_engine(m, BIG, page_size=P, max_batch=8)
+    assert [r.tokens for r in free.generate(reqs)] == [r.tokens for r in res]
+    assert free.summary()["peak_concurrency"] == 8
+
+
+# ---- predicted KV bytes against the live buffers --------------------------------------------
+@pytest.mark.parametrize("mode", ["none", "q8", "q4"])
+def test_predicted_kv_bytes_match_live_buffers(tiny_model, mode):
+    m = tiny_model()
+    spec = m[2]
+    P, tail_slots, pages = 16, 4, 96
+    lay = kv_layout(spec, mode, P, 64)
+    mm = memory_model(spec, mode, page_size=P, max_batch=tail_slots)
+
+    # 1. the store alone, measured by MLX's allocator
+    mx.eval()
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    cache = PagedKVCache(lay, spec.num_layers, mx.float32, tail_slots=tail_slots, upcast=False)
+    mx.clear_cache()
+    tails = mx.get_active_memory() - base
+    row = CacheRow("x")
+    cache.reserve(row, pages * P, BIG)
+    mx.clear_cache()
+    kv_live = mx.get_active_memory() - base - tails
+    assert cache.capacity_pages == pages
+    predicted = pages * lay.page_bytes  # == pages * P * bytes_per_token
+    assert cache.store.nbytes == predicted  # the buffers' own nbytes: exact
+    assert abs(kv_live - predicted) <= 0.10 * predicted, (kv_live, predicted)
+    if lay.bits:  # the full-precision tail pages: the workspace's tail term
+        predicted_tails = tail_slots * P * lay.dense_bytes_per_token
+        assert cache.store.tail_nbytes == predicted_tails
+        assert abs(tails - predicted_tails) <= 0.10 * predicted_tails
+        assert mm.workspace(1, 1) >= predicted_tails
+    cache.release(row)
+    del cache
+
+    # 2. one row through the engine: its held KV against bytes_per_token x tokens, and the plan
+    P = 4
+    plen, new = 40, 560
+    eng = make_engine(m, BIG, kv_mode=mode, page_size=P, max_batch=1)
+    (res,) = eng.generate([Request("r", prompt(plen), SamplingParams(max_tokens=new))])
+    assert res.ok and len(res.tokens) == new
+    stored = plen + new - 1  # the last sampled token is never written
+    lay = eng.layout
+    by_tokens = stored * lay.bytes_per_token
+    assert abs(res.stats.peak_kv_bytes - by_tokens) <= 0.10 * by_tokens, (res.stats.peak_kv_bytes, by_tokens)
+    s = eng.summary()
+    held = s["peak_pages_in_use"] * lay.page_bytes
+    planned = eng.plan(plen + new, plen)["predicted_kv_bytes_per_row"]
+    assert abs(held - planned) <= 0.10 * planned and held <= planned
+    assert eng.cache.store.nbytes == s["pool_capacity_pages"] * lay.page_bytes
+
+
+# ---- sizes, budgets, plan ------------------------------------------------------------------
+def test_parse_size_and_resolve_budget():
+    assert parse_size("8GiB") == 8 << 30
+    assert parse_size("512MiB") == 512 << 20
+    assert parse_size("2GB") == 2_000_000_000
+    assert parse_size(" 1.5 GiB ") == int(1.5 * (1 << 30))
+    assert parse_size(12345) == parse_size("12345") == 12345
+    assert resolve_budget("4GiB") == 4 << 30
+    for bad in ("lots", "", "GiB", "8 parsecs", "-1GiB", "1e9"):
+        with pytest.raises(ValueError, match="not a size"):
+            parse_size(bad)
+    with pytest.raises(ValueError, match="not a size"):
+        resolve_budget("lots")
+    with pytest.raises(ValueError, match=">= 0"):
+        parse_size(-5)
+    for fraction in (0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="memory.fraction"):
+            resolve_budget("auto", fraction=fraction)
+    with pytest.raises(ValueError, match="not a size"):
+        resolve_budget("auto", 0.5, headroom="lots")
+
+
+def test_auto_budget_on_cpu_is_available_ram_times_fraction_minus_headroom(tiny_model, monkeypatch):
+    # the CPU branch reads psutil's available RAM (plus what MLX keeps in its own buffer cache)
+    assert not mx.metal.is_available() and not mx.cuda.is_available()
+    a = memory_mod.available_memory()
+    b = psutil.virtual_memory().available + mx.get_cache_memory()
+    assert abs(a - b) < (256 << 20)
+
+    monkeypatch.setattr(memory_mod, "available_memory", lambda: 8 << 30)
+    assert resolve_budget("auto", 0.5, "1GiB") == 3 << 30
+    assert resolve_budget(" AUTO ", 0.5, "1GiB", resident=100) == (3 << 30) + 100
+    assert resolve_budget("auto", 0.1, "1GiB") == 0  # never negative
+    # the engine's auto budget counts the loaded weights (they are no longer "available")
+    m = tiny_model()
+    eng = Engine(m[0], NoEos(m[1]), m[2], EngineConfig(memory_budget=None, memory_fraction=0.5,
+                                                       memory_headroom="1GiB"))
+    assert eng.memory.budget == m[2].weights_bytes + (3 << 30) and m[2].weights_bytes > 0
+
+
+def test_available_memory_gpu_branches_use_mlx_032_device_info_keys(monkeypatch):
+    """Metal: recommended working set minus MLX's active memory; CUDA: free_memory (NVML) plus
+    MLX's cache, or total_memory minus active. Keys as in mlx 0.32.4's mlx/device.h."""
+    monkeypatch.setattr(mx, "get_active_memory", lambda: 2 << 30)
+    monkeypatch.setattr(mx, "get_cache_memory", lambda: 1 << 30)
+    monkeypatch.setattr(mx.metal, "is_available", lambda: True)
+    monkeypatch.setattr(mx, "device_info", lambda d=None: {"max_recommended_working_set_size": 10 << 30,
+                                                           "memory_size": 16 << 30})
+    assert memory_mod.available_memory() == 8 << 30
+    monkeypatch.setattr(mx.metal, "is_available", lambda: False)
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(mx, "device_info", lambda d=None: {"free_memory": 5 << 30, "total_memory": 80 << 30})
+    assert memory_mod.available_memory() == 6 << 30
+    monkeypatch.setattr(mx, "device_info", lambda d=None: {"total_memory": 80 << 30})
+    assert memory_mod.available_memory() == 78 << 30
+
+
+def test_plan_line(tiny_model):
+    m = tiny_model()
+    spec = m[2]
+    mm = memory_model(spec, "q4", page_size=16, max_batch=4)
+    budget = mm.bytes_for([1000] * 5, 100)
+    eng = make_engine(m, budget, kv_mode="q4", page_size=16, max_batch=4)
+    plan = eng.plan(1000, 100)
+    assert plan["rows_fit"] == 5 and plan["budget_bytes"] == budget
+    assert plan["kv_bytes_per_token"] == eng.layout.bytes_per_token
+    assert plan["predicted_peak_bytes"] == budget
+    line = eng.plan_line(1000, 100)
+    assert line == format_plan(plan) and "\n" not in line
+    assert f"{eng.layout.bytes_per_token} B/token" in line and "5 rows of 1000 tokens fit at once" in line
+    assert line.startswith("memory plan: budget ") and "weights " in line and "KV (q4)" in line
+
+
+# ---- pool growth refused --------------------------------------------------------------------
+def test_growth_refused_by_live_free_memory(tiny_model, monkeypatch):
+    m = tiny_model()
+    P = 4
+    eng = make_engine(m, BIG, page_size=P, max_batch=3)
+    (warm,) = eng.generate([Request("warm", prompt(8, 9), SamplingParams(max_tokens=56))])
+    assert warm.ok and eng.cache.capacity_pages == 16  # 63 tokens stored: 16 pages
+    growths = len(eng.summary()["growth_events"])
+
+    monkeypatch.setattr(kv_cache_mod, "available_memory", lambda: 0)  # the machine has nothing left
+    reqs = [Request("s1", prompt(8, 1), SamplingParams(max_tokens=12)),
+            Request("s2", prompt(8, 2), SamplingParams(max_tokens=12)),
+            Request("long", prompt(8, 3), SamplingParams(max_tokens=100))]
+    res = {r.key: r for r in eng.generate(reqs)}
+    for k in ("s1", "s2"):  # 5 pages each, beside long's first 5: 15 of the 16 pages
+        assert res[k].ok and len(res[k].tokens) == 12
+    bad = res["long"]
+    assert (bad.finish_reason, bad.error_code) == ("error", INSUFFICIENT_MEMORY)
+    assert "refused" in bad.error_message and "machine free 0B" in bad.error_message
+    assert len(bad.tokens) == 16 * P - 8 + 1  # it ran until it needed a 17th page
+    s = eng.summary()
+    assert eng.cache.capacity_pages == 16 and len(s["growth_events"]) == growths  # nothing grew
+    all_pages_free(eng)
+
+    # what it produced before the refusal is what an unconstrained run produces
+    monkeypatch.undo()
+    free = make_engine(m, BIG, page_size=P, max_batch=3)
+    (ref,) = free.generate([reqs[2]])
+    assert ref.tokens[:len(bad.tokens)] == bad.tokens
+
+
+def test_growth_within_budget_and_refusal_moves_nothing(tiny_model):
+    spec = tiny_model()[2]
+    P = 8
+    lay = kv_layout(spec, "none", P, 64)
+    L, pb = spec.num_layers, lay.page_bytes
+    cache = PagedKVCache(lay, L, mx.float32, tail_slots=2, upcast=False)
+    a = CacheRow("a")
+    cache.reserve(a, 8 * P, BIG)
+    assert cache.capacity_pages == 8
+    a.length = 8 * P  # as if a forward pass stored them
+
+    # doubling (16 pages) exceeds the budget: the pool grows to the most the budget takes (12), not to 9
+    limit = 12 * pb + math.ceil(12 * pb / L)  # 12 pages + the one-layer growth copy
+    cache.reserve(a, 1, limit)
+    assert cache.capacity_pages == 12 and len(a.pages) == 9
+    assert [(e["from_pages"], e["to_pages"]) for e in cache.growth_events][-1] == (8, 12)
+
+    # a reservation the budget cannot take: refused, nothing moved
+    b = CacheRow("b")
+    before = (cache.capacity_pages, cache.pool.in_use, cache.pool.num_free, len(cache.growth_events))
+    with pytest.raises(RowError) as e:
+        cache.reserve(b, 10 * P, limit)
+    assert e.value.code == INSUFFICIENT_MEMORY and "refused" in e.value.message
+    assert b.pages == [] and b.reserved == 0 and b.peak_pages == 0
+    assert (cache.capacity_pages, cache.pool.in_use, cache.pool.num_free, len(cache.growth_events)) == before
+    # what fits without growing is still given
+    cache.reserve(b, 3 * P, limit)
+    assert len(b.pages) == 3 and cache.capacity_pages == 12
