@@ -317,7 +317,10 @@ class Engine:
         peak_kv = row.kv.peak_pages * self.layout.page_bytes
         if row.kv.tail is not None or (self.layout.bits and row.kv.peak_pages):
             peak_kv += self.layout.page_size * self.layout.dense_bytes_per_token
-        self.cache.release(row.kv, scrub=reason == "error")
+        if reason == "error":  # its K/V may be NaN/inf: zeroed before the pages are reused
+            self.cache.release(row.kv, scrub=True)
+        else:
+            self.cache.release(row.kv)
         text = self.tokenizer.decode(row.out) if row.out else ""
         if reason == "stop" and row.req.sampling.stop:
             for s in row.req.sampling.stop:
