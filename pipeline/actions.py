@@ -1,0 +1,183 @@
+"""The actions behind `action=`: run (enqueue + work + finalize), enqueue, work, status, finalize.
+
+Everything that can fail on config or input (bad values, missing file, unknown
+format, missing column) happens before the model loads; the model loads only
+when the queue has rows to generate, so re-running a finished job is instant.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import OmegaConf
+
+from pipeline import summary as summ
+from pipeline.config import Config, ConfigError, as_dict, config_hash, parse_injection
+from pipeline.finalize import Finalized, finalize
+from pipeline.inputs import read_rows, resolve_input
+from pipeline.progress import Progress
+from pipeline.queue import Queue
+from pipeline.worker import Runtime, WorkStats, Worker
+
+QUEUE = "queue.sqlite"
+
+
+@dataclass
+class Job:
+    cfg: Config
+    input_path: Path
+    out_dir: Path
+    config_hash: str
+
+    @property
+    def queue_path(self) -> Path:
+        return self.out_dir / QUEUE
+
+
+def job_for(cfg: Config) -> Job:
+    """Where this config's rows come from and where its results go (<root>/<job>/<config hash>)."""
+    path = resolve_input(cfg.job.input)
+    h = config_hash(cfg, str(path))
+    out = Path(cfg.output.dir) if cfg.output.dir else Path(cfg.output.root) / cfg.job.name / h
+    return Job(cfg, path, out.resolve(), h)
+
+
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def enqueue(job: Job) -> tuple[Queue, int, int]:
+    """Read the input (ConfigError on file-level problems) and enqueue it; (queue, rows, new rows)."""
+    rows = read_rows(job.input_path, job.cfg.job.format, job.cfg.job)
+    job.out_dir.mkdir(parents=True, exist_ok=True)
+    (job.out_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(job.cfg)))
+    q = Queue(job.queue_path)
+    q.set_meta("config_hash", job.config_hash)
+    q.set_meta("input", str(job.input_path))
+    return q, len(rows), q.enqueue(rows)
+
+
+def load_runtime(cfg: Config) -> Runtime:
+    """Load the model and build the first engine now, so a bad model or KV mode fails at start."""
+    from engine import Engine, EngineConfig, load_model
+    from engine.memory import parse_size
+    from pipeline.prompts import check_template
+
+    model, tokenizer, spec = load_model(cfg.model)
+    check_template(tokenizer, cfg.job.chat_template)
+    budget = None if cfg.memory.budget.strip().lower() == "auto" else parse_size(cfg.memory.budget)
+    ecfg = EngineConfig(kv_mode=cfg.kv.mode, page_size=cfg.kv.page_size, group_size=cfg.kv.group_size,
+                        max_batch=cfg.engine.max_batch, prefill_chunk=cfg.engine.prefill_chunk,
+                        memory_budget=budget, memory_fraction=cfg.memory.fraction,
+                        memory_headroom=cfg.memory.headroom, allow_unvalidated=cfg.kv.allow_unvalidated,
+                        max_prompt_tokens=cfg.job.max_prompt_tokens,
+                        inject_nonfinite=parse_injection(cfg.debug.inject_nonfinite))
+    first = [Engine(model, tokenizer, spec, ecfg)]
+
+    def make_engine():
+        return first.pop() if first else Engine(model, tokenizer, spec, ecfg)
+
+    return Runtime(tokenizer=tokenizer, model_name=spec.name, make_engine=make_engine)
+
+
+def work(job: Job, q: Queue) -> Optional[WorkStats]:
+    """Generate every claimable row; None when there was nothing to do (the model never loads)."""
+    counts = q.counts()
+    todo = counts["pending"] + counts["leased"]
+    if not todo:
+        return None
+    runtime = load_runtime(job.cfg)
+    progress = Progress(todo, job.cfg.output.progress)
+    try:
+        stats = Worker(job.cfg, q, job.out_dir / "parts", runtime, progress=progress).run()
+    finally:
+        progress.close()
+    if stats.stopped_by_deadline:
+        left = q.counts()
+        say(f"kvbatch: deadline reached; {left['pending'] + left['leased']} rows remain queued "
+            f"(run the same command again to continue)")
+    return stats
+
+
+def finish(job: Job, q: Queue, stats: Optional[WorkStats]) -> tuple[Finalized, dict]:
+    from engine.blas import blas_in_use
+
+    meta = {"kvbatch.config": json.dumps(as_dict(job.cfg), default=str),
+            "kvbatch.config_hash": job.config_hash,
+            **{f"{k}.version": v for k, v in summ.versions().items()}}
+    fin = finalize(job.out_dir, q, meta)
+    for name, why in fin.bad_parts.items():
+        say(f"kvbatch: corrupt part moved to parts/corrupt/: {why}")
+    if fin.requeued:
+        say(f"kvbatch: {len(fin.requeued)} finished rows lost their part; they are queued again")
+    run = {"rows": stats.rows, "tokens": stats.tokens, "wall_s": stats.wall_s} if stats else None
+    extra = {"job": job.cfg.job.name, "model": job.cfg.model.name, "kv_mode": job.cfg.kv.mode,
+             "config_hash": job.config_hash, "output_dir": str(job.out_dir), "results": str(fin.path),
+             "blas": blas_in_use(), "versions": summ.versions()}
+    s = summ.build(fin.table, q.counts(), q.sessions(), run, extra)
+    summ.write(job.out_dir / "summary.json", s)
+    return fin, s
+
+
+def run(job: Job) -> Path:
+    q, n_rows, added = enqueue(job)
+    if n_rows == 0:
+        print(f"kvbatch: {job.input_path} has no rows; writing an empty results file")
+    elif added < n_rows:
+        say(f"kvbatch: {n_rows - added} of {n_rows} rows were already queued in {job.out_dir}")
+    t0 = time.perf_counter()
+    stats = work(job, q)
+    if stats is None and n_rows:
+        say("kvbatch: every row is already finished; nothing to generate")
+    fin, s = finish(job, q, stats)
+    if fin.requeued:  # lost parts: generate those rows again, once
+        more = work(job, q)
+        if more:
+            stats = more if stats is None else WorkStats(stats.rows + more.rows, stats.tokens + more.tokens,
+                                                         time.perf_counter() - t0)
+        fin, s = finish(job, q, stats)
+    print(summ.one_line(s))
+    print(fin.path)
+    return fin.path
+
+
+def status(job: Job) -> None:
+    if not job.queue_path.exists():
+        print(f"kvbatch: no queue in {job.out_dir} yet (run action=enqueue or action=run)")
+        return
+    q = Queue(job.queue_path)
+    c, errs = q.counts(), q.error_counts()
+    print(f"queue {job.queue_path}")
+    print("rows: " + ", ".join(f"{k} {v}" for k, v in c.items()) + f"; remaining {c['pending'] + c['leased']}")
+    if errs:
+        print("errors: " + ", ".join(f"{k} {v}" for k, v in errs.items()))
+    last = next((s for s in reversed(q.sessions()) if s["wall_s"]), None)
+    if last:
+        print(f"last run: worker {last['worker']}, {last['rows']} rows, {last['tokens']} tokens in "
+              f"{last['wall_s']:.1f}s ({last['rows'] / last['wall_s']:.2f} rows/s)")
+
+
+def execute(cfg: Config) -> Optional[Path]:
+    """Run the configured action; returns results.parquet's path when one was written."""
+    job = job_for(cfg)
+    if cfg.action == "run":
+        return run(job)
+    if cfg.action == "enqueue":
+        _, n, added = enqueue(job)
+        print(f"kvbatch: {added} new of {n} rows queued in {job.queue_path}")
+        return None
+    if cfg.action == "status":
+        status(job)
+        return None
+    if not job.queue_path.exists():
+        raise ConfigError(f"action={cfg.action}: no queue in {job.out_dir}; run action=enqueue (or run) first")
+    q = Queue(job.queue_path)
+    stats = work(job, q) if cfg.action == "work" else None
+    fin, s = finish(job, q, stats)
+    print(summ.one_line(s))
+    print(fin.path)
+    return fin.path

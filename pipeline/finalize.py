@@ -1,0 +1,87 @@
+"""Finalize: results.parquet from the durable parts, each input row exactly once, in input order.
+
+The queue says which part holds each finished row; a row found in a part but not
+acknowledged (its worker died between the rename and the ack) is adopted, not run
+again; a finished row whose part is missing or corrupt goes back to the queue, so
+it is generated again and never silently dropped. Duplicates (a row generated
+twice) are resolved to the part the queue acknowledged.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from pipeline.parts import SCHEMA, clean_temp, quarantine, scan, to_table, write_atomic
+from pipeline.queue import Queue
+
+RESULTS = "results.parquet"
+
+
+@dataclass
+class Finalized:
+    path: Path
+    rows: int = 0  # rows written
+    remaining: int = 0  # manifest rows with no result yet (pending / leased)
+    requeued: list[str] = field(default_factory=list)  # finished rows whose part was lost
+    adopted: int = 0  # rows found in a part but never acknowledged
+    bad_parts: dict[str, str] = field(default_factory=dict)
+    table: pa.Table | None = None
+
+
+def finalize(out_dir: Path, q: Queue, metadata: dict[str, str]) -> Finalized:
+    parts_dir = out_dir / "parts"
+    clean_temp(parts_dir)
+    good, bad = scan(parts_dir)
+    for name in bad:
+        quarantine(parts_dir, name)
+    index = {name: {k: i for i, k in enumerate(t.column("row_key").to_pylist())} for name, t in good.items()}
+    where: dict[str, tuple[str, int]] = {}  # key -> (part, row); the first part (by name) wins
+    for name, keys in index.items():
+        for key, i in keys.items():
+            where.setdefault(key, (name, i))
+    chosen: list[tuple[int, str, int]] = []  # (manifest pos, part, row)
+    adopt: dict[str, list] = {}
+    done = Finalized(out_dir / RESULTS, bad_parts=bad)
+    for pos, key, state, part, _attempts in q.manifest():
+        if state in ("done", "error"):
+            if key in index.get(part, ()):
+                chosen.append((pos, part, index[part][key]))
+            elif key in where:
+                chosen.append((pos, *where[key]))
+            else:
+                done.requeued.append(key)
+        elif key in where:
+            chosen.append((pos, *where[key]))
+            name, i = where[key]
+            adopt.setdefault(name, []).append((key, good[name].column("error_code")[i].as_py()))
+        else:
+            done.remaining += 1
+    for name, items in adopt.items():
+        q.ack("finalize", items, name)
+        done.adopted += len(items)
+    if done.requeued:
+        q.requeue(done.requeued, "lost_part")
+    table = _assemble(good, chosen)
+    table = table.replace_schema_metadata({k.encode(): v.encode() for k, v in metadata.items()})
+    write_atomic(table, done.path)
+    done.rows, done.table = table.num_rows, table
+    return done
+
+
+def _assemble(good: dict[str, pa.Table], chosen: list[tuple[int, str, int]]) -> pa.Table:
+    """Take the chosen rows from their parts, set row_index to the input position, sort by it."""
+    if not chosen:
+        return to_table([])
+    by_part: dict[str, list[tuple[int, int]]] = {}
+    for pos, name, i in chosen:
+        by_part.setdefault(name, []).append((pos, i))
+    pieces = []
+    for name, rows in by_part.items():
+        t = good[name].replace_schema_metadata(None).take(pa.array([i for _, i in rows], pa.int64()))
+        pieces.append(t.set_column(t.column_names.index("row_index"), "row_index",
+                                   pa.array([p for p, _ in rows], pa.int64())))
+    table = pa.concat_tables(pieces).cast(SCHEMA)
+    return table.take(pc.sort_indices(table, sort_keys=[("row_index", "ascending")]))

@@ -1,0 +1,134 @@
+"""Parquet parts: the durable unit of work, and the results schema they share.
+
+A part is written to a hidden temporary name, flushed and fsynced, then renamed
+into place (and the directory fsynced), so a crash never leaves a half-written
+file under a part's name. Each part records its row count and a hash of its row
+keys in its metadata, and pages carry checksums: `read_part` verifies all three,
+so a truncated or corrupt part is detected instead of silently dropping rows.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from pathlib import Path
+from typing import Optional
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+SCHEMA = pa.schema([
+    ("row_key", pa.string()), ("row_index", pa.int64()), ("job", pa.string()), ("run_id", pa.string()),
+    ("prompt", pa.string()), ("output", pa.string()), ("output_token_ids", pa.list_(pa.int32())),
+    ("prompt_tokens", pa.int32()), ("output_tokens", pa.int32()), ("finish_reason", pa.string()),
+    ("error_code", pa.string()), ("error_message", pa.string()), ("model", pa.string()),
+    ("kv_mode", pa.string()), ("max_tokens", pa.int32()), ("temperature", pa.float64()),
+    ("top_p", pa.float64()), ("top_k", pa.int32()), ("seed", pa.int64()), ("ttft_s", pa.float64()),
+    ("decode_tps", pa.float64()), ("wall_s", pa.float64()), ("peak_kv_bytes", pa.int64()),
+    ("route", pa.string()), ("attempt", pa.int32()), ("worker", pa.string()),
+])
+COLUMNS = SCHEMA.names
+PART_GLOB = "part-*.parquet"
+
+
+class PartError(Exception):
+    """A part file that cannot be trusted (truncated, corrupt, or not what its metadata says)."""
+
+
+def keys_digest(keys: list[str]) -> str:
+    return hashlib.sha256("\n".join(keys).encode()).hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(str(path), os.O_RDONLY)
+    except OSError:
+        return  # not supported on this platform
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def to_table(records: list[dict], metadata: Optional[dict[str, str]] = None) -> pa.Table:
+    table = pa.Table.from_pylist([{c: r.get(c) for c in COLUMNS} for r in records], schema=SCHEMA)
+    if metadata:
+        table = table.replace_schema_metadata({k.encode(): v.encode() for k, v in metadata.items()})
+    return table
+
+
+def write_atomic(table: pa.Table, path: Path) -> Path:
+    """Write `table` to `path` so that `path` is either absent or complete and durable."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as fh:
+        pq.write_table(table, fh, compression="zstd", write_page_checksum=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    return path
+
+
+def part_name(worker: str, seq: int) -> str:
+    return f"part-{re.sub(r'[^A-Za-z0-9_.-]', '_', worker)}-{seq:05d}.parquet"
+
+
+def write_part(parts_dir: Path, name: str, records: list[dict]) -> Path:
+    """A durable part holding `records` (results-schema dicts)."""
+    parts_dir.mkdir(parents=True, exist_ok=True)
+    keys = [r["row_key"] for r in records]
+    meta = {"kvbatch.part.rows": str(len(records)), "kvbatch.part.keys_sha256": keys_digest(keys)}
+    return write_atomic(to_table(records, meta), parts_dir / name)
+
+
+def read_part(path: Path) -> pa.Table:
+    """Read and verify one part; PartError when it cannot be trusted."""
+    try:
+        table = pq.read_table(path, page_checksum_verification=True)
+    except Exception as exc:  # ArrowInvalid, OSError, ...: all mean "not a whole part"
+        raise PartError(f"{path.name}: unreadable ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})")
+    meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
+    keys = table.column("row_key").to_pylist() if "row_key" in table.column_names else []
+    if meta.get("kvbatch.part.rows") != str(table.num_rows) or meta.get("kvbatch.part.keys_sha256") != keys_digest(keys):
+        raise PartError(f"{path.name}: row count or row keys do not match its metadata")
+    if table.schema.remove_metadata() != SCHEMA:
+        raise PartError(f"{path.name}: schema differs from the results schema")
+    return table
+
+
+def scan(parts_dir: Path) -> tuple[dict[str, pa.Table], dict[str, str]]:
+    """Every part in the directory: ({name: table} of good parts, {name: why} of bad ones)."""
+    good: dict[str, pa.Table] = {}
+    bad: dict[str, str] = {}
+    for path in sorted(parts_dir.glob(PART_GLOB)) if parts_dir.is_dir() else []:
+        try:
+            good[path.name] = read_part(path)
+        except PartError as exc:
+            bad[path.name] = str(exc)
+    return good, bad
+
+
+def quarantine(parts_dir: Path, name: str) -> Path:
+    """Move a bad part aside (kept for inspection, never read again)."""
+    dest = parts_dir / "corrupt"
+    dest.mkdir(exist_ok=True)
+    target = dest / name
+    os.replace(parts_dir / name, target)
+    fsync_dir(parts_dir)
+    return target
+
+
+def clean_temp(parts_dir: Path, older_than_s: float = 3600.0) -> int:
+    """Remove temporaries a crash left mid-write (never a complete part: those were renamed).
+    Only old ones: a live worker on the same queue may be writing a young one right now."""
+    import time
+
+    n = 0
+    for tmp in parts_dir.glob(".part-*.tmp") if parts_dir.is_dir() else []:
+        try:
+            if time.time() - tmp.stat().st_mtime >= older_than_s:
+                tmp.unlink()
+                n += 1
+        except FileNotFoundError:
+            pass
+    return n

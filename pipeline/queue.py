@@ -1,0 +1,217 @@
+"""The row queue: one SQLite file in the output directory.
+
+Rows are enqueued idempotently by row key and claimed with a lease (worker id +
+expiry) that the worker renews while it works; a dead worker's rows come back when
+their lease expires. A row becomes `done`/`error` only when its Parquet part is
+durable (`ack` after the part is renamed into place). Every claim is recorded in
+`attempts` (who, when, how it ended), so a test or `status` can tell who processed
+what. WAL + synchronous=FULL: an acknowledged row survives a crash or power loss.
+
+States: pending -> leased -> done | error (terminal), or back to pending
+(lease expired, retry, deadline release, lost part).
+"""
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Optional
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta(k TEXT PRIMARY KEY, v TEXT);
+CREATE TABLE IF NOT EXISTS rows(
+  key TEXT PRIMARY KEY, pos INTEGER NOT NULL, payload TEXT NOT NULL,
+  state TEXT NOT NULL DEFAULT 'pending' CHECK(state IN ('pending','leased','done','error')),
+  attempts INTEGER NOT NULL DEFAULT 0, worker TEXT, lease_until REAL,
+  part TEXT, error_code TEXT, updated_at REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS rows_state ON rows(state, pos);
+CREATE TABLE IF NOT EXISTS manifest(pos INTEGER PRIMARY KEY, key TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS attempts(
+  id INTEGER PRIMARY KEY AUTOINCREMENT, key TEXT NOT NULL, attempt INTEGER NOT NULL,
+  worker TEXT NOT NULL, claimed_at REAL NOT NULL, ended_at REAL, outcome TEXT,
+  part TEXT, error_code TEXT);
+CREATE INDEX IF NOT EXISTS attempts_open ON attempts(key, ended_at);
+CREATE TABLE IF NOT EXISTS workers(
+  id TEXT PRIMARY KEY, pid INTEGER, host TEXT, started_at REAL, heartbeat_at REAL,
+  ended_at REAL, rows INTEGER NOT NULL DEFAULT 0, tokens INTEGER NOT NULL DEFAULT 0,
+  wall_s REAL, summary TEXT);
+"""
+TERMINAL = ("done", "error")
+
+
+@dataclass
+class Claimed:
+    key: str
+    pos: int
+    payload: dict
+    attempt: int  # 1 for the first claim
+
+
+class Queue:
+    def __init__(self, path: Path | str, timeout_s: float = 60.0):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(str(self.path), timeout=timeout_s, isolation_level=None)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=FULL")
+        self.db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self.db.close()
+
+    def _tx(self):
+        """BEGIN IMMEDIATE: take the write lock up front, so two claimers never pick the same rows."""
+        return _Tx(self.db)
+
+    # ---- enqueue ---------------------------------------------------------------------------
+    def enqueue(self, rows: Iterable) -> int:
+        """Add rows (InputRow-like: pos, key, payload) not seen before; the manifest becomes
+        exactly these keys in this order. Returns how many rows were new."""
+        now, added = time.time(), 0
+        with self._tx():
+            self.db.execute("DELETE FROM manifest")
+            for r in rows:
+                cur = self.db.execute(
+                    "INSERT OR IGNORE INTO rows(key, pos, payload, updated_at) VALUES (?,?,?,?)",
+                    (r.key, r.pos, json.dumps(r.payload, ensure_ascii=False), now))
+                added += cur.rowcount
+                if not cur.rowcount:
+                    self.db.execute("UPDATE rows SET pos=? WHERE key=?", (r.pos, r.key))
+                self.db.execute("INSERT INTO manifest(pos, key) VALUES (?,?)", (r.pos, r.key))
+        return added
+
+    # ---- leases ----------------------------------------------------------------------------
+    def claim(self, worker: str, n: int, lease_s: float) -> list[Claimed]:
+        """Lease up to n manifest rows that are pending or whose lease has expired, in input order."""
+        if n <= 0:
+            return []
+        now = time.time()
+        with self._tx():
+            got = self.db.execute(
+                "SELECT r.key, r.pos, r.payload, r.attempts, r.state FROM rows r JOIN manifest m ON m.key = r.key "
+                "WHERE r.state='pending' OR (r.state='leased' AND r.lease_until < ?) ORDER BY r.pos LIMIT ?",
+                (now, n)).fetchall()
+            out = []
+            for key, pos, payload, attempts, state in got:
+                if state == "leased":
+                    self._end_attempt(key, "expired", now)
+                self.db.execute("UPDATE rows SET state='leased', worker=?, lease_until=?, attempts=attempts+1, "
+                                "updated_at=? WHERE key=?", (worker, now + lease_s, now, key))
+                self.db.execute("INSERT INTO attempts(key, attempt, worker, claimed_at) VALUES (?,?,?,?)",
+                                (key, attempts + 1, worker, now))
+                out.append(Claimed(key, pos, json.loads(payload), attempts + 1))
+            self.db.execute("UPDATE workers SET heartbeat_at=? WHERE id=?", (now, worker))
+        return out
+
+    def renew(self, worker: str, lease_s: float) -> int:
+        """Extend every lease this worker holds; returns how many rows it still holds."""
+        now = time.time()
+        with self._tx():
+            n = self.db.execute("UPDATE rows SET lease_until=? WHERE state='leased' AND worker=?",
+                                (now + lease_s, worker)).rowcount
+            self.db.execute("UPDATE workers SET heartbeat_at=? WHERE id=?", (now, worker))
+        return n
+
+    def ack(self, worker: str, items: list[tuple[str, Optional[str]]], part: str) -> None:
+        """Rows (key, error_code) whose results are durable in `part`: done (ok) or error.
+        A row already terminal stays as it is (it was acknowledged from another part)."""
+        now = time.time()
+        with self._tx():
+            for key, code in items:
+                self.db.execute(
+                    "UPDATE rows SET state=?, part=?, error_code=?, worker=?, lease_until=NULL, updated_at=? "
+                    "WHERE key=? AND state NOT IN ('done','error')",
+                    ("error" if code else "done", part, code, worker, now, key))
+                self._end_attempt(key, "error" if code else "done", now, worker, part, code)
+
+    def release(self, worker: str, keys: list[str], outcome: str, count_attempt: bool = True) -> None:
+        """Give leased rows back (retry, deadline, shutdown); `count_attempt=False` undoes the claim's count."""
+        now = time.time()
+        with self._tx():
+            for key in keys:
+                self.db.execute(
+                    "UPDATE rows SET state='pending', worker=NULL, lease_until=NULL, updated_at=?, "
+                    "attempts=attempts-? WHERE key=? AND state='leased' AND worker=?",
+                    (now, 0 if count_attempt else 1, key, worker))
+                self._end_attempt(key, outcome, now, worker)
+
+    def requeue(self, keys: list[str], outcome: str) -> None:
+        """Terminal rows whose part is gone or corrupt: back to pending, to be generated again."""
+        now = time.time()
+        with self._tx():
+            for key in keys:
+                self.db.execute("UPDATE rows SET state='pending', part=NULL, error_code=NULL, worker=NULL, "
+                                "lease_until=NULL, updated_at=? WHERE key=?", (now, key))
+                self.db.execute("UPDATE attempts SET outcome=? WHERE id=(SELECT MAX(id) FROM attempts "
+                                "WHERE key=?)", (outcome, key))
+
+    def _end_attempt(self, key: str, outcome: str, now: float, worker: Optional[str] = None,
+                     part: Optional[str] = None, code: Optional[str] = None) -> None:
+        sql = "UPDATE attempts SET ended_at=?, outcome=?, part=?, error_code=? WHERE key=? AND ended_at IS NULL"
+        args: list = [now, outcome, part, code, key]
+        if worker is not None:
+            sql += " AND worker=?"
+            args.append(worker)
+        self.db.execute(sql, args)
+
+    # ---- workers ---------------------------------------------------------------------------
+    def worker_started(self, worker: str, pid: int, host: str) -> None:
+        now = time.time()
+        self.db.execute("INSERT OR REPLACE INTO workers(id, pid, host, started_at, heartbeat_at) VALUES (?,?,?,?,?)",
+                        (worker, pid, host, now, now))
+
+    def worker_ended(self, worker: str, rows: int, tokens: int, wall_s: float, summary: dict) -> None:
+        self.db.execute("UPDATE workers SET ended_at=?, rows=?, tokens=?, wall_s=?, summary=? WHERE id=?",
+                        (time.time(), rows, tokens, wall_s, json.dumps(summary, default=str), worker))
+
+    def sessions(self) -> list[dict]:
+        cur = self.db.execute("SELECT id, started_at, ended_at, rows, tokens, wall_s, summary FROM workers "
+                              "ORDER BY started_at")
+        return [{"worker": w, "started_at": s, "ended_at": e, "rows": r, "tokens": t, "wall_s": ws,
+                 "summary": json.loads(sm) if sm else None} for w, s, e, r, t, ws, sm in cur]
+
+    # ---- reading ---------------------------------------------------------------------------
+    def counts(self) -> dict[str, int]:
+        """Rows of the current manifest per state (pending, leased, done, error)."""
+        out = {s: 0 for s in ("pending", "leased", "done", "error")}
+        for state, n in self.db.execute("SELECT r.state, COUNT(*) FROM rows r JOIN manifest m ON m.key=r.key "
+                                        "GROUP BY r.state"):
+            out[state] = n
+        return out
+
+    def error_counts(self) -> dict[str, int]:
+        return dict(self.db.execute("SELECT r.error_code, COUNT(*) FROM rows r JOIN manifest m ON m.key=r.key "
+                                    "WHERE r.state='error' GROUP BY r.error_code ORDER BY 1"))
+
+    def manifest(self) -> list[tuple[int, str, str, Optional[str], int]]:
+        """(pos, key, state, part, attempts) of every manifest row, in input order."""
+        return self.db.execute("SELECT m.pos, m.key, r.state, r.part, r.attempts FROM manifest m "
+                               "JOIN rows r ON r.key=m.key ORDER BY m.pos").fetchall()
+
+    def attempts(self, key: Optional[str] = None) -> list[tuple]:
+        """The processing record: (key, attempt, worker, claimed_at, ended_at, outcome, part, error_code)."""
+        sql = "SELECT key, attempt, worker, claimed_at, ended_at, outcome, part, error_code FROM attempts"
+        return self.db.execute(sql + (" WHERE key=? ORDER BY id" if key else " ORDER BY id"),
+                               (key,) if key else ()).fetchall()
+
+    def get_meta(self, k: str) -> Optional[str]:
+        row = self.db.execute("SELECT v FROM meta WHERE k=?", (k,)).fetchone()
+        return row[0] if row else None
+
+    def set_meta(self, k: str, v: str) -> None:
+        self.db.execute("INSERT OR REPLACE INTO meta(k, v) VALUES (?,?)", (k, v))
+
+
+class _Tx:
+    def __init__(self, db: sqlite3.Connection):
+        self.db = db
+
+    def __enter__(self):
+        self.db.execute("BEGIN IMMEDIATE")
+        return self.db
+
+    def __exit__(self, exc_type, exc, tb):
+        self.db.execute("COMMIT" if exc_type is None else "ROLLBACK")
+        return False

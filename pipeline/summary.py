@@ -1,0 +1,89 @@
+"""summary.json and the one-line summary printed at the end of a run."""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import resource
+import sys
+from pathlib import Path
+from typing import Optional
+
+import pyarrow as pa
+
+from engine.memory import fmt_bytes
+from pipeline.parts import fsync_dir
+
+
+def versions() -> dict[str, str]:
+    out = {}
+    for dist in ("kvbatch", "mlx", "mlx-lm"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = "unknown"
+    return out
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def build(table: pa.Table, counts: dict[str, int], sessions: list[dict], this_run: Optional[dict],
+          extra: dict) -> dict:
+    """Rows ok / per error code from the results; speed, memory and route from the work sessions."""
+    codes = [c for c in table.column("error_code").to_pylist()] if table.num_rows else []
+    by_code: dict[str, int] = {}
+    for c in codes:
+        if c is not None:
+            by_code[c] = by_code.get(c, 0) + 1
+    col = lambda name: sum(v or 0 for v in table.column(name).to_pylist()) if table.num_rows else 0  # noqa: E731
+    worked = [s for s in sessions if s.get("tokens")]
+    last = next((s["summary"] for s in reversed(sessions) if s.get("summary")), None) or {}
+    run = this_run or {}
+    total_tokens = sum(s["tokens"] for s in worked)
+    total_wall = sum(s["wall_s"] or 0 for s in worked)
+    return {
+        **extra,
+        "rows": table.num_rows,
+        "rows_ok": table.num_rows - len([c for c in codes if c is not None]),
+        "rows_by_error_code": by_code,
+        "rows_remaining": counts.get("pending", 0) + counts.get("leased", 0),
+        "prompt_tokens": col("prompt_tokens"),
+        "output_tokens": col("output_tokens"),
+        "this_run": {"rows": run.get("rows", 0), "generated_tokens": run.get("tokens", 0),
+                     "wall_s": run.get("wall_s", 0.0),
+                     "tokens_per_s": (run["tokens"] / run["wall_s"]) if run.get("wall_s") and run.get("tokens") else None},
+        "tokens_per_s": total_tokens / total_wall if total_wall else None,
+        "kv_mode": last.get("kv_mode", extra.get("kv_mode")),
+        "route": last.get("route"),
+        "peak_memory_bytes": max([s["summary"].get("mlx_peak_memory_bytes", 0) for s in sessions
+                                  if s.get("summary")] or [0]) or None,
+        "peak_rss_bytes": peak_rss_bytes(),
+        "engine": last or None,
+        "sessions": [{k: s[k] for k in ("worker", "started_at", "ended_at", "rows", "tokens", "wall_s")}
+                     for s in sessions],
+    }
+
+
+def write(path: Path, summary: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as fh:
+        json.dump(summary, fh, indent=1, default=str)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def one_line(s: dict) -> str:
+    errs = ", ".join(f"{n} {c}" for c, n in sorted(s["rows_by_error_code"].items()))
+    run = s["this_run"]
+    speed = f"{run['tokens_per_s']:.1f} tok/s" if run["tokens_per_s"] else "nothing generated this run"
+    mem = f", peak {fmt_bytes(s['peak_memory_bytes'])}" if s.get("peak_memory_bytes") else ""
+    rest = f", {s['rows_remaining']} remaining" if s["rows_remaining"] else ""
+    return (f"kvbatch: {s['rows']} rows ({s['rows_ok']} ok{', ' + errs if errs else ''}){rest}; "
+            f"{run['generated_tokens']} tokens in {run['wall_s']:.1f}s ({speed}); "
+            f"kv={s['kv_mode']} route={s['route'] or '-'}{mem}; blas={s.get('blas', '-')}")

@@ -1,0 +1,231 @@
+"""The worker: claim rows -> engine (continuous batching) -> durable Parquet part -> ack.
+
+It keeps about `engine.max_batch + worker.prefetch` rows claimed, so the batch stays
+full while other workers on the same queue still get rows. A background thread
+renews its leases (a long row may not yield for a long time). Rows that the input
+stage marked invalid, and rows that could not be tokenized, are written with
+`invalid_input` without reaching the engine. `internal_error` rows are given back
+for another attempt up to `worker.max_attempts`.
+"""
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from engine.errors import INTERNAL_ERROR, INVALID_INPUT
+from engine.types import Request, Result, SamplingParams
+from pipeline.config import Config
+from pipeline.parts import part_name, write_part
+from pipeline.progress import Progress
+from pipeline.prompts import encode
+from pipeline.queue import Claimed, Queue
+
+
+def new_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
+
+
+def deadline_at(text: Optional[str], now: Optional[datetime] = None) -> Optional[float]:
+    """'07:00' -> the next 07:00; '6h' / '90m' / '1h30m' / '45s' -> now + that. Epoch seconds."""
+    if not text:
+        return None
+    now = now or datetime.now()
+    t = text.strip()
+    if ":" in t:
+        hh, mm = (int(x) for x in t.split(":"))
+        at = now.replace(hour=hh, minute=mm, second=0, microsecond=0)
+        return (at if at > now else at + timedelta(days=1)).timestamp()
+    h, m, s = re.match(r"^(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?$", t).groups()
+    return (now + timedelta(hours=int(h or 0), minutes=int(m or 0), seconds=int(s or 0))).timestamp()
+
+
+class LeaseKeeper(threading.Thread):
+    """Renews this worker's leases every lease_s/3 on its own SQLite connection."""
+
+    def __init__(self, queue_path: Path, worker: str, lease_s: float):
+        super().__init__(daemon=True, name="kvbatch-lease")
+        self.queue_path, self.worker, self.lease_s = queue_path, worker, lease_s
+        self.stop_event = threading.Event()
+
+    def run(self) -> None:
+        q = Queue(self.queue_path)
+        try:
+            while not self.stop_event.wait(max(self.lease_s / 3, 0.5)):
+                q.renew(self.worker, self.lease_s)
+        finally:
+            q.close()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.join(timeout=10)
+
+
+@dataclass
+class Runtime:
+    """What the worker needs from the engine side, loaded once per process."""
+
+    tokenizer: Any
+    model_name: str
+    make_engine: Callable[[], Any]  # a fresh Engine (after an engine-level failure, the old one is dropped)
+
+
+@dataclass
+class WorkStats:
+    rows: int = 0
+    tokens: int = 0
+    wall_s: float = 0.0
+    retried: int = 0
+    released: int = 0
+    stopped_by_deadline: bool = False
+    engine_summary: dict = field(default_factory=dict)
+
+
+class Worker:
+    def __init__(self, cfg: Config, queue: Queue, parts_dir: Path, runtime: Runtime,
+                 worker_id: Optional[str] = None, progress: Optional[Progress] = None):
+        self.cfg, self.q, self.parts_dir, self.rt = cfg, queue, parts_dir, runtime
+        self.id = worker_id or cfg.worker.id or new_worker_id()
+        self.progress = progress
+        self.deadline = deadline_at(cfg.worker.deadline)
+        self.eng = None
+        self.inflight: dict[str, Claimed] = {}
+        self.buffer: list[dict] = []
+        self.seq = 0
+        self.last_flush = time.monotonic()
+        self.stats = WorkStats()
+
+    # ---- records ---------------------------------------------------------------------------
+    def _sampling(self, payload: dict) -> SamplingParams:
+        c = self.cfg
+        return SamplingParams(max_tokens=payload.get("max_tokens", c.job.max_tokens),
+                              temperature=payload.get("temperature", c.sampling.temperature),
+                              top_p=c.sampling.top_p, top_k=c.sampling.top_k,
+                              seed=payload.get("seed", c.sampling.seed), stop=tuple(c.job.stop))
+
+    def _record(self, c: Claimed, res: Optional[Result] = None, code: Optional[str] = None,
+                msg: Optional[str] = None) -> dict:
+        p = self._sampling(c.payload) if "error" not in c.payload else None
+        rec = {"row_key": c.key, "row_index": c.pos, "job": self.cfg.job.name, "run_id": self.id,
+               "prompt": c.payload.get("prompt"), "model": self.rt.model_name, "kv_mode": self.cfg.kv.mode,
+               "attempt": c.attempt, "worker": self.id, "finish_reason": "error", "error_code": code,
+               "error_message": msg, "output_token_ids": [], "output_tokens": 0}
+        if p is not None:
+            rec.update(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed)
+        if res is not None:
+            s = res.stats
+            rec.update(output=res.text, output_token_ids=list(res.tokens), output_tokens=len(res.tokens),
+                       prompt_tokens=s.prompt_tokens, finish_reason=res.finish_reason, error_code=res.error_code,
+                       error_message=res.error_message, ttft_s=s.ttft_s, decode_tps=s.decode_tps,
+                       wall_s=s.wall_s, peak_kv_bytes=s.peak_kv_bytes, route=s.route or None)
+        return rec
+
+    # ---- flow ------------------------------------------------------------------------------
+    def _past_deadline(self) -> bool:
+        if self.deadline is not None and time.time() >= self.deadline:
+            self.stats.stopped_by_deadline = True
+            return True
+        return False
+
+    def _top_up(self) -> int:
+        """Claim rows up to the batch + prefetch; returns how many were claimed."""
+        if self._past_deadline():
+            return 0
+        want = self.cfg.engine.max_batch + self.cfg.worker.prefetch - len(self.inflight)
+        claimed = self.q.claim(self.id, want, self.cfg.worker.lease_s)
+        for c in claimed:
+            if c.attempt > self.cfg.worker.max_attempts:
+                self.buffer.append(self._record(c, code=INTERNAL_ERROR, msg=(
+                    f"gave up after {c.attempt - 1} attempts (its worker stopped each time)")))
+            elif "error" in c.payload:
+                self.buffer.append(self._record(c, code=INVALID_INPUT, msg=c.payload["error"]))
+            else:
+                try:
+                    ids = encode(self.rt.tokenizer, c.payload, self.cfg.job.chat_template)
+                except ValueError as exc:
+                    self.buffer.append(self._record(c, code=INVALID_INPUT, msg=str(exc)))
+                    continue
+                if self.eng is None:
+                    self.eng = self.rt.make_engine()
+                self.eng.submit(Request(key=c.key, prompt_tokens=ids, sampling=self._sampling(c.payload)))
+                self.inflight[c.key] = c
+        return len(claimed)
+
+    def _finished(self, res: Result) -> None:
+        c = self.inflight.pop(res.key)
+        self.stats.tokens += len(res.tokens)
+        if res.error_code == INTERNAL_ERROR and c.attempt < self.cfg.worker.max_attempts:
+            self.q.release(self.id, [c.key], "retry")
+            self.stats.retried += 1
+            return
+        self.buffer.append(self._record(c, res))
+
+    def flush(self, force: bool = False) -> None:
+        """Write buffered results as one durable part, then acknowledge its rows."""
+        due = len(self.buffer) >= self.cfg.worker.flush_rows or \
+            time.monotonic() - self.last_flush >= self.cfg.worker.flush_s
+        if not self.buffer or not (force or due):
+            return
+        name = part_name(self.id, self.seq)
+        write_part(self.parts_dir, name, self.buffer)
+        self.q.ack(self.id, [(r["row_key"], r["error_code"]) for r in self.buffer], name)
+        self.seq += 1
+        self.stats.rows += len(self.buffer)
+        if self.progress:
+            self.progress.update(len(self.buffer), self.stats.tokens)
+        self.buffer, self.last_flush = [], time.monotonic()
+
+    def _engine_failed(self, exc: BaseException) -> None:
+        """An exception out of the engine itself: its rows retry (or end with internal_error)."""
+        msg = f"{type(exc).__name__}: {exc}"
+        for c in list(self.inflight.values()):
+            if c.attempt < self.cfg.worker.max_attempts:
+                self.q.release(self.id, [c.key], "retry")
+                self.stats.retried += 1
+            else:
+                self.buffer.append(self._record(c, code=INTERNAL_ERROR, msg=msg))
+        self.inflight.clear()
+        self.eng = None
+
+    def run(self) -> WorkStats:
+        """Work until the queue has nothing claimable (or the deadline passes)."""
+        t0 = time.perf_counter()
+        host = socket.gethostname()
+        self.q.worker_started(self.id, os.getpid(), host)
+        keeper = LeaseKeeper(self.q.path, self.id, self.cfg.worker.lease_s)
+        keeper.start()
+        try:
+            while self._top_up() or self.inflight or self.buffer:
+                if self.inflight:
+                    try:
+                        for res in self.eng.run():
+                            self._finished(res)
+                            if self._past_deadline():
+                                break
+                            self._top_up()
+                            self.flush()
+                    except Exception as exc:  # noqa: BLE001 - confined to the rows in flight
+                        self._engine_failed(exc)
+                self.flush(force=True)
+                if self.stats.stopped_by_deadline:
+                    break
+            if self.inflight:  # the deadline stopped us: give the rest back, uncounted
+                self.q.release(self.id, list(self.inflight), "released", count_attempt=False)
+                self.stats.released = len(self.inflight)
+                self.inflight.clear()
+            self.flush(force=True)
+        finally:
+            keeper.stop()
+            self.stats.wall_s = time.perf_counter() - t0
+            if self.eng is not None:
+                self.stats.engine_summary = self.eng.summary()
+            self.q.worker_ended(self.id, self.stats.rows, self.stats.tokens, self.stats.wall_s,
+                                self.stats.engine_summary)
+        return self.stats
