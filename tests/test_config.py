@@ -1,0 +1,72 @@
+"""Config composition and validation: typos and bad values fail with one line naming the key."""
+from __future__ import annotations
+
+import pytest
+
+from pipeline.app import compose_config, describe
+from pipeline.config import ConfigError, config_hash, parse_injection
+
+
+def _error(overrides: list[str]) -> str:
+    with pytest.raises(Exception) as info:
+        compose_config(overrides)
+    return describe(info.value)
+
+
+def test_defaults_compose():
+    cfg = compose_config([])
+    assert cfg.model.source == "smollm2" and cfg.kv.mode == "none" and cfg.memory.budget == "auto"
+    assert cfg.job.name == "sample" and cfg.job.input.endswith("sample_prompts.jsonl") and cfg.action == "run"
+
+
+def test_groups_compose():
+    cfg = compose_config(["model=tiny", "kv=q4", "memory=fixed", "memory.budget=2GiB", "kv.page_size=4"])
+    assert (cfg.model.source, cfg.kv.mode, cfg.kv.bits, cfg.kv.page_size) == ("tiny", "q4", 4, 4)
+    assert cfg.memory.budget == "2GiB"
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("kv=q3", "kv=q3: no such option (choose one of: none, q4, q8)"),
+    ("kv.mode=q3", "kv.mode='q3'"),
+    ("memory.budget=lots", "memory.budget='lots'"),
+    ("job.max_tokens=-1", "job.max_tokens=-1: must be >= 1"),
+    ("job.max_tokens=abc", "job.max_tokens:"),
+    ("foo=1", "foo: unknown key"),
+    ("job.maxtokens=3", "job.maxtokens: unknown key"),
+    ("+bar=1", "bar: unknown key"),
+    ("job=nope", "job=nope: no such option"),
+    ("job.format=xml", "job.format='xml'"),
+    ("sampling.top_p=0", "sampling.top_p=0.0"),
+    ("sampling.temperature=-1", "sampling.temperature=-1.0"),
+    ("engine.max_batch=0", "engine.max_batch=0"),
+    ("kv.group_size=48", "kv.group_size=48"),
+    ("kv.bits=4", "kv.bits=4: does not match kv.mode=none"),
+    ("model=local", "model.path"),
+    ("worker.deadline=7pm", "worker.deadline='7pm'"),
+    ("debug.inject_nonfinite=row", "debug.inject_nonfinite='row'"),
+    ("action=explode", "action='explode'"),
+])
+def test_bad_values_name_the_key(override, needle):
+    msg = _error(["model=tiny", override])
+    assert needle in msg, msg
+    assert "\n" not in msg
+
+
+def test_validation_error_type():
+    with pytest.raises(ConfigError):
+        compose_config(["job.max_tokens=0"])
+
+
+def test_config_hash_ignores_runtime_settings():
+    base = compose_config(["model=tiny"])
+    same = compose_config(["model=tiny", "engine.max_batch=3", "memory.budget=4GiB", "worker.lease_s=5",
+                           "output.root=/elsewhere", "model.cache_dir=/tmp/x"])
+    other = compose_config(["model=tiny", "kv=q8"])
+    assert config_hash(base, "/in.jsonl") == config_hash(same, "/in.jsonl")
+    assert config_hash(base, "/in.jsonl") != config_hash(other, "/in.jsonl")
+    assert config_hash(base, "/in.jsonl") != config_hash(base, "/other.jsonl")
+
+
+def test_parse_injection():
+    assert parse_injection("a:b:3") == ("a:b", 3)
+    assert parse_injection(None) is None

@@ -1,0 +1,54 @@
+"""The command as a user runs it (subprocess): exit codes, one-line errors, the last stdout line."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def kvbatch(*args, cwd):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_main_job_runs_and_resumes(tmp_path, model_cache_dir):
+    t0 = time.perf_counter()
+    args = ("model=tiny", f"model.cache_dir={model_cache_dir}", f"output.root={tmp_path / 'out'}")
+    p = kvbatch(*args, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert time.perf_counter() - t0 < 60
+    path = Path(p.stdout.strip().splitlines()[-1])
+    assert path.name == "results.parquet" and pq.read_table(path).num_rows == 8
+    assert "8 rows (8 ok)" in p.stdout
+    again = kvbatch(*args, cwd=tmp_path)
+    assert again.returncode == 0 and again.stdout.strip().splitlines()[-1] == str(path)
+    assert "nothing to generate" in again.stderr
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("kv=q3", "kv=q3: no such option"),
+    ("memory.budget=lots", "memory.budget='lots'"),
+    ("job.max_tokens=-1", "job.max_tokens=-1"),
+    ("job.max_tokenz=5", "job.max_tokenz: unknown key"),
+    ("job.input=missing.jsonl", "no such file"),
+    ("job.input=data.txt", "cannot tell the format"),
+    ("job.input=nocol.jsonl", "job.prompt_column='prompt': no such column"),
+])
+def test_bad_config_or_input_is_one_line_before_the_model_loads(tmp_path, override, needle):
+    (tmp_path / "data.txt").write_text("hello\n")
+    (tmp_path / "nocol.jsonl").write_text('{"text": "hi"}\n')
+    # A model that cannot load: any of these errors must come before it is tried.
+    p = kvbatch("model=local", "model.path=/nonexistent/model", f"output.root={tmp_path / 'out'}",
+                override, cwd=tmp_path)
+    assert p.returncode != 0
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("kvbatch: error: ") and needle in lines[0], p.stderr
+    assert p.stdout == ""

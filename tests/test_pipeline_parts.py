@@ -1,0 +1,77 @@
+"""Parquet parts (atomic, verified) and finalize (input order, exactly once, adopt, re-queue lost rows)."""
+from __future__ import annotations
+
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.finalize import finalize
+from pipeline.inputs import InputRow
+from pipeline.parts import SCHEMA, PartError, read_part, write_part
+from pipeline.queue import Queue
+
+
+def _rec(key, pos, text="out", code=None):
+    return {"row_key": key, "row_index": pos, "prompt": f"p{pos}", "output": text,
+            "output_token_ids": [1, 2, 3], "output_tokens": 3, "finish_reason": "error" if code else "stop",
+            "error_code": code, "model": "m", "kv_mode": "none"}
+
+
+def _queue(tmp_path, n):
+    q = Queue(tmp_path / "queue.sqlite")
+    q.enqueue([InputRow(i, f"k{i}", {"prompt": f"p{i}"}) for i in range(n)])
+    return q
+
+
+def test_part_roundtrip_and_no_temp_left(tmp_path):
+    path = write_part(tmp_path, "part-w-00000.parquet", [_rec("a", 0), _rec("b", 1)])
+    t = read_part(path)
+    assert t.num_rows == 2 and t.schema.remove_metadata() == SCHEMA
+    assert t.column("output_token_ids").to_pylist() == [[1, 2, 3], [1, 2, 3]]
+    assert [p.name for p in tmp_path.iterdir()] == ["part-w-00000.parquet"]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "empty"])
+def test_damaged_parts_are_detected(tmp_path, damage):
+    path = write_part(tmp_path, "part-w-00000.parquet", [_rec(f"k{i}", i, "x" * 500) for i in range(20)])
+    data = path.read_bytes()
+    if damage == "truncate":
+        path.write_bytes(data[: len(data) // 2])
+    elif damage == "flip":
+        mid = len(data) // 3
+        path.write_bytes(data[:mid] + bytes([data[mid] ^ 0xFF]) + data[mid + 1:])
+    else:
+        path.write_bytes(b"")
+    with pytest.raises(PartError):
+        read_part(path)
+
+
+def test_finalize_orders_dedupes_adopts_and_requeues(tmp_path):
+    q = _queue(tmp_path, 5)
+    parts = tmp_path / "parts"
+    q.claim("w", 5, lease_s=60)
+    write_part(parts, "part-w-00000.parquet", [_rec("k3", 3), _rec("k1", 1, code="invalid_input")])
+    q.ack("w", [("k3", None), ("k1", "invalid_input")], "part-w-00000.parquet")
+    # k3 generated twice (a second worker re-ran it): the acknowledged part wins
+    write_part(parts, "part-a-00000.parquet", [_rec("k3", 3, "dup")])
+    # k0 durable but never acknowledged (worker died between rename and ack): adopted
+    write_part(parts, "part-w-00001.parquet", [_rec("k0", 0)])
+    # k2 acknowledged, but its part got corrupted: re-queued, not dropped
+    bad = write_part(parts, "part-w-00002.parquet", [_rec("k2", 2)])
+    q.ack("w", [("k2", None)], "part-w-00002.parquet")
+    bad.write_bytes(bad.read_bytes()[:40])
+    fin = finalize(tmp_path, q, {"kvbatch.config": "{}"})
+    t = pq.read_table(fin.path)
+    assert t.column("row_key").to_pylist() == ["k0", "k1", "k3"]
+    assert t.column("row_index").to_pylist() == [0, 1, 3]
+    assert t.column("output").to_pylist()[2] == "out"
+    assert fin.adopted == 1 and fin.requeued == ["k2"] and fin.remaining == 1  # k4 still leased
+    assert list(fin.bad_parts) == ["part-w-00002.parquet"] and (parts / "corrupt" / "part-w-00002.parquet").exists()
+    assert q.counts() == {"pending": 1, "leased": 1, "done": 2, "error": 1}
+    assert t.schema.metadata[b"kvbatch.config"] == b"{}"
+
+
+def test_finalize_empty(tmp_path):
+    q = _queue(tmp_path, 0)
+    fin = finalize(tmp_path, q, {})
+    t = pq.read_table(fin.path)
+    assert t.num_rows == 0 and t.schema.remove_metadata() == SCHEMA
