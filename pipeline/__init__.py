@@ -1,0 +1,1 @@
+"""kvbatch pipeline: everything around the engine (Hydra app, inputs, queue, worker, Parquet results)."""

@@ -7,6 +7,7 @@ when the queue has rows to generate, so re-running a finished job is instant.
 from __future__ import annotations
 
 import json
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from omegaconf import OmegaConf
 
 from pipeline import summary as summ
 from pipeline.config import Config, ConfigError, as_dict, config_hash, parse_injection
-from pipeline.finalize import Finalized, finalize
+from pipeline.finalize import Finalized, finalize, reconcile
 from pipeline.inputs import read_rows, resolve_input
 from pipeline.progress import Progress
 from pipeline.queue import Queue
@@ -84,8 +85,26 @@ def load_runtime(cfg: Config) -> Runtime:
     return Runtime(tokenizer=tokenizer, model_name=spec.name, make_engine=make_engine)
 
 
+def _alive(pid: int, started_at: float) -> bool:
+    """Is the worker process with this pid, started at this time, still running?"""
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time() <= started_at + 1.0
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
 def work(job: Job, q: Queue) -> Optional[WorkStats]:
     """Generate every claimable row; None when there was nothing to do (the model never loads)."""
+    rec = reconcile(job.out_dir, q)
+    if rec.adopted:
+        say(f"kvbatch: {rec.adopted} rows were written by a stopped worker but not acknowledged; adopted")
+    for name, why in rec.bad_parts.items():
+        say(f"kvbatch: corrupt part moved to parts/corrupt/ (its rows run again): {why}")
+    expired = q.expire_dead_workers(socket.gethostname(), _alive)
+    if expired:
+        say(f"kvbatch: {expired} rows leased by dead workers on this host are back in the queue")
     counts = q.counts()
     todo = counts["pending"] + counts["leased"]
     if not todo:

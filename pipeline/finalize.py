@@ -29,9 +29,14 @@ class Finalized:
     adopted: int = 0  # rows found in a part but never acknowledged
     bad_parts: dict[str, str] = field(default_factory=dict)
     table: pa.Table | None = None
+    chosen: list[tuple[int, str, int]] = field(default_factory=list)  # (input pos, part, row in part)
+    good: dict[str, pa.Table] = field(default_factory=dict)
 
 
-def finalize(out_dir: Path, q: Queue, metadata: dict[str, str]) -> Finalized:
+def reconcile(out_dir: Path, q: Queue) -> Finalized:
+    """Match the queue against the parts on disk: quarantine bad parts, adopt rows that are
+    durable but unacknowledged, re-queue finished rows whose part is gone. Workers call this
+    before claiming, so a row whose part survived a crash is never generated again."""
     parts_dir = out_dir / "parts"
     clean_temp(parts_dir)
     good, bad = scan(parts_dir)
@@ -44,7 +49,7 @@ def finalize(out_dir: Path, q: Queue, metadata: dict[str, str]) -> Finalized:
             where.setdefault(key, (name, i))
     chosen: list[tuple[int, str, int]] = []  # (manifest pos, part, row)
     adopt: dict[str, list] = {}
-    done = Finalized(out_dir / RESULTS, bad_parts=bad)
+    done = Finalized(out_dir / RESULTS, bad_parts=bad, chosen=chosen, good=good)
     for pos, key, state, part, _attempts in q.manifest():
         if state in ("done", "error"):
             if key in index.get(part, ()):
@@ -64,7 +69,13 @@ def finalize(out_dir: Path, q: Queue, metadata: dict[str, str]) -> Finalized:
         done.adopted += len(items)
     if done.requeued:
         q.requeue(done.requeued, "lost_part")
-    table = _assemble(good, chosen)
+    return done
+
+
+def finalize(out_dir: Path, q: Queue, metadata: dict[str, str]) -> Finalized:
+    """results.parquet (written atomically) from the reconciled parts."""
+    done = reconcile(out_dir, q)
+    table = _assemble(done.good, done.chosen)
     table = table.replace_schema_metadata({k.encode(): v.encode() for k, v in metadata.items()})
     write_atomic(table, done.path)
     done.rows, done.table = table.num_rows, table

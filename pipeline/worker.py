@@ -194,6 +194,13 @@ class Worker:
         self.inflight.clear()
         self.eng = None
 
+    def _give_back(self, outcome: str) -> None:
+        """Return in-flight rows to the queue without counting the attempt (deadline, Ctrl-C)."""
+        if self.inflight:
+            self.q.release(self.id, list(self.inflight), outcome, count_attempt=False)
+            self.stats.released += len(self.inflight)
+            self.inflight.clear()
+
     def run(self) -> WorkStats:
         """Work until the queue has nothing claimable (or the deadline passes)."""
         t0 = time.perf_counter()
@@ -216,11 +223,12 @@ class Worker:
                 self.flush(force=True)
                 if self.stats.stopped_by_deadline:
                     break
-            if self.inflight:  # the deadline stopped us: give the rest back, uncounted
-                self.q.release(self.id, list(self.inflight), "released", count_attempt=False)
-                self.stats.released = len(self.inflight)
-                self.inflight.clear()
+            self._give_back("released")
             self.flush(force=True)
+        except KeyboardInterrupt:  # Ctrl-C: keep what is done, hand the rest back at once
+            self.flush(force=True)
+            self._give_back("interrupted")
+            raise
         finally:
             keeper.stop()
             self.stats.wall_s = time.perf_counter() - t0

@@ -136,3 +136,27 @@ def test_deadline_leaves_rows_queued_and_the_next_run_finishes(run_app, tmp_path
     assert pq.read_table(path).num_rows == 0 and "3 remaining" in out
     path, out = run_app(f"job.input={src}", "job.max_tokens=4")
     assert pq.read_table(path).column("row_key").to_pylist() == ["0", "1", "2"]
+
+
+def test_unacknowledged_rows_are_adopted_and_lost_parts_rerun(run_app, tmp_path, monkeypatch):
+    src = _write(tmp_path, [{"id": str(i), "prompt": f"row {i}"} for i in range(4)])
+    args = (f"job.input={src}", "job.max_tokens=5", "worker.flush_rows=2")
+    path, _ = run_app(*args)
+    first = pq.read_table(path).to_pylist()
+    q = Queue(path.parent / "queue.sqlite")
+    # A worker died after its part was renamed but before the ack: the rows look unfinished.
+    q.db.execute("UPDATE rows SET state='pending', part=NULL WHERE key IN ('0', '1')")
+    real_load = actions.load_runtime
+    monkeypatch.setattr(actions, "load_runtime", lambda cfg: pytest.fail("adopted rows were generated again"))
+    path, _ = run_app(*args)
+    assert pq.read_table(path).to_pylist() == first
+    # A part got corrupted: its rows are generated again, never dropped.
+    part = q.manifest()[2][3]
+    (path.parent / "parts" / part).write_bytes(b"garbage")
+    monkeypatch.setattr(actions, "load_runtime", real_load)
+    path, _ = run_app(*args)
+    again = pq.read_table(path).to_pylist()
+    assert [r["row_key"] for r in again] == ["0", "1", "2", "3"]
+    assert [r["output_token_ids"] for r in again] == [r["output_token_ids"] for r in first]
+    assert (path.parent / "parts" / "corrupt" / part).exists()
+    assert [r[5] for r in q.attempts("2")] == ["lost_part", "done"]

@@ -101,3 +101,16 @@ def test_concurrent_claimers_never_share_a_row(tmp_path):
         t.join()
     keys = [k for v in got.values() for k in v]
     assert len(keys) == 200 and len(set(keys)) == 200
+
+
+def test_dead_workers_on_this_host_lose_their_leases_at_once(tmp_path):
+    q = Queue(tmp_path / "q.sqlite")
+    q.enqueue(_rows(3))
+    q.worker_started("dead", 111, "h1")
+    q.worker_started("live", 222, "h1")
+    q.worker_started("remote", 333, "h2")
+    q.claim("dead", 1, lease_s=600)
+    q.claim("live", 1, lease_s=600)
+    q.claim("remote", 1, lease_s=600)
+    assert q.expire_dead_workers("h1", lambda pid, started: pid == 222) == 1
+    assert [c.key for c in q.claim("new", 5, lease_s=60)] == ["k0"]
