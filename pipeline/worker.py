@@ -142,15 +142,15 @@ class Worker:
         claimed = self.q.claim(self.id, want, self.cfg.worker.lease_s)
         for c in claimed:
             if c.attempt > self.cfg.worker.max_attempts:
-                self.buffer.append(self._record(c, code=INTERNAL_ERROR, msg=(
+                self._add(self._record(c, code=INTERNAL_ERROR, msg=(
                     f"gave up after {c.attempt - 1} attempts (its worker stopped each time)")))
             elif "error" in c.payload:
-                self.buffer.append(self._record(c, code=INVALID_INPUT, msg=c.payload["error"]))
+                self._add(self._record(c, code=INVALID_INPUT, msg=c.payload["error"]))
             else:
                 try:
                     ids = encode(self.rt.tokenizer, c.payload, self.cfg.job.chat_template)
                 except ValueError as exc:
-                    self.buffer.append(self._record(c, code=INVALID_INPUT, msg=str(exc)))
+                    self._add(self._record(c, code=INVALID_INPUT, msg=str(exc)))
                     continue
                 if self.eng is None:
                     self.eng = self.rt.make_engine()
@@ -165,7 +165,12 @@ class Worker:
             self.q.release(self.id, [c.key], "retry")
             self.stats.retried += 1
             return
-        self.buffer.append(self._record(c, res))
+        self._add(self._record(c, res))
+
+    def _add(self, record: dict) -> None:
+        self.buffer.append(record)
+        if self.progress:
+            self.progress.update(1, self.stats.tokens)
 
     def flush(self, force: bool = False) -> None:
         """Write buffered results as one durable part, then acknowledge its rows."""
@@ -178,8 +183,6 @@ class Worker:
         self.q.ack(self.id, [(r["row_key"], r["error_code"]) for r in self.buffer], name)
         self.seq += 1
         self.stats.rows += len(self.buffer)
-        if self.progress:
-            self.progress.update(len(self.buffer), self.stats.tokens)
         self.buffer, self.last_flush = [], time.monotonic()
 
     def _engine_failed(self, exc: BaseException) -> None:
@@ -190,7 +193,7 @@ class Worker:
                 self.q.release(self.id, [c.key], "retry")
                 self.stats.retried += 1
             else:
-                self.buffer.append(self._record(c, code=INTERNAL_ERROR, msg=msg))
+                self._add(self._record(c, code=INTERNAL_ERROR, msg=msg))
         self.inflight.clear()
         self.eng = None
 
