@@ -122,7 +122,7 @@ def work(job: Job, q: Queue) -> Optional[WorkStats]:
     return stats
 
 
-def finish(job: Job, q: Queue, stats: Optional[WorkStats]) -> tuple[Finalized, dict]:
+def finish(job: Job, q: Queue, stats: Optional[WorkStats], t0: Optional[float] = None) -> tuple[Finalized, dict]:
     from engine.blas import blas_in_use
 
     meta = {"kvbatch.config": json.dumps(as_dict(job.cfg), default=str),
@@ -136,13 +136,15 @@ def finish(job: Job, q: Queue, stats: Optional[WorkStats]) -> tuple[Finalized, d
     run = {"rows": stats.rows, "tokens": stats.tokens, "wall_s": stats.wall_s} if stats else None
     extra = {"job": job.cfg.job.name, "model": job.cfg.model.name, "kv_mode": job.cfg.kv.mode,
              "config_hash": job.config_hash, "output_dir": str(job.out_dir), "results": str(fin.path),
-             "blas": blas_in_use(), "versions": summ.versions()}
+             "blas": blas_in_use(), "versions": summ.versions(),
+             "wall_s": time.perf_counter() - t0 if t0 is not None else None}
     s = summ.build(fin.table, q.counts(), q.sessions(), run, extra)
     summ.write(job.out_dir / "summary.json", s)
     return fin, s
 
 
 def run(job: Job) -> Path:
+    t_start = time.perf_counter()
     q, n_rows, added = enqueue(job)
     if n_rows == 0:
         print(f"kvbatch: {job.input_path} has no rows; writing an empty results file")
@@ -152,13 +154,13 @@ def run(job: Job) -> Path:
     stats = work(job, q)
     if stats is None and n_rows:
         say("kvbatch: every row is already finished; nothing to generate")
-    fin, s = finish(job, q, stats)
+    fin, s = finish(job, q, stats, t_start)
     if fin.requeued:  # lost parts: generate those rows again, once
         more = work(job, q)
         if more:
             stats = more if stats is None else WorkStats(stats.rows + more.rows, stats.tokens + more.tokens,
                                                          time.perf_counter() - t0)
-        fin, s = finish(job, q, stats)
+        fin, s = finish(job, q, stats, t_start)
     print(summ.one_line(s))
     print(fin.path)
     return fin.path
