@@ -21,7 +21,7 @@ from engine.errors import KvbatchConfigError
 from engine.memory import parse_size
 from engine.models.config import ModelConfig
 
-ACTIONS = ("run", "enqueue", "work", "status", "finalize")
+ACTIONS = ("run", "enqueue", "work", "status", "finalize", "report")
 FORMATS = ("auto", "jsonl", "csv", "parquet")
 KV_BITS = {"none": None, "q8": 8, "q4": 4}
 MODEL_SOURCES = ("smollm2", "local", "tiny")
@@ -99,6 +99,12 @@ class DebugConfig:
 
 
 @dataclass
+class ReportConfig:
+    sweep_dirs: List[str] = field(default_factory=list)  # action=report: sweep folders (globs allowed)
+    out: Optional[str] = None  # where sweep.parquet/report.md go; default: the one sweep folder
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     kv: KVConfig = field(default_factory=KVConfig)
@@ -109,6 +115,7 @@ class Config:
     output: OutputConfig = field(default_factory=OutputConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
     action: str = "run"
 
 
@@ -191,6 +198,8 @@ def validate(cfg: Config) -> None:
     _need(w.flush_s >= 0, "worker.flush_s", w.flush_s, "must be >= 0")
     check_deadline(w.deadline)
     parse_injection(cfg.debug.inject_nonfinite)
+    _need(cfg.action != "report" or bool(cfg.report.sweep_dirs), "report.sweep_dirs", cfg.report.sweep_dirs,
+          "action=report needs report.sweep_dirs=[DIR,...] (sweep folders)")
 
 
 def to_config(node: Any) -> Config:
