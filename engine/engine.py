@@ -121,19 +121,38 @@ class Engine:
         worst = min(len(req.prompt_tokens) + max(p.max_tokens, 0), self.spec.context_length)
         self.waiting.append(_Row(req, CacheRow(req.key), RowSampler(p), worst, time.perf_counter()))
 
-    def run(self) -> Iterator[Result]:
-        """Yield results as rows finish, until nothing is waiting or running."""
+    def run(self, heartbeat_s: Optional[float] = None) -> Iterator[Optional[Result]]:
+        """Yield results as rows finish, until nothing is waiting or running.
+
+        With heartbeat_s, also yield None at least that often (between steps), so a
+        caller can check a deadline mid-batch and call cancel()."""
+        last = time.perf_counter()
         while self.waiting or self.running or self._done:
             self._admit()
             if self.running:
                 self._decode_step()
             while self._done:
+                last = time.perf_counter()
                 yield self._done.popleft()
+            if heartbeat_s is not None and time.perf_counter() - last >= heartbeat_s:
+                last = time.perf_counter()
+                yield None
+
+    def cancel(self) -> list[Request]:
+        """Stop every waiting and running row now, free their pages, and return their requests
+        (a worker at its deadline hands them back to the queue). Finished results not yet
+        yielded are kept."""
+        reqs = [r.req for r in self.waiting] + [r.req for r in self.running]
+        for r in self.running:
+            self.cache.release(r.kv)
+        self.waiting.clear()
+        self.running.clear()
+        return reqs
 
     def generate(self, requests: list[Request]) -> list[Result]:
         for r in requests:
             self.submit(r)
-        by_key = {r.key: r for r in self.run()}
+        by_key = {r.key: r for r in self.run() if r is not None}
         return [by_key[r.key] for r in requests]
 
     def plan(self, worst_tokens: int, max_prompt: int | None = None) -> dict:
@@ -191,10 +210,12 @@ class Engine:
             return errors.INVALID_INPUT, f"bad sampling parameters: {p}"
         if any((not isinstance(t, int)) or t < 0 or t >= self.spec.vocab_size for t in req.prompt_tokens):
             return errors.INVALID_INPUT, "prompt has token ids outside the vocabulary"
-        limit = self.spec.context_length if self.cfg.max_prompt_tokens is None else min(
-            self.spec.context_length, self.cfg.max_prompt_tokens)
-        if n >= limit:
-            return errors.PROMPT_TOO_LONG, f"prompt has {n} tokens; the limit is {limit - 1} (context {self.spec.context_length})"
+        # the context must keep room for at least one generated token
+        limit = self.spec.context_length - 1
+        if self.cfg.max_prompt_tokens is not None:
+            limit = min(limit, self.cfg.max_prompt_tokens)
+        if n > limit:
+            return errors.PROMPT_TOO_LONG, f"prompt has {n} tokens; the limit is {limit} (context {self.spec.context_length})"
         if not self.memory.fits([row.worst], n):
             need = self.memory.bytes_for([row.worst], n)
             return errors.INSUFFICIENT_MEMORY, (f"row needs {need} bytes at worst ({row.worst} tokens) "
