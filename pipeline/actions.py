@@ -78,6 +78,9 @@ def load_runtime(cfg: Config) -> Runtime:
                         max_prompt_tokens=cfg.job.max_prompt_tokens,
                         inject_nonfinite=parse_injection(cfg.debug.inject_nonfinite))
     first = [Engine(model, tokenizer, spec, ecfg)]
+    # the start-up plan (issue 6): prompt length is per row; price rows at max_tokens plus
+    # max_prompt_tokens when set (the real admission prices each row's own prompt)
+    say(first[0].plan_line(cfg.job.max_tokens + (cfg.job.max_prompt_tokens or 0)))
 
     def make_engine():
         return first.pop() if first else Engine(model, tokenizer, spec, ecfg)
