@@ -261,6 +261,7 @@ class Engine:
             return
         self.prefill_time += time.perf_counter() - t0
         self.prefill_tokens += len(toks)
+        self._trim_cache()
         self._accept([row], logits, token, finite)
 
     def _decode_step(self) -> None:
@@ -292,7 +293,14 @@ class Engine:
             return
         self.decode_time += time.perf_counter() - t0
         self.decode_tokens += len(rows)
+        self._trim_cache()
         self._accept(rows, logits, tokens, finite)
+
+    def _trim_cache(self) -> None:
+        """MLX keeps freed buffers in its cache (process memory too; step sizes change every
+        step, so it grows): give it back once active + cached would pass the budget."""
+        if mx.get_active_memory() + mx.get_cache_memory() > self.memory.budget:
+            mx.clear_cache()
 
     def _accept(self, rows: list[_Row], logits: mx.array, tokens: mx.array, finite: mx.array) -> None:
         now = time.perf_counter()
