@@ -8,11 +8,13 @@ Routes (reported per row and in summary.json):
   a fused kernel (engine/cuda_attention.py), float32 softmax; prefill as `paged_sdpa`.
 - `paged_qmm_f32`: quantized pages. Decode runs `mx.quantized_matmul` on the packed
   pages (never dequantizing the prefix) plus a float32 matmul on the row's dense
-  tail page; scores and softmax in float32. Prefill dequantizes the row's pages
+  tail page; scores and softmax in float32 (on the CPU the quantized matmuls are
+  spread over the cores, see `qmm_streams`). Prefill dequantizes the row's pages
   once per chunk and attends in float32.
 """
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Callable
 
@@ -35,28 +37,55 @@ def dense_attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array, scale
     return out.astype(dtype)
 
 
-def quantized_decode_attention(q: mx.array, qk: list[mx.array], qv: list[mx.array],
-                               tk: mx.array, tv: mx.array, mask_q: mx.array, mask_t: mx.array,
-                               scale: float, group_size: int, bits: int) -> mx.array:
+# Quantized matmuls on MLX's CPU backend run on one thread per stream; decode spreads them
+# over this many CPU streams (one thread each). KVBATCH_QMM_THREADS overrides; 1 = off.
+QMM_MIN_TOKENS = 256  # fewest quantized tokens per stream worth the hand-off
+_qmm_streams: list | None = None
+
+
+def qmm_streams() -> list:
+    """CPU streams for the quantized matmuls of decode: [default] on a GPU or with one core."""
+    global _qmm_streams
+    if _qmm_streams is None:
+        n = 1
+        if mx.default_device().type == mx.DeviceType.cpu:
+            env = os.environ.get("KVBATCH_QMM_THREADS", "").strip()
+            n = int(env) if env else min(os.cpu_count() or 1, 4)
+        _qmm_streams = [mx.default_stream(mx.cpu)] + [mx.new_stream(mx.cpu) for _ in range(max(n, 1) - 1)]
+    return _qmm_streams
+
+
+def quantized_decode_attention(q: mx.array, qk: list[mx.array] | list[list[mx.array]] | None,
+                               qv: list[mx.array], tk: mx.array, tv: mx.array, mask_q: mx.array,
+                               mask_t: mx.array, scale: float, group_size: int, bits: int,
+                               streams: list | None = None) -> mx.array:
     """q (B,Hq,L,D); qk/qv packed triplets (B,Hkv,Tq,·) or None; tail tk/tv (B,Hkv,P,D).
 
-    mask_q (B,1,1,Tq) and mask_t (B,1,1,P) mark the valid keys (the same for every
-    query of the pass). Queries of a KV head's group are folded into rows,
-    (B, Hkv, rep*L, D): the 4-D shape that MLX's CUDA quantized_matmul implements
-    for every head size (a 5-D broadcast shape has no CUDA kernel at head size 64).
+    qk may also be a list of triplets, consecutive runs of pages that together make Tq
+    (the key scores of run i are computed on streams[i]). mask_q (B,1,1,Tq) and mask_t
+    (B,1,1,P) mark the valid keys (the same for every query of the pass). Queries of a
+    KV head's group are folded into rows, (B, Hkv, rep*L, D): the 4-D shape that MLX's
+    CUDA quantized_matmul implements for every head size (a 5-D broadcast shape has no
+    CUDA kernel at head size 64).
+
+    With several streams the work splits so that no sum changes order: key scores by
+    token runs (each score is its own dot product), value sums by (row, KV head). So a
+    row's output is bit-identical however its batch is split.
     """
     B, Hq, L, D = q.shape
     Hkv = tk.shape[1]
     rep = Hq // Hkv
     dtype = q.dtype
+    streams = streams or [None]
     qf = (q.astype(mx.float32) * scale).reshape(B, Hkv, rep * L, D)
     scores_t = qf @ tk.astype(mx.float32).swapaxes(-1, -2)  # (B,Hkv,rep*L,P)
     parts, masks = [scores_t], [mask_t]
     if qk is not None:
-        w, s, b = qk
-        scores_q = mx.quantized_matmul(qf, w, s.astype(mx.float32), b.astype(mx.float32),
-                                       transpose=True, group_size=group_size, bits=bits)
-        parts.insert(0, scores_q)
+        runs = qk if isinstance(qk[0], (list, tuple)) else [qk]
+        scores_q = [mx.quantized_matmul(qf, w, s.astype(mx.float32), b.astype(mx.float32), transpose=True,
+                                        group_size=group_size, bits=bits, stream=streams[i % len(streams)])
+                    for i, (w, s, b) in enumerate(runs)]
+        parts[:0] = scores_q
         masks.insert(0, mask_q)
     scores = mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
     mask = mx.concatenate(masks, axis=-1) if len(masks) > 1 else masks[0]
@@ -65,9 +94,14 @@ def quantized_decode_attention(q: mx.array, qk: list[mx.array], qv: list[mx.arra
     P = tk.shape[2]
     out = probs[..., -P:] @ tv.astype(mx.float32)
     if qk is not None:
-        w, s, b = qv
-        out = out + mx.quantized_matmul(probs[..., :-P], w, s.astype(mx.float32), b.astype(mx.float32),
-                                        transpose=False, group_size=group_size, bits=bits)
+        w, s, b = (a.reshape(B * Hkv, *a.shape[2:]) for a in qv)
+        s, b = s.astype(mx.float32), b.astype(mx.float32)
+        pq = probs[..., :-P].reshape(B * Hkv, rep * L, -1)
+        n = max(1, min(len(streams), B * Hkv, B * Hkv * pq.shape[-1] // QMM_MIN_TOKENS))
+        cuts = [B * Hkv * i // n for i in range(n + 1)]
+        pv = [mx.quantized_matmul(pq[a:z], w[a:z], s[a:z], b[a:z], transpose=False, group_size=group_size,
+                                  bits=bits, stream=streams[i]) for i, (a, z) in enumerate(zip(cuts, cuts[1:]))]
+        out = out + (mx.concatenate(pv) if n > 1 else pv[0]).reshape(B, Hkv, rep * L, D)
     return out.reshape(B, Hq, L, D).astype(dtype)
 
 

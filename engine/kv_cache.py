@@ -84,6 +84,7 @@ class PagedKVCache:
             self.store = QuantizedStore(num_layers, layout.num_kv_heads, layout.head_dim, self.P, dtype,
                                         layout.bits, layout.group_size, tail_slots)
             self.route = att.ROUTE_QMM
+            self.qmm_streams = att.qmm_streams()
         else:
             self.store = DenseStore(num_layers, layout.num_kv_heads, layout.head_dim, self.P, dtype)
             self.route = att.ROUTE_DENSE_F32 if upcast else att.ROUTE_DENSE
@@ -237,8 +238,13 @@ class PagedKVCache:
                 t["seal_to"] = mx.array(np.concatenate(
                     [self._slots(rows[i], int(pos[i]) - P + 1, int(pos[i]) + 1) for i in done]).astype(np.int32))
             if "table_q" in t:
-                Tq = t["table_q"].shape[1] * P
+                width = t["table_q"].shape[1]
+                Tq = width * P
                 t["mask_q"] = (mx.arange(Tq)[None] < mx.array(n_before * P)[:, None]).reshape(len(rows), 1, 1, Tq)
+                # key scores in runs of pages, one per stream (see attention.quantized_decode_attention)
+                n = max(1, min(len(self.qmm_streams), width, Tq // att.QMM_MIN_TOKENS))
+                cuts = [width * i // n for i in range(n + 1)]
+                t["runs_q"] = [t["table_q"][:, a:z] for a, z in zip(cuts, cuts[1:])]
             t["mask_t"] = (mx.arange(P)[None] <= mx.array(fill)[:, None]).reshape(len(rows), 1, 1, P)
             return t
         if len(rows) != 1:
@@ -293,10 +299,13 @@ class PagedKVCache:
             tk, tv = st.gather_tails(layer, t["tails"])
             qk = qv = mask_q = None
             if "table_q" in t:
-                g = st.gather_quantized(layer, t["table_q"])
-                qk, qv, mask_q = g[:3], g[3:], t["mask_q"]
+                qk = []
+                for i, run in enumerate(t["runs_q"]):  # each run's gather on the stream that uses it
+                    with mx.stream(self.qmm_streams[i]):
+                        qk.append(st.gather_quantized(layer, run)[:3])
+                qv, mask_q = st.gather_quantized(layer, t["table_q"])[3:], t["mask_q"]
             out = att.quantized_decode_attention(queries, qk, qv, tk, tv, mask_q, t["mask_t"], scale,
-                                                 st.group_size, st.bits)
+                                                 st.group_size, st.bits, self.qmm_streams)
         if plan.poison is not None and layer == 0:  # testing-only fault injection
             out = mx.where(plan.poison[:, None, None, None], mx.array(mx.nan, out.dtype), out)
         if self.trace:

@@ -272,7 +272,7 @@ def test_decode_never_dequantizes(tiny_model, monkeypatch):
     real_qmm, real_sdpa, real_dq = mx.quantized_matmul, mx.fast.scaled_dot_product_attention, mx.dequantize
 
     def qmm(x, w, *a, **kw):
-        qmm_calls.append(w.size)
+        qmm_calls.append((kw["transpose"], w.size))
         return real_qmm(x, w, *a, **kw)
 
     def sdpa(*a, **kw):
@@ -303,11 +303,40 @@ def test_decode_never_dequantizes(tiny_model, monkeypatch):
     for counter, raw, sdpa_n, qmm_sizes, in_use in per_step:
         assert counter == {"calls": 0, "elements": 0} and raw == 0 and sdpa_n == 0
         assert in_use >= 100  # many quantized pages held: 8 rows x 10+ pages
-        assert len(qmm_sizes) == 2 * L  # scores and values, every layer, every step
-        # each call reads the packed pages of all 8 rows: (B, Hkv, 1, >=160 tokens, D*bits/32)
-        assert min(qmm_sizes) >= 8 * spec.num_kv_heads * 160 * spec.head_dim * 4 // 32
+        # every layer reads all 8 rows' packed pages once for the scores and once for the values
+        # (in one call, or split over several CPU streams): (B, Hkv, >= 160 tokens, D*bits/32)
+        keys = sum(n for tr, n in qmm_sizes if tr)
+        vals = sum(n for tr, n in qmm_sizes if not tr)
+        assert keys == vals >= L * 8 * spec.num_kv_heads * 160 * spec.head_dim * 4 // 32
+        assert L * 2 <= len(qmm_sizes) <= L * 2 * len(attention.qmm_streams())
     # prefill (before the first decode step) did dequantize the sealed pages, once per chunk
     assert eng.summary()["route"] == attention.ROUTE_QMM
+
+
+@pytest.mark.parametrize("mode", ["q8", "q4"])
+def test_qmm_split_over_cpu_streams_is_bit_identical(tiny_model, monkeypatch, mode):
+    """Decode's quantized matmuls spread over CPU streams (key scores by page runs, value
+    sums by row and KV head) give exactly the logits of one stream."""
+    model, tok, spec = _model(tiny_model, "llama", 64)
+    prompts, forced = _rows(seed=13, prompt_lens=(600, 420, 9, 333), steps=(40, 40, 40, 40))
+    calls = []
+    real_qmm = mx.quantized_matmul
+
+    def qmm(*a, **kw):
+        calls.append(kw.get("stream"))
+        return real_qmm(*a, **kw)
+
+    monkeypatch.setattr(attention.mx, "quantized_matmul", qmm)
+    logits = {}
+    for n in (1, 3):
+        monkeypatch.setattr(attention, "_qmm_streams", None)
+        monkeypatch.setenv("KVBATCH_QMM_THREADS", str(n))
+        del calls[:]
+        eng = _engine(model, tok, spec, mode, 16, max_batch=4, chunk=256)
+        logits[n] = {r.key: r.logits for r in eng.generate(_requests(prompts, forced))}
+        assert len({str(s) for s in calls}) == n  # the work really ran on n streams
+    for key, ls in logits[1].items():
+        assert all(mx.array_equal(a, b).item() for a, b in zip(ls, logits[3][key])), key
 
 
 def _scaled_fp16_model(tmp_path, scale: float):
