@@ -64,7 +64,8 @@ def enqueue(job: Job) -> tuple[Queue, int, int]:
 
 def load_runtime(cfg: Config) -> Runtime:
     """Load the model and build the first engine now, so a bad model or KV mode fails at start."""
-    from engine import Engine, EngineConfig, load_model
+    from engine import Engine, EngineConfig
+    from pipeline.model_cache import load_model  # sweeps: one load per distinct model config
     from engine.memory import parse_size
     from pipeline.prompts import check_template
 
