@@ -73,16 +73,23 @@ def _no_extra_keys(node: DictConfig) -> None:
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
-def _hydra_app(node: DictConfig) -> None:
+def _hydra_app(node: DictConfig):
     from pipeline.actions import execute
 
-    multirun = HydraConfig.get().mode == RunMode.MULTIRUN
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        from pipeline.sweep import run_sweep_job
+
+        return run_sweep_job(node)  # one job of a sweep: fails alone, recorded in its job folder
     try:
         _no_extra_keys(node)
-        execute(to_config(node))
+        cfg = to_config(node)
+        if cfg.action == "report":
+            from pipeline.sweep_report import report_action
+
+            report_action(cfg)
+        else:
+            execute(cfg)
     except (KvbatchConfigError, OmegaConfBaseException) as exc:
-        if multirun:
-            raise
         die(describe(exc))
 
 
@@ -93,7 +100,23 @@ def main() -> None:
             compose_config(args)
         except Exception as exc:  # noqa: BLE001 - every composition problem becomes one line
             die(describe(exc))
-    _hydra_app()
+    elif {a.split("=")[0] for a in args if a.startswith("-")} <= {"-m", "--multirun"}:
+        from pipeline.sweep import check_sweep
+
+        try:  # an option or key that does not exist stops the sweep before any job, with one line
+            check_sweep([a for a in args if a not in ("-m", "--multirun")])
+        except Exception as exc:  # noqa: BLE001
+            die(describe(exc))
+    from pipeline.sweep import after_hydra
+
+    try:
+        _hydra_app()
+    except SystemExit:
+        after_hydra(crashed=True)  # a multirun that died still gets its report
+        raise
+    code = after_hydra()  # 1 when a sweep job did not complete
+    if code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":
