@@ -96,8 +96,11 @@ def _job_record(status: dict, sweep_dir: Path) -> dict:
         "memory_budget": (cfg.get("memory") or {}).get("budget"), "job": (cfg.get("job") or {}).get("name"),
         "config_hash": status.get("config_hash"), "compare_key": status.get("compare_key"),
         "wall_s": status.get("wall_s"), "pid": status.get("pid"), "model_loads": status.get("model_loads"),
-        "results": status.get("results"),
+        "results": None,
     }
+    results = Path(status["job_dir"]) / "results.parquet"
+    if results.exists() and state == "completed":
+        rec["results"] = str(results)
     summary_path = Path(status["job_dir"]) / "summary.json" if status.get("job_dir") else None
     if summary_path is not None and summary_path.exists() and state == "completed":
         s = json.loads(summary_path.read_text())
@@ -110,8 +113,6 @@ def _job_record(status: dict, sweep_dir: Path) -> dict:
                    route=s.get("route"), model=s.get("model") or rec["model"],
                    kv_mode=s.get("kv_mode") or rec["kv_mode"])
         rec.update({f"rows_{c}": int(by_code.get(c, 0)) for c in ERROR_CODES})
-        if not rec["results"] and s.get("results"):
-            rec["results"] = s["results"]
     return rec
 
 
@@ -131,7 +132,7 @@ def collect(sweep_dir: Path) -> list[dict]:
         status = read_status(path.parent)
         if status is None:
             continue
-        status.setdefault("job_dir", str(path.parent))
+        status["job_dir"] = str(path.parent)  # where it is now (a sweep folder may have been moved)
         records.append(_job_record(status, sweep_dir))
     seen = {r["job_num"] for r in records}
     for num, overrides in enumerate(_expected_jobs(sweep_dir)):
