@@ -74,10 +74,20 @@ def load_model(cfg: ModelConfig):
         release()
     entry = engine_load(cfg)
     loads += 1
+    _reset_peak()  # a job's peak memory is its weights + KV + workspace, not the load's transients
     _cache[key] = entry
     while len(_cache) > 1 and sum(_weights(e) for e in _cache.values()) > _limit():
         _cache.popitem(last=False)
     return entry
+
+
+def _reset_peak() -> None:
+    try:
+        import mlx.core as mx
+
+        mx.reset_peak_memory()
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def cached_keys() -> list[str]:

@@ -98,6 +98,15 @@ def _reset_peak() -> None:
         pass
 
 
+def _active_memory() -> Optional[int]:
+    try:
+        import mlx.core as mx
+
+        return int(mx.get_active_memory())
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def run_sweep_job(node: DictConfig) -> dict:
     """The Hydra task of one multirun job: run it in its job folder, record how it ended, never raise
     (except Ctrl-C, after recording it)."""
@@ -120,6 +129,7 @@ def run_sweep_job(node: DictConfig) -> dict:
         "host": socket.gethostname(), "launcher": str(hc.launcher.get("_target_", "")),
         "started_at": time.time(), "ended_at": None, "wall_s": None, "config": None, "config_hash": None,
         "compare_key": None, "model_loads": 0, "results": None, "summary": None,
+        "mlx_active_bytes_at_start": _active_memory(), "mlx_active_bytes_after_release": None,
     }
     write_status(job_dir, status)
     model_cache.enable(True)
@@ -155,10 +165,10 @@ def run_sweep_job(node: DictConfig) -> dict:
         status.update(status="interrupted", reason=f"{type(exc).__name__}", error_type=type(exc).__name__)
         raise
     finally:
-        status.update(ended_at=time.time(), wall_s=time.perf_counter() - t0,
-                      model_loads=model_cache.loads - loads0)
-        write_status(job_dir, status)
         model_cache.release()  # this job's engines and KV pool are gone: give their memory back
+        status.update(ended_at=time.time(), wall_s=time.perf_counter() - t0,
+                      model_loads=model_cache.loads - loads0, mlx_active_bytes_after_release=_active_memory())
+        write_status(job_dir, status)
     return status
 
 

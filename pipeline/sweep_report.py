@@ -361,7 +361,7 @@ def markdown(records: list[dict], sweep_dirs: list[Path], out: Path, plots: dict
               "prefill excluded). Jobs run by the joblib launcher share the machine, so compare speeds "
               "from one-at-a-time (basic launcher) sweeps.",
               "- **peak memory**: MLX's peak allocated memory during the job (weights, KV pages, workspace), "
-              "reset at the start of every job.",
+              "reset at the start of every job and after a model load (the load's transients are not counted).",
               "- **KV bytes/token**: cache bytes per token over all layers, K and V, with the scales and "
               "biases of quantized modes.",
               "- **agreement vs kv=none**: compared with the kv=none job of the same model, prompts and "

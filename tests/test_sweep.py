@@ -96,6 +96,10 @@ def test_basic_launcher_three_jobs_one_process_one_model_load(basic_sweep):
     assert kvb[0] > kvb[1] > kvb[2] > 0
     # One process ran every job; the model loaded for the first job only.
     assert len({r["pid"] for r in rows}) == 1 and [r["model_loads"] for r in rows] == [1, 0, 0]
+    # Each job's engines and KV pages are gone once it ends: MLX holds the cached model's weights only.
+    st = [json.loads((d / "job_status.json").read_text()) for d in dirs]
+    after = [x["mlx_active_bytes_after_release"] for x in st]
+    assert after[0] > 0 and after == [after[0]] * 3 and st[1]["mlx_active_bytes_at_start"] == after[0]
 
 
 def test_agreement_against_kv_none(basic_sweep):
