@@ -44,14 +44,15 @@ _qmm_streams: list | None = None
 
 
 def qmm_streams() -> list:
-    """CPU streams for the quantized matmuls of decode: [default] on a GPU or with one core."""
+    """Streams for the quantized matmuls of decode: None (the caller's default stream) first,
+    then extra CPU streams on the CPU backend; just [None] on a GPU or with one core."""
     global _qmm_streams
     if _qmm_streams is None:
         n = 1
         if mx.default_device().type == mx.DeviceType.cpu:
             env = os.environ.get("KVBATCH_QMM_THREADS", "").strip()
             n = int(env) if env else min(os.cpu_count() or 1, 4)
-        _qmm_streams = [mx.default_stream(mx.cpu)] + [mx.new_stream(mx.cpu) for _ in range(max(n, 1) - 1)]
+        _qmm_streams = [None] + [mx.new_stream(mx.cpu) for _ in range(max(n, 1) - 1)]
     return _qmm_streams
 
 
