@@ -111,8 +111,8 @@ def main() -> None:
 
     try:
         _hydra_app()
-    except SystemExit:
-        after_hydra(crashed=True)  # a multirun that died still gets its report
+    except (SystemExit, KeyboardInterrupt):
+        after_hydra(crashed=True)  # a multirun that died (or was stopped) still gets its report
         raise
     code = after_hydra()  # 1 when a sweep job did not complete
     if code:
