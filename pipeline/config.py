@@ -87,6 +87,8 @@ class WorkerConfig:
     id: Optional[str] = None  # None: <host>-<pid>-<random>
     lease_s: float = 600.0  # a claimed row returns to the queue this long after its last renewal
     max_attempts: int = 3  # internal_error rows are retried up to this many attempts
+    isolate_after: int = 3  # a row in flight when a worker died this many times runs alone ...
+    max_crashes: int = 6  # ... and at this many it ends with internal_error (crashes are not attempts)
     prefetch: int = 4  # rows claimed beyond engine.max_batch, so the batch never starves
     flush_rows: int = 16  # write a part after this many finished rows ...
     flush_s: float = 30.0  # ... or this many seconds
@@ -193,6 +195,9 @@ def validate(cfg: Config) -> None:
           "choose one of auto, on, off")
     _need(w.lease_s > 0, "worker.lease_s", w.lease_s, "must be > 0")
     _need(w.max_attempts >= 1, "worker.max_attempts", w.max_attempts, "must be >= 1")
+    _need(w.isolate_after >= 1, "worker.isolate_after", w.isolate_after, "must be >= 1")
+    _need(w.max_crashes > w.isolate_after, "worker.max_crashes", w.max_crashes,
+          f"must be > worker.isolate_after ({w.isolate_after}): a suspect row runs alone before it is given up")
     _need(w.prefetch >= 0, "worker.prefetch", w.prefetch, "must be >= 0")
     _need(w.flush_rows >= 1, "worker.flush_rows", w.flush_rows, "must be >= 1")
     _need(w.flush_s >= 0, "worker.flush_s", w.flush_s, "must be >= 0")

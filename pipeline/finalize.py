@@ -4,7 +4,8 @@ The queue says which part holds each finished row; a row found in a part but not
 acknowledged (its worker died between the rename and the ack) is adopted, not run
 again; a finished row whose part is missing or corrupt goes back to the queue, so
 it is generated again and never silently dropped. Duplicates (a row generated
-twice) are resolved to the part the queue acknowledged.
+twice) are resolved to the part the queue acknowledged. Both run under the output
+directory's lock, so several workers on one queue reconcile one at a time.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.parts import SCHEMA, clean_temp, quarantine, scan, to_table, write_atomic
+from pipeline.parts import SCHEMA, clean_temp, dir_lock, quarantine, scan, to_table, write_atomic
 from pipeline.queue import Queue
 
 RESULTS = "results.parquet"
@@ -37,6 +38,11 @@ def reconcile(out_dir: Path, q: Queue) -> Finalized:
     """Match the queue against the parts on disk: quarantine bad parts, adopt rows that are
     durable but unacknowledged, re-queue finished rows whose part is gone. Workers call this
     before claiming, so a row whose part survived a crash is never generated again."""
+    with dir_lock(out_dir):
+        return _reconcile(out_dir, q)
+
+
+def _reconcile(out_dir: Path, q: Queue) -> Finalized:
     parts_dir = out_dir / "parts"
     clean_temp(parts_dir)
     good, bad = scan(parts_dir)
@@ -61,11 +67,12 @@ def reconcile(out_dir: Path, q: Queue) -> Finalized:
         elif key in where:
             chosen.append((pos, *where[key]))
             name, i = where[key]
-            adopt.setdefault(name, []).append((key, good[name].column("error_code")[i].as_py()))
+            t = good[name]
+            adopt.setdefault(name, []).append((key, t.column("error_code")[i].as_py(), t.column("worker")[i].as_py()))
         else:
             done.remaining += 1
     for name, items in adopt.items():
-        q.ack("finalize", items, name)
+        q.adopt(items, name)
         done.adopted += len(items)
     if done.requeued:
         q.requeue(done.requeued, "lost_part")
@@ -74,10 +81,12 @@ def reconcile(out_dir: Path, q: Queue) -> Finalized:
 
 def finalize(out_dir: Path, q: Queue, metadata: dict[str, str]) -> Finalized:
     """results.parquet (written atomically) from the reconciled parts."""
-    done = reconcile(out_dir, q)
-    table = _assemble(done.good, done.chosen)
-    table = table.replace_schema_metadata({k.encode(): v.encode() for k, v in metadata.items()})
-    write_atomic(table, done.path)
+    with dir_lock(out_dir):
+        clean_temp(out_dir)
+        done = _reconcile(out_dir, q)
+        table = _assemble(done.good, done.chosen)
+        table = table.replace_schema_metadata({k.encode(): v.encode() for k, v in metadata.items()})
+        write_atomic(table, done.path)
     done.rows, done.table = table.num_rows, table
     return done
 

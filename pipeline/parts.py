@@ -1,18 +1,23 @@
 """Parquet parts: the durable unit of work, and the results schema they share.
 
-A part is written to a hidden temporary name, flushed and fsynced, then renamed
-into place (and the directory fsynced), so a crash never leaves a half-written
-file under a part's name. Each part records its row count and a hash of its row
+A part is written to a hidden temporary name (`.NAME~HOST~PID.tmp`, unique per
+process), flushed and fsynced, then renamed into place (and the directory
+fsynced), so a crash never leaves a half-written file under a part's name; a
+temporary left by a dead process is removed by the next reconcile. Each part records its row count and a hash of its row
 keys in its metadata, and pages carry checksums: `read_part` verifies all three,
 so a truncated or corrupt part is detected instead of silently dropping rows.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import re
+import socket
+import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Iterator, Optional
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -29,6 +34,8 @@ SCHEMA = pa.schema([
 ])
 COLUMNS = SCHEMA.names
 PART_GLOB = "part-*.parquet"
+LOCK = ".kvbatch.lock"
+_HOST = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())
 
 
 class PartError(Exception):
@@ -57,28 +64,49 @@ def to_table(records: list[dict], metadata: Optional[dict[str, str]] = None) -> 
     return table
 
 
-def write_atomic(table: pa.Table, path: Path) -> Path:
+def temp_path(path: Path) -> Path:
+    """A hidden temporary next to `path`, unique to this process (host and pid in its name)."""
+    return path.with_name(f".{path.name}~{_HOST}~{os.getpid()}.tmp")
+
+
+def write_atomic(table: pa.Table, path: Path, before_rename: Optional[Callable[[], None]] = None) -> Path:
     """Write `table` to `path` so that `path` is either absent or complete and durable."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = temp_path(path)
     with open(tmp, "wb") as fh:
         pq.write_table(table, fh, compression="zstd", write_page_checksum=True)
         fh.flush()
         os.fsync(fh.fileno())
+    if before_rename is not None:
+        before_rename()
     os.replace(tmp, path)
     fsync_dir(path.parent)
     return path
+
+
+@contextlib.contextmanager
+def dir_lock(out_dir: Path) -> Iterator[None]:
+    """An exclusive lock on the output directory (reconcile, finalize): several workers on one
+    queue never quarantine the same part twice or write results.parquet from a stale view."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / LOCK, "a") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
 def part_name(worker: str, seq: int) -> str:
     return f"part-{re.sub(r'[^A-Za-z0-9_.-]', '_', worker)}-{seq:05d}.parquet"
 
 
-def write_part(parts_dir: Path, name: str, records: list[dict]) -> Path:
+def write_part(parts_dir: Path, name: str, records: list[dict],
+               before_rename: Optional[Callable[[], None]] = None) -> Path:
     """A durable part holding `records` (results-schema dicts)."""
     parts_dir.mkdir(parents=True, exist_ok=True)
     keys = [r["row_key"] for r in records]
     meta = {"kvbatch.part.rows": str(len(records)), "kvbatch.part.keys_sha256": keys_digest(keys)}
-    return write_atomic(to_table(records, meta), parts_dir / name)
+    return write_atomic(to_table(records, meta), parts_dir / name, before_rename)
 
 
 def read_part(path: Path) -> pa.Table:
@@ -118,15 +146,26 @@ def quarantine(parts_dir: Path, name: str) -> Path:
     return target
 
 
-def clean_temp(parts_dir: Path, older_than_s: float = 3600.0) -> int:
-    """Remove temporaries a crash left mid-write (never a complete part: those were renamed).
-    Only old ones: a live worker on the same queue may be writing a young one right now."""
-    import time
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
+
+def clean_temp(folder: Path, older_than_s: float = 3600.0) -> int:
+    """Remove temporaries a crash left mid-write (never a complete part: those were renamed):
+    at once when the process that wrote it (this host, its pid) is gone, else only old ones
+    (a live worker on the same queue may be writing a young one right now)."""
     n = 0
-    for tmp in parts_dir.glob(".part-*.tmp") if parts_dir.is_dir() else []:
+    for tmp in folder.glob(".*.tmp") if folder.is_dir() else []:
+        m = re.fullmatch(r"\..+~(.+)~(\d+)\.tmp", tmp.name)
         try:
-            if time.time() - tmp.stat().st_mtime >= older_than_s:
+            dead = m is not None and m.group(1) == _HOST and not _pid_alive(int(m.group(2)))
+            if dead or time.time() - tmp.stat().st_mtime >= older_than_s:
                 tmp.unlink()
                 n += 1
         except FileNotFoundError:

@@ -9,6 +9,17 @@ what. WAL + synchronous=FULL: an acknowledged row survives a crash or power loss
 
 States: pending -> leased -> done | error (terminal), or back to pending
 (lease expired, retry, deadline release, lost part).
+
+Two counters per row:
+- `attempts`: runs that reached an outcome of the row's own: 1 for the first run, +1 for
+  each retry after `internal_error` (what `worker.max_attempts` caps; the `attempt`
+  column of the results). A claim that ends without such an outcome does not count: the
+  worker died or lost its lease, the deadline or Ctrl-C handed the row back, or its
+  finished part was lost.
+- `crashes`: how often a worker died (or stopped renewing its lease) while it held the
+  row. A crash is not the row's fault, but a row that kills its worker every time must
+  not stop the job forever: the worker runs rows with `crashes >= isolate_after` alone
+  and ends rows at `max_crashes` with internal_error (see Queue.claim, Worker).
 """
 from __future__ import annotations
 
@@ -25,7 +36,7 @@ CREATE TABLE IF NOT EXISTS rows(
   key TEXT PRIMARY KEY, pos INTEGER NOT NULL, payload TEXT NOT NULL,
   state TEXT NOT NULL DEFAULT 'pending' CHECK(state IN ('pending','leased','done','error')),
   attempts INTEGER NOT NULL DEFAULT 0, worker TEXT, lease_until REAL,
-  part TEXT, error_code TEXT, updated_at REAL NOT NULL);
+  part TEXT, error_code TEXT, updated_at REAL NOT NULL, crashes INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS rows_state ON rows(state, pos);
 CREATE TABLE IF NOT EXISTS manifest(pos INTEGER PRIMARY KEY, key TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS attempts(
@@ -36,8 +47,10 @@ CREATE INDEX IF NOT EXISTS attempts_open ON attempts(key, ended_at);
 CREATE TABLE IF NOT EXISTS workers(
   id TEXT PRIMARY KEY, pid INTEGER, host TEXT, started_at REAL, heartbeat_at REAL,
   ended_at REAL, rows INTEGER NOT NULL DEFAULT 0, tokens INTEGER NOT NULL DEFAULT 0,
-  wall_s REAL, summary TEXT);
+  wall_s REAL, summary TEXT, stop TEXT);
 """
+# Columns added after the first release: (table, column, declaration), added to older queue files.
+MIGRATIONS = (("rows", "crashes", "INTEGER NOT NULL DEFAULT 0"), ("workers", "stop", "TEXT"))
 TERMINAL = ("done", "error")
 
 
@@ -46,7 +59,8 @@ class Claimed:
     key: str
     pos: int
     payload: dict
-    attempt: int  # 1 for the first claim
+    attempt: int  # 1 for the first run; +1 per internal_error retry (crashes do not count)
+    crashes: int = 0  # times a worker died while holding this row (this claim's previous holders)
 
 
 class Queue:
@@ -57,6 +71,17 @@ class Queue:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
         self.db.executescript(SCHEMA)
+        self._migrate()
+
+    def _migrate(self) -> None:
+        for table, col, decl in MIGRATIONS:
+            have = {r[1] for r in self.db.execute(f"PRAGMA table_info({table})")}
+            if col not in have:
+                try:
+                    self.db.execute(f"ALTER TABLE {table} ADD COLUMN {col} {decl}")
+                except sqlite3.OperationalError as exc:  # another process added it first
+                    if "duplicate column" not in str(exc):
+                        raise
 
     def close(self) -> None:
         self.db.close()
@@ -83,25 +108,57 @@ class Queue:
         return added
 
     # ---- leases ----------------------------------------------------------------------------
-    def claim(self, worker: str, n: int, lease_s: float) -> list[Claimed]:
-        """Lease up to n manifest rows that are pending or whose lease has expired, in input order."""
+    def claim(self, worker: str, n: int, lease_s: float, idle: bool = True,
+              isolate_after: Optional[int] = None, max_crashes: Optional[int] = None) -> list[Claimed]:
+        """Lease up to n manifest rows that are pending or whose lease has expired, in input order.
+
+        A row whose lease expired was held by a worker that died (or stopped renewing): its
+        crash count goes up and that claim is not counted as an attempt. Rows with at least
+        `isolate_after` crashes (and fewer than `max_crashes`) are claimed only alone, and only
+        by an `idle` worker (nothing in flight): a row that kills its worker then takes no
+        batch mates with it. Rows at `max_crashes` are claimed like any other (the worker ends
+        them without running them)."""
         if n <= 0:
             return []
         now = time.time()
+        out: list[Claimed] = []
+
+        def alone(crashes: int) -> bool:
+            return isolate_after is not None and crashes >= isolate_after and \
+                (max_crashes is None or crashes < max_crashes)
+
         with self._tx():
-            got = self.db.execute(
-                "SELECT r.key, r.pos, r.payload, r.attempts, r.state FROM rows r JOIN manifest m ON m.key = r.key "
-                "WHERE r.state='pending' OR (r.state='leased' AND r.lease_until < ?) ORDER BY r.pos LIMIT ?",
-                (now, n)).fetchall()
-            out = []
-            for key, pos, payload, attempts, state in got:
-                if state == "leased":
+            picked: list[tuple] = []
+            after, full = -1, False
+            while not full:
+                page = self.db.execute(
+                    "SELECT r.key, m.pos, r.attempts, r.crashes, r.state FROM rows r JOIN manifest m "
+                    "ON m.key = r.key WHERE (r.state='pending' OR (r.state='leased' AND r.lease_until < ?)) "
+                    "AND m.pos > ? ORDER BY m.pos LIMIT ?", (now, after, max(4 * n, 64))).fetchall()
+                if not page:
+                    break
+                after = page[-1][1]
+                for row in page:
+                    if alone(row[3] + (row[4] == "leased")):
+                        if idle and not picked:  # this row, and nothing else
+                            picked.append(row)
+                            full = True
+                            break
+                        continue  # waits until this worker (or another) is idle
+                    picked.append(row)
+                    if len(picked) >= n:
+                        full = True
+                        break
+            for key, pos, attempts, crashes, state in picked:
+                if state == "leased":  # its holder died: undo that claim's count, record the crash
                     self._end_attempt(key, "expired", now)
-                self.db.execute("UPDATE rows SET state='leased', worker=?, lease_until=?, attempts=attempts+1, "
-                                "updated_at=? WHERE key=?", (worker, now + lease_s, now, key))
+                    attempts, crashes = attempts - 1, crashes + 1
+                self.db.execute("UPDATE rows SET state='leased', worker=?, lease_until=?, attempts=?, crashes=?, "
+                                "updated_at=? WHERE key=?", (worker, now + lease_s, attempts + 1, crashes, now, key))
                 self.db.execute("INSERT INTO attempts(key, attempt, worker, claimed_at) VALUES (?,?,?,?)",
                                 (key, attempts + 1, worker, now))
-                out.append(Claimed(key, pos, json.loads(payload), attempts + 1))
+                payload = self.db.execute("SELECT payload FROM rows WHERE key=?", (key,)).fetchone()[0]
+                out.append(Claimed(key, pos, json.loads(payload), attempts + 1, crashes))
             self.db.execute("UPDATE workers SET heartbeat_at=? WHERE id=?", (now, worker))
         return out
 
@@ -126,6 +183,19 @@ class Queue:
                     ("error" if code else "done", part, code, worker, now, key))
                 self._end_attempt(key, "error" if code else "done", now, worker, part, code)
 
+    def adopt(self, items: list[tuple[str, Optional[str], str]], part: str) -> None:
+        """Rows (key, error_code, writer) found durable in `part` but never acknowledged (their
+        writer died between the rename and the ack): finished from that part, and the writer's
+        attempt is closed as if it had acknowledged them."""
+        now = time.time()
+        with self._tx():
+            for key, code, writer in items:
+                self.db.execute(
+                    "UPDATE rows SET state=?, part=?, error_code=?, worker=?, lease_until=NULL, updated_at=? "
+                    "WHERE key=? AND state NOT IN ('done','error')",
+                    ("error" if code else "done", part, code, writer, now, key))
+                self._end_attempt(key, "error" if code else "done", now, writer, part, code)
+
     def release(self, worker: str, keys: list[str], outcome: str, count_attempt: bool = True) -> None:
         """Give leased rows back (retry, deadline, shutdown); `count_attempt=False` undoes the claim's count."""
         now = time.time()
@@ -138,12 +208,14 @@ class Queue:
                 self._end_attempt(key, outcome, now, worker)
 
     def requeue(self, keys: list[str], outcome: str) -> None:
-        """Terminal rows whose part is gone or corrupt: back to pending, to be generated again."""
+        """Terminal rows whose part is gone or corrupt: back to pending, to be generated again
+        (the lost run does not count as an attempt: losing a file is not the row's fault)."""
         now = time.time()
         with self._tx():
             for key in keys:
                 self.db.execute("UPDATE rows SET state='pending', part=NULL, error_code=NULL, worker=NULL, "
-                                "lease_until=NULL, updated_at=? WHERE key=?", (now, key))
+                                "lease_until=NULL, attempts=MAX(attempts-1, 0), updated_at=? WHERE key=?",
+                                (now, key))
                 self.db.execute("UPDATE attempts SET outcome=? WHERE id=(SELECT MAX(id) FROM attempts "
                                 "WHERE key=?)", (outcome, key))
 
@@ -162,29 +234,46 @@ class Queue:
         self.db.execute("INSERT OR REPLACE INTO workers(id, pid, host, started_at, heartbeat_at) VALUES (?,?,?,?,?)",
                         (worker, pid, host, now, now))
 
-    def worker_ended(self, worker: str, rows: int, tokens: int, wall_s: float, summary: dict) -> None:
-        self.db.execute("UPDATE workers SET ended_at=?, rows=?, tokens=?, wall_s=?, summary=? WHERE id=?",
-                        (time.time(), rows, tokens, wall_s, json.dumps(summary, default=str), worker))
+    def worker_progress(self, worker: str, rows: int, tokens: int) -> None:
+        """Rows written and tokens generated so far (kept current, so a killed worker's work shows)."""
+        self.db.execute("UPDATE workers SET rows=?, tokens=?, heartbeat_at=? WHERE id=?",
+                        (rows, tokens, time.time(), worker))
+
+    def worker_ended(self, worker: str, rows: int, tokens: int, wall_s: float, summary: dict,
+                     stop: str = "finished") -> None:
+        """`stop`: finished (nothing left to claim), deadline, interrupted (Ctrl-C/SIGTERM), failed."""
+        self.db.execute("UPDATE workers SET ended_at=?, rows=?, tokens=?, wall_s=?, summary=?, stop=? WHERE id=?",
+                        (time.time(), rows, tokens, wall_s, json.dumps(summary, default=str), stop, worker))
 
     def expire_dead_workers(self, host: str, alive) -> int:
-        """Expire at once the leases of workers on `host` whose process is gone (`alive(pid,
-        started_at)` is False), instead of waiting out the lease. Returns rows freed."""
+        """Workers on `host` whose process is gone (`alive(pid, started_at)` is False): their rows
+        go back to pending at once (instead of when the lease runs out) with one more crash and
+        the claim not counted as an attempt; the worker is marked `died`. Returns rows freed."""
         freed = 0
         dead = [w for w, pid, started in self.db.execute(
-            "SELECT id, pid, started_at FROM workers WHERE host=? AND ended_at IS NULL", (host,))
+            "SELECT id, pid, started_at FROM workers WHERE host=? AND ended_at IS NULL", (host,)).fetchall()
             if not alive(pid, started)]
+        now = time.time()
         with self._tx():
             for w in dead:
-                freed += self.db.execute("UPDATE rows SET lease_until=0 WHERE state='leased' AND worker=?",
-                                         (w,)).rowcount
-                self.db.execute("UPDATE workers SET ended_at=? WHERE id=?", (time.time(), w))
+                keys = [k for (k,) in self.db.execute("SELECT key FROM rows WHERE state='leased' AND worker=?", (w,))]
+                for key in keys:
+                    self.db.execute("UPDATE rows SET state='pending', worker=NULL, lease_until=NULL, "
+                                    "attempts=MAX(attempts-1, 0), crashes=crashes+1, updated_at=? WHERE key=?",
+                                    (now, key))
+                    self._end_attempt(key, "worker_died", now, w)
+                freed += len(keys)
+                self.db.execute("UPDATE workers SET ended_at=?, stop='died' WHERE id=?", (now, w))
         return freed
 
     def sessions(self) -> list[dict]:
-        cur = self.db.execute("SELECT id, started_at, ended_at, rows, tokens, wall_s, summary FROM workers "
-                              "ORDER BY started_at")
-        return [{"worker": w, "started_at": s, "ended_at": e, "rows": r, "tokens": t, "wall_s": ws,
-                 "summary": json.loads(sm) if sm else None} for w, s, e, r, t, ws, sm in cur]
+        """Every worker session, oldest first. `wall_s` is set when it ended cleanly; `stop` says
+        how it ended (finished, deadline, interrupted, failed, died; None while running)."""
+        cur = self.db.execute("SELECT id, pid, host, started_at, heartbeat_at, ended_at, rows, tokens, wall_s, "
+                              "summary, stop FROM workers ORDER BY started_at")
+        return [{"worker": w, "pid": pid, "host": host, "started_at": s, "heartbeat_at": hb, "ended_at": e,
+                 "rows": r, "tokens": t, "wall_s": ws, "summary": json.loads(sm) if sm else None, "stop": stop}
+                for w, pid, host, s, hb, e, r, t, ws, sm, stop in cur]
 
     # ---- reading ---------------------------------------------------------------------------
     def counts(self) -> dict[str, int]:
@@ -198,6 +287,19 @@ class Queue:
     def error_counts(self) -> dict[str, int]:
         return dict(self.db.execute("SELECT r.error_code, COUNT(*) FROM rows r JOIN manifest m ON m.key=r.key "
                                     "WHERE r.state='error' GROUP BY r.error_code ORDER BY 1"))
+
+    def leases(self) -> list[tuple[str, int, float]]:
+        """(worker, rows it holds, earliest lease expiry) of every worker holding leases."""
+        return self.db.execute("SELECT r.worker, COUNT(*), MIN(r.lease_until) FROM rows r JOIN manifest m "
+                               "ON m.key=r.key WHERE r.state='leased' GROUP BY r.worker ORDER BY 1").fetchall()
+
+    def crash_counts(self) -> dict[str, int]:
+        """Manifest rows that were in flight when a worker died: how many (`rows`), the most crashes
+        of one row (`max`), and rows retried after internal_error (`retried`)."""
+        n, most, retried = self.db.execute(
+            "SELECT SUM(r.crashes > 0), MAX(r.crashes), SUM(r.attempts > 1) FROM rows r "
+            "JOIN manifest m ON m.key=r.key").fetchone()
+        return {"rows": n or 0, "max": most or 0, "retried": retried or 0}
 
     def manifest(self) -> list[tuple[int, str, str, Optional[str], int]]:
         """(pos, key, state, part, attempts) of every manifest row, in input order."""

@@ -12,7 +12,7 @@ from typing import Optional
 import pyarrow as pa
 
 from engine.memory import fmt_bytes
-from pipeline.parts import fsync_dir
+from pipeline.parts import fsync_dir, temp_path
 
 
 def versions() -> dict[str, str]:
@@ -40,7 +40,7 @@ def build(table: pa.Table, counts: dict[str, int], sessions: list[dict], this_ru
         if c is not None:
             by_code[c] = by_code.get(c, 0) + 1
     col = lambda name: sum(v or 0 for v in table.column(name).to_pylist()) if table.num_rows else 0  # noqa: E731
-    worked = [s for s in sessions if s.get("tokens")]
+    worked = [s for s in sessions if s.get("tokens") and s.get("wall_s")]  # ended cleanly
     last = next((s["summary"] for s in reversed(sessions) if s.get("summary")), None) or {}
     run = this_run or {}
     total_tokens = sum(s["tokens"] for s in worked)
@@ -69,7 +69,7 @@ def build(table: pa.Table, counts: dict[str, int], sessions: list[dict], this_ru
 
 
 def write(path: Path, summary: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = temp_path(path)
     with open(tmp, "w") as fh:
         json.dump(summary, fh, indent=1, default=str)
         fh.flush()

@@ -6,12 +6,24 @@ renews its leases (a long row may not yield for a long time). Rows that the inpu
 stage marked invalid, and rows that could not be tokenized, are written with
 `invalid_input` without reaching the engine. `internal_error` rows are given back
 for another attempt up to `worker.max_attempts`.
+
+Crashes (see pipeline/queue.py) are not attempts. A row that was in flight when a
+worker died `worker.isolate_after` times runs alone (nothing else claimed while it
+runs), so a row that kills its worker takes no batch mates with it; at
+`worker.max_crashes` it is written with `internal_error` without running again.
+
+`worker.deadline`: the engine yields between steps at least every HEARTBEAT_S, so
+the deadline is seen mid-batch: the worker claims nothing more, cancels the engine
+(in-flight rows go back to the queue, their attempt not counted: they start over
+next run), writes the rows already finished, and returns. SIGTERM is handled like
+Ctrl-C: finished rows are written, in-flight rows handed back.
 """
 from __future__ import annotations
 
 import os
 import re
 import secrets
+import signal
 import socket
 import threading
 import time
@@ -22,11 +34,15 @@ from typing import Any, Callable, Optional
 
 from engine.errors import INTERNAL_ERROR, INVALID_INPUT
 from engine.types import Request, Result, SamplingParams
+from pipeline import debug
 from pipeline.config import Config
 from pipeline.parts import part_name, write_part
 from pipeline.progress import Progress
 from pipeline.prompts import encode
 from pipeline.queue import Claimed, Queue
+
+
+HEARTBEAT_S = 0.5  # the engine yields at least this often: deadline and flush checks mid-batch
 
 
 def new_worker_id() -> str:
@@ -83,7 +99,8 @@ class WorkStats:
     tokens: int = 0
     wall_s: float = 0.0
     retried: int = 0
-    released: int = 0
+    released: int = 0  # in-flight rows handed back (deadline, Ctrl-C, SIGTERM)
+    gave_up: int = 0  # rows ended at worker.max_crashes
     stopped_by_deadline: bool = False
     engine_summary: dict = field(default_factory=dict)
 
@@ -101,6 +118,7 @@ class Worker:
         self.seq = 0
         self.last_flush = time.monotonic()
         self.stats = WorkStats()
+        self.alone: Optional[str] = None  # key of a row running alone (isolate_after crashes)
 
     # ---- records ---------------------------------------------------------------------------
     def _sampling(self, payload: dict) -> SamplingParams:
@@ -136,14 +154,19 @@ class Worker:
 
     def _top_up(self) -> int:
         """Claim rows up to the batch + prefetch; returns how many were claimed."""
-        if self._past_deadline():
+        if self._past_deadline() or self.alone:
             return 0
-        want = self.cfg.engine.max_batch + self.cfg.worker.prefetch - len(self.inflight)
-        claimed = self.q.claim(self.id, want, self.cfg.worker.lease_s)
+        w = self.cfg.worker
+        want = self.cfg.engine.max_batch + w.prefetch - len(self.inflight)
+        claimed = self.q.claim(self.id, want, w.lease_s, idle=not self.inflight,
+                               isolate_after=w.isolate_after, max_crashes=w.max_crashes)
         for c in claimed:
-            if c.attempt > self.cfg.worker.max_attempts:
+            if c.crashes >= w.max_crashes:
+                self.stats.gave_up += 1
                 self._add(self._record(c, code=INTERNAL_ERROR, msg=(
-                    f"gave up after {c.attempt - 1} attempts (its worker stopped each time)")))
+                    f"a worker process died {c.crashes} times while this row was in flight "
+                    f"({c.crashes - w.isolate_after} of them with the row running alone); not run again "
+                    f"(worker.max_crashes={w.max_crashes})")))
             elif "error" in c.payload:
                 self._add(self._record(c, code=INVALID_INPUT, msg=c.payload["error"]))
             else:
@@ -154,12 +177,17 @@ class Worker:
                     continue
                 if self.eng is None:
                     self.eng = self.rt.make_engine()
+                    debug.install(self.eng)
                 self.eng.submit(Request(key=c.key, prompt_tokens=ids, sampling=self._sampling(c.payload)))
                 self.inflight[c.key] = c
+                if c.crashes >= w.isolate_after:
+                    self.alone = c.key
         return len(claimed)
 
     def _finished(self, res: Result) -> None:
         c = self.inflight.pop(res.key)
+        if self.alone == res.key:
+            self.alone = None
         self.stats.tokens += len(res.tokens)
         if res.error_code == INTERNAL_ERROR and c.attempt < self.cfg.worker.max_attempts:
             self.q.release(self.id, [c.key], "retry")
@@ -179,10 +207,13 @@ class Worker:
         if not self.buffer or not (force or due):
             return
         name = part_name(self.id, self.seq)
-        write_part(self.parts_dir, name, self.buffer)
+        write_part(self.parts_dir, name, self.buffer, before_rename=lambda: debug.point("part_tmp"))
+        debug.point("after_part_write")
         self.q.ack(self.id, [(r["row_key"], r["error_code"]) for r in self.buffer], name)
+        debug.point("after_ack")
         self.seq += 1
         self.stats.rows += len(self.buffer)
+        self.q.worker_progress(self.id, self.stats.rows, self.stats.tokens)
         self.buffer, self.last_flush = [], time.monotonic()
 
     def _engine_failed(self, exc: BaseException) -> None:
@@ -195,6 +226,7 @@ class Worker:
             else:
                 self._add(self._record(c, code=INTERNAL_ERROR, msg=msg))
         self.inflight.clear()
+        self.alone = None
         self.eng = None
 
     def _give_back(self, outcome: str) -> None:
@@ -203,6 +235,22 @@ class Worker:
             self.q.release(self.id, list(self.inflight), outcome, count_attempt=False)
             self.stats.released += len(self.inflight)
             self.inflight.clear()
+        self.alone = None
+
+    def _drive(self) -> None:
+        """Run the engine over the rows in flight, topping up and flushing as rows finish; at the
+        deadline, cancel it: the rows it hands back stay in `inflight` for _give_back."""
+        cancelled = False
+        for res in self.eng.run(heartbeat_s=HEARTBEAT_S):
+            if res is not None:
+                self._finished(res)
+            if self._past_deadline():
+                if not cancelled:
+                    self.eng.cancel()  # results that finished before this still come out of run()
+                    cancelled = True
+                continue
+            self._top_up()
+            self.flush()
 
     def run(self) -> WorkStats:
         """Work until the queue has nothing claimable (or the deadline passes)."""
@@ -211,32 +259,48 @@ class Worker:
         self.q.worker_started(self.id, os.getpid(), host)
         keeper = LeaseKeeper(self.q.path, self.id, self.cfg.worker.lease_s)
         keeper.start()
+        stop = "failed"
+        old_term = _on_sigterm_raise_interrupt()
         try:
             while self._top_up() or self.inflight or self.buffer:
                 if self.inflight:
                     try:
-                        for res in self.eng.run():
-                            self._finished(res)
-                            if self._past_deadline():
-                                break
-                            self._top_up()
-                            self.flush()
+                        self._drive()
                     except Exception as exc:  # noqa: BLE001 - confined to the rows in flight
                         self._engine_failed(exc)
                 self.flush(force=True)
                 if self.stats.stopped_by_deadline:
                     break
-            self._give_back("released")
+            self._give_back("deadline" if self.stats.stopped_by_deadline else "released")
             self.flush(force=True)
-        except KeyboardInterrupt:  # Ctrl-C: keep what is done, hand the rest back at once
+            stop = "deadline" if self.stats.stopped_by_deadline else "finished"
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep what is done, hand the rest back at once
+            stop = "interrupted"
             self.flush(force=True)
             self._give_back("interrupted")
             raise
         finally:
+            _restore_sigterm(old_term)
             keeper.stop()
             self.stats.wall_s = time.perf_counter() - t0
             if self.eng is not None:
                 self.stats.engine_summary = self.eng.summary()
             self.q.worker_ended(self.id, self.stats.rows, self.stats.tokens, self.stats.wall_s,
-                                self.stats.engine_summary)
+                                self.stats.engine_summary, stop)
         return self.stats
+
+
+def _on_sigterm_raise_interrupt():
+    """SIGTERM (systemd stop, `timeout`, kill) -> KeyboardInterrupt, so rows are handed back cleanly."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    return signal.signal(signal.SIGTERM, handler)
+
+
+def _restore_sigterm(old) -> None:
+    if old is not None:
+        signal.signal(signal.SIGTERM, old)

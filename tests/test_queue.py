@@ -40,15 +40,17 @@ def test_claim_in_order_ack_and_record(tmp_path):
     assert rec["k3"][2] == "w2" and rec["k3"][4] is None  # still open
 
 
-def test_expired_lease_returns_to_the_queue(tmp_path):
+def test_expired_lease_returns_to_the_queue_as_a_crash_not_an_attempt(tmp_path):
     q = Queue(tmp_path / "q.sqlite")
     q.enqueue(_rows(2))
     q.claim("dead", 2, lease_s=0.05)
     time.sleep(0.1)
     again = q.claim("alive", 5, lease_s=60)
-    assert [c.key for c in again] == ["k0", "k1"] and all(c.attempt == 2 for c in again)
-    outcomes = [(k, w, o) for k, _, w, _, _, o, _, _ in q.attempts("k0")]
-    assert outcomes == [("k0", "dead", "expired"), ("k0", "alive", None)]
+    assert [c.key for c in again] == ["k0", "k1"]
+    assert all(c.attempt == 1 and c.crashes == 1 for c in again)  # the holder died: not the row's fault
+    outcomes = [(k, a, w, o) for k, a, w, _, _, o, _, _ in q.attempts("k0")]
+    assert outcomes == [("k0", 1, "dead", "expired"), ("k0", 1, "alive", None)]
+    assert q.crash_counts() == {"rows": 2, "max": 1, "retried": 0}
 
 
 def test_renew_keeps_the_lease(tmp_path):
@@ -113,4 +115,73 @@ def test_dead_workers_on_this_host_lose_their_leases_at_once(tmp_path):
     q.claim("live", 1, lease_s=600)
     q.claim("remote", 1, lease_s=600)
     assert q.expire_dead_workers("h1", lambda pid, started: pid == 222) == 1
-    assert [c.key for c in q.claim("new", 5, lease_s=60)] == ["k0"]
+    assert q.counts()["pending"] == 1
+    got = q.claim("new", 5, lease_s=60)
+    assert [(c.key, c.attempt, c.crashes) for c in got] == [("k0", 1, 1)]
+    assert [r[5] for r in q.attempts("k0")] == ["worker_died", None]
+    stops = {s["worker"]: s["stop"] for s in q.sessions()}
+    assert stops == {"dead": "died", "live": None, "remote": None}
+
+
+def _crash(q, worker, keys_expected=None):
+    """Claim as `worker` (a process that then dies), and have the next start notice it."""
+    q.worker_started(worker, 1, "h")
+    got = q.claim(worker, 10, lease_s=600, idle=True, isolate_after=2, max_crashes=4)
+    q.expire_dead_workers("h", lambda pid, started: False)
+    return [c.key for c in got]
+
+
+def test_crashes_do_not_use_up_attempts_and_suspects_run_alone(tmp_path):
+    q = Queue(tmp_path / "q.sqlite")
+    q.enqueue(_rows(4))
+    assert _crash(q, "w1") == ["k0", "k1", "k2", "k3"]
+    assert _crash(q, "w2") == ["k0", "k1", "k2", "k3"]  # every row now has 2 crashes: suspects
+    # a worker with rows in flight gets no suspect; an idle one gets exactly one
+    assert q.claim("w3", 10, lease_s=600, idle=False, isolate_after=2, max_crashes=4) == []
+    one = q.claim("w3", 10, lease_s=600, idle=True, isolate_after=2, max_crashes=4)
+    assert [(c.key, c.attempt, c.crashes) for c in one] == [("k0", 1, 2)]
+    q.ack("w3", [("k0", None)], "part-x")
+    # k1 kills its worker twice more while running alone: at max_crashes it is claimed
+    # normally (the worker ends it without running it), next to the others
+    for w in ("w4", "w5"):
+        assert _crash(q, w) == ["k1"]
+    got = q.claim("w6", 10, lease_s=600, idle=True, isolate_after=2, max_crashes=4)
+    assert [(c.key, c.crashes) for c in got] == [("k1", 4)]
+    assert all(c.attempt == 1 for c in got)
+    assert q.crash_counts() == {"rows": 4, "max": 4, "retried": 0}
+
+
+def test_plain_rows_pass_suspects_and_lost_parts_do_not_count(tmp_path):
+    q = Queue(tmp_path / "q.sqlite")
+    q.enqueue(_rows(3))
+    q.worker_started("w1", 1, "h")
+    q.claim("w1", 1, lease_s=600)  # k0 only
+    q.expire_dead_workers("h", lambda pid, started: False)
+    got = q.claim("w2", 10, lease_s=600, idle=True, isolate_after=1, max_crashes=3)
+    assert [c.key for c in got] == ["k0"]  # idle: the suspect first, alone
+    q.release("w2", ["k0"], "deadline", count_attempt=False)
+    got = q.claim("w2", 10, lease_s=600, idle=False, isolate_after=1, max_crashes=3)
+    assert [c.key for c in got] == ["k1", "k2"]  # busy: plain rows go past the suspect
+    q.ack("w2", [("k1", None)], "p1")
+    q.requeue(["k1"], "lost_part")
+    again = {c.key: c.attempt for c in q.claim("w3", 10, lease_s=600)}
+    assert again == {"k0": 1, "k1": 1}  # handed back / part lost: neither counts as an attempt
+
+
+def test_old_queue_files_gain_the_new_columns(tmp_path):
+    import sqlite3
+
+    path = tmp_path / "q.sqlite"
+    db = sqlite3.connect(path)
+    db.executescript("""CREATE TABLE rows(key TEXT PRIMARY KEY, pos INTEGER NOT NULL, payload TEXT NOT NULL,
+      state TEXT NOT NULL DEFAULT 'pending', attempts INTEGER NOT NULL DEFAULT 0, worker TEXT, lease_until REAL,
+      part TEXT, error_code TEXT, updated_at REAL NOT NULL);
+      CREATE TABLE workers(id TEXT PRIMARY KEY, pid INTEGER, host TEXT, started_at REAL, heartbeat_at REAL,
+      ended_at REAL, rows INTEGER NOT NULL DEFAULT 0, tokens INTEGER NOT NULL DEFAULT 0, wall_s REAL, summary TEXT);""")
+    db.close()
+    q = Queue(path)
+    q.enqueue(_rows(1))
+    assert q.claim("w", 1, lease_s=60)[0].crashes == 0
+    q.worker_started("w", 1, "h")
+    q.worker_ended("w", 1, 5, 1.0, {}, "deadline")
+    assert q.sessions()[0]["stop"] == "deadline"

@@ -1,0 +1,120 @@
+"""Testing-only crash points: make a worker die at an exact place, as `kill -9` would.
+
+Not for production use. Set `KVBATCH_DEBUG_CRASH_AT` to one or more comma-separated specs:
+
+- `POINT:N` - the N-th time this process reaches POINT, it kills itself with SIGKILL
+  (no cleanup, no finally blocks, no atexit: the same as `kill -9` from outside);
+- `POINT:N:pause` - instead, print `kvbatch-debug: paused at POINT N (pid PID)` on stderr
+  and sleep, so a test can `kill -9` the process from outside at that exact point;
+- `row:KEY` - kill the process every time row KEY starts its prefill (a row that kills
+  its worker: exercises worker.isolate_after / worker.max_crashes).
+
+POINTs: `prefill` (after a prefill chunk of a prompt that has more chunks to go),
+`decode` (after a decode step), `part_tmp` (a part's temporary file is written and
+fsynced, not yet renamed), `after_part_write` (a part is durable, its rows not yet
+acknowledged), `after_ack` (a part's rows were just acknowledged).
+
+The engine hooks wrap a few of one Engine instance's private methods; nothing is
+installed unless the variable is set.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+ENV = "KVBATCH_DEBUG_CRASH_AT"
+POINTS = ("prefill", "decode", "part_tmp", "after_part_write", "after_ack")
+
+
+@dataclass(frozen=True)
+class Spec:
+    point: str
+    n: int = 0  # the n-th time (1-based); 0 for row:KEY
+    pause: bool = False
+    row: Optional[str] = None
+
+
+def parse(text: Optional[str]) -> list[Spec]:
+    out = []
+    for item in (text or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if item.startswith("row:"):
+            out.append(Spec("row", row=item[4:]))
+            continue
+        parts = item.split(":")
+        if len(parts) not in (2, 3) or parts[0] not in POINTS or not parts[1].isdigit() or int(parts[1]) < 1 \
+                or (len(parts) == 3 and parts[2] != "pause"):
+            raise ValueError(f"{ENV}={text!r}: use POINT:N[:pause] (POINT one of {', '.join(POINTS)}) or row:KEY")
+        out.append(Spec(parts[0], int(parts[1]), len(parts) == 3))
+    return out
+
+
+_specs = parse(os.environ.get(ENV))
+_seen: dict[str, int] = {}
+
+
+def active() -> bool:
+    return bool(_specs)
+
+
+def _die(what: str, pause: bool) -> None:
+    if pause:
+        print(f"kvbatch-debug: paused at {what} (pid {os.getpid()})", file=sys.stderr, flush=True)
+        while True:
+            time.sleep(3600)
+    print(f"kvbatch-debug: killing myself at {what} (pid {os.getpid()})", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def point(name: str) -> None:
+    """Count one arrival at `name`; die there if a spec says so."""
+    if not _specs:
+        return
+    _seen[name] = _seen.get(name, 0) + 1
+    for s in _specs:
+        if s.point == name and s.n == _seen[name]:
+            _die(f"{name} {s.n}", s.pause)
+
+
+def row_starts(key: str) -> None:
+    for s in _specs:
+        if s.point == "row" and s.row == key:
+            _die(f"row {key}", s.pause)
+
+
+def install(eng) -> None:
+    """Wrap one Engine's prefill, decode step and cache pass end with the crash points."""
+    if not _specs or getattr(eng, "_kvbatch_debug", False):
+        return
+    eng._kvbatch_debug = True
+    prefill, decode, end = eng._prefill, eng._decode_step, eng.cache.end
+    chunk = eng.cfg.prefill_chunk
+    state = {"row": None, "chunks": 0}
+
+    def prefill_hooked(row):
+        row_starts(row.req.key)
+        state.update(row=row, chunks=0)
+        try:
+            return prefill(row)
+        finally:
+            state["row"] = None
+
+    def end_hooked():
+        end()
+        row = state["row"]
+        if row is not None:
+            state["chunks"] += 1
+            if state["chunks"] * chunk < len(row.req.prompt_tokens):  # more chunks to go
+                point("prefill")
+
+    def decode_hooked():
+        decode()
+        point("decode")
+
+    eng._prefill, eng._decode_step, eng.cache.end = prefill_hooked, decode_hooked, end_hooked
