@@ -174,16 +174,9 @@ def status(job: Job) -> None:
     if not job.queue_path.exists():
         print(f"kvbatch: no queue in {job.out_dir} yet (run action=enqueue or action=run)")
         return
-    q = Queue(job.queue_path)
-    c, errs = q.counts(), q.error_counts()
-    print(f"queue {job.queue_path}")
-    print("rows: " + ", ".join(f"{k} {v}" for k, v in c.items()) + f"; remaining {c['pending'] + c['leased']}")
-    if errs:
-        print("errors: " + ", ".join(f"{k} {v}" for k, v in errs.items()))
-    last = next((s for s in reversed(q.sessions()) if s["wall_s"]), None)
-    if last:
-        print(f"last run: worker {last['worker']}, {last['rows']} rows, {last['tokens']} tokens in "
-              f"{last['wall_s']:.1f}s ({last['rows'] / last['wall_s']:.2f} rows/s)")
+    from pipeline.status import lines
+
+    print("\n".join(lines(job.queue_path, job.cfg.worker.isolate_after, job.cfg.worker.max_crashes)))
 
 
 def execute(cfg: Config) -> Optional[Path]:
