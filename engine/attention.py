@@ -56,6 +56,10 @@ def qmm_streams() -> list:
     return _qmm_streams
 
 
+def _f32(a: mx.array) -> mx.array:
+    return a if a.dtype == mx.float32 else a.astype(mx.float32)
+
+
 def quantized_decode_attention(q: mx.array, qk: list[mx.array] | list[list[mx.array]] | None,
                                qv: list[mx.array], tk: mx.array, tv: mx.array, mask_q: mx.array,
                                mask_t: mx.array, scale: float, group_size: int, bits: int,
@@ -78,13 +82,13 @@ def quantized_decode_attention(q: mx.array, qk: list[mx.array] | list[list[mx.ar
     rep = Hq // Hkv
     dtype = q.dtype
     streams = streams or [None]
-    qf = (q.astype(mx.float32) * scale).reshape(B, Hkv, rep * L, D)
-    scores_t = qf @ tk.astype(mx.float32).swapaxes(-1, -2)  # (B,Hkv,rep*L,P)
+    qf = (_f32(q) * scale).reshape(B, Hkv, rep * L, D)
+    scores_t = qf @ _f32(tk).swapaxes(-1, -2)  # (B,Hkv,rep*L,P)
     parts, masks = [scores_t], [mask_t]
     if qk is not None:
         runs = qk if isinstance(qk[0], (list, tuple)) else [qk]
-        scores_q = [mx.quantized_matmul(qf, w, s.astype(mx.float32), b.astype(mx.float32), transpose=True,
-                                        group_size=group_size, bits=bits, stream=streams[i % len(streams)])
+        scores_q = [mx.quantized_matmul(qf, w, _f32(s), _f32(b), transpose=True, group_size=group_size,
+                                        bits=bits, stream=streams[i % len(streams)])
                     for i, (w, s, b) in enumerate(runs)]
         parts[:0] = scores_q
         masks.insert(0, mask_q)
@@ -93,17 +97,18 @@ def quantized_decode_attention(q: mx.array, qk: list[mx.array] | list[list[mx.ar
     scores = mx.where(mask, scores, mx.array(-mx.inf, mx.float32))
     probs = mx.softmax(scores, axis=-1)
     P = tk.shape[2]
-    out = probs[..., -P:] @ tv.astype(mx.float32)
+    out = probs[..., -P:] @ _f32(tv)
     if qk is not None:
         w, s, b = (a.reshape(B * Hkv, *a.shape[2:]) for a in qv)
-        s, b = s.astype(mx.float32), b.astype(mx.float32)
+        s, b = _f32(s), _f32(b)
         pq = probs[..., :-P].reshape(B * Hkv, rep * L, -1)
         n = max(1, min(len(streams), B * Hkv, B * Hkv * pq.shape[-1] // QMM_MIN_TOKENS))
         cuts = [B * Hkv * i // n for i in range(n + 1)]
         pv = [mx.quantized_matmul(pq[a:z], w[a:z], s[a:z], b[a:z], transpose=False, group_size=group_size,
                                   bits=bits, stream=streams[i]) for i, (a, z) in enumerate(zip(cuts, cuts[1:]))]
         out = out + (mx.concatenate(pv) if n > 1 else pv[0]).reshape(B, Hkv, rep * L, D)
-    return out.reshape(B, Hq, L, D).astype(dtype)
+    out = out.reshape(B, Hq, L, D)
+    return out if out.dtype == dtype else out.astype(dtype)
 
 
 def install(model: nn.Module) -> None:

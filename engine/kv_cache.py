@@ -302,11 +302,11 @@ class PagedKVCache:
                 qk = []
                 for i, run in enumerate(t["runs_q"]):  # each run's gather on the stream that uses it
                     if self.qmm_streams[i] is None:
-                        qk.append(st.gather_quantized(layer, run)[:3])
+                        qk.append(st.gather_quantized(layer, run, "k"))
                     else:
                         with mx.stream(self.qmm_streams[i]):
-                            qk.append(st.gather_quantized(layer, run)[:3])
-                qv, mask_q = st.gather_quantized(layer, t["table_q"])[3:], t["mask_q"]
+                            qk.append(st.gather_quantized(layer, run, "k"))
+                qv, mask_q = st.gather_quantized(layer, t["table_q"], "v"), t["mask_q"]
             out = att.quantized_decode_attention(queries, qk, qv, tk, tv, mask_q, t["mask_t"], scale,
                                                  st.group_size, st.bits, self.qmm_streams)
         if plan.poison is not None and layer == 0:  # testing-only fault injection

@@ -209,11 +209,13 @@ class QuantizedStore:
             self.tv[layer][tail, :, :rest] = v[n_done:].swapaxes(0, 1).astype(self.dtype)
         return k, v
 
-    def gather_quantized(self, layer: int, table: mx.array) -> list[mx.array]:
-        """Quantized K/V triplets of the pages in table, as contiguous (B, kv_heads, T, width) each."""
+    def gather_quantized(self, layer: int, table: mx.array, which: str = "kv") -> list[mx.array]:
+        """Quantized K/V triplets of the pages in table, as contiguous (B, kv_heads, T, width) each
+        (which="k" or "v": only that triplet)."""
         B, n = table.shape
         out = []
-        for a in self.q[layer]:
+        arrs = self.q[layer]
+        for a in (arrs[:3] if which == "k" else arrs[3:] if which == "v" else arrs):
             pages = a[table[:, None, :], self._heads]  # (B, kv_heads, n, P, width)
             out.append(pages.reshape(B, self.kv_heads, n * self.page_size, a.shape[-1]))
         return out
