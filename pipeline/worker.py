@@ -290,13 +290,17 @@ class Worker:
         return self.stats
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, handled like Ctrl-C (exit status 143 instead of 130)."""
+
+
 def _on_sigterm_raise_interrupt():
-    """SIGTERM (systemd stop, `timeout`, kill) -> KeyboardInterrupt, so rows are handed back cleanly."""
+    """SIGTERM (systemd stop, `timeout`, kill) -> Terminated, so rows are handed back cleanly."""
     if threading.current_thread() is not threading.main_thread():
         return None
 
     def handler(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
+        raise Terminated(f"signal {signum}")
 
     return signal.signal(signal.SIGTERM, handler)
 

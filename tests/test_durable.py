@@ -302,3 +302,27 @@ def test_a_row_that_kills_its_worker_every_time_is_given_up_alone(job, tmp_path)
     crashes = dict(q.db.execute("SELECT key, crashes FROM rows WHERE crashes > 0"))
     assert crashes["r05"] == 2 and all(v == 1 for k, v in crashes.items() if k != "r05") and len(crashes) > 1
     assert check_files(out) == []
+
+
+def test_sigterm_writes_what_is_done_and_hands_the_rest_back(job, tmp_path):
+    base, ref = job
+    args = base + SETTINGS + ["engine.max_batch=1", "worker.prefetch=1"]
+    out = tmp_path / "out"
+    p = start(out, args, tmp_path / "term.err")
+    limit = time.monotonic() + 300
+    while not list((out / "parts").glob("part-*.parquet")):  # a first part: rows are in flight now
+        assert p.poll() is None and time.monotonic() < limit, (tmp_path / "term.err").read_text()
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=120) == 143
+    assert "kvbatch: terminated; finished rows are saved in parts/" in (tmp_path / "term.err").read_text()
+    q = Queue(out / "queue.sqlite")
+    c = q.counts()
+    assert c["leased"] == 0 and c["pending"] > 0
+    handed = [r for r in q.attempts() if r[5] == "interrupted"]
+    assert handed and q.sessions()[0]["stop"] == "interrupted"
+    assert q.crash_counts()["rows"] == 0  # handed back: no crash, no attempt
+    assert check_files(out) == []
+    assert "runs: 1 worker sessions (interrupted 1)" in status(out, args)
+    assert kvbatch(out, args).returncode == 0
+    assert all(r["attempt"] == 1 for r in check_results(out, ref))
