@@ -22,7 +22,7 @@ from pipeline.finalize import Finalized, finalize, reconcile
 from pipeline.inputs import read_rows, resolve_input
 from pipeline.progress import Progress
 from pipeline.queue import Queue
-from pipeline.worker import Runtime, WorkStats, Worker
+from pipeline.worker import Runtime, Terminated, WorkStats, Worker
 
 QUEUE = "queue.sqlite"
 
@@ -117,6 +117,12 @@ def work(job: Job, q: Queue) -> Optional[WorkStats]:
     progress = Progress(todo, job.cfg.output.progress)
     try:
         stats = Worker(job.cfg, q, job.out_dir / "parts", runtime, progress=progress).run()
+    except KeyboardInterrupt as exc:  # Ctrl-C / SIGTERM: the worker wrote what was done, handed the rest back
+        progress.close()
+        left = q.counts()
+        say(f"kvbatch: {'terminated' if isinstance(exc, Terminated) else 'interrupted'}; finished rows are saved in "
+            f"parts/, {left['pending'] + left['leased']} rows remain queued (run the same command again to continue)")
+        raise SystemExit(143 if isinstance(exc, Terminated) else 130) from None
     finally:
         progress.close()
     if stats.stopped_by_deadline:
