@@ -8,7 +8,7 @@ Reads the queue only (never loads the model, never changes anything). Lines:
     remaining: N rows (P pending, L leased)    or "remaining: none (every row has a result)"
     workers: <id> running|died (pid P on H, N rows leased, heartbeat Ns ago); ...   (unended sessions;
              "died": its process is gone, its rows return to the queue at the next action=work/run)
-    crashes: N rows were in flight when a worker died (at most K times; alone from A, given up at M)
+    crashes: N rows were in flight when a worker died (one row up to Kx; alone from A, given up at M)
     retries: N rows were retried after internal_error
     last run: <worker> <stop>, R rows, T tokens in S s (X rows/s, Y tokens/s)
     runs: N worker sessions (finished F, deadline D, interrupted I, died K, running R)
@@ -68,7 +68,7 @@ def lines(queue_path: Path, isolate_after: int, max_crashes: int, now: Optional[
                 f"{max(now - (s['heartbeat_at'] or now), 0):.0f}s ago)" for s in running))
         cr = q.crash_counts()
         if cr["rows"]:
-            out.append(f"crashes: {cr['rows']} rows were in flight when a worker died (at most {cr['max']} times; "
+            out.append(f"crashes: {cr['rows']} rows were in flight when a worker died (one row up to {cr['max']}x; "
                        f"a row runs alone from {isolate_after}, is given up at {max_crashes})")
         if cr["retried"]:
             out.append(f"retries: {cr['retried']} rows were retried after internal_error")
@@ -81,8 +81,11 @@ def lines(queue_path: Path, isolate_after: int, max_crashes: int, now: Optional[
             out.append(f"last run: {last['worker']} {last['stop'] or 'ended'}, {last['rows']} rows, "
                        f"{last['tokens']} tokens in {wall or 0:.1f}s{speed}")
         if sessions:
+            gone = [s for s in running if _gone(s)]  # killed; marked died at the next action=work/run
             by = {k: sum(1 for s in done if s["stop"] == k) for k in STOPS}
-            parts = [f"{k} {v}" for k, v in by.items() if v] + ([f"running {len(running)}"] if running else [])
+            by["died"] += len(gone)
+            live = len(running) - len(gone)
+            parts = [f"{k} {v}" for k, v in by.items() if v] + ([f"running {live}"] if live else [])
             out.append(f"runs: {len(sessions)} worker sessions ({', '.join(parts)})")
         return out
     finally:

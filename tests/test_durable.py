@@ -140,6 +140,7 @@ def test_kill_9_six_times_then_every_row_once_and_equal_to_an_uninterrupted_run(
             lines = status(out, args)
             assert re.search(r"^workers: \S+ died \(pid \d+ on \S+, 6 rows leased", "\n".join(lines), re.M), lines
             assert "remaining: 17 rows (11 pending, 6 leased)" in lines
+            assert "runs: 1 worker sessions (died 1)" in lines
     # the run after the kill between part write and ack adopted that part's rows
     assert "were written by a stopped worker but not acknowledged; adopted" in logs[3]
     assert all("rows leased by dead workers on this host are back in the queue" in t for t in logs[1:])
@@ -168,7 +169,7 @@ def test_kill_9_six_times_then_every_row_once_and_equal_to_an_uninterrupted_run(
     assert "runs: 7 worker sessions (finished 1, died 6)" in lines
     most = max(crashes.values())
     n = sum(1 for v in crashes.values() if v)
-    assert f"crashes: {n} rows were in flight when a worker died (at most {most} times; " \
+    assert f"crashes: {n} rows were in flight when a worker died (one row up to {most}x; " \
            f"a row runs alone from 3, is given up at 6)" in lines
 
 
