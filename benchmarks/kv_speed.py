@@ -1,0 +1,263 @@
+"""KV quantization speed and size on SmolLM2-135M-Instruct (issue 5), all in one run.
+
+1. KV bytes per token, read from the live buffers (kvbatch's page arrays after a real
+   request, and freshly grown stores in float16 for the fp16 ratio), none vs q8 vs q4
+   at group size 64.
+2. For contexts of 2k and 6k tokens (the same license-text prompts for everyone):
+   - kvbatch none / q8 / q4 (batch 1, and batch 4 at 2k): prefill tok/s from the
+     engine's counters, decode tok/s = rows / median decode-step time over `--new`
+     tokens (EOS off; the median keeps other users' bursts on the shared CPU out);
+   - mlx-lm's own path, `generate_step(kv_bits=8|4, kv_group_size=64,
+     quantized_kv_start=0)` and without kv_bits, batch 1 on the same prompt:
+     prefill = time to the first token, decode = 1 / median time between tokens.
+     At 2k mlx-lm prefills in steps of 512 (as kvbatch's prefill_chunk), so its
+     quantized prefill attends to its quantized cache; at 6k it prefills in one step
+     (its quantized prefill there would take ~10 min per mode) and only its decode
+     counts.
+3. Where the time goes: one layer's decode attention at 2k/6k (SmolLM2 shapes, batch
+   1 and 4), kvbatch's dense route vs its quantized route (one CPU stream and spread
+   over the CPU streams), and the quantized matmuls vs float32 matmuls of the same
+   shapes.
+
+    flock /tmp/kvbatch-bench.lock .venv/bin/python benchmarks/kv_speed.py --out /tmp/kv_speed.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import engine  # noqa: E402,F401  (OpenBLAS before mlx)
+import mlx.core as mx  # noqa: E402
+import mlx_lm  # noqa: E402
+from mlx_lm.generate import generate_step  # noqa: E402
+
+from engine import attention as att  # noqa: E402
+from engine.engine import Engine, EngineConfig  # noqa: E402
+from engine.kv_store import DenseStore, QuantizedStore  # noqa: E402
+from engine.memory import kv_layout  # noqa: E402
+from engine.models.config import ModelConfig  # noqa: E402
+from engine.models.load import load_model  # noqa: E402
+from engine.types import Request, SamplingParams  # noqa: E402
+
+TEXTS = ("GPL-3", "Apache-2.0", "GFDL-1.3", "LGPL-3", "MPL-2.0", "Artistic", "CC0-1.0", "GPL-2")
+BITS = {"none": None, "q8": 8, "q4": 4}
+
+
+class _NoEos:
+    """The tokenizer with EOS off, so every row decodes exactly `new` tokens."""
+
+    eos_token_ids: list[int] = []
+
+    def decode(self, tokens):
+        return ""
+
+
+def long_text_tokens(tok) -> list[int]:
+    d = Path("/usr/share/common-licenses")
+    text = "\n\n".join((d / n).read_text() for n in TEXTS if (d / n).exists())
+    return tok.encode(text)
+
+
+def kvbatch_run(model, spec, mode, prompts, new, group, page):
+    cfg = EngineConfig(kv_mode=mode, page_size=page, group_size=group, max_batch=len(prompts),
+                       prefill_chunk=512, memory_budget=16 << 30)
+    eng = Engine(model, _NoEos(), spec, cfg)
+    steps = []
+    decode = eng._decode_step
+
+    def timed_step():
+        t = time.perf_counter()
+        decode()
+        steps.append(time.perf_counter() - t)
+
+    eng._decode_step = timed_step
+    res = eng.generate([Request(f"r{i}", p, SamplingParams(max_tokens=new)) for i, p in enumerate(prompts)])
+    assert all(r.ok and r.stats.output_tokens == new for r in res), [(r.error_code, r.error_message) for r in res]
+    s = eng.summary()
+    return {"prefill_tps": s["prefill_tokens_per_s"], "decode_tps": len(prompts) / statistics.median(steps),
+            "decode_tps_mean": s["decode_tokens_per_s"],
+            "route": s["route"], "kv_bytes_per_token": s["kv_bytes_per_token"],
+            "pool_bytes": s["pool_bytes"], "pool_tokens": s["pool_capacity_pages"] * page}
+
+
+def mlx_lm_run(model, mode, prompt, new, group, prefill_step):
+    bits = BITS[mode]
+    kw = {"kv_bits": bits, "kv_group_size": group, "quantized_kv_start": 0} if bits else {}
+    mx.clear_cache()
+    t0 = time.perf_counter()
+    stamps = []
+    for tok, _ in generate_step(mx.array(prompt), model, max_tokens=new, prefill_step_size=prefill_step, **kw):
+        mx.eval(tok)
+        stamps.append(time.perf_counter())
+    assert len(stamps) == new
+    steps = [b - a for a, b in zip(stamps, stamps[1:])]
+    return {"prefill_tps": len(prompt) / (stamps[0] - t0), "decode_tps": 1 / statistics.median(steps),
+            "decode_tps_mean": (new - 1) / (stamps[-1] - stamps[0]), "prefill_step_size": prefill_step}
+
+
+def live_bytes_per_token(spec, page, group) -> dict:
+    """Bytes per token of freshly grown stores in float32 and float16 (SmolLM2's KV geometry)."""
+    out = {}
+    for dtype_name, dtype in (("float32", mx.float32), ("float16", mx.float16)):
+        row = {}
+        for mode in ("none", "q8", "q4"):
+            lay = kv_layout(spec, mode, page, group)
+            if lay.bits:
+                st = QuantizedStore(spec.num_layers, spec.num_kv_heads, spec.head_dim, page, dtype, lay.bits,
+                                    group, tail_slots=1)
+            else:
+                st = DenseStore(spec.num_layers, spec.num_kv_heads, spec.head_dim, page, dtype)
+            st.grow(64)
+            row[mode] = st.nbytes / (st.capacity_pages * page)
+            del st
+        row["q8_ratio"], row["q4_ratio"] = row["q8"] / row["none"], row["q4"] / row["none"]
+        out[dtype_name] = row
+    return out
+
+
+def _bench(f, n=30) -> float:
+    """Median ms of n evaluations (after two warm-ups)."""
+    mx.eval(f())
+    mx.eval(f())
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        mx.eval(f())
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def attention_micro(spec, group) -> list[dict]:
+    """One layer's decode attention (ms), SmolLM2 shapes, kvbatch's own functions and layouts."""
+    H, Hq, D, P = spec.num_kv_heads, spec.num_heads, spec.head_dim, 64
+    rep = Hq // H
+    heads = mx.arange(H)[None, :, None]
+    streams = att.qmm_streams()
+    rows = []
+    for T in (2048, 6144):
+        for B in (1, 4):
+            n = T // P
+            table = mx.arange(n * B).reshape(B, n)
+            q = mx.random.normal((B, Hq, 1, D))
+            tk, tv = mx.random.normal((B, H, P, D)), mx.random.normal((B, H, P, D))
+            mask_q, mask_t = mx.ones((B, 1, 1, T), mx.bool_), mx.ones((B, 1, 1, P), mx.bool_)
+            pool = mx.random.normal((n * B, H, P, D))
+            mx.eval(pool)
+
+            def take(a, t):
+                return a[t[:, None, :], heads].reshape(B, H, t.shape[1] * P, a.shape[-1])
+
+            def dense():
+                return att.dense_attention(q, take(pool, table), take(pool, table), mask_q, D ** -0.5, False)
+
+            r = {"context": T, "batch": B, "dense_gather_sdpa_ms": _bench(dense)}
+            kf = take(pool, table)
+            qf = q.reshape(B, H, rep, D)
+            probs = mx.softmax(mx.random.normal((B, H, rep, T)), axis=-1)
+            r["f32_matmul_scores_ms"] = _bench(lambda: qf @ kf.swapaxes(-1, -2))
+            r["f32_matmul_values_ms"] = _bench(lambda: probs @ kf)
+            for bits in (8, 4):
+                qp = list(mx.quantize(pool, group_size=group, bits=bits))
+                mx.eval(qp)
+                kq = [take(a, table) for a in qp]
+                mx.eval(kq)
+                r[f"q{bits}_qmm_scores_ms"] = _bench(lambda: mx.quantized_matmul(
+                    qf, *kq, transpose=True, group_size=group, bits=bits))
+                r[f"q{bits}_qmm_values_ms"] = _bench(lambda: mx.quantized_matmul(
+                    probs, *kq, transpose=False, group_size=group, bits=bits))
+                for label, ss in (("1stream", [streams[0]]), (f"{len(streams)}streams", streams)):
+                    k = max(1, min(len(ss), n, T // att.QMM_MIN_TOKENS))
+                    cuts = [n * i // k for i in range(k + 1)]
+
+                    def quant(ss=ss, cuts=cuts):
+                        runs = []
+                        for i, (a, z) in enumerate(zip(cuts, cuts[1:])):
+                            with mx.stream(ss[i] or mx.default_stream(mx.default_device())):
+                                runs.append([take(x, table[:, a:z]) for x in qp])
+                        return att.quantized_decode_attention(q, runs, [take(x, table) for x in qp], tk, tv,
+                                                              mask_q, mask_t, D ** -0.5, group, bits, ss)
+
+                    r[f"q{bits}_gather_attention_{label}_ms"] = _bench(quant)
+            rows.append(r)
+            print("  attention micro " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                                                  for k, v in r.items()), flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", default="2048,6144")
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--batch4-contexts", default="2048", help="contexts also run at batch 4 (kvbatch)")
+    ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--skip-mlx-lm", action="store_true")
+    ap.add_argument("--skip-micro", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    t_start = time.perf_counter()
+
+    model, tok, spec = load_model(ModelConfig(source="smollm2"))
+    text = long_text_tokens(tok)
+    report = {"model": spec.name, "dtype": spec.dtype, "new_tokens": args.new, "group_size": args.group_size,
+              "page_size": args.page_size, "qmm_streams": len(att.qmm_streams()), "runs": []}
+
+    report["bytes_per_token_fresh_stores"] = live_bytes_per_token(spec, args.page_size, args.group_size)
+    print("KV bytes/token (fresh stores):", json.dumps(report["bytes_per_token_fresh_stores"]), flush=True)
+    if not args.skip_micro:
+        report["attention_micro"] = attention_micro(spec, args.group_size)
+
+    b4 = {int(c) for c in args.batch4_contexts.split(",") if c}
+    for ctx in (int(c) for c in args.contexts.split(",")):
+        assert len(text) >= ctx + 3 * 97, "not enough text for the prompts"
+        for batch in ([1, 4] if ctx in b4 else [1]):
+            prompts = [text[i * 97: i * 97 + ctx] for i in range(batch)]
+            base = None
+            for mode in ("none", "q8", "q4"):
+                r = kvbatch_run(model, spec, mode, prompts, args.new, args.group_size, args.page_size)
+                r.update(impl="kvbatch", mode=mode, context=ctx, batch=batch)
+                r["live_bytes_per_token"] = r["pool_bytes"] / r["pool_tokens"]
+                base = base or r
+                for k in ("prefill_tps", "decode_tps", "live_bytes_per_token"):
+                    r[k.replace("_tps", "") + "_vs_none"] = r[k] / base[k]
+                report["runs"].append(r)
+                print(f"kvbatch ctx={ctx} batch={batch} {mode}: prefill {r['prefill_tps']:.1f} tok/s "
+                      f"({r['prefill_vs_none']:.2f}x), decode {r['decode_tps']:.2f} tok/s "
+                      f"({r['decode_vs_none']:.2f}x), live KV {r['live_bytes_per_token']:.0f} B/token "
+                      f"({r['live_bytes_per_token_vs_none']:.3f}x)", flush=True)
+            if args.skip_mlx_lm or batch != 1:
+                continue
+            base = None
+            step = 512 if ctx <= 2048 else 1 << 14
+            for mode in ("none", "q8", "q4"):
+                r = mlx_lm_run(model, mode, prompts[0], args.new, args.group_size, step)
+                r.update(impl="mlx-lm", mode=mode, context=ctx, batch=1)
+                base = base or r
+                r["prefill_vs_none"] = r["prefill_tps"] / base["prefill_tps"]
+                r["decode_vs_none"] = r["decode_tps"] / base["decode_tps"]
+                report["runs"].append(r)
+                print(f"mlx-lm  ctx={ctx} batch=1 {mode}: prefill {r['prefill_tps']:.1f} tok/s "
+                      f"({r['prefill_vs_none']:.2f}x, step {step}), decode {r['decode_tps']:.2f} tok/s "
+                      f"({r['decode_vs_none']:.2f}x)", flush=True)
+
+    report["seconds"] = time.perf_counter() - t_start
+    report["env"] = {"python": platform.python_version(), "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
+                     "machine": platform.machine(), "cpus": os.cpu_count(),
+                     "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                              text=True).stdout.strip()}
+    print(f"total {report['seconds']:.0f}s", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
