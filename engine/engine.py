@@ -266,9 +266,10 @@ class Engine:
 
     def _decode_step(self) -> None:
         rows = []
+        limit = self._kv_limit()  # once per step: it scans every running row
         for r in list(self.running):
             try:
-                self.cache.reserve(r.kv, 1, self._kv_limit())
+                self.cache.reserve(r.kv, 1, limit)
                 rows.append(r)
             except RowError as e:
                 self._end_running(r, "error", e.code, e.message)

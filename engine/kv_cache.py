@@ -190,13 +190,12 @@ class PagedKVCache:
 
     def _table(self, rows: list[CacheRow], n_pages: np.ndarray) -> mx.array:
         width = max(int(n_pages.max()), 1)
-        table = np.zeros((len(rows), width), dtype=np.int32)
-        for i, r in enumerate(rows):
-            table[i, : n_pages[i]] = r.pages[: n_pages[i]]
-            # padding repeats the row's own first page (masked out): never another row's page,
-            # whose K/V may be NaN in this very pass (masked slots still meet probs @ V)
-            table[i, n_pages[i]:] = r.pages[0] if r.pages else 0
-        return mx.array(table)
+        # padding repeats the row's own first page (masked out): never another row's page,
+        # whose K/V may be NaN in this very pass (masked slots still meet probs @ V)
+        # (built as Python lists: per-row numpy slice assignments cost ~0.2 ms a step at batch 32)
+        table = [r.pages[:n] + [r.pages[0] if r.pages else 0] * (width - n)
+                 for r, n in zip(rows, n_pages.tolist())]
+        return mx.array(table, dtype=mx.int32)
 
     def _slots(self, r: CacheRow, start: int, stop: int) -> np.ndarray:
         p = np.arange(start, stop)
@@ -210,7 +209,11 @@ class PagedKVCache:
     def _plan_dense(self, rows, L, pos) -> dict:
         new_len = pos + L
         n_pages = -(-new_len // self.P)
-        slots = np.concatenate([self._slots(r, int(p), int(p) + L) for r, p in zip(rows, pos)])
+        if L == 1:  # decode: one slot per row, without converting whole page tables
+            P = self.P
+            slots = np.array([r.pages[p // P] * P + p % P for r, p in zip(rows, pos.tolist())], dtype=np.int32)
+        else:
+            slots = np.concatenate([self._slots(r, int(p), int(p) + L) for r, p in zip(rows, pos)])
         table = self._table(rows, n_pages)
         t = {"slots": mx.array(slots.astype(np.int32)), "table": table}
         if L == 1 and self.fused_decode:
