@@ -5,11 +5,14 @@
    at group size 64.
 2. For contexts of 2k and 6k tokens (the same license-text prompts for everyone):
    - kvbatch none / q8 / q4 (batch 1, and batch 4 at 2k): prefill tok/s from the
-     engine's counters, decode tok/s = rows / median decode-step time over `--new`
-     tokens (EOS off; the median keeps other users' bursts on the shared CPU out);
+     engine's counters; then the three engines' decode steps interleave round-robin
+     (same machine conditions for all three, on a shared CPU), decode tok/s = rows /
+     median decode-step time over `--new` tokens (EOS off);
    - mlx-lm's own path, `generate_step(kv_bits=8|4, kv_group_size=64,
      quantized_kv_start=0)` and without kv_bits, batch 1 on the same prompt:
-     prefill = time to the first token, decode = 1 / median time between tokens.
+     prefill = time to the first token, decode = 1 / median time between tokens (its
+     three runs go one after another: generate_step evaluates asynchronously, so
+     interleaving them would overlap their work).
      At 2k mlx-lm prefills in steps of 512 (as kvbatch's prefill_chunk), so its
      quantized prefill attends to its quantized cache; at 6k it prefills in one step
      (its quantized prefill there would take ~10 min per mode) and only its decode
@@ -67,26 +70,49 @@ def long_text_tokens(tok) -> list[int]:
     return tok.encode(text)
 
 
-def kvbatch_run(model, spec, mode, prompts, new, group, page):
-    cfg = EngineConfig(kv_mode=mode, page_size=page, group_size=group, max_batch=len(prompts),
-                       prefill_chunk=512, memory_budget=16 << 30)
-    eng = Engine(model, _NoEos(), spec, cfg)
-    steps = []
-    decode = eng._decode_step
+def kvbatch_modes(model, spec, prompts, new, group, page) -> dict:
+    """none, q8 and q4 side by side: each engine prefills its rows (its own prefill tok/s),
+    then their decode steps interleave round-robin, one step of each in turn, so all
+    three share the machine's conditions; decode tok/s = rows / median step time."""
+    runs = {}
+    for mode in ("none", "q8", "q4"):
+        cfg = EngineConfig(kv_mode=mode, page_size=page, group_size=group, max_batch=len(prompts),
+                           prefill_chunk=512, memory_budget=16 << 30)
+        eng = Engine(model, _NoEos(), spec, cfg)
+        steps: list[float] = []
 
-    def timed_step():
-        t = time.perf_counter()
-        decode()
-        steps.append(time.perf_counter() - t)
+        def timed_step(decode=eng._decode_step, steps=steps):
+            t = time.perf_counter()
+            decode()
+            steps.append(time.perf_counter() - t)
 
-    eng._decode_step = timed_step
-    res = eng.generate([Request(f"r{i}", p, SamplingParams(max_tokens=new)) for i, p in enumerate(prompts)])
-    assert all(r.ok and r.stats.output_tokens == new for r in res), [(r.error_code, r.error_message) for r in res]
-    s = eng.summary()
-    return {"prefill_tps": s["prefill_tokens_per_s"], "decode_tps": len(prompts) / statistics.median(steps),
-            "decode_tps_mean": s["decode_tokens_per_s"],
-            "route": s["route"], "kv_bytes_per_token": s["kv_bytes_per_token"],
-            "pool_bytes": s["pool_bytes"], "pool_tokens": s["pool_capacity_pages"] * page}
+        eng._decode_step = timed_step
+        for i, p in enumerate(prompts):
+            eng.submit(Request(f"r{i}", p, SamplingParams(max_tokens=new)))
+        gen = eng.run(heartbeat_s=0.0)  # yields after every step
+        results = [x for x in [next(gen)] if x is not None]  # admits: prefills every row, one decode step
+        runs[mode] = {"eng": eng, "gen": gen, "steps": steps, "results": results}
+    active = list(runs)
+    while active:
+        for mode in list(active):
+            try:
+                x = next(runs[mode]["gen"])
+                if x is not None:
+                    runs[mode]["results"].append(x)
+            except StopIteration:
+                active.remove(mode)
+    out = {}
+    for mode, r in runs.items():
+        res = r["results"]
+        assert len(res) == len(prompts) and all(x.ok and x.stats.output_tokens == new for x in res), \
+            [(x.error_code, x.error_message) for x in res]
+        s = r["eng"].summary()
+        out[mode] = {"prefill_tps": s["prefill_tokens_per_s"],
+                     "decode_tps": len(prompts) / statistics.median(r["steps"]),
+                     "decode_tps_mean": s["decode_tokens_per_s"], "route": s["route"],
+                     "kv_bytes_per_token": s["kv_bytes_per_token"], "pool_bytes": s["pool_bytes"],
+                     "pool_tokens": s["pool_capacity_pages"] * page}
+    return out
 
 
 def mlx_lm_run(model, mode, prompt, new, group, prefill_step):
@@ -196,7 +222,7 @@ def attention_micro(spec, group) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="2048,6144")
-    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--new", type=int, default=48)
     ap.add_argument("--batch4-contexts", default="2048", help="contexts also run at batch 4 (kvbatch)")
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--page-size", type=int, default=64)
@@ -222,8 +248,9 @@ def main() -> None:
         for batch in ([1, 4] if ctx in b4 else [1]):
             prompts = [text[i * 97: i * 97 + ctx] for i in range(batch)]
             base = None
+            side = kvbatch_modes(model, spec, prompts, args.new, args.group_size, args.page_size)
             for mode in ("none", "q8", "q4"):
-                r = kvbatch_run(model, spec, mode, prompts, args.new, args.group_size, args.page_size)
+                r = side[mode]
                 r.update(impl="kvbatch", mode=mode, context=ctx, batch=batch)
                 r["live_bytes_per_token"] = r["pool_bytes"] / r["pool_tokens"]
                 base = base or r
