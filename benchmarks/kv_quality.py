@@ -15,6 +15,10 @@ For >= 32 varied chat prompts, greedy, up to 256 new tokens:
    capture_logits): mean KL(p_none || p_mode) of the next-token distributions over all
    positions (and the max over rows of the per-row mean), plus the top-1 agreement of
    the two distributions at every position.
+4. Calibration: the same agreement for kv=none run again at another batch size (same
+   math, other float rounding: the floor that greedy divergence alone produces), and
+   for mlx-lm's own single-stream kv_bits=8/4 path (quantized_kv_start=0) against its
+   own unquantized run, on the first --mlx-lm-prompts prompts.
 
     flock /tmp/kvbatch-bench.lock .venv/bin/python benchmarks/kv_quality.py --out /tmp/kv_quality.json
 """
@@ -32,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import engine  # noqa: E402,F401  (OpenBLAS before mlx)
 import mlx.core as mx  # noqa: E402
+from mlx_lm.generate import generate_step  # noqa: E402
 
 from engine.engine import Engine, EngineConfig  # noqa: E402
 from engine.models.config import ModelConfig  # noqa: E402
@@ -116,6 +121,37 @@ def agreement(ref: list[int], got: list[int], n: int) -> tuple[int, int, int]:
     return equal, len(compared), first
 
 
+def agreement_summary(refs: list[list[int]], outs: list[list[int]], n: int) -> dict:
+    eq = cmp = identical = 0
+    firsts = []
+    for ref, out in zip(refs, outs):
+        e, c, f = agreement(ref, out, n)
+        eq, cmp = eq + e, cmp + c
+        firsts.append(f)
+        identical += ref[:n] == out[:n]
+    return {"exact_match_fraction": eq / cmp, "compared_positions": cmp,
+            "mean_first_divergence": sum(firsts) / len(firsts), "min_first_divergence": min(firsts),
+            "identical_rows": identical, "rows": len(refs)}
+
+
+def fmt_agreement(m: dict) -> str:
+    return (f"exact match {m['exact_match_fraction']:.4f} of {m['compared_positions']} positions; mean first "
+            f"divergence {m['mean_first_divergence']:.1f} (min {m['min_first_divergence']}); identical rows "
+            f"{m['identical_rows']}/{m['rows']}")
+
+
+def mlx_lm_greedy(model, prompt: list[int], kv_bits, group: int, n: int, eos: set) -> list[int]:
+    """mlx-lm's own single-stream greedy generation (kv_bits with quantized_kv_start=0)."""
+    kw = {"kv_bits": kv_bits, "kv_group_size": group, "quantized_kv_start": 0} if kv_bits else {}
+    out = []
+    for t, _ in generate_step(mx.array(prompt), model, max_tokens=n, **kw):
+        t = int(t)
+        if t in eos:
+            break
+        out.append(t)
+    return out
+
+
 def log_softmax(x: mx.array) -> mx.array:
     return x - mx.logsumexp(x, axis=-1, keepdims=True)
 
@@ -128,6 +164,8 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--budget", type=int, default=8, help="GiB")
     ap.add_argument("--prompts", type=int, default=len(PROMPTS))
+    ap.add_argument("--floor-batch", type=int, default=5, help="batch of the second none run (noise floor)")
+    ap.add_argument("--mlx-lm-prompts", type=int, default=12, help="prompts for mlx-lm's own kv_bits path")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -153,15 +191,18 @@ def main() -> None:
     print(f"none: {sum(map(len, base_tokens))} tokens in {t_base:.1f}s; "
           f"{report['none']['stopped_early']} rows stopped before {args.new}", flush=True)
 
+    # float-noise floor: none again at another batch size (other BLAS blockings, same math)
+    floor_args = argparse.Namespace(**{**vars(args), "batch": args.floor_batch})
+    res, t_floor, _ = generate(model, tok, spec, "none", prompts, floor_args)
+    report["none_floor"] = {**agreement_summary(base_tokens, [r.tokens for r in res], args.new),
+                            "batch": args.floor_batch, "seconds": t_floor}
+    print(f"none at batch {args.floor_batch} vs none at batch {args.batch} (float-noise floor): "
+          f"{fmt_agreement(report['none_floor'])}; {t_floor:.0f}s", flush=True)
+
+    mode_tokens = {}
     for mode in ("q8", "q4"):
         res, t_gen, summ = generate(model, tok, spec, mode, prompts, args)
-        eq = cmp = 0
-        firsts, identical = [], 0
-        for ref, r in zip(base_tokens, res):
-            e, c, f = agreement(ref, r.tokens, args.new)
-            eq, cmp = eq + e, cmp + c
-            firsts.append(f)
-            identical += ref[: args.new] == r.tokens[: args.new]
+        mode_tokens[mode] = [r.tokens for r in res]
         # teacher-forced on none's output
         eng = make_engine(model, tok, spec, mode, args)
         reqs = [Request(f"p{i}", p, SamplingParams(max_tokens=len(t)), forced_tokens=t, capture_logits=True)
@@ -184,19 +225,35 @@ def main() -> None:
             top1 += same.item()
             row_means.append(kl.mean().item())
         t_tf = time.perf_counter() - t0
-        m = {"exact_match_fraction": eq / cmp, "compared_positions": cmp,
-             "mean_first_divergence": sum(firsts) / len(firsts), "min_first_divergence": min(firsts),
-             "identical_rows": identical, "rows": len(prompts),
+        m = {**agreement_summary(base_tokens, [r.tokens for r in res], args.new),
              "mean_kl_teacher_forced": kl_sum / n_pos, "max_row_mean_kl": max(row_means),
              "teacher_forced_top1_agreement": top1 / n_pos, "teacher_forced_positions": n_pos,
              "generate_seconds": t_gen, "teacher_forced_seconds": t_tf,
              "kv_bytes_per_token": summ["kv_bytes_per_token"], "route": summ["route"]}
         report["modes"][mode] = m
-        print(f"{mode}: exact match {m['exact_match_fraction']:.4f} of {cmp} positions; mean first divergence "
-              f"{m['mean_first_divergence']:.1f} (min {m['min_first_divergence']}); identical rows "
-              f"{identical}/{len(prompts)}; mean KL {m['mean_kl_teacher_forced']:.2e} nats "
+        print(f"{mode}: {fmt_agreement(m)}; mean KL {m['mean_kl_teacher_forced']:.2e} nats "
               f"(worst row {m['max_row_mean_kl']:.2e}); teacher-forced top-1 agreement "
               f"{m['teacher_forced_top1_agreement']:.4f}; {t_gen:.0f}s + {t_tf:.0f}s", flush=True)
+
+    # mlx-lm's own kv_bits path, single stream, on the first prompts: its agreement with itself
+    if args.mlx_lm_prompts:
+        eos = set(tok.eos_token_ids)
+        sub = prompts[: args.mlx_lm_prompts]
+        t0 = time.perf_counter()
+        ref = [mlx_lm_greedy(model, p, None, args.group_size, args.new, eos) for p in sub]
+        report["mlx_lm"] = {"prompts": len(sub),
+                            "none_vs_kvbatch_none": agreement_summary(base_tokens[: len(sub)], ref, args.new)}
+        print(f"mlx-lm none vs kvbatch none (first {len(sub)} prompts): "
+              f"{fmt_agreement(report['mlx_lm']['none_vs_kvbatch_none'])}", flush=True)
+        for mode, bits in (("q8", 8), ("q4", 4)):
+            out = [mlx_lm_greedy(model, p, bits, args.group_size, args.new, eos) for p in sub]
+            report["mlx_lm"][mode] = agreement_summary(ref, out, args.new)
+            report["mlx_lm"][f"kvbatch_{mode}_same_prompts"] = agreement_summary(
+                base_tokens[: len(sub)], mode_tokens[mode][: len(sub)], args.new)
+            print(f"mlx-lm kv_bits={bits} vs mlx-lm none (first {len(sub)} prompts): "
+                  f"{fmt_agreement(report['mlx_lm'][mode])}  | kvbatch {mode} on the same prompts: "
+                  f"{fmt_agreement(report['mlx_lm'][f'kvbatch_{mode}_same_prompts'])}", flush=True)
+        report["mlx_lm"]["seconds"] = time.perf_counter() - t0
 
     report["env"] = {"python": platform.python_version(), "mlx": mx.__version__,
                      "mlx_lm": __import__("mlx_lm").__version__, "machine": platform.machine(),
