@@ -222,6 +222,11 @@ class Engine:
                                                 f"but the budget is {self.memory.budget}")
         return None
 
+    def _pool_want(self) -> int:
+        """Pages the running rows can hold at most, together: where pool growth may stop."""
+        P = self.cfg.page_size
+        return sum(-(-r.worst // P) for r in self.running)
+
     def _kv_limit(self) -> int:
         worst = [r.worst for r in self.running] or [1]
         prompt = max((len(r.req.prompt_tokens) for r in self.running), default=1)
@@ -240,7 +245,7 @@ class Engine:
         try:
             for start in range(0, len(toks), chunk):
                 piece = toks[start:start + chunk]
-                self.cache.reserve(row.kv, len(piece), self._kv_limit())
+                self.cache.reserve(row.kv, len(piece), self._kv_limit(), self._pool_want())
                 self.cache.begin([row.kv], len(piece), self._poison([row]))
                 try:
                     logits = _forward_last(self.model, mx.array([piece]), self.cache.views)
@@ -266,10 +271,10 @@ class Engine:
 
     def _decode_step(self) -> None:
         rows = []
-        limit = self._kv_limit()  # once per step: it scans every running row
+        limit, want = self._kv_limit(), self._pool_want()  # once per step: they scan every running row
         for r in list(self.running):
             try:
-                self.cache.reserve(r.kv, 1, limit)
+                self.cache.reserve(r.kv, 1, limit, want)
                 rows.append(r)
             except RowError as e:
                 self._end_running(r, "error", e.code, e.message)

@@ -118,13 +118,16 @@ class PagedKVCache:
                 raise RuntimeError("no free tail page: more rows admitted than tail slots")
             row.tail = self.free_tails.pop()
 
-    def reserve(self, row: CacheRow, n_tokens: int, kv_limit_bytes: int) -> None:
-        """Make room for the next n_tokens of row, growing the pool if needed (priced first)."""
+    def reserve(self, row: CacheRow, n_tokens: int, kv_limit_bytes: int, want_pages: int = 0) -> None:
+        """Make room for the next n_tokens of row, growing the pool if needed (priced first).
+
+        want_pages: the most pages the running rows can ever hold together (their worst
+        cases); a geometric growth stops there instead of doubling past it."""
         need_tokens = row.length + n_tokens
         need_pages = -(-need_tokens // self.P) - len(row.pages)
         if need_pages > 0:
             if need_pages > self.pool.num_free:
-                self._grow(self.pool.in_use + need_pages, kv_limit_bytes, row.key)
+                self._grow(self.pool.in_use + need_pages, kv_limit_bytes, want_pages)
             row.pages += self.pool.allocate(need_pages)
             row.peak_pages = max(row.peak_pages, len(row.pages))
         row.reserved = max(row.reserved, need_tokens)
@@ -144,19 +147,24 @@ class PagedKVCache:
             self.free_tails.append(row.tail)
             row.tail = None
 
-    def _grow(self, needed_pages: int, kv_limit_bytes: int, key: str) -> None:
+    def _grow(self, needed_pages: int, kv_limit_bytes: int, want_pages: int = 0) -> None:
         cap, pb = self.capacity_pages, self.layout.page_bytes
-        mx.clear_cache()  # buffers MLX cached (old pool layers) go back first
-        free_now = available_memory()
-        # Geometric first; if the budget cannot take that, the largest pool it can take
+        # MLX's cached buffers are memory it can hand back: they count as free, and are only
+        # cleared when the growth needs them (clearing them every time costs the next steps
+        # fresh pages from the OS: page faults on every temporary).
+        free_now = available_memory() + mlx_cached_memory()
+        # Geometric first (capped at the running rows' worst case, which is all the pool can
+        # ever need for them); if the budget cannot take that, the largest pool it can take
         # (not one page at a time: every growth copies the pool); then exactly what is needed.
+        double = min(2 * cap, want_pages) if want_pages else 2 * cap
         budget_max = kv_limit_bytes * self.num_layers // ((self.num_layers + 1) * pb)
-        for target in (max(needed_pages, 2 * cap), max(needed_pages, min(2 * cap, budget_max)), needed_pages):
+        for target in (max(needed_pages, double), max(needed_pages, min(double, budget_max)), needed_pages):
             transient = -(-target * pb // self.num_layers)  # one layer's new buffer coexists with the old
             if target * pb + transient <= kv_limit_bytes and (target - cap) * pb + transient <= free_now:
+                if (target - cap) * pb + transient > available_memory():
+                    mx.clear_cache()
                 t0 = time.perf_counter()
                 self.store.grow(target)
-                mx.clear_cache()  # the old, smaller layer buffers: not kept in MLX's cache
                 self.pool.add_pages(self.capacity_pages)
                 self.peak_capacity_pages = max(self.peak_capacity_pages, self.capacity_pages)
                 self.growth_events.append({"from_pages": cap, "to_pages": self.capacity_pages,
@@ -328,6 +336,11 @@ class PagedKVCache:
             print(f"[kvbatch attention] layer={layer} cache={self.views[layer]!r} route={self.route} "
                   f"row={r.key} offset={r.length} L={plan.L} capacity={self.capacity_pages * self.P} "
                   f"reserved={r.reserved} nonfinite={n_bad}", file=sys.stderr, flush=True)
+
+
+def mlx_cached_memory() -> int:
+    """Bytes of freed buffers MLX keeps for reuse (reclaimable by mx.clear_cache())."""
+    return int(mx.get_cache_memory())
 
 
 def trace_mode() -> str:

@@ -196,6 +196,23 @@ def test_write_past_reserved_capacity_raises(tiny_model, kv_mode):
     assert cache.pool.in_use == 0
 
 
+def test_growth_doubles_but_stops_at_the_running_rows_worst_case(tiny_model):
+    """Geometric growth never allocates past what the running rows can ever hold (want_pages)."""
+    _, _, spec = tiny_model()
+    layout = kv_layout(spec, "none", 4, 64)
+    grown = {}
+    for want in (0, 10):
+        cache = PagedKVCache(layout, spec.num_layers, mx.float32, tail_slots=2, upcast=False)
+        row = CacheRow("a")
+        cache.reserve(row, 8 * 4, BUDGET, want)
+        row.length = 8 * 4
+        cache.reserve(row, 1, BUDGET, want)  # a 9th page
+        grown[want] = [(e["from_pages"], e["to_pages"]) for e in cache.growth_events]
+        assert cache.capacity_pages == cache.pool.capacity and len(row.pages) == 9
+    assert grown[0] == [(0, 8), (8, 16)]  # uncapped: doubles
+    assert grown[10] == [(0, 8), (8, 10)]  # capped at the worst case
+
+
 # ---- (e) freed pages are reused: no growth when they suffice -----------------------------
 def test_pool_reuses_freed_pages_without_growing(tiny_model):
     m = tiny_model()
@@ -240,6 +257,8 @@ def test_summary_reports_growth_and_peak_capacity(tiny_model):
     assert s["pool_capacity_pages"] == s["peak_capacity_pages"] == ev[-1]["to_pages"]
     assert s["pool_bytes"] == s["pool_capacity_pages"] * eng.layout.page_bytes
     assert s["peak_pages_in_use"] <= s["peak_capacity_pages"]
+    # growth stops at the rows' worst case (prompt + max_tokens each), never doubling past it
+    assert s["peak_capacity_pages"] <= sum(math.ceil((n + 64) / P) for n in [10, 70, 30, 5, 50, 20])
     # the live buffers agree with what summary says
     assert eng.cache.store.k[0].size == s["pool_capacity_pages"] * P * m[2].num_kv_heads * m[2].head_dim
     pool_is_empty(eng)

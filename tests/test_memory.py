@@ -64,9 +64,9 @@ def spy_cache(eng) -> dict:
         seen["admit"].append(row.key)
         return admit(row)
 
-    def reserve_spy(row, n, limit):
+    def reserve_spy(row, n, limit, *rest):
         seen["reserve"].append(row.key)
-        return reserve(row, n, limit)
+        return reserve(row, n, limit, *rest)
 
     eng.cache.admit, eng.cache.reserve = admit_spy, reserve_spy
     return seen
@@ -275,6 +275,7 @@ def test_growth_refused_by_live_free_memory(tiny_model, monkeypatch):
     growths = len(eng.summary()["growth_events"])
 
     monkeypatch.setattr(kv_cache_mod, "available_memory", lambda: 0)  # the machine has nothing left
+    monkeypatch.setattr(kv_cache_mod, "mlx_cached_memory", lambda: 0)  # nor MLX's buffer cache
     reqs = [Request("s1", prompt(8, 1), SamplingParams(max_tokens=12)),
             Request("s2", prompt(8, 2), SamplingParams(max_tokens=12)),
             Request("long", prompt(8, 3), SamplingParams(max_tokens=100))]

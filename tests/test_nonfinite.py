@@ -198,8 +198,8 @@ def test_nan_written_in_a_shared_pass_does_not_reach_batch_mates(tiny_model, mod
     owners = {}
     reserve = eng.cache.reserve
 
-    def spy(row, n, limit):
-        reserve(row, n, limit)
+    def spy(row, n, limit, *rest):
+        reserve(row, n, limit, *rest)
         owners.setdefault(row.key, list(row.pages))
 
     eng.cache.reserve = spy
