@@ -70,9 +70,164 @@ def check(family, head_dim, dtype, mode, page, tol) -> bool:
     return ok
 
 
+def _rand_rows(P: int, rng, n_pages: int, lengths: list[int]) -> list[list[int]]:
+    perm = rng.permutation(n_pages).tolist()
+    tables, at = [], 0
+    for n in lengths:
+        k = -(-n // P)
+        tables.append(perm[at:at + k])
+        at += k
+    return tables
+
+
+def kernel_case(mode: str, dtype, D: int, rep: int, P: int, splits, hkv: int = 2, group: int = 64,
+                lengths=(1, 17, 100, 200, 513)) -> float:
+    """Fused kernel vs a float64 numpy reference on the same pages (dense, or packed + tail)."""
+    import numpy as np
+
+    from engine import cuda_attention as ca
+
+    rng = np.random.default_rng(D + rep + P)
+    B, n_pages = len(lengths), sum(-(-n // P) for n in lengths) + 3
+    q = mx.array(rng.standard_normal((B, hkv * rep, 1, D)).astype(np.float32)).astype(dtype)
+    kp = mx.array(rng.standard_normal((n_pages, hkv, P, D)).astype(np.float32)).astype(dtype)
+    vp = mx.array(rng.standard_normal((n_pages, hkv, P, D)).astype(np.float32)).astype(dtype)
+    tables = _rand_rows(P, rng, n_pages, list(lengths))
+    scale = D ** -0.5
+    K, V = np.array(kp.astype(mx.float32)), np.array(vp.astype(mx.float32))
+    if mode == "none":
+        width = max(len(t) for t in tables)
+        table = mx.array([t + [t[0]] * (width - len(t)) for t in tables], dtype=mx.int32)
+        out = ca.paged_decode_attention(q, kp, vp, table, mx.array(list(lengths), dtype=mx.int32), scale, splits)
+        rows_k = [K[t].transpose(1, 0, 2, 3).reshape(hkv, -1, D)[:, :n] for t, n in zip(tables, lengths)]
+        rows_v = [V[t].transpose(1, 0, 2, 3).reshape(hkv, -1, D)[:, :n] for t, n in zip(tables, lengths)]
+    else:
+        bits = 8 if mode == "q8" else 4
+        packed = list(mx.quantize(kp, group_size=group, bits=bits)) + list(mx.quantize(vp, group_size=group, bits=bits))
+        Kd = np.array(mx.dequantize(*packed[:3], group_size=group, bits=bits, stream=mx.cpu).astype(mx.float32))
+        Vd = np.array(mx.dequantize(*packed[3:], group_size=group, bits=bits, stream=mx.cpu).astype(mx.float32))
+        n_main = [((n - 1) // P) * P for n in lengths]  # sealed pages; the rest (1..P tokens) in the tail
+        tk = mx.array(rng.standard_normal((B + 2, hkv, P, D)).astype(np.float32)).astype(dtype)
+        tv = mx.array(rng.standard_normal((B + 2, hkv, P, D)).astype(np.float32)).astype(dtype)
+        tails = list(rng.permutation(B + 2)[:B])
+        sealed = [t[:m // P] for t, m in zip(tables, n_main)]
+        width = max(1, max(len(t) for t in sealed))
+        table = mx.array([t + [t[0] if t else 0] * (width - len(t)) for t in sealed], dtype=mx.int32)
+        lens = mx.array([[m, n - m] for m, n in zip(n_main, lengths)], dtype=mx.int32)
+        out = ca.paged_decode_attention_quantized(q, packed, tk, tv, mx.array(tails, dtype=mx.int32), table, lens,
+                                                  scale, bits, group, splits)
+        TK, TV = np.array(tk.astype(mx.float32)), np.array(tv.astype(mx.float32))
+        rows_k, rows_v = [], []
+        for t, m, n, tl in zip(sealed, n_main, lengths, tails):
+            rows_k.append(np.concatenate([Kd[t].transpose(1, 0, 2, 3).reshape(hkv, -1, D), TK[tl][:, :n - m]], 1))
+            rows_v.append(np.concatenate([Vd[t].transpose(1, 0, 2, 3).reshape(hkv, -1, D), TV[tl][:, :n - m]], 1))
+    Q = np.array(q.astype(mx.float32)).astype(np.float64)[:, :, 0]
+    worst = 0.0
+    got = np.array(out.astype(mx.float32))[:, :, 0]
+    for b in range(B):
+        for h in range(hkv * rep):
+            kk, vv = rows_k[b][h // rep].astype(np.float64), rows_v[b][h // rep].astype(np.float64)
+            s = kk @ Q[b, h] * scale
+            p = np.exp(s - s.max())
+            ref = (p / p.sum()) @ vv
+            worst = max(worst, float(np.abs(ref - got[b, h]).max()))
+    return worst
+
+
+def kernel_checks() -> bool:
+    ok = True
+    for mode in ("none", "q8", "q4"):
+        for dtype in (mx.float32, mx.bfloat16, mx.float16):
+            tol = 2e-4 if dtype == mx.float32 else 2e-2
+            for D, rep, P, group in ((64, 4, 16, 64), (128, 4, 64, 64), (64, 1, 64, 32), (128, 2, 16, 128),
+                                     (96, 3, 16, 32)):
+                for splits in (None, 1, 3, 7):
+                    if dtype != mx.float32 and splits not in (None, 3):
+                        continue
+                    try:
+                        err = kernel_case(mode, dtype, D, rep, P, splits, group=group)
+                    except Exception as e:  # report and go on
+                        print(f"FAIL kernel {mode} {dtype} D={D} rep={rep} P={P} splits={splits}: {e}", flush=True)
+                        ok = False
+                        continue
+                    good = err <= tol
+                    ok &= good
+                    print(f"{'ok  ' if good else 'FAIL'} kernel kv={mode:4s} {str(dtype):18s} D={D:3d} rep={rep} "
+                          f"P={P:2d} g={group:3d} splits={splits} max|dout|={err:.2e}", flush=True)
+    return ok
+
+
+def kernel_bench(contexts=(8192,), batches=(1, 8, 64), geometries=((64, 8, 4), (128, 8, 4)),
+                 unrolls=(1, 2, 4)) -> None:
+    """Decode attention time of one layer: fused kernels (none/q8/q4) vs the portable gather + SDPA."""
+    import time
+
+    import numpy as np
+
+    from engine import cuda_attention as ca
+
+    def timeit(fn, n=20):
+        mx.eval(fn())
+        t = time.perf_counter()
+        mx.eval([fn() for _ in range(n)])
+        return (time.perf_counter() - t) / n
+
+    for D, hkv, rep in geometries:
+        for ctx in contexts:
+            for B in batches:
+                P = 64
+                npg = B * (ctx // P)
+                kp = mx.random.normal((npg, hkv, P, D)).astype(mx.bfloat16)
+                vp = mx.random.normal((npg, hkv, P, D)).astype(mx.bfloat16)
+                q = mx.random.normal((B, hkv * rep, 1, D)).astype(mx.bfloat16)
+                table = mx.array(np.random.default_rng(0).permutation(npg).reshape(B, -1).astype(np.int32))
+                lengths = mx.full((B,), ctx, dtype=mx.int32)
+                dense_bytes = 2 * B * ctx * hkv * D * 2
+                line = f"bench D={D} Hkv={hkv} rep={rep} ctx={ctx} B={B:3d}:"
+                mask = mx.ones((B, 1, 1, ctx), dtype=mx.bool_)
+                t = timeit(lambda: mx.fast.scaled_dot_product_attention(
+                    q, kp[table[:, None, :], mx.arange(hkv)[None, :, None]].reshape(B, hkv, ctx, D),
+                    vp[table[:, None, :], mx.arange(hkv)[None, :, None]].reshape(B, hkv, ctx, D),
+                    scale=0.1, mask=mask))
+                line += f" gather+sdpa {t * 1e6:.0f}us"
+                for U in unrolls:
+                    ca.UNROLL = U
+                    t = timeit(lambda: ca.paged_decode_attention(q, kp, vp, table, lengths, 0.1))
+                    line += f" | none U{U} {t * 1e6:.0f}us {dense_bytes / t / 1e9:.0f}GB/s"
+                for bits in (8, 4):
+                    packed = list(mx.quantize(kp, group_size=64, bits=bits)) + \
+                        list(mx.quantize(vp, group_size=64, bits=bits))
+                    mx.eval(packed)
+                    tk, tv = kp[:B], vp[:B]
+                    lens = mx.array([[ctx - P, P]] * B, dtype=mx.int32)
+                    qbytes = sum(a.nbytes for a in packed) * B * ctx / (npg * P)
+                    tails = mx.arange(B).astype(mx.int32)
+                    for U in unrolls:
+                        ca.UNROLL = U
+                        t = timeit(lambda: ca.paged_decode_attention_quantized(q, packed, tk, tv, tails, table[:, :-1],
+                                                                               lens, 0.1, bits, 64))
+                        line += f" | q{bits} U{U} {t * 1e6:.0f}us {qbytes / t / 1e9:.0f}GB/s"
+                    del packed
+                ca.UNROLL = 2
+                print(line, flush=True)
+                del kp, vp
+                mx.clear_cache()
+
+
 def main() -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--parts", default="kernels,engine", help="kernels,engine,bench")
+    parts = ap.parse_args().parts.split(",")
     print("device:", mx.default_device(), "mlx", mx.__version__, flush=True)
     ok = True
+    if "kernels" in parts and mx.cuda.is_available():
+        ok &= kernel_checks()
+    if "bench" in parts and mx.cuda.is_available():
+        kernel_bench()
+    if "engine" not in parts:
+        return 0 if ok else 1
     for family, hd in (("llama", 64), ("llama", 128), ("qwen3", 128)):
         for mode in ("none", "q8", "q4"):
             for page in (16, 64):
@@ -80,6 +235,14 @@ def main() -> int:
     for dtype in (mx.bfloat16, mx.float16):
         for mode in ("none", "q8", "q4"):
             ok &= check("llama", 64, dtype, mode, 16, 0.15)
+    if mx.cuda.is_available():  # the split-K path end to end (forced: these contexts are short)
+        import os
+
+        os.environ["KVBATCH_CUDA_SPLITS"] = "3"
+        for mode in ("none", "q8", "q4"):
+            print("KVBATCH_CUDA_SPLITS=3:", end=" ")
+            ok &= check("llama", 128, mx.float32, mode, 16, 1e-2)
+        del os.environ["KVBATCH_CUDA_SPLITS"]
     return 0 if ok else 1
 
 

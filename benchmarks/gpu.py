@@ -4,7 +4,9 @@ Random bf16 weights in real geometries (random weights cost the same compute).
 Decode tokens/s at batch 1/8/64/256 (128-token prompts, 256 new tokens), kv
 none/q8/q4 for kvbatch and none for mlx-lm; then 8k tokens of context. Also the
 fraction of the memory-bandwidth roofline: bytes read per decode step (weights +
-KV of every row) / measured copy bandwidth.
+KV of every row, dense; `_mode`: at the mode's own KV bytes per token) / measured
+copy bandwidth. At 8k context kvbatch runs before mlx-lm (mlx-lm ran out of memory
+there); every case is written to --out as it finishes.
 
     python benchmarks/gpu.py --geometry 1b --out results-1b.json
 """
@@ -102,9 +104,17 @@ def run_kvbatch(model, spec, ps, new_tokens, mode, budget):
             "route": s["route"], "errors": bad, "kv_bytes_per_token": s["kv_bytes_per_token"]}
 
 
-def roofline(spec, kv_bpt_dense, batch, context, bw):
-    step_bytes = spec.weights_bytes + batch * context * kv_bpt_dense
+def roofline(spec, kv_bpt, batch, context, bw):
+    step_bytes = spec.weights_bytes + batch * context * kv_bpt
     return batch * bw / step_bytes
+
+
+def guarded(fn, *args):
+    """A case that raises (e.g. mlx-lm out of memory) is recorded, not fatal."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
 
 
 def main() -> None:
@@ -119,12 +129,14 @@ def main() -> None:
     ap.add_argument("--long-new", type=int, default=64)
     ap.add_argument("--budget-gb", type=float, default=120)
     ap.add_argument("--out", default="")
+    ap.add_argument("--skip-mlx-lm-long", action="store_true")
     a = ap.parse_args()
     model, spec = build(a.geometry)
     bw = copy_bandwidth()
     budget = int(a.budget_gb * 1e9)
     from engine.memory import kv_layout
     kv_dense = kv_layout(spec, "none", 64, 64).bytes_per_token
+    kv_bpt = {m: kv_layout(spec, m, 64, 64).bytes_per_token for m in ("none", "q8", "q4")}
     out = {"geometry": a.geometry, "device": str(mx.default_device()), "mlx": mx.__version__,
            "python": platform.python_version(), "copy_bw_gbs": bw / 1e9, "weights_gb": spec.weights_bytes / 1e9,
            "rows": []}
@@ -136,24 +148,33 @@ def main() -> None:
         ctx = plen + new // 2
         row = {"batch": batch, "prompt": plen, "new": new,
                "roofline_tps": roofline(spec, kv_dense, batch, ctx, bw)}
-        # warm-up (kernel JIT for these shapes) for both sides, not measured
-        run_mlx_lm(model, ps, 8)
+        long = plen >= a.long > 0
+        # warm-up (kernel JIT for these shapes) for both sides, not measured; at long context
+        # kvbatch runs first (mlx-lm ran out of GPU memory there before)
         for mode in a.modes.split(","):
-            run_kvbatch(model, spec, ps, 8, mode, budget)
-        row["mlx_lm_none"] = run_mlx_lm(model, ps, new)
+            guarded(run_kvbatch, model, spec, ps, 8, mode, budget)
+        if not (long and a.skip_mlx_lm_long):
+            guarded(run_mlx_lm, model, ps, 8)
+        if not long:
+            row["mlx_lm_none"] = guarded(run_mlx_lm, model, ps, new)
         for mode in a.modes.split(","):
-            row[f"kvbatch_{mode}"] = run_kvbatch(model, spec, ps, new, mode, budget)
-        base = row["mlx_lm_none"]["decode_tps"]
+            row[f"kvbatch_{mode}"] = guarded(run_kvbatch, model, spec, ps, new, mode, budget)
+            row[f"kvbatch_{mode}"]["roofline_tps_mode"] = roofline(spec, kv_bpt[mode], batch, ctx, bw)
+        if long:
+            row["mlx_lm_none"] = {"error": "skipped (--skip-mlx-lm-long)"} if a.skip_mlx_lm_long else \
+                guarded(run_mlx_lm, model, ps, new)
+        base = row["mlx_lm_none"].get("decode_tps")
         for k, v in list(row.items()):
             if k.startswith("kvbatch_") and v.get("decode_tps"):
                 v["ratio_vs_mlx_lm"] = v["decode_tps"] / base if base else None
                 v["roofline_fraction"] = v["decode_tps"] / row["roofline_tps"]
+                v["roofline_fraction_mode"] = v["decode_tps"] / v["roofline_tps_mode"]
         print(json.dumps(row), flush=True)
         out["rows"].append(row)
+        if a.out:  # after every case: a crash later keeps what ran
+            with open(a.out, "w") as f:
+                json.dump(out, f, indent=1)
         mx.clear_cache()
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,9 @@ Routes (reported per row and in summary.json):
   exceed fp16 range, and MLX's CPU fallback computes q·kᵀ in the input dtype).
 - `paged_cuda_kernel` (MLX CUDA, kv none): decode reads each row's pages in place with
   a fused kernel (engine/cuda_attention.py), float32 softmax; prefill as `paged_sdpa`.
+- `paged_cuda_qkernel` (MLX CUDA, q8/q4): decode reads each row's packed pages and its
+  dense tail page in place with a fused kernel, dequantizing in registers, float32
+  softmax (engine/cuda_attention.py); prefill as `paged_qmm_f32`.
 - `paged_qmm_f32`: quantized pages. Decode runs `mx.quantized_matmul` on the packed
   pages (never dequantizing the prefix) plus a float32 matmul on the row's dense
   tail page; scores and softmax in float32 (on the CPU the quantized matmuls are
@@ -27,6 +30,7 @@ ROUTE_DENSE = "paged_sdpa"
 ROUTE_DENSE_F32 = "paged_sdpa_f32"
 ROUTE_QMM = "paged_qmm_f32"
 ROUTE_CUDA = "paged_cuda_kernel"
+ROUTE_CUDA_Q = "paged_cuda_qkernel"
 
 
 def dense_attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array, scale: float,

@@ -1,64 +1,161 @@
 """Fused paged decode attention for MLX's CUDA backend (mx.fast.cuda_kernel).
 
-The portable route gathers every row's pages into a contiguous (B, kv_heads, T,
-head_dim) copy each step and then runs SDPA: the KV bytes cross memory three
-times. This kernel reads each row's pages in place through its page table, once:
-one thread block per (row, KV head), one warp per token at a time, the KV head's
-query group (GQA) handled together so each K/V element is loaded once; online
-softmax, all in float32. Decode only (one query per row); prefill keeps the
-portable route. Tested against the portable path by benchmarks/backend_check.py
-on the GPU.
+The portable route gathers every row's pages into a contiguous copy each step and
+then runs SDPA (dense) or quantized matmuls (q8/q4): the KV bytes cross memory
+several times. These kernels read each row's pages in place through its page
+table, once. A KV head's query group (GQA) is handled together so each K/V element
+is loaded once; 8 head elements per lane (one 16-byte load for bf16, 8 or 4 bytes
+of packed q8/q4), D/8 lanes per token, several tokens per warp; online softmax in
+float32. Quantized pages are dequantized in registers (affine: w * scale + bias);
+the row's dense tail page is read from the tail buffer.
+
+Split-K (flash-decoding): when rows x KV heads give too few blocks for the GPU
+(long context, small batch), each (row, KV head) is split over several blocks by
+token ranges; each writes its partial (max, sum, unnormalised output) and a second
+kernel merges them. Decode only (one query per row); prefill keeps the portable
+route. Tested against a gather + float32 reference by benchmarks/backend_check.py.
 """
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 
-WARPS = 8
+NE = 8  # head elements per lane
+UNROLL = int(os.environ.get("KVBATCH_CUDA_UNROLL", "2"))  # tokens per lane per loop step
+TARGET_BLOCKS = 528  # 4 blocks per SM of an H100/H200 (132 SMs)
+MIN_CHUNK = 128  # fewest tokens per split worth a block
 
-_SOURCE = r"""
-    constexpr int E = D / 32;
-    const int bh = blockIdx.x;
+_HEAD = r"""
+    constexpr int TPW = 32 / LPT;
+    const int maxp = meta[0], ns = meta[1], chunk = meta[2];
+    const int bh = blockIdx.x / ns, sp = blockIdx.x % ns;
     const int b = bh / HKV, hk = bh % HKV;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int len = lengths[b];
-    const int maxp = meta[0];
+    const int sub = lane / LPT, li = lane % LPT;
+    const bool on = li * NE < D;
+    {lens}
+    const int t0 = sp * chunk, t1 = min(len, t0 + chunk);
     const float sc = scale[0];
-    float qr[REP][E];
-    float m[REP], l[REP], acc[REP][E];
-    for (int r = 0; r < REP; ++r) {
-        for (int e = 0; e < E; ++e) {
-            qr[r][e] = static_cast<float>(q[((size_t)(b * HKV + hk) * REP + r) * D + lane * E + e]) * sc;
+    float qr[REP][NE], m[REP], l[REP], acc[REP][NE];
+    for (int r = 0; r < REP; ++r) {{
+        for (int e = 0; e < NE; ++e) {{
+            qr[r][e] = on ? static_cast<float>(q[((size_t)bh * REP + r) * D + li * NE + e]) * sc : 0.f;
             acc[r][e] = 0.f;
-        }
+        }}
         m[r] = -INFINITY;
         l[r] = 0.f;
-    }
-    for (int t = warp; t < len; t += NW) {
-        const int page = table[(size_t)b * maxp + t / P];
-        const size_t base = (((size_t)page * HKV + hk) * P + (t % P)) * D + lane * E;
-        float kv[E], vv[E];
-        for (int e = 0; e < E; ++e) {
-            kv[e] = static_cast<float>(k[base + e]);
-            vv[e] = static_cast<float>(v[base + e]);
-        }
+    }}
+    struct alignas(16) V8 {{ S x[NE]; }};
+"""
+
+# One pass over tokens [ta, tz): `load` fills kf[u][e], vf[u][e] for token t (lane li's elements).
+_LOOP = r"""
+    {{
+        const int ta = {start}, tz = {stop};
+        for (int tb = ta + warp * TPW * U; tb < tz; tb += NW * TPW * U) {{
+            float kf[U][NE], vf[U][NE];
+            bool valid[U];
+            for (int u = 0; u < U; ++u) {{
+                const int t = tb + u * TPW + sub;
+                valid[u] = t < tz;
+                if (valid[u] && on) {{
+                    {load}
+                }} else {{
+                    for (int e = 0; e < NE; ++e) {{ kf[u][e] = 0.f; vf[u][e] = 0.f; }}
+                }}
+            }}
+            for (int r = 0; r < REP; ++r) {{
+                float s[U];
+                float mn = m[r];
+                bool any = false;
+                for (int u = 0; u < U; ++u) {{
+                    float x = 0.f;
+                    for (int e = 0; e < NE; ++e) x += qr[r][e] * kf[u][e];
+                    for (int o = LPT / 2; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffff, x, o);
+                    s[u] = x;
+                    if (valid[u]) {{ mn = fmaxf(mn, x); any = true; }}
+                }}
+                if (!any) continue;
+                const float corr = __expf(m[r] - mn);
+                l[r] *= corr;
+                for (int e = 0; e < NE; ++e) acc[r][e] *= corr;
+                for (int u = 0; u < U; ++u) {{
+                    if (!valid[u]) continue;
+                    const float p = __expf(s[u] - mn);
+                    l[r] += p;
+                    for (int e = 0; e < NE; ++e) acc[r][e] += p * vf[u][e];
+                }}
+                m[r] = mn;
+            }}
+        }}
+    }}
+"""
+
+_DENSE_LOAD = r"""
+                    const int page = table[(size_t)b * maxp + t / P];
+                    const size_t base = (((size_t)page * HKV + hk) * P + (t % P)) * D + li * NE;
+                    const V8 kk = *reinterpret_cast<const V8*>(k + base);
+                    const V8 vv = *reinterpret_cast<const V8*>(v + base);
+                    for (int e = 0; e < NE; ++e) {
+                        kf[u][e] = static_cast<float>(kk.x[e]);
+                        vf[u][e] = static_cast<float>(vv.x[e]);
+                    }
+"""
+
+_TAIL_LOAD = r"""
+                    const size_t base = (((size_t)tails[b] * HKV + hk) * P + (t - n_main)) * D + li * NE;
+                    const V8 kk = *reinterpret_cast<const V8*>(tk + base);
+                    const V8 vv = *reinterpret_cast<const V8*>(tv + base);
+                    for (int e = 0; e < NE; ++e) {
+                        kf[u][e] = static_cast<float>(kk.x[e]);
+                        vf[u][e] = static_cast<float>(vv.x[e]);
+                    }
+"""
+
+_QUANT_LOAD = r"""
+                    constexpr int WPL = NE * BITS / 32, W = D * BITS / 32, G = D / GS;
+                    struct alignas(4 * WPL) QW { uint32_t x[WPL]; };
+                    const int page = table[(size_t)b * maxp + t / P];
+                    const size_t slot = ((size_t)page * HKV + hk) * P + (t % P);
+                    const size_t wo = slot * W + li * WPL, go = slot * G + (li * NE) / GS;
+                    const QW kq = *reinterpret_cast<const QW*>(kw + wo);
+                    const QW vq = *reinterpret_cast<const QW*>(vw + wo);
+                    const float ks_ = static_cast<float>(ks[go]), kb_ = static_cast<float>(kb[go]);
+                    const float vs_ = static_cast<float>(vs[go]), vb_ = static_cast<float>(vb[go]);
+                    for (int e = 0; e < NE; ++e) {
+                        const int sh = (e * BITS) % 32;
+                        const uint32_t mask = (1u << BITS) - 1u;
+                        kf[u][e] = ks_ * static_cast<float>((kq.x[(e * BITS) / 32] >> sh) & mask) + kb_;
+                        vf[u][e] = vs_ * static_cast<float>((vq.x[(e * BITS) / 32] >> sh) & mask) + vb_;
+                    }
+"""
+
+# Merge the warp's token sub-groups (shuffles), then the block's warps (shared memory).
+_MERGE = r"""
+    for (int o = LPT; o < 32; o <<= 1) {
         for (int r = 0; r < REP; ++r) {
-            float s = 0.f;
-            for (int e = 0; e < E; ++e) s += qr[r][e] * kv[e];
-            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
-            const float mn = fmaxf(m[r], s);
-            const float corr = __expf(m[r] - mn);
-            const float p = __expf(s - mn);
-            l[r] = l[r] * corr + p;
-            for (int e = 0; e < E; ++e) acc[r][e] = acc[r][e] * corr + p * vv[e];
-            m[r] = mn;
+            const float mo = __shfl_xor_sync(0xffffffff, m[r], o);
+            const float lo = __shfl_xor_sync(0xffffffff, l[r], o);
+            const float M = fmaxf(m[r], mo);
+            const float c1 = (m[r] == -INFINITY) ? 0.f : __expf(m[r] - M);
+            const float c2 = (mo == -INFINITY) ? 0.f : __expf(mo - M);
+            l[r] = l[r] * c1 + lo * c2;
+            for (int e = 0; e < NE; ++e) {
+                const float ao = __shfl_xor_sync(0xffffffff, acc[r][e], o);
+                acc[r][e] = acc[r][e] * c1 + ao * c2;
+            }
+            m[r] = M;
         }
     }
     __shared__ float sm[NW][REP];
     __shared__ float sl[NW][REP];
     __shared__ float sacc[NW][REP][D];
-    for (int r = 0; r < REP; ++r) {
-        if (lane == 0) { sm[warp][r] = m[r]; sl[warp][r] = l[r]; }
-        for (int e = 0; e < E; ++e) sacc[warp][r][lane * E + e] = acc[r][e];
+    if (sub == 0) {
+        for (int r = 0; r < REP; ++r) {
+            if (li == 0) { sm[warp][r] = m[r]; sl[warp][r] = l[r]; }
+            if (on) for (int e = 0; e < NE; ++e) sacc[warp][r][li * NE + e] = acc[r][e];
+        }
     }
     __syncthreads();
     for (int i = threadIdx.x; i < REP * D; i += blockDim.x) {
@@ -71,51 +168,174 @@ _SOURCE = r"""
             L += sl[w][r] * c;
             A += sacc[w][r][d] * c;
         }
-        out[((size_t)(b * HKV + hk) * REP + r) * D + d] = static_cast<T>(A / L);
+"""
+
+_WRITE_OUT = r"""
+        out[((size_t)bh * REP + r) * D + d] = static_cast<T>(A / L);
     }
 """
 
-_kernel = None
+_WRITE_PART = r"""
+        const size_t pr = ((size_t)bh * ns + sp) * REP + r;
+        if (d == 0) { pm[pr] = M; pl[pr] = L; }
+        pacc[pr * D + d] = A;
+    }
+"""
+
+_REDUCE = r"""
+    const int ns = meta[1];
+    const int bh = blockIdx.x;
+    for (int i = threadIdx.x; i < REP * D; i += blockDim.x) {
+        const int r = i / D, d = i % D;
+        float M = -INFINITY;
+        for (int s = 0; s < ns; ++s) M = fmaxf(M, pm[((size_t)bh * ns + s) * REP + r]);
+        float L = 0.f, A = 0.f;
+        for (int s = 0; s < ns; ++s) {
+            const size_t pr = ((size_t)bh * ns + s) * REP + r;
+            const float c = (pm[pr] == -INFINITY) ? 0.f : __expf(pm[pr] - M);
+            L += pl[pr] * c;
+            A += pacc[pr * D + d] * c;
+        }
+        out[((size_t)bh * REP + r) * D + d] = static_cast<T>(A / L);
+    }
+"""
+
+_DENSE_INPUTS = ["q", "k", "v", "table", "lengths", "meta", "scale"]
+_QUANT_INPUTS = ["q", "kw", "ks", "kb", "vw", "vs", "vb", "tk", "tv", "tails", "table", "lens", "meta", "scale"]
+
+
+def kernel_source(quantized: bool, split: bool) -> str:
+    """The kernel body (also compiled by benchmarks/backend_check.py's nvcc check)."""
+    if quantized:
+        head = _HEAD.format(lens="const int n_main = lens[2 * b], len = n_main + lens[2 * b + 1];")
+        body = (_LOOP.format(start="t0", stop="min(t1, n_main)", load=_QUANT_LOAD)
+                + _LOOP.format(start="max(t0, n_main)", stop="t1", load=_TAIL_LOAD))
+    else:
+        head = _HEAD.format(lens="const int len = lengths[b];")
+        body = _LOOP.format(start="t0", stop="t1", load=_DENSE_LOAD)
+    return head + body + _MERGE + (_WRITE_PART if split else _WRITE_OUT)
+
+
+_kernels: dict = {}
+
+
+def _kernel(kind: str, split: bool):
+    key = (kind, split)
+    if key not in _kernels:
+        if kind == "reduce":
+            _kernels[key] = mx.fast.cuda_kernel(name="kvbatch_paged_reduce", input_names=["pm", "pl", "pacc", "meta"],
+                                                output_names=["out"], source=_REDUCE)
+        else:
+            q = kind == "quant"
+            _kernels[key] = mx.fast.cuda_kernel(
+                name=f"kvbatch_paged_decode_{kind}{'_split' if split else ''}",
+                input_names=_QUANT_INPUTS if q else _DENSE_INPUTS,
+                output_names=["pm", "pl", "pacc"] if split else ["out"],
+                source=kernel_source(q, split))
+    return _kernels[key]
+
+
+def _lanes(head_dim: int) -> int:
+    lpt = 1
+    while lpt * NE < head_dim:
+        lpt *= 2
+    return lpt
+
+
+def warps_for(head_dim: int, rep: int) -> int:
+    """Warps per block whose merge buffers fit in static shared memory (0: none do)."""
+    for nw in (8, 4):
+        if nw * rep * (head_dim + 2) * 4 <= 44 * 1024:
+            return nw
+    return 0
+
+
+def supports(head_dim: int, rep: int, bits: int | None = None, group_size: int | None = None) -> bool:
+    """Whether the kernels handle this geometry (and quantization)."""
+    if head_dim % NE or head_dim > 32 * NE or warps_for(head_dim, rep) == 0:
+        return False
+    return not bits or (bits in (4, 8) and group_size is not None and group_size % NE == 0
+                        and head_dim % group_size == 0)
+
+
+def available() -> bool:
+    """MLX CUDA with custom kernels, unless KVBATCH_FUSED_ATTENTION=0 (the portable route then runs)."""
+    if os.environ.get("KVBATCH_FUSED_ATTENTION", "1") == "0":
+        return False
+    return mx.cuda.is_available() and hasattr(mx.fast, "cuda_kernel")
 
 
 def usable(layout, store, query_heads: int) -> bool:
-    """On MLX CUDA, for head-major dense pages whose shapes the kernel handles.
-    KVBATCH_FUSED_ATTENTION=0 turns it off (the portable route then runs)."""
-    import os
-
-    if os.environ.get("KVBATCH_FUSED_ATTENTION", "1") == "0":
-        return False
-    if not (mx.cuda.is_available() and hasattr(mx.fast, "cuda_kernel")):
-        return False
-    if getattr(store, "k", None) is None or store.k[0].ndim != 4 or layout.head_dim % 32:
+    """On MLX CUDA, for head-major pages whose shapes the kernels handle."""
+    if not available():
         return False
     rep = max(query_heads // layout.num_kv_heads, 1)
-    return WARPS * rep * (layout.head_dim + 2) * 4 <= 44 * 1024  # static shared memory
+    if layout.bits:
+        return supports(layout.head_dim, rep, layout.bits, layout.group_size)
+    return getattr(store, "k", None) is not None and store.k[0].ndim == 4 and supports(layout.head_dim, rep)
+
+
+def splits_for(rows: int, kv_heads: int, max_tokens: int) -> tuple[int, int]:
+    """(splits, tokens per split): split-K only when rows x KV heads leave the GPU idle.
+    KVBATCH_CUDA_SPLITS=N forces N splits (tests)."""
+    forced = os.environ.get("KVBATCH_CUDA_SPLITS", "").strip()
+    if forced:
+        ns = max(1, int(forced))
+    else:
+        ns = max(1, min(-(-TARGET_BLOCKS // (rows * kv_heads)), -(-max_tokens // MIN_CHUNK)))
+    chunk = -(-max_tokens // ns)
+    return -(-max_tokens // chunk), chunk
+
+
+def _launch(kind: str, inputs: list, q: mx.array, store_dtype: mx.Dtype, kv_heads: int, page: int,
+            max_tokens: int, maxp: int, scale: float, extra: list, splits: int | None) -> mx.array:
+    B, Hq, _, D = q.shape
+    rep = Hq // kv_heads
+    nw = warps_for(D, rep)
+    if splits is None:
+        ns, chunk = splits_for(B, kv_heads, max_tokens)
+    else:
+        ns, chunk = splits, -(-max_tokens // splits)
+    meta = mx.array([maxp, ns, chunk], dtype=mx.int32)
+    template = [("T", q.dtype), ("S", store_dtype), ("D", D), ("P", page), ("REP", rep), ("HKV", kv_heads),
+                ("NW", nw), ("LPT", _lanes(D)), ("NE", NE), ("U", UNROLL)] + extra
+    args = [q.reshape(B, Hq, D)] + inputs + [meta, mx.array([scale], dtype=mx.float32)]
+    grid, block = (B * kv_heads * ns * 32 * nw, 1, 1), (32 * nw, 1, 1)
+    if ns == 1:
+        (out,) = _kernel(kind, False)(inputs=args, template=template, grid=grid, threadgroup=block,
+                                      output_shapes=[(B, Hq, D)], output_dtypes=[q.dtype])
+    else:
+        n = B * kv_heads * ns * rep
+        pm, pl, pacc = _kernel(kind, True)(inputs=args, template=template, grid=grid, threadgroup=block,
+                                           output_shapes=[(n,), (n,), (n * D,)],
+                                           output_dtypes=[mx.float32] * 3)
+        (out,) = _kernel("reduce", False)(inputs=[pm, pl, pacc, meta],
+                                          template=[("T", q.dtype), ("D", D), ("REP", rep)],
+                                          grid=(B * kv_heads * 128, 1, 1), threadgroup=(128, 1, 1),
+                                          output_shapes=[(B, Hq, D)], output_dtypes=[q.dtype])
+    return out.reshape(B, Hq, 1, D)
 
 
 def paged_decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array,
-                           lengths: mx.array, scale: float) -> mx.array:
+                           lengths: mx.array, scale: float, splits: int | None = None) -> mx.array:
     """q (B, Hq, 1, D); pools (pages, Hkv, P, D); table (B, maxp) int32; lengths (B,) int32
     (keys stored, the new token included) -> (B, Hq, 1, D)."""
-    global _kernel
-    if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(
-            name="kvbatch_paged_decode",
-            input_names=["q", "k", "v", "table", "lengths", "meta", "scale"],
-            output_names=["out"],
-            source=_SOURCE,
-        )
-    B, Hq, _, D = q.shape
     _, Hkv, P, _ = k_pool.shape
-    rep = Hq // Hkv
-    meta = mx.array([table.shape[1]], dtype=mx.int32)
-    (out,) = _kernel(
-        inputs=[q.reshape(B, Hq, D), k_pool, v_pool, table.astype(mx.int32), lengths.astype(mx.int32), meta,
-                mx.array([scale], dtype=mx.float32)],
-        template=[("T", q.dtype), ("D", D), ("P", P), ("REP", rep), ("HKV", Hkv), ("NW", WARPS)],
-        grid=(B * Hkv * 32 * WARPS, 1, 1),
-        threadgroup=(32 * WARPS, 1, 1),
-        output_shapes=[(B, Hq, D)],
-        output_dtypes=[q.dtype],
-    )
-    return out.reshape(B, Hq, 1, D)
+    maxp = table.shape[1]
+    inputs = [k_pool, v_pool, table.astype(mx.int32), lengths.astype(mx.int32)]
+    return _launch("dense", inputs, q, k_pool.dtype, Hkv, P, maxp * P, maxp, scale, [], splits)
+
+
+def paged_decode_attention_quantized(q: mx.array, packed: list[mx.array], tail_k: mx.array, tail_v: mx.array,
+                                     tails: mx.array, table: mx.array, lens: mx.array, scale: float, bits: int,
+                                     group_size: int, splits: int | None = None) -> mx.array:
+    """q (B, Hq, 1, D); packed: [k_w, k_scales, k_biases, v_w, v_scales, v_biases], each
+    (pages, Hkv, P, width); tail_k/v (slots, Hkv, P, D); tails (B,) the rows' tail slots;
+    table (B, maxp) the sealed pages; lens (B, 2) int32: tokens on sealed pages and in the
+    tail (the new token included) -> (B, Hq, 1, D)."""
+    _, Hkv, P, _ = tail_k.shape
+    maxp = table.shape[1]
+    inputs = [packed[0], packed[1], packed[2], packed[3], packed[4], packed[5], tail_k, tail_v,
+              tails.astype(mx.int32), table.astype(mx.int32), lens.astype(mx.int32)]
+    return _launch("quant", inputs, q, tail_k.dtype, Hkv, P, maxp * P + P, maxp, scale,
+                   [("BITS", bits), ("GS", group_size)], splits)

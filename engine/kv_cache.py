@@ -88,9 +88,9 @@ class PagedKVCache:
         else:
             self.store = DenseStore(num_layers, layout.num_kv_heads, layout.head_dim, self.P, dtype)
             self.route = att.ROUTE_DENSE_F32 if upcast else att.ROUTE_DENSE
-        self.fused_decode = (not layout.bits and cuda_attention.usable(layout, self.store, query_heads))
+        self.fused_decode = cuda_attention.usable(layout, self.store, query_heads)
         if self.fused_decode:
-            self.route = att.ROUTE_CUDA
+            self.route = att.ROUTE_CUDA_Q if layout.bits else att.ROUTE_CUDA
         self.upcast = upcast
         self.pool = PagePool()
         self.free_tails = list(range(tail_slots))[::-1]
@@ -248,6 +248,10 @@ class PagedKVCache:
                 t["seal_from"] = mx.array(np.concatenate([tails[i] * P + ar for i in done]).astype(np.int32))
                 t["seal_to"] = mx.array(np.concatenate(
                     [self._slots(rows[i], int(pos[i]) - P + 1, int(pos[i]) + 1) for i in done]).astype(np.int32))
+            if self.fused_decode:  # CUDA: sealed pages and tail read in place (cuda_attention)
+                t["lens"] = mx.array(np.stack([n_before * P, fill + 1], 1).astype(np.int32))
+                t.setdefault("table_q", mx.zeros((len(rows), 1), dtype=mx.int32))
+                return t
             if "table_q" in t:
                 width = t["table_q"].shape[1]
                 Tq = width * P
@@ -296,6 +300,10 @@ class PagedKVCache:
         if "lengths" in t:  # CUDA: pages read in place by the fused decode kernel
             out = cuda_attention.paged_decode_attention(queries, st.k[layer], st.v[layer], t["table"],
                                                         t["lengths"], scale)
+        elif "lens" in t:
+            out = cuda_attention.paged_decode_attention_quantized(
+                queries, st.q[layer], st.tk[layer], st.tv[layer], t["tails"], t["table_q"], t["lens"], scale,
+                st.bits, st.group_size)
         elif not st.quantized:
             k, v = st.gather(layer, t["table"])
             out = att.dense_attention(queries, k, v, t["mask"], scale, self.upcast)

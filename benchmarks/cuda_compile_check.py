@@ -1,0 +1,75 @@
+"""Compile engine/cuda_attention.py's kernels with nvcc, as MLX would wrap them, without a GPU.
+
+Catches syntax errors and prints registers / spills / shared memory (-Xptxas -v) before
+device time is spent. Needs nvcc on PATH; imports no MLX CUDA.
+
+    python benchmarks/cuda_compile_check.py
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine import cuda_attention as ca  # noqa: E402
+
+STUB = """#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cstdint>
+#include <cuda/std/limits>
+namespace mlx::core::cu {
+"""
+TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16", "float16": "__half"}
+
+
+def wrap(name: str, inputs: list[tuple[str, str]], outputs: list[tuple[str, str]], consts: dict, body: str) -> str:
+    params = [f"    const {t}* {n}" for n, t in inputs] + [f"    {t}* {n}" for n, t in outputs]
+    lines = [f"__global__ void {name}(\n" + ",\n".join(params) + ") {"]
+    for k, v in consts.items():
+        lines.append(f"  using {k} = {v};" if isinstance(v, str) else f"  constexpr int {k} = {v};")
+    return "\n".join(lines) + "\n" + body + "\n}\n"
+
+
+def main() -> int:
+    src = [STUB]
+    i = 0
+    for D, rep in ((64, 4), (128, 4), (64, 2), (96, 3)):
+        for dt in ("bfloat16", "float32"):
+            T = TYPES[dt]
+            base = dict(T=T, S=T, D=D, P=64, REP=rep, HKV=8, NW=ca.warps_for(D, rep), LPT=ca._lanes(D), NE=ca.NE,
+                        U=ca.UNROLL)
+            ints = [("table", "int32_t"), ("meta", "int32_t"), ("scale", "float")]
+            for split in (False, True):
+                outs = [("pm", "float"), ("pl", "float"), ("pacc", "float")] if split else [("out", T)]
+                dense_in = [("q", T), ("k", T), ("v", T), ("table", "int32_t"), ("lengths", "int32_t"),
+                            ("meta", "int32_t"), ("scale", "float")]
+                src.append(wrap(f"dense_{i}", dense_in, outs, base, ca.kernel_source(False, split)))
+                for bits in (8, 4):
+                    qin = [("q", T), ("kw", "uint32_t"), ("ks", T), ("kb", T), ("vw", "uint32_t"), ("vs", T),
+                           ("vb", T), ("tk", T), ("tv", T), ("tails", "int32_t")] + ints[:1] + \
+                          [("lens", "int32_t")] + ints[1:]
+                    consts = dict(base, BITS=bits, GS=32 if D % 64 else 64)
+                    src.append(wrap(f"quant_{i}_{bits}", qin, outs, consts, ca.kernel_source(True, split)))
+                i += 1
+            src.append(wrap(f"reduce_{i}", [("pm", "float"), ("pl", "float"), ("pacc", "float"),
+                                             ("meta", "int32_t")], [("out", T)], dict(T=T, D=D, REP=rep),
+                            ca._REDUCE))
+    src.append("}\n")
+    with tempfile.TemporaryDirectory() as d:
+        f = Path(d) / "k.cu"
+        f.write_text("\n".join(src))
+        r = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-c", "-Xptxas", "-v", "-o", str(Path(d) / "k.o"),
+                            str(f)], capture_output=True, text=True)
+    out = r.stdout + r.stderr
+    for line in out.splitlines():
+        if "error" in line or "warning" in line or "Used" in line or "spill" in line or "Compiling" in line:
+            print(line)
+    print("nvcc exit", r.returncode)
+    return r.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
