@@ -109,7 +109,7 @@ def kernel_case(mode: str, dtype, D: int, rep: int, P: int, splits, hkv: int = 2
         n_main = [((n - 1) // P) * P for n in lengths]  # sealed pages; the rest (1..P tokens) in the tail
         tk = mx.array(rng.standard_normal((B + 2, hkv, P, D)).astype(np.float32)).astype(dtype)
         tv = mx.array(rng.standard_normal((B + 2, hkv, P, D)).astype(np.float32)).astype(dtype)
-        tails = list(rng.permutation(B + 2)[:B])
+        tails = [int(x) for x in rng.permutation(B + 2)[:B]]
         sealed = [t[:m // P] for t, m in zip(tables, n_main)]
         width = max(1, max(len(t) for t in sealed))
         table = mx.array([t + [t[0] if t else 0] * (width - len(t)) for t in sealed], dtype=mx.int32)
@@ -158,7 +158,7 @@ def kernel_checks() -> bool:
 
 
 def kernel_bench(contexts=(8192,), batches=(1, 8, 64), geometries=((64, 8, 4), (128, 8, 4)),
-                 unrolls=(1, 2, 4)) -> None:
+                 unrolls=(1, 2)) -> None:
     """Decode attention time of one layer: fused kernels (none/q8/q4) vs the portable gather + SDPA."""
     import time
 

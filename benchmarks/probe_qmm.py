@@ -63,6 +63,14 @@ def ops(B=64, hkv=8, rep=4, D=64, T=192, P=64, group=64) -> None:
             ref = x @ deq.swapaxes(-1, -2)
             attempt(f"  qmm T x f32 M={M} scales f32 {tag}",
                     lambda: mx.quantized_matmul(x, wg, s32, b32, transpose=True, group_size=group, bits=bits), ref)
+            attempt(f"  (same, vs keys of batch entry 0 for every entry) {tag}",
+                    lambda: mx.quantized_matmul(x, wg, s32, b32, transpose=True, group_size=group, bits=bits),
+                    x @ mx.broadcast_to(deq[:1, :1], deq.shape).swapaxes(-1, -2))
+            attempt(f"  qmm T x f32 M={M}, one (row, head) at a time {tag}",
+                    lambda: mx.concatenate([mx.quantized_matmul(x[i:i + 1, j:j + 1], wg[i:i + 1, j:j + 1],
+                                                                s32[i:i + 1, j:j + 1], b32[i:i + 1, j:j + 1],
+                                                                transpose=True, group_size=group, bits=bits)
+                                            for i in range(B) for j in range(hkv)]).reshape(B, hkv, M, T), ref)
             attempt(f"  qmm T x bf16 M={M} scales bf16 {tag}",
                     lambda: mx.quantized_matmul(x.astype(mx.bfloat16), wg, sg, bg, transpose=True, group_size=group,
                                                 bits=bits), ref)
@@ -103,7 +111,7 @@ def engine_rows(fused: bool, mode: str = "q8", B: int = 64) -> None:
     eng = Engine(m, Tok(), spec, EngineConfig(kv_mode=mode, page_size=64, max_batch=B, prefill_chunk=2048,
                                               memory_budget=8 << 30, allow_unvalidated=True))
     rng = np.random.default_rng(1)
-    reqs = [Request(str(i), rng.integers(0, 1024, 128).tolist(), SamplingParams(max_tokens=96)) for i in range(B)]
+    reqs = [Request(str(i), rng.integers(0, 1024, 128).tolist(), SamplingParams(max_tokens=40)) for i in range(B)]
     res = eng.generate(reqs)
     codes: dict = {}
     for r in res:
@@ -115,11 +123,10 @@ def engine_rows(fused: bool, mode: str = "q8", B: int = 64) -> None:
 
 def main() -> None:
     print(mx.default_device(), mx.__version__, flush=True)
-    ops()
-    ops(B=8, hkv=2, rep=2, D=128, T=128, P=16)
+    ops(B=4, hkv=8, rep=4, D=64, T=192, P=64)
     for fused in (False, True):
         for mode in ("q8", "q4"):
-            engine_rows(fused, mode)
+            engine_rows(fused, mode, B=16)
 
 
 if __name__ == "__main__":

@@ -77,16 +77,18 @@ _LOOP = r"""
                     if (valid[u]) {{ mn = fmaxf(mn, x); any = true; }}
                 }}
                 if (!any) continue;
-                const float corr = __expf(m[r] - mn);
-                l[r] *= corr;
-                for (int e = 0; e < NE; ++e) acc[r][e] *= corr;
+                if (mn > m[r]) {{  // rescale only when the running max moves (rarely, once warm)
+                    const float corr = __expf(m[r] - mn);
+                    l[r] *= corr;
+                    for (int e = 0; e < NE; ++e) acc[r][e] *= corr;
+                    m[r] = mn;
+                }}
                 for (int u = 0; u < U; ++u) {{
                     if (!valid[u]) continue;
-                    const float p = __expf(s[u] - mn);
+                    const float p = __expf(s[u] - m[r]);  // NaN scores stay NaN (fmaxf skips them)
                     l[r] += p;
                     for (int e = 0; e < NE; ++e) acc[r][e] += p * vf[u][e];
                 }}
-                m[r] = mn;
             }}
         }}
     }}
@@ -123,11 +125,14 @@ _QUANT_LOAD = r"""
                     const QW vq = *reinterpret_cast<const QW*>(vw + wo);
                     const float ks_ = static_cast<float>(ks[go]), kb_ = static_cast<float>(kb[go]);
                     const float vs_ = static_cast<float>(vs[go]), vb_ = static_cast<float>(vb[go]);
-                    for (int e = 0; e < NE; ++e) {
-                        const int sh = (e * BITS) % 32;
-                        const uint32_t mask = (1u << BITS) - 1u;
-                        kf[u][e] = ks_ * static_cast<float>((kq.x[(e * BITS) / 32] >> sh) & mask) + kb_;
-                        vf[u][e] = vs_ * static_cast<float>((vq.x[(e * BITS) / 32] >> sh) & mask) + vb_;
+                    for (int e = 0; e < NE; ++e) {  // code -> float as 2^23 + code, minus 2^23 (no I2F)
+                        const uint32_t a = kq.x[(e * BITS) / 32], c = vq.x[(e * BITS) / 32];
+                        const uint32_t ka = BITS == 8 ? __byte_perm(a, 0x4B000000u, (e % 4) | 0x7440)
+                                                      : ((a >> ((e * BITS) % 32)) & 0xFu) | 0x4B000000u;
+                        const uint32_t va = BITS == 8 ? __byte_perm(c, 0x4B000000u, (e % 4) | 0x7440)
+                                                      : ((c >> ((e * BITS) % 32)) & 0xFu) | 0x4B000000u;
+                        kf[u][e] = ks_ * (__uint_as_float(ka) - 8388608.f) + kb_;
+                        vf[u][e] = vs_ * (__uint_as_float(va) - 8388608.f) + vb_;
                     }
 """
 
@@ -228,7 +233,7 @@ def _kernel(kind: str, split: bool):
         else:
             q = kind == "quant"
             _kernels[key] = mx.fast.cuda_kernel(
-                name=f"kvbatch_paged_decode_{kind}{'_split' if split else ''}",
+                name=f"kvbatch_paged_decode2_{kind}{'_split' if split else ''}",
                 input_names=_QUANT_INPUTS if q else _DENSE_INPUTS,
                 output_names=["pm", "pl", "pacc"] if split else ["out"],
                 source=kernel_source(q, split))

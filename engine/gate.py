@@ -19,8 +19,9 @@ VALIDATED: dict[tuple[str, int], frozenset[str]] = {
     ("qwen3", 128): frozenset({"none", "q8", "q4"}),
 }
 KV_MODES = ("none", "q8", "q4")
-# Backends where the quantized route has been validated. On MLX CUDA (H200, mlx 0.32.4)
-# q8/q4 rows ended with non_finite_logits in benchmarks/gpu.py: fenced until fixed.
+# Backends where the portable quantized route (mx.quantized_matmul) has been validated. On MLX
+# CUDA (H200, mlx 0.32.4) it is not (RESULTS.md, issue 9); there q8/q4 are validated only where
+# the fused kernel of engine/cuda_attention.py runs decode (see `_cuda_quant_ok`).
 QUANT_VALIDATED_BACKENDS = frozenset({"cpu", "metal"})
 
 
@@ -33,6 +34,15 @@ def backend() -> str:
         return "cuda"
     return "cpu"
 GROUP_SIZES = (32, 64, 128)
+
+
+def _cuda_quant_ok(spec: ModelSpec, mode: str, group_size: int) -> bool:
+    """On MLX CUDA, q8/q4 decode is validated through the fused kernel (benchmarks/backend_check.py)."""
+    from engine import cuda_attention
+
+    rep = max(spec.num_heads // max(spec.num_kv_heads, 1), 1)
+    return (backend() == "cuda" and cuda_attention.available()
+            and cuda_attention.supports(spec.head_dim, rep, {"q8": 8, "q4": 4}[mode], group_size))
 
 
 def check_kv_mode(spec: ModelSpec, mode: str, group_size: int, allow_unvalidated: bool = False) -> None:
@@ -52,7 +62,8 @@ def check_kv_mode(spec: ModelSpec, mode: str, group_size: int, allow_unvalidated
     ok = mode in VALIDATED.get((spec.family, spec.head_dim), frozenset())
     if mode == "none" and spec.family in PAGED_FAMILIES:
         ok = True  # the dense route has no head-size specific code
-    if ok and mode != "none" and backend() not in QUANT_VALIDATED_BACKENDS and not allow_unvalidated:
+    if (ok and mode != "none" and backend() not in QUANT_VALIDATED_BACKENDS and not _cuda_quant_ok(spec, mode, group_size)
+            and not allow_unvalidated):
         raise KvbatchConfigError(f"kv={mode} is not validated on the MLX {backend()} backend (see the README's "
                                  f"KV table); set kv.allow_unvalidated=true to run it anyway")
     if not ok and not allow_unvalidated:
