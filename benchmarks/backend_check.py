@@ -134,9 +134,9 @@ def kernel_case(mode: str, dtype, D: int, rep: int, P: int, splits, hkv: int = 2
     return worst
 
 
-def kernel_checks() -> bool:
+def kernel_checks(modes=("none", "q8", "q4")) -> bool:
     ok = True
-    for mode in ("none", "q8", "q4"):
+    for mode in modes:
         for dtype in (mx.float32, mx.bfloat16, mx.float16):
             tol = 2e-4 if dtype == mx.float32 else 2e-2
             for D, rep, P, group in ((64, 4, 16, 64), (128, 4, 64, 64), (64, 1, 64, 32), (128, 2, 16, 128),
@@ -219,11 +219,13 @@ def main() -> int:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", default="kernels,engine", help="kernels,engine,bench")
-    parts = ap.parse_args().parts.split(",")
+    ap.add_argument("--kernel-modes", default="none,q8,q4")
+    a = ap.parse_args()
+    parts = a.parts.split(",")
     print("device:", mx.default_device(), "mlx", mx.__version__, flush=True)
     ok = True
     if "kernels" in parts and mx.cuda.is_available():
-        ok &= kernel_checks()
+        ok &= kernel_checks(tuple(a.kernel_modes.split(",")))
     if "bench" in parts and mx.cuda.is_available():
         kernel_bench()
     if "engine" not in parts:

@@ -123,7 +123,8 @@ def engine_rows(fused: bool, mode: str = "q8", B: int = 64) -> None:
 
 def main() -> None:
     print(mx.default_device(), mx.__version__, flush=True)
-    ops(B=4, hkv=8, rep=4, D=64, T=192, P=64)
+    if "--engine-only" not in sys.argv:
+        ops(B=4, hkv=8, rep=4, D=64, T=192, P=64)
     for fused in (False, True):
         for mode in ("q8", "q4"):
             engine_rows(fused, mode, B=16)
