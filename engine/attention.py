@@ -92,7 +92,7 @@ def _f32(a: mx.array) -> mx.array:
 def quantized_decode_attention(q: mx.array, qk: list[mx.array] | list[list[mx.array]] | None,
                                qv: list[mx.array], tk: mx.array, tv: mx.array, mask_q: mx.array,
                                mask_t: mx.array, scale: float, group_size: int, bits: int,
-                               streams: list | None = None) -> mx.array:
+                               streams: list | None = None, k_transposed: bool = False) -> mx.array:
     """q (B,Hq,L,D); qk/qv packed triplets (B,Hkv,Tq,·) or None; tail tk/tv (B,Hkv,P,D).
 
     qk may also be a list of triplets, consecutive runs of pages that together make Tq
@@ -101,6 +101,9 @@ def quantized_decode_attention(q: mx.array, qk: list[mx.array] | list[list[mx.ar
     KV head's group are folded into rows, (B, Hkv, rep*L, D): the 4-D shape that MLX's
     CUDA quantized_matmul implements for every head size (a 5-D broadcast shape has no
     CUDA kernel at head size 64).
+
+    k_transposed: qk holds K^T quantized per channel, (B,Hkv,D,·) (QuantizedStore
+    k_axis="channel"): the scores run as an untransposed quantized_matmul.
 
     With several streams the work splits so that no sum changes order: key scores by
     token runs (each score is its own dot product), value sums by (row, KV head). So a
@@ -116,7 +119,7 @@ def quantized_decode_attention(q: mx.array, qk: list[mx.array] | list[list[mx.ar
     parts, masks = [scores_t], [mask_t]
     if qk is not None:
         runs = qk if isinstance(qk[0], (list, tuple)) else [qk]
-        scores_q = [mx.quantized_matmul(qf, w, _f32(s), _f32(b), transpose=True, group_size=group_size,
+        scores_q = [mx.quantized_matmul(qf, w, _f32(s), _f32(b), transpose=not k_transposed, group_size=group_size,
                                         bits=bits, stream=streams[i % len(streams)])
                     for i, (w, s, b) in enumerate(runs)]
         parts[:0] = scores_q

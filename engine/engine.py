@@ -168,6 +168,7 @@ class Engine:
         c = self.cache
         return {
             "kv_mode": self.cfg.kv_mode, "route": c.route, "page_size": self.cfg.page_size,
+            "kv_k_axis": getattr(c.store, "k_axis", None),
             "group_size": self.cfg.group_size if self.layout.bits else None,
             "kv_bytes_per_token": self.layout.bytes_per_token,
             "budget_bytes": self.memory.budget, "weights_bytes": self.spec.weights_bytes,

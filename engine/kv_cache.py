@@ -82,7 +82,8 @@ class PagedKVCache:
         self.num_layers = num_layers
         if layout.bits:
             self.store = QuantizedStore(num_layers, layout.num_kv_heads, layout.head_dim, self.P, dtype,
-                                        layout.bits, layout.group_size, tail_slots)
+                                        layout.bits, layout.group_size, tail_slots,
+                                        k_axis=k_quant_axis(layout, query_heads))
             self.route = att.ROUTE_QMM
             self.qmm_streams = att.qmm_streams()
         else:
@@ -311,7 +312,7 @@ class PagedKVCache:
             sk, sv = (a.transpose(1, 0, 2)[None] for a in self._segment.pop(layer))
             if "table_q" in t:
                 qk = st.gather_quantized(layer, t["table_q"])
-                sk = mx.concatenate([dequantize(*qk[:3], st.group_size, st.bits), sk], axis=2)
+                sk = mx.concatenate([st.dequantize_k(*qk[:3]), sk], axis=2)
                 sv = mx.concatenate([dequantize(*qk[3:], st.group_size, st.bits), sv], axis=2)
             out = att.dense_attention(queries, sk, sv, t["mask"], scale, upcast=True)
         else:
@@ -327,7 +328,8 @@ class PagedKVCache:
                             qk.append(st.gather_quantized(layer, run, "k"))
                 qv, mask_q = st.gather_quantized(layer, t["table_q"], "v"), t["mask_q"]
             out = att.quantized_decode_attention(queries, qk, qv, tk, tv, mask_q, t["mask_t"], scale,
-                                                 st.group_size, st.bits, self.qmm_streams)
+                                                 st.group_size, st.bits, self.qmm_streams,
+                                                 k_transposed=st.k_axis == "channel")
         if plan.poison is not None and layer == 0:  # testing-only fault injection
             out = mx.where(plan.poison[:, None, None, None], mx.array(mx.nan, out.dtype), out)
         if self.trace:
@@ -344,6 +346,16 @@ class PagedKVCache:
             print(f"[kvbatch attention] layer={layer} cache={self.views[layer]!r} route={self.route} "
                   f"row={r.key} offset={r.length} L={plan.L} capacity={self.capacity_pages * self.P} "
                   f"reserved={r.reserved} nonfinite={n_bad}", file=sys.stderr, flush=True)
+
+
+def k_quant_axis(layout: KVLayout, query_heads: int) -> str:
+    """How quantized K pages are grouped: "channel" (along each page's tokens) on the CPU
+    when the page holds whole groups; else "token" (along head_dim; what the CUDA kernel
+    reads). See QuantizedStore."""
+    on_cpu = mx.default_device().type == mx.DeviceType.cpu
+    if on_cpu and layout.page_size % layout.group_size == 0 and not cuda_attention.usable(layout, None, query_heads):
+        return "channel"
+    return "token"
 
 
 def mlx_cached_memory() -> int:

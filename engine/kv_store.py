@@ -95,29 +95,45 @@ class DenseStore:
 
 
 class QuantizedStore:
-    """Completed pages quantized (affine, mx.quantize over head_dim); the filling page dense.
+    """Completed pages quantized (affine, mx.quantize); the filling page dense.
 
-    Pages are head-major, (pages, kv_heads, page_size, width), like DenseStore, so a
-    page-table gather yields contiguous (B, kv_heads, T, width) triplets: MLX CUDA's
-    quantized_matmul has kernels for those (not for strided ones), and the CPU path
-    avoids a transpose copy. Tails (one dense page per batch slot) are
-    (slots, kv_heads, page_size, head_dim).
+    V pages are head-major, (pages, kv_heads, page_size, width), quantized per token
+    (groups along head_dim), like DenseStore, so a page-table gather yields
+    contiguous (B, kv_heads, T, width) triplets. K pages are the same by default
+    ("token" axis); with `k_axis="channel"` (page_size a multiple of group_size) each
+    K page is stored transposed, (pages, kv_heads, head_dim, page_size·bits/32),
+    quantized per channel along the page's tokens. Two reasons: keys have outlier
+    channels, and per-channel groups keep them from inflating every token's scale
+    (KIVI, arXiv:2402.02750); and the scores then run as `quantized_matmul(q, K^T,
+    transpose=False)`, which MLX's CPU backend runs 2.5-4x faster than the
+    transposed form (benchmarks/RESULTS.md, issue 5). Tails (one dense page per
+    batch slot) are (slots, kv_heads, page_size, head_dim).
     """
 
     quantized = True
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, page_size: int, dtype: mx.Dtype,
-                 bits: int, group_size: int, tail_slots: int):
+                 bits: int, group_size: int, tail_slots: int, k_axis: str = "token"):
+        if k_axis not in ("token", "channel"):
+            raise ValueError(f"k_axis must be 'token' or 'channel', not {k_axis!r}")
+        if k_axis == "channel" and page_size % group_size:
+            raise ValueError(f"per-channel keys need page_size ({page_size}) to be a multiple of "
+                             f"group_size ({group_size})")
         self.page_size, self.kv_heads, self.head_dim, self.dtype = page_size, kv_heads, head_dim, dtype
-        self.bits, self.group_size = bits, group_size
+        self.bits, self.group_size, self.k_axis = bits, group_size, k_axis
         packed, groups = head_dim * bits // 32, head_dim // group_size
 
-        def empty(width, dt):
-            return mx.zeros((0, kv_heads, page_size, width), dtype=dt)
+        def empty(width, dt, rows=page_size):
+            return mx.zeros((0, kv_heads, rows, width), dtype=dt)
+
+        def k_empty():
+            if k_axis == "token":
+                return [empty(packed, mx.uint32), empty(groups, dtype), empty(groups, dtype)]
+            tp, tg = page_size * bits // 32, page_size // group_size
+            return [empty(tp, mx.uint32, head_dim), empty(tg, dtype, head_dim), empty(tg, dtype, head_dim)]
 
         # per layer: [k_w, k_scales, k_biases, v_w, v_scales, v_biases]
-        self.q = [[empty(packed, mx.uint32), empty(groups, dtype), empty(groups, dtype),
-                   empty(packed, mx.uint32), empty(groups, dtype), empty(groups, dtype)]
+        self.q = [k_empty() + [empty(packed, mx.uint32), empty(groups, dtype), empty(groups, dtype)]
                   for _ in range(num_layers)]
         tail_shape = (tail_slots, kv_heads, page_size, head_dim)
         self.tk = [mx.zeros(tail_shape, dtype=dtype) for _ in range(num_layers)]
@@ -149,13 +165,25 @@ class QuantizedStore:
             arrs[:] = [_grow(a, extra) for a in arrs]
 
     def _store_pages(self, layer: int, slots: mx.array, k: mx.array, v: mx.array) -> None:
-        """Quantize full-precision tokens (N, kv_heads, head_dim) into page slots (page*P + offset)."""
+        """Quantize whole pages of full-precision tokens (N, kv_heads, head_dim) into their
+        slots (page*P + offset; each page's P tokens consecutive and in order)."""
         arrs = self.q[layer]
-        page, off = slots // self.page_size, slots % self.page_size
-        kq = mx.quantize(k, group_size=self.group_size, bits=self.bits)
+        P = self.page_size
+        page, off = slots // P, slots % P
         vq = mx.quantize(v, group_size=self.group_size, bits=self.bits)
-        for i, a in enumerate(kq + vq):
-            arrs[i][page, :, off] = a.astype(arrs[i].dtype)
+        for i, a in enumerate(vq):
+            arrs[3 + i][page, :, off] = a.astype(arrs[3 + i].dtype)
+        if self.k_axis == "token":
+            kq = mx.quantize(k, group_size=self.group_size, bits=self.bits)
+            for i, a in enumerate(kq):
+                arrs[i][page, :, off] = a.astype(arrs[i].dtype)
+            return
+        n = k.shape[0] // P
+        kt = k.reshape(n, P, self.kv_heads, self.head_dim).transpose(0, 2, 3, 1)  # (n, H, D, P)
+        kq = mx.quantize(kt, group_size=self.group_size, bits=self.bits)
+        pages = page.reshape(n, P)[:, 0]
+        for i, a in enumerate(kq):
+            arrs[i][pages] = a.astype(arrs[i].dtype)
 
     def _tail_tokens(self, buf: mx.array, slots: mx.array) -> mx.array:
         """Tail tokens by tail slot (tail*P + offset) -> (N, kv_heads, head_dim)."""
@@ -210,15 +238,27 @@ class QuantizedStore:
         return k, v
 
     def gather_quantized(self, layer: int, table: mx.array, which: str = "kv") -> list[mx.array]:
-        """Quantized K/V triplets of the pages in table, as contiguous (B, kv_heads, T, width) each
-        (which="k" or "v": only that triplet)."""
+        """Quantized K/V triplets of the pages in table, contiguous (which="k" or "v": only that
+        triplet). V, and K by token: (B, kv_heads, T, width). K by channel: K^T, (B, kv_heads,
+        head_dim, T·bits/32 or T/group_size)."""
         B, n = table.shape
         out = []
         arrs = self.q[layer]
-        for a in (arrs[:3] if which == "k" else arrs[3:] if which == "v" else arrs):
-            pages = a[table[:, None, :], self._heads]  # (B, kv_heads, n, P, width)
-            out.append(pages.reshape(B, self.kv_heads, n * self.page_size, a.shape[-1]))
+        for i, a in enumerate(arrs):
+            if (which == "k" and i >= 3) or (which == "v" and i < 3):
+                continue
+            pages = a[table[:, None, :], self._heads]  # (B, kv_heads, n, rows, width)
+            if i < 3 and self.k_axis == "channel":
+                out.append(pages.transpose(0, 1, 3, 2, 4).reshape(B, self.kv_heads, self.head_dim,
+                                                                   n * a.shape[-1]))
+            else:
+                out.append(pages.reshape(B, self.kv_heads, n * a.shape[2], a.shape[-1]))
         return out
+
+    def dequantize_k(self, w: mx.array, s: mx.array, b: mx.array) -> mx.array:
+        """Gathered K triplets -> (B, kv_heads, T, head_dim) in full precision."""
+        k = dequantize(w, s, b, self.group_size, self.bits)
+        return k.swapaxes(-1, -2) if self.k_axis == "channel" else k
 
     def gather_tails(self, layer: int, tails: mx.array) -> tuple[mx.array, mx.array]:
         """Tail pages of the rows: (B, kv_heads, page_size, head_dim) each."""

@@ -12,21 +12,34 @@ from mlx_lm.models.cache import KVCache
 
 
 class QuantRefCache(KVCache):
-    def __init__(self, page_size: int, bits: int, group_size: int):
-        super().__init__()
-        self.P, self.qbits, self.qgroup = page_size, bits, group_size
+    """k_axis="channel": keys are quantized per channel along each page's tokens (as
+    QuantizedStore stores them then); values always per token."""
 
-    def _rt(self, x: mx.array, n: int) -> mx.array:
+    def __init__(self, page_size: int, bits: int, group_size: int, k_axis: str = "token"):
+        super().__init__()
+        self.P, self.qbits, self.qgroup, self.k_axis = page_size, bits, group_size, k_axis
+
+    def _rt(self, x: mx.array, n: int, by_channel: bool = False) -> mx.array:
         if n == 0:
             return x
-        q = mx.quantize(x[:, :, :n], group_size=self.qgroup, bits=self.qbits)
-        deq = mx.dequantize(*q, group_size=self.qgroup, bits=self.qbits).astype(x.dtype)
+        deq = round_trip(x[:, :, :n], self.P, self.qbits, self.qgroup, by_channel).astype(x.dtype)
         return mx.concatenate([deq, x[:, :, n:]], axis=2)
 
     def update_and_fetch(self, keys, values):
         sealed = (self.offset // self.P) * self.P  # pages completed before this call
         k, v = super().update_and_fetch(keys, values)
-        return self._rt(k, sealed), self._rt(v, sealed)
+        return self._rt(k, sealed, self.k_axis == "channel"), self._rt(v, sealed)
+
+
+def round_trip(x: mx.array, page_size: int, bits: int, group_size: int, by_channel: bool) -> mx.array:
+    """quantize -> dequantize of x (..., T, D), T whole pages: along D (per token), or along
+    each page's tokens (per channel)."""
+    if not by_channel:
+        return mx.dequantize(*mx.quantize(x, group_size=group_size, bits=bits), group_size=group_size, bits=bits)
+    *lead, T, D = x.shape
+    pages = x.reshape(*lead, T // page_size, page_size, D).swapaxes(-1, -2)  # (..., n, D, P)
+    deq = mx.dequantize(*mx.quantize(pages, group_size=group_size, bits=bits), group_size=group_size, bits=bits)
+    return deq.swapaxes(-1, -2).reshape(*lead, T, D)
 
 
 def teacher_forced_logits(model, prompt: list[int], continuation: list[int], make_cache,
@@ -66,9 +79,11 @@ class StoredPagesRefCache(KVCache):
 
     def _stored(self, which: int, n_pages: int, dtype) -> mx.array:
         pages = mx.array(self.pages[:n_pages])
-        # buffers are (pages, kv_heads, page_size, width): pages in order, then tokens
+        # buffers are (pages, kv_heads, page_size, width) (K by channel: (pages, kv_heads, D, ·))
         w, s, b = (self.store.q[self.layer][which + j][pages] for j in range(3))
         deq = mx.dequantize(w, s, b, group_size=self.store.group_size, bits=self.store.bits)
+        if which == 0 and getattr(self.store, "k_axis", "token") == "channel":
+            deq = deq.swapaxes(-1, -2)  # K pages are stored transposed: (pages, kv_heads, D, P)
         n, H, P, D = deq.shape
         return deq.transpose(1, 0, 2, 3).reshape(1, H, n * P, D).astype(dtype)  # (1, Hkv, n*P, D)
 
