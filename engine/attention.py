@@ -39,14 +39,15 @@ def dense_attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array, scale
     dtype = q.dtype
     if upcast:
         q, k, v = q.astype(mx.float32), k.astype(mx.float32), v.astype(mx.float32)
-    if q.shape[2] == 1 and _on_cpu():
+    if q.shape[2] == 1 and on_cpu():
         out = _grouped_decode(q, k, v, mask, scale)
     else:
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     return out.astype(dtype)
 
 
-def _on_cpu() -> bool:
+def on_cpu() -> bool:
+    """MLX's default device is the CPU (its SDPA is a composed fallback there)."""
     return mx.default_device().type == mx.DeviceType.cpu
 
 

@@ -83,7 +83,7 @@ class PagedKVCache:
         if layout.bits:
             self.store = QuantizedStore(num_layers, layout.num_kv_heads, layout.head_dim, self.P, dtype,
                                         layout.bits, layout.group_size, tail_slots,
-                                        k_axis=k_quant_axis(layout, query_heads))
+                                        k_axis=k_quant_axis(layout))
             self.route = att.ROUTE_QMM
             self.qmm_streams = att.qmm_streams()
         else:
@@ -153,7 +153,8 @@ class PagedKVCache:
         # MLX's cached buffers are memory it can hand back: they count as free, and are only
         # cleared when the growth needs them (clearing them every time costs the next steps
         # fresh pages from the OS: page faults on every temporary).
-        free_now = available_memory() + mlx_cached_memory()
+        free_os = available_memory()
+        free_now = free_os + mlx_cached_memory()
         # Geometric first (capped at the running rows' worst case, which is all the pool can
         # ever need for them); if the budget cannot take that, the largest pool it can take
         # (not one page at a time: every growth copies the pool); then exactly what is needed.
@@ -162,7 +163,7 @@ class PagedKVCache:
         for target in (max(needed_pages, double), max(needed_pages, min(double, budget_max)), needed_pages):
             transient = -(-target * pb // self.num_layers)  # one layer's new buffer coexists with the old
             if target * pb + transient <= kv_limit_bytes and (target - cap) * pb + transient <= free_now:
-                if (target - cap) * pb + transient > available_memory():
+                if (target - cap) * pb + transient > free_os:
                     mx.clear_cache()
                 t0 = time.perf_counter()
                 self.store.grow(target)
@@ -348,14 +349,11 @@ class PagedKVCache:
                   f"reserved={r.reserved} nonfinite={n_bad}", file=sys.stderr, flush=True)
 
 
-def k_quant_axis(layout: KVLayout, query_heads: int) -> str:
+def k_quant_axis(layout: KVLayout) -> str:
     """How quantized K pages are grouped: "channel" (along each page's tokens) on the CPU
     when the page holds whole groups; else "token" (along head_dim; what the CUDA kernel
     reads). See QuantizedStore."""
-    on_cpu = mx.default_device().type == mx.DeviceType.cpu
-    if on_cpu and layout.page_size % layout.group_size == 0 and not cuda_attention.usable(layout, None, query_heads):
-        return "channel"
-    return "token"
+    return "channel" if att.on_cpu() and layout.page_size % layout.group_size == 0 else "token"
 
 
 def mlx_cached_memory() -> int:
