@@ -210,7 +210,7 @@ def attention_micro(spec, group) -> list[dict]:
                 r[f"q{bits}_qmm_values_ms"] = _bench(lambda: mx.quantized_matmul(
                     probs, *kq, transpose=False, group_size=group, bits=bits))
                 for label, ss in (("1stream", [streams[0]]), (f"{len(streams)}streams", streams)):
-                    k = max(1, min(len(ss), n, T // att.QMM_MIN_TOKENS))
+                    k = att.qmm_split(B * H, T, D, min(len(ss), n))
                     cuts = [n * i // k for i in range(k + 1)]
 
                     def quant(ss=ss, cuts=cuts):

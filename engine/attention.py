@@ -19,6 +19,7 @@ Routes (reported per row and in summary.json):
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 from typing import Any, Callable
@@ -62,14 +63,68 @@ def _grouped_decode(q: mx.array, k: mx.array, v: mx.array, mask: mx.array, scale
     Hkv = k.shape[1]
     qf = (q * mx.array(scale, q.dtype)).reshape(B, Hkv, Hq // Hkv, D)
     scores = qf @ k.swapaxes(-1, -2)  # (B, Hkv, rep, T)
-    scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
-    probs = mx.softmax(scores, axis=-1, precise=True)
+    probs = masked_softmax(scores, mask)
     return (probs @ v).reshape(B, Hq, 1, D)
+
+
+_LOG2E = 1.0 / math.log(2.0)
+
+
+def _softmax_pow2(scores: mx.array, mask: mx.array) -> mx.array:
+    s = mx.where(mask, scores.astype(mx.float32), -mx.inf)
+    e = mx.power(2.0, (s - s.max(axis=-1, keepdims=True)) * _LOG2E)
+    return (e / e.sum(axis=-1, keepdims=True)).astype(scores.dtype)
+
+
+_softmax_fused = mx.compile(_softmax_pow2, shapeless=True)
+_softmax_impl: Callable | None = None
+
+
+def masked_softmax(scores: mx.array, mask: mx.array) -> mx.array:
+    """softmax(where(mask, scores, -inf)) along the last axis, in float32, output in scores' dtype.
+
+    On the CPU, MLX's exp is a scalar loop (~9 ns an element): it was 60% of SmolLM2's
+    decode attention at 2k tokens. 2^x is ~3x cheaper there, and one shapeless-compiled
+    kernel (MLX builds it with the system C++ compiler, once) also saves the passes of
+    where/max/sub/div: 2-2.5x faster masked softmax, within 1e-7 of MLX's precise softmax
+    (benchmarks/RESULTS.md, issue 3). Without a working compiler: the same math uncompiled.
+    Elsewhere: MLX's precise softmax."""
+    if not on_cpu():
+        return mx.softmax(mx.where(mask, scores, mx.array(-mx.inf, scores.dtype)), axis=-1, precise=True)
+    global _softmax_impl
+    if _softmax_impl is None:
+        _softmax_impl = _probe_fused_softmax()
+    return _softmax_impl(scores, mask)
+
+
+def _probe_fused_softmax() -> Callable:
+    """The compiled kernel if MLX can build and run it here (it needs a C++ compiler; a failure
+    surfaces at eval, so it is checked once, on the shapes decode uses), else the eager one."""
+    try:
+        s = mx.array([[[[0.5, 1.0, 3.0]]]])
+        m = mx.array([[[[True, True, False]]]])
+        got = _softmax_fused(mx.broadcast_to(s, (2, 2, 1, 3)), m)
+        want = _softmax_pow2(mx.broadcast_to(s, (2, 2, 1, 3)), m)
+        mx.eval(got, want)
+        if mx.allclose(got, want, atol=1e-6).item():
+            return _softmax_fused
+    except Exception as e:  # no compiler, or it failed: keep going without the fused kernel
+        print(f"[kvbatch] fused CPU softmax unavailable ({type(e).__name__}: {e}); using the eager one",
+              file=sys.stderr)
+    return _softmax_pow2
 
 
 # Quantized matmuls on MLX's CPU backend run on one thread per stream; decode spreads them
 # over this many CPU streams (one thread each). KVBATCH_QMM_THREADS overrides; 1 = off.
-QMM_MIN_TOKENS = 256  # fewest quantized tokens per stream worth the hand-off
+# A stream is worth its hand-off from this many quantized K (or V) elements on (row, KV head,
+# token, channel): SmolLM2's layer at 2k tokens, batch 1 (393k) ran slower split in two,
+# at 6k batch 1 (1.2M) and 2k batch 4 (1.6M) 1.2-1.8x faster (benchmarks/RESULTS.md, issue 5).
+QMM_MIN_WORK = 1 << 19
+
+
+def qmm_split(rows_heads: int, tokens: int, head_dim: int, most: int) -> int:
+    """How many streams a quantized matmul over rows_heads x tokens x head_dim elements uses."""
+    return max(1, min(most, rows_heads * tokens * head_dim // QMM_MIN_WORK))
 _qmm_streams: list | None = None
 
 
@@ -93,7 +148,8 @@ def _f32(a: mx.array) -> mx.array:
 def quantized_decode_attention(q: mx.array, qk: list[mx.array] | list[list[mx.array]] | None,
                                qv: list[mx.array], tk: mx.array, tv: mx.array, mask_q: mx.array,
                                mask_t: mx.array, scale: float, group_size: int, bits: int,
-                               streams: list | None = None, k_transposed: bool = False) -> mx.array:
+                               streams: list | None = None, k_transposed: bool = False,
+                               mask: mx.array | None = None) -> mx.array:
     """q (B,Hq,L,D); qk/qv packed triplets (B,Hkv,Tq,·) or None; tail tk/tv (B,Hkv,P,D).
 
     qk may also be a list of triplets, consecutive runs of pages that together make Tq
@@ -102,6 +158,8 @@ def quantized_decode_attention(q: mx.array, qk: list[mx.array] | list[list[mx.ar
     KV head's group are folded into rows, (B, Hkv, rep*L, D): the 4-D shape that MLX's
     CUDA quantized_matmul implements for every head size (a 5-D broadcast shape has no
     CUDA kernel at head size 64).
+
+    mask: mask_q and mask_t concatenated, if the caller has it (built once per step, not per layer).
 
     k_transposed: qk holds K^T quantized per channel, (B,Hkv,D,·) (QuantizedStore
     k_axis="channel"): the scores run as an untransposed quantized_matmul.
@@ -126,16 +184,16 @@ def quantized_decode_attention(q: mx.array, qk: list[mx.array] | list[list[mx.ar
         parts[:0] = scores_q
         masks.insert(0, mask_q)
     scores = mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
-    mask = mx.concatenate(masks, axis=-1) if len(masks) > 1 else masks[0]
-    scores = mx.where(mask, scores, mx.array(-mx.inf, mx.float32))
-    probs = mx.softmax(scores, axis=-1)
+    if mask is None:
+        mask = mx.concatenate(masks, axis=-1) if len(masks) > 1 else masks[0]
+    probs = masked_softmax(scores, mask)
     P = tk.shape[2]
     out = probs[..., -P:] @ _f32(tv)
     if qk is not None:
         w, s, b = (a.reshape(B * Hkv, *a.shape[2:]) for a in qv)
         s, b = _f32(s), _f32(b)
         pq = probs[..., :-P].reshape(B * Hkv, rep * L, -1)
-        n = max(1, min(len(streams), B * Hkv, B * Hkv * pq.shape[-1] // QMM_MIN_TOKENS))
+        n = qmm_split(B * Hkv, pq.shape[-1], D, min(len(streams), B * Hkv))
         cuts = [B * Hkv * i // n for i in range(n + 1)]
         pv = [mx.quantized_matmul(pq[a:z], w[a:z], s[a:z], b[a:z], transpose=False, group_size=group_size,
                                   bits=bits, stream=streams[i]) for i, (a, z) in enumerate(zip(cuts, cuts[1:]))]

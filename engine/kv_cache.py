@@ -259,10 +259,12 @@ class PagedKVCache:
                 Tq = width * P
                 t["mask_q"] = (mx.arange(Tq)[None] < mx.array(n_before * P)[:, None]).reshape(len(rows), 1, 1, Tq)
                 # key scores in runs of pages, one per stream (see attention.quantized_decode_attention)
-                n = max(1, min(len(self.qmm_streams), width, Tq // att.QMM_MIN_TOKENS))
+                n = att.qmm_split(len(rows) * self.layout.num_kv_heads, Tq, self.layout.head_dim,
+                                  min(len(self.qmm_streams), width))
                 cuts = [width * i // n for i in range(n + 1)]
                 t["runs_q"] = [t["table_q"][:, a:z] for a, z in zip(cuts, cuts[1:])]
             t["mask_t"] = (mx.arange(P)[None] <= mx.array(fill)[:, None]).reshape(len(rows), 1, 1, P)
+            t["mask_all"] = mx.concatenate([t["mask_q"], t["mask_t"]], axis=-1) if "mask_q" in t else t["mask_t"]
             return t
         if len(rows) != 1:
             raise ValueError("quantized multi-token passes (prefill) run one row at a time")
@@ -330,7 +332,7 @@ class PagedKVCache:
                 qv, mask_q = st.gather_quantized(layer, t["table_q"], "v"), t["mask_q"]
             out = att.quantized_decode_attention(queries, qk, qv, tk, tv, mask_q, t["mask_t"], scale,
                                                  st.group_size, st.bits, self.qmm_streams,
-                                                 k_transposed=st.k_axis == "channel")
+                                                 k_transposed=st.k_axis == "channel", mask=t["mask_all"])
         if plan.poison is not None and layer == 0:  # testing-only fault injection
             out = mx.where(plan.poison[:, None, None, None], mx.array(mx.nan, out.dtype), out)
         if self.trace:

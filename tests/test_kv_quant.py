@@ -336,6 +336,7 @@ def test_qmm_split_over_cpu_streams_is_bit_identical(tiny_model, monkeypatch, mo
         return real_qmm(*a, **kw)
 
     monkeypatch.setattr(attention.mx, "quantized_matmul", qmm)
+    monkeypatch.setattr(attention, "QMM_MIN_WORK", 1 << 12)  # split even this tiny model's work
     logits = {}
     for n in (1, 3):
         monkeypatch.setattr(attention, "_qmm_streams", None)
