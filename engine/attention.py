@@ -88,13 +88,15 @@ def masked_softmax(scores: mx.array, mask: mx.array) -> mx.array:
     kernel (MLX builds it with the system C++ compiler, once) also saves the passes of
     where/max/sub/div: 2-2.5x faster masked softmax, within 1e-7 of MLX's precise softmax
     (benchmarks/RESULTS.md, issue 3). Without a working compiler: the same math uncompiled.
+    A single key (never in decode, where a row sees its prompt too) takes the eager path:
+    the shapeless kernel crashes MLX 0.32 when the softmax axis has length 1.
     Elsewhere: MLX's precise softmax."""
     if not on_cpu():
         return mx.softmax(mx.where(mask, scores, mx.array(-mx.inf, scores.dtype)), axis=-1, precise=True)
     global _softmax_impl
     if _softmax_impl is None:
         _softmax_impl = _probe_fused_softmax()
-    return _softmax_impl(scores, mask)
+    return _softmax_impl(scores, mask) if scores.shape[-1] > 1 else _softmax_pow2(scores, mask)
 
 
 def _probe_fused_softmax() -> Callable:
