@@ -135,7 +135,8 @@ class Engine:
         self.prefill_time = 0.0
         self.prefill_tokens = 0
         self.results_by_code: dict[str, int] = {}
-        self.lookahead = lookahead_default()
+        self.lookahead = lookahead_default() and not self.cache.trace  # the trace reads every layer: no overlap
+
         self._inflight: Optional[_Step] = None
         self._t_accepted = 0.0
 
@@ -153,9 +154,7 @@ class Engine:
         last = time.perf_counter()
         while self.waiting or self.running or self._done:
             self._admit()
-            if self.lookahead and (self.running or self._inflight):
-                self._decode_step_lookahead()
-            elif self.running:
+            if self.running:
                 self._decode_step()
             while self._done:
                 last = time.perf_counter()
@@ -300,6 +299,9 @@ class Engine:
         self._accept([row], logits, token, finite)
 
     def _decode_step(self) -> None:
+        if self.lookahead:
+            self._decode_step_lookahead()
+            return
         rows = []
         limit, want = self._kv_limit(), self._pool_want()  # once per step: they scan every running row
         for r in list(self.running):
@@ -343,6 +345,10 @@ class Engine:
         Tokens, logits and finish reasons are those of `_decode_step`."""
         prev, self._inflight = self._inflight, None
         ahead = frozenset(id(r) for r in prev.rows) if prev else frozenset()
+        if prev is not None and self.waiting and any(self._last_step(r) for r in prev.rows):
+            # a slot frees with this step: read it now, so the waiting row joins the next step
+            self._accept_step(prev)
+            return
         rows, refused = [], []
         limit, want = self._kv_limit(), self._pool_want()
         for r in list(self.running):
@@ -371,13 +377,7 @@ class Engine:
                 failed = f"{type(e).__name__}: {e}"
                 traceback.print_exc()
         if prev is not None:
-            prev.tokens.tolist()  # waits for that step only; the next one keeps the device busy
-            now = time.perf_counter()
-            self.decode_time += now - max(prev.t0, self._t_accepted)
-            self._t_accepted = now
-            self.decode_tokens += sum(not r.ended for r in prev.rows)
-            self._trim_cache()
-            self._accept(prev.rows, prev.logits, prev.tokens, prev.finite)
+            self._accept_step(prev)  # waits for that step only; the next one keeps the device busy
         for r, e in refused:
             if not r.ended:
                 self._end_running(r, "error", e.code, e.message)
@@ -386,6 +386,15 @@ class Engine:
             for r in rows:
                 if not r.ended:
                     self._end_running(r, "error", errors.INTERNAL_ERROR, failed)
+
+    def _accept_step(self, step: _Step) -> None:
+        step.tokens.tolist()
+        now = time.perf_counter()
+        self.decode_time += now - max(step.t0, self._t_accepted)
+        self._t_accepted = now
+        self.decode_tokens += sum(not r.ended for r in step.rows)
+        self._trim_cache()
+        self._accept(step.rows, step.logits, step.tokens, step.finite)
 
     def _last_step(self, r: _Row) -> bool:
         """Whether the row's in-flight token ends it whatever that token is (see _accept)."""
