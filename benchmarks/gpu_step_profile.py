@@ -95,7 +95,10 @@ def main() -> None:
     ap.add_argument("--batches", default="8,64")
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--modes", default="none")
+    ap.add_argument("--chunks", default="", help="KVBATCH_CUDA_CHUNK values to compare (''=default)")
+    ap.add_argument("--no-sync", action="store_true", help="lookahead loop only")
     a = ap.parse_args()
+    import os
     model, spec = build(a.geometry)
     for batch in map(int, a.batches.split(",")):
         ps = prompts(batch, 128, spec.vocab_size)
@@ -106,8 +109,13 @@ def main() -> None:
         m = run_mlx_lm(model, ps, a.new)
         row["mlx_lm_step_ms"] = batch / m["decode_tps"] * 1e3
         for mode in a.modes.split(","):
-            row[f"kvbatch_{mode}_sync"] = phases(model, spec, ps, a.new, mode, False)
-            row[f"kvbatch_{mode}_lookahead"] = phases(model, spec, ps, a.new, mode, True)
+            for chunk in a.chunks.split(","):
+                os.environ["KVBATCH_CUDA_CHUNK"] = chunk
+                tag = f"_chunk{chunk}" if chunk else ""
+                if not a.no_sync:
+                    row[f"kvbatch_{mode}{tag}_sync"] = phases(model, spec, ps, a.new, mode, False)
+                row[f"kvbatch_{mode}{tag}_lookahead"] = phases(model, spec, ps, a.new, mode, True)
+            os.environ["KVBATCH_CUDA_CHUNK"] = ""
         print(json.dumps({k: (round(v, 3) if isinstance(v, float) else
                               {kk: round(vv, 3) for kk, vv in v.items()} if isinstance(v, dict) else v)
                           for k, v in row.items()}), flush=True)

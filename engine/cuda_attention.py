@@ -9,7 +9,7 @@ of packed q8/q4), D/8 lanes per token, several tokens per warp; online softmax i
 float32. Quantized pages are dequantized in registers (affine: w * scale + bias);
 the row's dense tail page is read from the tail buffer.
 
-Split-K (flash-decoding): a row longer than CHUNK tokens is split over several
+Split-K (flash-decoding): a row longer than SPLIT_MIN tokens is split over several
 blocks by token ranges of CHUNK tokens; each writes its partial (max, sum,
 unnormalised output) and a second kernel merges the row's partials in order. The
 ranges depend on the row's own length only, never on its batch mates (the longest
@@ -26,19 +26,23 @@ import mlx.core as mx
 
 NE = 8  # head elements per lane
 UNROLL = int(os.environ.get("KVBATCH_CUDA_UNROLL", "2"))  # tokens per lane per loop step
-# Tokens per split (a row's split count is ceil(its length / CHUNK)). KVBATCH_CUDA_CHUNK
-# overrides (tests: small values force split-K on short rows; 0 = never split).
+# Tokens per split: a row of more than SPLIT_MIN tokens runs ceil(its length / CHUNK) splits.
+# Shorter rows are not split: there the split kernel's extra launch and partials cost more
+# host time per layer than the few blocks gain (1B batch 8 at 128-384 tokens: see RESULTS.md).
+# KVBATCH_CUDA_CHUNK=N overrides both (splits of N tokens from N tokens on; 0 = never split).
 CHUNK = 256
+SPLIT_MIN = 1024
 
 _HEAD = r"""
     constexpr int TPW = 32 / LPT;
-    const int maxp = meta[0], ns = meta[1], chunk = meta[2];
+    const int maxp = meta[0], ns = meta[1];
     const int bh = blockIdx.x / ns, sp = blockIdx.x % ns;
     const int b = bh / HKV, hk = bh % HKV;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int sub = lane / LPT, li = lane % LPT;
     const bool on = li * NE < D;
     {lens}
+    const int chunk = len > meta[3] ? meta[2] : len;  // this row's own ranges (unsplit if short)
     const int t0 = sp * chunk, t1 = min(len, t0 + chunk);
     if (sp > 0 && t0 >= len) return;  // past this row's own splits (the whole block: no sync below)
     const float sc = scale[0];
@@ -193,10 +197,10 @@ _WRITE_PART = r"""
 """
 
 _REDUCE = r"""
-    const int ns = meta[1], chunk = meta[2];
+    const int ns = meta[1];
     const int bh = blockIdx.x, b = bh / HKV;
     const int len = QL ? lens[2 * b] + lens[2 * b + 1] : lens[b];
-    const int nr = max(1, min(ns, (len + chunk - 1) / chunk));  // this row's own splits
+    const int nr = len > meta[3] ? min(ns, (len + meta[2] - 1) / meta[2]) : 1;  // this row's own splits
     for (int i = threadIdx.x; i < REP * D; i += blockDim.x) {
         const int r = i / D, d = i % D;
         float M = -INFINITY;
@@ -289,19 +293,21 @@ def usable(layout, store, query_heads: int) -> bool:
     return getattr(store, "k", None) is not None and store.k[0].ndim == 4 and supports(layout.head_dim, rep)
 
 
-def chunk_tokens() -> int:
-    """Tokens per split: KVBATCH_CUDA_CHUNK if set (0 = never split), else CHUNK."""
+def chunk_tokens() -> tuple[int, int]:
+    """(tokens per split, longest unsplit row): KVBATCH_CUDA_CHUNK=N gives (N, N) (0: never
+    split), else (CHUNK, SPLIT_MIN)."""
     env = os.environ.get("KVBATCH_CUDA_CHUNK", "").strip()
-    return int(env) if env else CHUNK
+    return (int(env), int(env)) if env else (CHUNK, SPLIT_MIN)
 
 
-def splits_for(max_tokens: int, chunk: int | None = None) -> tuple[int, int]:
-    """(splits of the longest row = blocks per (row, KV head), tokens per split). Each row
-    uses ceil(its own length / chunk) of them: the split ranges never depend on batch mates."""
-    chunk = chunk_tokens() if chunk is None else chunk
-    if chunk <= 0 or max_tokens <= chunk:
-        return 1, max(max_tokens, 1)
-    return -(-max_tokens // chunk), chunk
+def splits_for(max_tokens: int, chunk: int | None = None) -> tuple[int, int, int]:
+    """(splits of the longest row = blocks per (row, KV head), tokens per split, longest
+    unsplit row). A row splits only if it is longer than the last, into ceil(its own
+    length / chunk) ranges: the split ranges never depend on batch mates."""
+    chunk, unsplit = chunk_tokens() if chunk is None else (chunk, chunk)
+    if chunk <= 0 or max_tokens <= max(chunk, unsplit):
+        return 1, max(max_tokens, 1), 0
+    return -(-max_tokens // chunk), chunk, unsplit
 
 
 _consts: dict = {}
@@ -324,8 +330,8 @@ def _launch(kind: str, inputs: list, q: mx.array, store_dtype: mx.Dtype, kv_head
     B, Hq, _, D = q.shape
     rep = Hq // kv_heads
     nw = warps_for(D, rep)
-    ns, chunk = splits_for(max_tokens, chunk)
-    meta = _const((maxp, ns, chunk), mx.int32)
+    ns, chunk, unsplit = splits_for(max_tokens, chunk)
+    meta = _const((maxp, ns, chunk, unsplit), mx.int32)
     template = [("T", q.dtype), ("S", store_dtype), ("D", D), ("P", page), ("REP", rep), ("HKV", kv_heads),
                 ("NW", nw), ("LPT", _lanes(D)), ("NE", NE), ("U", UNROLL)] + extra
     args = [q.reshape(B, Hq, D)] + inputs + [meta, _const((float(scale),), mx.float32)]
