@@ -80,7 +80,7 @@ def _rand_rows(P: int, rng, n_pages: int, lengths: list[int]) -> list[list[int]]
     return tables
 
 
-def kernel_case(mode: str, dtype, D: int, rep: int, P: int, splits, hkv: int = 2, group: int = 64,
+def kernel_case(mode: str, dtype, D: int, rep: int, P: int, chunk, hkv: int = 2, group: int = 64,
                 lengths=(1, 17, 100, 200, 513)) -> float:
     """Fused kernel vs a float64 numpy reference on the same pages (dense, or packed + tail)."""
     import numpy as np
@@ -98,7 +98,7 @@ def kernel_case(mode: str, dtype, D: int, rep: int, P: int, splits, hkv: int = 2
     if mode == "none":
         width = max(len(t) for t in tables)
         table = mx.array([t + [t[0]] * (width - len(t)) for t in tables], dtype=mx.int32)
-        out = ca.paged_decode_attention(q, kp, vp, table, mx.array(list(lengths), dtype=mx.int32), scale, splits)
+        out = ca.paged_decode_attention(q, kp, vp, table, mx.array(list(lengths), dtype=mx.int32), scale, chunk)
         rows_k = [K[t].transpose(1, 0, 2, 3).reshape(hkv, -1, D)[:, :n] for t, n in zip(tables, lengths)]
         rows_v = [V[t].transpose(1, 0, 2, 3).reshape(hkv, -1, D)[:, :n] for t, n in zip(tables, lengths)]
     else:
@@ -115,7 +115,7 @@ def kernel_case(mode: str, dtype, D: int, rep: int, P: int, splits, hkv: int = 2
         table = mx.array([t + [t[0] if t else 0] * (width - len(t)) for t in sealed], dtype=mx.int32)
         lens = mx.array([[m, n - m] for m, n in zip(n_main, lengths)], dtype=mx.int32)
         out = ca.paged_decode_attention_quantized(q, packed, tk, tv, mx.array(tails, dtype=mx.int32), table, lens,
-                                                  scale, bits, group, splits)
+                                                  scale, bits, group, chunk)
         TK, TV = np.array(tk.astype(mx.float32)), np.array(tv.astype(mx.float32))
         rows_k, rows_v = [], []
         for t, m, n, tl in zip(sealed, n_main, lengths, tails):
@@ -134,26 +134,27 @@ def kernel_case(mode: str, dtype, D: int, rep: int, P: int, splits, hkv: int = 2
     return worst
 
 
-def kernel_checks(modes=("none", "q8", "q4")) -> bool:
+def kernel_checks(modes=("none", "q8", "q4"), dtypes=("float32", "bfloat16", "float16"),
+                  chunks=(None, 0, 48, 100)) -> bool:
     ok = True
     for mode in modes:
-        for dtype in (mx.float32, mx.bfloat16, mx.float16):
+        for dtype in (getattr(mx, d) for d in dtypes):
             tol = 2e-4 if dtype == mx.float32 else 2e-2
             for D, rep, P, group in ((64, 4, 16, 64), (128, 4, 64, 64), (64, 1, 64, 32), (128, 2, 16, 128),
                                      (96, 3, 16, 32)):
-                for splits in (None, 1, 3, 7):
-                    if dtype != mx.float32 and splits not in (None, 3):
+                for chunk in chunks:  # tokens per split (None: default, 0: unsplit)
+                    if dtype != mx.float32 and chunk not in (None, 48):
                         continue
                     try:
-                        err = kernel_case(mode, dtype, D, rep, P, splits, group=group)
+                        err = kernel_case(mode, dtype, D, rep, P, chunk, group=group)
                     except Exception as e:  # report and go on
-                        print(f"FAIL kernel {mode} {dtype} D={D} rep={rep} P={P} splits={splits}: {e}", flush=True)
+                        print(f"FAIL kernel {mode} {dtype} D={D} rep={rep} P={P} chunk={chunk}: {e}", flush=True)
                         ok = False
                         continue
                     good = err <= tol
                     ok &= good
                     print(f"{'ok  ' if good else 'FAIL'} kernel kv={mode:4s} {str(dtype):18s} D={D:3d} rep={rep} "
-                          f"P={P:2d} g={group:3d} splits={splits} max|dout|={err:.2e}", flush=True)
+                          f"P={P:2d} g={group:3d} chunk={chunk} max|dout|={err:.2e}", flush=True)
     return ok
 
 
@@ -220,12 +221,15 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", default="kernels,engine", help="kernels,engine,bench")
     ap.add_argument("--kernel-modes", default="none,q8,q4")
+    ap.add_argument("--kernel-dtypes", default="float32,bfloat16,float16")
+    ap.add_argument("--kernel-chunks", default="default,0,48,100", help="tokens per split; default = CHUNK")
     a = ap.parse_args()
     parts = a.parts.split(",")
     print("device:", mx.default_device(), "mlx", mx.__version__, flush=True)
     ok = True
     if "kernels" in parts and mx.cuda.is_available():
-        ok &= kernel_checks(tuple(a.kernel_modes.split(",")))
+        chunks = tuple(None if c == "default" else int(c) for c in a.kernel_chunks.split(","))
+        ok &= kernel_checks(tuple(a.kernel_modes.split(",")), tuple(a.kernel_dtypes.split(",")), chunks)
     if "bench" in parts and mx.cuda.is_available():
         kernel_bench()
     if "engine" not in parts:
@@ -240,11 +244,11 @@ def main() -> int:
     if mx.cuda.is_available():  # the split-K path end to end (forced: these contexts are short)
         import os
 
-        os.environ["KVBATCH_CUDA_SPLITS"] = "3"
+        os.environ["KVBATCH_CUDA_CHUNK"] = "16"
         for mode in ("none", "q8", "q4"):
-            print("KVBATCH_CUDA_SPLITS=3:", end=" ")
+            print("KVBATCH_CUDA_CHUNK=16:", end=" ")
             ok &= check("llama", 128, mx.float32, mode, 16, 1e-2)
-        del os.environ["KVBATCH_CUDA_SPLITS"]
+        del os.environ["KVBATCH_CUDA_CHUNK"]
     return 0 if ok else 1
 
 

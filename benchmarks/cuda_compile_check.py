@@ -54,9 +54,10 @@ def main() -> int:
                     consts = dict(base, BITS=bits, GS=32 if D % 64 else 64)
                     src.append(wrap(f"quant_{i}_{bits}", qin, outs, consts, ca.kernel_source(True, split)))
                 i += 1
-            src.append(wrap(f"reduce_{i}", [("pm", "float"), ("pl", "float"), ("pacc", "float"),
-                                             ("meta", "int32_t")], [("out", T)], dict(T=T, D=D, REP=rep),
-                            ca._REDUCE))
+            for ql in (0, 1):
+                src.append(wrap(f"reduce_{i}_{ql}", [("pm", "float"), ("pl", "float"), ("pacc", "float"),
+                                                     ("meta", "int32_t"), ("lens", "int32_t")], [("out", T)],
+                                dict(T=T, D=D, REP=rep, HKV=8, QL=ql), ca._REDUCE))
     src.append("}\n")
     with tempfile.TemporaryDirectory() as d:
         f = Path(d) / "k.cu"

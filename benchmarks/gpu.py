@@ -101,7 +101,16 @@ def run_kvbatch(model, spec, ps, new_tokens, mode, budget):
     bad = [r.error_code for r in res if r.error_code]
     return {"decode_tps": s["decode_tokens_per_s"], "e2e_tps": sum(len(r.tokens) for r in res) / wall,
             "tokens": sum(len(r.tokens) for r in res), "peak_gb": mx.get_peak_memory() / 1e9,
-            "route": s["route"], "errors": bad, "kv_bytes_per_token": s["kv_bytes_per_token"]}
+            "route": s["route"], "errors": bad, "kv_bytes_per_token": s["kv_bytes_per_token"],
+            "lookahead": eng.lookahead}
+
+
+def warm_tokens(plen: int, new: int, page: int = 64) -> int:
+    """New tokens a warm-up needs to seal a page in decode and to reach split-K."""
+    from engine.cuda_attention import CHUNK
+
+    seal = (plen // page + 1) * page - plen + 2  # the first page filled by decode, sealed, then read
+    return max(8, min(new, max(seal, CHUNK + 2 - plen)))
 
 
 def roofline(spec, kv_bpt, batch, context, bw):
@@ -149,12 +158,17 @@ def main() -> None:
         row = {"batch": batch, "prompt": plen, "new": new,
                "roofline_tps": roofline(spec, kv_dense, batch, ctx, bw)}
         long = plen >= a.long > 0
-        # warm-up (kernel JIT for these shapes) for both sides, not measured; at long context
-        # kvbatch runs first (mlx-lm ran out of GPU memory there before)
+        # warm-up (kernel JIT for these shapes) for both sides, not measured: kvbatch runs past
+        # its first page sealed in decode (q8/q4 kernels on packed pages) and past the first
+        # split-K launch (rows longer than cuda_attention.CHUNK), so no kernel variant compiles
+        # inside the measured run. At long context kvbatch runs first (mlx-lm ran out of GPU
+        # memory there before).
+        warm = warm_tokens(plen, new)
         for mode in a.modes.split(","):
-            guarded(run_kvbatch, model, spec, ps, 8, mode, budget)
+            guarded(run_kvbatch, model, spec, ps, warm, mode, budget)
         if not (long and a.skip_mlx_lm_long):
-            guarded(run_mlx_lm, model, ps, 8)
+            guarded(run_mlx_lm, model, ps, warm)
+        row["warmup_tokens"] = warm
         if not long:
             row["mlx_lm_none"] = guarded(run_mlx_lm, model, ps, new)
         for mode in a.modes.split(","):

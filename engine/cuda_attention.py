@@ -9,11 +9,14 @@ of packed q8/q4), D/8 lanes per token, several tokens per warp; online softmax i
 float32. Quantized pages are dequantized in registers (affine: w * scale + bias);
 the row's dense tail page is read from the tail buffer.
 
-Split-K (flash-decoding): when rows x KV heads give too few blocks for the GPU
-(long context, small batch), each (row, KV head) is split over several blocks by
-token ranges; each writes its partial (max, sum, unnormalised output) and a second
-kernel merges them. Decode only (one query per row); prefill keeps the portable
-route. Tested against a gather + float32 reference by benchmarks/backend_check.py.
+Split-K (flash-decoding): a row longer than SPLIT_MIN tokens is split over several
+blocks by token ranges of CHUNK tokens; each writes its partial (max, sum,
+unnormalised output) and a second kernel merges the row's partials in order. The
+ranges depend on the row's own length only, never on its batch mates (the longest
+row, the batch size): a row's output is the same bits whichever rows share its
+batch. (An unsplit row gives the same bits through either kernel: its one partial
+is merged with weight exactly 1.) Decode only (one query per row); prefill keeps
+the portable route. Tested against a float64 reference by benchmarks/backend_check.py.
 """
 from __future__ import annotations
 
@@ -23,19 +26,25 @@ import mlx.core as mx
 
 NE = 8  # head elements per lane
 UNROLL = int(os.environ.get("KVBATCH_CUDA_UNROLL", "2"))  # tokens per lane per loop step
-TARGET_BLOCKS = 528  # 4 blocks per SM of an H100/H200 (132 SMs)
-MIN_CHUNK = 128  # fewest tokens per split worth a block
+# Tokens per split: a row of more than SPLIT_MIN tokens runs ceil(its length / CHUNK) splits.
+# Shorter rows are not split: there the split kernel's extra launch and partials cost more
+# host time per layer than the few blocks gain (1B batch 8 at 128-384 tokens: see RESULTS.md).
+# KVBATCH_CUDA_CHUNK=N overrides both (splits of N tokens from N tokens on; 0 = never split).
+CHUNK = 256
+SPLIT_MIN = 1024
 
 _HEAD = r"""
     constexpr int TPW = 32 / LPT;
-    const int maxp = meta[0], ns = meta[1], chunk = meta[2];
+    const int maxp = meta[0], ns = meta[1];
     const int bh = blockIdx.x / ns, sp = blockIdx.x % ns;
     const int b = bh / HKV, hk = bh % HKV;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int sub = lane / LPT, li = lane % LPT;
     const bool on = li * NE < D;
     {lens}
+    const int chunk = len > meta[3] ? meta[2] : len;  // this row's own ranges (unsplit if short)
     const int t0 = sp * chunk, t1 = min(len, t0 + chunk);
+    if (sp > 0 && t0 >= len) return;  // past this row's own splits (the whole block: no sync below)
     const float sc = scale[0];
     float qr[REP][NE], m[REP], l[REP], acc[REP][NE];
     for (int r = 0; r < REP; ++r) {{
@@ -189,15 +198,18 @@ _WRITE_PART = r"""
 
 _REDUCE = r"""
     const int ns = meta[1];
-    const int bh = blockIdx.x;
+    const int bh = blockIdx.x, b = bh / HKV;
+    const int len = QL ? lens[2 * b] + lens[2 * b + 1] : lens[b];
+    const int nr = len > meta[3] ? min(ns, (len + meta[2] - 1) / meta[2]) : 1;  // this row's own splits
     for (int i = threadIdx.x; i < REP * D; i += blockDim.x) {
         const int r = i / D, d = i % D;
         float M = -INFINITY;
-        for (int s = 0; s < ns; ++s) M = fmaxf(M, pm[((size_t)bh * ns + s) * REP + r]);
+        for (int s = 0; s < nr; ++s) M = fmaxf(M, pm[((size_t)bh * ns + s) * REP + r]);
         float L = 0.f, A = 0.f;
-        for (int s = 0; s < ns; ++s) {
+        for (int s = 0; s < nr; ++s) {
             const size_t pr = ((size_t)bh * ns + s) * REP + r;
-            const float c = (pm[pr] == -INFINITY) ? 0.f : __expf(pm[pr] - M);
+            // weight exactly 1 for the split that holds the max: one split = the unsplit kernel's bits
+            const float c = (pm[pr] == M) ? 1.f : (pm[pr] == -INFINITY) ? 0.f : __expf(pm[pr] - M);
             L += pl[pr] * c;
             A += pacc[pr * D + d] * c;
         }
@@ -228,7 +240,8 @@ def _kernel(kind: str, split: bool):
     key = (kind, split)
     if key not in _kernels:
         if kind == "reduce":
-            _kernels[key] = mx.fast.cuda_kernel(name="kvbatch_paged_reduce", input_names=["pm", "pl", "pacc", "meta"],
+            _kernels[key] = mx.fast.cuda_kernel(name="kvbatch_paged_reduce2",
+                                                input_names=["pm", "pl", "pacc", "meta", "lens"],
                                                 output_names=["out"], source=_REDUCE)
         else:
             q = kind == "quant"
@@ -280,31 +293,48 @@ def usable(layout, store, query_heads: int) -> bool:
     return getattr(store, "k", None) is not None and store.k[0].ndim == 4 and supports(layout.head_dim, rep)
 
 
-def splits_for(rows: int, kv_heads: int, max_tokens: int) -> tuple[int, int]:
-    """(splits, tokens per split): split-K only when rows x KV heads leave the GPU idle.
-    KVBATCH_CUDA_SPLITS=N forces N splits (tests)."""
-    forced = os.environ.get("KVBATCH_CUDA_SPLITS", "").strip()
-    if forced:
-        ns = max(1, int(forced))
-    else:
-        ns = max(1, min(-(-TARGET_BLOCKS // (rows * kv_heads)), -(-max_tokens // MIN_CHUNK)))
-    chunk = -(-max_tokens // ns)
-    return -(-max_tokens // chunk), chunk
+def chunk_tokens() -> tuple[int, int]:
+    """(tokens per split, longest unsplit row): KVBATCH_CUDA_CHUNK=N gives (N, N) (0: never
+    split), else (CHUNK, SPLIT_MIN)."""
+    env = os.environ.get("KVBATCH_CUDA_CHUNK", "").strip()
+    return (int(env), int(env)) if env else (CHUNK, SPLIT_MIN)
+
+
+def splits_for(max_tokens: int, chunk: int | None = None) -> tuple[int, int, int]:
+    """(splits of the longest row = blocks per (row, KV head), tokens per split, longest
+    unsplit row). A row splits only if it is longer than the last, into ceil(its own
+    length / chunk) ranges: the split ranges never depend on batch mates."""
+    chunk, unsplit = chunk_tokens() if chunk is None else (chunk, chunk)
+    if chunk <= 0 or max_tokens <= max(chunk, unsplit):
+        return 1, max(max_tokens, 1), 0
+    return -(-max_tokens // chunk), chunk, unsplit
+
+
+_consts: dict = {}
+
+
+def _const(values: tuple, dtype) -> mx.array:
+    """Small per-call constants (meta, scale), made once per value: a decode step has the
+    same ones in every layer, and each new mx.array is a host-to-device copy."""
+    key = (values, dtype)
+    a = _consts.get(key)
+    if a is None:
+        if len(_consts) > 256:
+            _consts.clear()
+        a = _consts[key] = mx.array(list(values), dtype=dtype)
+    return a
 
 
 def _launch(kind: str, inputs: list, q: mx.array, store_dtype: mx.Dtype, kv_heads: int, page: int,
-            max_tokens: int, maxp: int, scale: float, extra: list, splits: int | None) -> mx.array:
+            max_tokens: int, maxp: int, scale: float, extra: list, chunk: int | None) -> mx.array:
     B, Hq, _, D = q.shape
     rep = Hq // kv_heads
     nw = warps_for(D, rep)
-    if splits is None:
-        ns, chunk = splits_for(B, kv_heads, max_tokens)
-    else:
-        ns, chunk = splits, -(-max_tokens // splits)
-    meta = mx.array([maxp, ns, chunk], dtype=mx.int32)
+    ns, chunk, unsplit = splits_for(max_tokens, chunk)
+    meta = _const((maxp, ns, chunk, unsplit), mx.int32)
     template = [("T", q.dtype), ("S", store_dtype), ("D", D), ("P", page), ("REP", rep), ("HKV", kv_heads),
                 ("NW", nw), ("LPT", _lanes(D)), ("NE", NE), ("U", UNROLL)] + extra
-    args = [q.reshape(B, Hq, D)] + inputs + [meta, mx.array([scale], dtype=mx.float32)]
+    args = [q.reshape(B, Hq, D)] + inputs + [meta, _const((float(scale),), mx.float32)]
     grid, block = (B * kv_heads * ns * 32 * nw, 1, 1), (32 * nw, 1, 1)
     if ns == 1:
         (out,) = _kernel(kind, False)(inputs=args, template=template, grid=grid, threadgroup=block,
@@ -314,33 +344,36 @@ def _launch(kind: str, inputs: list, q: mx.array, store_dtype: mx.Dtype, kv_head
         pm, pl, pacc = _kernel(kind, True)(inputs=args, template=template, grid=grid, threadgroup=block,
                                            output_shapes=[(n,), (n,), (n * D,)],
                                            output_dtypes=[mx.float32] * 3)
-        (out,) = _kernel("reduce", False)(inputs=[pm, pl, pacc, meta],
-                                          template=[("T", q.dtype), ("D", D), ("REP", rep)],
+        lens = inputs[-1]  # (B,) lengths, or (B, 2) sealed + tail tokens
+        (out,) = _kernel("reduce", False)(inputs=[pm, pl, pacc, meta, lens],
+                                          template=[("T", q.dtype), ("D", D), ("REP", rep), ("HKV", kv_heads),
+                                                    ("QL", int(kind == "quant"))],
                                           grid=(B * kv_heads * 128, 1, 1), threadgroup=(128, 1, 1),
                                           output_shapes=[(B, Hq, D)], output_dtypes=[q.dtype])
     return out.reshape(B, Hq, 1, D)
 
 
 def paged_decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array,
-                           lengths: mx.array, scale: float, splits: int | None = None) -> mx.array:
+                           lengths: mx.array, scale: float, chunk: int | None = None) -> mx.array:
     """q (B, Hq, 1, D); pools (pages, Hkv, P, D); table (B, maxp) int32; lengths (B,) int32
-    (keys stored, the new token included) -> (B, Hq, 1, D)."""
+    (keys stored, the new token included) -> (B, Hq, 1, D). chunk: tokens per split (None:
+    chunk_tokens(); 0: no split)."""
     _, Hkv, P, _ = k_pool.shape
     maxp = table.shape[1]
     inputs = [k_pool, v_pool, table.astype(mx.int32), lengths.astype(mx.int32)]
-    return _launch("dense", inputs, q, k_pool.dtype, Hkv, P, maxp * P, maxp, scale, [], splits)
+    return _launch("dense", inputs, q, k_pool.dtype, Hkv, P, maxp * P, maxp, scale, [], chunk)
 
 
 def paged_decode_attention_quantized(q: mx.array, packed: list[mx.array], tail_k: mx.array, tail_v: mx.array,
                                      tails: mx.array, table: mx.array, lens: mx.array, scale: float, bits: int,
-                                     group_size: int, splits: int | None = None) -> mx.array:
+                                     group_size: int, chunk: int | None = None) -> mx.array:
     """q (B, Hq, 1, D); packed: [k_w, k_scales, k_biases, v_w, v_scales, v_biases], each
     (pages, Hkv, P, width); tail_k/v (slots, Hkv, P, D); tails (B,) the rows' tail slots;
     table (B, maxp) the sealed pages; lens (B, 2) int32: tokens on sealed pages and in the
-    tail (the new token included) -> (B, Hq, 1, D)."""
+    tail (the new token included) -> (B, Hq, 1, D). chunk as in paged_decode_attention."""
     _, Hkv, P, _ = tail_k.shape
     maxp = table.shape[1]
     inputs = [packed[0], packed[1], packed[2], packed[3], packed[4], packed[5], tail_k, tail_v,
               tails.astype(mx.int32), table.astype(mx.int32), lens.astype(mx.int32)]
     return _launch("quant", inputs, q, tail_k.dtype, Hkv, P, maxp * P + P, maxp, scale,
-                   [("BITS", bits), ("GS", group_size)], splits)
+                   [("BITS", bits), ("GS", group_size)], chunk)

@@ -8,6 +8,7 @@ any page is allocated for it.
 """
 from __future__ import annotations
 
+import os
 import time
 import traceback
 from collections import deque
@@ -54,6 +55,26 @@ class _Row:
     logits: list = field(default_factory=list)
     t_first: Optional[float] = None
     t_last: Optional[float] = None
+    ended: bool = False
+
+
+@dataclass
+class _Step:
+    """A decode step dispatched to the device whose tokens the host has not read yet."""
+
+    rows: list[_Row]
+    logits: mx.array
+    tokens: mx.array
+    finite: mx.array
+    t0: float
+
+
+def lookahead_default() -> bool:
+    """KVBATCH_LOOKAHEAD=1/0 forces it; else on for GPU backends (MLX CUDA, Metal), where the
+    device would otherwise wait while the host builds each step's graph; off on the CPU
+    backend (the CPU does both)."""
+    env = os.environ.get("KVBATCH_LOOKAHEAD", "").strip()
+    return env == "1" if env else not attention.on_cpu()
 
 
 def _forward_last(model: nn.Module, tokens: mx.array, cache: list) -> mx.array:
@@ -114,6 +135,10 @@ class Engine:
         self.prefill_time = 0.0
         self.prefill_tokens = 0
         self.results_by_code: dict[str, int] = {}
+        self.lookahead = lookahead_default() and not self.cache.trace  # the trace reads every layer: no overlap
+
+        self._inflight: Optional[_Step] = None
+        self._t_accepted = 0.0
 
     # ---- public surface --------------------------------------------------------------------
     def submit(self, req: Request) -> None:
@@ -143,6 +168,7 @@ class Engine:
         (a worker at its deadline hands them back to the queue). Finished results not yet
         yielded are kept."""
         reqs = [r.req for r in self.waiting] + [r.req for r in self.running]
+        self._inflight = None  # its tokens are dropped with the rows
         for r in self.running:
             self.cache.release(r.kv)
         self.waiting.clear()
@@ -233,11 +259,12 @@ class Engine:
         prompt = max((len(r.req.prompt_tokens) for r in self.running), default=1)
         return self.memory.budget - self.spec.weights_bytes - self.memory.workspace(len(worst), max(worst), prompt)
 
-    def _poison(self, rows: list[_Row]) -> Optional[list[bool]]:
+    def _poison(self, rows: list[_Row], ahead: frozenset = frozenset()) -> Optional[list[bool]]:
+        """ahead: rows with one token in flight (their next output step is len(out) + 1)."""
         inj = self.cfg.inject_nonfinite
         if not inj:
             return None
-        return [r.req.key == inj[0] and len(r.out) == int(inj[1]) for r in rows]
+        return [r.req.key == inj[0] and len(r.out) + (id(r) in ahead) == int(inj[1]) for r in rows]
 
     # ---- forward passes --------------------------------------------------------------------
     def _prefill(self, row: _Row) -> None:
@@ -265,12 +292,16 @@ class Engine:
         except Exception as e:  # confined to this row
             self._end_running(row, "error", errors.INTERNAL_ERROR, f"{type(e).__name__}: {e}")
             return
-        self.prefill_time += time.perf_counter() - t0
+        self._t_accepted = time.perf_counter()  # lookahead: decode time restarts after a prefill
+        self.prefill_time += self._t_accepted - t0
         self.prefill_tokens += len(toks)
         self._trim_cache()
         self._accept([row], logits, token, finite)
 
     def _decode_step(self) -> None:
+        if self.lookahead:
+            self._decode_step_lookahead()
+            return
         rows = []
         limit, want = self._kv_limit(), self._pool_want()  # once per step: they scan every running row
         for r in list(self.running):
@@ -303,6 +334,98 @@ class Engine:
         self._trim_cache()
         self._accept(rows, logits, tokens, finite)
 
+    def _decode_step_lookahead(self) -> None:
+        """One decode step with the previous one still in flight: the next step's graph is built
+        from the previous step's tokens as lazy arrays and dispatched (mx.async_eval) before the
+        host reads those tokens, so the device never waits for graph building (mlx-lm's
+        BatchGenerator does the same). Rows whose previous step is known to be their last
+        (max_tokens, context, forced tokens) are left out; a row that stops on its token (EOS,
+        stop string, non-finite logits) is found one step late: that extra step's output is
+        dropped (its K/V went to the row's own pages, released after it in stream order).
+        Tokens, logits and finish reasons are those of `_decode_step`."""
+        prev, self._inflight = self._inflight, None
+        ahead = frozenset(id(r) for r in prev.rows) if prev else frozenset()
+        if prev is not None and self.waiting and any(self._last_step(r) for r in prev.rows):
+            # a slot frees with this step: read it now, so the waiting row joins the next step
+            self._accept_step(prev)
+            return
+        rows, refused = [], []
+        limit, want = self._kv_limit(), self._pool_want()
+        for r in list(self.running):
+            if id(r) in ahead and self._last_step(r):
+                continue
+            try:
+                self.cache.reserve(r.kv, 1, limit, want)
+                rows.append(r)
+            except RowError as e:
+                refused.append((r, e))  # ended after the in-flight token is accepted
+        failed = None
+        if rows:
+            t0 = time.perf_counter()
+            try:
+                inputs = self._next_inputs(rows, prev, ahead)
+                self.cache.begin([r.kv for r in rows], 1, self._poison(rows, ahead))
+                try:
+                    logits = _forward_last(self.model, inputs, self.cache.views).astype(mx.float32)
+                    tokens = sample_batch(logits, [r.sampler for r in rows])
+                    finite = mx.isfinite(logits).all(axis=-1)
+                    mx.async_eval(tokens, finite)
+                finally:
+                    self.cache.end()
+                self._inflight = _Step(rows, logits, tokens, finite, t0)
+            except Exception as e:
+                failed = f"{type(e).__name__}: {e}"
+                traceback.print_exc()
+        if prev is not None:
+            self._accept_step(prev)  # waits for that step only; the next one keeps the device busy
+        for r, e in refused:
+            if not r.ended:
+                self._end_running(r, "error", e.code, e.message)
+        if failed:
+            self._inflight = None
+            for r in rows:
+                if not r.ended:
+                    self._end_running(r, "error", errors.INTERNAL_ERROR, failed)
+
+    def _accept_step(self, step: _Step) -> None:
+        step.tokens.tolist()
+        now = time.perf_counter()
+        self.decode_time += now - max(step.t0, self._t_accepted)
+        self._t_accepted = now
+        self.decode_tokens += sum(not r.ended for r in step.rows)
+        self._trim_cache()
+        self._accept(step.rows, step.logits, step.tokens, step.finite)
+
+    def _last_step(self, r: _Row) -> bool:
+        """Whether the row's in-flight token ends it whatever that token is (see _accept)."""
+        n, p, forced = len(r.out) + 1, r.req.sampling, r.req.forced_tokens
+        return (n >= p.max_tokens or len(r.req.prompt_tokens) + n >= self.spec.context_length
+                or (forced is not None and n >= len(forced)))
+
+    def _next_inputs(self, rows: list[_Row], prev: Optional[_Step], ahead: frozenset) -> mx.array:
+        """(B, 1) input tokens: a forced token or a token the host holds, else the row's token
+        from the in-flight step (lazy)."""
+        host, pick = [], []
+        at = {id(r): i for i, r in enumerate(prev.rows)} if prev else {}
+        for r in rows:
+            forced = r.req.forced_tokens
+            if id(r) not in ahead:
+                host.append(r.out[-1])
+                pick.append(-1)
+            elif forced is not None and len(r.out) < len(forced):
+                host.append(forced[len(r.out)])
+                pick.append(-1)
+            else:
+                host.append(0)
+                pick.append(at[id(r)])
+        if all(i < 0 for i in pick):
+            return mx.array(host)[:, None]
+        if all(i >= 0 for i in pick) and pick == list(range(len(prev.rows))):
+            return prev.tokens[:, None]
+        idx = mx.array([max(i, 0) for i in pick])
+        tok = mx.where(mx.array([i >= 0 for i in pick]), prev.tokens[idx], mx.array(host, dtype=prev.tokens.dtype))
+        return tok[:, None]
+
     def _trim_cache(self) -> None:
         """MLX keeps freed buffers in its cache (process memory too; step sizes change every
         step, so it grows): give it back once active + cached would pass the budget."""
@@ -313,6 +436,8 @@ class Engine:
         now = time.perf_counter()
         toks, ok = tokens.tolist(), finite.tolist()
         for i, r in enumerate(rows):
+            if r.ended:  # lookahead: the row stopped on its previous token; this step's output is dropped
+                continue
             if not ok[i]:
                 nan = int(mx.isnan(logits[i]).sum().item())
                 inf = int(mx.isinf(logits[i]).sum().item())
@@ -350,6 +475,7 @@ class Engine:
         self._finish(row, reason, code, msg)
 
     def _finish(self, row: _Row, reason: str, code: Optional[str] = None, msg: Optional[str] = None) -> None:
+        row.ended = True
         peak_kv = row.kv.peak_pages * self.layout.page_bytes
         if row.kv.tail is not None or (self.layout.bits and row.kv.peak_pages):
             peak_kv += self.layout.page_size * self.layout.dense_bytes_per_token

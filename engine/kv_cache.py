@@ -225,7 +225,9 @@ class PagedKVCache:
         else:
             slots = np.concatenate([self._slots(r, int(p), int(p) + L) for r, p in zip(rows, pos)])
         table = self._table(rows, n_pages)
-        t = {"slots": mx.array(slots.astype(np.int32)), "table": table}
+        slots = slots.astype(np.int32)
+        t = {"slots": mx.array(slots), "table": table,
+             "page_off": (mx.array(slots // self.P), mx.array(slots % self.P))}  # host-side, once per pass
         if L == 1 and self.fused_decode:
             t["lengths"] = mx.array(new_len.astype(np.int32))
         else:
@@ -290,7 +292,7 @@ class PagedKVCache:
         v = values.transpose(0, 2, 1, 3).reshape(B * L, H, D)
         t = plan.tensors
         if not self.store.quantized:
-            self.store.write(layer, t["slots"], k, v)
+            self.store.write(layer, t["slots"], k, v, t["page_off"])
         elif "run" in t:
             tail, fill, slots = t["run"]
             self._segment[layer] = self.store.write_run(layer, tail, fill, slots, k, v)

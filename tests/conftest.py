@@ -1,18 +1,49 @@
-"""Shared pytest fixtures.
+"""Shared pytest fixtures, and what the tests expect on the MLX backend they run on.
 
 `import engine` comes first: it loads OpenBLAS before anything imports mlx
 (loading it later has no effect, see engine/blas.py).
+
+MLX_ENABLE_TF32=0 (read by MLX 0.32's CUDA backend; no effect on the CPU): float32
+matmuls in full float32, not TF32. The tests compare the batched, paged engine with
+mlx-lm's single-stream path on float32 models; with TF32 the model's own projections
+(other shapes, other cuBLAS kernels on each side) differ by ~1e-3 before attention is
+reached, which would hide what kvbatch adds. With it off, the 1e-4 bounds hold on CUDA
+as on the CPU (the engine in production keeps MLX's default).
 """
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
+import os
 
-import engine  # noqa: F401  (must precede any mlx import)
-import pytest
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
-from engine.models.config import ModelConfig
-from engine.models.load import load_model
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import engine  # noqa: E402,F401  (must precede any mlx import)
+import mlx.core as mx  # noqa: E402
+import pytest  # noqa: E402
+
+from engine import attention, cuda_attention  # noqa: E402
+from engine.models.config import ModelConfig  # noqa: E402
+from engine.models.load import load_model  # noqa: E402
+
+ON_CPU = not mx.metal.is_available() and not mx.cuda.is_available()
+ON_CUDA = mx.cuda.is_available()
+cpu_only = pytest.mark.skipif(not ON_CPU, reason="tests a CPU-backend behaviour")
+
+
+def expected_route(spec, mode: str, group_size: int = 64) -> str:
+    """The attention route the engine must report for this model and KV mode on this backend:
+    MLX CUDA runs decode in the fused kernels of engine/cuda_attention.py wherever they handle
+    the geometry; elsewhere SDPA over gathered pages (float32 SDPA for fp16 models) and
+    quantized matmuls for q8/q4."""
+    bits = {"none": None, "q8": 8, "q4": 4}[mode]
+    rep = max(spec.num_heads // spec.num_kv_heads, 1)
+    if cuda_attention.available() and cuda_attention.supports(spec.head_dim, rep, bits, group_size if bits else None):
+        return attention.ROUTE_CUDA_Q if bits else attention.ROUTE_CUDA
+    if bits:
+        return attention.ROUTE_QMM
+    return attention.ROUTE_DENSE_F32 if spec.dtype == "float16" else attention.ROUTE_DENSE
 
 
 @pytest.fixture(scope="session")

@@ -9,9 +9,12 @@ What is proven here:
 - continuous batching (more rows than max_batch, freed pages reused) and a
   row's independence from its batch mates and from when the pool grew;
 - decode never dequantizes: zero dequantize calls while the pool holds many
-  quantized pages, and the quantized_matmul route is the one that runs;
+  quantized pages, and the quantized_matmul route (CPU) or the fused kernel reading
+  the packed pages (MLX CUDA) is the one that runs;
 - fp16 safety: huge attention scores stay finite with kv none/q8/q4, where
   MLX's CPU SDPA on the same fp16 q/k gives NaN/inf;
+
+Routes are those of the backend the tests run on (tests/conftest.py: expected_route).
 - the route reported per row and in the summary is the route that ran;
 - the gate refuses unvalidated pairs with one line, unless allow_unvalidated.
 """
@@ -31,6 +34,8 @@ from engine.gate import VALIDATED
 from engine.models.config import ModelConfig
 from engine.models.load import load_model
 from engine.types import Request, SamplingParams
+from engine import cuda_attention
+from tests.conftest import ON_CPU, ON_CUDA, cpu_only, expected_route
 from tests.kv_reference import QuantRefCache, StoredPagesRefCache, teacher_forced_logits
 
 TOL = 1e-4
@@ -198,8 +203,9 @@ def test_batched_logits_match_reference(tiny_model, family, head_dim, mode, page
     snap = PageSnapshots(eng.cache)
     results = eng.generate(_requests(prompts, forced))
     s = eng.summary()
-    assert s["peak_concurrency"] == 8 and s["route"] == attention.ROUTE_QMM
-    assert {r.stats.route for r in results} == {attention.ROUTE_QMM}
+    route = expected_route(spec, mode, group)
+    assert s["peak_concurrency"] == 8 and s["route"] == route
+    assert {r.stats.route for r in results} == {route}
     sealed = [(len(p) + len(f) - 1) // page for p, f in zip(prompts, forced)]
     assert max(sealed) >= 4 and sum(s >= 2 for s in sealed) >= 4  # rows cross several page boundaries
     checked = total = 0
@@ -237,11 +243,19 @@ def test_continuous_batching_reuses_pages(tiny_model, mode):
         _check_row(model, by_key[f"r{i}"], p, f, snap, 16, BITS[mode], 64, CHUNK[16])
 
 
+@pytest.mark.parametrize("chunk", ["", "24"], ids=["default", "split24"])
 @pytest.mark.parametrize("mode", ["none", "q8", "q4"])
-def test_row_independent_of_batch_mates_and_pool_growth(tiny_model, mode):
+def test_row_independent_of_batch_mates_and_pool_growth(tiny_model, monkeypatch, mode, chunk):
     """A row's logits are bit-identical whichever rows share its batch and whenever the pool
     grew, at the same batch size (OpenBLAS rounds a matmul row differently for some batch
-    sizes, so alone vs in a batch is compared to float tolerance, with the same tokens)."""
+    sizes, so alone vs in a batch is compared to float tolerance, with the same tokens).
+
+    On MLX CUDA the fused decode kernel splits long rows over several blocks (split-K);
+    "split24" forces 24-token splits, so every row here is split, into as many splits as
+    its own length gives, while the longest row of the batch differs between the runs."""
+    if chunk and not ON_CUDA:
+        pytest.skip("KVBATCH_CUDA_CHUNK only changes MLX CUDA's fused decode kernel")
+    monkeypatch.setenv("KVBATCH_CUDA_CHUNK", chunk)
     model, tok, spec = _model(tiny_model, "llama", 64)
     (x,), (fx,) = _rows(seed=3, prompt_lens=(83,), steps=(60,))
     greedy = Request("x", x, SamplingParams(max_tokens=60))
@@ -274,11 +288,16 @@ def test_row_independent_of_batch_mates_and_pool_growth(tiny_model, mode):
 
 
 def test_decode_never_dequantizes(tiny_model, monkeypatch):
+    """Per decode step: no dequantize call at all, no SDPA; every layer reads all 8 rows'
+    packed pages, through quantized_matmul (CPU/Metal) or the fused kernel (MLX CUDA)."""
     model, tok, spec = _model(tiny_model, "llama", 64)
     prompts, _ = _rows(seed=11, prompt_lens=(300, 280, 260, 240, 220, 200, 180, 160))
     eng = _engine(model, tok, spec, "q4", 16)
-    qmm_calls, sdpa_calls, raw_dequant = [], [], []
+    fused = eng.cache.fused_decode
+    assert fused == ON_CUDA
+    qmm_calls, sdpa_calls, raw_dequant, kernel_calls = [], [], [], []
     real_qmm, real_sdpa, real_dq = mx.quantized_matmul, mx.fast.scaled_dot_product_attention, mx.dequantize
+    real_kernel = cuda_attention.paged_decode_attention_quantized
 
     def qmm(x, w, *a, **kw):
         qmm_calls.append((kw["transpose"], w.size))
@@ -292,26 +311,43 @@ def test_decode_never_dequantizes(tiny_model, monkeypatch):
         raw_dequant.append(1)
         return real_dq(*a, **kw)
 
+    def kernel(q, packed, tail_k, tail_v, tails, table, lens, *a, **kw):
+        # packed pool buffers (uint32 codes), the rows' sealed tokens read through their page tables
+        kernel_calls.append((packed[0].dtype, packed[3].dtype, int(lens[:, 0].sum().item()), table.shape))
+        return real_kernel(q, packed, tail_k, tail_v, tails, table, lens, *a, **kw)
+
     monkeypatch.setattr(attention.mx, "quantized_matmul", qmm)
     monkeypatch.setattr(attention.mx.fast, "scaled_dot_product_attention", sdpa)
     monkeypatch.setattr(kv_store.mx, "dequantize", dq)
+    monkeypatch.setattr(cuda_attention, "paged_decode_attention_quantized", kernel)
     per_step = []
     decode = eng._decode_step
 
     def counted_step():
         kv_store.DEQUANT_COUNTER.update(calls=0, elements=0)
-        del qmm_calls[:], sdpa_calls[:], raw_dequant[:]
+        del qmm_calls[:], sdpa_calls[:], raw_dequant[:], kernel_calls[:]
         in_use = eng.cache.pool.in_use
         decode()
-        per_step.append((dict(kv_store.DEQUANT_COUNTER), len(raw_dequant), len(sdpa_calls), list(qmm_calls), in_use))
+        per_step.append((dict(kv_store.DEQUANT_COUNTER), len(raw_dequant), len(sdpa_calls), list(qmm_calls),
+                         list(kernel_calls), in_use))
 
     eng._decode_step = counted_step
     eng.generate([Request(f"r{i}", p, SamplingParams(max_tokens=24)) for i, p in enumerate(prompts)])
+    if eng.lookahead:  # (GPU default) the last call only reads the in-flight step: every row ends with it
+        *per_step, last = per_step
+        assert not last[3] and not last[4]
     assert len(per_step) >= 20
     L = spec.num_layers
-    for counter, raw, sdpa_n, qmm_sizes, in_use in per_step:
+    for counter, raw, sdpa_n, qmm_sizes, kernels, in_use in per_step:
         assert counter == {"calls": 0, "elements": 0} and raw == 0 and sdpa_n == 0
         assert in_use >= 100  # many quantized pages held: 8 rows x 10+ pages
+        if fused:  # one kernel call per layer, on the packed pages of all 8 rows (>= 160 sealed tokens each)
+            assert not qmm_sizes and len(kernels) == L
+            for kw_dtype, vw_dtype, sealed_tokens, table_shape in kernels:
+                assert kw_dtype == vw_dtype == mx.uint32
+                assert table_shape[0] == 8 and sealed_tokens >= 8 * 160
+            continue
+        assert not kernels
         # every layer reads all 8 rows' packed pages once for the scores and once for the values
         # (in one call, or split over several CPU streams): (B, Hkv, >= 160 tokens, D*bits/32)
         keys = sum(n for tr, n in qmm_sizes if tr)
@@ -319,9 +355,10 @@ def test_decode_never_dequantizes(tiny_model, monkeypatch):
         assert keys == vals >= L * 8 * spec.num_kv_heads * 160 * spec.head_dim * 4 // 32
         assert L * 2 <= len(qmm_sizes) <= L * 2 * len(attention.qmm_streams())
     # prefill (before the first decode step) did dequantize the sealed pages, once per chunk
-    assert eng.summary()["route"] == attention.ROUTE_QMM
+    assert eng.summary()["route"] == expected_route(spec, "q4")
 
 
+@cpu_only
 @pytest.mark.parametrize("mode", ["q8", "q4"])
 def test_qmm_split_over_cpu_streams_is_bit_identical(tiny_model, monkeypatch, mode):
     """Decode's quantized matmuls spread over CPU streams (key scores by page runs, value
@@ -377,14 +414,16 @@ def test_fp16_huge_scores_stay_finite(tmp_path):
     model, tok, spec = _scaled_fp16_model(tmp_path, 1000.0)
     assert spec.dtype == "float16"
     prompts, _ = _rows(seed=5, prompt_lens=(40, 70, 23))
-    # the hazard is real: MLX's CPU SDPA on these fp16 q/k overflows
+    # the scores really exceed fp16 range
     q, k, v, scale = _layer0_qk(model, prompts[1])
     scores = (q.astype(mx.float32) * scale) @ mx.repeat(k.astype(mx.float32), q.shape[1] // k.shape[1], axis=1).swapaxes(-1, -2)
     assert mx.abs(scores).max().item() > 2 * 65504
-    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")
-    assert not mx.isfinite(out).all().item()
-    routes = {"none": attention.ROUTE_DENSE_F32, "q8": attention.ROUTE_QMM, "q4": attention.ROUTE_QMM}
-    for mode, route in routes.items():
+    if ON_CPU:  # the hazard is real there: MLX's CPU SDPA on these fp16 q/k overflows (its CUDA SDPA
+        # kept this case finite on the H200: FACTS.md; the engine must stay finite on every backend)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")
+        assert not mx.isfinite(out).all().item()
+    for mode in ("none", "q8", "q4"):
+        route = expected_route(spec, mode)
         eng = _engine(model, tok, spec, mode, 16, max_batch=4)
         results = eng.generate([Request(f"r{i}", p, SamplingParams(max_tokens=40), capture_logits=True)
                                 for i, p in enumerate(prompts)])
@@ -398,9 +437,13 @@ def test_fp16_huge_scores_stay_finite(tmp_path):
 
 def test_route_reported_is_route_that_ran(tiny_model, tmp_path, monkeypatch):
     """float32 none -> paged_sdpa (SDPA in float32 because the model is); fp16 none ->
-    paged_sdpa_f32 (SDPA on upcast q/k/v); q8 -> paged_qmm_f32 (quantized_matmul in decode)."""
+    paged_sdpa_f32 (SDPA on upcast q/k/v); q8 -> paged_qmm_f32 (quantized_matmul in decode).
+    On MLX CUDA decode runs the fused kernels instead (paged_cuda_kernel for none,
+    paged_cuda_qkernel for q8/q4, queries in the model dtype, float32 inside); prefill is
+    the same SDPA in float32."""
     seen = []
     real_qmm, real_sdpa = mx.quantized_matmul, mx.fast.scaled_dot_product_attention
+    real_k, real_qk = cuda_attention.paged_decode_attention, cuda_attention.paged_decode_attention_quantized
 
     def qmm(x, *a, **kw):
         seen.append(("qmm", x.dtype))
@@ -410,16 +453,34 @@ def test_route_reported_is_route_that_ran(tiny_model, tmp_path, monkeypatch):
         seen.append(("sdpa", q.dtype))
         return real_sdpa(q, *a, **kw)
 
+    def kernel(q, *a, **kw):
+        seen.append(("kernel", q.dtype))
+        return real_k(q, *a, **kw)
+
+    def qkernel(q, *a, **kw):
+        seen.append(("qkernel", q.dtype))
+        return real_qk(q, *a, **kw)
+
     monkeypatch.setattr(attention.mx, "quantized_matmul", qmm)
     monkeypatch.setattr(attention.mx.fast, "scaled_dot_product_attention", sdpa)
+    monkeypatch.setattr(cuda_attention, "paged_decode_attention", kernel)
+    monkeypatch.setattr(cuda_attention, "paged_decode_attention_quantized", qkernel)
     f32 = _model(tiny_model, "llama", 64)
     f16 = _scaled_fp16_model(tmp_path, 1.0)
     prompt = list(range(40, 90))
-    for (model, tok, spec), mode, route, kinds in (
-            (f32, "none", attention.ROUTE_DENSE, {("sdpa", mx.float32)}),
-            (f16, "none", attention.ROUTE_DENSE_F32, {("sdpa", mx.float32)}),
-            (f16, "q8", attention.ROUTE_QMM, {("sdpa", mx.float32), ("qmm", mx.float32)}),
-            (f32, "q4", attention.ROUTE_QMM, {("sdpa", mx.float32), ("qmm", mx.float32)})):
+    pre = ("sdpa", mx.float32)
+    if ON_CUDA:
+        cases = ((f32, "none", attention.ROUTE_CUDA, {pre, ("kernel", mx.float32)}),
+                 (f16, "none", attention.ROUTE_CUDA, {pre, ("kernel", mx.float16)}),
+                 (f16, "q8", attention.ROUTE_CUDA_Q, {pre, ("qkernel", mx.float16)}),
+                 (f32, "q4", attention.ROUTE_CUDA_Q, {pre, ("qkernel", mx.float32)}))
+    else:
+        cases = ((f32, "none", attention.ROUTE_DENSE, {pre}),
+                 (f16, "none", attention.ROUTE_DENSE_F32, {pre}),
+                 (f16, "q8", attention.ROUTE_QMM, {pre, ("qmm", mx.float32)}),
+                 (f32, "q4", attention.ROUTE_QMM, {pre, ("qmm", mx.float32)}))
+    for (model, tok, spec), mode, route, kinds in cases:
+        assert expected_route(spec, mode) == route
         del seen[:]
         eng = _engine(model, tok, spec, mode, 16)
         (res,) = eng.generate([Request("a", prompt, SamplingParams(max_tokens=8))])
@@ -440,7 +501,7 @@ def test_gate_refuses_unvalidated_pairs(tiny_model):
         _engine(model, tok, spec, "none", 16)
         eng = _engine(model, tok, spec, "q8", 16, group, allow_unvalidated=True)
         (res,) = eng.generate([Request("a", list(range(60, 100)), SamplingParams(max_tokens=30))])
-        assert res.ok and res.stats.output_tokens == 30 and res.stats.route == attention.ROUTE_QMM
+        assert res.ok and res.stats.output_tokens == 30 and res.stats.route == expected_route(spec, "q8", group)
     # a group size that does not divide the head size is refused even with the override
     model, tok, spec = tiny_model(family="llama", head_dim=96)
     with pytest.raises(KvbatchConfigError, match="group_size=64 does not fit head size 96"):

@@ -1,0 +1,126 @@
+"""Where a kvbatch decode step's time goes on a GPU backend, next to mlx-lm's step.
+
+Random bf16 weights in a gpu.py geometry, greedy, 128-token prompts. For each batch:
+- kvbatch: mean ms per decode step, split into host phases (reserve, cache.begin =
+  page tables and slot maps, graph build = model forward + sampling as lazy MLX calls,
+  eval = dispatch + wait for the GPU, accept = tokens to the host and row bookkeeping);
+- the same with the engine's one-step lookahead (Engine._decode_step_lookahead: the next
+  step is built and dispatched with mx.async_eval before this step's tokens are read, as
+  mlx-lm's BatchGenerator does);
+- mlx-lm's BatchGenerator: ms per step from its generation tok/s.
+
+    python benchmarks/gpu_step_profile.py --geometry 1b --batches 8,64
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import engine  # noqa: E402,F401
+import mlx.core as mx  # noqa: E402
+
+import engine.engine as eng_mod  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu import _NullTokenizer, build, prompts, run_mlx_lm  # noqa: E402
+from engine.engine import Engine, EngineConfig  # noqa: E402
+from engine.types import Request, SamplingParams  # noqa: E402
+
+
+def _engine(model, spec, batch, mode):
+    return Engine(model, _NullTokenizer(), spec,
+                  EngineConfig(kv_mode=mode, page_size=64, max_batch=batch, prefill_chunk=2048,
+                               memory_budget=int(100e9), allow_unvalidated=True))
+
+
+def phases(model, spec, ps, new, mode, lookahead: bool) -> dict:
+    """kvbatch's own decode loop (step by step, or with its one-step lookahead), each host
+    phase timed (the wrappers add ~µs). With lookahead, `accept_step` is the wait for the
+    in-flight step plus `accept`."""
+    e = _engine(model, spec, len(ps), mode)
+    e.lookahead = lookahead
+    acc: dict = defaultdict(float)
+    in_step = [False]
+
+    def timed(name, fn):
+        def w(*a, **kw):
+            if not in_step[0]:
+                return fn(*a, **kw)
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                acc[name] += time.perf_counter() - t
+        return w
+
+    e.cache.reserve = timed("reserve", e.cache.reserve)
+    e.cache.begin = timed("begin", e.cache.begin)
+    e._accept = timed("accept", e._accept)
+    e._accept_step = timed("accept_step", e._accept_step)
+    real = (eng_mod._forward_last, eng_mod.sample_batch, mx.eval, mx.async_eval)
+    eng_mod._forward_last = timed("graph_forward", real[0])
+    eng_mod.sample_batch = timed("graph_sample", real[1])
+    mx.eval = timed("eval", real[2])
+    mx.async_eval = timed("async_eval", real[3])
+    step = e._decode_step
+    n = [0]
+
+    def counted():
+        in_step[0] = True
+        t = time.perf_counter()
+        step()
+        acc["step"] += time.perf_counter() - t
+        in_step[0] = False
+        n[0] += 1
+
+    e._decode_step = counted
+    try:
+        e.generate([Request(str(i), p, SamplingParams(max_tokens=new)) for i, p in enumerate(ps)])
+    finally:
+        eng_mod._forward_last, eng_mod.sample_batch, mx.eval, mx.async_eval = real
+    out = {k: v / n[0] * 1e3 for k, v in acc.items()}
+    out["calls"] = n[0]
+    out["engine_decode_tok_s"] = e.summary()["decode_tokens_per_s"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--geometry", default="1b")
+    ap.add_argument("--batches", default="8,64")
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--modes", default="none")
+    ap.add_argument("--chunks", default="", help="KVBATCH_CUDA_CHUNK values to compare (''=default)")
+    ap.add_argument("--no-sync", action="store_true", help="lookahead loop only")
+    a = ap.parse_args()
+    import os
+    model, spec = build(a.geometry)
+    for batch in map(int, a.batches.split(",")):
+        ps = prompts(batch, 128, spec.vocab_size)
+        for mode in a.modes.split(","):  # warm-up: past the first sealed page (64), every kernel variant
+            phases(model, spec, ps, 80, mode, True)
+        run_mlx_lm(model, ps, 16)
+        row = {"geometry": a.geometry, "batch": batch}
+        m = run_mlx_lm(model, ps, a.new)
+        row["mlx_lm_step_ms"] = batch / m["decode_tps"] * 1e3
+        for mode in a.modes.split(","):
+            for chunk in a.chunks.split(","):
+                os.environ["KVBATCH_CUDA_CHUNK"] = chunk
+                tag = f"_chunk{chunk}" if chunk else ""
+                if not a.no_sync:
+                    row[f"kvbatch_{mode}{tag}_sync"] = phases(model, spec, ps, a.new, mode, False)
+                row[f"kvbatch_{mode}{tag}_lookahead"] = phases(model, spec, ps, a.new, mode, True)
+            os.environ["KVBATCH_CUDA_CHUNK"] = ""
+        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else
+                              {kk: round(vv, 3) for kk, vv in v.items()} if isinstance(v, dict) else v)
+                          for k, v in row.items()}), flush=True)
+        mx.clear_cache()
+
+
+if __name__ == "__main__":
+    main()

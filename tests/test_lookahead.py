@@ -1,0 +1,110 @@
+"""Decode lookahead (Engine._decode_step_lookahead, on by default on GPU backends): the next
+step is built and dispatched before the host reads the current step's tokens. It must give
+the rows exactly what the step-by-step loop gives: tokens, finish reasons, error codes,
+logits (within float tolerance: a waiting row joins one step later, so some steps run at
+another batch size), with EOS, stop ids, stop strings, max_tokens, forced tokens, seeded
+sampling, a non-finite row, continuous batching (more rows than slots) and page reuse.
+"""
+from __future__ import annotations
+
+import engine  # noqa: F401  (OpenBLAS before mlx)
+import mlx.core as mx
+import pytest
+
+from engine.engine import Engine, EngineConfig
+from engine.errors import NON_FINITE_LOGITS
+from engine.types import Request, SamplingParams
+
+EOS = 257
+
+
+def _prompt(i: int) -> list[int]:
+    return [(31 * i + 7 * j + 5) % 256 for j in range(3 + (11 * i) % 37)]
+
+
+def _stop_rows(m) -> tuple:
+    """(prompt, params) of a row that stops on a stop id and of one that stops on a stop string,
+    both mid-decode: found from greedy outputs (step by step) of candidate prompts."""
+    model, tok, spec = m
+    eng = Engine(model, tok, spec, EngineConfig(page_size=8, max_batch=8, memory_budget=2 << 30))
+    cands = [_prompt(100 + i) for i in range(48)]
+    outs = [r.tokens for r in eng.generate([Request(f"c{i}", p, SamplingParams(max_tokens=30))
+                                            for i, p in enumerate(cands)])]
+    by_id = by_str = None
+    for p, out in zip(cands, outs):
+        for j in range(3, len(out)):
+            if out[j] in out[:j]:
+                continue
+            if by_id is None:
+                by_id = (p, SamplingParams(max_tokens=30, stop_token_ids=(out[j],)))
+            if by_str is None and 33 <= out[j] < 127 and chr(out[j]) not in tok.decode(out[:j]):
+                by_str = (p, SamplingParams(max_tokens=30, stop=(chr(out[j]),)))
+    assert by_id and by_str, "no candidate prompt stops mid-decode"
+    return by_id, by_str
+
+
+def _requests(stops) -> list[Request]:
+    reqs = []
+    for i in range(14):
+        p = _prompt(i)
+        kind = i % 7
+        if kind == 0:
+            sp = SamplingParams(max_tokens=30 + i)  # greedy, may stop on EOS
+        elif kind in (1, 2):  # stops mid-decode on a stop id / a stop string
+            p, sp = stops[kind - 1]
+        elif kind == 3:
+            sp = SamplingParams(max_tokens=35, temperature=0.9, seed=i)
+        elif kind == 4:
+            sp = SamplingParams(max_tokens=20, temperature=1.0, top_k=30, top_p=0.9, seed=100 + i)
+        else:
+            sp = SamplingParams(max_tokens=1 + i)  # short rows: slots free early
+        forced = [(3 * i + 11 * j) % 256 for j in range(28)] if kind == 6 else None
+        reqs.append(Request(f"r{i}", p, sp, forced_tokens=forced, capture_logits=kind in (0, 6)))
+    return reqs
+
+
+def _run(m, monkeypatch, lookahead: str, mode: str, stops):
+    monkeypatch.setenv("KVBATCH_LOOKAHEAD", lookahead)
+    model, tok, spec = m
+    eng = Engine(model, tok, spec, EngineConfig(kv_mode=mode, page_size=8, max_batch=4, prefill_chunk=16,
+                                                memory_budget=2 << 30, inject_nonfinite=("r10", 3)))
+    assert eng.lookahead == (lookahead == "1")
+    async_calls = []
+    real = mx.async_eval
+
+    def spy(*a):
+        async_calls.append(1)
+        return real(*a)
+
+    monkeypatch.setattr(mx, "async_eval", spy)
+    try:
+        res = eng.generate(_requests(stops))
+    finally:
+        monkeypatch.setattr(mx, "async_eval", real)
+    assert eng.cache.pool.in_use == 0 and eng._inflight is None
+    return res, eng.summary(), len(async_calls)
+
+
+@pytest.mark.parametrize("mode", ["none", "q8"])
+def test_lookahead_gives_the_step_by_step_results(tiny_model, monkeypatch, mode):
+    m = tiny_model()
+    monkeypatch.setenv("KVBATCH_LOOKAHEAD", "0")
+    stops = _stop_rows(m)
+    base, s0, n0 = _run(m, monkeypatch, "0", mode, stops)
+    ahead, s1, n1 = _run(m, monkeypatch, "1", mode, stops)
+    assert n0 == 0 and n1 >= 40  # the lookahead loop really dispatched steps ahead
+    by = {r.key: r for r in base}
+    assert by["r10"].error_code == NON_FINITE_LOGITS and len(by["r10"].tokens) == 3
+    assert {r.finish_reason for r in base} == {"stop", "length", "error"}  # the workload covers every ending
+    assert [by[f"r{i}"].finish_reason for i in (1, 2, 8, 9)] == ["stop"] * 4
+    assert all(len(by[f"r{i}"].tokens) >= 3 for i in (1, 2))  # they stopped mid-decode
+    for a in ahead:
+        b = by[a.key]
+        assert (a.tokens, a.finish_reason, a.error_code) == (b.tokens, b.finish_reason, b.error_code), a.key
+        assert a.text == b.text
+        if b.logits is not None:
+            assert len(a.logits) == len(b.logits) == len(b.tokens) + (b.finish_reason == "stop")
+            assert max(mx.abs(x - y).max().item() for x, y in zip(a.logits, b.logits)) <= 1e-4, a.key
+    assert s1["generated_tokens"] == s0["generated_tokens"]
+    assert s1["rows_by_error_code"] == s0["rows_by_error_code"] == {"ok": 13, NON_FINITE_LOGITS: 1}
+    assert s1["decode_tokens_per_s"] > 0
