@@ -19,9 +19,10 @@
      (its quantized prefill there would take ~10 min per mode) and only its decode
      counts.
 3. Where the time goes: one layer's decode attention at 2k/6k (SmolLM2 shapes, batch
-   1 and 4), kvbatch's dense route vs its quantized route (one CPU stream and spread
-   over the CPU streams), and the quantized matmuls vs float32 matmuls of the same
-   shapes.
+   1 and 4) through kvbatch's own stores and functions: the dense route against the
+   quantized route (on the streams the engine would use, and on one), and their parts
+   alone (gathers, the quantized matmuls, float32 matmuls of the same shapes, the
+   masked softmax against MLX's).
 
     flock /tmp/kvbatch-bench.lock .venv/bin/python benchmarks/kv_speed.py --out /tmp/kv_speed.json
 """
@@ -171,57 +172,70 @@ def _bench(f, n=30) -> float:
     return statistics.median(times) * 1e3
 
 
-def attention_micro(spec, group) -> list[dict]:
-    """One layer's decode attention (ms), SmolLM2 shapes, kvbatch's own functions and layouts."""
-    H, Hq, D, P = spec.num_kv_heads, spec.num_heads, spec.head_dim, 64
-    rep = Hq // H
-    heads = mx.arange(H)[None, :, None]
+def attention_micro(spec, group, page) -> list[dict]:
+    """One layer's decode attention (ms), SmolLM2 shapes, through kvbatch's own stores and
+    functions (keys per channel when page % group == 0, as the engine does on the CPU), and
+    its parts, each evaluated alone: gathers, the two quantized matmuls, the masked softmax;
+    against the dense route (gather + attention) and float32 matmuls of the same shapes."""
+    H, Hq, D, P = spec.num_kv_heads, spec.num_heads, spec.head_dim, page
+    rep, scale = Hq // H, D ** -0.5
+    k_axis = "channel" if P % group == 0 else "token"
     streams = att.qmm_streams()
     rows = []
     for T in (2048, 6144):
         for B in (1, 4):
             n = T // P
-            table = mx.arange(n * B).reshape(B, n)
+            table = mx.arange(n * B, dtype=mx.int32).reshape(B, n)
+            tails = mx.arange(B, dtype=mx.int32)
             q = mx.random.normal((B, Hq, 1, D))
-            tk, tv = mx.random.normal((B, H, P, D)), mx.random.normal((B, H, P, D))
-            mask_q, mask_t = mx.ones((B, 1, 1, T), mx.bool_), mx.ones((B, 1, 1, P), mx.bool_)
-            pool = mx.random.normal((n * B, H, P, D))
-            mx.eval(pool)
-
-            def take(a, t):
-                return a[t[:, None, :], heads].reshape(B, H, t.shape[1] * P, a.shape[-1])
-
-            def dense():
-                return att.dense_attention(q, take(pool, table), take(pool, table), mask_q, D ** -0.5, False)
-
-            r = {"context": T, "batch": B, "dense_gather_sdpa_ms": _bench(dense)}
-            kf = take(pool, table)
+            mask_all = mx.ones((B, 1, 1, T + P), mx.bool_)
+            ds = DenseStore(1, H, D, P, mx.float32)
+            ds.grow(n * B)
+            ds.k[0], ds.v[0] = mx.random.normal(ds.k[0].shape), mx.random.normal(ds.v[0].shape)
+            mx.eval(ds.k, ds.v)
+            r = {"context": T, "batch": B, "k_axis": k_axis,
+                 "dense_gather_attention_ms": _bench(lambda: att.dense_attention(
+                     q, *ds.gather(0, table), mask_all[..., :T], scale, False)),
+                 "dense_gather_ms": _bench(lambda: ds.gather(0, table))}
+            kf, vf = ds.gather(0, table)
             qf = q.reshape(B, H, rep, D)
             probs = mx.softmax(mx.random.normal((B, H, rep, T)), axis=-1)
+            mx.eval(kf, vf, probs)
             r["f32_matmul_scores_ms"] = _bench(lambda: qf @ kf.swapaxes(-1, -2))
-            r["f32_matmul_values_ms"] = _bench(lambda: probs @ kf)
+            r["f32_matmul_values_ms"] = _bench(lambda: probs @ vf)
+            sc = mx.random.normal((B, H, rep, T + P))
+            r["masked_softmax_ms"] = _bench(lambda: att.masked_softmax(sc, mask_all))
+            r["mlx_softmax_ms"] = _bench(lambda: mx.softmax(mx.where(mask_all, sc, -mx.inf), axis=-1, precise=True))
             for bits in (8, 4):
-                qp = list(mx.quantize(pool, group_size=group, bits=bits))
-                mx.eval(qp)
-                kq = [take(a, table) for a in qp]
-                mx.eval(kq)
-                r[f"q{bits}_qmm_scores_ms"] = _bench(lambda: mx.quantized_matmul(
-                    qf, *kq, transpose=True, group_size=group, bits=bits))
-                r[f"q{bits}_qmm_values_ms"] = _bench(lambda: mx.quantized_matmul(
-                    probs, *kq, transpose=False, group_size=group, bits=bits))
-                for label, ss in (("1stream", [streams[0]]), (f"{len(streams)}streams", streams)):
-                    k = att.qmm_split(B * H, T, D, min(len(ss), n))
+                st = QuantizedStore(1, H, D, P, mx.float32, bits, group, tail_slots=B, k_axis=k_axis)
+                st.grow(n * B)
+                st._store_pages(0, mx.arange(n * B * P, dtype=mx.int32), kf.transpose(0, 2, 1, 3).reshape(-1, H, D),
+                                vf.transpose(0, 2, 1, 3).reshape(-1, H, D))
+                mx.eval(st.q[0])
+
+                def quant(k):
+                    tk, tv = st.gather_tails(0, tails)
                     cuts = [n * i // k for i in range(k + 1)]
+                    qk = []
+                    for i, (a, z) in enumerate(zip(cuts, cuts[1:])):
+                        with mx.stream(streams[i] or mx.default_stream(mx.default_device())):
+                            qk.append(st.gather_quantized(0, table[:, a:z], "k"))
+                    return att.quantized_decode_attention(q, qk, st.gather_quantized(0, table, "v"), tk, tv, None,
+                                                          None, scale, group, bits, streams,
+                                                          k_transposed=k_axis == "channel", mask=mask_all)
 
-                    def quant(ss=ss, cuts=cuts):
-                        runs = []
-                        for i, (a, z) in enumerate(zip(cuts, cuts[1:])):
-                            with mx.stream(ss[i] or mx.default_stream(mx.default_device())):
-                                runs.append([take(x, table[:, a:z]) for x in qp])
-                        return att.quantized_decode_attention(q, runs, [take(x, table) for x in qp], tk, tv,
-                                                              mask_q, mask_t, D ** -0.5, group, bits, ss)
-
-                    r[f"q{bits}_gather_attention_{label}_ms"] = _bench(quant)
+                split = att.qmm_split(B * H, T, D, min(len(streams), n))
+                r[f"q{bits}_attention_ms"] = _bench(lambda: quant(split))
+                r[f"q{bits}_streams"] = split
+                r[f"q{bits}_attention_1stream_ms"] = _bench(lambda: quant(1))
+                r[f"q{bits}_gather_k_ms"] = _bench(lambda: st.gather_quantized(0, table, "k"))
+                r[f"q{bits}_gather_v_ms"] = _bench(lambda: st.gather_quantized(0, table, "v"))
+                kq, vq = st.gather_quantized(0, table, "k"), st.gather_quantized(0, table, "v")
+                mx.eval(kq, vq)
+                r[f"q{bits}_qmm_scores_ms"] = _bench(lambda: mx.quantized_matmul(
+                    qf, *kq, transpose=k_axis != "channel", group_size=group, bits=bits))
+                r[f"q{bits}_qmm_values_ms"] = _bench(lambda: mx.quantized_matmul(
+                    probs, *vq, transpose=False, group_size=group, bits=bits))
             rows.append(r)
             print("  attention micro " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
                                                   for k, v in r.items()), flush=True)
@@ -250,7 +264,7 @@ def main() -> None:
     report["bytes_per_token_fresh_stores"] = live_bytes_per_token(spec, args.page_size, args.group_size)
     print("KV bytes/token (fresh stores):", json.dumps(report["bytes_per_token_fresh_stores"]), flush=True)
     if not args.skip_micro:
-        report["attention_micro"] = attention_micro(spec, args.group_size)
+        report["attention_micro"] = attention_micro(spec, args.group_size, args.page_size)
 
     b4 = {int(c) for c in args.batch4_contexts.split(",") if c}
     for ctx in (int(c) for c in args.contexts.split(",")):
