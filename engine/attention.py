@@ -2,8 +2,8 @@
 
 Routes (reported per row and in summary.json):
 - `paged_sdpa`: pages gathered, then MLX's fast SDPA with a padding+causal mask (on the
-  CPU, decode folds each KV head's query group into one matmul instead: see
-  `_grouped_decode`).
+  CPU, decode folds each KV head's query group into one matmul instead, see
+  `_grouped_decode`, with a fused 2^x masked softmax, see `masked_softmax`).
 - `paged_sdpa_f32`: the same with q/k/v upcast to float32 (fp16 models: scores can
   exceed fp16 range, and MLX's CPU fallback computes q·kᵀ in the input dtype).
 - `paged_cuda_kernel` (MLX CUDA, kv none): decode reads each row's pages in place with
