@@ -14,6 +14,7 @@ Random bf16 weights in a gpu.py geometry, greedy, 128-token prompts. For each ba
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import sys
 import time
@@ -98,12 +99,14 @@ def main() -> None:
     ap.add_argument("--chunks", default="", help="KVBATCH_CUDA_CHUNK values to compare (''=default)")
     ap.add_argument("--no-sync", action="store_true", help="lookahead loop only")
     a = ap.parse_args()
-    import os
     model, spec = build(a.geometry)
     for batch in map(int, a.batches.split(",")):
         ps = prompts(batch, 128, spec.vocab_size)
-        for mode in a.modes.split(","):  # warm-up: past the first sealed page (64), every kernel variant
-            phases(model, spec, ps, 80, mode, True)
+        for mode in a.modes.split(","):  # warm-up: past the first sealed page (64) and, for every
+            for chunk in a.chunks.split(","):  # split setting compared, its kernel variants (JIT)
+                os.environ["KVBATCH_CUDA_CHUNK"] = chunk
+                phases(model, spec, ps, max(80, min(a.new, 260 - 128)), mode, True)
+        os.environ["KVBATCH_CUDA_CHUNK"] = ""
         run_mlx_lm(model, ps, 16)
         row = {"geometry": a.geometry, "batch": batch}
         m = run_mlx_lm(model, ps, a.new)

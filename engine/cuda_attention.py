@@ -27,8 +27,10 @@ import mlx.core as mx
 NE = 8  # head elements per lane
 UNROLL = int(os.environ.get("KVBATCH_CUDA_UNROLL", "2"))  # tokens per lane per loop step
 # Tokens per split: a row of more than SPLIT_MIN tokens runs ceil(its length / CHUNK) splits.
-# Shorter rows are not split: there the split kernel's extra launch and partials cost more
-# host time per layer than the few blocks gain (1B batch 8 at 128-384 tokens: see RESULTS.md).
+# Shorter rows are not split: a block over at most SPLIT_MIN tokens is short anyway, and the
+# split path adds a kernel launch and partial buffers per layer, which at small batches (where
+# a decode step is bound by the host's launches) is pure cost. A choice, not a measured optimum
+# (RESULTS.md, issue 9).
 # KVBATCH_CUDA_CHUNK=N overrides both (splits of N tokens from N tokens on; 0 = never split).
 CHUNK = 256
 SPLIT_MIN = 1024
