@@ -71,6 +71,7 @@ _LOG2E = 1.0 / math.log(2.0)
 
 
 def _softmax_pow2(scores: mx.array, mask: mx.array) -> mx.array:
+    """The masked softmax as 2^((s - max) log2 e), in float32 (see masked_softmax)."""
     s = mx.where(mask, scores.astype(mx.float32), -mx.inf)
     e = mx.power(2.0, (s - s.max(axis=-1, keepdims=True)) * _LOG2E)
     return (e / e.sum(axis=-1, keepdims=True)).astype(scores.dtype)
@@ -127,6 +128,8 @@ QMM_MIN_WORK = 1 << 19
 def qmm_split(rows_heads: int, tokens: int, head_dim: int, most: int) -> int:
     """How many streams a quantized matmul over rows_heads x tokens x head_dim elements uses."""
     return max(1, min(most, rows_heads * tokens * head_dim // QMM_MIN_WORK))
+
+
 _qmm_streams: list | None = None
 
 
