@@ -220,9 +220,9 @@ def attention_micro(spec, group, page) -> list[dict]:
                     for i, (a, z) in enumerate(zip(cuts, cuts[1:])):
                         with mx.stream(streams[i] or mx.default_stream(mx.default_device())):
                             qk.append(st.gather_quantized(0, table[:, a:z], "k"))
-                    return att.quantized_decode_attention(q, qk, st.gather_quantized(0, table, "v"), tk, tv,
-                                                          mask_all, scale, group, bits, streams,
-                                                          k_transposed=k_axis == "channel")
+                    return att.quantized_decode_attention(q, qk, st.gather_quantized(0, table, "v"), tk, tv, None,
+                                                          None, scale, group, bits, streams,
+                                                          k_transposed=k_axis == "channel", mask=mask_all)
 
                 split = att.qmm_split(B * H, T, D, min(len(streams), n))
                 r[f"q{bits}_attention_ms"] = _bench(lambda: quant(split))

@@ -151,18 +151,20 @@ def _f32(a: mx.array) -> mx.array:
 
 
 def quantized_decode_attention(q: mx.array, qk: list[mx.array] | list[list[mx.array]] | None,
-                               qv: list[mx.array], tk: mx.array, tv: mx.array, mask: mx.array,
-                               scale: float, group_size: int, bits: int,
-                               streams: list | None = None, k_transposed: bool = False) -> mx.array:
+                               qv: list[mx.array], tk: mx.array, tv: mx.array, mask_q: mx.array,
+                               mask_t: mx.array, scale: float, group_size: int, bits: int,
+                               streams: list | None = None, k_transposed: bool = False,
+                               mask: mx.array | None = None) -> mx.array:
     """q (B,Hq,L,D); qk/qv packed triplets (B,Hkv,Tq,·) or None; tail tk/tv (B,Hkv,P,D).
 
     qk may also be a list of triplets, consecutive runs of pages that together make Tq
-    (the key scores of run i are computed on streams[i]). mask (B,1,1,Tq+P) marks the valid
-    keys, the Tq quantized ones then the tail's P (the same for every query of the pass;
-    the cache builds it once per step, not per layer). Queries of a
+    (the key scores of run i are computed on streams[i]). mask_q (B,1,1,Tq) and mask_t
+    (B,1,1,P) mark the valid keys (the same for every query of the pass). Queries of a
     KV head's group are folded into rows, (B, Hkv, rep*L, D): the 4-D shape that MLX's
     CUDA quantized_matmul implements for every head size (a 5-D broadcast shape has no
     CUDA kernel at head size 64).
+
+    mask: mask_q and mask_t concatenated, if the caller has it (built once per step, not per layer).
 
     k_transposed: qk holds K^T quantized per channel, (B,Hkv,D,·) (QuantizedStore
     k_axis="channel"): the scores run as an untransposed quantized_matmul.
@@ -178,14 +180,17 @@ def quantized_decode_attention(q: mx.array, qk: list[mx.array] | list[list[mx.ar
     streams = streams or [None]
     qf = (_f32(q) * scale).reshape(B, Hkv, rep * L, D)
     scores_t = qf @ _f32(tk).swapaxes(-1, -2)  # (B,Hkv,rep*L,P)
-    parts = [scores_t]
+    parts, masks = [scores_t], [mask_t]
     if qk is not None:
         runs = qk if isinstance(qk[0], (list, tuple)) else [qk]
         scores_q = [mx.quantized_matmul(qf, w, _f32(s), _f32(b), transpose=not k_transposed, group_size=group_size,
                                         bits=bits, stream=streams[i % len(streams)])
                     for i, (w, s, b) in enumerate(runs)]
         parts[:0] = scores_q
+        masks.insert(0, mask_q)
     scores = mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+    if mask is None:
+        mask = mx.concatenate(masks, axis=-1) if len(masks) > 1 else masks[0]
     probs = masked_softmax(scores, mask)
     P = tk.shape[2]
     out = probs[..., -P:] @ _f32(tv)

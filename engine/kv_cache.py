@@ -225,8 +225,9 @@ class PagedKVCache:
         else:
             slots = np.concatenate([self._slots(r, int(p), int(p) + L) for r, p in zip(rows, pos)])
         table = self._table(rows, n_pages)
-        slots = slots.astype(np.int32)  # (page, offset) on the host, once per pass, not per layer
-        t = {"page_off": (mx.array(slots // self.P), mx.array(slots % self.P)), "table": table}
+        slots = slots.astype(np.int32)
+        t = {"slots": mx.array(slots), "table": table,
+             "page_off": (mx.array(slots // self.P), mx.array(slots % self.P))}  # host-side, once per pass
         if L == 1 and self.fused_decode:
             t["lengths"] = mx.array(new_len.astype(np.int32))
         else:
@@ -258,17 +259,14 @@ class PagedKVCache:
             if "table_q" in t:
                 width = t["table_q"].shape[1]
                 Tq = width * P
-                mask_q = mx.arange(Tq)[None] < mx.array(n_before * P)[:, None]
+                t["mask_q"] = (mx.arange(Tq)[None] < mx.array(n_before * P)[:, None]).reshape(len(rows), 1, 1, Tq)
                 # key scores in runs of pages, one per stream (see attention.quantized_decode_attention)
                 n = att.qmm_split(len(rows) * self.layout.num_kv_heads, Tq, self.layout.head_dim,
                                   min(len(self.qmm_streams), width))
                 cuts = [width * i // n for i in range(n + 1)]
                 t["runs_q"] = [t["table_q"][:, a:z] for a, z in zip(cuts, cuts[1:])]
-            # valid keys, sealed pages then tail: built once per step, used by every layer
-            mask = mx.arange(P)[None] <= mx.array(fill)[:, None]
-            if "table_q" in t:
-                mask = mx.concatenate([mask_q, mask], axis=-1)
-            t["mask"] = mask.reshape(len(rows), 1, 1, -1)
+            t["mask_t"] = (mx.arange(P)[None] <= mx.array(fill)[:, None]).reshape(len(rows), 1, 1, P)
+            t["mask_all"] = mx.concatenate([t["mask_q"], t["mask_t"]], axis=-1) if "mask_q" in t else t["mask_t"]
             return t
         if len(rows) != 1:
             raise ValueError("quantized multi-token passes (prefill) run one row at a time")
@@ -294,7 +292,7 @@ class PagedKVCache:
         v = values.transpose(0, 2, 1, 3).reshape(B * L, H, D)
         t = plan.tensors
         if not self.store.quantized:
-            self.store.write(layer, *t["page_off"], k, v)
+            self.store.write(layer, t["slots"], k, v, t["page_off"])
         elif "run" in t:
             tail, fill, slots = t["run"]
             self._segment[layer] = self.store.write_run(layer, tail, fill, slots, k, v)
@@ -324,7 +322,7 @@ class PagedKVCache:
             out = att.dense_attention(queries, sk, sv, t["mask"], scale, upcast=True)
         else:
             tk, tv = st.gather_tails(layer, t["tails"])
-            qk = qv = None
+            qk = qv = mask_q = None
             if "table_q" in t:
                 qk = []
                 for i, run in enumerate(t["runs_q"]):  # each run's gather on the stream that uses it
@@ -333,10 +331,10 @@ class PagedKVCache:
                     else:
                         with mx.stream(self.qmm_streams[i]):
                             qk.append(st.gather_quantized(layer, run, "k"))
-                qv = st.gather_quantized(layer, t["table_q"], "v")
-            out = att.quantized_decode_attention(queries, qk, qv, tk, tv, t["mask"], scale,
+                qv, mask_q = st.gather_quantized(layer, t["table_q"], "v"), t["mask_q"]
+            out = att.quantized_decode_attention(queries, qk, qv, tk, tv, mask_q, t["mask_t"], scale,
                                                  st.group_size, st.bits, self.qmm_streams,
-                                                 k_transposed=st.k_axis == "channel")
+                                                 k_transposed=st.k_axis == "channel", mask=t["mask_all"])
         if plan.poison is not None and layer == 0:  # testing-only fault injection
             out = mx.where(plan.poison[:, None, None, None], mx.array(mx.nan, out.dtype), out)
         if self.trace:
