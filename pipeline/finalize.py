@@ -45,6 +45,10 @@ def reconcile(out_dir: Path, q: Queue) -> Finalized:
 def _reconcile(out_dir: Path, q: Queue) -> Finalized:
     parts_dir = out_dir / "parts"
     clean_temp(parts_dir)
+    # The queue first, then the parts: a worker renames its part before it acknowledges, so a
+    # row seen finished here has its part on disk already. (The other order takes a part that
+    # lands between the two reads for lost, and a live worker's row would be generated again.)
+    manifest = q.manifest()
     good, bad = scan(parts_dir)
     for name in bad:
         quarantine(parts_dir, name)
@@ -55,8 +59,9 @@ def _reconcile(out_dir: Path, q: Queue) -> Finalized:
             where.setdefault(key, (name, i))
     chosen: list[tuple[int, str, int]] = []  # (manifest pos, part, row)
     adopt: dict[str, list] = {}
+    lost: list[tuple[str, str]] = []  # (key, the part the queue says holds it)
     done = Finalized(out_dir / RESULTS, bad_parts=bad, chosen=chosen, good=good)
-    for pos, key, state, part, _attempts in q.manifest():
+    for pos, key, state, part, _attempts in manifest:
         if state in ("done", "error"):
             if key in index.get(part, ()):
                 chosen.append((pos, part, index[part][key]))
@@ -64,6 +69,7 @@ def _reconcile(out_dir: Path, q: Queue) -> Finalized:
                 chosen.append((pos, *where[key]))
             else:
                 done.requeued.append(key)
+                lost.append((key, part))
         elif key in where:
             chosen.append((pos, *where[key]))
             name, i = where[key]
@@ -75,7 +81,7 @@ def _reconcile(out_dir: Path, q: Queue) -> Finalized:
         q.adopt(items, name)
         done.adopted += len(items)
     if done.requeued:
-        q.requeue(done.requeued, "lost_part")
+        q.requeue(lost, "lost_part")
     return done
 
 

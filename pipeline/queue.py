@@ -207,17 +207,19 @@ class Queue:
                     (now, 0 if count_attempt else 1, key, worker))
                 self._end_attempt(key, outcome, now, worker)
 
-    def requeue(self, keys: list[str], outcome: str) -> None:
-        """Terminal rows whose part is gone or corrupt: back to pending, to be generated again
-        (the lost run does not count as an attempt: losing a file is not the row's fault)."""
+    def requeue(self, items: list[tuple[str, str]], outcome: str) -> None:
+        """Terminal rows (key, part) whose part is gone or corrupt: back to pending, to be generated
+        again (the lost run does not count as an attempt: losing a file is not the row's fault).
+        A row no longer finished from that part (acknowledged again meanwhile) is left alone."""
         now = time.time()
         with self._tx():
-            for key in keys:
-                self.db.execute("UPDATE rows SET state='pending', part=NULL, error_code=NULL, worker=NULL, "
-                                "lease_until=NULL, attempts=MAX(attempts-1, 0), updated_at=? WHERE key=?",
-                                (now, key))
-                self.db.execute("UPDATE attempts SET outcome=? WHERE id=(SELECT MAX(id) FROM attempts "
-                                "WHERE key=?)", (outcome, key))
+            for key, part in items:
+                n = self.db.execute("UPDATE rows SET state='pending', part=NULL, error_code=NULL, worker=NULL, "
+                                    "lease_until=NULL, attempts=MAX(attempts-1, 0), updated_at=? WHERE key=? "
+                                    "AND state IN ('done','error') AND part=?", (now, key, part)).rowcount
+                if n:
+                    self.db.execute("UPDATE attempts SET outcome=? WHERE id=(SELECT MAX(id) FROM attempts "
+                                    "WHERE key=?)", (outcome, key))
 
     def _end_attempt(self, key: str, outcome: str, now: float, worker: Optional[str] = None,
                      part: Optional[str] = None, code: Optional[str] = None) -> None:

@@ -75,3 +75,31 @@ def test_finalize_empty(tmp_path):
     fin = finalize(tmp_path, q, {})
     t = pq.read_table(fin.path)
     assert t.num_rows == 0 and t.schema.remove_metadata() == SCHEMA
+
+
+def test_reconcile_while_another_worker_acknowledges(tmp_path, monkeypatch):
+    """A worker that reconciles while another one writes and acknowledges a part must not take
+    that row for lost: the queue is read before the parts, so a row it sees finished has a part
+    already on disk (a worker renames its part, then acknowledges)."""
+    import pipeline.finalize as fz
+
+    q = _queue(tmp_path, 2)
+    parts = tmp_path / "parts"
+    q.claim("b", 2, lease_s=60)
+    real_scan = fz.scan
+
+    def scan_then_other_worker_acks(folder):
+        seen = real_scan(folder)
+        # worker b, between this scan and the rest of the reconcile: rename, then ack
+        write_part(parts, "part-b-00000.parquet", [_rec("k0", 0)])
+        Queue(tmp_path / "queue.sqlite").ack("b", [("k0", None)], "part-b-00000.parquet")
+        return seen
+
+    monkeypatch.setattr(fz, "scan", scan_then_other_worker_acks)
+    rec = fz.reconcile(tmp_path, q)
+    assert rec.requeued == [] and rec.adopted == 0
+    assert q.counts() == {"pending": 0, "leased": 1, "done": 1, "error": 0}
+    assert [r[5] for r in q.attempts("k0")] == ["done"]
+    monkeypatch.setattr(fz, "scan", real_scan)
+    fin = finalize(tmp_path, q, {})
+    assert fin.requeued == [] and pq.read_table(fin.path).column("row_key").to_pylist() == ["k0"]

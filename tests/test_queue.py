@@ -80,7 +80,9 @@ def test_ack_never_overwrites_a_finished_row(tmp_path):
     q.ack("w", [("k0", None)], "part-1")
     q.ack("w", [("k0", "internal_error")], "part-2")
     assert q.manifest()[0][2:4] == ("done", "part-1")
-    q.requeue(["k0"], "lost_part")
+    q.requeue([("k0", "part-2")], "lost_part")  # not the part that holds it: left alone
+    assert q.manifest()[0][2:4] == ("done", "part-1")
+    q.requeue([("k0", "part-1")], "lost_part")
     assert q.counts()["pending"] == 1 and q.manifest()[0][3] is None
 
 
@@ -163,7 +165,7 @@ def test_plain_rows_pass_suspects_and_lost_parts_do_not_count(tmp_path):
     got = q.claim("w2", 10, lease_s=600, idle=False, isolate_after=1, max_crashes=3)
     assert [c.key for c in got] == ["k1", "k2"]  # busy: plain rows go past the suspect
     q.ack("w2", [("k1", None)], "p1")
-    q.requeue(["k1"], "lost_part")
+    q.requeue([("k1", "p1")], "lost_part")
     again = {c.key: c.attempt for c in q.claim("w3", 10, lease_s=600)}
     assert again == {"k0": 1, "k1": 1}  # handed back / part lost: neither counts as an attempt
 
