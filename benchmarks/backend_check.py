@@ -223,6 +223,8 @@ def main() -> int:
     ap.add_argument("--kernel-modes", default="none,q8,q4")
     ap.add_argument("--kernel-dtypes", default="float32,bfloat16,float16")
     ap.add_argument("--kernel-chunks", default="default,0,48,100", help="tokens per split; default = CHUNK")
+    ap.add_argument("--unrolls", default="1,2", help="bench: tokens per lane per loop step to compare")
+    ap.add_argument("--bench-batches", default="1,8,64")
     a = ap.parse_args()
     parts = a.parts.split(",")
     print("device:", mx.default_device(), "mlx", mx.__version__, flush=True)
@@ -231,7 +233,8 @@ def main() -> int:
         chunks = tuple(None if c == "default" else int(c) for c in a.kernel_chunks.split(","))
         ok &= kernel_checks(tuple(a.kernel_modes.split(",")), tuple(a.kernel_dtypes.split(",")), chunks)
     if "bench" in parts and mx.cuda.is_available():
-        kernel_bench()
+        kernel_bench(batches=tuple(map(int, a.bench_batches.split(","))),
+                     unrolls=tuple(map(int, a.unrolls.split(","))))
     if "engine" not in parts:
         return 0 if ok else 1
     for family, hd in (("llama", 64), ("llama", 128), ("qwen3", 128)):

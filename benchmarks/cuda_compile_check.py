@@ -42,17 +42,19 @@ def main() -> int:
             base = dict(T=T, S=T, D=D, P=64, REP=rep, HKV=8, NW=ca.warps_for(D, rep), LPT=ca._lanes(D), NE=ca.NE,
                         U=ca.UNROLL)
             ints = [("table", "int32_t"), ("meta", "int32_t"), ("scale", "float")]
-            for split in (False, True):
+            for split, new_kv in ((False, False), (True, False), (False, True), (True, True)):
+                store = [("kn", T), ("vn", T)] if new_kv else []  # the kernel also stores the new token
                 outs = [("pm", "float"), ("pl", "float"), ("pacc", "float")] if split else [("out", T)]
                 dense_in = [("q", T), ("k", T), ("v", T), ("table", "int32_t"), ("lengths", "int32_t"),
                             ("meta", "int32_t"), ("scale", "float")]
-                src.append(wrap(f"dense_{i}", dense_in, outs, base, ca.kernel_source(False, split)))
+                src.append(wrap(f"dense_{i}", dense_in + store, outs, base, ca.kernel_source(False, split, new_kv)))
                 for bits in (8, 4):
                     qin = [("q", T), ("kw", "uint32_t"), ("ks", T), ("kb", T), ("vw", "uint32_t"), ("vs", T),
                            ("vb", T), ("tk", T), ("tv", T), ("tails", "int32_t")] + ints[:1] + \
                           [("lens", "int32_t")] + ints[1:]
                     consts = dict(base, BITS=bits, GS=32 if D % 64 else 64)
-                    src.append(wrap(f"quant_{i}_{bits}", qin, outs, consts, ca.kernel_source(True, split)))
+                    src.append(wrap(f"quant_{i}_{bits}", qin + store, outs, consts,
+                                    ca.kernel_source(True, split, new_kv)))
                 i += 1
             for ql in (0, 1):
                 src.append(wrap(f"reduce_{i}_{ql}", [("pm", "float"), ("pl", "float"), ("pacc", "float"),

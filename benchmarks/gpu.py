@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 
@@ -90,6 +91,25 @@ def run_mlx_lm(model, ps, new_tokens):
 
 
 def run_kvbatch(model, spec, ps, new_tokens, mode, budget):
+    """mode: none/q8/q4, optionally with environment settings for this run only:
+    "none@KVBATCH_CUDA_KERNEL_WRITE=0" (A/B of an engine switch in the same process)."""
+    mode, _, env = mode.partition("@")
+    saved = {}
+    for kv in filter(None, env.split(",")):
+        k, _, v = kv.partition("=")
+        saved[k] = os.environ.get(k)
+        os.environ[k] = v
+    try:
+        return _run_kvbatch(model, spec, ps, new_tokens, mode, budget)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _run_kvbatch(model, spec, ps, new_tokens, mode, budget):
     mx.reset_peak_memory()
     eng = Engine(model, _NullTokenizer(), spec,
                  EngineConfig(kv_mode=mode, page_size=64, max_batch=len(ps), prefill_chunk=2048,
@@ -132,7 +152,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=256)
-    ap.add_argument("--modes", default="none,q8,q4")
+    ap.add_argument("--modes", default="none,q8,q4", help="also MODE@ENV=VALUE (run_kvbatch)")
+    ap.add_argument("--long-modes", default="", help="modes at long context (default: --modes)")
     ap.add_argument("--long", type=int, default=8192)
     ap.add_argument("--long-batches", default="1,8")
     ap.add_argument("--long-new", type=int, default=64)
@@ -164,16 +185,18 @@ def main() -> None:
         # inside the measured run. At long context kvbatch runs first (mlx-lm ran out of GPU
         # memory there before).
         warm = warm_tokens(plen, new)
-        for mode in a.modes.split(","):
+        modes = (a.long_modes or a.modes).split(",") if long else a.modes.split(",")
+        for mode in modes:
             guarded(run_kvbatch, model, spec, ps, warm, mode, budget)
         if not (long and a.skip_mlx_lm_long):
             guarded(run_mlx_lm, model, ps, warm)
         row["warmup_tokens"] = warm
         if not long:
             row["mlx_lm_none"] = guarded(run_mlx_lm, model, ps, new)
-        for mode in a.modes.split(","):
+        for mode in modes:
             row[f"kvbatch_{mode}"] = guarded(run_kvbatch, model, spec, ps, new, mode, budget)
-            row[f"kvbatch_{mode}"]["roofline_tps_mode"] = roofline(spec, kv_bpt[mode], batch, ctx, bw)
+            row[f"kvbatch_{mode}"]["roofline_tps_mode"] = roofline(spec, kv_bpt[mode.partition("@")[0]], batch, ctx,
+                                                                   bw)
         if long:
             row["mlx_lm_none"] = {"error": "skipped (--skip-mlx-lm-long)"} if a.skip_mlx_lm_long else \
                 guarded(run_mlx_lm, model, ps, new)

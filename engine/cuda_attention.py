@@ -108,6 +108,7 @@ _LOOP = r"""
 _DENSE_LOAD = r"""
                     const int page = table[(size_t)b * maxp + t / P];
                     const size_t base = (((size_t)page * HKV + hk) * P + (t % P)) * D + li * NE;
+                    {new_kv}
                     const V8 kk = *reinterpret_cast<const V8*>(k + base);
                     const V8 vv = *reinterpret_cast<const V8*>(v + base);
                     for (int e = 0; e < NE; ++e) {
@@ -118,6 +119,7 @@ _DENSE_LOAD = r"""
 
 _TAIL_LOAD = r"""
                     const size_t base = (((size_t)tails[b] * HKV + hk) * P + (t - n_main)) * D + li * NE;
+                    {new_kv}
                     const V8 kk = *reinterpret_cast<const V8*>(tk + base);
                     const V8 vv = *reinterpret_cast<const V8*>(tv + base);
                     for (int e = 0; e < NE; ++e) {
@@ -146,6 +148,19 @@ _QUANT_LOAD = r"""
                         vf[u][e] = vs_ * (__uint_as_float(va) - 8388608.f) + vb_;
                     }
 """
+
+# The step's new token (t == len - 1), when the kernel also stores it (`new_kv`): the lane reads
+# its elements from the projections (kn/vn, (B, HKV, D)) and writes them into the page slot that
+# the loads below then read back (the same thread, program order: the same bits as a pass that
+# stored the token with a scatter first). Only the one thread group that holds token len - 1
+# (in the one block whose range holds it) touches that slot; no other block of this launch
+# reads it. MLX custom kernels have no in-place outputs, so the store goes through the input
+# pointer: the pages are written in place, as MLX's own donated scatter would write them.
+_NEW_KV = r"""if (t == len - 1) {{
+                        const size_t nb = ((size_t)b * HKV + hk) * D + li * NE;
+                        *reinterpret_cast<V8*>(const_cast<S*>({k}) + base) = *reinterpret_cast<const V8*>(kn + nb);
+                        *reinterpret_cast<V8*>(const_cast<S*>({v}) + base) = *reinterpret_cast<const V8*>(vn + nb);
+                    }}"""
 
 # Merge the warp's token sub-groups (shuffles), then the block's warps (shared memory).
 _MERGE = r"""
@@ -223,23 +238,25 @@ _DENSE_INPUTS = ["q", "k", "v", "table", "lengths", "meta", "scale"]
 _QUANT_INPUTS = ["q", "kw", "ks", "kb", "vw", "vs", "vb", "tk", "tv", "tails", "table", "lens", "meta", "scale"]
 
 
-def kernel_source(quantized: bool, split: bool) -> str:
-    """The kernel body (also compiled by benchmarks/backend_check.py's nvcc check)."""
+def kernel_source(quantized: bool, split: bool, new_kv: bool = False) -> str:
+    """The kernel body (also compiled by benchmarks/backend_check.py's nvcc check). new_kv: the
+    kernel also stores the step's token (inputs kn, vn) into its dense page / tail page."""
+    store = (lambda k, v: _NEW_KV.format(k=k, v=v)) if new_kv else (lambda k, v: "")
     if quantized:
         head = _HEAD.format(lens="const int n_main = lens[2 * b], len = n_main + lens[2 * b + 1];")
         body = (_LOOP.format(start="t0", stop="min(t1, n_main)", load=_QUANT_LOAD)
-                + _LOOP.format(start="max(t0, n_main)", stop="t1", load=_TAIL_LOAD))
+                + _LOOP.format(start="max(t0, n_main)", stop="t1", load=_TAIL_LOAD.replace("{new_kv}", store("tk", "tv"))))
     else:
         head = _HEAD.format(lens="const int len = lengths[b];")
-        body = _LOOP.format(start="t0", stop="t1", load=_DENSE_LOAD)
+        body = _LOOP.format(start="t0", stop="t1", load=_DENSE_LOAD.replace("{new_kv}", store("k", "v")))
     return head + body + _MERGE + (_WRITE_PART if split else _WRITE_OUT)
 
 
 _kernels: dict = {}
 
 
-def _kernel(kind: str, split: bool):
-    key = (kind, split)
+def _kernel(kind: str, split: bool, new_kv: bool = False):
+    key = (kind, split, new_kv)
     if key not in _kernels:
         if kind == "reduce":
             _kernels[key] = mx.fast.cuda_kernel(name="kvbatch_paged_reduce2",
@@ -248,10 +265,10 @@ def _kernel(kind: str, split: bool):
         else:
             q = kind == "quant"
             _kernels[key] = mx.fast.cuda_kernel(
-                name=f"kvbatch_paged_decode2_{kind}{'_split' if split else ''}",
-                input_names=_QUANT_INPUTS if q else _DENSE_INPUTS,
+                name=f"kvbatch_paged_decode2_{kind}{'_split' if split else ''}{'_store' if new_kv else ''}",
+                input_names=(_QUANT_INPUTS if q else _DENSE_INPUTS) + (["kn", "vn"] if new_kv else []),
                 output_names=["pm", "pl", "pacc"] if split else ["out"],
-                source=kernel_source(q, split))
+                source=kernel_source(q, split, new_kv))
     return _kernels[key]
 
 
@@ -295,6 +312,13 @@ def usable(layout, store, query_heads: int) -> bool:
     return getattr(store, "k", None) is not None and store.k[0].ndim == 4 and supports(layout.head_dim, rep)
 
 
+def kernel_writes() -> bool:
+    """Whether decode stores each step's new K/V inside the fused kernel (the token's slot is
+    written by the thread that reads it) instead of two scatters per layer before it: fewer
+    device ops per layer for the host to launch. KVBATCH_CUDA_KERNEL_WRITE=0 turns it off."""
+    return os.environ.get("KVBATCH_CUDA_KERNEL_WRITE", "1") != "0"
+
+
 def chunk_tokens() -> tuple[int, int]:
     """(tokens per split, longest unsplit row): KVBATCH_CUDA_CHUNK=N gives (N, N) (0: never
     split), else (CHUNK, SPLIT_MIN)."""
@@ -328,8 +352,10 @@ def _const(values: tuple, dtype) -> mx.array:
 
 
 def _launch(kind: str, inputs: list, q: mx.array, store_dtype: mx.Dtype, kv_heads: int, page: int,
-            max_tokens: int, maxp: int, scale: float, extra: list, chunk: int | None) -> mx.array:
+            max_tokens: int, maxp: int, scale: float, extra: list, chunk: int | None,
+            new_kv: tuple[mx.array, mx.array] | None) -> mx.array:
     B, Hq, _, D = q.shape
+    lens = inputs[-1]  # (B,) lengths, or (B, 2) sealed + tail tokens
     rep = Hq // kv_heads
     nw = warps_for(D, rep)
     ns, chunk, unsplit = splits_for(max_tokens, chunk)
@@ -337,16 +363,17 @@ def _launch(kind: str, inputs: list, q: mx.array, store_dtype: mx.Dtype, kv_head
     template = [("T", q.dtype), ("S", store_dtype), ("D", D), ("P", page), ("REP", rep), ("HKV", kv_heads),
                 ("NW", nw), ("LPT", _lanes(D)), ("NE", NE), ("U", UNROLL)] + extra
     args = [q.reshape(B, Hq, D)] + inputs + [meta, _const((float(scale),), mx.float32)]
+    if new_kv is not None:
+        args += [a.reshape(B, kv_heads, D).astype(store_dtype) for a in new_kv]
     grid, block = (B * kv_heads * ns * 32 * nw, 1, 1), (32 * nw, 1, 1)
     if ns == 1:
-        (out,) = _kernel(kind, False)(inputs=args, template=template, grid=grid, threadgroup=block,
+        (out,) = _kernel(kind, False, new_kv is not None)(inputs=args, template=template, grid=grid, threadgroup=block,
                                       output_shapes=[(B, Hq, D)], output_dtypes=[q.dtype])
     else:
         n = B * kv_heads * ns * rep
-        pm, pl, pacc = _kernel(kind, True)(inputs=args, template=template, grid=grid, threadgroup=block,
+        pm, pl, pacc = _kernel(kind, True, new_kv is not None)(inputs=args, template=template, grid=grid, threadgroup=block,
                                            output_shapes=[(n,), (n,), (n * D,)],
                                            output_dtypes=[mx.float32] * 3)
-        lens = inputs[-1]  # (B,) lengths, or (B, 2) sealed + tail tokens
         (out,) = _kernel("reduce", False)(inputs=[pm, pl, pacc, meta, lens],
                                           template=[("T", q.dtype), ("D", D), ("REP", rep), ("HKV", kv_heads),
                                                     ("QL", int(kind == "quant"))],
@@ -356,26 +383,30 @@ def _launch(kind: str, inputs: list, q: mx.array, store_dtype: mx.Dtype, kv_head
 
 
 def paged_decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array,
-                           lengths: mx.array, scale: float, chunk: int | None = None) -> mx.array:
+                           lengths: mx.array, scale: float, chunk: int | None = None,
+                           new_kv: tuple[mx.array, mx.array] | None = None) -> mx.array:
     """q (B, Hq, 1, D); pools (pages, Hkv, P, D); table (B, maxp) int32; lengths (B,) int32
     (keys stored, the new token included) -> (B, Hq, 1, D). chunk: tokens per split (None:
-    chunk_tokens(); 0: no split)."""
+    chunk_tokens(); 0: no split). new_kv: this step's (keys, values), (B, Hkv, 1, D), which
+    the kernel stores into each row's slot len - 1 (then not stored before the call)."""
     _, Hkv, P, _ = k_pool.shape
     maxp = table.shape[1]
     inputs = [k_pool, v_pool, table.astype(mx.int32), lengths.astype(mx.int32)]
-    return _launch("dense", inputs, q, k_pool.dtype, Hkv, P, maxp * P, maxp, scale, [], chunk)
+    return _launch("dense", inputs, q, k_pool.dtype, Hkv, P, maxp * P, maxp, scale, [], chunk, new_kv)
 
 
 def paged_decode_attention_quantized(q: mx.array, packed: list[mx.array], tail_k: mx.array, tail_v: mx.array,
                                      tails: mx.array, table: mx.array, lens: mx.array, scale: float, bits: int,
-                                     group_size: int, chunk: int | None = None) -> mx.array:
+                                     group_size: int, chunk: int | None = None,
+                                     new_kv: tuple[mx.array, mx.array] | None = None) -> mx.array:
     """q (B, Hq, 1, D); packed: [k_w, k_scales, k_biases, v_w, v_scales, v_biases], each
     (pages, Hkv, P, width); tail_k/v (slots, Hkv, P, D); tails (B,) the rows' tail slots;
     table (B, maxp) the sealed pages; lens (B, 2) int32: tokens on sealed pages and in the
-    tail (the new token included) -> (B, Hq, 1, D). chunk as in paged_decode_attention."""
+    tail (the new token included) -> (B, Hq, 1, D). chunk, new_kv as in paged_decode_attention
+    (new_kv: stored into the tail pages)."""
     _, Hkv, P, _ = tail_k.shape
     maxp = table.shape[1]
     inputs = [packed[0], packed[1], packed[2], packed[3], packed[4], packed[5], tail_k, tail_v,
               tails.astype(mx.int32), table.astype(mx.int32), lens.astype(mx.int32)]
     return _launch("quant", inputs, q, tail_k.dtype, Hkv, P, maxp * P + P, maxp, scale,
-                   [("BITS", bits), ("GS", group_size)], chunk)
+                   [("BITS", bits), ("GS", group_size)], chunk, new_kv)

@@ -90,6 +90,7 @@ class PagedKVCache:
             self.store = DenseStore(num_layers, layout.num_kv_heads, layout.head_dim, self.P, dtype)
             self.route = att.ROUTE_DENSE_F32 if upcast else att.ROUTE_DENSE
         self.fused_decode = cuda_attention.usable(layout, self.store, query_heads)
+        self.kernel_writes = self.fused_decode and cuda_attention.kernel_writes()  # CUDA decode stores
         if self.fused_decode:
             self.route = att.ROUTE_CUDA_Q if layout.bits else att.ROUTE_CUDA
         self.upcast = upcast
@@ -102,6 +103,7 @@ class PagedKVCache:
         self.trace = trace
         self._reported: set = set()
         self._segment: dict[int, tuple[mx.array, mx.array]] = {}
+        self._new_kv: dict[int, tuple[mx.array, mx.array]] = {}  # decode K/V the fused kernel stores
 
     # ---- capacity (always from the live buffers) -------------------------------------------
     @property
@@ -192,6 +194,7 @@ class PagedKVCache:
         build = self._plan_quantized if self.store.quantized else self._plan_dense
         self.plan.tensors = build(rows, L, pos)
         self._reported = set()
+        self._new_kv.clear()
 
     def end(self) -> None:
         for r in self.plan.rows:
@@ -219,6 +222,9 @@ class PagedKVCache:
     def _plan_dense(self, rows, L, pos) -> dict:
         new_len = pos + L
         n_pages = -(-new_len // self.P)
+        if L == 1 and self.kernel_writes:  # CUDA: the fused kernel stores the token (slot len - 1)
+            return {"table": self._table(rows, n_pages), "lengths": mx.array(new_len.astype(np.int32)),
+                    "kernel_writes": True}
         if L == 1:  # decode: one slot per row, without converting whole page tables
             P = self.P
             slots = np.array([r.pages[p // P] * P + p % P for r, p in zip(rows, pos.tolist())], dtype=np.int32)
@@ -255,6 +261,9 @@ class PagedKVCache:
             if self.fused_decode:  # CUDA: sealed pages and tail read in place (cuda_attention)
                 t["lens"] = mx.array(np.stack([n_before * P, fill + 1], 1).astype(np.int32))
                 t.setdefault("table_q", mx.zeros((len(rows), 1), dtype=mx.int32))
+                if self.kernel_writes and not len(done):  # the kernel stores the token in the tail
+                    del t["tail_write"]  # (a step that seals a page writes first: the seal reads it)
+                    t["kernel_writes"] = True
                 return t
             if "table_q" in t:
                 width = t["table_q"].shape[1]
@@ -288,9 +297,12 @@ class PagedKVCache:
         if B != len(plan.rows) or L != plan.L:
             raise UnreservedWriteError(f"KV write of {B}x{L} tokens into a pass reserved for "
                                        f"{len(plan.rows)}x{plan.L}")
+        t = plan.tensors
+        if "kernel_writes" in t:  # stored by the fused decode kernel (attend)
+            self._new_kv[layer] = (keys, values)
+            return
         k = keys.transpose(0, 2, 1, 3).reshape(B * L, H, D)
         v = values.transpose(0, 2, 1, 3).reshape(B * L, H, D)
-        t = plan.tensors
         if not self.store.quantized:
             self.store.write(layer, t["slots"], k, v, t["page_off"])
         elif "run" in t:
@@ -305,11 +317,11 @@ class PagedKVCache:
         plan, t, st = self.plan, self.plan.tensors, self.store
         if "lengths" in t:  # CUDA: pages read in place by the fused decode kernel
             out = cuda_attention.paged_decode_attention(queries, st.k[layer], st.v[layer], t["table"],
-                                                        t["lengths"], scale)
+                                                        t["lengths"], scale, new_kv=self._new_kv.pop(layer, None))
         elif "lens" in t:
             out = cuda_attention.paged_decode_attention_quantized(
                 queries, st.q[layer], st.tk[layer], st.tv[layer], t["tails"], t["table_q"], t["lens"], scale,
-                st.bits, st.group_size)
+                st.bits, st.group_size, new_kv=self._new_kv.pop(layer, None))
         elif not st.quantized:
             k, v = st.gather(layer, t["table"])
             out = att.dense_attention(queries, k, v, t["mask"], scale, self.upcast)
