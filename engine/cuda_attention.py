@@ -108,7 +108,6 @@ _LOOP = r"""
 _DENSE_LOAD = r"""
                     const int page = table[(size_t)b * maxp + t / P];
                     const size_t base = (((size_t)page * HKV + hk) * P + (t % P)) * D + li * NE;
-                    {new_kv}
                     const V8 kk = *reinterpret_cast<const V8*>(k + base);
                     const V8 vv = *reinterpret_cast<const V8*>(v + base);
                     for (int e = 0; e < NE; ++e) {
@@ -119,7 +118,6 @@ _DENSE_LOAD = r"""
 
 _TAIL_LOAD = r"""
                     const size_t base = (((size_t)tails[b] * HKV + hk) * P + (t - n_main)) * D + li * NE;
-                    {new_kv}
                     const V8 kk = *reinterpret_cast<const V8*>(tk + base);
                     const V8 vv = *reinterpret_cast<const V8*>(tv + base);
                     for (int e = 0; e < NE; ++e) {
@@ -149,18 +147,22 @@ _QUANT_LOAD = r"""
                     }
 """
 
-# The step's new token (t == len - 1), when the kernel also stores it (`new_kv`): the lane reads
-# its elements from the projections (kn/vn, (B, HKV, D)) and writes them into the page slot that
-# the loads below then read back (the same thread, program order: the same bits as a pass that
-# stored the token with a scatter first). Only the one thread group that holds token len - 1
-# (in the one block whose range holds it) touches that slot; no other block of this launch
-# reads it. MLX custom kernels have no in-place outputs, so the store goes through the input
-# pointer: the pages are written in place, as MLX's own donated scatter would write them.
-_NEW_KV = r"""if (t == len - 1) {{
-                        const size_t nb = ((size_t)b * HKV + hk) * D + li * NE;
-                        *reinterpret_cast<V8*>(const_cast<S*>({k}) + base) = *reinterpret_cast<const V8*>(kn + nb);
-                        *reinterpret_cast<V8*>(const_cast<S*>({v}) + base) = *reinterpret_cast<const V8*>(vn + nb);
-                    }}"""
+# The step's new token (t == len - 1), when the kernel also stores it (`new_kv`): the block
+# whose token range holds it writes it from the projections (kn/vn, (B, HKV, D)) into its page
+# slot (dense) or tail slot (q8/q4) before its loop, for later steps; every read of that token in
+# this launch takes it from kn/vn (the same bits), so no thread waits for the store, and the
+# loop's loads are not ordered behind a store that may alias them. No other block of this launch
+# touches that slot. MLX custom kernels have no in-place outputs, so the store goes through the
+# input pointer: the pages are written in place, as MLX's own donated scatter would write them.
+_NEW_KV = r"""
+    if (threadIdx.x < LPT && on && t0 <= len - 1 && len - 1 < t1) {{  // warp 0, first token group
+        const int tn = len - 1;
+        const size_t nb = ((size_t)b * HKV + hk) * D + li * NE, base = {base};
+        *reinterpret_cast<V8*>(const_cast<S*>({k}) + base) = *reinterpret_cast<const V8*>(kn + nb);
+        *reinterpret_cast<V8*>(const_cast<S*>({v}) + base) = *reinterpret_cast<const V8*>(vn + nb);
+    }}
+"""
+_NEW_SEL = "(t == len - 1 ? {n} + ((size_t)b * HKV + hk) * D + li * NE : {p} + base)"
 
 # Merge the warp's token sub-groups (shuffles), then the block's warps (shared memory).
 _MERGE = r"""
@@ -241,15 +243,23 @@ _QUANT_INPUTS = ["q", "kw", "ks", "kb", "vw", "vs", "vb", "tk", "tv", "tails", "
 def kernel_source(quantized: bool, split: bool, new_kv: bool = False) -> str:
     """The kernel body (also compiled by benchmarks/backend_check.py's nvcc check). new_kv: the
     kernel also stores the step's token (inputs kn, vn) into its dense page / tail page."""
-    store = (lambda k, v: _NEW_KV.format(k=k, v=v)) if new_kv else (lambda k, v: "")
+    k, v = ("tk", "tv") if quantized else ("k", "v")
+    load = _TAIL_LOAD if quantized else _DENSE_LOAD
+    store = ""
+    if new_kv:
+        base = ("(((size_t)tails[b] * HKV + hk) * P + (tn - n_main)) * D + li * NE" if quantized else
+                "(((size_t)table[(size_t)b * maxp + tn / P] * HKV + hk) * P + (tn % P)) * D + li * NE")
+        store = _NEW_KV.format(k=k, v=v, base=base)
+        load = (load.replace(f"({k} + base)", _NEW_SEL.format(n="kn", p=k))
+                .replace(f"({v} + base)", _NEW_SEL.format(n="vn", p=v)))
     if quantized:
         head = _HEAD.format(lens="const int n_main = lens[2 * b], len = n_main + lens[2 * b + 1];")
         body = (_LOOP.format(start="t0", stop="min(t1, n_main)", load=_QUANT_LOAD)
-                + _LOOP.format(start="max(t0, n_main)", stop="t1", load=_TAIL_LOAD.replace("{new_kv}", store("tk", "tv"))))
+                + _LOOP.format(start="max(t0, n_main)", stop="t1", load=load))
     else:
         head = _HEAD.format(lens="const int len = lengths[b];")
-        body = _LOOP.format(start="t0", stop="t1", load=_DENSE_LOAD.replace("{new_kv}", store("k", "v")))
-    return head + body + _MERGE + (_WRITE_PART if split else _WRITE_OUT)
+        body = _LOOP.format(start="t0", stop="t1", load=load)
+    return head + store + body + _MERGE + (_WRITE_PART if split else _WRITE_OUT)
 
 
 _kernels: dict = {}
