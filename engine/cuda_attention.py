@@ -7,7 +7,9 @@ table, once. A KV head's query group (GQA) is handled together so each K/V eleme
 is loaded once; 8 head elements per lane (one 16-byte load for bf16, 8 or 4 bytes
 of packed q8/q4), D/8 lanes per token, several tokens per warp; online softmax in
 float32. Quantized pages are dequantized in registers (affine: w * scale + bias);
-the row's dense tail page is read from the tail buffer.
+the row's dense tail page is read from the tail buffer. In decode the kernel also stores the
+step's new K/V (`new_kv`; kv_cache.PagedKVCache.kernel_writes): two scatters and their copies
+per layer fewer for the host to launch.
 
 Split-K (flash-decoding): a row longer than SPLIT_MIN tokens is split over several
 blocks by token ranges of CHUNK tokens; each writes its partial (max, sum,
