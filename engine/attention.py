@@ -1,9 +1,10 @@
 """Attention over paged K/V, and the hook that routes mlx-lm models to it.
 
 Routes (reported per row and in summary.json):
-- `paged_sdpa`: pages gathered, then MLX's fast SDPA with a padding+causal mask (on the
-  CPU, decode folds each KV head's query group into one matmul instead, see
-  `_grouped_decode`, with a fused 2^x masked softmax, see `masked_softmax`).
+- `paged_sdpa`: pages gathered, then MLX's fast SDPA with a padding+causal mask. CPU
+  decode instead folds each KV head's query group into one matmul (`_grouped_decode`),
+  reads float32 pages of at least 16 tokens in place (`paged_grouped_decode`), and
+  uses a fused polynomial-2^x masked softmax (engine/softmax.py).
 - `paged_sdpa_f32`: the same with q/k/v upcast to float32 (fp16 models: scores can
   exceed fp16 range, and MLX's CPU fallback computes q·kᵀ in the input dtype).
 - `paged_cuda_kernel` (MLX CUDA, kv none): decode reads each row's pages in place with
@@ -19,13 +20,14 @@ Routes (reported per row and in summary.json):
 """
 from __future__ import annotations
 
-import math
 import os
 import sys
 from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from engine.softmax import masked_softmax
 
 ROUTE_DENSE = "paged_sdpa"
 ROUTE_DENSE_F32 = "paged_sdpa_f32"
@@ -67,54 +69,34 @@ def _grouped_decode(q: mx.array, k: mx.array, v: mx.array, mask: mx.array, scale
     return (probs @ v).reshape(B, Hq, 1, D)
 
 
-_LOG2E = 1.0 / math.log(2.0)
+# Smallest page (tokens) for which decode reads the pages in place (`paged_grouped_decode`):
+# it runs two small matmuls per (row, KV head, page), so tiny pages would mean many tiny ones.
+IN_PLACE_MIN_PAGE = 16
 
 
-def _softmax_pow2(scores: mx.array, mask: mx.array) -> mx.array:
-    """The masked softmax as 2^((s - max) log2 e), in float32 (see masked_softmax)."""
-    s = mx.where(mask, scores.astype(mx.float32), -mx.inf)
-    e = mx.power(2.0, (s - s.max(axis=-1, keepdims=True)) * _LOG2E)
-    return (e / e.sum(axis=-1, keepdims=True)).astype(scores.dtype)
+def paged_grouped_decode(q: mx.array, k_pages: mx.array, v_pages: mx.array, page_heads: mx.array,
+                         mask: mx.array, scale: float) -> mx.array:
+    """`_grouped_decode` read from the pages in place: no gathered copy of K/V.
 
-
-_softmax_fused = mx.compile(_softmax_pow2, shapeless=True)
-_softmax_impl: Callable | None = None
-
-
-def masked_softmax(scores: mx.array, mask: mx.array) -> mx.array:
-    """softmax(where(mask, scores, -inf)) along the last axis, in float32, output in scores' dtype.
-
-    On the CPU, MLX's exp is a scalar loop (~9 ns an element): it was 60% of SmolLM2's
-    decode attention at 2k tokens. 2^x is ~3x cheaper there, and one shapeless-compiled
-    kernel (MLX builds it with the system C++ compiler, once) also saves the passes of
-    where/max/sub/div: 2-2.5x faster masked softmax, within 1e-7 of MLX's precise softmax
-    (benchmarks/RESULTS.md, issue 3). Without a working compiler: the same math uncompiled.
-    A single key (never in decode, where a row sees its prompt too) takes the eager path:
-    the shapeless kernel crashes MLX 0.32 when the softmax axis has length 1.
-    Elsewhere: MLX's precise softmax."""
-    if not on_cpu():
-        return mx.softmax(mx.where(mask, scores, mx.array(-mx.inf, scores.dtype)), axis=-1, precise=True)
-    global _softmax_impl
-    if _softmax_impl is None:
-        _softmax_impl = _probe_fused_softmax()
-    return _softmax_impl(scores, mask) if scores.shape[-1] > 1 else _softmax_pow2(scores, mask)
-
-
-def _probe_fused_softmax() -> Callable:
-    """The compiled kernel if MLX can build and run it here (it needs a C++ compiler; a failure
-    surfaces at eval, so it is checked once, on the shapes decode uses), else the eager one."""
-    try:
-        s = mx.array([[[[0.5, 1.0, 3.0]]]])
-        m = mx.array([[[[True, True, False]]]])
-        got = _softmax_fused(mx.broadcast_to(s, (2, 2, 1, 3)), m)
-        want = _softmax_pow2(mx.broadcast_to(s, (2, 2, 1, 3)), m)
-        mx.eval(got, want)
-        if mx.allclose(got, want, atol=1e-6).item():
-            return _softmax_fused
-    except Exception as e:  # no compiler, or it failed: keep going without the fused kernel
-        print(f"[kvbatch] fused CPU softmax unavailable ({type(e).__name__}: {e}); using the eager one",
-              file=sys.stderr)
-    return _softmax_pow2
+    q (B, Hq, 1, D); k_pages, v_pages (pages, Hkv, P, D); page_heads (B, Hkv, n): the
+    (page * Hkv + head) of each row's n pages; mask (B, 1, 1, n * P). `mx.gather_mm`
+    multiplies each (row, KV head)'s query group by each of its pages where they lie.
+    On the CPU a page-table gather copies K and V at ~10 GB/s before attention can
+    read them; in place, decode attention takes 0.5-0.8x the time at tiny-llama and
+    SmolLM2 shapes (benchmarks/RESULTS.md, issue 3). Same float32 softmax; the output
+    sums the pages' partial products (within 1e-6 of the gathered path)."""
+    B, Hq, _, D = q.shape
+    _, Hkv, P, _ = k_pages.shape
+    G, n = Hq // Hkv, page_heads.shape[-1]
+    qf = (q * mx.array(scale, q.dtype)).reshape(B * Hkv, G, D)
+    query_of = mx.arange(B * Hkv, dtype=mx.uint32).reshape(B, Hkv, 1)
+    kt = k_pages.reshape(-1, P, D).swapaxes(-1, -2)  # (pages * Hkv, D, P), a view
+    scores = mx.gather_mm(qf, kt, query_of, page_heads)  # (B, Hkv, n, G, P)
+    scores = scores.transpose(0, 1, 3, 2, 4).reshape(B, Hkv, G, n * P)
+    probs = masked_softmax(scores, mask)
+    probs = probs.reshape(B, Hkv, G, n, P).transpose(0, 1, 3, 2, 4).reshape(B * Hkv * n, G, P)
+    out = mx.gather_mm(probs, v_pages.reshape(-1, P, D), None, page_heads.reshape(-1))
+    return out.reshape(B, Hkv, n, G, D).sum(axis=2).reshape(B, Hq, 1, D)
 
 
 # Quantized matmuls on MLX's CPU backend run on one thread per stream; decode spreads them

@@ -19,7 +19,7 @@ import numpy as np
 from engine import attention as att
 from engine import cuda_attention
 from engine.errors import INSUFFICIENT_MEMORY, RowError, UnreservedWriteError
-from engine.kv_store import DenseStore, QuantizedStore, dequantize
+from engine.kv_store import DenseStore, QuantizedStore, dequantize, head_rows
 from engine.memory import KVLayout, available_memory, fmt_bytes
 from engine.pages import PagePool
 
@@ -94,6 +94,10 @@ class PagedKVCache:
         if self.fused_decode:
             self.route = att.ROUTE_CUDA_Q if layout.bits else att.ROUTE_CUDA
         self.upcast = upcast
+        # CPU decode reads dense pages in place (attention.paged_grouped_decode); KVBATCH_IN_PLACE=0: gather
+        self.in_place = (not layout.bits and not self.fused_decode and not upcast and dtype == mx.float32
+                         and self.P >= att.IN_PLACE_MIN_PAGE and att.on_cpu()
+                         and os.environ.get("KVBATCH_IN_PLACE", "1") != "0")
         self.pool = PagePool()
         self.free_tails = list(range(tail_slots))[::-1]
         self.views = [PagedLayerCache(self, i) for i in range(num_layers)]
@@ -232,12 +236,14 @@ class PagedKVCache:
             slots = np.concatenate([self._slots(r, int(p), int(p) + L) for r, p in zip(rows, pos)])
         table = self._table(rows, n_pages)
         slots = slots.astype(np.int32)
-        t = {"slots": mx.array(slots), "table": table,
-             "page_off": (mx.array(slots // self.P), mx.array(slots % self.P))}  # host-side, once per pass
+        t = {"rows": mx.array(head_rows(slots, self.P, self.layout.num_kv_heads)), "table": table}
         if L == 1 and self.fused_decode:
             t["lengths"] = mx.array(new_len.astype(np.int32))
         else:
             t["mask"] = self._causal(pos, L, table.shape[1] * self.P, 1)
+        if L == 1 and self.in_place:
+            H = self.layout.num_kv_heads
+            t["page_heads"] = (table[:, None, :] * H + mx.arange(H, dtype=mx.int32)[None, :, None]).astype(mx.uint32)
         return t
 
     def _plan_quantized(self, rows, L, pos) -> dict:
@@ -251,7 +257,7 @@ class PagedKVCache:
         if L == 1:  # decode: one token per row into its tail; rows that fill their page seal it
             fill = pos % P
             tails = np.array([r.tail for r in rows])
-            t["tail_write"] = mx.array((tails * P + fill).astype(np.int32))
+            t["tail_write"] = mx.array(head_rows(tails * P + fill, P, self.layout.num_kv_heads))
             done = np.nonzero(fill == P - 1)[0]
             if len(done):
                 ar = np.arange(P)
@@ -304,7 +310,7 @@ class PagedKVCache:
         k = keys.transpose(0, 2, 1, 3).reshape(B * L, H, D)
         v = values.transpose(0, 2, 1, 3).reshape(B * L, H, D)
         if not self.store.quantized:
-            self.store.write(layer, t["slots"], k, v, t["page_off"])
+            self.store.write(layer, t["rows"], k, v)
         elif "run" in t:
             tail, fill, slots = t["run"]
             self._segment[layer] = self.store.write_run(layer, tail, fill, slots, k, v)
@@ -322,6 +328,8 @@ class PagedKVCache:
             out = cuda_attention.paged_decode_attention_quantized(
                 queries, st.q[layer], st.tk[layer], st.tv[layer], t["tails"], t["table_q"], t["lens"], scale,
                 st.bits, st.group_size, new_kv=self._new_kv.pop(layer, None))
+        elif "page_heads" in t:
+            out = att.paged_grouped_decode(queries, st.k[layer], st.v[layer], t["page_heads"], t["mask"], scale)
         elif not st.quantized:
             k, v = st.gather(layer, t["table"])
             out = att.dense_attention(queries, k, v, t["mask"], scale, self.upcast)

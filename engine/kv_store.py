@@ -12,6 +12,7 @@ precision, in a small fixed "tail" buffer with one page per batch slot.
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 # Counts elements passed through dequantize, so tests can prove decode never
 # re-dequantizes a prefix (prefill may: it attends once per chunk).
@@ -29,6 +30,26 @@ def _grow(a: mx.array, extra_slots: int) -> mx.array:
     out = mx.concatenate([a, pad], axis=0)
     mx.eval(out)
     return out
+
+
+def head_rows(slots: np.ndarray, page_size: int, kv_heads: int) -> np.ndarray:
+    """Token slots (page * page_size + offset) -> the rows they occupy in a head-major buffer
+    (pages, kv_heads, page_size, width) seen as (pages * kv_heads * page_size, width): one
+    row per (slot, head), slot-major. Built on the host once per pass for every layer."""
+    page, off = slots // page_size, slots % page_size
+    return (((page[:, None] * kv_heads + np.arange(kv_heads)) * page_size + off[:, None])
+            .reshape(-1).astype(np.int32))
+
+
+def scatter_rows(buf: mx.array, rows: mx.array, x: mx.array) -> mx.array:
+    """buf with x (N, kv_heads, width) written into its head rows `rows` (see head_rows).
+
+    One scatter with one index on a flat view: MLX builds `buf[page, :, off] = x` (two
+    indices around a slice) from several ops, ~2x the CPU time of this (34 vs 17 us a
+    write at tiny-llama decode shapes). MLX still updates buf's memory in place."""
+    flat = buf.reshape(-1, buf.shape[-1])
+    flat[rows] = x.reshape(-1, x.shape[-1])
+    return flat.reshape(buf.shape)
 
 
 class DenseStore:
@@ -69,14 +90,10 @@ class DenseStore:
             self.k[i] = _grow(self.k[i], extra)
             self.v[i] = _grow(self.v[i], extra)
 
-    def write(self, layer: int, slots: mx.array, k: mx.array, v: mx.array,
-              page_off: tuple[mx.array, mx.array] | None = None) -> None:
-        """k, v: (N, kv_heads, head_dim) for N token slots (slot = page * page_size + offset).
-        page_off: the slots' (page, offset), if the caller has them (computed once per pass
-        instead of twice per layer: two fewer ops per layer for the device to launch)."""
-        page, off = page_off if page_off is not None else (slots // self.page_size, slots % self.page_size)
-        self.k[layer][page, :, off] = k.astype(self.dtype)
-        self.v[layer][page, :, off] = v.astype(self.dtype)
+    def write(self, layer: int, rows: mx.array, k: mx.array, v: mx.array) -> None:
+        """k, v: (N, kv_heads, head_dim) into head rows `rows` (N * kv_heads, see head_rows)."""
+        self.k[layer] = scatter_rows(self.k[layer], rows, k.astype(self.dtype))
+        self.v[layer] = scatter_rows(self.v[layer], rows, v.astype(self.dtype))
 
     def clear_pages(self, pages: list[int]) -> None:
         """Zero these pages in every layer (a row that ended non-finite leaves no NaN behind:
@@ -207,11 +224,11 @@ class QuantizedStore:
             self.tv[i][tail] = 0
         mx.eval(self.tk, self.tv)
 
-    def write_tokens(self, layer: int, tail_slots: mx.array, k: mx.array, v: mx.array) -> None:
-        """One new token per row into its tail page (decode). k, v: (B, kv_heads, head_dim)."""
-        t, off = tail_slots // self.page_size, tail_slots % self.page_size
-        self.tk[layer][t, :, off] = k.astype(self.dtype)
-        self.tv[layer][t, :, off] = v.astype(self.dtype)
+    def write_tokens(self, layer: int, tail_rows: mx.array, k: mx.array, v: mx.array) -> None:
+        """One new token per row into its tail page (decode). k, v: (B, kv_heads, head_dim);
+        tail_rows: head_rows of the tail slots (tail * page_size + offset)."""
+        self.tk[layer] = scatter_rows(self.tk[layer], tail_rows, k.astype(self.dtype))
+        self.tv[layer] = scatter_rows(self.tv[layer], tail_rows, v.astype(self.dtype))
 
     def seal_tails(self, layer: int, tail_slots: mx.array, page_slots: mx.array) -> None:
         """Quantize whole tail pages (token slots tail_slots) into pool token slots page_slots."""

@@ -14,6 +14,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models import llama, mamba
 
+from engine.attention import on_cpu
 from engine.engine import Engine, EngineConfig
 from engine.errors import INVALID_INPUT, PROMPT_TOO_LONG, KvbatchConfigError, UnreservedWriteError
 from engine.kv_cache import CacheRow, PagedKVCache
@@ -66,15 +67,17 @@ def pool_is_empty(eng: Engine) -> None:
 # ---- (a) teacher-forced logits against mlx-lm, batch of 8, small pages, pool growth ---------
 @pytest.mark.parametrize("geometry", [dict(family="llama", head_dim=64),
                                       dict(family="qwen3", head_dim=128)], ids=["llama64", "qwen3_128"])
-def test_teacher_forced_logits_match_mlx_lm(tiny_model, geometry):
+@pytest.mark.parametrize("P", [4, 16], ids=["page4", "page16"])  # page16: CPU decode reads pages in place
+def test_teacher_forced_logits_match_mlx_lm(tiny_model, geometry, P):
     m = tiny_model(**geometry)
     model, _, spec = m
-    steps, P = 300, 4
+    steps = 300
     lengths = [3, 17, 9, 40, 1, 26, 12, 33]  # every row crosses many pages, prefill crosses chunks
     prompts = prompts_of(lengths)
     refs = [mlx_lm_reference(model, p, steps) for p in prompts]
 
     eng = make_engine(m, page_size=P, max_batch=8, prefill_chunk=5)
+    assert eng.cache.in_place == (P >= 16 and on_cpu())
     reqs = [Request(f"r{i}", p, SamplingParams(max_tokens=steps), forced_tokens=refs[i][0], capture_logits=True)
             for i, p in enumerate(prompts)]
     results = eng.generate(reqs)
