@@ -28,6 +28,7 @@ import engine  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
+from engine import rope
 from engine.engine import Engine, EngineConfig
 from engine.models.config import ModelConfig
 from engine.models.load import load_model
@@ -56,6 +57,7 @@ def prompts_for(batch: int, length: int, vocab: int, seed: int = 1) -> list[list
 
 
 def run_mlx_lm(model, ps, new):
+    rope.uninstall(model)  # mlx-lm runs the model as it ships (kvbatch's Engine wraps its RoPE on the CPU)
     mx.clear_cache()
     mx.reset_peak_memory()
     gen = BatchGenerator(model, stop_tokens=[], completion_batch_size=len(ps), prefill_batch_size=len(ps))

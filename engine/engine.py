@@ -8,6 +8,7 @@ any page is allocated for it.
 """
 from __future__ import annotations
 
+import os
 import time
 import traceback
 from collections import deque
@@ -17,7 +18,7 @@ from typing import Iterator, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine import attention, errors
+from engine import attention, errors, rope
 from engine.errors import KvbatchConfigError, RowError
 from engine.gate import check_kv_mode
 from engine.kv_cache import CacheRow, PagedKVCache, trace_mode
@@ -93,6 +94,10 @@ class Engine(LookaheadDecode):
             raise KvbatchConfigError(f"model type '{spec.family}' does not route attention through mlx-lm's "
                                      "scaled_dot_product_attention; the paged cache cannot run it")
         attention.install(model)
+        if attention.on_cpu() and os.environ.get("KVBATCH_ROPE_TABLE", "1") != "0":
+            rope.install(model)  # decode RoPE from one table per step (engine/rope.py)
+        else:
+            rope.uninstall(model)
         self.model, self.tokenizer, self.spec, self.cfg = model, tokenizer, spec, cfg
         budget = cfg.memory_budget
         if budget is None:
