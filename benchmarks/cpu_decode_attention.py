@@ -74,9 +74,11 @@ def main() -> None:
         table = mx.array(rng.permutation(pages)[: B * n].reshape(B, n).astype(np.int32))
         heads = mx.arange(Hkv)[None, :, None]
         page_heads = (table[:, None, :] * Hkv + heads).astype(mx.uint32)
+        query_of = mx.arange(B * Hkv, dtype=mx.uint32).reshape(B, Hkv, 1)
         q = mx.array(rng.standard_normal((B, Hq, 1, D), dtype=np.float32))
         lens = mx.array(rng.integers(T - P, T + 1, B))
         mask = (mx.arange(n * P)[None] < lens[:, None]).reshape(B, 1, 1, n * P)
+        key_mask = mask.reshape(B, 1, n * P, 1)
         mx.eval(kp, vp, table, page_heads, q, mask)
         scale = D ** -0.5
 
@@ -98,7 +100,8 @@ def main() -> None:
             return f
 
         def in_place():
-            return [attention.paged_grouped_decode(q, kp[i], vp[i], page_heads, mask, scale) for i in range(layers)]
+            return [attention.paged_grouped_decode(q, kp[i], vp[i], page_heads, query_of, key_mask, scale)
+                    for i in range(layers)]
 
         scores = mx.array(rng.standard_normal((B, Hkv, Hq // Hkv, n * P), dtype=np.float32)) * 10
         ref = sdpa()

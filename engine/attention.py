@@ -75,36 +75,27 @@ IN_PLACE_MIN_PAGE = 16
 
 
 def paged_grouped_decode(q: mx.array, k_pages: mx.array, v_pages: mx.array, page_heads: mx.array,
-                         mask: mx.array, scale: float) -> mx.array:
+                         query_of: mx.array, mask: mx.array, scale: float) -> mx.array:
     """`_grouped_decode` read from the pages in place: no gathered copy of K/V.
 
     q (B, Hq, 1, D); k_pages, v_pages (pages, Hkv, P, D); page_heads (B, Hkv, n): the
-    (page * Hkv + head) of each row's n pages; mask (B, 1, 1, n * P). `mx.gather_mm`
-    multiplies each (row, KV head)'s query group by each of its pages where they lie.
+    (page * Hkv + head) of each row's n pages; query_of (B, Hkv, 1): b * Hkv + head;
+    mask (B, 1, n * P, 1). `mx.gather_mm` multiplies each page where it lies by its
+    (row, KV head)'s query group: scores come out key-major, (B, Hkv, n * P, G), so
+    the softmax runs down the keys axis and neither product needs a transposed copy.
     On the CPU a page-table gather copies K and V at ~10 GB/s before attention can
-    read them; in place, decode attention takes 0.5-0.8x the time at tiny-llama and
+    read them; in place, decode attention takes 0.35-0.8x the time at tiny-llama and
     SmolLM2 shapes (benchmarks/RESULTS.md, issue 3). Same float32 softmax; the output
     sums the pages' partial products (within 1e-6 of the gathered path)."""
     B, Hq, _, D = q.shape
     _, Hkv, P, _ = k_pages.shape
     G, n = Hq // Hkv, page_heads.shape[-1]
-    qf = (q * mx.array(scale, q.dtype)).reshape(B * Hkv, G, D)
-    query_of = mx.arange(B * Hkv, dtype=mx.uint32).reshape(B, Hkv, 1)
-    kt = k_pages.reshape(-1, P, D).swapaxes(-1, -2)  # (pages * Hkv, D, P), a view
-    scores = mx.gather_mm(qf, kt, query_of, page_heads)  # (B, Hkv, n, G, P)
-    scores = scores.transpose(0, 1, 3, 2, 4).reshape(B, Hkv, G, n * P)
-    probs = masked_softmax(scores, mask)
-    probs = probs.reshape(B, Hkv, G, n, P).transpose(0, 1, 3, 2, 4).reshape(B * Hkv * n, G, P)
-    out = mx.gather_mm(probs, v_pages.reshape(-1, P, D), None, page_heads.reshape(-1))
+    qt = (q * mx.array(scale, q.dtype)).reshape(B * Hkv, G, D).swapaxes(-1, -2)  # (B*Hkv, D, G), a view
+    scores = mx.gather_mm(k_pages.reshape(-1, P, D), qt, page_heads, query_of)  # (B, Hkv, n, P, G)
+    probs = masked_softmax(scores.reshape(B, Hkv, n * P, G), mask, axis=-2)
+    pt = probs.reshape(B * Hkv * n, P, G).swapaxes(-1, -2)  # (.., G, P), a view
+    out = mx.gather_mm(pt, v_pages.reshape(-1, P, D), None, page_heads.reshape(-1))  # (B*Hkv*n, G, D)
     return out.reshape(B, Hkv, n, G, D).sum(axis=2).reshape(B, Hq, 1, D)
-
-
-# Quantized matmuls on MLX's CPU backend run on one thread per stream; decode spreads them
-# over this many CPU streams (one thread each). KVBATCH_QMM_THREADS overrides; 1 = off.
-# A stream is worth its hand-off from this many quantized K (or V) elements on (row, KV head,
-# token, channel): SmolLM2's layer at 2k tokens, batch 1 (393k) ran slower split in two,
-# at 6k batch 1 (1.2M) and 2k batch 4 (1.6M) 1.2-1.8x faster (benchmarks/RESULTS.md, issue 5).
-QMM_MIN_WORK = 1 << 19
 
 
 def qmm_split(rows_heads: int, tokens: int, head_dim: int, most: int) -> int:

@@ -241,9 +241,11 @@ class PagedKVCache:
             t["lengths"] = mx.array(new_len.astype(np.int32))
         else:
             t["mask"] = self._causal(pos, L, table.shape[1] * self.P, 1)
-        if L == 1 and self.in_place:
-            H = self.layout.num_kv_heads
+        if L == 1 and self.in_place:  # key-major scores (attention.paged_grouped_decode)
+            H, B = self.layout.num_kv_heads, len(rows)
             t["page_heads"] = (table[:, None, :] * H + mx.arange(H, dtype=mx.int32)[None, :, None]).astype(mx.uint32)
+            t["query_of"] = mx.arange(B * H, dtype=mx.uint32).reshape(B, H, 1)
+            t["mask"] = t["mask"].reshape(B, 1, -1, 1)
         return t
 
     def _plan_quantized(self, rows, L, pos) -> dict:
@@ -329,7 +331,8 @@ class PagedKVCache:
                 queries, st.q[layer], st.tk[layer], st.tv[layer], t["tails"], t["table_q"], t["lens"], scale,
                 st.bits, st.group_size, new_kv=self._new_kv.pop(layer, None))
         elif "page_heads" in t:
-            out = att.paged_grouped_decode(queries, st.k[layer], st.v[layer], t["page_heads"], t["mask"], scale)
+            out = att.paged_grouped_decode(queries, st.k[layer], st.v[layer], t["page_heads"], t["query_of"],
+                                           t["mask"], scale)
         elif not st.quantized:
             k, v = st.gather(layer, t["table"])
             out = att.dense_attention(queries, k, v, t["mask"], scale, self.upcast)

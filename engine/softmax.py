@@ -48,11 +48,12 @@ def _divide(e: mx.array, total: mx.array) -> mx.array:
 def _steps(fns: tuple[Callable, ...]) -> Callable:
     masked, parts, times, divide = fns
 
-    def softmax(scores: mx.array, mask: mx.array) -> mx.array:
+    def softmax(scores: mx.array, mask: mx.array, axis: int = -1) -> mx.array:
         s = masked(mask, scores)
-        p, bits = parts(s, s.max(axis=-1, keepdims=True))
+        p, bits = parts(s, s.max(axis=axis, keepdims=True))
         e = times(p, mx.view(bits, mx.float32))
-        return divide(e, e.sum(axis=-1, keepdims=True)).astype(scores.dtype)
+        out = divide(e, e.sum(axis=axis, keepdims=True))
+        return out if out.dtype == scores.dtype else out.astype(scores.dtype)
 
     return softmax
 
@@ -63,19 +64,19 @@ softmax_fused = _steps(tuple(mx.compile(f, shapeless=True) for f in _EAGER))
 _impl: Callable | None = None
 
 
-def masked_softmax(scores: mx.array, mask: mx.array) -> mx.array:
-    """softmax(where(mask, scores, -inf)) along the last axis, in float32, output in scores' dtype.
+def masked_softmax(scores: mx.array, mask: mx.array, axis: int = -1) -> mx.array:
+    """softmax(where(mask, scores, -inf)) along `axis`, in float32, output in scores' dtype.
 
     CPU: within 1e-7 of MLX's precise softmax, 1.5-2.5x faster than the compiled 2^x of
     before and ~4x faster than MLX's (benchmarks/RESULTS.md, issue 3). A single key (never
     in decode, where a row sees its prompt too) takes the eager path: a shapeless kernel
     crashes MLX 0.32 when the softmax axis has length 1. Other backends: MLX's softmax."""
     if mx.default_device().type != mx.DeviceType.cpu:
-        return mx.softmax(mx.where(mask, scores, mx.array(-mx.inf, scores.dtype)), axis=-1, precise=True)
+        return mx.softmax(mx.where(mask, scores, mx.array(-mx.inf, scores.dtype)), axis=axis, precise=True)
     global _impl
     if _impl is None:
         _impl = _probe_fused()
-    return _impl(scores, mask) if scores.shape[-1] > 1 else softmax_eager(scores, mask)
+    return (_impl if scores.shape[axis] > 1 else softmax_eager)(scores, mask, axis)
 
 
 def _probe_fused() -> Callable:

@@ -34,7 +34,9 @@ def test_in_place_decode_equals_gathered(B, Hkv, G, D, P):
     v = v_pages[table[:, None, :], heads].reshape(B, Hkv, width * P, D)
     want = _grouped_decode(q, k, v, mask, scale)
     page_heads = (table[:, None, :] * Hkv + heads).astype(mx.uint32)
-    got = paged_grouped_decode(q, k_pages, v_pages, page_heads, mask, scale)
+    query_of = mx.arange(B * Hkv, dtype=mx.uint32).reshape(B, Hkv, 1)
+    key_mask = mask.reshape(B, 1, -1, 1)  # key-major, as the cache plans it
+    got = paged_grouped_decode(q, k_pages, v_pages, page_heads, query_of, key_mask, scale)
     assert got.shape == want.shape == (B, Hkv * G, 1, D)
     assert mx.abs(got - want).max().item() < 1e-5
     # a masked slot does not count: changing K/V past a row's length leaves its output alone
@@ -42,5 +44,5 @@ def test_in_place_decode_equals_gathered(B, Hkv, G, D, P):
     if lengths[0] % P:  # the row's last page has slots past its length: poison them
         k3 = np.array(k_pages)
         k3[row0_last, :, lengths[0] % P:] = 1e4
-        got3 = paged_grouped_decode(q, mx.array(k3), v_pages, page_heads, mask, scale)
+        got3 = paged_grouped_decode(q, mx.array(k3), v_pages, page_heads, query_of, key_mask, scale)
         assert mx.abs(got3[0] - got[0]).max().item() < 1e-5
