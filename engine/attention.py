@@ -98,6 +98,14 @@ def paged_grouped_decode(q: mx.array, k_pages: mx.array, v_pages: mx.array, page
     return out.reshape(B, Hkv, n, G, D).sum(axis=2).reshape(B, Hq, 1, D)
 
 
+# Quantized matmuls on MLX's CPU backend run on one thread per stream; decode spreads them
+# over this many CPU streams (one thread each). KVBATCH_QMM_THREADS overrides; 1 = off.
+# A stream is worth its hand-off from this many quantized K (or V) elements on (row, KV head,
+# token, channel): SmolLM2's layer at 2k tokens, batch 1 (393k) ran slower split in two,
+# at 6k batch 1 (1.2M) and 2k batch 4 (1.6M) 1.2-1.8x faster (benchmarks/RESULTS.md, issue 5).
+QMM_MIN_WORK = 1 << 19
+
+
 def qmm_split(rows_heads: int, tokens: int, head_dim: int, most: int) -> int:
     """How many streams a quantized matmul over rows_heads x tokens x head_dim elements uses."""
     return max(1, min(most, rows_heads * tokens * head_dim // QMM_MIN_WORK))
