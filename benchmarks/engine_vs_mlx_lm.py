@@ -125,11 +125,12 @@ def compare(name, model, tok, spec, batch, plen, new, page_size, repeats=1):
     return row
 
 
-def gather_share(model, tok, spec, batch, plen, page_size, steps=24):
-    """Where kvbatch's decode step goes: ms per step as is, with the page gather replaced by a
-    contiguous slice of the same size (wrong data, timing only), and with attention skipped."""
-    from engine import kv_cache
-    from engine.kv_store import DenseStore
+def step_breakdown(model, tok, spec, batch, plen, page_size, steps=24):
+    """Where kvbatch's decode step goes: ms per step as is (CPU: pages read in place), with the
+    pages gathered into contiguous K/V first (the path before in-place decode), and with
+    attention skipped (its output replaced by the queries: timing only; the step's K/V writes
+    then go unevaluated too)."""
+    from engine.kv_cache import PagedKVCache
 
     eng = Engine(model, _NoEos(tok), spec, EngineConfig(page_size=page_size, max_batch=batch, prefill_chunk=512))
     for i, p in enumerate(prompts_for(batch, plen, spec.vocab_size)):
@@ -144,23 +145,18 @@ def gather_share(model, tok, spec, batch, plen, page_size, steps=24):
             eng._decode_step()
         return (time.perf_counter() - t) / steps * 1e3
 
-    real_gather, real_attn = DenseStore.gather, kv_cache.att.dense_attention
-
-    def slice_gather(self, layer, table):
-        B, n = table.shape
-        shape = (B, self.kv_heads, n * self.page_size, self.head_dim)
-        return self.k[layer][: B * n].reshape(shape), self.v[layer][: B * n].reshape(shape)
-
-    out = {"step_ms": timed()}
+    real_attend, in_place = PagedKVCache.attend, eng.cache.in_place
+    out = {"in_place": in_place, "step_ms": timed()}
     try:
-        DenseStore.gather = slice_gather
-        out["step_ms_without_gather"] = timed()
-        kv_cache.att.dense_attention = lambda q, k, v, mask, scale, upcast: q
+        eng.cache.in_place = False
+        out["step_ms_gathered"] = timed()
+        eng.cache.in_place = in_place
+        PagedKVCache.attend = lambda self, layer, queries, scale: queries
         out["step_ms_without_attention"] = timed()
     finally:
-        DenseStore.gather, kv_cache.att.dense_attention = real_gather, real_attn
+        PagedKVCache.attend, eng.cache.in_place = real_attend, in_place
     out["context_at_end"] = eng.running[0].kv.length
-    eng.cancel() if hasattr(eng, "cancel") else None
+    eng.cancel()
     return out
 
 
@@ -200,7 +196,7 @@ def main() -> None:
                 out["rows"].append(compare(name, model, tok, spec, batch, a.prompt, new, page_size, a.repeats))
         for batch in [int(x) for x in a.profile_batches.split(",") if x]:
             prof = {"model": name, "batch": batch, "page_size": a.page_size,
-                    **gather_share(model, tok, spec, batch, a.prompt, a.page_size)}
+                    **step_breakdown(model, tok, spec, batch, a.prompt, a.page_size)}
             print(json.dumps(prof), flush=True)
             out.setdefault("profile", []).append(prof)
     if a.out:
