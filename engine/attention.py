@@ -90,9 +90,9 @@ def paged_grouped_decode(q: mx.array, k_pages: mx.array, v_pages: mx.array, page
     B, Hq, _, D = q.shape
     _, Hkv, P, _ = k_pages.shape
     G, n = Hq // Hkv, page_heads.shape[-1]
-    qt = (q * mx.array(scale, q.dtype)).reshape(B * Hkv, G, D).swapaxes(-1, -2)  # (B*Hkv, D, G), a view
+    qt = q.reshape(B * Hkv, G, D).swapaxes(-1, -2)  # (B*Hkv, D, G), a view
     scores = mx.gather_mm(k_pages.reshape(-1, P, D), qt, page_heads, query_of)  # (B, Hkv, n, P, G)
-    probs = masked_softmax(scores.reshape(B, Hkv, n * P, G), mask, axis=-2)
+    probs = masked_softmax(scores.reshape(B, Hkv, n * P, G), mask, axis=-2, scale=scale)  # scaled in the kernel
     pt = probs.reshape(B * Hkv * n, P, G).swapaxes(-1, -2)  # (.., G, P), a view
     out = mx.gather_mm(pt, v_pages.reshape(-1, P, D), None, page_heads.reshape(-1))  # (B*Hkv*n, G, D)
     return out.reshape(B, Hkv, n, G, D).sum(axis=2).reshape(B, Hq, 1, D)

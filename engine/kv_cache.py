@@ -328,8 +328,11 @@ class PagedKVCache:
         if "kernel_writes" in t:  # stored by the fused decode kernel (attend)
             self._new_kv[layer] = (keys, values)
             return
-        k = keys.transpose(0, 2, 1, 3).reshape(B * L, H, D)
-        v = values.transpose(0, 2, 1, 3).reshape(B * L, H, D)
+        if L == 1:  # (B, H, 1, D) is (B, H, D) already: no transposed copy
+            k, v = keys.reshape(B, H, D), values.reshape(B, H, D)
+        else:
+            k = keys.transpose(0, 2, 1, 3).reshape(B * L, H, D)
+            v = values.transpose(0, 2, 1, 3).reshape(B * L, H, D)
         if not self.store.quantized:
             self.store.write(layer, t["rows"], k, v)
         elif "run" in t:

@@ -22,8 +22,8 @@ _LOG2E = 1.0 / math.log(2.0)
 _TAYLOR = [math.log(2.0) ** k / math.factorial(k) for k in range(8)]  # 2^f = sum (f ln2)^k / k!
 
 
-def _masked(mask: mx.array, scores: mx.array) -> mx.array:
-    return mx.where(mask, scores.astype(mx.float32), -mx.inf)
+def _masked(mask: mx.array, scores: mx.array, scale: float) -> mx.array:
+    return mx.where(mask, scores.astype(mx.float32) * scale, -mx.inf)
 
 
 def _exp2_parts(s: mx.array, s_max: mx.array) -> tuple[mx.array, mx.array]:
@@ -48,8 +48,8 @@ def _divide(e: mx.array, total: mx.array) -> mx.array:
 def _steps(fns: tuple[Callable, ...]) -> Callable:
     masked, parts, times, divide = fns
 
-    def softmax(scores: mx.array, mask: mx.array, axis: int = -1) -> mx.array:
-        s = masked(mask, scores)
+    def softmax(scores: mx.array, mask: mx.array, axis: int = -1, scale: float = 1.0) -> mx.array:
+        s = masked(mask, scores, scale)  # a constant to the compiled kernel (one trace per model)
         p, bits = parts(s, s.max(axis=axis, keepdims=True))
         e = times(p, mx.view(bits, mx.float32))
         out = divide(e, e.sum(axis=axis, keepdims=True))
@@ -64,19 +64,20 @@ softmax_fused = _steps(tuple(mx.compile(f, shapeless=True) for f in _EAGER))
 _impl: Callable | None = None
 
 
-def masked_softmax(scores: mx.array, mask: mx.array, axis: int = -1) -> mx.array:
-    """softmax(where(mask, scores, -inf)) along `axis`, in float32, output in scores' dtype.
+def masked_softmax(scores: mx.array, mask: mx.array, axis: int = -1, scale: float = 1.0) -> mx.array:
+    """softmax(where(mask, scores * scale, -inf)) along `axis`, in float32, output in scores' dtype.
 
     CPU: within 1e-7 of MLX's precise softmax, 1.5-2.5x faster than the compiled 2^x of
     before and ~4x faster than MLX's (benchmarks/RESULTS.md, issue 3). A single key (never
     in decode, where a row sees its prompt too) takes the eager path: a shapeless kernel
     crashes MLX 0.32 when the softmax axis has length 1. Other backends: MLX's softmax."""
     if mx.default_device().type != mx.DeviceType.cpu:
-        return mx.softmax(mx.where(mask, scores, mx.array(-mx.inf, scores.dtype)), axis=axis, precise=True)
+        s = scores if scale == 1.0 else scores * mx.array(scale, scores.dtype)
+        return mx.softmax(mx.where(mask, s, mx.array(-mx.inf, scores.dtype)), axis=axis, precise=True)
     global _impl
     if _impl is None:
         _impl = _probe_fused()
-    return (_impl if scores.shape[axis] > 1 else softmax_eager)(scores, mask, axis)
+    return (_impl if scores.shape[axis] > 1 else softmax_eager)(scores, mask, axis, scale)
 
 
 def _probe_fused() -> Callable:

@@ -39,3 +39,14 @@ def test_fused_kernel_is_the_one_used_on_the_cpu():
         pytest.skip("the fused softmax is the CPU route only")
     attention.masked_softmax(mx.zeros((1, 1, 1, 4)), mx.ones((1, 1, 1, 4), dtype=mx.bool_))
     assert softmax._impl is softmax.softmax_fused
+
+
+def test_masked_softmax_scale_and_keys_axis():
+    """In-place decode scales inside the kernel and runs the softmax down a key-major axis."""
+    mx.random.seed(5)
+    scores = mx.random.normal((3, 2, 70, 4)) * 40  # (B, Hkv, T, G): keys on axis -2
+    mask = (mx.arange(70)[None] < mx.array([70, 41, 5])[:, None]).reshape(3, 1, 70, 1)
+    got = attention.masked_softmax(scores, mask, axis=-2, scale=0.125)
+    want = _reference(scores.swapaxes(-1, -2) * 0.125, mask.swapaxes(-1, -2)).swapaxes(-1, -2)
+    assert mx.abs(got - want).max().item() < 1e-6
+    assert (mx.where(mask, 0.0, got) == 0).all().item()
