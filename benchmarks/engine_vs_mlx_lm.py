@@ -167,7 +167,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--new-smollm2-32", type=int, default=128, help="new tokens for SmolLM2 at batch 32")
-    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--page-sizes", default="", help="extra kvbatch page sizes to try (e.g. 64,256)")
     ap.add_argument("--repeats", type=int, default=2, help="interleaved runs per side; the best is kept")
     ap.add_argument("--cache-dir", default=None)

@@ -33,7 +33,7 @@ _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16
 @dataclass
 class EngineConfig:
     kv_mode: str = "none"  # none | q8 | q4
-    page_size: int = 16
+    page_size: int = 64
     group_size: int = 64
     max_batch: int = 8
     prefill_chunk: int = 512

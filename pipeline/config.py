@@ -36,7 +36,7 @@ class KVConfig:
     mode: str = "none"  # none | q8 | q4
     bits: Optional[int] = None  # must agree with mode (q8 -> 8, q4 -> 4, none -> null)
     group_size: int = 64
-    page_size: int = 16
+    page_size: int = 64
     allow_unvalidated: bool = False
 
 
