@@ -1,9 +1,11 @@
 """The KV buffers themselves: per-layer page arrays, grown layer by layer.
 
-Dense buffers are `(pages, kv_heads, page_size, head_dim)`; quantized buffers are
-flat token slots `(pages * page_size, kv_heads, width)`. Either way a page table
-gathers with one take, and callers address tokens by slot (page * page_size +
-offset). Capacity is always read from the live buffers' shapes.
+Buffers are head-major pages, `(pages, kv_heads, page_size, width)` (quantized keys
+may be stored transposed per page, see QuantizedStore), so a page table gathers
+contiguous (row, head, tokens) blocks with one take, and CPU decode can read pages
+in place. Callers address a token by slot (page * page_size + offset); writes go to
+its head rows in the buffer seen as 2-D (`head_rows`, `scatter_rows`). Capacity is
+always read from the live buffers' shapes.
 
 Dense mode keeps K/V in the model dtype. Quantized modes (q8/q4) keep completed
 pages as mx.quantize triplets and the page each row is still filling in full
