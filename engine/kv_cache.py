@@ -213,13 +213,12 @@ class PagedKVCache:
             r.length += self.plan.L
         self.plan = None
 
-    def _table(self, rows: list[CacheRow], n_pages: np.ndarray) -> mx.array:
-        width = max(int(n_pages.max()), 1)
+    def _table(self, rows: list[CacheRow], n_pages: list[int]) -> mx.array:
+        width = max(max(n_pages), 1)
         # padding repeats the row's own first page (masked out): never another row's page,
         # whose K/V may be NaN in this very pass (masked slots still meet probs @ V)
         # (built as Python lists: per-row numpy slice assignments cost ~0.2 ms a step at batch 32)
-        table = [r.pages[:n] + [r.pages[0] if r.pages else 0] * (width - n)
-                 for r, n in zip(rows, n_pages.tolist())]
+        table = [r.pages[:n] + [r.pages[0] if r.pages else 0] * (width - n) for r, n in zip(rows, n_pages)]
         return mx.array(table, dtype=mx.int32)
 
     def _slots(self, r: CacheRow, start: int, stop: int) -> np.ndarray:
@@ -233,9 +232,10 @@ class PagedKVCache:
 
     def _plan_dense(self, rows, L, pos) -> dict:
         """A multi-token pass (prefill chunk) over dense pages."""
-        slots = np.concatenate([self._slots(r, int(p), int(p) + L) for r, p in zip(rows, pos)]).astype(np.int32)
-        table = self._table(rows, -(-(pos + L) // self.P))
-        return {"rows": mx.array(head_rows(slots, self.P, self.layout.num_kv_heads)), "table": table,
+        slots = np.concatenate([self._slots(r, int(p), int(p) + L) for r, p in zip(rows, pos)]).tolist()
+        table = self._table(rows, (-(-(pos + L) // self.P)).tolist())
+        hrows = head_rows(slots, self.P, self.layout.num_kv_heads)
+        return {"rows": mx.array(hrows, dtype=mx.int32), "table": table,
                 "mask": self._causal(pos, L, table.shape[1] * self.P, 1)}
 
     def _plan_decode(self, rows: list[CacheRow], pos: list[int]) -> dict:
@@ -245,15 +245,12 @@ class PagedKVCache:
         P, H, B = self.P, self.layout.num_kv_heads, len(rows)
         new_len = [p + 1 for p in pos]
         n_pages = [-(-n // P) for n in new_len]
-        width = max(max(n_pages), 1)
-        # padding repeats the row's own first page (masked out): never another row's page,
-        # whose K/V may be NaN in this very pass (masked slots still meet probs @ V)
-        table = mx.array([r.pages[:n] + [r.pages[0]] * (width - n) for r, n in zip(rows, n_pages)], dtype=mx.int32)
+        table = self._table(rows, n_pages)
+        width = table.shape[1]
         if self.kernel_writes:  # CUDA: the fused kernel stores the token (slot len - 1)
             return {"table": table, "lengths": mx.array(new_len, dtype=mx.int32), "kernel_writes": True}
         slots = [r.pages[p // P] * P + p % P for r, p in zip(rows, pos)]
-        t = {"rows": mx.array([(s // P * H + h) * P + s % P for s in slots for h in range(H)], dtype=mx.int32),
-             "table": table}
+        t = {"rows": mx.array(head_rows(slots, P, H), dtype=mx.int32), "table": table}
         if self.fused_decode:
             t["lengths"] = mx.array(new_len, dtype=mx.int32)
             return t
@@ -274,11 +271,12 @@ class PagedKVCache:
         n_before = pos // P  # pages sealed before this pass
         t = {"tails": mx.array(np.array([r.tail for r in rows], dtype=np.int32))}
         if n_before.max() > 0:
-            t["table_q"] = self._table(rows, n_before)
+            t["table_q"] = self._table(rows, n_before.tolist())
         if L == 1:  # decode: one token per row into its tail; rows that fill their page seal it
             fill = pos % P
             tails = np.array([r.tail for r in rows])
-            t["tail_write"] = mx.array(head_rows(tails * P + fill, P, self.layout.num_kv_heads))
+            t["tail_write"] = mx.array(head_rows((tails * P + fill).tolist(), P, self.layout.num_kv_heads),
+                                       dtype=mx.int32)
             done = np.nonzero(fill == P - 1)[0]
             if len(done):
                 ar = np.arange(P)

@@ -25,22 +25,22 @@ class _Tables:
     def __init__(self, rope: nn.RoPE):
         self.rope, self.cs = rope, None
         self._offset: Any = None
-        self._batch = 0
         h = rope.dims // 2
         pair = [1.0, 0.0] * h if rope.traditional else [1.0] * h + [0.0] * h
         self.basis = mx.array(pair, dtype=mx.float32)
 
-    def get(self, offset: Any, batch: int) -> tuple[mx.array, mx.array]:
-        """(cos, sin), each (rows, 1, 1, dims / 2). The engine passes one offset object to
-        every layer of a step (kept here, so its identity cannot be reused meanwhile)."""
+    def get(self, offset: Any) -> tuple[mx.array, mx.array]:
+        """(cos, sin), each (rows, 1, 1, dims / 2), or (1, 1, 1, dims / 2) for an int offset (every
+        row at that position). The engine passes one offset object to every layer of a step
+        (kept here, so its identity cannot be reused meanwhile)."""
         same = offset is self._offset or (isinstance(offset, int) and isinstance(self._offset, int)
                                           and offset == self._offset)
-        if self.cs is None or not same or batch != self._batch:
+        if self.cs is None or not same:
             n = offset.size if isinstance(offset, mx.array) else 1
             cs = self.rope(mx.broadcast_to(self.basis, (n, 1, 1, self.basis.size)), offset=offset)
             h = self.rope.dims // 2
             self.cs = (cs[..., 0::2], cs[..., 1::2]) if self.rope.traditional else (cs[..., :h], cs[..., h:])
-            self._offset, self._batch = offset, batch
+            self._offset = offset
         return self.cs
 
 
@@ -71,7 +71,7 @@ class TableRoPE(nn.Module):
     def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
         if x.shape[2] != 1 or x.dtype != mx.float32 or mx.default_device().type != mx.DeviceType.cpu:
             return self.inner(x, offset=offset)
-        cos, sin = self._tables.get(offset, x.shape[0])
+        cos, sin = self._tables.get(offset)
         return _rotate_compiled(x, cos, sin, self.dims, self.traditional)
 
 
