@@ -158,21 +158,50 @@ def kernel_checks(modes=("none", "q8", "q4"), dtypes=("float32", "bfloat16", "fl
     return ok
 
 
+def _with_env(env: dict, fn):
+    import os
+
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return fn()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def parse_variants(spec: str) -> list[tuple[str, dict]]:
+    """"label:VAR=1,VAR2=0;label2:" -> [(label, {VAR: "1", VAR2: "0"}), (label2, {})]."""
+    out = []
+    for item in filter(None, spec.split(";")):
+        label, _, env = item.partition(":")
+        out.append((label, dict(kv.split("=", 1) for kv in filter(None, env.split(",")))))
+    return out
+
+
 def kernel_bench(contexts=(8192,), batches=(1, 8, 64), geometries=((64, 8, 4), (128, 8, 4)),
-                 unrolls=(1, 2)) -> None:
-    """Decode attention time of one layer: fused kernels (none/q8/q4) vs the portable gather + SDPA."""
+                 variants=(("default", {}),), portable: bool = False, n: int = 20) -> dict:
+    """Decode attention time of one layer at long context: the fused kernels (none/q8/q4) under
+    each variant of the launch settings (cuda_attention.Tuning, set through the environment), the
+    first variant's outputs as the reference for the others (max |difference|; 0 = same bits), and
+    optionally the portable gather + SDPA. Returns {label: {(D, ctx, B, mode): seconds}} (None:
+    the variant failed there)."""
     import time
 
     import numpy as np
 
     from engine import cuda_attention as ca
 
-    def timeit(fn, n=20):
+    def timeit(fn):
         mx.eval(fn())
         t = time.perf_counter()
         mx.eval([fn() for _ in range(n)])
         return (time.perf_counter() - t) / n
 
+    times: dict = {label: {} for label, _ in variants}
     for D, hkv, rep in geometries:
         for ctx in contexts:
             for B in batches:
@@ -184,17 +213,15 @@ def kernel_bench(contexts=(8192,), batches=(1, 8, 64), geometries=((64, 8, 4), (
                 table = mx.array(np.random.default_rng(0).permutation(npg).reshape(B, -1).astype(np.int32))
                 lengths = mx.full((B,), ctx, dtype=mx.int32)
                 dense_bytes = 2 * B * ctx * hkv * D * 2
-                line = f"bench D={D} Hkv={hkv} rep={rep} ctx={ctx} B={B:3d}:"
-                mask = mx.ones((B, 1, 1, ctx), dtype=mx.bool_)
-                t = timeit(lambda: mx.fast.scaled_dot_product_attention(
-                    q, kp[table[:, None, :], mx.arange(hkv)[None, :, None]].reshape(B, hkv, ctx, D),
-                    vp[table[:, None, :], mx.arange(hkv)[None, :, None]].reshape(B, hkv, ctx, D),
-                    scale=0.1, mask=mask))
-                line += f" gather+sdpa {t * 1e6:.0f}us"
-                for U in unrolls:
-                    ca.UNROLL = U
-                    t = timeit(lambda: ca.paged_decode_attention(q, kp, vp, table, lengths, 0.1))
-                    line += f" | none U{U} {t * 1e6:.0f}us {dense_bytes / t / 1e9:.0f}GB/s"
+                head = f"bench D={D} Hkv={hkv} rep={rep} ctx={ctx} B={B:3d}"
+                if portable:
+                    mask = mx.ones((B, 1, 1, ctx), dtype=mx.bool_)
+                    t = timeit(lambda: mx.fast.scaled_dot_product_attention(
+                        q, kp[table[:, None, :], mx.arange(hkv)[None, :, None]].reshape(B, hkv, ctx, D),
+                        vp[table[:, None, :], mx.arange(hkv)[None, :, None]].reshape(B, hkv, ctx, D),
+                        scale=0.1, mask=mask))
+                    print(f"{head} gather+sdpa {t * 1e6:.0f}us", flush=True)
+                calls = {"none": (lambda: ca.paged_decode_attention(q, kp, vp, table, lengths, 0.1), dense_bytes)}
                 for bits in (8, 4):
                     packed = list(mx.quantize(kp, group_size=64, bits=bits)) + \
                         list(mx.quantize(vp, group_size=64, bits=bits))
@@ -203,16 +230,44 @@ def kernel_bench(contexts=(8192,), batches=(1, 8, 64), geometries=((64, 8, 4), (
                     lens = mx.array([[ctx - P, P]] * B, dtype=mx.int32)
                     qbytes = sum(a.nbytes for a in packed) * B * ctx / (npg * P)
                     tails = mx.arange(B).astype(mx.int32)
-                    for U in unrolls:
-                        ca.UNROLL = U
-                        t = timeit(lambda: ca.paged_decode_attention_quantized(q, packed, tk, tv, tails, table[:, :-1],
-                                                                               lens, 0.1, bits, 64))
-                        line += f" | q{bits} U{U} {t * 1e6:.0f}us {qbytes / t / 1e9:.0f}GB/s"
-                    del packed
-                ca.UNROLL = 2
-                print(line, flush=True)
-                del kp, vp
+                    calls[f"q{bits}"] = (lambda packed=packed, tk=tk, tv=tv, lens=lens, tails=tails, bits=bits:
+                                         ca.paged_decode_attention_quantized(q, packed, tk, tv, tails, table[:, :-1],
+                                                                             lens, 0.1, bits, 64), qbytes)
+                ref = {}
+                for label, env in variants:
+                    line = f"{head} {label:>10s}:"
+                    for mode, (fn, nbytes) in calls.items():
+                        try:
+                            out = _with_env(env, fn)
+                            diff = float(mx.abs(out.astype(mx.float32) - ref[mode]).max()) if mode in ref else 0.0
+                            ref.setdefault(mode, out.astype(mx.float32))
+                            t = _with_env(env, lambda: timeit(fn))
+                        except Exception as e:  # a variant that fails to compile or run: reported, skipped
+                            times[label][(D, ctx, B, mode)] = None
+                            line += f" | {mode} FAILED {str(e)[:200]}"
+                            continue
+                        times[label][(D, ctx, B, mode)] = t
+                        line += f" | {mode} {t * 1e6:5.0f}us {nbytes / t / 1e9:5.0f}GB/s d={diff:.1e}"
+                    print(line, flush=True)
+                del kp, vp, calls, ref
                 mx.clear_cache()
+    return times
+
+
+def pick_variant(times: dict, checked: dict, batches=(8, 64)) -> str | None:
+    """The variant with the least total kernel time over none/q8/q4 at these batch sizes, among
+    those that ran every case and whose checks passed (a label's checks: its own, or those of the
+    label before its last '_' part, e.g. raw_mb2_c512 -> raw_mb2)."""
+    best, best_t = None, float("inf")
+    for label, ts in times.items():
+        base = label if label in checked else label.rsplit("_", 1)[0]
+        if not checked.get(base, False) or not ts or any(v is None for v in ts.values()):
+            continue
+        total = sum(v for (D, ctx, B, mode), v in ts.items() if B in batches)
+        print(f"pick: {label:>14s} total {total * 1e6:8.0f}us (batches {batches})", flush=True)
+        if total < best_t:
+            best, best_t = label, total
+    return best
 
 
 def main() -> int:
@@ -223,18 +278,36 @@ def main() -> int:
     ap.add_argument("--kernel-modes", default="none,q8,q4")
     ap.add_argument("--kernel-dtypes", default="float32,bfloat16,float16")
     ap.add_argument("--kernel-chunks", default="default,0,48,100", help="tokens per split; default = CHUNK")
-    ap.add_argument("--unrolls", default="1,2", help="bench: tokens per lane per loop step to compare")
+    ap.add_argument("--variants", default="default:",
+                    help="bench: launch settings to compare, 'label:VAR=V,VAR=V;label2:...' (cuda_attention.Tuning)")
+    ap.add_argument("--check-variants", default="default:", help="kernels: run the checks under each of these")
     ap.add_argument("--bench-batches", default="1,8,64")
+    ap.add_argument("--bench-dims", default="64,128", help="head sizes (Hkv 8, GQA 4)")
+    ap.add_argument("--portable", action="store_true", help="bench: also the portable gather + SDPA")
+    ap.add_argument("--pick-out", default="", help="write the fastest checked variant's settings as shell exports")
     a = ap.parse_args()
     parts = a.parts.split(",")
     print("device:", mx.default_device(), "mlx", mx.__version__, flush=True)
     ok = True
     if "kernels" in parts and mx.cuda.is_available():
         chunks = tuple(None if c == "default" else int(c) for c in a.kernel_chunks.split(","))
-        ok &= kernel_checks(tuple(a.kernel_modes.split(",")), tuple(a.kernel_dtypes.split(",")), chunks)
+        checked = {}
+        for label, env in parse_variants(a.check_variants):
+            print(f"kernel checks, variant {label} {env}", flush=True)
+            checked[label] = _with_env(env, lambda: kernel_checks(tuple(a.kernel_modes.split(",")),
+                                                                 tuple(a.kernel_dtypes.split(",")), chunks))
+            ok &= checked[label]
     if "bench" in parts and mx.cuda.is_available():
-        kernel_bench(batches=tuple(map(int, a.bench_batches.split(","))),
-                     unrolls=tuple(map(int, a.unrolls.split(","))))
+        variants = parse_variants(a.variants)
+        times = kernel_bench(batches=tuple(map(int, a.bench_batches.split(","))),
+                             geometries=tuple((int(d), 8, 4) for d in a.bench_dims.split(",")),
+                             variants=variants, portable=a.portable)
+        if a.pick_out:
+            best = pick_variant(times, checked if "kernels" in parts else {k: True for k, _ in variants})
+            env = dict(variants)[best] if best else {}
+            print(f"picked: {best} {env}", flush=True)
+            with open(a.pick_out, "w") as f:
+                f.write(f"# picked: {best}\n" + "".join(f"export {k}={v}\n" for k, v in env.items()))
     if "engine" not in parts:
         return 0 if ok else 1
     for family, hd in (("llama", 64), ("llama", 128), ("qwen3", 128)):

@@ -3,10 +3,15 @@
 Catches syntax errors and prints registers / spills / shared memory (-Xptxas -v) before
 device time is spent. Needs nvcc on PATH; imports no MLX CUDA.
 
-    python benchmarks/cuda_compile_check.py
+    python benchmarks/cuda_compile_check.py [--warps 4] [--unroll 1] [--min-blocks 2] [--no-fold] [--no-raw]
+
+Kernel names: dense_/quant_<D>_<rep>_<dtype>[_split][_store][_q8|_q4]. With --min-blocks every kernel
+gets __launch_bounds__(32 * warps, N) through cuda_source.launch_bounds_header, as the engine
+would pass it (KVBATCH_CUDA_MINB).
 """
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import tempfile
@@ -15,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import cuda_attention as ca  # noqa: E402
+from engine import cuda_source as cs  # noqa: E402
 
 STUB = """#include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -34,32 +40,40 @@ def wrap(name: str, inputs: list[tuple[str, str]], outputs: list[tuple[str, str]
 
 
 def main() -> int:
-    src = [STUB]
-    i = 0
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--warps", type=int, default=8, help="most warps per block (KVBATCH_CUDA_WARPS)")
+    ap.add_argument("--unroll", type=int, default=ca.UNROLL)
+    ap.add_argument("--min-blocks", type=int, default=0)
+    ap.add_argument("--no-fold", action="store_true", help="q8/q4 dequantized per element (KVBATCH_CUDA_QFOLD=0)")
+    ap.add_argument("--no-raw", action="store_true", help="the float loop (KVBATCH_CUDA_RAW=0)")
+    a = ap.parse_args()
+    src = [STUB.replace("namespace mlx", cs.launch_bounds_header(32 * a.warps, a.min_blocks) + "namespace mlx")]
     for D, rep in ((64, 4), (128, 4), (64, 2), (96, 3)):
         for dt in ("bfloat16", "float32"):
             T = TYPES[dt]
-            base = dict(T=T, S=T, D=D, P=64, REP=rep, HKV=8, NW=ca.warps_for(D, rep), LPT=ca._lanes(D), NE=ca.NE,
-                        U=ca.UNROLL)
+            nw = ca.warps_for(D, rep, a.warps)
+            base = dict(T=T, S=T, D=D, P=64, REP=rep, HKV=8, NW=nw, LPT=ca._lanes(D), NE=ca.NE, U=a.unroll)
             ints = [("table", "int32_t"), ("meta", "int32_t"), ("scale", "float")]
             for split, new_kv in ((False, False), (True, False), (False, True), (True, True)):
+                i = f"{D}_{rep}_{dt}{'_split' if split else ''}{'_store' if new_kv else ''}"
                 store = [("kn", T), ("vn", T)] if new_kv else []  # the kernel also stores the new token
                 outs = [("pm", "float"), ("pl", "float"), ("pacc", "float")] if split else [("out", T)]
                 dense_in = [("q", T), ("k", T), ("v", T), ("table", "int32_t"), ("lengths", "int32_t"),
                             ("meta", "int32_t"), ("scale", "float")]
-                src.append(wrap(f"dense_{i}", dense_in + store, outs, base, ca.kernel_source(False, split, new_kv)))
+                src.append(wrap(f"dense_{i}", dense_in + store, outs, base, cs.kernel_source(False, split, new_kv, raw=not a.no_raw)))
                 for bits in (8, 4):
                     qin = [("q", T), ("kw", "uint32_t"), ("ks", T), ("kb", T), ("vw", "uint32_t"), ("vs", T),
                            ("vb", T), ("tk", T), ("tv", T), ("tails", "int32_t")] + ints[:1] + \
                           [("lens", "int32_t")] + ints[1:]
                     consts = dict(base, BITS=bits, GS=32 if D % 64 else 64)
-                    src.append(wrap(f"quant_{i}_{bits}", qin + store, outs, consts,
-                                    ca.kernel_source(True, split, new_kv)))
-                i += 1
+                    src.append(wrap(f"quant_{i}_q{bits}", qin + store, outs, consts,
+                                    cs.kernel_source(True, split, new_kv, not a.no_fold, not a.no_raw)))
             for ql in (0, 1):
-                src.append(wrap(f"reduce_{i}_{ql}", [("pm", "float"), ("pl", "float"), ("pacc", "float"),
+                src.append(wrap(f"reduce_{D}_{rep}_{dt}_{ql}", [("pm", "float"), ("pl", "float"), ("pacc", "float"),
                                                      ("meta", "int32_t"), ("lens", "int32_t")], [("out", T)],
-                                dict(T=T, D=D, REP=rep, HKV=8, QL=ql), ca._REDUCE))
+                                dict(T=T, D=D, REP=rep, HKV=8, QL=ql), cs._REDUCE))
     src.append("}\n")
     with tempfile.TemporaryDirectory() as d:
         f = Path(d) / "k.cu"
@@ -67,9 +81,17 @@ def main() -> int:
         r = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-c", "-Xptxas", "-v", "-o", str(Path(d) / "k.o"),
                             str(f)], capture_output=True, text=True)
     out = r.stdout + r.stderr
+    name = ""
     for line in out.splitlines():
-        if "error" in line or "warning" in line or "Used" in line or "spill" in line or "Compiling" in line:
+        if "error" in line or "warning" in line:
             print(line)
+        elif "Compiling entry function" in line:
+            m = re.search(r"cu\d+((?:dense|quant|reduce)_\w+?)E", line)
+            name = m.group(1) if m else line
+        elif "spill" in line and "0 bytes spill stores, 0 bytes spill loads" not in line:
+            print(f"{name}: {line.strip()}")
+        elif "Used" in line:
+            print(f"{name}: {line.split('Used ')[1].split(',')[0]}")
     print("nvcc exit", r.returncode)
     return r.returncode
 

@@ -8,12 +8,19 @@ KV of every row, dense; `_mode`: at the mode's own KV bytes per token) / measure
 copy bandwidth. At 8k context kvbatch runs before mlx-lm (mlx-lm ran out of memory
 there); every case is written to --out as it finishes.
 
-    python benchmarks/gpu.py --geometry 1b --out results-1b.json
+--repeats N runs each case's measured sequence (mlx-lm, then each kvbatch mode) N times,
+reversing the order on every other round, and reports the median decode tok/s of each and
+the ratio of medians (plus every run's number): a single pass is moved by what ran just
+before it (session 4 saw 1.7x at 8B batch 256), and an alternating order spreads that
+position effect over all sides instead of charging it to one.
+
+    python benchmarks/gpu.py --geometry 1b --out results-1b.json [--repeats 3]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import os
 import platform
 import time
@@ -90,12 +97,20 @@ def run_mlx_lm(model, ps, new_tokens):
             "peak_gb": mx.get_peak_memory() / 1e9}
 
 
+# Named settings for MODE@NAME: "old" is the fused kernel as it was before the fifth session
+# (float loop, q8/q4 dequantized per element, no launch bounds, default unroll/warps/splits).
+ENV_ALIASES = {"old": "KVBATCH_CUDA_RAW=0+KVBATCH_CUDA_QFOLD=0+KVBATCH_CUDA_MINB=0+KVBATCH_CUDA_UNROLL=2"
+                      "+KVBATCH_CUDA_WARPS=0+KVBATCH_CUDA_CHUNK="}
+
+
 def run_kvbatch(model, spec, ps, new_tokens, mode, budget):
-    """mode: none/q8/q4, optionally with environment settings for this run only:
-    "none@KVBATCH_CUDA_KERNEL_WRITE=0" (A/B of an engine switch in the same process)."""
+    """mode: none/q8/q4, optionally with environment settings for this run only, '+'-separated:
+    "none@KVBATCH_CUDA_KERNEL_WRITE=0" (A/B of an engine switch in the same process), or a name
+    from ENV_ALIASES ("q8@old")."""
     mode, _, env = mode.partition("@")
+    env = ENV_ALIASES.get(env, env)
     saved = {}
-    for kv in filter(None, env.split(",")):
+    for kv in filter(None, env.split("+")):
         k, _, v = kv.partition("=")
         saved[k] = os.environ.get(k)
         os.environ[k] = v
@@ -146,13 +161,27 @@ def guarded(fn, *args):
         return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
 
 
+def _median_run(rs: list[dict]) -> dict:
+    """The run with the median decode tok/s (first run's fields if all failed), plus every
+    run's decode tok/s in `decode_tps_runs`."""
+    ok = [r for r in rs if r.get("decode_tps")]
+    if not ok:
+        return dict(rs[0])
+    tps = [r["decode_tps"] for r in ok]
+    med = statistics.median(tps)
+    pick = dict(min(ok, key=lambda r: abs(r["decode_tps"] - med)))
+    pick.update(decode_tps=med, decode_tps_runs=[r.get("decode_tps") for r in rs],
+                peak_gb=max(r.get("peak_gb", 0) for r in ok))
+    return pick
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--geometry", default="1b", choices=sorted(GEOMETRIES))
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=256)
-    ap.add_argument("--modes", default="none,q8,q4", help="also MODE@ENV=VALUE (run_kvbatch)")
+    ap.add_argument("--modes", default="none,q8,q4", help="also MODE@ENV=VALUE+ENV2=V2 or MODE@old (run_kvbatch)")
     ap.add_argument("--long-modes", default="", help="modes at long context (default: --modes)")
     ap.add_argument("--long", type=int, default=8192)
     ap.add_argument("--long-batches", default="1,8")
@@ -160,6 +189,7 @@ def main() -> None:
     ap.add_argument("--budget-gb", type=float, default=120)
     ap.add_argument("--out", default="")
     ap.add_argument("--skip-mlx-lm-long", action="store_true")
+    ap.add_argument("--repeats", type=int, default=1, help="measured rounds per case, order reversed every other")
     a = ap.parse_args()
     model, spec = build(a.geometry)
     bw = copy_bandwidth()
@@ -191,19 +221,32 @@ def main() -> None:
         if not (long and a.skip_mlx_lm_long):
             guarded(run_mlx_lm, model, ps, warm)
         row["warmup_tokens"] = warm
-        if not long:
-            row["mlx_lm_none"] = guarded(run_mlx_lm, model, ps, new)
+        # the measured sequence: kvbatch first at long context (see above), mlx-lm first otherwise
+        sides = [f"kvbatch_{m}" for m in modes]
+        if not (long and a.skip_mlx_lm_long):
+            sides = sides + ["mlx_lm_none"] if long else ["mlx_lm_none"] + sides
+        runs: dict[str, list] = {k: [] for k in sides}
+        for rnd in range(max(a.repeats, 1)):
+            for side in (sides if rnd % 2 == 0 else sides[::-1]):
+                if side == "mlx_lm_none":
+                    runs[side].append(guarded(run_mlx_lm, model, ps, new))
+                else:
+                    runs[side].append(guarded(run_kvbatch, model, spec, ps, new, side[len("kvbatch_"):], budget))
+                mx.clear_cache()
+        for side, rs in runs.items():
+            row[side] = _median_run(rs)
+        if "mlx_lm_none" not in row:
+            row["mlx_lm_none"] = {"error": "skipped (--skip-mlx-lm-long)"}
         for mode in modes:
-            row[f"kvbatch_{mode}"] = guarded(run_kvbatch, model, spec, ps, new, mode, budget)
             row[f"kvbatch_{mode}"]["roofline_tps_mode"] = roofline(spec, kv_bpt[mode.partition("@")[0]], batch, ctx,
                                                                    bw)
-        if long:
-            row["mlx_lm_none"] = {"error": "skipped (--skip-mlx-lm-long)"} if a.skip_mlx_lm_long else \
-                guarded(run_mlx_lm, model, ps, new)
         base = row["mlx_lm_none"].get("decode_tps")
+        base_runs = row["mlx_lm_none"].get("decode_tps_runs", [])
         for k, v in list(row.items()):
             if k.startswith("kvbatch_") and v.get("decode_tps"):
                 v["ratio_vs_mlx_lm"] = v["decode_tps"] / base if base else None
+                if len(base_runs) == len(v.get("decode_tps_runs", [])) > 1:  # round by round
+                    v["ratio_runs"] = [x / y if x and y else None for x, y in zip(v["decode_tps_runs"], base_runs)]
                 v["roofline_fraction"] = v["decode_tps"] / row["roofline_tps"]
                 v["roofline_fraction_mode"] = v["decode_tps"] / v["roofline_tps_mode"]
         print(json.dumps(row), flush=True)

@@ -91,6 +91,7 @@ class PagedKVCache:
             self.route = att.ROUTE_DENSE_F32 if upcast else att.ROUTE_DENSE
         self.fused_decode = cuda_attention.usable(layout, self.store, query_heads)
         self.kernel_writes = self.fused_decode and cuda_attention.kernel_writes()  # CUDA decode stores
+        self.cuda_tuning = cuda_attention.tuning() if self.fused_decode else None
         if self.fused_decode:
             self.route = att.ROUTE_CUDA_Q if layout.bits else att.ROUTE_CUDA
         self.upcast = upcast
@@ -345,11 +346,12 @@ class PagedKVCache:
         plan, t, st = self.plan, self.plan.tensors, self.store
         if "lengths" in t:  # CUDA: pages read in place by the fused decode kernel
             out = cuda_attention.paged_decode_attention(queries, st.k[layer], st.v[layer], t["table"],
-                                                        t["lengths"], scale, new_kv=self._new_kv.pop(layer, None))
+                                                        t["lengths"], scale, new_kv=self._new_kv.pop(layer, None),
+                                                        tune=self.cuda_tuning)
         elif "lens" in t:
             out = cuda_attention.paged_decode_attention_quantized(
                 queries, st.q[layer], st.tk[layer], st.tv[layer], t["tails"], t["table_q"], t["lens"], scale,
-                st.bits, st.group_size, new_kv=self._new_kv.pop(layer, None))
+                st.bits, st.group_size, new_kv=self._new_kv.pop(layer, None), tune=self.cuda_tuning)
         elif "page_heads" in t:
             out = att.paged_grouped_decode(queries, st.k[layer], st.v[layer], t["page_heads"], t["query_of"],
                                            t["mask"], scale)

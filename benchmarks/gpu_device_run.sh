@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Stages of one GPU session on the lent H200 (no network there), run from the repo root:
+#   bash benchmarks/gpu_device_run.sh STAGE[:SECONDS] ...
+# Installs MLX CUDA from the wheels that shared/tools/mlx-cuda-stage.sh staged (call 1 copies
+# .gpu/a to $HOME/kvbatch-stage; this script joins it with .gpu/b) once per machine. Each
+# stage writes its log (and JSON) under $OUT and is cut at SECONDS (default 300).
+#   kernels  kernel checks (float64 reference) and the one-layer 8k bench of the launch settings
+#            (VARIANTS below); writes $HOME/kvbatch-best.env with the fastest checked one
+#   pytest   the engine's correctness tests on MLX CUDA
+#   gpu8b / gpu1b  benchmarks/gpu.py, 2 order-alternating rounds, with the old kernel A/B
+# Later stages source $HOME/kvbatch-best.env, so they run the settings that the bench picked.
+set -uo pipefail
+S=$HOME/kvbatch-stage SITE=$HOME/kvbatch-site OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+if [ ! -d "$SITE/mlx" ]; then
+  cat "$S"/mlxcuda.part.aa .gpu/b/mlxcuda.part.ab > "$S"/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl &&
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$S"/*.whl || exit 1
+fi
+export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
+git log -1 --format='commit %h %s' 2>/dev/null; git status --short 2>/dev/null | head -20
+CHECKS="old:KVBATCH_CUDA_RAW=0,KVBATCH_CUDA_QFOLD=0;raw:;raw_mb2:KVBATCH_CUDA_MINB=2;raw_u1:KVBATCH_CUDA_UNROLL=1;raw_w4u4:KVBATCH_CUDA_WARPS=4,KVBATCH_CUDA_UNROLL=4,KVBATCH_CUDA_MINB=3"
+VARIANTS="$CHECKS;raw_mb2_c512:KVBATCH_CUDA_MINB=2,KVBATCH_CUDA_CHUNK=512;raw_mb2_c1024:KVBATCH_CUDA_MINB=2,KVBATCH_CUDA_CHUNK=1024;fold_mb2:KVBATCH_CUDA_RAW=0,KVBATCH_CUDA_MINB=2"
+TESTS="tests/test_cuda_kernel_write.py tests/test_engine_paged.py tests/test_kv_quant.py tests/test_nonfinite.py tests/test_memory.py tests/test_lookahead.py"
+for arg in "$@"; do
+  stage=${arg%%:*} secs=${arg#*:}; [ "$secs" = "$arg" ] && secs=300
+  [ -f "$HOME/kvbatch-best.env" ] && source "$HOME/kvbatch-best.env" && cp "$HOME/kvbatch-best.env" "$OUT/best.env"
+  echo "== stage $stage (${secs}s) $(date -u +%T) $(env | grep ^KVBATCH_ | tr '\n' ' ')"
+  case $stage in
+    kernels) timeout "$secs" python3 benchmarks/backend_check.py --parts kernels,bench --kernel-dtypes bfloat16,float32 \
+               --kernel-chunks default,48 --check-variants "$CHECKS" --variants "$VARIANTS" \
+               --pick-out "$HOME/kvbatch-best.env" 2>&1 | tee "$OUT/kernels.txt" | grep -v "^ok  kernel" ;;
+    pytest) timeout "$secs" python3 -m pytest -q -p no:cacheprovider -rs --durations=8 $TESTS 2>&1 | tee "$OUT/pytest.txt" ;;
+    gpu8b|gpu1b) g=${stage#gpu}; timeout "$secs" python3 benchmarks/gpu.py --geometry "$g" --repeats 2 \
+               --modes none,q8,q4,none@old,q8@old --out "$OUT/gpu_$g.json" 2>&1 | tee "$OUT/gpu_$g.txt" | cut -c1-400 ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done
+echo "== done $(date -u +%T)"

@@ -1,0 +1,422 @@
+"""CUDA source of the fused paged decode kernels (engine/cuda_attention.py launches them).
+
+Kept apart from the launch code so the text can be read (and compiled by
+benchmarks/cuda_compile_check.py) on its own. `kernel_source` assembles one kernel body from
+the pieces below; MLX's `mx.fast.cuda_kernel` wraps it in the signature and the template
+constants (T, S, D, P, REP, HKV, NW, LPT, NE, U; BITS, GS for q8/q4).
+
+Layout of a launch: one block per (row, KV head, split); 8 head elements per lane, LPT lanes
+per token, TPW = 32 / LPT tokens per warp and U of them per lane per loop step; the query group
+(GQA, REP heads) shares each K/V load; online softmax in float32.
+"""
+from __future__ import annotations
+
+_HEAD = r"""
+    constexpr int TPW = 32 / LPT;
+    const int maxp = meta[0], ns = meta[1];
+    const int bh = blockIdx.x / ns, sp = blockIdx.x % ns;
+    const int b = bh / HKV, hk = bh % HKV;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int sub = lane / LPT, li = lane % LPT;
+    const bool on = li * NE < D;
+    {lens}
+    const int chunk = len > meta[3] ? meta[2] : len;  // this row's own ranges (unsplit if short)
+    const int t0 = sp * chunk, t1 = min(len, t0 + chunk);
+    if (sp > 0 && t0 >= len) return;  // past this row's own splits (the whole block: no sync below)
+    const float sc = scale[0];
+    float qr[REP][NE], m[REP], l[REP], acc[REP][NE];
+    for (int r = 0; r < REP; ++r) {{
+        for (int e = 0; e < NE; ++e) {{
+            qr[r][e] = on ? static_cast<float>(q[((size_t)bh * REP + r) * D + li * NE + e]) * sc : 0.f;
+            acc[r][e] = 0.f;
+        }}
+        m[r] = -INFINITY;
+        l[r] = 0.f;
+    }}
+    struct alignas(16) V8 {{ S x[NE]; }};
+"""
+
+# One pass over tokens [ta, tz): `load` fills kf[u][e], vf[u][e] for token t (lane li's elements);
+# `score` adds lane li's part of q.k to x; `accum` adds p * v to acc; `decl`, `zero` and `rescale`
+# carry the folded q8/q4 scales (below).
+_LOOP = r"""
+    {{
+        const int ta = {start}, tz = {stop};
+        for (int tb = ta + warp * TPW * U; tb < tz; tb += NW * TPW * U) {{
+            float kf[U][NE], vf[U][NE];
+            bool valid[U];
+            {decl}
+            for (int u = 0; u < U; ++u) {{
+                const int t = tb + u * TPW + sub;
+                valid[u] = t < tz;
+                if (valid[u] && on) {{
+                    {load}
+                }} else {{
+                    for (int e = 0; e < NE; ++e) {{ kf[u][e] = 0.f; vf[u][e] = 0.f; }}
+                    {zero}
+                }}
+            }}
+            for (int r = 0; r < REP; ++r) {{
+                float s[U];
+                float mn = m[r];
+                bool any = false;
+                for (int u = 0; u < U; ++u) {{
+                    float x = 0.f;
+                    {score}
+                    for (int o = LPT / 2; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffff, x, o);
+                    s[u] = x;
+                    if (valid[u]) {{ mn = fmaxf(mn, x); any = true; }}
+                }}
+                if (!any) continue;
+                if (mn > m[r]) {{  // rescale only when the running max moves (rarely, once warm)
+                    const float corr = __expf(m[r] - mn);
+                    l[r] *= corr;
+                    for (int e = 0; e < NE; ++e) acc[r][e] *= corr;
+                    {rescale}
+                    m[r] = mn;
+                }}
+                for (int u = 0; u < U; ++u) {{
+                    if (!valid[u]) continue;
+                    const float p = __expf(s[u] - m[r]);  // NaN scores stay NaN (fmaxf skips them)
+                    l[r] += p;
+                    {accum}
+                }}
+            }}
+        }}
+    }}
+"""
+
+_DENSE_LOAD = r"""
+                    const int page = table[(size_t)b * maxp + t / P];
+                    const size_t base = (((size_t)page * HKV + hk) * P + (t % P)) * D + li * NE;
+                    const V8 kk = *reinterpret_cast<const V8*>(k + base);
+                    const V8 vv = *reinterpret_cast<const V8*>(v + base);
+                    for (int e = 0; e < NE; ++e) {
+                        kf[u][e] = static_cast<float>(kk.x[e]);
+                        vf[u][e] = static_cast<float>(vv.x[e]);
+                    }
+"""
+
+_TAIL_LOAD = r"""
+                    const size_t base = (((size_t)tails[b] * HKV + hk) * P + (t - n_main)) * D + li * NE;
+                    const V8 kk = *reinterpret_cast<const V8*>(tk + base);
+                    const V8 vv = *reinterpret_cast<const V8*>(tv + base);
+                    for (int e = 0; e < NE; ++e) {
+                        kf[u][e] = static_cast<float>(kk.x[e]);
+                        vf[u][e] = static_cast<float>(vv.x[e]);
+                    }
+"""
+
+_QUANT_LOAD = r"""
+                    constexpr int WPL = NE * BITS / 32, W = D * BITS / 32, G = D / GS;
+                    struct alignas(4 * WPL) QW { uint32_t x[WPL]; };
+                    const int page = table[(size_t)b * maxp + t / P];
+                    const size_t slot = ((size_t)page * HKV + hk) * P + (t % P);
+                    const size_t wo = slot * W + li * WPL, go = slot * G + (li * NE) / GS;
+                    const QW kq = *reinterpret_cast<const QW*>(kw + wo);
+                    const QW vq = *reinterpret_cast<const QW*>(vw + wo);
+                    const float ks_ = static_cast<float>(ks[go]), kb_ = static_cast<float>(kb[go]);
+                    const float vs_ = static_cast<float>(vs[go]), vb_ = static_cast<float>(vb[go]);
+                    for (int e = 0; e < NE; ++e) {  // code -> float as 2^23 + code, minus 2^23 (no I2F)
+                        const uint32_t a = kq.x[(e * BITS) / 32], c = vq.x[(e * BITS) / 32];
+                        const uint32_t ka = BITS == 8 ? __byte_perm(a, 0x4B000000u, (e % 4) | 0x7440)
+                                                      : ((a >> ((e * BITS) % 32)) & 0xFu) | 0x4B000000u;
+                        const uint32_t va = BITS == 8 ? __byte_perm(c, 0x4B000000u, (e % 4) | 0x7440)
+                                                      : ((c >> ((e * BITS) % 32)) & 0xFu) | 0x4B000000u;
+                        kf[u][e] = ks_ * (__uint_as_float(ka) - 8388608.f) + kb_;
+                        vf[u][e] = vs_ * (__uint_as_float(va) - 8388608.f) + vb_;
+                    }
+"""
+
+# The step's new token (t == len - 1), when the kernel also stores it (`new_kv`): the block
+# whose token range holds it writes it from the projections (kn/vn, (B, HKV, D)) into its page
+# slot (dense) or tail slot (q8/q4) before its loop, for later steps; every read of that token in
+# this launch takes it from kn/vn (the same bits), so no thread waits for the store, and the
+# loop's loads are not ordered behind a store that may alias them. No other block of this launch
+# touches that slot. MLX custom kernels have no in-place outputs, so the store goes through the
+# input pointer: the pages are written in place, as MLX's own donated scatter would write them.
+_NEW_KV = r"""
+    if (threadIdx.x < LPT && on && t0 <= len - 1 && len - 1 < t1) {{  // warp 0, first token group
+        const int tn = len - 1;
+        const size_t nb = ((size_t)b * HKV + hk) * D + li * NE, base = {base};
+        *reinterpret_cast<V8*>(const_cast<S*>({k}) + base) = *reinterpret_cast<const V8*>(kn + nb);
+        *reinterpret_cast<V8*>(const_cast<S*>({v}) + base) = *reinterpret_cast<const V8*>(vn + nb);
+    }}
+"""
+
+_NEW_SEL = "(t == len - 1 ? {n} + ((size_t)b * HKV + hk) * D + li * NE : {p} + base)"
+
+# Merge the warp's token sub-groups (shuffles), then the block's warps (shared memory).
+_MERGE = r"""
+    for (int o = LPT; o < 32; o <<= 1) {
+        for (int r = 0; r < REP; ++r) {
+            const float mo = __shfl_xor_sync(0xffffffff, m[r], o);
+            const float lo = __shfl_xor_sync(0xffffffff, l[r], o);
+            const float M = fmaxf(m[r], mo);
+            const float c1 = (m[r] == -INFINITY) ? 0.f : __expf(m[r] - M);
+            const float c2 = (mo == -INFINITY) ? 0.f : __expf(mo - M);
+            l[r] = l[r] * c1 + lo * c2;
+            for (int e = 0; e < NE; ++e) {
+                const float ao = __shfl_xor_sync(0xffffffff, acc[r][e], o);
+                acc[r][e] = acc[r][e] * c1 + ao * c2;
+            }
+            m[r] = M;
+        }
+    }
+    __shared__ float sm[NW][REP];
+    __shared__ float sl[NW][REP];
+    __shared__ float sacc[NW][REP][D];
+    if (sub == 0) {
+        for (int r = 0; r < REP; ++r) {
+            if (li == 0) { sm[warp][r] = m[r]; sl[warp][r] = l[r]; }
+            if (on) for (int e = 0; e < NE; ++e) sacc[warp][r][li * NE + e] = acc[r][e];
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < REP * D; i += blockDim.x) {
+        const int r = i / D, d = i % D;
+        float M = -INFINITY;
+        for (int w = 0; w < NW; ++w) M = fmaxf(M, sm[w][r]);
+        float L = 0.f, A = 0.f;
+        for (int w = 0; w < NW; ++w) {
+            const float c = (sm[w][r] == -INFINITY) ? 0.f : __expf(sm[w][r] - M);
+            L += sl[w][r] * c;
+            A += sacc[w][r][d] * c;
+        }
+"""
+
+_WRITE_OUT = r"""
+        out[((size_t)bh * REP + r) * D + d] = static_cast<T>(A / L);
+    }
+"""
+
+_WRITE_PART = r"""
+        const size_t pr = ((size_t)bh * ns + sp) * REP + r;
+        if (d == 0) { pm[pr] = M; pl[pr] = L; }
+        pacc[pr * D + d] = A;
+    }
+"""
+
+_REDUCE = r"""
+    const int ns = meta[1];
+    const int bh = blockIdx.x, b = bh / HKV;
+    const int len = QL ? lens[2 * b] + lens[2 * b + 1] : lens[b];
+    const int nr = len > meta[3] ? min(ns, (len + meta[2] - 1) / meta[2]) : 1;  // this row's own splits
+    for (int i = threadIdx.x; i < REP * D; i += blockDim.x) {
+        const int r = i / D, d = i % D;
+        float M = -INFINITY;
+        for (int s = 0; s < nr; ++s) M = fmaxf(M, pm[((size_t)bh * ns + s) * REP + r]);
+        float L = 0.f, A = 0.f;
+        for (int s = 0; s < nr; ++s) {
+            const size_t pr = ((size_t)bh * ns + s) * REP + r;
+            // weight exactly 1 for the split that holds the max: one split = the unsplit kernel's bits
+            const float c = (pm[pr] == M) ? 1.f : (pm[pr] == -INFINITY) ? 0.f : __expf(pm[pr] - M);
+            L += pl[pr] * c;
+            A += pacc[pr * D + d] * c;
+        }
+        out[((size_t)bh * REP + r) * D + d] = static_cast<T>(A / L);
+    }
+"""
+
+# Plain pieces of the loop (dense pages, the q8/q4 tail page, and unfolded q8/q4 pages).
+_PLAIN = dict(decl="", zero="", rescale="",
+              score="for (int e = 0; e < NE; ++e) x += qr[r][e] * kf[u][e];",
+              accum="for (int e = 0; e < NE; ++e) acc[r][e] += p * vf[u][e];")
+
+# Folded q8/q4 (KVBATCH_CUDA_QFOLD, default on): a lane's 8 elements share one group's scale s
+# and bias b, so q.(s*c + b) = s*(q.c) + b*sum(q) and sum_t p*(s*c + b) = sum_t (p*s)*c +
+# sum_t p*b. The loop then keeps codes as floats (kf, vf) and per-token scales, and does the
+# dense loop's multiply-adds plus two per (query head, token) instead of dequantizing 16 values
+# per token first. `ab` (the bias part of the value sum) is added to acc after the sealed pages.
+_FOLD_LOAD = r"""
+                    constexpr int WPL = NE * BITS / 32, W = D * BITS / 32, G = D / GS;
+                    struct alignas(4 * WPL) QW { uint32_t x[WPL]; };
+                    const int page = table[(size_t)b * maxp + t / P];
+                    const size_t slot = ((size_t)page * HKV + hk) * P + (t % P);
+                    const size_t wo = slot * W + li * WPL, go = slot * G + (li * NE) / GS;
+                    const QW kq = *reinterpret_cast<const QW*>(kw + wo);
+                    const QW vq = *reinterpret_cast<const QW*>(vw + wo);
+                    ksc[u] = static_cast<float>(ks[go]);
+                    kbi[u] = static_cast<float>(kb[go]);
+                    vsc[u] = static_cast<float>(vs[go]);
+                    vbi[u] = static_cast<float>(vb[go]);
+                    for (int e = 0; e < NE; ++e) {  // code -> float as 2^23 + code, minus 2^23 (no I2F)
+                        const uint32_t a = kq.x[(e * BITS) / 32], c = vq.x[(e * BITS) / 32];
+                        const uint32_t ka = BITS == 8 ? __byte_perm(a, 0x4B000000u, (e % 4) | 0x7440)
+                                                      : ((a >> ((e * BITS) % 32)) & 0xFu) | 0x4B000000u;
+                        const uint32_t va = BITS == 8 ? __byte_perm(c, 0x4B000000u, (e % 4) | 0x7440)
+                                                      : ((c >> ((e * BITS) % 32)) & 0xFu) | 0x4B000000u;
+                        kf[u][e] = __uint_as_float(ka) - 8388608.f;
+                        vf[u][e] = __uint_as_float(va) - 8388608.f;
+                    }
+"""
+_FOLD = dict(decl="float ksc[U], kbi[U], vsc[U], vbi[U];",
+             zero="ksc[u] = 0.f; kbi[u] = 0.f; vsc[u] = 0.f; vbi[u] = 0.f;",
+             rescale="ab[r] *= corr;",
+             score="{ float y = 0.f; for (int e = 0; e < NE; ++e) y += qr[r][e] * kf[u][e];"
+                   " x = y * ksc[u] + kbi[u] * qs[r]; }",
+             accum="{ const float pv = p * vsc[u]; for (int e = 0; e < NE; ++e) acc[r][e] += pv * vf[u][e];"
+                   " ab[r] += p * vbi[u]; }")
+_FOLD_START = r"""
+    float qs[REP], ab[REP];
+    for (int r = 0; r < REP; ++r) {
+        qs[r] = 0.f;
+        ab[r] = 0.f;
+        for (int e = 0; e < NE; ++e) qs[r] += qr[r][e];
+    }
+"""
+_FOLD_END = r"""
+    for (int r = 0; r < REP; ++r) for (int e = 0; e < NE; ++e) acc[r][e] += ab[r];
+"""
+
+
+
+# The lean loop (KVBATCH_CUDA_RAW, default on): each lane keeps its tokens' K/V as loaded (bf16
+# pairs or packed codes: 4 registers a token for bf16 K, 2 for q8, 1 for q4, against 8 floats)
+# and converts element e inside the score and value loops, where all REP query heads use it at
+# once. The registers saved let two 256-thread blocks share an SM (at most 128 a thread), which
+# the float loop above misses for q8/q4 (137-153). The sums run in the same order as the float
+# loop (e, then u, per query head), so dense results are the same bits.
+_RAW_LOOP = r"""
+    {{
+        const int ta = {start}, tz = {stop};
+        for (int tb = ta + warp * TPW * U; tb < tz; tb += NW * TPW * U) {{
+            {decl}
+            bool valid[U];
+            for (int u = 0; u < U; ++u) {{
+                const int t = tb + u * TPW + sub;
+                valid[u] = t < tz;
+                if (valid[u] && on) {{
+                    {load}
+                }} else {{
+                    {zero}
+                }}
+            }}
+            float x[REP][U];
+            for (int r = 0; r < REP; ++r) for (int u = 0; u < U; ++u) x[r][u] = 0.f;
+            for (int e = 0; e < NE; ++e) {{
+                for (int u = 0; u < U; ++u) {{
+                    const float kv = {kconv};
+                    for (int r = 0; r < REP; ++r) x[r][u] += qr[r][e] * kv;
+                }}
+            }}
+            for (int r = 0; r < REP; ++r) {{
+                float mn = m[r];
+                for (int u = 0; u < U; ++u) {{
+                    {score}
+                    for (int o = LPT / 2; o > 0; o >>= 1) x[r][u] += __shfl_xor_sync(0xffffffff, x[r][u], o);
+                    if (valid[u]) mn = fmaxf(mn, x[r][u]);
+                }}
+                if (mn > m[r]) {{  // rescale only when the running max moves (rarely, once warm)
+                    const float corr = __expf(m[r] - mn);
+                    l[r] *= corr;
+                    for (int e = 0; e < NE; ++e) acc[r][e] *= corr;
+                    {rescale}
+                    m[r] = mn;
+                }}
+                for (int u = 0; u < U; ++u) {{  // x becomes the value weight; NaN scores stay NaN
+                    const float p = valid[u] ? __expf(x[r][u] - m[r]) : 0.f;
+                    l[r] += p;
+                    {weight}
+                }}
+            }}
+            for (int e = 0; e < NE; ++e) {{
+                for (int u = 0; u < U; ++u) {{
+                    const float vv = {vconv};
+                    for (int r = 0; r < REP; ++r) acc[r][e] += x[r][u] * vv;
+                }}
+            }}
+        }}
+    }}
+"""
+
+_RAW_DENSE_LOAD = r"""
+                    const int page = table[(size_t)b * maxp + t / P];
+                    const size_t base = (((size_t)page * HKV + hk) * P + (t % P)) * D + li * NE;
+                    kr[u] = *reinterpret_cast<const V8*>(k + base);
+                    vr[u] = *reinterpret_cast<const V8*>(v + base);
+"""
+_RAW_TAIL_LOAD = r"""
+                    const size_t base = (((size_t)tails[b] * HKV + hk) * P + (t - n_main)) * D + li * NE;
+                    kr[u] = *reinterpret_cast<const V8*>(tk + base);
+                    vr[u] = *reinterpret_cast<const V8*>(tv + base);
+"""
+_RAW_DENSE = dict(decl="V8 kr[U], vr[U];",
+                  zero="for (int e = 0; e < NE; ++e) { kr[u].x[e] = static_cast<S>(0.f); vr[u].x[e] = kr[u].x[e]; }",
+                  kconv="static_cast<float>(kr[u].x[e])", vconv="static_cast<float>(vr[u].x[e])",
+                  score="", rescale="", weight="x[r][u] = p;")
+
+_RAW_QUANT_LOAD = r"""
+                    const int page = table[(size_t)b * maxp + t / P];
+                    const size_t slot = ((size_t)page * HKV + hk) * P + (t % P);
+                    const size_t wo = slot * W + li * WPL, go = slot * G + (li * NE) / GS;
+                    kr[u] = *reinterpret_cast<const QW*>(kw + wo);
+                    vr[u] = *reinterpret_cast<const QW*>(vw + wo);
+                    ksc[u] = static_cast<float>(ks[go]);
+                    kbi[u] = static_cast<float>(kb[go]);
+                    vsc[u] = static_cast<float>(vs[go]);
+                    vbi[u] = static_cast<float>(vb[go]);
+"""
+# code e of a lane's packed word(s) -> float: 2^23 + code as bits, minus 2^23 (no I2F)
+_CODE = ("(__uint_as_float(BITS == 8 ? __byte_perm({w}.x[(e * BITS) / 32], 0x4B000000u, (e % 4) | 0x7440)"
+         " : ((({w}.x[(e * BITS) / 32] >> ((e * BITS) % 32)) & 0xFu) | 0x4B000000u)) - 8388608.f)")
+_RAW_QUANT = dict(decl="QW kr[U], vr[U]; float ksc[U], kbi[U], vsc[U], vbi[U];",
+                  zero="for (int w = 0; w < WPL; ++w) { kr[u].x[w] = 0u; vr[u].x[w] = 0u; }"
+                       " ksc[u] = 0.f; kbi[u] = 0.f; vsc[u] = 0.f; vbi[u] = 0.f;",
+                  kconv=_CODE.format(w="kr[u]"), vconv=_CODE.format(w="vr[u]"),
+                  score="x[r][u] = x[r][u] * ksc[u] + kbi[u] * qs[r];", rescale="ab[r] *= corr;",
+                  weight="ab[r] += p * vbi[u]; x[r][u] = p * vsc[u];")
+_QW = r"""
+    constexpr int WPL = NE * BITS / 32, W = D * BITS / 32, G = D / GS;
+    struct alignas(4 * WPL) QW { uint32_t x[WPL]; };
+"""
+
+
+def kernel_source(quantized: bool, split: bool, new_kv: bool = False, fold: bool = True,
+                  raw: bool = True) -> str:
+    """The kernel body. new_kv: the kernel also stores the step's token (inputs kn, vn) into
+    its dense page / tail page. fold: q8/q4 pages with the scales folded (_FOLD). raw: the lean
+    loop (_RAW_LOOP; q8/q4 then always folded)."""
+    k, v = ("tk", "tv") if quantized else ("k", "v")
+    if raw:
+        load = _RAW_TAIL_LOAD if quantized else _RAW_DENSE_LOAD
+        sel = {f"({k} + base)": _NEW_SEL.format(n="kn", p=k), f"({v} + base)": _NEW_SEL.format(n="vn", p=v)}
+    else:
+        load = _TAIL_LOAD if quantized else _DENSE_LOAD
+        sel = {f"({k} + base)": _NEW_SEL.format(n="kn", p=k), f"({v} + base)": _NEW_SEL.format(n="vn", p=v)}
+    store = ""
+    if new_kv:
+        base = ("(((size_t)tails[b] * HKV + hk) * P + (tn - n_main)) * D + li * NE" if quantized else
+                "(((size_t)table[(size_t)b * maxp + tn / P] * HKV + hk) * P + (tn % P)) * D + li * NE")
+        store = _NEW_KV.format(k=k, v=v, base=base)
+        for old, new in sel.items():
+            load = load.replace(old, new)
+    if quantized:
+        head = _HEAD.format(lens="const int n_main = lens[2 * b], len = n_main + lens[2 * b + 1];")
+        if raw:
+            sealed = _QW + _FOLD_START + _RAW_LOOP.format(start="t0", stop="min(t1, n_main)", load=_RAW_QUANT_LOAD,
+                                                          **_RAW_QUANT) + _FOLD_END
+            tail = _RAW_LOOP.format(start="max(t0, n_main)", stop="t1", load=load, **_RAW_DENSE)
+        else:
+            sealed = _LOOP.format(start="t0", stop="min(t1, n_main)", load=_FOLD_LOAD if fold else _QUANT_LOAD,
+                                  **(_FOLD if fold else _PLAIN))
+            if fold:
+                sealed = _FOLD_START + sealed + _FOLD_END
+            tail = _LOOP.format(start="max(t0, n_main)", stop="t1", load=load, **_PLAIN)
+        body = sealed + tail
+    else:
+        head = _HEAD.format(lens="const int len = lengths[b];")
+        body = (_RAW_LOOP.format(start="t0", stop="t1", load=load, **_RAW_DENSE) if raw else
+                _LOOP.format(start="t0", stop="t1", load=load, **_PLAIN))
+    return head + store + body + _MERGE + (_WRITE_PART if split else _WRITE_OUT)
+
+
+def launch_bounds_header(threads: int, min_blocks: int) -> str:
+    """A header that gives the kernel __launch_bounds__(threads, min_blocks): MLX writes the
+    `__global__ void name(...)` line itself, so the attribute rides on a redefined __global__
+    (this header is the last text before that line, and the module holds one kernel). Caps the
+    registers so that min_blocks blocks fit on an SM (e.g. 128 a thread for 2 x 256 threads)."""
+    if min_blocks <= 0:
+        return ""
+    return ("#undef __global__\n#define __global__ __attribute__((global)) "
+            f"__attribute__((launch_bounds({threads}, {min_blocks})))\n")
