@@ -3,11 +3,10 @@
 Catches syntax errors and prints registers / spills / shared memory (-Xptxas -v) before
 device time is spent. Needs nvcc on PATH; imports no MLX CUDA.
 
-    python benchmarks/cuda_compile_check.py [--warps 4] [--unroll 1] [--min-blocks 2] [--no-fold] [--no-raw]
+    python benchmarks/cuda_compile_check.py [--warps 4] [--unroll 1] [--no-raw]
 
-Kernel names: dense_/quant_<D>_<rep>_<dtype>[_split][_store][_q8|_q4]. With --min-blocks every kernel
-gets __launch_bounds__(32 * warps, N) through cuda_source.launch_bounds_header, as the engine
-would pass it (KVBATCH_CUDA_MINB).
+Kernel names: dense_/quant_<D>_<rep>_<dtype>[_split][_store][_q8|_q4]. Registers above 128 a
+thread leave one 256-thread block per SM instead of two.
 """
 from __future__ import annotations
 
@@ -45,11 +44,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--warps", type=int, default=8, help="most warps per block (KVBATCH_CUDA_WARPS)")
     ap.add_argument("--unroll", type=int, default=ca.UNROLL)
-    ap.add_argument("--min-blocks", type=int, default=0)
-    ap.add_argument("--no-fold", action="store_true", help="q8/q4 dequantized per element (KVBATCH_CUDA_QFOLD=0)")
     ap.add_argument("--no-raw", action="store_true", help="the float loop (KVBATCH_CUDA_RAW=0)")
     a = ap.parse_args()
-    src = [STUB.replace("namespace mlx", cs.launch_bounds_header(32 * a.warps, a.min_blocks) + "namespace mlx")]
+    src = [STUB]
     for D, rep in ((64, 4), (128, 4), (64, 2), (96, 3)):
         for dt in ("bfloat16", "float32"):
             T = TYPES[dt]
@@ -69,7 +66,7 @@ def main() -> int:
                           [("lens", "int32_t")] + ints[1:]
                     consts = dict(base, BITS=bits, GS=32 if D % 64 else 64)
                     src.append(wrap(f"quant_{i}_q{bits}", qin + store, outs, consts,
-                                    cs.kernel_source(True, split, new_kv, not a.no_fold, not a.no_raw)))
+                                    cs.kernel_source(True, split, new_kv, not a.no_raw)))
             for ql in (0, 1):
                 src.append(wrap(f"reduce_{D}_{rep}_{dt}_{ql}", [("pm", "float"), ("pl", "float"), ("pacc", "float"),
                                                      ("meta", "int32_t"), ("lens", "int32_t")], [("out", T)],

@@ -98,9 +98,8 @@ def run_mlx_lm(model, ps, new_tokens):
 
 
 # Named settings for MODE@NAME: "old" is the fused kernel as it was before the fifth session
-# (float loop, q8/q4 dequantized per element, no launch bounds, default unroll/warps/splits).
-ENV_ALIASES = {"old": "KVBATCH_CUDA_RAW=0+KVBATCH_CUDA_QFOLD=0+KVBATCH_CUDA_MINB=0+KVBATCH_CUDA_UNROLL=2"
-                      "+KVBATCH_CUDA_WARPS=0+KVBATCH_CUDA_CHUNK="}
+# (the float loop, q8/q4 dequantized per element, splits of 256 tokens from 1024 on).
+ENV_ALIASES = {"old": "KVBATCH_CUDA_RAW=0+KVBATCH_CUDA_UNROLL=2+KVBATCH_CUDA_WARPS=0+KVBATCH_CUDA_CHUNK=256:1024"}
 
 
 def run_kvbatch(model, spec, ps, new_tokens, mode, budget):
@@ -141,11 +140,15 @@ def _run_kvbatch(model, spec, ps, new_tokens, mode, budget):
 
 
 def warm_tokens(plen: int, new: int, page: int = 64) -> int:
-    """New tokens a warm-up needs to seal a page in decode and to reach split-K."""
-    from engine.cuda_attention import CHUNK
+    """New tokens a warm-up needs to seal a page in decode and, if the measured run reaches
+    split-K (rows longer than cuda_attention's CHUNK and SPLIT_MIN), to reach it too."""
+    from engine.cuda_attention import CHUNK, SPLIT_MIN
 
-    seal = (plen // page + 1) * page - plen + 2  # the first page filled by decode, sealed, then read
-    return max(8, min(new, max(seal, CHUNK + 2 - plen)))
+    need = (plen // page + 1) * page - plen + 2  # the first page filled by decode, sealed, then read
+    split = max(CHUNK, SPLIT_MIN)
+    if plen + new > split:
+        need = max(need, split + 2 - plen)
+    return max(8, min(new, need))
 
 
 def roofline(spec, kv_bpt, batch, context, bw):

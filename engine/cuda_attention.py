@@ -29,17 +29,18 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from engine.cuda_source import _REDUCE, kernel_source, launch_bounds_header
+from engine.cuda_source import _REDUCE, kernel_source
 
 NE = 8  # head elements per lane
 UNROLL = 2  # tokens per lane per loop step (KVBATCH_CUDA_UNROLL)
 # Tokens per split: a row of more than SPLIT_MIN tokens runs ceil(its length / CHUNK) splits.
-# Shorter rows are not split: a block over at most SPLIT_MIN tokens is short anyway, and the
-# split path adds a kernel launch and partial buffers per layer, which at small batches (where
-# a decode step is bound by the host's launches) is pure cost. A choice, not a measured optimum
-# (RESULTS.md, issue 9).
+# Shorter rows are not split: the split path adds a kernel launch and partial buffers per layer,
+# which at small batches (where a decode step is bound by the host's launches) is pure cost.
+# 1024 (from 256): one layer at 8k context took 0.76-1.18x the time (most cases 0.8-0.9x; the
+# exception, dense head 128 at batch 8) in a side-by-side bench of both on the H200 (RESULTS.md,
+# issue 9, fifth session): fewer blocks each amortise their merge over more tokens.
 # KVBATCH_CUDA_CHUNK=N overrides both (splits of N tokens from N tokens on; 0 = never split).
-CHUNK = 256
+CHUNK = 1024
 SPLIT_MIN = 1024
 
 _DENSE_INPUTS = ["q", "k", "v", "table", "lengths", "meta", "scale"]
@@ -50,15 +51,12 @@ class Tuning(NamedTuple):
     """Launch settings, read once per cache (PagedKVCache) from the environment so that
     benchmarks can A/B them in one process: KVBATCH_CUDA_CHUNK (tokens per split),
     KVBATCH_CUDA_UNROLL (tokens per lane per loop step), KVBATCH_CUDA_WARPS (warps per block;
-    0 = the most whose merge buffers fit), KVBATCH_CUDA_QFOLD (q8/q4 scales folded, 1 = on),
-    KVBATCH_CUDA_MINB (launch bounds: blocks per SM the registers must allow; 0 = none),
-    KVBATCH_CUDA_RAW (the lean loop of cuda_source._RAW_LOOP, 1 = on)."""
+    0 = the most whose merge buffers fit), KVBATCH_CUDA_RAW (1: the lean loop of
+    cuda_source._RAW_LOOP; 0: the float loop it replaced)."""
     chunk: int
     unsplit: int
     unroll: int
     warps: int
-    fold: bool
-    min_blocks: int
     raw: bool
 
 
@@ -70,31 +68,28 @@ def _env_int(name: str, default: int) -> int:
 def tuning() -> Tuning:
     chunk, unsplit = chunk_tokens()
     return Tuning(chunk, unsplit, _env_int("KVBATCH_CUDA_UNROLL", UNROLL), _env_int("KVBATCH_CUDA_WARPS", 0),
-                  _env_int("KVBATCH_CUDA_QFOLD", 1) != 0, _env_int("KVBATCH_CUDA_MINB", 0),
                   _env_int("KVBATCH_CUDA_RAW", 1) != 0)
 
 
 _kernels: dict = {}
 
 
-def _kernel(kind: str, split: bool, new_kv: bool = False, fold: bool = True, threads: int = 0,
-            min_blocks: int = 0, raw: bool = True):
+def _kernel(kind: str, split: bool, new_kv: bool = False, raw: bool = True):
     """One compiled kernel per variant. The name carries a hash of the source: MLX caches
     compiled kernels on disk by name (/tmp/mlx/<version>/ptx), so a changed source must not
     reuse an old binary."""
-    key = (kind, split, new_kv, fold, threads, min_blocks, raw)
+    key = (kind, split, new_kv, raw)
     if key not in _kernels:
         if kind == "reduce":
-            src, header, inputs, outputs = _REDUCE, "", ["pm", "pl", "pacc", "meta", "lens"], ["out"]
+            src, inputs, outputs = _REDUCE, ["pm", "pl", "pacc", "meta", "lens"], ["out"]
         else:
             q = kind == "quant"
-            src = kernel_source(q, split, new_kv, fold, raw)
-            header = launch_bounds_header(threads, min_blocks)
+            src = kernel_source(q, split, new_kv, raw)
             inputs = (_QUANT_INPUTS if q else _DENSE_INPUTS) + (["kn", "vn"] if new_kv else [])
             outputs = ["pm", "pl", "pacc"] if split else ["out"]
-        tag = hashlib.sha1((header + src).encode()).hexdigest()[:12]
+        tag = hashlib.sha1(src.encode()).hexdigest()[:12]
         _kernels[key] = mx.fast.cuda_kernel(name=f"kvbatch_{kind}{'_split' if split else ''}_{tag}",
-                                            input_names=inputs, output_names=outputs, source=src, header=header)
+                                            input_names=inputs, output_names=outputs, source=src)
     return _kernels[key]
 
 
@@ -147,9 +142,12 @@ def kernel_writes() -> bool:
 
 def chunk_tokens() -> tuple[int, int]:
     """(tokens per split, longest unsplit row): KVBATCH_CUDA_CHUNK=N gives (N, N) (0: never
-    split), else (CHUNK, SPLIT_MIN)."""
+    split), N:M gives (N, M), else (CHUNK, SPLIT_MIN)."""
     env = os.environ.get("KVBATCH_CUDA_CHUNK", "").strip()
-    return (int(env), int(env)) if env else (CHUNK, SPLIT_MIN)
+    if not env:
+        return CHUNK, SPLIT_MIN
+    n, _, m = env.partition(":")
+    return int(n), int(m or n)
 
 
 def splits_for(max_tokens: int, chunk: int, unsplit: int) -> tuple[int, int, int]:
@@ -192,7 +190,7 @@ def _launch(kind: str, inputs: list, q: mx.array, store_dtype: mx.Dtype, kv_head
     if new_kv is not None:
         args += [a.reshape(B, kv_heads, D).astype(store_dtype) for a in new_kv]
     grid, block = (B * kv_heads * ns * 32 * nw, 1, 1), (32 * nw, 1, 1)
-    variant = (new_kv is not None, tune.fold, 32 * nw, tune.min_blocks, tune.raw)
+    variant = (new_kv is not None, tune.raw)
     if ns == 1:
         (out,) = _kernel(kind, False, *variant)(inputs=args, template=template, grid=grid, threadgroup=block,
                                                 output_shapes=[(B, Hq, D)], output_dtypes=[q.dtype])

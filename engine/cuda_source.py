@@ -36,16 +36,14 @@ _HEAD = r"""
     struct alignas(16) V8 {{ S x[NE]; }};
 """
 
-# One pass over tokens [ta, tz): `load` fills kf[u][e], vf[u][e] for token t (lane li's elements);
-# `score` adds lane li's part of q.k to x; `accum` adds p * v to acc; `decl`, `zero` and `rescale`
-# carry the folded q8/q4 scales (below).
+# The float loop (KVBATCH_CUDA_RAW=0: the kernel as it was before the lean loop below): one pass
+# over tokens [ta, tz); `load` fills kf[u][e], vf[u][e] for token t (lane li's elements).
 _LOOP = r"""
     {{
         const int ta = {start}, tz = {stop};
         for (int tb = ta + warp * TPW * U; tb < tz; tb += NW * TPW * U) {{
             float kf[U][NE], vf[U][NE];
             bool valid[U];
-            {decl}
             for (int u = 0; u < U; ++u) {{
                 const int t = tb + u * TPW + sub;
                 valid[u] = t < tz;
@@ -53,7 +51,6 @@ _LOOP = r"""
                     {load}
                 }} else {{
                     for (int e = 0; e < NE; ++e) {{ kf[u][e] = 0.f; vf[u][e] = 0.f; }}
-                    {zero}
                 }}
             }}
             for (int r = 0; r < REP; ++r) {{
@@ -62,7 +59,7 @@ _LOOP = r"""
                 bool any = false;
                 for (int u = 0; u < U; ++u) {{
                     float x = 0.f;
-                    {score}
+                    for (int e = 0; e < NE; ++e) x += qr[r][e] * kf[u][e];
                     for (int o = LPT / 2; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffff, x, o);
                     s[u] = x;
                     if (valid[u]) {{ mn = fmaxf(mn, x); any = true; }}
@@ -72,14 +69,13 @@ _LOOP = r"""
                     const float corr = __expf(m[r] - mn);
                     l[r] *= corr;
                     for (int e = 0; e < NE; ++e) acc[r][e] *= corr;
-                    {rescale}
                     m[r] = mn;
                 }}
                 for (int u = 0; u < U; ++u) {{
                     if (!valid[u]) continue;
                     const float p = __expf(s[u] - m[r]);  // NaN scores stay NaN (fmaxf skips them)
                     l[r] += p;
-                    {accum}
+                    for (int e = 0; e < NE; ++e) acc[r][e] += p * vf[u][e];
                 }}
             }}
         }}
@@ -218,45 +214,11 @@ _REDUCE = r"""
     }
 """
 
-# Plain pieces of the loop (dense pages, the q8/q4 tail page, and unfolded q8/q4 pages).
-_PLAIN = dict(decl="", zero="", rescale="",
-              score="for (int e = 0; e < NE; ++e) x += qr[r][e] * kf[u][e];",
-              accum="for (int e = 0; e < NE; ++e) acc[r][e] += p * vf[u][e];")
-
-# Folded q8/q4 (KVBATCH_CUDA_QFOLD, default on): a lane's 8 elements share one group's scale s
-# and bias b, so q.(s*c + b) = s*(q.c) + b*sum(q) and sum_t p*(s*c + b) = sum_t (p*s)*c +
-# sum_t p*b. The loop then keeps codes as floats (kf, vf) and per-token scales, and does the
-# dense loop's multiply-adds plus two per (query head, token) instead of dequantizing 16 values
-# per token first. `ab` (the bias part of the value sum) is added to acc after the sealed pages.
-_FOLD_LOAD = r"""
-                    constexpr int WPL = NE * BITS / 32, W = D * BITS / 32, G = D / GS;
-                    struct alignas(4 * WPL) QW { uint32_t x[WPL]; };
-                    const int page = table[(size_t)b * maxp + t / P];
-                    const size_t slot = ((size_t)page * HKV + hk) * P + (t % P);
-                    const size_t wo = slot * W + li * WPL, go = slot * G + (li * NE) / GS;
-                    const QW kq = *reinterpret_cast<const QW*>(kw + wo);
-                    const QW vq = *reinterpret_cast<const QW*>(vw + wo);
-                    ksc[u] = static_cast<float>(ks[go]);
-                    kbi[u] = static_cast<float>(kb[go]);
-                    vsc[u] = static_cast<float>(vs[go]);
-                    vbi[u] = static_cast<float>(vb[go]);
-                    for (int e = 0; e < NE; ++e) {  // code -> float as 2^23 + code, minus 2^23 (no I2F)
-                        const uint32_t a = kq.x[(e * BITS) / 32], c = vq.x[(e * BITS) / 32];
-                        const uint32_t ka = BITS == 8 ? __byte_perm(a, 0x4B000000u, (e % 4) | 0x7440)
-                                                      : ((a >> ((e * BITS) % 32)) & 0xFu) | 0x4B000000u;
-                        const uint32_t va = BITS == 8 ? __byte_perm(c, 0x4B000000u, (e % 4) | 0x7440)
-                                                      : ((c >> ((e * BITS) % 32)) & 0xFu) | 0x4B000000u;
-                        kf[u][e] = __uint_as_float(ka) - 8388608.f;
-                        vf[u][e] = __uint_as_float(va) - 8388608.f;
-                    }
-"""
-_FOLD = dict(decl="float ksc[U], kbi[U], vsc[U], vbi[U];",
-             zero="ksc[u] = 0.f; kbi[u] = 0.f; vsc[u] = 0.f; vbi[u] = 0.f;",
-             rescale="ab[r] *= corr;",
-             score="{ float y = 0.f; for (int e = 0; e < NE; ++e) y += qr[r][e] * kf[u][e];"
-                   " x = y * ksc[u] + kbi[u] * qs[r]; }",
-             accum="{ const float pv = p * vsc[u]; for (int e = 0; e < NE; ++e) acc[r][e] += pv * vf[u][e];"
-                   " ab[r] += p * vbi[u]; }")
+# q8/q4 pages in the lean loop: a lane's 8 elements share one group's scale s and bias b, so
+# q.(s*c + b) = s*(q.c) + b*sum(q) and sum_t p*(s*c + b) = sum_t (p*s)*c + sum_t p*b. The loop
+# converts codes to floats and does the dense loop's multiply-adds plus two per (query head,
+# token) instead of dequantizing 16 values per token first. `qs` holds sum(q) of the lane's
+# elements; `ab` (the bias part of the value sum) is added to acc after the sealed pages.
 _FOLD_START = r"""
     float qs[REP], ab[REP];
     for (int r = 0; r < REP; ++r) {
@@ -372,25 +334,22 @@ _QW = r"""
 """
 
 
-def kernel_source(quantized: bool, split: bool, new_kv: bool = False, fold: bool = True,
-                  raw: bool = True) -> str:
+def kernel_source(quantized: bool, split: bool, new_kv: bool = False, raw: bool = True) -> str:
     """The kernel body. new_kv: the kernel also stores the step's token (inputs kn, vn) into
-    its dense page / tail page. fold: q8/q4 pages with the scales folded (_FOLD). raw: the lean
-    loop (_RAW_LOOP; q8/q4 then always folded)."""
+    its dense page / tail page. raw: the lean loop (_RAW_LOOP, q8/q4 scales folded); False: the
+    float loop (_LOOP, q8/q4 dequantized per element), the kernel as it was before."""
     k, v = ("tk", "tv") if quantized else ("k", "v")
     if raw:
         load = _RAW_TAIL_LOAD if quantized else _RAW_DENSE_LOAD
-        sel = {f"({k} + base)": _NEW_SEL.format(n="kn", p=k), f"({v} + base)": _NEW_SEL.format(n="vn", p=v)}
     else:
         load = _TAIL_LOAD if quantized else _DENSE_LOAD
-        sel = {f"({k} + base)": _NEW_SEL.format(n="kn", p=k), f"({v} + base)": _NEW_SEL.format(n="vn", p=v)}
     store = ""
     if new_kv:
         base = ("(((size_t)tails[b] * HKV + hk) * P + (tn - n_main)) * D + li * NE" if quantized else
                 "(((size_t)table[(size_t)b * maxp + tn / P] * HKV + hk) * P + (tn % P)) * D + li * NE")
         store = _NEW_KV.format(k=k, v=v, base=base)
-        for old, new in sel.items():
-            load = load.replace(old, new)
+        load = (load.replace(f"({k} + base)", _NEW_SEL.format(n="kn", p=k))
+                .replace(f"({v} + base)", _NEW_SEL.format(n="vn", p=v)))
     if quantized:
         head = _HEAD.format(lens="const int n_main = lens[2 * b], len = n_main + lens[2 * b + 1];")
         if raw:
@@ -398,25 +357,11 @@ def kernel_source(quantized: bool, split: bool, new_kv: bool = False, fold: bool
                                                           **_RAW_QUANT) + _FOLD_END
             tail = _RAW_LOOP.format(start="max(t0, n_main)", stop="t1", load=load, **_RAW_DENSE)
         else:
-            sealed = _LOOP.format(start="t0", stop="min(t1, n_main)", load=_FOLD_LOAD if fold else _QUANT_LOAD,
-                                  **(_FOLD if fold else _PLAIN))
-            if fold:
-                sealed = _FOLD_START + sealed + _FOLD_END
-            tail = _LOOP.format(start="max(t0, n_main)", stop="t1", load=load, **_PLAIN)
+            sealed = _LOOP.format(start="t0", stop="min(t1, n_main)", load=_QUANT_LOAD)
+            tail = _LOOP.format(start="max(t0, n_main)", stop="t1", load=load)
         body = sealed + tail
     else:
         head = _HEAD.format(lens="const int len = lengths[b];")
         body = (_RAW_LOOP.format(start="t0", stop="t1", load=load, **_RAW_DENSE) if raw else
-                _LOOP.format(start="t0", stop="t1", load=load, **_PLAIN))
+                _LOOP.format(start="t0", stop="t1", load=load))
     return head + store + body + _MERGE + (_WRITE_PART if split else _WRITE_OUT)
-
-
-def launch_bounds_header(threads: int, min_blocks: int) -> str:
-    """A header that gives the kernel __launch_bounds__(threads, min_blocks): MLX writes the
-    `__global__ void name(...)` line itself, so the attribute rides on a redefined __global__
-    (this header is the last text before that line, and the module holds one kernel). Caps the
-    registers so that min_blocks blocks fit on an SM (e.g. 128 a thread for 2 x 256 threads)."""
-    if min_blocks <= 0:
-        return ""
-    return ("#undef __global__\n#define __global__ __attribute__((global)) "
-            f"__attribute__((launch_bounds({threads}, {min_blocks})))\n")
