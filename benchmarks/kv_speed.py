@@ -72,17 +72,21 @@ def long_text_tokens(tok) -> list[int]:
     return tok.encode(text)
 
 
-def kvbatch_modes(model, spec, prompts, new, group, page, rounds: int = 1) -> dict:
+def kvbatch_modes(model, spec, prompts, new, group, page, rounds: int = 1, ab_env: str = "") -> dict:
     """none, q8 and q4 side by side. Prefill: `rounds` rounds, the mode order reversed every
     other round, best round per mode (other users' bursts only ever slow a run down).
     Decode: the last round's three engines step round-robin, one step of each in turn, so
-    all three share the machine's conditions; decode tok/s = rows / median step time."""
-    modes = ("none", "q8", "q4")
+    all three share the machine's conditions; decode tok/s = rows / median step time.
+    ab_env: an engine switch; q8 and q4 then also run as "q8@0", "q4@0", built with it set to
+    0 (the others with 1), interleaved with the rest."""
+    modes = ("none", "q8", "q4") + (("q8@0", "q4@0") if ab_env else ())
     best = {m: 0.0 for m in modes}
     runs = {}
     for rnd in range(rounds):
         for mode in (modes if rnd % 2 == 0 else modes[::-1]):
-            cfg = EngineConfig(kv_mode=mode, page_size=page, group_size=group, max_batch=len(prompts),
+            if ab_env:  # read when the engine's cache is built
+                os.environ[ab_env] = "0" if mode.endswith("@0") else "1"
+            cfg = EngineConfig(kv_mode=mode.split("@")[0], page_size=page, group_size=group, max_batch=len(prompts),
                                prefill_chunk=512, memory_budget=16 << 30)
             eng = Engine(model, _NoEos(), spec, cfg)
             steps: list[float] = []
@@ -252,6 +256,8 @@ def main() -> None:
     ap.add_argument("--skip-mlx-lm", action="store_true")
     ap.add_argument("--skip-micro", action="store_true")
     ap.add_argument("--prefill-rounds", type=int, default=2, help="kvbatch batch-1 prefill rounds (best kept)")
+    ap.add_argument("--ab-env", default="", help="also run q8/q4 with this engine switch at 0 (e.g. "
+                    "KVBATCH_Q_IN_PLACE), interleaved; labels q8@0, q4@0")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     t_start = time.perf_counter()
@@ -259,6 +265,7 @@ def main() -> None:
     model, tok, spec = load_model(ModelConfig(source="smollm2"))
     text = long_text_tokens(tok)
     report = {"model": spec.name, "dtype": spec.dtype, "new_tokens": args.new, "group_size": args.group_size,
+              "ab_env": args.ab_env,
               "page_size": args.page_size, "qmm_streams": len(att.qmm_streams()), "runs": []}
 
     report["bytes_per_token_fresh_stores"] = live_bytes_per_token(spec, args.page_size, args.group_size)
@@ -273,10 +280,14 @@ def main() -> None:
             prompts = [text[i * 97: i * 97 + ctx] for i in range(batch)]
             base = None
             side = kvbatch_modes(model, spec, prompts, args.new, args.group_size, args.page_size,
-                                 args.prefill_rounds if batch == 1 else 1)
-            for mode in ("none", "q8", "q4"):
+                                 args.prefill_rounds if batch == 1 else 1, args.ab_env)
+            for mode in [m for m in ("none", "q8", "q4", "q8@0", "q4@0") if m in side]:  # none first: the base
                 r = side[mode]
-                r.update(impl="kvbatch", mode=mode, context=ctx, batch=batch)
+                r.update(impl="kvbatch", mode=mode.split("@")[0], label=mode, context=ctx, batch=batch)
+                if "@" in mode:
+                    r["env"] = {args.ab_env: "0"}
+                elif args.ab_env:
+                    r["env"] = {args.ab_env: "1"}
                 r["live_bytes_per_token"] = r["pool_bytes"] / r["pool_tokens"]
                 base = base or r
                 for k in ("prefill_tps", "decode_tps", "live_bytes_per_token"):

@@ -188,6 +188,52 @@ def quantized_decode_attention(q: mx.array, qk: list[mx.array] | list[list[mx.ar
     return out if out.dtype == dtype else out.astype(dtype)
 
 
+def quantized_paged_decode(q: mx.array, kq: list[mx.array], vq: list[mx.array], tk: mx.array, tv: mx.array,
+                           page_heads: mx.array, query_of: mx.array, mask: mx.array, scale: float,
+                           group_size: int, bits: int, streams: list | None = None,
+                           cuts: list[int] | None = None, k_transposed: bool = True) -> mx.array:
+    """`quantized_decode_attention` read from the packed pages in place (CPU, float32 stores).
+
+    q (B, Hq, 1, D); kq: the layer's K pool triplet, K^T pages (pages, Hkv, D, ·) quantized
+    per channel (k_transposed, QuantizedStore k_axis="channel") or K pages (pages, Hkv, P, ·)
+    quantized per token; vq: its V triplet, (pages, Hkv, P, ·);
+    tk, tv (B, Hkv, P, D): the rows' dense tail pages; page_heads (B, Hkv, n): the
+    (page * Hkv + head) of each row's sealed pages; query_of (B, Hkv, 1): b * Hkv + head;
+    mask (B, 1, 1 + n, 1, P): the tail's valid keys, then the sealed pages'.
+
+    `mx.gather_qmm` multiplies each packed page where it lies by its (row, KV head)'s query
+    group: no page-table gather of the packed K/V (and no K^T transpose copy). Scores come
+    out page by page, (B, Hkv, 1 + n, G, P) with the tail first; the softmax runs over the
+    (page, token) axes, and the values are a second gather_qmm per page, summed over pages.
+
+    cuts: page boundaries of runs computed on streams[i] (key scores and value products
+    alike); every run's pages are concatenated before the one sum over pages, so a row's
+    output is bit-identical however the work is split, and padded (masked) pages add
+    exact zeros.
+    """
+    B, Hq, _, D = q.shape
+    Hkv, P = tk.shape[1], tk.shape[2]
+    G, n = Hq // Hkv, page_heads.shape[-1]
+    streams = streams or [None]
+    runs = list(zip(cuts, cuts[1:])) if cuts else [(0, n)]
+    qf = _f32(q).reshape(B * Hkv, G, D)
+    kw, ks, kb = (a.reshape(-1, *a.shape[2:]) for a in kq)
+    vw, vs, vb = (a.reshape(-1, *a.shape[2:]) for a in vq)
+    parts = [(qf.reshape(B, Hkv, G, D) @ _f32(tk).swapaxes(-1, -2))[:, :, None]]  # the tail, (B,Hkv,1,G,P)
+    parts += [mx.gather_qmm(qf, kw, ks, kb, lhs_indices=query_of, rhs_indices=page_heads[..., a:z],
+                            transpose=not k_transposed,
+                            group_size=group_size, bits=bits, stream=streams[i % len(streams)])
+              for i, (a, z) in enumerate(runs)]  # (B, Hkv, z - a, G, P) each
+    probs = masked_softmax(mx.concatenate(parts, axis=2), mask, axis=(2, 4), scale=scale)
+    out = probs[:, :, 0] @ _f32(tv)  # (B, Hkv, G, D)
+    pv = [mx.gather_qmm(probs[:, :, 1 + a:1 + z], vw, vs, vb, rhs_indices=page_heads[..., a:z], transpose=False,
+                        group_size=group_size, bits=bits, stream=streams[i % len(streams)])
+          for i, (a, z) in enumerate(runs)]  # (B, Hkv, z - a, G, D) each
+    out = out + (mx.concatenate(pv, axis=2) if len(pv) > 1 else pv[0]).sum(axis=2)
+    out = out.reshape(B, Hq, 1, D)
+    return out if out.dtype == q.dtype else out.astype(q.dtype)
+
+
 def install(model: nn.Module) -> None:
     """Route the model module's `scaled_dot_product_attention` to paged caches.
 

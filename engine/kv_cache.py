@@ -99,6 +99,11 @@ class PagedKVCache:
         self.in_place = (not layout.bits and not self.fused_decode and not upcast and dtype == mx.float32
                          and self.P >= att.IN_PLACE_MIN_PAGE and att.on_cpu()
                          and os.environ.get("KVBATCH_IN_PLACE", "1") != "0")
+        # CPU q8/q4 decode reads the packed pages in place (attention.quantized_paged_decode);
+        # KVBATCH_Q_IN_PLACE=0: gather them (attention.quantized_decode_attention)
+        self.q_in_place = (bool(layout.bits) and not self.fused_decode and dtype == mx.float32
+                           and self.P >= att.IN_PLACE_MIN_PAGE and att.on_cpu()
+                           and os.environ.get("KVBATCH_Q_IN_PLACE", "1") != "0")
         self.pool = PagePool()
         self.free_tails = list(range(tail_slots))[::-1]
         self.views = [PagedLayerCache(self, i) for i in range(num_layers)]
@@ -291,6 +296,8 @@ class PagedKVCache:
                     del t["tail_write"]  # (a step that seals a page writes first: the seal reads it)
                     t["kernel_writes"] = True
                 return t
+            if "table_q" in t and self.q_in_place:
+                return self._plan_quantized_in_place(t, n_before, fill)
             if "table_q" in t:
                 width = t["table_q"].shape[1]
                 Tq = width * P
@@ -312,6 +319,22 @@ class PagedKVCache:
         t["run"] = (r.tail, fill, mx.array(self._slots(r, start, start + done_pages * P).astype(np.int32))
                     if done_pages else None)
         t["mask"] = self._causal(pos, L, p0 + L, 1)
+        return t
+
+    def _plan_quantized_in_place(self, t: dict, n_before, fill) -> dict:
+        """Decode over sealed pages read in place (attention.quantized_paged_decode): page ids per
+        (row, KV head), stream runs of pages, and one mask over (tail, pages) x tokens."""
+        P, H, D = self.P, self.layout.num_kv_heads, self.layout.head_dim
+        table = t["table_q"]
+        B, width = table.shape
+        t["q_page_heads"] = (table[:, None, :] * H + mx.arange(H, dtype=mx.int32)[None, :, None]).astype(mx.uint32)
+        t["query_of"] = mx.arange(B * H, dtype=mx.uint32).reshape(B, H, 1)
+        n = att.qmm_split(B * H, width * P, D, min(len(self.qmm_streams), width))
+        t["cuts"] = [width * i // n for i in range(n + 1)]
+        tail = mx.arange(P)[None] <= mx.array(fill)[:, None]  # (B, P)
+        pages = mx.arange(width)[None] < mx.array(n_before)[:, None]  # (B, width)
+        mask = mx.concatenate([tail[:, None], mx.broadcast_to(pages[:, :, None], (B, width, P))], axis=1)
+        t["mask_p"] = mask.reshape(B, 1, width + 1, 1, P)
         return t
 
     # ---- called by the model, layer by layer -----------------------------------------------
@@ -355,6 +378,12 @@ class PagedKVCache:
         elif "page_heads" in t:
             out = att.paged_grouped_decode(queries, st.k[layer], st.v[layer], t["page_heads"], t["query_of"],
                                            t["mask"], scale)
+        elif "q_page_heads" in t:  # CPU q8/q4 decode: packed pages read in place
+            tk, tv = st.gather_tails(layer, t["tails"])
+            q = st.q[layer]
+            out = att.quantized_paged_decode(queries, q[:3], q[3:], tk, tv, t["q_page_heads"], t["query_of"],
+                                             t["mask_p"], scale, st.group_size, st.bits, self.qmm_streams,
+                                             t["cuts"], k_transposed=st.k_axis == "channel")
         elif not st.quantized:
             k, v = st.gather(layer, t["table"])
             out = att.dense_attention(queries, k, v, t["mask"], scale, self.upcast)

@@ -1,5 +1,6 @@
-"""CPU decode attention read from the pages in place (`paged_grouped_decode`) against the
-gathered path (`_grouped_decode` on K/V copied out by the page table)."""
+"""CPU decode attention read from the pages in place against the gathered path: float32 pages
+(`paged_grouped_decode` vs `_grouped_decode` on K/V copied out by the page table) and q8/q4
+packed pages (`quantized_paged_decode` vs `quantized_decode_attention`)."""
 from __future__ import annotations
 
 import engine  # noqa: F401  (OpenBLAS before mlx)
@@ -7,7 +8,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.attention import _grouped_decode, paged_grouped_decode
+from engine.attention import (_grouped_decode, paged_grouped_decode, quantized_decode_attention,
+                              quantized_paged_decode)
+from engine.kv_store import QuantizedStore
 
 
 @pytest.mark.parametrize("B,Hkv,G,D,P", [(1, 1, 1, 64, 16), (5, 2, 2, 64, 16), (3, 3, 3, 64, 64),
@@ -46,3 +49,70 @@ def test_in_place_decode_equals_gathered(B, Hkv, G, D, P):
         k3[row0_last, :, lengths[0] % P:] = 1e4
         got3 = paged_grouped_decode(q, mx.array(k3), v_pages, page_heads, query_of, key_mask, scale)
         assert mx.abs(got3[0] - got[0]).max().item() < 1e-5
+
+
+@pytest.mark.parametrize("B,Hkv,G,D,P,group,bits,k_axis,split",
+                         [(1, 1, 1, 64, 16, 64, 8, "token", 1), (5, 2, 2, 64, 16, 32, 4, "token", 2),
+                          (3, 3, 3, 64, 64, 64, 8, "channel", 1), (4, 2, 4, 128, 64, 32, 4, "channel", 3)])
+def test_quantized_in_place_decode_equals_gathered(B, Hkv, G, D, P, group, bits, k_axis, split):
+    """q8/q4 decode over packed pages read in place (`quantized_paged_decode`, gather_qmm) against
+    the same pages gathered (`quantized_decode_attention`): rows of different lengths (sealed
+    pages and tail fill), tables padded with the row's own first page, work split over streams."""
+    rng = np.random.default_rng(B * 100 + P + bits)
+    n_pages = 4 * B + 3
+    st = QuantizedStore(1, Hkv, D, P, mx.float32, bits, group, tail_slots=B + 2, k_axis=k_axis)
+    st.grow(n_pages)
+    st._store_pages(0, mx.arange(n_pages * P, dtype=mx.int32),
+                    mx.array(rng.standard_normal((n_pages * P, Hkv, D)).astype(np.float32)),
+                    mx.array(rng.standard_normal((n_pages * P, Hkv, D)).astype(np.float32)))
+    st.tk[0] = mx.array(rng.standard_normal(st.tk[0].shape).astype(np.float32))
+    st.tv[0] = mx.array(rng.standard_normal(st.tv[0].shape).astype(np.float32))
+    sealed = [3 - i % 3 for i in range(B)]  # 3, 2, 1, 3, ... sealed pages
+    fill = [(7 * i + 1) % P or 1 for i in range(B)]  # tokens in the tail page (>= 1: the new one)
+    width = max(sealed)
+    order = rng.permutation(n_pages).tolist()
+    table = []
+    for n in sealed:
+        own = [order.pop() for _ in range(n)]
+        table.append(own + [own[0]] * (width - n))
+    table = mx.array(table, dtype=mx.int32)
+    tails = mx.array(rng.permutation(B + 2)[:B].astype(np.int32))
+    q = mx.array(rng.standard_normal((B, Hkv * G, 1, D)).astype(np.float32))
+    scale = D ** -0.5
+    streams = [None] + [mx.new_stream(mx.cpu) for _ in range(split - 1)]
+    cuts = [width * i // split for i in range(split + 1)]
+
+    tk, tv = st.gather_tails(0, tails)
+    mask_q = (mx.arange(width * P)[None] < mx.array(sealed)[:, None] * P).reshape(B, 1, 1, width * P)
+    mask_t = (mx.arange(P)[None] < mx.array(fill)[:, None]).reshape(B, 1, 1, P)
+    want = quantized_decode_attention(q, st.gather_quantized(0, table, "k"), st.gather_quantized(0, table, "v"), tk,
+                                      tv, mask_q, mask_t, scale, group, bits, k_transposed=k_axis == "channel")
+    heads = mx.arange(Hkv)[None, :, None]
+    page_heads = (table[:, None, :] * Hkv + heads).astype(mx.uint32)
+    query_of = mx.arange(B * Hkv, dtype=mx.uint32).reshape(B, Hkv, 1)
+    pages = mx.broadcast_to((mx.arange(width)[None] < mx.array(sealed)[:, None])[:, :, None], (B, width, P))
+    mask = mx.concatenate([mask_t.reshape(B, 1, P), pages], axis=1).reshape(B, 1, width + 1, 1, P)
+
+    got = quantized_paged_decode(q, st.q[0][:3], st.q[0][3:], tk, tv, page_heads, query_of, mask, scale, group,
+                                 bits, streams, cuts, k_transposed=k_axis == "channel")
+    assert got.shape == want.shape == (B, Hkv * G, 1, D)
+    assert mx.abs(got - want).max().item() < 1e-5
+    # one stream gives exactly the same output as the split
+    one = quantized_paged_decode(q, st.q[0][:3], st.q[0][3:], tk, tv, page_heads, query_of, mask, scale, group,
+                                 bits, k_transposed=k_axis == "channel")
+    assert mx.array_equal(one, got).item()
+    # masked slots do not count: the tail past its fill, and the padding of a table (here a page
+    # no row holds, with huge keys and values) add exact zeros
+    tk2 = np.array(tk)
+    for b in range(B):
+        tk2[b, :, fill[b]:] = 1e4
+    spare = order[0]
+    arrs = [np.array(a) for a in st.q[0]]
+    arrs[1][spare] = 1e4  # key scales
+    arrs[4][spare] = 1e4  # value scales
+    pad = mx.array([row[:n] + [spare] * (width - n) for row, n in zip(table.tolist(), sealed)], dtype=mx.int32)
+    ph2 = (pad[:, None, :] * Hkv + heads).astype(mx.uint32)
+    q2 = [mx.array(a) for a in arrs]
+    got2 = quantized_paged_decode(q, q2[:3], q2[3:], mx.array(tk2), tv, ph2, query_of, mask, scale, group, bits,
+                                  streams, cuts, k_transposed=k_axis == "channel")
+    assert mx.array_equal(got2, got).item()
