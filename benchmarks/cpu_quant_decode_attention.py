@@ -15,6 +15,7 @@ import json
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -28,7 +29,8 @@ from engine.kv_store import QuantizedStore  # noqa: E402
 
 
 def case(B: int, T: int, bits: int, P: int = 64, group: int = 64, H: int = 3, Hq: int = 9, D: int = 64,
-         reps: int = 30, streams_max: int | None = None) -> dict:
+         reps: int = 30, streams_max: int | None = None, split_ab: int = 0) -> dict:
+    """gathered vs in place at the engine's split; split_ab=k: in place on 1 stream vs on k streams."""
     rng = np.random.default_rng(B * T + bits)
     n = T // P
     n_pages = B * n + 3
@@ -71,10 +73,15 @@ def case(B: int, T: int, bits: int, P: int = 64, group: int = 64, H: int = 3, Hq
                              mx.ones((B, 1, n, 1, P), mx.bool_)], axis=2)
     mx.eval(page_heads, query_of, mask_p, mask_all)
 
-    def in_place():
+    def in_place(cuts=cuts):
         tk, tv = st.gather_tails(0, tails)
         return att.quantized_paged_decode(q, st.q[0][:3], st.q[0][3:], tk, tv, page_heads, query_of, mask_p, scale,
                                           group, bits, streams, cuts)
+
+    if split_ab:  # A: one stream, B: split_ab streams (both in place)
+        split = split_ab
+        gathered = in_place  # noqa: F811  (the A side)
+        in_place = partial(in_place, cuts=[n * i // split_ab for i in range(split_ab + 1)])
 
     a, b = gathered(), in_place()
     diff = mx.abs(a - b).max().item()
@@ -87,6 +94,9 @@ def case(B: int, T: int, bits: int, P: int = 64, group: int = 64, H: int = 3, Hq
             mx.eval(f())
             ts.append(time.perf_counter() - t)
     ga, gb = statistics.median(ta) * 1e3, statistics.median(tb) * 1e3
+    if split_ab:
+        return {"batch": B, "context": T, "bits": bits, "in_place_1stream_ms": ga, f"in_place_{split}streams_ms": gb,
+                "split_over_1stream": gb / ga, "max_abs_diff": diff}
     return {"batch": B, "context": T, "bits": bits, "split": split, "gathered_ms": ga, "in_place_ms": gb,
             "in_place_over_gathered": gb / ga, "max_abs_diff": diff}
 
@@ -97,6 +107,7 @@ def main() -> None:
     ap.add_argument("--bits", default="8,4")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--one-stream", action="store_true", help="also each case on one stream")
+    ap.add_argument("--split-ab", type=int, default=0, help="instead: in place on 1 stream vs on this many")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     rows = []
@@ -104,7 +115,7 @@ def main() -> None:
         B, T = map(int, c.split("x"))
         for bits in map(int, a.bits.split(",")):
             for most in ([None, 1] if a.one_stream else [None]):
-                r = case(B, T, bits, reps=a.reps, streams_max=most)
+                r = case(B, T, bits, reps=a.reps, streams_max=most, split_ab=a.split_ab)
                 print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
                 rows.append(r)
     if a.out:
