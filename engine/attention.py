@@ -15,8 +15,10 @@ Routes (reported per row and in summary.json):
 - `paged_qmm_f32`: quantized pages. Decode runs `mx.quantized_matmul` on the packed
   pages (never dequantizing the prefix) plus a float32 matmul on the row's dense
   tail page; scores and softmax in float32 (on the CPU the quantized matmuls are
-  spread over the cores, see `qmm_streams`). Prefill dequantizes the row's pages
-  once per chunk and attends in float32.
+  spread over the cores, see `qmm_streams`). CPU decode with float32 stores reads
+  the packed pages in place instead (`quantized_paged_decode`,
+  `mx.gather_qmm`; KVBATCH_Q_IN_PLACE=0 gathers them). Prefill dequantizes the
+  row's pages once per chunk and attends in float32.
 """
 from __future__ import annotations
 
@@ -186,6 +188,22 @@ def quantized_decode_attention(q: mx.array, qk: list[mx.array] | list[list[mx.ar
         out = out + (mx.concatenate(pv) if n > 1 else pv[0]).reshape(B, Hkv, rep * L, D)
     out = out.reshape(B, Hq, L, D)
     return out if out.dtype == dtype else out.astype(dtype)
+
+
+def quantized_paged_plan(table: mx.array, n_before: list[int], fill: list[int], P: int, H: int, D: int,
+                         streams: list) -> dict:
+    """The per-step inputs of `quantized_paged_decode`, built once for every layer: table (B, n)
+    the rows' sealed pages (padded with their first), n_before their sealed page counts and
+    fill their tail's tokens before this step's."""
+    B, width = table.shape
+    heads = mx.arange(H, dtype=mx.int32)[None, :, None]
+    n = qmm_split(B * H, width * P, D, min(len(streams), width))
+    tail = mx.arange(P)[None] <= mx.array(fill)[:, None]  # (B, P): this step's token included
+    pages = mx.arange(width)[None] < mx.array(n_before)[:, None]  # (B, width)
+    mask = mx.concatenate([tail[:, None], mx.broadcast_to(pages[:, :, None], (B, width, P))], axis=1)
+    return {"q_page_heads": (table[:, None, :] * H + heads).astype(mx.uint32),
+            "query_of": mx.arange(B * H, dtype=mx.uint32).reshape(B, H, 1),
+            "cuts": [width * i // n for i in range(n + 1)], "mask_p": mask.reshape(B, 1, width + 1, 1, P)}
 
 
 def quantized_paged_decode(q: mx.array, kq: list[mx.array], vq: list[mx.array], tk: mx.array, tv: mx.array,

@@ -296,8 +296,10 @@ class PagedKVCache:
                     del t["tail_write"]  # (a step that seals a page writes first: the seal reads it)
                     t["kernel_writes"] = True
                 return t
-            if "table_q" in t and self.q_in_place:
-                return self._plan_quantized_in_place(t, n_before, fill)
+            if "table_q" in t and self.q_in_place:  # packed pages and tails read in place
+                t.update(att.quantized_paged_plan(t["table_q"], n_before.tolist(), fill.tolist(), P,
+                                                  self.layout.num_kv_heads, self.layout.head_dim, self.qmm_streams))
+                return t
             if "table_q" in t:
                 width = t["table_q"].shape[1]
                 Tq = width * P
@@ -319,22 +321,6 @@ class PagedKVCache:
         t["run"] = (r.tail, fill, mx.array(self._slots(r, start, start + done_pages * P).astype(np.int32))
                     if done_pages else None)
         t["mask"] = self._causal(pos, L, p0 + L, 1)
-        return t
-
-    def _plan_quantized_in_place(self, t: dict, n_before, fill) -> dict:
-        """Decode over sealed pages read in place (attention.quantized_paged_decode): page ids per
-        (row, KV head), stream runs of pages, and one mask over (tail, pages) x tokens."""
-        P, H, D = self.P, self.layout.num_kv_heads, self.layout.head_dim
-        table = t["table_q"]
-        B, width = table.shape
-        t["q_page_heads"] = (table[:, None, :] * H + mx.arange(H, dtype=mx.int32)[None, :, None]).astype(mx.uint32)
-        t["query_of"] = mx.arange(B * H, dtype=mx.uint32).reshape(B, H, 1)
-        n = att.qmm_split(B * H, width * P, D, min(len(self.qmm_streams), width))
-        t["cuts"] = [width * i // n for i in range(n + 1)]
-        tail = mx.arange(P)[None] <= mx.array(fill)[:, None]  # (B, P)
-        pages = mx.arange(width)[None] < mx.array(n_before)[:, None]  # (B, width)
-        mask = mx.concatenate([tail[:, None], mx.broadcast_to(pages[:, :, None], (B, width, P))], axis=1)
-        t["mask_p"] = mask.reshape(B, 1, width + 1, 1, P)
         return t
 
     # ---- called by the model, layer by layer -----------------------------------------------

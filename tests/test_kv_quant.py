@@ -465,7 +465,8 @@ def test_route_reported_is_route_that_ran(tiny_model, tmp_path, monkeypatch):
     paged_cuda_qkernel for q8/q4, queries in the model dtype, float32 inside); prefill is
     the same SDPA in float32."""
     seen = []
-    real_qmm, real_sdpa, real_gqmm = mx.quantized_matmul, mx.fast.scaled_dot_product_attention, mx.gather_qmm
+    real_qmm, real_sdpa = mx.quantized_matmul, mx.fast.scaled_dot_product_attention
+    real_gqmm = mx.gather_qmm
     real_k, real_qk = cuda_attention.paged_decode_attention, cuda_attention.paged_decode_attention_quantized
 
     def qmm(x, *a, **kw):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from engine.attention import (_grouped_decode, paged_grouped_decode, quantized_decode_attention,
-                              quantized_paged_decode)
+                              quantized_paged_decode, quantized_paged_plan)
 from engine.kv_store import QuantizedStore
 
 
@@ -88,10 +88,8 @@ def test_quantized_in_place_decode_equals_gathered(B, Hkv, G, D, P, group, bits,
     want = quantized_decode_attention(q, st.gather_quantized(0, table, "k"), st.gather_quantized(0, table, "v"), tk,
                                       tv, mask_q, mask_t, scale, group, bits, k_transposed=k_axis == "channel")
     heads = mx.arange(Hkv)[None, :, None]
-    page_heads = (table[:, None, :] * Hkv + heads).astype(mx.uint32)
-    query_of = mx.arange(B * Hkv, dtype=mx.uint32).reshape(B, Hkv, 1)
-    pages = mx.broadcast_to((mx.arange(width)[None] < mx.array(sealed)[:, None])[:, :, None], (B, width, P))
-    mask = mx.concatenate([mask_t.reshape(B, 1, P), pages], axis=1).reshape(B, 1, width + 1, 1, P)
+    plan = quantized_paged_plan(table, sealed, [f - 1 for f in fill], P, Hkv, D, streams)  # as the cache does
+    page_heads, query_of, mask = plan["q_page_heads"], plan["query_of"], plan["mask_p"]
 
     got = quantized_paged_decode(q, st.q[0][:3], st.q[0][3:], tk, tv, page_heads, query_of, mask, scale, group,
                                  bits, streams, cuts, k_transposed=k_axis == "channel")
