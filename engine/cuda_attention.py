@@ -36,9 +36,9 @@ UNROLL = 2  # tokens per lane per loop step (KVBATCH_CUDA_UNROLL)
 # Tokens per split: a row of more than SPLIT_MIN tokens runs ceil(its length / CHUNK) splits.
 # Shorter rows are not split: the split path adds a kernel launch and partial buffers per layer,
 # which at small batches (where a decode step is bound by the host's launches) is pure cost.
-# 1024 (from 256): one layer at 8k context took 0.76-1.18x the time (most cases 0.8-0.9x; the
+# 1024 (from 256): one layer at 8k context took 0.61-1.18x the time (most cases 0.78-0.94x; the
 # exception, dense head 128 at batch 8) in a side-by-side bench of both on the H200 (RESULTS.md,
-# issue 9, fifth session): fewer blocks each amortise their merge over more tokens.
+# issue 9, fifth session): fewer blocks, each amortising its merge over more tokens.
 # KVBATCH_CUDA_CHUNK=N overrides both (splits of N tokens from N tokens on; 0 = never split).
 CHUNK = 1024
 SPLIT_MIN = 1024
