@@ -231,13 +231,12 @@ _FOLD_END = r"""
     for (int r = 0; r < REP; ++r) for (int e = 0; e < NE; ++e) acc[r][e] += ab[r];
 """
 
-
-
 # The lean loop (KVBATCH_CUDA_RAW, default on): each lane keeps its tokens' K/V as loaded (bf16
 # pairs or packed codes: 4 registers a token for bf16 K, 2 for q8, 1 for q4, against 8 floats)
 # and converts element e inside the score and value loops, where all REP query heads use it at
-# once. The registers saved let two 256-thread blocks share an SM (at most 128 a thread), which
-# the float loop above misses for q8/q4 (137-153). The sums run in the same order as the float
+# once. With it the q8/q4 kernels fit in 128 registers a thread (nvcc -Xptxas -v, head 128, bf16;
+# the float loop: 137-138), so two 256-thread blocks share an SM instead of one; dense kernels
+# use 127-137 (float loop: 128), as ptxas chooses. The sums run in the same order as the float
 # loop (e, then u, per query head), so dense results are the same bits.
 _RAW_LOOP = r"""
     {{
