@@ -17,9 +17,9 @@ import mlx.core as mx
 import numpy as np
 
 from engine import attention as att
-from engine import cuda_attention
+from engine import cuda_attention, step_plan
 from engine.errors import INSUFFICIENT_MEMORY, RowError, UnreservedWriteError
-from engine.kv_store import DenseStore, QuantizedStore, dequantize, head_rows
+from engine.kv_store import DenseStore, QuantizedStore, dequantize
 from engine.memory import KVLayout, available_memory, fmt_bytes
 from engine.pages import PagePool
 
@@ -206,11 +206,11 @@ class PagedKVCache:
         if poison is not None and any(poison):
             self.plan.poison = mx.array(poison)
         if self.store.quantized:
-            self.plan.tensors = self._plan_quantized(rows, L, np.array(pos, dtype=np.int32))
+            self.plan.tensors = step_plan.quantized(self, rows, L, np.array(pos, dtype=np.int32))
         elif L == 1:
-            self.plan.tensors = self._plan_decode(rows, pos)
+            self.plan.tensors = step_plan.decode(self, rows, pos)
         else:
-            self.plan.tensors = self._plan_dense(rows, L, np.array(pos, dtype=np.int32))
+            self.plan.tensors = step_plan.dense(self, rows, L, np.array(pos, dtype=np.int32))
         self._reported = set()
         self._new_kv.clear()
 
@@ -218,110 +218,6 @@ class PagedKVCache:
         for r in self.plan.rows:
             r.length += self.plan.L
         self.plan = None
-
-    def _table(self, rows: list[CacheRow], n_pages: list[int]) -> mx.array:
-        width = max(max(n_pages), 1)
-        # padding repeats the row's own first page (masked out): never another row's page,
-        # whose K/V may be NaN in this very pass (masked slots still meet probs @ V)
-        # (built as Python lists: per-row numpy slice assignments cost ~0.2 ms a step at batch 32)
-        table = [r.pages[:n] + [r.pages[0] if r.pages else 0] * (width - n) for r, n in zip(rows, n_pages)]
-        return mx.array(table, dtype=mx.int32)
-
-    def _slots(self, r: CacheRow, start: int, stop: int) -> np.ndarray:
-        p = np.arange(start, stop)
-        return np.asarray(r.pages, dtype=np.int64)[p // self.P] * self.P + p % self.P
-
-    def _causal(self, pos: np.ndarray, L: int, T: int, extra_dims: int) -> mx.array:
-        qpos = mx.array(pos)[:, None] + mx.arange(L)[None]  # (B, L)
-        mask = mx.arange(T)[None, None, :] <= qpos[:, :, None]  # (B, L, T)
-        return mask.reshape(mask.shape[0], *([1] * extra_dims), L, T)
-
-    def _plan_dense(self, rows, L, pos) -> dict:
-        """A multi-token pass (prefill chunk) over dense pages."""
-        slots = np.concatenate([self._slots(r, int(p), int(p) + L) for r, p in zip(rows, pos)]).tolist()
-        table = self._table(rows, (-(-(pos + L) // self.P)).tolist())
-        hrows = head_rows(slots, self.P, self.layout.num_kv_heads)
-        return {"rows": mx.array(hrows, dtype=mx.int32), "table": table,
-                "mask": self._causal(pos, L, table.shape[1] * self.P, 1)}
-
-    def _plan_decode(self, rows: list[CacheRow], pos: list[int]) -> dict:
-        """A one-token pass over dense pages, built from Python lists: right after a step's
-        compute numpy costs ~10 us an op on arrays of a few rows (cold caches), and these are
-        a few dozen numbers (0.1 ms a step less than with numpy at batch 8)."""
-        P, H, B = self.P, self.layout.num_kv_heads, len(rows)
-        new_len = [p + 1 for p in pos]
-        n_pages = [-(-n // P) for n in new_len]
-        table = self._table(rows, n_pages)
-        width = table.shape[1]
-        if self.kernel_writes:  # CUDA: the fused kernel stores the token (slot len - 1)
-            return {"table": table, "lengths": mx.array(new_len, dtype=mx.int32), "kernel_writes": True}
-        slots = [r.pages[p // P] * P + p % P for r, p in zip(rows, pos)]
-        t = {"rows": mx.array(head_rows(slots, P, H), dtype=mx.int32), "table": table}
-        if self.fused_decode:
-            t["lengths"] = mx.array(new_len, dtype=mx.int32)
-            return t
-        mask = mx.arange(width * P) < mx.array(new_len, dtype=mx.int32)[:, None]  # (B, T)
-        if not self.in_place:
-            t["mask"] = mask.reshape(B, 1, 1, width * P)
-            return t
-        # key-major scores (attention.paged_grouped_decode)
-        t["mask"] = mask.reshape(B, 1, width * P, 1)
-        t["page_heads"] = (table[:, None, :] * H + mx.arange(H, dtype=mx.int32)[None, :, None]).astype(mx.uint32)
-        t["query_of"] = mx.arange(B * H, dtype=mx.uint32).reshape(B, H, 1)
-        return t
-
-    def _plan_quantized(self, rows, L, pos) -> dict:
-        """A pass attends to pages sealed before it (quantized) and to everything it wrote or
-        that is still in a tail page (full precision), like mlx-lm's quantized cache."""
-        P = self.P
-        n_before = pos // P  # pages sealed before this pass
-        t = {"tails": mx.array(np.array([r.tail for r in rows], dtype=np.int32))}
-        if n_before.max() > 0:
-            t["table_q"] = self._table(rows, n_before.tolist())
-        if L == 1:  # decode: one token per row into its tail; rows that fill their page seal it
-            fill = pos % P
-            tails = np.array([r.tail for r in rows])
-            t["tail_write"] = mx.array(head_rows((tails * P + fill).tolist(), P, self.layout.num_kv_heads),
-                                       dtype=mx.int32)
-            done = np.nonzero(fill == P - 1)[0]
-            if len(done):
-                ar = np.arange(P)
-                t["seal_from"] = mx.array(np.concatenate([tails[i] * P + ar for i in done]).astype(np.int32))
-                t["seal_to"] = mx.array(np.concatenate(
-                    [self._slots(rows[i], int(pos[i]) - P + 1, int(pos[i]) + 1) for i in done]).astype(np.int32))
-            if self.fused_decode:  # CUDA: sealed pages and tail read in place (cuda_attention)
-                t["lens"] = mx.array(np.stack([n_before * P, fill + 1], 1).astype(np.int32))
-                t.setdefault("table_q", mx.zeros((len(rows), 1), dtype=mx.int32))
-                if self.kernel_writes and not len(done):  # the kernel stores the token in the tail
-                    del t["tail_write"]  # (a step that seals a page writes first: the seal reads it)
-                    t["kernel_writes"] = True
-                return t
-            if "table_q" in t and self.q_in_place:  # packed pages and tails read in place
-                t.update(att.quantized_paged_plan(t["table_q"], n_before.tolist(), fill.tolist(), P,
-                                                  self.layout.num_kv_heads, self.layout.head_dim, self.qmm_streams))
-                return t
-            if "table_q" in t:
-                width = t["table_q"].shape[1]
-                Tq = width * P
-                t["mask_q"] = (mx.arange(Tq)[None] < mx.array(n_before * P)[:, None]).reshape(len(rows), 1, 1, Tq)
-                # key scores in runs of pages, one per stream (see attention.quantized_decode_attention)
-                n = att.qmm_split(len(rows) * self.layout.num_kv_heads, Tq, self.layout.head_dim,
-                                  min(len(self.qmm_streams), width))
-                cuts = [width * i // n for i in range(n + 1)]
-                t["runs_q"] = [t["table_q"][:, a:z] for a, z in zip(cuts, cuts[1:])]
-            t["mask_t"] = (mx.arange(P)[None] <= mx.array(fill)[:, None]).reshape(len(rows), 1, 1, P)
-            t["mask_all"] = mx.concatenate([t["mask_q"], t["mask_t"]], axis=-1) if "mask_q" in t else t["mask_t"]
-            return t
-        if len(rows) != 1:
-            raise ValueError("quantized multi-token passes (prefill) run one row at a time")
-        r, p0 = rows[0], int(pos[0])
-        fill = p0 % P
-        done_pages = (fill + L) // P
-        start = p0 - fill
-        t["run"] = (r.tail, fill, mx.array(self._slots(r, start, start + done_pages * P).astype(np.int32))
-                    if done_pages else None)
-        t["mask"] = self._causal(pos, L, p0 + L, 1)
-        return t
 
     # ---- called by the model, layer by layer -----------------------------------------------
     def write(self, layer: int, keys: mx.array, values: mx.array) -> None:
