@@ -204,8 +204,8 @@ def main() -> None:
            "python": platform.python_version(), "copy_bw_gbs": bw / 1e9, "weights_gb": spec.weights_bytes / 1e9,
            "rows": []}
     print(json.dumps({k: v for k, v in out.items() if k != "rows"}), flush=True)
-    cases = [(b, a.prompt, a.new) for b in map(int, a.batches.split(","))]
-    cases += [(b, a.long, a.long_new) for b in map(int, a.long_batches.split(",")) if a.long]
+    cases = [(b, a.prompt, a.new) for b in map(int, filter(None, a.batches.split(",")))]  # '' = none
+    cases += [(b, a.long, a.long_new) for b in map(int, filter(None, a.long_batches.split(","))) if a.long]
     for batch, plen, new in cases:
         ps = prompts(batch, plen, spec.vocab_size)
         ctx = plen + new // 2
