@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import os
 import platform
+import statistics
 import time
 
 import engine  # noqa: F401  (BLAS first; harmless on GPU)
