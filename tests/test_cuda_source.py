@@ -1,0 +1,83 @@
+"""The CUDA decode kernels' launch settings and source, checked without a GPU.
+
+The kernels themselves only run on MLX CUDA (tests/test_cuda_kernel_write.py and the q8/q4 /
+paging tests cover them there). Here: the environment switches that GPU runs depend on parse
+as documented, split ranges depend on a row's own length only, and the kernel text of every
+variant compiles with nvcc (as MLX's NVRTC would compile it), so a syntax error in a kernel
+fails CI instead of a device call.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine import cuda_attention as ca
+from engine import cuda_source as cs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_chunk_setting_parses_n_and_n_colon_m(monkeypatch):
+    monkeypatch.delenv("KVBATCH_CUDA_CHUNK", raising=False)
+    assert ca.chunk_tokens() == (ca.CHUNK, ca.SPLIT_MIN)
+    monkeypatch.setenv("KVBATCH_CUDA_CHUNK", "48")
+    assert ca.chunk_tokens() == (48, 48)
+    monkeypatch.setenv("KVBATCH_CUDA_CHUNK", "256:1024")
+    assert ca.chunk_tokens() == (256, 1024)
+    monkeypatch.setenv("KVBATCH_CUDA_CHUNK", "0")
+    assert ca.splits_for(100_000, *ca.chunk_tokens())[0] == 1  # 0 = never split
+
+
+def test_tuning_reads_every_switch(monkeypatch):
+    for k in ("KVBATCH_CUDA_CHUNK", "KVBATCH_CUDA_UNROLL", "KVBATCH_CUDA_WARPS", "KVBATCH_CUDA_RAW"):
+        monkeypatch.delenv(k, raising=False)
+    assert ca.tuning() == ca.Tuning(ca.CHUNK, ca.SPLIT_MIN, ca.UNROLL, 0, True)
+    monkeypatch.setenv("KVBATCH_CUDA_CHUNK", "512:2048")
+    monkeypatch.setenv("KVBATCH_CUDA_UNROLL", "4")
+    monkeypatch.setenv("KVBATCH_CUDA_WARPS", "4")
+    monkeypatch.setenv("KVBATCH_CUDA_RAW", "0")
+    assert ca.tuning() == ca.Tuning(512, 2048, 4, 4, False)
+
+
+def test_splits_follow_the_longest_row_and_chunk_only():
+    # unsplit up to `unsplit` tokens, then ceil(length / chunk) splits of `chunk` tokens
+    assert ca.splits_for(1000, 1024, 1024) == (1, 1000, 0)
+    assert ca.splits_for(1024, 1024, 1024) == (1, 1024, 0)
+    assert ca.splits_for(1025, 1024, 1024) == (2, 1024, 1024)
+    assert ca.splits_for(8192, 1024, 1024) == (8, 1024, 1024)
+    assert ca.splits_for(8192, 256, 1024) == (32, 256, 1024)
+    assert ca.splits_for(0, 256, 1024) == (1, 1, 0)
+
+
+def test_warps_fit_the_merge_buffers():
+    # 8 warps where (head + 2) floats per query head and warp fit in 44 KiB of shared memory
+    assert ca.warps_for(128, 4) == 8
+    assert ca.warps_for(128, 4, most=4) == 4
+    assert ca.warps_for(256, 8) == 4
+    assert ca.supports(128, 4, 8, 64) and ca.supports(64, 4, 4, 32)
+    assert not ca.supports(100, 4) and not ca.supports(128, 4, 8, 48)
+
+
+def test_kernel_variants_differ_where_they_should():
+    for q in (False, True):
+        for split in (False, True):
+            for store in (False, True):
+                lean, old = cs.kernel_source(q, split, store, raw=True), cs.kernel_source(q, split, store, raw=False)
+                assert lean != old
+                assert ("pacc[" in lean) == split and ("kn +" in lean) == store
+                assert ("qs[r]" in lean) == q  # q8/q4: scales folded into the dot products
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CUDA toolkit) to compile the kernels")
+@pytest.mark.parametrize("args", [[], ["--no-raw"]], ids=["lean", "float-loop"])
+def test_every_kernel_variant_compiles(args):
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cuda_compile_check.py"), *args],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "nvcc exit 0" in r.stdout
+    # every kernel (dense and q8/q4 for 4 head geometries x 2 dtypes x split/store, and the merges)
+    assert r.stdout.count(" registers") == 4 * 2 * (4 * 3 + 2)
