@@ -102,7 +102,7 @@ def _lanes(head_dim: int) -> int:
 
 def warps_for(head_dim: int, rep: int, most: int = 8) -> int:
     """Warps per block (at most `most`) whose merge buffers fit in static shared memory (0: none do)."""
-    for nw in (8, 4, 2):
+    for nw in (8, 4):  # (2 warps would fit larger groups; not run on a GPU)
         if nw <= most and nw * rep * (head_dim + 2) * 4 <= 44 * 1024:
             return nw
     return 0
