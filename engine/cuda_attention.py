@@ -181,7 +181,7 @@ def _launch(kind: str, inputs: list, q: mx.array, store_dtype: mx.Dtype, kv_head
     tune = tune or tuning()
     lens = inputs[-1]  # (B,) lengths, or (B, 2) sealed + tail tokens
     rep = Hq // kv_heads
-    nw = warps_for(D, rep, tune.warps or 8)
+    nw = warps_for(D, rep, tune.warps or 8) or warps_for(D, rep)  # KVBATCH_CUDA_WARPS below 4: the default
     ns, chunk, unsplit = splits_for(max_tokens, *((chunk, chunk) if chunk is not None else tune[:2]))
     meta = _const((maxp, ns, chunk, unsplit), mx.int32)
     template = [("T", q.dtype), ("S", store_dtype), ("D", D), ("P", page), ("REP", rep), ("HKV", kv_heads),
