@@ -9,6 +9,8 @@
 #   pytest   the engine's correctness tests on MLX CUDA
 #   gpu8b / gpu1b  benchmarks/gpu.py, 2 order-alternating rounds (8B with 5 modes took ~120 s a
 #            case in the fifth session: give it 600 s for b1-b64, or fewer modes)
+#   long8b   8k context only (batch 1 and 8), 4 rounds, none/q8/q4 and the old kernel: the q8/q4-vs-none
+#            target of issue 9, with rounds enough to see past the machine's noise
 # Later stages source $HOME/kvbatch-best.env, so they run the settings that the bench picked.
 set -uo pipefail
 S=$HOME/kvbatch-stage SITE=$HOME/kvbatch-site OUT=${OUT:-/tmp/out}
@@ -35,6 +37,8 @@ for arg in "$@"; do
     pytest) timeout "$secs" python3 -m pytest -q -p no:cacheprovider -rs --durations=8 $TESTS 2>&1 | tee "$OUT/pytest.txt" ;;
     gpu8b|gpu1b) g=${stage#gpu}; timeout "$secs" python3 benchmarks/gpu.py --geometry "$g" --repeats 2 \
                --modes none,q8,q4,none@old,q8@old --out "$OUT/gpu_$g.json" 2>&1 | tee "$OUT/gpu_$g.txt" | cut -c1-400 ;;
+    long8b) timeout "$secs" python3 benchmarks/gpu.py --geometry 8b --batches '' --repeats 4 \
+               --modes none,q8,q4,none@old,q8@old --out "$OUT/gpu_8b_long.json" 2>&1 | tee "$OUT/gpu_8b_long.txt" | cut -c1-400 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
