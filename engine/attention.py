@@ -190,22 +190,6 @@ def quantized_decode_attention(q: mx.array, qk: list[mx.array] | list[list[mx.ar
     return out if out.dtype == dtype else out.astype(dtype)
 
 
-def quantized_paged_plan(table: mx.array, n_before: list[int], fill: list[int], P: int, H: int, D: int,
-                         streams: list) -> dict:
-    """The per-step inputs of `quantized_paged_decode`, built once for every layer: table (B, n)
-    the rows' sealed pages (padded with their first), n_before their sealed page counts and
-    fill their tail's tokens before this step's."""
-    B, width = table.shape
-    heads = mx.arange(H, dtype=mx.int32)[None, :, None]
-    n = qmm_split(B * H, width * P, D, min(len(streams), width))
-    tail = mx.arange(P)[None] <= mx.array(fill)[:, None]  # (B, P): this step's token included
-    pages = mx.arange(width)[None] < mx.array(n_before)[:, None]  # (B, width)
-    mask = mx.concatenate([tail[:, None], mx.broadcast_to(pages[:, :, None], (B, width, P))], axis=1)
-    return {"q_page_heads": (table[:, None, :] * H + heads).astype(mx.uint32),
-            "query_of": mx.arange(B * H, dtype=mx.uint32).reshape(B, H, 1),
-            "cuts": [width * i // n for i in range(n + 1)], "mask_p": mask.reshape(B, 1, width + 1, 1, P)}
-
-
 def quantized_paged_decode(q: mx.array, kq: list[mx.array], vq: list[mx.array], tk: mx.array, tv: mx.array,
                            page_heads: mx.array, query_of: mx.array, mask: mx.array, scale: float,
                            group_size: int, bits: int, streams: list | None = None,

@@ -39,6 +39,14 @@ def causal_mask(pos: np.ndarray, L: int, T: int, extra_dims: int) -> mx.array:
     return mask.reshape(mask.shape[0], *([1] * extra_dims), L, T)
 
 
+def page_heads(table: mx.array, H: int) -> tuple[mx.array, mx.array]:
+    """For reading pages in place with gather_mm / gather_qmm: (B, H, n) the (page * H + head)
+    of each row's pages in `table` (B, n), and (B, H, 1) the query group b * H + head."""
+    B = table.shape[0]
+    heads = (table[:, None, :] * H + mx.arange(H, dtype=mx.int32)[None, :, None]).astype(mx.uint32)
+    return heads, mx.arange(B * H, dtype=mx.uint32).reshape(B, H, 1)
+
+
 def dense(cache: PagedKVCache, rows: list[CacheRow], L: int, pos: np.ndarray) -> dict:
     """A multi-token pass (prefill chunk) over dense pages."""
     tokens = np.concatenate([token_slots(r, cache.P, int(p), int(p) + L) for r, p in zip(rows, pos)]).tolist()
@@ -70,8 +78,7 @@ def decode(cache: PagedKVCache, rows: list[CacheRow], pos: list[int]) -> dict:
         return t
     # key-major scores (attention.paged_grouped_decode)
     t["mask"] = mask.reshape(B, 1, width * P, 1)
-    t["page_heads"] = (table[:, None, :] * H + mx.arange(H, dtype=mx.int32)[None, :, None]).astype(mx.uint32)
-    t["query_of"] = mx.arange(B * H, dtype=mx.uint32).reshape(B, H, 1)
+    t["page_heads"], t["query_of"] = page_heads(table, H)
     return t
 
 
@@ -102,7 +109,7 @@ def quantized(cache: PagedKVCache, rows: list[CacheRow], L: int, pos: np.ndarray
                 t["kernel_writes"] = True
             return t
         if "table_q" in t and cache.q_in_place:  # packed pages and tails read in place
-            t.update(att.quantized_paged_plan(t["table_q"], n_before.tolist(), fill.tolist(), P,
+            t.update(quantized_paged_plan(t["table_q"], n_before.tolist(), fill.tolist(), P,
                                               cache.layout.num_kv_heads, cache.layout.head_dim, cache.qmm_streams))
             return t
         if "table_q" in t:
@@ -127,3 +134,18 @@ def quantized(cache: PagedKVCache, rows: list[CacheRow], L: int, pos: np.ndarray
                 if done_pages else None)
     t["mask"] = causal_mask(pos, L, p0 + L, 1)
     return t
+
+
+def quantized_paged_plan(table: mx.array, n_before: list[int], fill: list[int], P: int, H: int, D: int,
+                         streams: list) -> dict:
+    """The per-step inputs of `attention.quantized_paged_decode`, built once for every layer:
+    table (B, n) the rows' sealed pages (padded with their first), n_before their sealed page
+    counts and fill their tail's tokens before this step's."""
+    B, width = table.shape
+    n = att.qmm_split(B * H, width * P, D, min(len(streams), width))
+    tail = mx.arange(P)[None] <= mx.array(fill)[:, None]  # (B, P): this step's token included
+    pages = mx.arange(width)[None] < mx.array(n_before)[:, None]  # (B, width)
+    mask = mx.concatenate([tail[:, None], mx.broadcast_to(pages[:, :, None], (B, width, P))], axis=1)
+    heads, query_of = page_heads(table, H)
+    return {"q_page_heads": heads, "query_of": query_of, "cuts": [width * i // n for i in range(n + 1)],
+            "mask_p": mask.reshape(B, 1, width + 1, 1, P)}
