@@ -283,6 +283,8 @@ def main() -> int:
     ap.add_argument("--check-variants", default="default:", help="kernels: run the checks under each of these")
     ap.add_argument("--bench-batches", default="1,8,64")
     ap.add_argument("--bench-dims", default="64,128", help="head sizes (Hkv 8, GQA 4)")
+    ap.add_argument("--bench-contexts", default="8192",
+                    help="tokens per row (a short one, e.g. 64, runs unsplit: the per-call floor)")
     ap.add_argument("--portable", action="store_true", help="bench: also the portable gather + SDPA")
     ap.add_argument("--pick-out", default="", help="write the fastest checked variant's settings as shell exports")
     a = ap.parse_args()
@@ -299,7 +301,8 @@ def main() -> int:
             ok &= checked[label]
     if "bench" in parts and mx.cuda.is_available():
         variants = parse_variants(a.variants)
-        times = kernel_bench(batches=tuple(map(int, a.bench_batches.split(","))),
+        times = kernel_bench(contexts=tuple(map(int, a.bench_contexts.split(","))),
+                             batches=tuple(map(int, a.bench_batches.split(","))),
                              geometries=tuple((int(d), 8, 4) for d in a.bench_dims.split(",")),
                              variants=variants, portable=a.portable)
         if a.pick_out:

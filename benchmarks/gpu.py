@@ -19,6 +19,7 @@ position effect over all sides instead of charging it to one.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -33,6 +34,7 @@ from mlx_lm.models import llama
 from engine.engine import Engine, EngineConfig
 from engine.models.spec import model_spec
 from engine.types import Request, SamplingParams
+from interleave import Stepper, interleave, median_or_none, paired_ratios
 
 GEOMETRIES = {
     "1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192, num_attention_heads=32,
@@ -102,10 +104,12 @@ def run_mlx_lm(model, ps, new_tokens):
 ENV_ALIASES = {"old": "KVBATCH_CUDA_RAW=0+KVBATCH_CUDA_UNROLL=2+KVBATCH_CUDA_WARPS=0+KVBATCH_CUDA_CHUNK=256:1024"}
 
 
-def run_kvbatch(model, spec, ps, new_tokens, mode, budget):
-    """mode: none/q8/q4, optionally with environment settings for this run only, '+'-separated:
+@contextlib.contextmanager
+def mode_env(mode: str):
+    """mode: none/q8/q4, optionally with environment settings, '+'-separated:
     "none@KVBATCH_CUDA_KERNEL_WRITE=0" (A/B of an engine switch in the same process), or a name
-    from ENV_ALIASES ("q8@old")."""
+    from ENV_ALIASES ("q8@old"). Sets them while the block runs (the engine reads them when it
+    is built) and yields the KV mode."""
     mode, _, env = mode.partition("@")
     env = ENV_ALIASES.get(env, env)
     saved = {}
@@ -114,7 +118,7 @@ def run_kvbatch(model, spec, ps, new_tokens, mode, budget):
         saved[k] = os.environ.get(k)
         os.environ[k] = v
     try:
-        return _run_kvbatch(model, spec, ps, new_tokens, mode, budget)
+        yield mode
     finally:
         for k, v in saved.items():
             if v is None:
@@ -123,11 +127,21 @@ def run_kvbatch(model, spec, ps, new_tokens, mode, budget):
                 os.environ[k] = v
 
 
+def run_kvbatch(model, spec, ps, new_tokens, mode, budget):
+    """One engine run of ps (mode as in mode_env)."""
+    with mode_env(mode) as kv_mode:
+        return _run_kvbatch(model, spec, ps, new_tokens, kv_mode, budget)
+
+
+def _engine(model, spec, batch: int, mode: str, budget: int) -> Engine:
+    return Engine(model, _NullTokenizer(), spec,
+                  EngineConfig(kv_mode=mode, page_size=64, max_batch=batch, prefill_chunk=2048,
+                               memory_budget=budget, allow_unvalidated=True))
+
+
 def _run_kvbatch(model, spec, ps, new_tokens, mode, budget):
     mx.reset_peak_memory()
-    eng = Engine(model, _NullTokenizer(), spec,
-                 EngineConfig(kv_mode=mode, page_size=64, max_batch=len(ps), prefill_chunk=2048,
-                              memory_budget=budget, allow_unvalidated=True))
+    eng = _engine(model, spec, len(ps), mode, budget)
     t0 = time.perf_counter()
     res = eng.generate([Request(str(i), p, SamplingParams(max_tokens=new_tokens)) for i, p in enumerate(ps)])
     wall = time.perf_counter() - t0
@@ -137,6 +151,34 @@ def _run_kvbatch(model, spec, ps, new_tokens, mode, budget):
             "tokens": sum(len(r.tokens) for r in res), "peak_gb": mx.get_peak_memory() / 1e9,
             "route": s["route"], "errors": bad, "kv_bytes_per_token": s["kv_bytes_per_token"],
             "lookahead": eng.lookahead}
+
+
+def run_interleaved(model, spec, ps, new_tokens, modes: list[str], budget: int, block: int, warm: int) -> dict:
+    """Every mode's engine alive at once, decoding in alternating blocks of `block` steps after
+    `warm` untimed ones (benchmarks/interleave.py). Per mode: decode_tps = rows / median step
+    time, and against the first mode (none): ratio_vs_first_runs (round by round) and their
+    median, ratio_vs_first."""
+    def maker(mode):
+        def make():
+            with mode_env(mode) as kv_mode:
+                eng = _engine(model, spec, len(ps), kv_mode, budget)
+            return Stepper(eng, [Request(str(i), p, SamplingParams(max_tokens=new_tokens)) for i, p in enumerate(ps)])
+        return make
+
+    mx.reset_peak_memory()
+    runs = interleave({m: maker(m) for m in modes}, block, warm)
+    out, first = {}, runs[modes[0]]["step_s"]
+    for mode, r in runs.items():
+        st = r["stepper"]
+        res, s = st.results, st.eng.summary()
+        med = median_or_none(r["step_s"])
+        ratios = paired_ratios(r["step_s"], first)
+        out[mode] = {"decode_tps": len(ps) / med if med else None, "step_ms_runs": [x and x * 1e3 for x in r["step_s"]],
+                     "ratio_vs_first_runs": ratios, "ratio_vs_first": median_or_none(ratios), "block": block,
+                     "warm_steps": warm, "tokens": sum(len(x.tokens) for x in res), "route": s["route"],
+                     "errors": [x.error_code for x in res if x.error_code] + ([] if len(res) == len(ps) else ["missing"]),
+                     "kv_bytes_per_token": s["kv_bytes_per_token"], "peak_gb": mx.get_peak_memory() / 1e9}
+    return out
 
 
 def warm_tokens(plen: int, new: int, page: int = 64) -> int:
@@ -193,6 +235,9 @@ def main() -> None:
     ap.add_argument("--out", default="")
     ap.add_argument("--skip-mlx-lm-long", action="store_true")
     ap.add_argument("--repeats", type=int, default=1, help="measured rounds per case, order reversed every other")
+    ap.add_argument("--interleave", type=int, default=0,
+                    help="long context: kvbatch modes decode side by side in blocks of this many steps "
+                         "(benchmarks/interleave.py) instead of --repeats whole runs; 0 = off")
     a = ap.parse_args()
     model, spec = build(a.geometry)
     bw = copy_bandwidth()
@@ -219,7 +264,8 @@ def main() -> None:
         # memory there before).
         warm = warm_tokens(plen, new)
         modes = (a.long_modes or a.modes).split(",") if long else a.modes.split(",")
-        for mode in modes:
+        interleaved = long and a.interleave > 0  # (its engines warm up inside the run)
+        for mode in ([] if interleaved else modes):
             guarded(run_kvbatch, model, spec, ps, warm, mode, budget)
         if not (long and a.skip_mlx_lm_long):
             guarded(run_mlx_lm, model, ps, warm)
@@ -228,6 +274,11 @@ def main() -> None:
         sides = [f"kvbatch_{m}" for m in modes]
         if not (long and a.skip_mlx_lm_long):
             sides = sides + ["mlx_lm_none"] if long else ["mlx_lm_none"] + sides
+        if interleaved:  # kvbatch side by side (mlx-lm after it, as many rounds as --repeats)
+            got = guarded(run_interleaved, model, spec, ps, new, modes, budget, a.interleave, warm)
+            for m in modes:  # a failed run: its error in every mode's cell
+                row[f"kvbatch_{m}"] = got.get(m, got)
+            sides = [s for s in sides if s == "mlx_lm_none"]
         runs: dict[str, list] = {k: [] for k in sides}
         for rnd in range(max(a.repeats, 1)):
             for side in (sides if rnd % 2 == 0 else sides[::-1]):

@@ -4,14 +4,16 @@
 # Installs MLX CUDA from the wheels that shared/tools/mlx-cuda-stage.sh staged (call 1 copies
 # .gpu/a to $HOME/kvbatch-stage; this script joins it with .gpu/b) once per machine. Each
 # stage writes its log (and JSON) under $OUT and is cut at SECONDS (default 300).
-#   kernels  kernel checks (float64 reference) and the one-layer 8k bench of the launch settings
-#            (VARIANTS below); writes $HOME/kvbatch-best.env with the fastest checked one
+#   kernels  kernel checks (float64 reference; modes $CHECK_MODES, default none,q8,q4) and the one-layer
+#            bench of the launch settings (VARIANTS below) at 128 tokens (unsplit: the per-call floor)
+#            and at 8k
 #   pytest   the engine's correctness tests on MLX CUDA
 #   gpu8b / gpu1b  benchmarks/gpu.py, 2 order-alternating rounds (8B with 5 modes took ~120 s a
 #            case in the fifth session: give it 600 s for b1-b64, or fewer modes)
-#   long8b   8k context only (batch 1 and 8), 4 rounds, none/q8/q4 and the old kernel: the q8/q4-vs-none
-#            target of issue 9, with rounds enough to see past the machine's noise
-# Later stages source $HOME/kvbatch-best.env, so they run the settings that the bench picked.
+#   long8b / long1b  8k context only, the kvbatch modes decoding side by side in alternating blocks
+#            of 32 steps (gpu.py --interleave, benchmarks/interleave.py): the q8/q4-vs-none target
+#            of issue 9 measured past the machine's drift. Batch 1 also runs each mode with
+#            256-token splits (@c256), after batches 8 and 16 (8B) / 64 (1B) none/q8/q4.
 set -uo pipefail
 S=$HOME/kvbatch-stage SITE=$HOME/kvbatch-site OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -22,23 +24,26 @@ fi
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
 git log -1 --format='commit %h %s' 2>/dev/null; git status --short 2>/dev/null | head -20
 # the checks of one variant take ~2.5 min (60 cases, most of it compiling): check the default only
-CHECKS="default:"
-# not yet measured: 4 warps x unroll 4 (the best q8 kernel at 256-token splits) with 1024-token splits, and 2048
-VARIANTS="default:;old:KVBATCH_CUDA_RAW=0,KVBATCH_CUDA_CHUNK=256:1024;c256:KVBATCH_CUDA_CHUNK=256:1024;w4u4:KVBATCH_CUDA_WARPS=4,KVBATCH_CUDA_UNROLL=4;c2048:KVBATCH_CUDA_CHUNK=2048:1024"
+CHECKS="default:" CHECK_MODES=${CHECK_MODES:-none,q8,q4}
+VARIANTS="default:;u4:KVBATCH_CUDA_UNROLL=4;c256:KVBATCH_CUDA_CHUNK=256:1024;c512:KVBATCH_CUDA_CHUNK=512:1024;w4u4:KVBATCH_CUDA_WARPS=4,KVBATCH_CUDA_UNROLL=4;c2048:KVBATCH_CUDA_CHUNK=2048:1024"
+C256=KVBATCH_CUDA_CHUNK=256:1024
+LONG="--batches '' --interleave 32 --long-new 448 --skip-mlx-lm-long"
 TESTS="tests/test_cuda_kernel_write.py tests/test_engine_paged.py tests/test_kv_quant.py tests/test_nonfinite.py tests/test_memory.py tests/test_lookahead.py"
 for arg in "$@"; do
   stage=${arg%%:*} secs=${arg#*:}; [ "$secs" = "$arg" ] && secs=300
-  [ -f "$HOME/kvbatch-best.env" ] && source "$HOME/kvbatch-best.env" && cp "$HOME/kvbatch-best.env" "$OUT/best.env"
   echo "== stage $stage (${secs}s) $(date -u +%T) $(env | grep ^KVBATCH_ | tr '\n' ' ')"
   case $stage in
     kernels) timeout "$secs" python3 benchmarks/backend_check.py --parts kernels,bench --kernel-dtypes bfloat16,float32 \
-               --kernel-chunks default,48 --check-variants "$CHECKS" --variants "$VARIANTS" \
-               --pick-out "$HOME/kvbatch-best.env" 2>&1 | tee "$OUT/kernels.txt" | grep -v "^ok  kernel" ;;
+               --kernel-modes "$CHECK_MODES" --kernel-chunks default,48 --check-variants "$CHECKS" \
+               --variants "$VARIANTS" --bench-contexts 128,8192 2>&1 | tee "$OUT/kernels.txt" | grep -v "^ok  kernel" ;;
     pytest) timeout "$secs" python3 -m pytest -q -p no:cacheprovider -rs --durations=8 $TESTS 2>&1 | tee "$OUT/pytest.txt" ;;
     gpu8b|gpu1b) g=${stage#gpu}; timeout "$secs" python3 benchmarks/gpu.py --geometry "$g" --repeats 2 \
                --modes none,q8,q4,none@old,q8@old --out "$OUT/gpu_$g.json" 2>&1 | tee "$OUT/gpu_$g.txt" | cut -c1-400 ;;
-    long8b) timeout "$secs" python3 benchmarks/gpu.py --geometry 8b --batches '' --repeats 4 \
-               --modes none,q8,q4,none@old,q8@old --out "$OUT/gpu_8b_long.json" 2>&1 | tee "$OUT/gpu_8b_long.txt" | cut -c1-400 ;;
+    long8b|long1b) g=${stage#long}; big=$([ "$g" = 8b ] && echo 16 || echo 64)
+      timeout "$secs" bash -c "python3 benchmarks/gpu.py --geometry $g $LONG --long-batches 8,$big --modes none,q8,q4 \
+               --out $OUT/gpu_${g}_long.json; python3 benchmarks/gpu.py --geometry $g $LONG --long-batches 1 \
+               --modes none,q8,q4,none@$C256,q8@$C256,q4@$C256 --out $OUT/gpu_${g}_long_b1.json" 2>&1 |
+        tee "$OUT/gpu_${g}_long.txt" | cut -c1-300 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
