@@ -28,7 +28,7 @@ CHECKS="default:" CHECK_MODES=${CHECK_MODES:-none,q8,q4}
 VARIANTS="default:;u4:KVBATCH_CUDA_UNROLL=4;c256:KVBATCH_CUDA_CHUNK=256:1024;c512:KVBATCH_CUDA_CHUNK=512:1024;w4u4:KVBATCH_CUDA_WARPS=4,KVBATCH_CUDA_UNROLL=4;c2048:KVBATCH_CUDA_CHUNK=2048:1024"
 C256=KVBATCH_CUDA_CHUNK=256:1024
 LONG="--batches '' --interleave 32 --long-new 448 --skip-mlx-lm-long"
-TESTS="tests/test_cuda_kernel_write.py tests/test_engine_paged.py tests/test_kv_quant.py tests/test_nonfinite.py tests/test_memory.py tests/test_lookahead.py"
+TESTS=${TESTS:-"tests/test_cuda_kernel_write.py tests/test_engine_paged.py tests/test_kv_quant.py tests/test_nonfinite.py tests/test_memory.py tests/test_lookahead.py"}
 for arg in "$@"; do
   stage=${arg%%:*} secs=${arg#*:}; [ "$secs" = "$arg" ] && secs=300
   echo "== stage $stage (${secs}s) $(date -u +%T) $(env | grep ^KVBATCH_ | tr '\n' ' ')"

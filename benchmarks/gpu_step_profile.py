@@ -28,7 +28,7 @@ import mlx.core as mx  # noqa: E402
 
 import engine.engine as eng_mod  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu import _NullTokenizer, build, prompts, run_mlx_lm  # noqa: E402
+from gpu import _NullTokenizer, build, prompts, run_mlx_lm, warm_tokens  # noqa: E402
 from engine.engine import Engine, EngineConfig  # noqa: E402
 from engine.types import Request, SamplingParams  # noqa: E402
 
@@ -95,22 +95,25 @@ def main() -> None:
     ap.add_argument("--geometry", default="1b")
     ap.add_argument("--batches", default="8,64")
     ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--prompt", type=int, default=128, help="prompt tokens per row (8192: the long-context case)")
+    ap.add_argument("--skip-mlx-lm", action="store_true")
     ap.add_argument("--modes", default="none")
     ap.add_argument("--chunks", default="", help="KVBATCH_CUDA_CHUNK values to compare (''=default)")
     ap.add_argument("--no-sync", action="store_true", help="lookahead loop only")
     a = ap.parse_args()
     model, spec = build(a.geometry)
     for batch in map(int, a.batches.split(",")):
-        ps = prompts(batch, 128, spec.vocab_size)
+        ps = prompts(batch, a.prompt, spec.vocab_size)
         for mode in a.modes.split(","):  # warm-up: past the first sealed page (64) and, for every
             for chunk in a.chunks.split(","):  # split setting compared, its kernel variants (JIT)
                 os.environ["KVBATCH_CUDA_CHUNK"] = chunk
-                phases(model, spec, ps, max(80, min(a.new, 260 - 128)), mode, True)
+                phases(model, spec, ps, max(80, warm_tokens(a.prompt, a.new)), mode, True)
         os.environ["KVBATCH_CUDA_CHUNK"] = ""
-        run_mlx_lm(model, ps, 16)
-        row = {"geometry": a.geometry, "batch": batch}
-        m = run_mlx_lm(model, ps, a.new)
-        row["mlx_lm_step_ms"] = batch / m["decode_tps"] * 1e3
+        row = {"geometry": a.geometry, "batch": batch, "prompt": a.prompt}
+        if not a.skip_mlx_lm:
+            run_mlx_lm(model, ps, 16)
+            m = run_mlx_lm(model, ps, a.new)
+            row["mlx_lm_step_ms"] = batch / m["decode_tps"] * 1e3
         for mode in a.modes.split(","):
             for chunk in a.chunks.split(","):
                 os.environ["KVBATCH_CUDA_CHUNK"] = chunk

@@ -205,7 +205,9 @@ class PagedKVCache:
         self.plan = _Plan(rows, L, offset)
         if poison is not None and any(poison):
             self.plan.poison = mx.array(poison)
-        if self.store.quantized:
+        if self.store.quantized and L == 1 and self.fused_decode:
+            self.plan.tensors = step_plan.quantized_fused_decode(self, rows, pos)
+        elif self.store.quantized:
             self.plan.tensors = step_plan.quantized(self, rows, L, np.array(pos, dtype=np.int32))
         elif L == 1:
             self.plan.tensors = step_plan.decode(self, rows, pos)

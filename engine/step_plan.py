@@ -82,6 +82,30 @@ def decode(cache: PagedKVCache, rows: list[CacheRow], pos: list[int]) -> dict:
     return t
 
 
+def quantized_fused_decode(cache: PagedKVCache, rows: list[CacheRow], pos: list[int]) -> dict:
+    """A one-token pass of the CUDA kernel over q8/q4 pages (cuda_attention reads the sealed
+    pages and the row's tail page in place): one token per row into its tail; a row that fills
+    its tail page seals it. Python lists, as in `decode`: the numpy version of this plan took
+    0.3-0.6 ms a step on the H200's host, in a decode loop bound by the host (RESULTS.md, issue 9)."""
+    P, H = cache.P, cache.layout.num_kv_heads
+    tails = [r.tail for r in rows]
+    n_before = [p // P for p in pos]  # pages sealed before this step
+    fill = [p % P for p in pos]  # tokens in the tail before this one
+    t = {"tails": mx.array(tails, dtype=mx.int32), "table_q": page_table(rows, n_before),
+         "lens": mx.array([[n * P, f + 1] for n, f in zip(n_before, fill)], dtype=mx.int32)}
+    done = [i for i, f in enumerate(fill) if f == P - 1]
+    if cache.kernel_writes and not done:  # the kernel stores the token in the tail
+        t["kernel_writes"] = True
+        return t
+    # a step that seals a page writes the token first (the seal reads it)
+    t["tail_write"] = mx.array(head_rows([a * P + f for a, f in zip(tails, fill)], P, H), dtype=mx.int32)
+    if done:
+        t["seal_from"] = mx.array([tails[i] * P + j for i in done for j in range(P)], dtype=mx.int32)
+        t["seal_to"] = mx.array([rows[i].pages[pos[i] // P] * P + j for i in done for j in range(P)],
+                                dtype=mx.int32)
+    return t
+
+
 def quantized(cache: PagedKVCache, rows: list[CacheRow], L: int, pos: np.ndarray) -> dict:
     """A pass attends to pages sealed before it (quantized) and to everything it wrote or
     that is still in a tail page (full precision), like mlx-lm's quantized cache."""
@@ -101,13 +125,6 @@ def quantized(cache: PagedKVCache, rows: list[CacheRow], L: int, pos: np.ndarray
             t["seal_from"] = mx.array(np.concatenate([tails[i] * P + ar for i in done]).astype(np.int32))
             t["seal_to"] = mx.array(np.concatenate(
                 [token_slots(rows[i], P, int(pos[i]) - P + 1, int(pos[i]) + 1) for i in done]).astype(np.int32))
-        if cache.fused_decode:  # CUDA: sealed pages and tail read in place (cuda_attention)
-            t["lens"] = mx.array(np.stack([n_before * P, fill + 1], 1).astype(np.int32))
-            t.setdefault("table_q", mx.zeros((len(rows), 1), dtype=mx.int32))
-            if cache.kernel_writes and not len(done):  # the kernel stores the token in the tail
-                del t["tail_write"]  # (a step that seals a page writes first: the seal reads it)
-                t["kernel_writes"] = True
-            return t
         if "table_q" in t and cache.q_in_place:  # packed pages and tails read in place
             t.update(quantized_paged_plan(t["table_q"], n_before.tolist(), fill.tolist(), P,
                                               cache.layout.num_kv_heads, cache.layout.head_dim, cache.qmm_streams))

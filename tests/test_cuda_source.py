@@ -81,3 +81,43 @@ def test_every_kernel_variant_compiles(args):
     assert "nvcc exit 0" in r.stdout
     # every kernel (dense and q8/q4 for 4 head geometries x 2 dtypes x split/store, and the merges)
     assert r.stdout.count(" registers") == 4 * 2 * (4 * 3 + 2)
+
+
+@pytest.mark.parametrize("kernel_writes", [True, False])
+def test_quantized_fused_decode_plan(kernel_writes):
+    """The per-step plan of the CUDA q8/q4 decode (built on the host, so checkable here): rows
+    at a fresh tail, a full tail (seals this step), a sealed page plus one, two pages plus two."""
+    import mlx.core as mx
+
+    from engine import step_plan
+    from engine.kv_cache import CacheRow, PagedKVCache
+    from engine.kv_store import head_rows
+    from engine.memory import KVLayout
+
+    P, H = 16, 2
+    lay = KVLayout(num_kv_layers=1, num_kv_heads=H, head_dim=64, dtype_bytes=4, mode="q8", group_size=64,
+                   page_size=P)
+    cache = PagedKVCache(lay, 1, mx.float32, tail_slots=4, upcast=False)
+    cache.fused_decode, cache.kernel_writes = True, kernel_writes  # as on MLX CUDA
+    pos = [0, P - 1, P, 2 * P + 2]
+    rows = []
+    for i, p in enumerate(pos):
+        r = CacheRow(f"r{i}")
+        cache.admit(r)
+        cache.reserve(r, p + 1, 1 << 30)
+        r.length = p
+        rows.append(r)
+    t = step_plan.quantized_fused_decode(cache, rows, pos)
+    assert t["tails"].tolist() == [r.tail for r in rows]
+    assert t["lens"].tolist() == [[0, 1], [0, P], [P, 1], [2 * P, 3]]
+    assert [x[:n] for x, n in zip(t["table_q"].tolist(), [0, 0, 1, 2])] == [r.pages[:n] for r, n in
+                                                                          zip(rows, [0, 0, 1, 2])]
+    assert "kernel_writes" not in t  # row 1 fills its tail: this step writes first, then seals
+    tails = [r.tail for r in rows]
+    assert t["tail_write"].tolist() == head_rows([a * P + p % P for a, p in zip(tails, pos)], P, H)
+    assert t["seal_from"].tolist() == [tails[1] * P + j for j in range(P)]
+    assert t["seal_to"].tolist() == step_plan.token_slots(rows[1], P, 0, P).tolist()
+    rest = [rows[0], rows[2], rows[3]]  # no row seals: the kernel stores the token, if it may
+    t = step_plan.quantized_fused_decode(cache, rest, [0, P, 2 * P + 2])
+    assert ("kernel_writes" in t) == kernel_writes and ("tail_write" in t) != kernel_writes
+    assert "seal_from" not in t
