@@ -38,7 +38,7 @@ for arg in "$@"; do
   case $stage in
     kernels) timeout "$secs" python3 benchmarks/backend_check.py --parts kernels,bench --kernel-dtypes bfloat16,float32 \
                --kernel-modes "$CHECK_MODES" --kernel-chunks default,48 --check-variants "$CHECKS" \
-               --variants "$VARIANTS" --bench-contexts 128,8192 2>&1 | tee "$OUT/kernels.txt" | grep -v "^ok  kernel" ;;
+               --variants "$VARIANTS" --bench-contexts 128,8192 2>&1 | tee "$OUT/kernels.txt" | grep -v "^ok   kernel" ;;
     pytest) timeout "$secs" python3 -m pytest -q -p no:cacheprovider -rs --durations=8 $TESTS 2>&1 | tee "$OUT/pytest.txt" ;;
     gpu8b|gpu1b) g=${stage#gpu}; timeout "$secs" python3 benchmarks/gpu.py --geometry "$g" --repeats 2 \
                --modes none,q8,q4,none@old,q8@old --out "$OUT/gpu_$g.json" 2>&1 | tee "$OUT/gpu_$g.txt" | cut -c1-400 ;;
