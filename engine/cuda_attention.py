@@ -174,36 +174,64 @@ def _const(values: tuple, dtype) -> mx.array:
     return a
 
 
+class _Launch(NamedTuple):
+    """Everything a launch needs besides its arrays: the same for every layer of a decode step,
+    so it is worked out once per step shape (`_launch_for`) instead of once per layer. The host
+    builds and launches each step while the GPU waits at small batches (RESULTS.md, issue 9)."""
+    kernel: object
+    call: dict  # template, grid, threadgroup, output_shapes, output_dtypes
+    consts: list  # [meta, scale]
+    reduce: object  # the merge kernel (split rows), or None
+    reduce_call: dict
+
+
+_launches: dict = {}
+
+
+def _launch_for(kind: str, B: int, Hq: int, D: int, dtype: mx.Dtype, store_dtype: mx.Dtype, kv_heads: int,
+                page: int, max_tokens: int, maxp: int, scale: float, extra: tuple, chunk: int | None,
+                new_kv: bool, tune: Tuning) -> _Launch:
+    rep = Hq // kv_heads
+    nw = warps_for(D, rep, tune.warps or 8) or warps_for(D, rep)  # KVBATCH_CUDA_WARPS below 4: the default
+    ns, chunk, unsplit = splits_for(max_tokens, *((chunk, chunk) if chunk is not None else tune[:2]))
+    meta = _const((maxp, ns, chunk, unsplit), mx.int32)
+    template = [("T", dtype), ("S", store_dtype), ("D", D), ("P", page), ("REP", rep), ("HKV", kv_heads),
+                ("NW", nw), ("LPT", _lanes(D)), ("NE", NE), ("U", tune.unroll)] + list(extra)
+    call = dict(template=template, grid=(B * kv_heads * ns * 32 * nw, 1, 1), threadgroup=(32 * nw, 1, 1))
+    consts = [meta, _const((float(scale),), mx.float32)]
+    if ns == 1:
+        return _Launch(_kernel(kind, False, new_kv, tune.raw),
+                       dict(call, output_shapes=[(B, Hq, D)], output_dtypes=[dtype]), consts, None, {})
+    n = B * kv_heads * ns * rep
+    return _Launch(_kernel(kind, True, new_kv, tune.raw),
+                   dict(call, output_shapes=[(n,), (n,), (n * D,)], output_dtypes=[mx.float32] * 3), consts,
+                   _kernel("reduce", False),
+                   dict(template=[("T", dtype), ("D", D), ("REP", rep), ("HKV", kv_heads),
+                                  ("QL", int(kind == "quant"))],
+                        grid=(B * kv_heads * 128, 1, 1), threadgroup=(128, 1, 1),
+                        output_shapes=[(B, Hq, D)], output_dtypes=[dtype]))
+
+
 def _launch(kind: str, inputs: list, q: mx.array, store_dtype: mx.Dtype, kv_heads: int, page: int,
             max_tokens: int, maxp: int, scale: float, extra: list, chunk: int | None,
             new_kv: tuple[mx.array, mx.array] | None, tune: Tuning | None) -> mx.array:
     B, Hq, _, D = q.shape
     tune = tune or tuning()
-    lens = inputs[-1]  # (B,) lengths, or (B, 2) sealed + tail tokens
-    rep = Hq // kv_heads
-    nw = warps_for(D, rep, tune.warps or 8) or warps_for(D, rep)  # KVBATCH_CUDA_WARPS below 4: the default
-    ns, chunk, unsplit = splits_for(max_tokens, *((chunk, chunk) if chunk is not None else tune[:2]))
-    meta = _const((maxp, ns, chunk, unsplit), mx.int32)
-    template = [("T", q.dtype), ("S", store_dtype), ("D", D), ("P", page), ("REP", rep), ("HKV", kv_heads),
-                ("NW", nw), ("LPT", _lanes(D)), ("NE", NE), ("U", tune.unroll)] + extra
-    args = [q.reshape(B, Hq, D)] + inputs + [meta, _const((float(scale),), mx.float32)]
+    key = (kind, B, Hq, D, q.dtype, store_dtype, kv_heads, page, max_tokens, maxp, scale, tuple(extra), chunk,
+           new_kv is not None, tune)
+    run = _launches.get(key)
+    if run is None:
+        if len(_launches) > 256:
+            _launches.clear()
+        run = _launches[key] = _launch_for(*key)
+    args = [q.reshape(B, Hq, D)] + inputs + run.consts
     if new_kv is not None:
         args += [a.reshape(B, kv_heads, D).astype(store_dtype) for a in new_kv]
-    grid, block = (B * kv_heads * ns * 32 * nw, 1, 1), (32 * nw, 1, 1)
-    variant = (new_kv is not None, tune.raw)
-    if ns == 1:
-        (out,) = _kernel(kind, False, *variant)(inputs=args, template=template, grid=grid, threadgroup=block,
-                                                output_shapes=[(B, Hq, D)], output_dtypes=[q.dtype])
+    if run.reduce is None:
+        (out,) = run.kernel(inputs=args, **run.call)
     else:
-        n = B * kv_heads * ns * rep
-        pm, pl, pacc = _kernel(kind, True, *variant)(inputs=args, template=template, grid=grid, threadgroup=block,
-                                                     output_shapes=[(n,), (n,), (n * D,)],
-                                                     output_dtypes=[mx.float32] * 3)
-        (out,) = _kernel("reduce", False)(inputs=[pm, pl, pacc, meta, lens],
-                                          template=[("T", q.dtype), ("D", D), ("REP", rep), ("HKV", kv_heads),
-                                                    ("QL", int(kind == "quant"))],
-                                          grid=(B * kv_heads * 128, 1, 1), threadgroup=(128, 1, 1),
-                                          output_shapes=[(B, Hq, D)], output_dtypes=[q.dtype])
+        pm, pl, pacc = run.kernel(inputs=args, **run.call)
+        (out,) = run.reduce(inputs=[pm, pl, pacc, run.consts[0], inputs[-1]], **run.reduce_call)  # lens last
     return out.reshape(B, Hq, 1, D)
 
 

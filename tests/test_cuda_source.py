@@ -121,3 +121,49 @@ def test_quantized_fused_decode_plan(kernel_writes):
     t = step_plan.quantized_fused_decode(cache, rest, [0, P, 2 * P + 2])
     assert ("kernel_writes" in t) == kernel_writes and ("tail_write" in t) != kernel_writes
     assert "seal_from" not in t
+
+
+def test_launch_parameters_follow_each_call(monkeypatch):
+    """The launch plumbing (cuda_attention._launch, its per-step-shape cache) with a recording
+    stand-in for the kernels: each call gets the grid, templates, split metadata and outputs of
+    its own shapes, also when an earlier call with other shapes is cached; the merge kernel reads
+    the split kernel's partials and the row lengths."""
+    import mlx.core as mx
+
+    calls = []
+
+    class Rec:
+        def __init__(self, key):
+            self.key = key
+
+        def __call__(self, inputs, output_shapes, output_dtypes, **kw):
+            calls.append(dict(key=self.key, inputs=inputs, shapes=output_shapes, **kw))
+            return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes)]
+
+    monkeypatch.setattr(ca, "_kernel", lambda *key: Rec(key))
+    monkeypatch.setattr(ca, "_launches", {})  # no stand-in left cached for a later (GPU) test
+    tune = ca.Tuning(chunk=64, unsplit=64, unroll=2, warps=0, raw=True)
+    B, Hkv, rep, D, P = 2, 2, 2, 64, 16
+    q = mx.zeros((B, Hkv * rep, 1, D))
+    pool = mx.zeros((12, Hkv, P, D))
+    for maxp, lens in ((3, [40, 48]), (6, [70, 96]), (3, [33, 48])):  # unsplit, split (2 ranges), unsplit again
+        calls.clear()
+        lengths = mx.array(lens, dtype=mx.int32)
+        out = ca.paged_decode_attention(q, pool, pool, mx.zeros((B, maxp), dtype=mx.int32), lengths, 0.5, tune=tune)
+        assert out.shape == (B, Hkv * rep, 1, D)
+        nw = ca.warps_for(D, rep)
+        ns = 1 if maxp * P <= 64 else -(-maxp * P // 64)
+        first = calls[0]
+        assert first["key"] == ("dense", ns > 1, False, True)
+        assert first["grid"] == (B * Hkv * ns * 32 * nw, 1, 1) and first["threadgroup"] == (32 * nw, 1, 1)
+        assert dict(first["template"])["P"] == P and dict(first["template"])["REP"] == rep
+        meta = first["inputs"][5]
+        assert meta.tolist()[:2] == [maxp, ns] and first["inputs"][6].tolist() == [0.5]
+        if ns == 1:
+            assert len(calls) == 1 and first["shapes"] == [(B, Hkv * rep, D)]
+        else:
+            n = B * Hkv * ns * rep
+            assert first["shapes"] == [(n,), (n,), (n * D,)]
+            red = calls[1]
+            assert red["key"] == ("reduce", False) and red["grid"] == (B * Hkv * 128, 1, 1)
+            assert red["inputs"][3] is meta and red["inputs"][4].tolist() == lens
