@@ -47,7 +47,10 @@ def measure(model, spec, batch: int, mode: str, prompt: int, reps: int) -> dict:
     from gpu import _engine, prompts
     from engine.types import Request, SamplingParams
 
+    from engine import rope
+
     eng = _engine(model, spec, batch, mode, int(8e9))
+    rope.uninstall(model)  # MLX's RoPE, as on a GPU (the per-step table is the CPU's)
     assert eng.cache.fused_decode, "the engine did not take the CUDA route"
     for i, p in enumerate(prompts(batch, prompt, spec.vocab_size)):
         eng.submit(Request(str(i), p, SamplingParams(max_tokens=8)))
