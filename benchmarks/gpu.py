@@ -14,7 +14,14 @@ the ratio of medians (plus every run's number): a single pass is moved by what r
 before it (session 4 saw 1.7x at 8B batch 256), and an alternating order spreads that
 position effect over all sides instead of charging it to one.
 
+--interleave K (long context only): the kvbatch modes' engines are alive at once and decode in
+alternating blocks of K steps (benchmarks/interleave.py); each round's ratio to the first mode
+and their median are reported. Use it to compare KV modes: whole runs one after another moved
+by up to 1.5x on the shared H200.
+
     python benchmarks/gpu.py --geometry 1b --out results-1b.json [--repeats 3]
+    python benchmarks/gpu.py --geometry 8b --batches '' --long-batches 8,16 --interleave 32 --long-new 448 \
+        --skip-mlx-lm-long
 """
 from __future__ import annotations
 
