@@ -93,12 +93,19 @@ def quantized_fused_decode(cache: PagedKVCache, rows: list[CacheRow], pos: list[
     fill = [p % P for p in pos]  # tokens in the tail before this one
     t = {"tails": mx.array(tails, dtype=mx.int32), "table_q": page_table(rows, n_before),
          "lens": mx.array([[n * P, f + 1] for n, f in zip(n_before, fill)], dtype=mx.int32)}
-    done = [i for i, f in enumerate(fill) if f == P - 1]
-    if cache.kernel_writes and not done:  # the kernel stores the token in the tail
+    if cache.kernel_writes and P - 1 not in fill:  # the kernel stores the token in the tail
         t["kernel_writes"] = True
         return t
-    # a step that seals a page writes the token first (the seal reads it)
-    t["tail_write"] = mx.array(head_rows([a * P + f for a, f in zip(tails, fill)], P, H), dtype=mx.int32)
+    t.update(tail_writes(rows, pos, tails, fill, P, H))  # a step that seals writes first (the seal reads it)
+    return t
+
+
+def tail_writes(rows: list[CacheRow], pos: list[int], tails: list[int], fill: list[int], P: int, H: int) -> dict:
+    """A decode step's writes into q8/q4 tails: the head rows of each row's new token in its
+    tail page (`tail_write`), and for rows whose tail fills (fill == P - 1) the tail slots to
+    seal (`seal_from`) and the pool slots of the page they seal into (`seal_to`)."""
+    t = {"tail_write": mx.array(head_rows([a * P + f for a, f in zip(tails, fill)], P, H), dtype=mx.int32)}
+    done = [i for i, f in enumerate(fill) if f == P - 1]
     if done:
         t["seal_from"] = mx.array([tails[i] * P + j for i in done for j in range(P)], dtype=mx.int32)
         t["seal_to"] = mx.array([rows[i].pages[pos[i] // P] * P + j for i in done for j in range(P)],
@@ -116,15 +123,8 @@ def quantized(cache: PagedKVCache, rows: list[CacheRow], L: int, pos: np.ndarray
         t["table_q"] = page_table(rows, n_before.tolist())
     if L == 1:  # decode: one token per row into its tail; rows that fill their page seal it
         fill = pos % P
-        tails = np.array([r.tail for r in rows])
-        t["tail_write"] = mx.array(head_rows((tails * P + fill).tolist(), P, cache.layout.num_kv_heads),
-                                   dtype=mx.int32)
-        done = np.nonzero(fill == P - 1)[0]
-        if len(done):
-            ar = np.arange(P)
-            t["seal_from"] = mx.array(np.concatenate([tails[i] * P + ar for i in done]).astype(np.int32))
-            t["seal_to"] = mx.array(np.concatenate(
-                [token_slots(rows[i], P, int(pos[i]) - P + 1, int(pos[i]) + 1) for i in done]).astype(np.int32))
+        t.update(tail_writes(rows, pos.tolist(), [r.tail for r in rows], fill.tolist(), P,
+                             cache.layout.num_kv_heads))
         if "table_q" in t and cache.q_in_place:  # packed pages and tails read in place
             t.update(quantized_paged_plan(t["table_q"], n_before.tolist(), fill.tolist(), P,
                                               cache.layout.num_kv_heads, cache.layout.head_dim, cache.qmm_streams))
