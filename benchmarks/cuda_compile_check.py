@@ -43,7 +43,7 @@ def main() -> int:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--warps", type=int, default=8, help="most warps per block (KVBATCH_CUDA_WARPS)")
-    ap.add_argument("--unroll", type=int, default=ca.UNROLL)
+    ap.add_argument("--unroll", type=int, default=ca.UNROLL["dense"])
     ap.add_argument("--no-raw", action="store_true", help="the float loop (KVBATCH_CUDA_RAW=0)")
     a = ap.parse_args()
     src = [STUB]

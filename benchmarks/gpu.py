@@ -108,7 +108,7 @@ def run_mlx_lm(model, ps, new_tokens):
 
 # Named settings for MODE@NAME: "old" is the fused kernel as it was before the fifth session
 # (the float loop, q8/q4 dequantized per element, splits of 256 tokens from 1024 on).
-ENV_ALIASES = {"old": "KVBATCH_CUDA_RAW=0+KVBATCH_CUDA_UNROLL=2+KVBATCH_CUDA_WARPS=0+KVBATCH_CUDA_CHUNK=256:1024"}
+ENV_ALIASES = {"old": "KVBATCH_CUDA_RAW=0+KVBATCH_CUDA_UNROLL=2+KVBATCH_CUDA_WARPS=8+KVBATCH_CUDA_CHUNK=256:1024"}
 
 
 @contextlib.contextmanager

@@ -14,9 +14,12 @@
 #            of 32 steps (gpu.py --interleave, benchmarks/interleave.py): the q8/q4-vs-none target
 #            of issue 9 measured past the machine's drift. Batch 1 also runs each mode with
 #            256-token splits (@c256), after batches 8 and 16 (8B) / 64 (1B) none/q8/q4.
-#   quantab  the q8/q4 kernels with 4 warps x unroll 4 (W4U4 below; the faster q8/q4 kernel in 9 of 12
-#            one-layer cells, 6% less time over all of them, sixth session) against the defaults: kernel
-#            checks under it, then 8k interleaved at 1B batch 64 and 8B batch 16, none/q8/q4 and q8/q4@W4U4
+#   quantab  q8/q4 kernel launch settings side by side (ran in the seventh session with 4 warps x unroll 4,
+#            which then became the q8/q4 default): kernel checks under $QVARIANT, then 8k interleaved at 1B
+#            batch 64 and 8B batch 16, none/q8/q4 and q8/q4@$QENV
+#   mlxenv   MLX's CUDA graph settings (read once per process, so one process each, $MLXENVS): the step
+#            profile of 8B batch 1 at 8k (none, q8, and mlx-lm), the case bound by the host's dispatch;
+#            SECONDS is per process
 set -uo pipefail
 S=$HOME/kvbatch-stage SITE=$HOME/kvbatch-site OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -29,7 +32,9 @@ git log -1 --format='commit %h %s' 2>/dev/null; git status --short 2>/dev/null |
 # the checks of one variant take ~2.5 min (60 cases, most of it compiling): check the default only
 CHECKS="default:" CHECK_MODES=${CHECK_MODES:-none,q8,q4}
 VARIANTS="default:;u4:KVBATCH_CUDA_UNROLL=4;c256:KVBATCH_CUDA_CHUNK=256:1024;c512:KVBATCH_CUDA_CHUNK=512:1024;w4u4:KVBATCH_CUDA_WARPS=4,KVBATCH_CUDA_UNROLL=4;c2048:KVBATCH_CUDA_CHUNK=2048:1024"
-C256=KVBATCH_CUDA_CHUNK=256:1024 W4U4=KVBATCH_CUDA_WARPS=4+KVBATCH_CUDA_UNROLL=4
+C256=KVBATCH_CUDA_CHUNK=256:1024
+QVARIANT=${QVARIANT:-"w8u2:KVBATCH_CUDA_WARPS=8,KVBATCH_CUDA_UNROLL=2"} QENV=${QENV:-KVBATCH_CUDA_WARPS=8+KVBATCH_CUDA_UNROLL=2}
+MLXENVS=${MLXENVS:-"default:;ops200:MLX_MAX_OPS_PER_BUFFER=200;nograph:MLX_USE_CUDA_GRAPHS=0"}
 LONG="--batches '' --interleave 32 --long-new 448 --skip-mlx-lm-long"
 TESTS=${TESTS:-"tests/test_cuda_kernel_write.py tests/test_engine_paged.py tests/test_kv_quant.py tests/test_nonfinite.py tests/test_memory.py tests/test_lookahead.py"}
 for arg in "$@"; do
@@ -49,11 +54,17 @@ for arg in "$@"; do
         tee "$OUT/gpu_${g}_long.txt" | cut -c1-300 ;;
     quantab) timeout "$secs" bash -c "python3 benchmarks/backend_check.py --parts kernels --kernel-modes q8,q4 \
                --kernel-dtypes bfloat16,float32 --kernel-chunks default,48 \
-               --check-variants 'w4u4:KVBATCH_CUDA_WARPS=4,KVBATCH_CUDA_UNROLL=4' | grep -v '^ok   kernel';
-             python3 benchmarks/gpu.py --geometry 1b $LONG --long-batches 64 --modes none,q8,q4,q8@$W4U4,q4@$W4U4 \
+               --check-variants '$QVARIANT' | grep -v '^ok   kernel';
+             python3 benchmarks/gpu.py --geometry 1b $LONG --long-batches 64 --modes none,q8,q4,q8@$QENV,q4@$QENV \
                --out $OUT/gpu_1b_quantab.json; python3 benchmarks/gpu.py --geometry 8b $LONG --long-batches 16 \
-               --modes none,q8,q4,q8@$W4U4,q4@$W4U4 --out $OUT/gpu_8b_quantab.json" 2>&1 | tee "$OUT/quantab.txt" |
+               --modes none,q8,q4,q8@$QENV,q4@$QENV --out $OUT/gpu_8b_quantab.json" 2>&1 | tee "$OUT/quantab.txt" |
         cut -c1-300 ;;
+    mlxenv) IFS=';' read -ra cfgs <<< "$MLXENVS"
+      for c in "${cfgs[@]}"; do
+        name=${c%%:*} vars=${c#*:}; echo "-- $name ${vars//,/ }"
+        timeout "$secs" env ${vars//,/ } python3 benchmarks/gpu_step_profile.py --geometry 8b --batches 1 --prompt 8192 \
+          --new 128 --modes none,q8 --no-sync 2>&1 | tee -a "$OUT/mlxenv.txt" | cut -c1-1200
+      done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

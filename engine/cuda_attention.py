@@ -32,7 +32,15 @@ import mlx.core as mx
 from engine.cuda_source import _REDUCE, kernel_source
 
 NE = 8  # head elements per lane
-UNROLL = 2  # tokens per lane per loop step (KVBATCH_CUDA_UNROLL)
+# Per kernel kind: tokens per lane per loop step (KVBATCH_CUDA_UNROLL) and most warps per block
+# (KVBATCH_CUDA_WARPS). q8/q4 take 4 warps x 4 tokens: their per-token loads are small (8 or 4
+# bytes a lane), so more tokens in flight per lane pays, and half the warps halve the block's
+# merge. Side by side on the H200 at 8k context (RESULTS.md, issue 9, seventh session): 1B
+# batch 64 q8 1.13x / q4 1.08x none (1.03x / 1.01x with dense's 8 x 2), 8B batch 16 1.43x /
+# 1.41x (1.37x / 1.39x); one-layer bench: 6% less time over 12 q8/q4 cells. Dense stays at
+# 8 x 2 (4 x 4 was slower there).
+UNROLL = {"dense": 2, "quant": 4}
+WARPS = {"dense": 8, "quant": 4}
 # Tokens per split: a row of more than SPLIT_MIN tokens runs ceil(its length / CHUNK) splits.
 # Shorter rows are not split: the split path adds a kernel launch and partial buffers per layer,
 # which at small batches (where a decode step is bound by the host's launches) is pure cost.
@@ -50,9 +58,10 @@ _QUANT_INPUTS = ["q", "kw", "ks", "kb", "vw", "vs", "vb", "tk", "tv", "tails", "
 class Tuning(NamedTuple):
     """Launch settings, read once per cache (PagedKVCache) from the environment so that
     benchmarks can A/B them in one process: KVBATCH_CUDA_CHUNK (tokens per split),
-    KVBATCH_CUDA_UNROLL (tokens per lane per loop step), KVBATCH_CUDA_WARPS (warps per block;
-    0 = the most whose merge buffers fit), KVBATCH_CUDA_RAW (1: the lean loop of
-    cuda_source._RAW_LOOP; 0: the float loop it replaced)."""
+    KVBATCH_CUDA_UNROLL (tokens per lane per loop step), KVBATCH_CUDA_WARPS (most warps per
+    block, fewer where the merge buffers do not fit), both 0 = the kernel kind's default
+    (UNROLL, WARPS), KVBATCH_CUDA_RAW (1: the lean loop of cuda_source._RAW_LOOP; 0: the float
+    loop it replaced)."""
     chunk: int
     unsplit: int
     unroll: int
@@ -67,7 +76,7 @@ def _env_int(name: str, default: int) -> int:
 
 def tuning() -> Tuning:
     chunk, unsplit = chunk_tokens()
-    return Tuning(chunk, unsplit, _env_int("KVBATCH_CUDA_UNROLL", UNROLL), _env_int("KVBATCH_CUDA_WARPS", 0),
+    return Tuning(chunk, unsplit, _env_int("KVBATCH_CUDA_UNROLL", 0), _env_int("KVBATCH_CUDA_WARPS", 0),
                   _env_int("KVBATCH_CUDA_RAW", 1) != 0)
 
 
@@ -192,11 +201,12 @@ def _launch_for(kind: str, B: int, Hq: int, D: int, dtype: mx.Dtype, store_dtype
                 page: int, max_tokens: int, maxp: int, scale: float, extra: tuple, chunk: int | None,
                 new_kv: bool, tune: Tuning) -> _Launch:
     rep = Hq // kv_heads
-    nw = warps_for(D, rep, tune.warps or 8) or warps_for(D, rep)  # KVBATCH_CUDA_WARPS below 4: the default
+    k = "quant" if kind == "quant" else "dense"
+    nw = warps_for(D, rep, tune.warps or WARPS[k]) or warps_for(D, rep)  # fewer than 4 warps: the most that fit
     ns, chunk, unsplit = splits_for(max_tokens, *((chunk, chunk) if chunk is not None else tune[:2]))
     meta = _const((maxp, ns, chunk, unsplit), mx.int32)
     template = [("T", dtype), ("S", store_dtype), ("D", D), ("P", page), ("REP", rep), ("HKV", kv_heads),
-                ("NW", nw), ("LPT", _lanes(D)), ("NE", NE), ("U", tune.unroll)] + list(extra)
+                ("NW", nw), ("LPT", _lanes(D)), ("NE", NE), ("U", tune.unroll or UNROLL[k])] + list(extra)
     call = dict(template=template, grid=(B * kv_heads * ns * 32 * nw, 1, 1), threadgroup=(32 * nw, 1, 1))
     consts = [meta, _const((float(scale),), mx.float32)]
     if ns == 1:

@@ -35,7 +35,7 @@ def test_chunk_setting_parses_n_and_n_colon_m(monkeypatch):
 def test_tuning_reads_every_switch(monkeypatch):
     for k in ("KVBATCH_CUDA_CHUNK", "KVBATCH_CUDA_UNROLL", "KVBATCH_CUDA_WARPS", "KVBATCH_CUDA_RAW"):
         monkeypatch.delenv(k, raising=False)
-    assert ca.tuning() == ca.Tuning(ca.CHUNK, ca.SPLIT_MIN, ca.UNROLL, 0, True)
+    assert ca.tuning() == ca.Tuning(ca.CHUNK, ca.SPLIT_MIN, 0, 0, True)  # 0: the kernel kind's default
     monkeypatch.setenv("KVBATCH_CUDA_CHUNK", "512:2048")
     monkeypatch.setenv("KVBATCH_CUDA_UNROLL", "4")
     monkeypatch.setenv("KVBATCH_CUDA_WARPS", "4")
@@ -123,11 +123,9 @@ def test_quantized_fused_decode_plan(kernel_writes):
     assert "seal_from" not in t
 
 
-def test_launch_parameters_follow_each_call(monkeypatch):
-    """The launch plumbing (cuda_attention._launch, its per-step-shape cache) with a recording
-    stand-in for the kernels: each call gets the grid, templates, split metadata and outputs of
-    its own shapes, also when an earlier call with other shapes is cached; the merge kernel reads
-    the split kernel's partials and the row lengths."""
+def _recording_kernels(monkeypatch) -> list:
+    """Replace the CUDA kernels by a stand-in that records each launch (key, inputs, output
+    shapes, grid, templates) and returns zeros: the launch plumbing runs on any backend."""
     import mlx.core as mx
 
     calls = []
@@ -142,6 +140,17 @@ def test_launch_parameters_follow_each_call(monkeypatch):
 
     monkeypatch.setattr(ca, "_kernel", lambda *key: Rec(key))
     monkeypatch.setattr(ca, "_launches", {})  # no stand-in left cached for a later (GPU) test
+    return calls
+
+
+def test_launch_parameters_follow_each_call(monkeypatch):
+    """The launch plumbing (cuda_attention._launch, its per-step-shape cache) with a recording
+    stand-in for the kernels: each call gets the grid, templates, split metadata and outputs of
+    its own shapes, also when an earlier call with other shapes is cached; the merge kernel reads
+    the split kernel's partials and the row lengths."""
+    import mlx.core as mx
+
+    calls = _recording_kernels(monkeypatch)
     tune = ca.Tuning(chunk=64, unsplit=64, unroll=2, warps=0, raw=True)
     B, Hkv, rep, D, P = 2, 2, 2, 64, 16
     q = mx.zeros((B, Hkv * rep, 1, D))
@@ -167,3 +176,29 @@ def test_launch_parameters_follow_each_call(monkeypatch):
             red = calls[1]
             assert red["key"] == ("reduce", False) and red["grid"] == (B * Hkv * 128, 1, 1)
             assert red["inputs"][3] is meta and red["inputs"][4].tolist() == lens
+
+
+def test_launch_settings_per_kernel_kind(monkeypatch):
+    """Unset (0) unroll and warps take the kernel kind's defaults (dense 8 warps x 2 tokens,
+    q8/q4 4 x 4); set ones apply to both kinds."""
+    import mlx.core as mx
+
+    calls = _recording_kernels(monkeypatch)
+    B, Hkv, rep, D, P, maxp = 2, 2, 2, 64, 16, 3
+    q = mx.zeros((B, Hkv * rep, 1, D))
+    pool = mx.zeros((12, Hkv, P, D))
+    table = mx.zeros((B, maxp), dtype=mx.int32)
+    packed = [mx.zeros((12, Hkv, P, D // 4), dtype=mx.uint32)] + [mx.zeros((12, Hkv, P, D // 32))] * 2
+    packed = packed * 2
+    lens = mx.array([[32, 5], [16, 9]], dtype=mx.int32)
+    for unroll, warps in ((0, 0), (2, 8), (4, 4)):
+        tune = ca.Tuning(chunk=0, unsplit=0, unroll=unroll, warps=warps, raw=True)
+        calls.clear()
+        ca.paged_decode_attention(q, pool, pool, table, mx.array([40, 48], dtype=mx.int32), 0.5, tune=tune)
+        ca.paged_decode_attention_quantized(q, packed, pool, pool, mx.array([0, 1], dtype=mx.int32), table,
+                                            lens, 0.5, 8, 32, tune=tune)
+        got = [(c["key"][0], dict(c["template"])["NW"], dict(c["template"])["U"], c["threadgroup"][0])
+               for c in calls]
+        want_d = (warps or 8, unroll or 2)
+        want_q = (warps or 4, unroll or 4)
+        assert got == [("dense", *want_d, 32 * want_d[0]), ("quant", *want_q, 32 * want_q[0])]
