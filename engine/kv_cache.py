@@ -246,7 +246,9 @@ class PagedKVCache:
             self._segment[layer] = self.store.write_run(layer, tail, fill, slots, k, v)
         else:
             self.store.write_tokens(layer, t["tail_write"], k, v)
-            if "seal_from" in t:
+            if "seal_pages" in t:
+                self.store.seal_tail_pages(layer, *t["seal_pages"])
+            elif "seal_from" in t:
                 self.store.seal_tails(layer, t["seal_from"], t["seal_to"])
 
     def attend(self, layer: int, queries: mx.array, scale: float) -> mx.array:

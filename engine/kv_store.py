@@ -235,6 +235,16 @@ class QuantizedStore:
         self._store_pages(layer, page_slots, self._tail_tokens(self.tk[layer], tail_slots),
                           self._tail_tokens(self.tv[layer], tail_slots))
 
+    def seal_tail_pages(self, layer: int, tails: mx.array, pages: mx.array) -> None:
+        """seal_tails by whole pages (step_plan.tail_writes): tail pages `tails`, quantized, into
+        pool pages `pages`. Keys stored per token only: K's pools then have the values' layout,
+        (pages, kv_heads, page_size, width), so a tail page maps onto a pool page as it is."""
+        arrs = self.q[layer]
+        for j, buf in ((0, self.tk[layer]), (3, self.tv[layer])):
+            # (N, kv_heads, page_size, head_dim): quantize groups the last axis only
+            for i, a in enumerate(mx.quantize(buf[tails], group_size=self.group_size, bits=self.bits)):
+                arrs[j + i][pages] = a.astype(arrs[j + i].dtype)
+
     def write_run(self, layer: int, tail: int, fill: int, page_slots: mx.array | None,
                   k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         """A run of L tokens for one row (prefill): completes pages, keeps the rest in its tail.

@@ -96,17 +96,28 @@ def quantized_fused_decode(cache: PagedKVCache, rows: list[CacheRow], pos: list[
     if cache.kernel_writes and P - 1 not in fill:  # the kernel stores the token in the tail
         t["kernel_writes"] = True
         return t
-    t.update(tail_writes(rows, pos, tails, fill, P, H))  # a step that seals writes first (the seal reads it)
+    # a step that seals writes first (the seal reads it)
+    t.update(tail_writes(rows, pos, tails, fill, P, H, cache.store.k_axis == "token"))
     return t
 
 
-def tail_writes(rows: list[CacheRow], pos: list[int], tails: list[int], fill: list[int], P: int, H: int) -> dict:
+def tail_writes(rows: list[CacheRow], pos: list[int], tails: list[int], fill: list[int], P: int, H: int,
+                whole_pages: bool = False) -> dict:
     """A decode step's writes into q8/q4 tails: the head rows of each row's new token in its
     tail page (`tail_write`), and for rows whose tail fills (fill == P - 1) the tail slots to
-    seal (`seal_from`) and the pool slots of the page they seal into (`seal_to`)."""
+    seal (`seal_from`) and the pool slots of the page they seal into (`seal_to`). With
+    whole_pages (keys stored per token, as values: a tail page and a packed page have the same
+    (kv_heads, page_size) layout), the tail ids and page ids instead (`seal_pages`): each
+    layer's seal is then one gather, one quantize and three one-index writes per K and V
+    (QuantizedStore.seal_tail_pages), where the slot form costs every layer its own index
+    arithmetic and MLX's two-index-around-a-slice writes (120 more graph nodes a layer than a step
+    that seals nothing, against 28; counted on the CPU, tiny model, batch 8)."""
     t = {"tail_write": mx.array(head_rows([a * P + f for a, f in zip(tails, fill)], P, H), dtype=mx.int32)}
     done = [i for i, f in enumerate(fill) if f == P - 1]
-    if done:
+    if done and whole_pages:
+        t["seal_pages"] = (mx.array([tails[i] for i in done], dtype=mx.int32),
+                           mx.array([rows[i].pages[pos[i] // P] for i in done], dtype=mx.int32))
+    elif done:
         t["seal_from"] = mx.array([tails[i] * P + j for i in done for j in range(P)], dtype=mx.int32)
         t["seal_to"] = mx.array([rows[i].pages[pos[i] // P] * P + j for i in done for j in range(P)],
                                 dtype=mx.int32)
@@ -124,7 +135,7 @@ def quantized(cache: PagedKVCache, rows: list[CacheRow], L: int, pos: np.ndarray
     if L == 1:  # decode: one token per row into its tail; rows that fill their page seal it
         fill = pos % P
         t.update(tail_writes(rows, pos.tolist(), [r.tail for r in rows], fill.tolist(), P,
-                             cache.layout.num_kv_heads))
+                             cache.layout.num_kv_heads, cache.store.k_axis == "token"))
         if "table_q" in t and cache.q_in_place:  # packed pages and tails read in place
             t.update(quantized_paged_plan(t["table_q"], n_before.tolist(), fill.tolist(), P,
                                               cache.layout.num_kv_heads, cache.layout.head_dim, cache.qmm_streams))

@@ -115,12 +115,13 @@ def test_quantized_fused_decode_plan(kernel_writes):
     assert "kernel_writes" not in t  # row 1 fills its tail: this step writes first, then seals
     tails = [r.tail for r in rows]
     assert t["tail_write"].tolist() == head_rows([a * P + p % P for a, p in zip(tails, pos)], P, H)
-    assert t["seal_from"].tolist() == [tails[1] * P + j for j in range(P)]
-    assert t["seal_to"].tolist() == step_plan.token_slots(rows[1], P, 0, P).tolist()
+    assert cache.store.k_axis == "token"  # keys per token, as on MLX CUDA: the seal comes as whole pages
+    src, dst = t["seal_pages"]
+    assert src.tolist() == [tails[1]] and dst.tolist() == [rows[1].pages[0]]
     rest = [rows[0], rows[2], rows[3]]  # no row seals: the kernel stores the token, if it may
     t = step_plan.quantized_fused_decode(cache, rest, [0, P, 2 * P + 2])
     assert ("kernel_writes" in t) == kernel_writes and ("tail_write" in t) != kernel_writes
-    assert "seal_from" not in t
+    assert "seal_pages" not in t and "seal_from" not in t
 
 
 def _recording_kernels(monkeypatch) -> list:
