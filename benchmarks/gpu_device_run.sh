@@ -20,6 +20,8 @@
 #   mlxenv   MLX's CUDA graph settings (read once per process, so one process each, $MLXENVS): the step
 #            profile of 8B batch 1 at 8k (none, q8, and mlx-lm), the case bound by the host's dispatch;
 #            SECONDS is per process
+#   profile  gpu_step_profile.py $PROFILE_ARGS (default: 1B batch 8 at 8k, none and q8, lookahead loop, with
+#            mlx-lm): host phases against the wait for the GPU, to tell a host-bound case from a GPU-bound one
 set -uo pipefail
 S=$HOME/kvbatch-stage SITE=$HOME/kvbatch-site OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -61,10 +63,12 @@ for arg in "$@"; do
         cut -c1-300 ;;
     mlxenv) IFS=';' read -ra cfgs <<< "$MLXENVS"
       for c in "${cfgs[@]}"; do
-        name=${c%%:*} vars=${c#*:}; echo "-- $name ${vars//,/ }"
+        name=${c%%:*} vars=${c#*:}; echo "-- $name ${vars//,/ }" | tee -a "$OUT/mlxenv.txt"
         timeout "$secs" env ${vars//,/ } python3 benchmarks/gpu_step_profile.py --geometry 8b --batches 1 --prompt 8192 \
           --new 128 --modes none,q8 --no-sync 2>&1 | tee -a "$OUT/mlxenv.txt" | cut -c1-1200
       done ;;
+    profile) timeout "$secs" python3 benchmarks/gpu_step_profile.py ${PROFILE_ARGS:---geometry 1b --batches 8 \
+               --prompt 8192 --modes none,q8 --no-sync} 2>&1 | tee -a "$OUT/profile.txt" | cut -c1-1500 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

@@ -201,12 +201,11 @@ def _launch_for(kind: str, B: int, Hq: int, D: int, dtype: mx.Dtype, store_dtype
                 page: int, max_tokens: int, maxp: int, scale: float, extra: tuple, chunk: int | None,
                 new_kv: bool, tune: Tuning) -> _Launch:
     rep = Hq // kv_heads
-    k = "quant" if kind == "quant" else "dense"
-    nw = warps_for(D, rep, tune.warps or WARPS[k]) or warps_for(D, rep)  # fewer than 4 warps: the most that fit
+    nw = warps_for(D, rep, tune.warps or WARPS[kind]) or warps_for(D, rep)  # fewer than 4 warps: the most that fit
     ns, chunk, unsplit = splits_for(max_tokens, *((chunk, chunk) if chunk is not None else tune[:2]))
     meta = _const((maxp, ns, chunk, unsplit), mx.int32)
     template = [("T", dtype), ("S", store_dtype), ("D", D), ("P", page), ("REP", rep), ("HKV", kv_heads),
-                ("NW", nw), ("LPT", _lanes(D)), ("NE", NE), ("U", tune.unroll or UNROLL[k])] + list(extra)
+                ("NW", nw), ("LPT", _lanes(D)), ("NE", NE), ("U", tune.unroll or UNROLL[kind])] + list(extra)
     call = dict(template=template, grid=(B * kv_heads * ns * 32 * nw, 1, 1), threadgroup=(32 * nw, 1, 1))
     consts = [meta, _const((float(scale),), mx.float32)]
     if ns == 1:
