@@ -95,15 +95,14 @@ class PagedKVCache:
         if self.fused_decode:
             self.route = att.ROUTE_CUDA_Q if layout.bits else att.ROUTE_CUDA
         self.upcast = upcast
-        # CPU decode reads dense pages in place (attention.paged_grouped_decode); KVBATCH_IN_PLACE=0: gather
-        self.in_place = (not layout.bits and not self.fused_decode and not upcast and dtype == mx.float32
-                         and self.P >= att.IN_PLACE_MIN_PAGE and att.on_cpu()
+        # CPU decode over float32 pages of IN_PLACE_MIN_PAGE+ tokens reads them in place: dense pages
+        # through attention.paged_grouped_decode (KVBATCH_IN_PLACE=0: gather), packed q8/q4 pages
+        # through attention.quantized_paged_decode (KVBATCH_Q_IN_PLACE=0: attention.quantized_decode_attention)
+        cpu_pages = (not self.fused_decode and dtype == mx.float32 and self.P >= att.IN_PLACE_MIN_PAGE
+                     and att.on_cpu())
+        self.in_place = (cpu_pages and not layout.bits and not upcast
                          and os.environ.get("KVBATCH_IN_PLACE", "1") != "0")
-        # CPU q8/q4 decode reads the packed pages in place (attention.quantized_paged_decode);
-        # KVBATCH_Q_IN_PLACE=0: gather them (attention.quantized_decode_attention)
-        self.q_in_place = (bool(layout.bits) and not self.fused_decode and dtype == mx.float32
-                           and self.P >= att.IN_PLACE_MIN_PAGE and att.on_cpu()
-                           and os.environ.get("KVBATCH_Q_IN_PLACE", "1") != "0")
+        self.q_in_place = cpu_pages and bool(layout.bits) and os.environ.get("KVBATCH_Q_IN_PLACE", "1") != "0"
         self.pool = PagePool()
         self.free_tails = list(range(tail_slots))[::-1]
         self.views = [PagedLayerCache(self, i) for i in range(num_layers)]

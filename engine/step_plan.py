@@ -87,7 +87,7 @@ def quantized_fused_decode(cache: PagedKVCache, rows: list[CacheRow], pos: list[
     pages and the row's tail page in place): one token per row into its tail; a row that fills
     its tail page seals it. Python lists, as in `decode`: the numpy version of this plan took
     0.3-0.6 ms a step on the H200's host, in a decode loop bound by the host (RESULTS.md, issue 9)."""
-    P, H = cache.P, cache.layout.num_kv_heads
+    P = cache.P
     tails = [r.tail for r in rows]
     n_before = [p // P for p in pos]  # pages sealed before this step
     fill = [p % P for p in pos]  # tokens in the tail before this one
@@ -96,25 +96,25 @@ def quantized_fused_decode(cache: PagedKVCache, rows: list[CacheRow], pos: list[
     if cache.kernel_writes and P - 1 not in fill:  # the kernel stores the token in the tail
         t["kernel_writes"] = True
         return t
-    # a step that seals writes first (the seal reads it)
-    t.update(tail_writes(rows, pos, tails, fill, P, H, cache.store.k_axis == "token"))
+    t.update(tail_writes(cache, rows, pos, tails, fill))  # a step that seals writes first (the seal reads it)
     return t
 
 
-def tail_writes(rows: list[CacheRow], pos: list[int], tails: list[int], fill: list[int], P: int, H: int,
-                whole_pages: bool = False) -> dict:
+def tail_writes(cache: PagedKVCache, rows: list[CacheRow], pos: list[int], tails: list[int],
+                fill: list[int]) -> dict:
     """A decode step's writes into q8/q4 tails: the head rows of each row's new token in its
     tail page (`tail_write`), and for rows whose tail fills (fill == P - 1) the tail slots to
-    seal (`seal_from`) and the pool slots of the page they seal into (`seal_to`). With
-    whole_pages (keys stored per token, as values: a tail page and a packed page have the same
+    seal (`seal_from`) and the pool slots of the page they seal into (`seal_to`). With keys
+    stored per token (as values: a tail page and a packed page then have the same
     (kv_heads, page_size) layout), the tail ids and page ids instead (`seal_pages`): each
     layer's seal is then one gather, one quantize and three one-index writes per K and V
     (QuantizedStore.seal_tail_pages), where the slot form costs every layer its own index
     arithmetic and MLX's two-index-around-a-slice writes (120 more graph nodes a layer than a step
     that seals nothing, against 28; counted on the CPU, tiny model, batch 8)."""
+    P, H = cache.P, cache.layout.num_kv_heads
     t = {"tail_write": mx.array(head_rows([a * P + f for a, f in zip(tails, fill)], P, H), dtype=mx.int32)}
     done = [i for i, f in enumerate(fill) if f == P - 1]
-    if done and whole_pages:
+    if done and cache.store.k_axis == "token":
         t["seal_pages"] = (mx.array([tails[i] for i in done], dtype=mx.int32),
                            mx.array([rows[i].pages[pos[i] // P] for i in done], dtype=mx.int32))
     elif done:
@@ -129,16 +129,16 @@ def quantized(cache: PagedKVCache, rows: list[CacheRow], L: int, pos: np.ndarray
     that is still in a tail page (full precision), like mlx-lm's quantized cache."""
     P = cache.P
     n_before = pos // P  # pages sealed before this pass
-    t = {"tails": mx.array(np.array([r.tail for r in rows], dtype=np.int32))}
+    tails = [r.tail for r in rows]
+    t = {"tails": mx.array(tails, dtype=mx.int32)}
     if n_before.max() > 0:
         t["table_q"] = page_table(rows, n_before.tolist())
     if L == 1:  # decode: one token per row into its tail; rows that fill their page seal it
         fill = pos % P
-        t.update(tail_writes(rows, pos.tolist(), [r.tail for r in rows], fill.tolist(), P,
-                             cache.layout.num_kv_heads, cache.store.k_axis == "token"))
+        t.update(tail_writes(cache, rows, pos.tolist(), tails, fill.tolist()))
         if "table_q" in t and cache.q_in_place:  # packed pages and tails read in place
             t.update(quantized_paged_plan(t["table_q"], n_before.tolist(), fill.tolist(), P,
-                                              cache.layout.num_kv_heads, cache.layout.head_dim, cache.qmm_streams))
+                                          cache.layout.num_kv_heads, cache.layout.head_dim, cache.qmm_streams))
             return t
         if "table_q" in t:
             width = t["table_q"].shape[1]
