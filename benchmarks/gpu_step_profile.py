@@ -14,6 +14,8 @@ Random bf16 weights in a gpu.py geometry, greedy, 128-token prompts. For each ba
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import os
 import json
 import sys
@@ -39,7 +41,7 @@ def _engine(model, spec, batch, mode):
                                memory_budget=int(100e9), allow_unvalidated=True))
 
 
-def phases(model, spec, ps, new, mode, lookahead: bool) -> dict:
+def phases(model, spec, ps, new, mode, lookahead: bool, cprofile: int = 0) -> dict:
     """kvbatch's own decode loop (step by step, or with its one-step lookahead), each host
     phase timed (the wrappers add ~µs). With lookahead, `accept_step` is the wait for the
     in-flight step plus `accept`."""
@@ -70,11 +72,16 @@ def phases(model, spec, ps, new, mode, lookahead: bool) -> dict:
     mx.async_eval = timed("async_eval", real[3])
     step = e._decode_step
     n = [0]
+    prof = cProfile.Profile() if cprofile else None
 
     def counted():
         in_step[0] = True
         t = time.perf_counter()
+        if prof:
+            prof.enable()
         step()
+        if prof:
+            prof.disable()
         acc["step"] += time.perf_counter() - t
         in_step[0] = False
         n[0] += 1
@@ -87,6 +94,11 @@ def phases(model, spec, ps, new, mode, lookahead: bool) -> dict:
     out = {k: v / n[0] * 1e3 for k, v in acc.items()}
     out["calls"] = n[0]
     out["engine_decode_tok_s"] = e.summary()["decode_tokens_per_s"]
+    if prof:  # the functions taking most of a step's host time, in us per step
+        st = pstats.Stats(prof).stats
+        top = sorted(st.items(), key=lambda kv: -kv[1][2])[:cprofile]
+        out["cprofile_us_per_step"] = {f"{Path(f).name}:{ln}:{fn}": [round(v[2] / n[0] * 1e6, 1), round(v[3] / n[0] * 1e6, 1)]
+                                       for (f, ln, fn), v in top}
     return out
 
 
@@ -100,6 +112,8 @@ def main() -> None:
     ap.add_argument("--modes", default="none")
     ap.add_argument("--chunks", default="", help="KVBATCH_CUDA_CHUNK values to compare (''=default)")
     ap.add_argument("--no-sync", action="store_true", help="lookahead loop only")
+    ap.add_argument("--cprofile", type=int, default=0,
+                    help="also cProfile the lookahead steps: the N functions of most own time, [own, cumulative] us a step")
     a = ap.parse_args()
     model, spec = build(a.geometry)
     for batch in map(int, a.batches.split(",")):
@@ -120,10 +134,10 @@ def main() -> None:
                 tag = f"_chunk{chunk}" if chunk else ""
                 if not a.no_sync:
                     row[f"kvbatch_{mode}{tag}_sync"] = phases(model, spec, ps, a.new, mode, False)
-                row[f"kvbatch_{mode}{tag}_lookahead"] = phases(model, spec, ps, a.new, mode, True)
+                row[f"kvbatch_{mode}{tag}_lookahead"] = phases(model, spec, ps, a.new, mode, True, a.cprofile)
             os.environ["KVBATCH_CUDA_CHUNK"] = ""
         print(json.dumps({k: (round(v, 3) if isinstance(v, float) else
-                              {kk: round(vv, 3) for kk, vv in v.items()} if isinstance(v, dict) else v)
+                              {kk: round(vv, 3) if isinstance(vv, float) else vv for kk, vv in v.items()} if isinstance(v, dict) else v)
                           for k, v in row.items()}), flush=True)
         mx.clear_cache()
 

@@ -113,6 +113,11 @@ class PagedKVCache:
         self._reported: set = set()
         self._segment: dict[int, tuple[mx.array, mx.array]] = {}
         self._new_kv: dict[int, tuple[mx.array, mx.array]] = {}  # decode K/V the fused kernel stores
+        # bumped whenever a row gains or loses pages or a tail: the CUDA decode reuses the last
+        # step's page tables only within one epoch (step_plan.reused; KVBATCH_STEP_REUSE=0: never)
+        self.epoch = 0
+        self.last_decode: Optional[tuple] = None
+        self.reuse_steps = os.environ.get("KVBATCH_STEP_REUSE", "1") != "0"
 
     # ---- capacity (always from the live buffers) -------------------------------------------
     @property
@@ -125,6 +130,7 @@ class PagedKVCache:
 
     # ---- reservation -----------------------------------------------------------------------
     def admit(self, row: CacheRow) -> None:
+        self.epoch += 1
         if self.store.quantized:
             if not self.free_tails:
                 raise RuntimeError("no free tail page: more rows admitted than tail slots")
@@ -138,6 +144,7 @@ class PagedKVCache:
         need_tokens = row.length + n_tokens
         need_pages = -(-need_tokens // self.P) - len(row.pages)
         if need_pages > 0:
+            self.epoch += 1
             if need_pages > self.pool.num_free:
                 self._grow(self.pool.in_use + need_pages, kv_limit_bytes, want_pages)
             row.pages += self.pool.allocate(need_pages)
@@ -147,6 +154,7 @@ class PagedKVCache:
     def release(self, row: CacheRow, scrub: bool = False) -> None:
         """Give the row's pages (and tail) back. scrub: zero them first (a row that ended in
         error may hold NaN/inf K/V; the next owner's masked slots must not carry it)."""
+        self.epoch += 1
         if scrub:
             if row.pages:
                 self.store.clear_pages(row.pages)

@@ -124,6 +124,78 @@ def test_quantized_fused_decode_plan(kernel_writes):
     assert "seal_pages" not in t and "seal_from" not in t
 
 
+@pytest.mark.parametrize("mode", ["none", "q8"])
+def test_decode_steps_reuse_tables_only_while_no_page_changes(mode):
+    """The CUDA decode reuses the last step's device tables (step_plan.reused) and advances its
+    counts on the device. Every step's arrays must equal a fresh build from the rows, across
+    page boundaries (a dense row gains a page, a q8 row seals its tail), after a step that was
+    built and dropped (lookahead), and when a row released and given other pages comes back at
+    the counts it had."""
+    import mlx.core as mx
+
+    from engine import step_plan
+    from engine.kv_cache import CacheRow, PagedKVCache
+    from engine.memory import KVLayout
+
+    P = 4
+    lay = KVLayout(num_kv_layers=1, num_kv_heads=2, head_dim=64, dtype_bytes=4, mode=mode,
+                   group_size=64, page_size=P)
+    cache = PagedKVCache(lay, 1, mx.float32, tail_slots=4, upcast=False)
+    cache.fused_decode = cache.kernel_writes = True  # as on MLX CUDA
+
+    def expected(rows):
+        pos = [r.length for r in rows]
+        if mode == "none":
+            n = [-(-(p + 1) // P) for p in pos]
+            return {"lengths": [p + 1 for p in pos], "table": [r.pages[:k] for r, k in zip(rows, n)]}, n
+        n = [p // P for p in pos]
+        return {"tails": [r.tail for r in rows], "lens": [[k * P, p % P + 1] for k, p in zip(n, pos)],
+                "table_q": [r.pages[:k] for r, k in zip(rows, n)]}, n
+
+    def step(rows):
+        for r in rows:
+            cache.reserve(r, 1, 1 << 30)
+        cache.begin(rows, 1)
+        t = cache.plan.tensors
+        want, n = expected(rows)
+        tab = "table" if mode == "none" else "table_q"
+        for k, v in want.items():
+            got = t[k].tolist()
+            if k == tab:
+                got = [g[:m] for g, m in zip(got, n)]
+            assert got == v, (k, [r.length for r in rows])
+        cache.end()
+        return t[tab]
+
+    rows = []
+    for i, p in enumerate([0, P, 2 * P]):  # in step: they cross page boundaries together
+        r = CacheRow(f"r{i}")
+        cache.admit(r)
+        cache.reserve(r, p, 1 << 30)
+        r.length = p
+        rows.append(r)
+    tables = [step(rows) for _ in range(9)]
+    same = [a is b for a, b in zip(tables, tables[1:])]
+    assert any(same) and not all(same)  # reused between page changes, rebuilt at them
+    for r in rows:
+        cache.reserve(r, 1, 1 << 30)
+    cache.begin(rows, 1)  # built, then dropped: the next step is built for the same tokens
+    cache.plan = None
+    step(rows)
+    # row 0 released, another row takes its pages, row 0 comes back on other pages at the
+    # length it had: its counts move by one as if nothing happened
+    length = rows[0].length
+    cache.release(rows[0])
+    other = CacheRow("other")
+    cache.admit(other)
+    cache.reserve(other, 2 * P, 1 << 30)
+    cache.admit(rows[0])
+    cache.reserve(rows[0], length, 1 << 30)
+    rows[0].length = length
+    assert rows[0].pages != other.pages
+    step(rows)
+
+
 def _recording_kernels(monkeypatch) -> list:
     """Replace the CUDA kernels by a stand-in that records each launch (key, inputs, output
     shapes, grid, templates) and returns zeros: the launch plumbing runs on any backend."""
