@@ -18,8 +18,8 @@
 #            which then became the q8/q4 default): kernel checks under $QVARIANT, then 8k interleaved at 1B
 #            batch 64 and 8B batch 16, none/q8/q4 and q8/q4@$QENV
 #   mlxenv   MLX's CUDA graph settings (read once per process, so one process each, $MLXENVS): the step
-#            profile of 8B batch 1 at 8k (none, q8, and mlx-lm), the case bound by the host's dispatch;
-#            SECONDS is per process
+#            profile of 8B batch 1 at 8k (none, q8, and mlx-lm; $MLXENV_ARGS: other gpu_step_profile.py
+#            arguments); SECONDS is per process
 #   profile  gpu_step_profile.py $PROFILE_ARGS (default: 1B batch 8 at 8k, none and q8, lookahead loop, with
 #            mlx-lm): host phases against the wait for the GPU, to tell a host-bound case from a GPU-bound one
 set -uo pipefail
@@ -64,8 +64,8 @@ for arg in "$@"; do
     mlxenv) IFS=';' read -ra cfgs <<< "$MLXENVS"
       for c in "${cfgs[@]}"; do
         name=${c%%:*} vars=${c#*:}; echo "-- $name ${vars//,/ }" | tee -a "$OUT/mlxenv.txt"
-        timeout "$secs" env ${vars//,/ } python3 benchmarks/gpu_step_profile.py --geometry 8b --batches 1 --prompt 8192 \
-          --new 128 --modes none,q8 --no-sync 2>&1 | tee -a "$OUT/mlxenv.txt" | cut -c1-1200
+        timeout "$secs" env ${vars//,/ } python3 benchmarks/gpu_step_profile.py ${MLXENV_ARGS:---geometry 8b --batches 1 \
+          --prompt 8192 --new 128 --modes none,q8 --no-sync} 2>&1 | tee -a "$OUT/mlxenv.txt" | cut -c1-1200
       done ;;
     profile) timeout "$secs" python3 benchmarks/gpu_step_profile.py ${PROFILE_ARGS:---geometry 1b --batches 8 \
                --prompt 8192 --modes none,q8 --no-sync} 2>&1 | tee -a "$OUT/profile.txt" | cut -c1-1500 ;;
