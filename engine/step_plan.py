@@ -4,7 +4,7 @@ masks, per route. The layers then only index with these arrays (PagedKVCache.wri
 the per-layer work holds no Python loops over rows."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import mlx.core as mx
 import numpy as np
@@ -60,12 +60,13 @@ _ONE = mx.array(1, dtype=mx.int32)
 _TAIL_STEP = mx.array([[0, 1]], dtype=mx.int32)  # lens (B, 2): sealed tokens stay, the tail grows by one
 
 
-def reused(cache: PagedKVCache, key: tuple, counts: list, step: mx.array, build) -> tuple:
+def reused(cache: PagedKVCache, key: tuple, counts: list, before: list, step: mx.array,
+           build: Callable[[], tuple]) -> tuple:
     """The CUDA decode's per-step arrays: (fixed arrays..., counts array). counts: this step's
-    per-row counts and the same less one token (host lists). Reused from the previous decode
-    step when `key` (the cache's epoch, the rows, their page counts) is the same and each
-    count moved by one token: the fixed arrays as they are, the counts as the
-    old array + `step` (one device add). Else `build()` makes them from the host lists.
+    per-row counts (host list); before: the same one token earlier. Reused from the previous
+    decode step when `key` (the cache's epoch, the rows, their page counts) is the same and
+    that step's counts were `before`: the fixed arrays as they are, the counts as the old
+    array + `step` (one device add). Else `build()` makes them from the host lists.
 
     Why: in the H200's decode loop each array made from host lists cost the host 0.1-0.15 ms
     (cProfile, RESULTS.md issue 9, eighth session; the same call outside the loop takes
@@ -73,11 +74,11 @@ def reused(cache: PagedKVCache, key: tuple, counts: list, step: mx.array, build)
     0.55 ms of a host-bound 6 ms step. A row's table changes only when it gains a page, and
     every page allocation or release bumps the cache's epoch (PagedKVCache.epoch)."""
     last = cache.last_decode if cache.reuse_steps else None
-    if last is not None and last[0] == key and last[1] == counts[1]:
+    if last is not None and last[0] == key and last[1] == before:
         arrays = last[2][:-1] + (last[2][-1] + step,)
     else:
         arrays = build()
-    cache.last_decode = (key, counts[0], arrays)
+    cache.last_decode = (key, counts, arrays)
     return arrays
 
 
@@ -90,7 +91,7 @@ def decode(cache: PagedKVCache, rows: list[CacheRow], pos: list[int]) -> dict:
     n_pages = [-(-n // P) for n in new_len]
     if cache.kernel_writes:  # CUDA: the fused kernel stores the token (slot len - 1)
         key = (cache.epoch, tuple(map(id, rows)), tuple(n_pages))
-        table, lengths = reused(cache, key, (new_len, pos), _ONE, lambda: (
+        table, lengths = reused(cache, key, new_len, pos, _ONE, lambda: (
             page_table(rows, n_pages), mx.array(new_len, dtype=mx.int32)))
         return {"table": table, "lengths": lengths, "kernel_writes": True}
     table = page_table(rows, n_pages)
@@ -120,7 +121,7 @@ def quantized_fused_decode(cache: PagedKVCache, rows: list[CacheRow], pos: list[
     n_before = [p // P for p in pos]  # pages sealed before this step
     fill = [p % P for p in pos]  # tokens in the tail before this one
     key = (cache.epoch, tuple(map(id, rows)), tuple(n_before), tuple(tails))
-    arrays = reused(cache, key, ([f + 1 for f in fill], fill), _TAIL_STEP, lambda: (
+    arrays = reused(cache, key, [f + 1 for f in fill], fill, _TAIL_STEP, lambda: (
         mx.array(tails, dtype=mx.int32), page_table(rows, n_before),
         mx.array([[n * P, f + 1] for n, f in zip(n_before, fill)], dtype=mx.int32)))
     t = dict(zip(("tails", "table_q", "lens"), arrays))
