@@ -60,19 +60,21 @@ _ONE = mx.array(1, dtype=mx.int32)
 _TAIL_STEP = mx.array([[0, 1]], dtype=mx.int32)  # lens (B, 2): sealed tokens stay, the tail grows by one
 
 
-def reused(cache: PagedKVCache, key: tuple, counts: list, before: list, step: mx.array,
-           build: Callable[[], tuple]) -> tuple:
-    """The CUDA decode's per-step arrays: (fixed arrays..., counts array). counts: this step's
-    per-row counts (host list); before: the same one token earlier. Reused from the previous
-    decode step when `key` (the cache's epoch, the rows, their page counts) is the same and
-    that step's counts were `before`: the fixed arrays as they are, the counts as the old
-    array + `step` (one device add). Else `build()` makes them from the host lists.
+def reused(cache: PagedKVCache, rows: list[CacheRow], fixed: tuple, counts: list, before: list,
+           step: mx.array, build: Callable[[], tuple]) -> tuple:
+    """The CUDA decode's per-step arrays: (fixed arrays..., counts array). fixed: what the
+    fixed arrays are made of besides the rows' pages (their page counts, tails); counts: this
+    step's per-row counts (host list); before: the same one token earlier. Reused from the
+    previous decode step when the cache's epoch, the rows and `fixed` are the same and that
+    step's counts were `before`: the fixed arrays as they are, the counts as the old array +
+    `step` (one device add). Else `build()` makes them from the host lists.
 
     Why: in the H200's decode loop each array made from host lists cost the host 0.1-0.15 ms
     (cProfile, RESULTS.md issue 9, eighth session; the same call outside the loop takes
     1-30 us), and a q8/q4 step made three (tails, page table, lens): at 1B batch 8 that was
     0.55 ms of a host-bound 6 ms step. A row's table changes only when it gains a page, and
     every page allocation or release bumps the cache's epoch (PagedKVCache.epoch)."""
+    key = (cache.epoch, tuple(map(id, rows)), fixed)
     last = cache.last_decode if cache.reuse_steps else None
     if last is not None and last[0] == key and last[1] == before:
         arrays = last[2][:-1] + (last[2][-1] + step,)
@@ -90,8 +92,7 @@ def decode(cache: PagedKVCache, rows: list[CacheRow], pos: list[int]) -> dict:
     new_len = [p + 1 for p in pos]
     n_pages = [-(-n // P) for n in new_len]
     if cache.kernel_writes:  # CUDA: the fused kernel stores the token (slot len - 1)
-        key = (cache.epoch, tuple(map(id, rows)), tuple(n_pages))
-        table, lengths = reused(cache, key, new_len, pos, _ONE, lambda: (
+        table, lengths = reused(cache, rows, tuple(n_pages), new_len, pos, _ONE, lambda: (
             page_table(rows, n_pages), mx.array(new_len, dtype=mx.int32)))
         return {"table": table, "lengths": lengths, "kernel_writes": True}
     table = page_table(rows, n_pages)
@@ -120,10 +121,12 @@ def quantized_fused_decode(cache: PagedKVCache, rows: list[CacheRow], pos: list[
     tails = [r.tail for r in rows]
     n_before = [p // P for p in pos]  # pages sealed before this step
     fill = [p % P for p in pos]  # tokens in the tail before this one
-    key = (cache.epoch, tuple(map(id, rows)), tuple(n_before), tuple(tails))
-    arrays = reused(cache, key, [f + 1 for f in fill], fill, _TAIL_STEP, lambda: (
-        mx.array(tails, dtype=mx.int32), page_table(rows, n_before),
-        mx.array([[n * P, f + 1] for n, f in zip(n_before, fill)], dtype=mx.int32)))
+
+    def build() -> tuple:
+        return (mx.array(tails, dtype=mx.int32), page_table(rows, n_before),
+                mx.array([[n * P, f + 1] for n, f in zip(n_before, fill)], dtype=mx.int32))
+
+    arrays = reused(cache, rows, (tuple(n_before), tuple(tails)), [f + 1 for f in fill], fill, _TAIL_STEP, build)
     t = dict(zip(("tails", "table_q", "lens"), arrays))
     if cache.kernel_writes and P - 1 not in fill:  # the kernel stores the token in the tail
         t["kernel_writes"] = True

@@ -83,30 +83,45 @@ def test_every_kernel_variant_compiles(args):
     assert r.stdout.count(" registers") == 4 * 2 * (4 * 3 + 2)
 
 
-@pytest.mark.parametrize("kernel_writes", [True, False])
-def test_quantized_fused_decode_plan(kernel_writes):
-    """The per-step plan of the CUDA q8/q4 decode (built on the host, so checkable here): rows
-    at a fresh tail, a full tail (seals this step), a sealed page plus one, two pages plus two."""
+def _cache_as_on_cuda(mode: str, P: int, H: int, kernel_writes: bool):
+    """A one-layer paged cache whose decode plans are built as on MLX CUDA (fused kernel)."""
     import mlx.core as mx
 
-    from engine import step_plan
-    from engine.kv_cache import CacheRow, PagedKVCache
-    from engine.kv_store import head_rows
+    from engine.kv_cache import PagedKVCache
     from engine.memory import KVLayout
 
-    P, H = 16, 2
-    lay = KVLayout(num_kv_layers=1, num_kv_heads=H, head_dim=64, dtype_bytes=4, mode="q8", group_size=64,
+    lay = KVLayout(num_kv_layers=1, num_kv_heads=H, head_dim=64, dtype_bytes=4, mode=mode, group_size=64,
                    page_size=P)
     cache = PagedKVCache(lay, 1, mx.float32, tail_slots=4, upcast=False)
-    cache.fused_decode, cache.kernel_writes = True, kernel_writes  # as on MLX CUDA
-    pos = [0, P - 1, P, 2 * P + 2]
+    cache.fused_decode, cache.kernel_writes = True, kernel_writes
+    return cache
+
+
+def _rows_at(cache, pos: list[int], reserve: int) -> list:
+    """Admitted rows holding pos[i] tokens, with room reserved for `reserve` more."""
+    from engine.kv_cache import CacheRow
+
     rows = []
     for i, p in enumerate(pos):
         r = CacheRow(f"r{i}")
         cache.admit(r)
-        cache.reserve(r, p + 1, 1 << 30)
+        cache.reserve(r, p + reserve, 1 << 30)
         r.length = p
         rows.append(r)
+    return rows
+
+
+@pytest.mark.parametrize("kernel_writes", [True, False])
+def test_quantized_fused_decode_plan(kernel_writes):
+    """The per-step plan of the CUDA q8/q4 decode (built on the host, so checkable here): rows
+    at a fresh tail, a full tail (seals this step), a sealed page plus one, two pages plus two."""
+    from engine import step_plan
+    from engine.kv_store import head_rows
+
+    P, H = 16, 2
+    cache = _cache_as_on_cuda("q8", P, H, kernel_writes)
+    pos = [0, P - 1, P, 2 * P + 2]
+    rows = _rows_at(cache, pos, reserve=1)
     t = step_plan.quantized_fused_decode(cache, rows, pos)
     assert t["tails"].tolist() == [r.tail for r in rows]
     assert t["lens"].tolist() == [[0, 1], [0, P], [P, 1], [2 * P, 3]]
@@ -131,17 +146,10 @@ def test_decode_steps_reuse_tables_only_while_no_page_changes(mode):
     page boundaries (a dense row gains a page, a q8 row seals its tail), after a step that was
     built and dropped (lookahead), and when a row released and given other pages comes back at
     the counts it had."""
-    import mlx.core as mx
-
-    from engine import step_plan
-    from engine.kv_cache import CacheRow, PagedKVCache
-    from engine.memory import KVLayout
+    from engine.kv_cache import CacheRow
 
     P = 4
-    lay = KVLayout(num_kv_layers=1, num_kv_heads=2, head_dim=64, dtype_bytes=4, mode=mode,
-                   group_size=64, page_size=P)
-    cache = PagedKVCache(lay, 1, mx.float32, tail_slots=4, upcast=False)
-    cache.fused_decode = cache.kernel_writes = True  # as on MLX CUDA
+    cache = _cache_as_on_cuda(mode, P, 2, kernel_writes=True)
 
     def expected(rows):
         pos = [r.length for r in rows]
@@ -167,13 +175,7 @@ def test_decode_steps_reuse_tables_only_while_no_page_changes(mode):
         cache.end()
         return t[tab]
 
-    rows = []
-    for i, p in enumerate([0, P, 2 * P]):  # in step: they cross page boundaries together
-        r = CacheRow(f"r{i}")
-        cache.admit(r)
-        cache.reserve(r, p, 1 << 30)
-        r.length = p
-        rows.append(r)
+    rows = _rows_at(cache, [0, P, 2 * P], reserve=0)  # in step: they cross page boundaries together
     tables = [step(rows) for _ in range(9)]
     same = [a is b for a, b in zip(tables, tables[1:])]
     assert any(same) and not all(same)  # reused between page changes, rebuilt at them
