@@ -1,7 +1,7 @@
 """Correctness of the paged engine on whatever MLX backend runs here (CPU, CUDA, Metal).
 
 Teacher-forced logits of a batch through kvbatch vs mlx-lm single-stream references
-(KVCache for kv=none, tests/kv_reference.QuantRefCache for q8/q4), for float32,
+(KVCache for kv=none, tests.engine.kv_reference.QuantRefCache for q8/q4), for float32,
 bfloat16 and float16 random llama/qwen3 models. Prints one line per case and exits
 non-zero on a mismatch. Used on the lent GPU, where the pytest suite's fixtures
 (SmolLM2 wheel, Hydra) are not installed.
@@ -13,14 +13,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import engine  # noqa: E402,F401
+import kvbatch.engine  # noqa: E402,F401
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models import llama, qwen3  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
-from engine.engine import Engine, EngineConfig  # noqa: E402
-from engine.models.spec import model_spec  # noqa: E402
-from engine.types import Request, SamplingParams  # noqa: E402
+from kvbatch.engine.engine import Engine, EngineConfig  # noqa: E402
+from kvbatch.engine.models.spec import model_spec  # noqa: E402
+from kvbatch.engine.types import Request, SamplingParams  # noqa: E402
 from tests.kv_reference import StoredPagesRefCache, record_page_tables, teacher_forced_logits  # noqa: E402
 
 
@@ -85,7 +85,7 @@ def kernel_case(mode: str, dtype, D: int, rep: int, P: int, chunk, hkv: int = 2,
     """Fused kernel vs a float64 numpy reference on the same pages (dense, or packed + tail)."""
     import numpy as np
 
-    from engine import cuda_attention as ca
+    from kvbatch.engine import cuda_attention as ca
 
     rng = np.random.default_rng(D + rep + P)
     B, n_pages = len(lengths), sum(-(-n // P) for n in lengths) + 3
@@ -193,7 +193,7 @@ def kernel_bench(contexts=(8192,), batches=(1, 8, 64), geometries=((64, 8, 4), (
 
     import numpy as np
 
-    from engine import cuda_attention as ca
+    from kvbatch.engine import cuda_attention as ca
 
     def timeit(fn):
         mx.eval(fn())

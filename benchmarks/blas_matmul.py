@@ -38,7 +38,7 @@ PROMPTS = [
 
 
 def worker_matmul() -> dict:
-    import engine
+    import kvbatch.engine as engine
     import mlx.core as mx
 
     a, b = mx.random.normal((M, K)), mx.random.normal((K, N))
@@ -56,7 +56,7 @@ def worker_matmul() -> dict:
 
 
 def worker_decode(batch: int, max_tokens: int) -> dict:
-    import engine
+    import kvbatch.engine as engine
     import mlx.core as mx
     from mlx_lm import batch_generate, stream_generate
 

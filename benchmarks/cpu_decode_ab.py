@@ -21,10 +21,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import engine  # noqa: E402,F401  (OpenBLAS before mlx)
+import kvbatch.engine  # noqa: E402,F401  (OpenBLAS before mlx)
 import mlx.core as mx  # noqa: E402
-from engine.models.config import ModelConfig  # noqa: E402
-from engine.models.load import load_model  # noqa: E402
+from kvbatch.engine.models.config import ModelConfig  # noqa: E402
+from kvbatch.engine.models.load import load_model  # noqa: E402
 from engine_vs_mlx_lm import TINY, prompts_for, run_kvbatch, run_mlx_lm  # noqa: E402
 
 

@@ -24,11 +24,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import engine  # noqa: E402,F401  (OpenBLAS before mlx)
+import kvbatch.engine  # noqa: E402,F401  (OpenBLAS before mlx)
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from engine import attention, softmax  # noqa: E402
+from kvbatch.engine import attention, softmax  # noqa: E402
 
 # (label, layers, batch, query heads, KV heads, head size, context, page size)
 SHAPES = [("tiny llama", 4, 8, 4, 2, 64, 200, 16), ("tiny llama", 4, 32, 4, 2, 64, 200, 16),

@@ -6,7 +6,7 @@ uses a transposed (non-contiguous) view and is not a fair float baseline.
 """
 import sys, time
 sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.dirname(__import__("os").path.abspath(__file__))))
-import engine
+import kvbatch.engine
 import mlx.core as mx
 def bench(f, n=20):
     for _ in range(3): mx.eval(f())

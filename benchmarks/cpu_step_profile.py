@@ -22,13 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 
-import engine  # noqa: E402,F401  (OpenBLAS before mlx)
+import kvbatch.engine  # noqa: E402,F401  (OpenBLAS before mlx)
 import mlx.core as mx  # noqa: E402
-from engine import engine as engine_mod  # noqa: E402
-from engine.engine import Engine, EngineConfig  # noqa: E402
-from engine.models.config import ModelConfig  # noqa: E402
-from engine.models.load import load_model  # noqa: E402
-from engine.types import Request, SamplingParams  # noqa: E402
+from kvbatch.engine import engine as engine_mod  # noqa: E402
+from kvbatch.engine.engine import Engine, EngineConfig  # noqa: E402
+from kvbatch.engine.models.config import ModelConfig  # noqa: E402
+from kvbatch.engine.models.load import load_model  # noqa: E402
+from kvbatch.engine.types import Request, SamplingParams  # noqa: E402
 from engine_vs_mlx_lm import TINY, _NoEos  # noqa: E402
 
 

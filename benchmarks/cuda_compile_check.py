@@ -18,8 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import cuda_attention as ca  # noqa: E402
-from engine import cuda_source as cs  # noqa: E402
+from kvbatch.engine import cuda_attention as ca  # noqa: E402
+from kvbatch.engine import cuda_source as cs  # noqa: E402
 
 STUB = """#include <cuda_bf16.h>
 #include <cuda_fp16.h>

@@ -24,15 +24,15 @@ import sys
 import tempfile
 import time
 
-import engine  # noqa: F401  (OpenBLAS before mlx)
+import kvbatch.engine as engine  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
-from engine import rope
-from engine.engine import Engine, EngineConfig
-from engine.models.config import ModelConfig
-from engine.models.load import load_model
-from engine.types import Request, SamplingParams
+from kvbatch.engine import rope
+from kvbatch.engine.engine import Engine, EngineConfig
+from kvbatch.engine.models.config import ModelConfig
+from kvbatch.engine.models.load import load_model
+from kvbatch.engine.types import Request, SamplingParams
 
 # The FACTS "4M-parameter" random llama: 4 layers, hidden 256, 4 heads / 2 KV heads of 64.
 TINY = dict(source="tiny", name="tiny-4m", family="llama", num_layers=4, hidden_size=256, num_heads=4,
@@ -130,7 +130,7 @@ def step_breakdown(model, tok, spec, batch, plen, page_size, steps=24):
     pages gathered into contiguous K/V first (the path before in-place decode), and with
     attention skipped (its output replaced by the queries: timing only; the step's K/V writes
     then go unevaluated too)."""
-    from engine.kv_cache import PagedKVCache
+    from kvbatch.engine.kv_cache import PagedKVCache
 
     eng = Engine(model, _NoEos(tok), spec, EngineConfig(page_size=page_size, max_batch=batch, prefill_chunk=512))
     for i, p in enumerate(prompts_for(batch, plen, spec.vocab_size)):

@@ -33,14 +33,14 @@ import platform
 import statistics
 import time
 
-import engine  # noqa: F401  (BLAS first; harmless on GPU)
+import kvbatch.engine  # noqa: F401  (BLAS first; harmless on GPU)
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import llama
 
-from engine.engine import Engine, EngineConfig
-from engine.models.spec import model_spec
-from engine.types import Request, SamplingParams
+from kvbatch.engine.engine import Engine, EngineConfig
+from kvbatch.engine.models.spec import model_spec
+from kvbatch.engine.types import Request, SamplingParams
 from interleave import Stepper, interleave, median_or_none, paired_ratios
 
 GEOMETRIES = {
@@ -191,7 +191,7 @@ def run_interleaved(model, spec, ps, new_tokens, modes: list[str], budget: int, 
 def warm_tokens(plen: int, new: int, page: int = 64) -> int:
     """New tokens a warm-up needs to seal a page in decode and, if the measured run reaches
     split-K (rows longer than cuda_attention's CHUNK and SPLIT_MIN), to reach it too."""
-    from engine.cuda_attention import CHUNK, SPLIT_MIN
+    from kvbatch.engine.cuda_attention import CHUNK, SPLIT_MIN
 
     need = (plen // page + 1) * page - plen + 2  # the first page filled by decode, sealed, then read
     split = max(CHUNK, SPLIT_MIN)
@@ -249,7 +249,7 @@ def main() -> None:
     model, spec = build(a.geometry)
     bw = copy_bandwidth()
     budget = int(a.budget_gb * 1e9)
-    from engine.memory import kv_layout
+    from kvbatch.engine.memory import kv_layout
     kv_dense = kv_layout(spec, "none", 64, 64).bytes_per_token
     kv_bpt = {m: kv_layout(spec, m, 64, 64).bytes_per_token for m in ("none", "q8", "q4")}
     out = {"geometry": a.geometry, "device": str(mx.default_device()), "mlx": mx.__version__,

@@ -38,7 +38,7 @@ C256=KVBATCH_CUDA_CHUNK=256:1024
 QVARIANT=${QVARIANT:-"w8u2:KVBATCH_CUDA_WARPS=8,KVBATCH_CUDA_UNROLL=2"} QENV=${QENV:-KVBATCH_CUDA_WARPS=8+KVBATCH_CUDA_UNROLL=2}
 MLXENVS=${MLXENVS:-"default:;ops200:MLX_MAX_OPS_PER_BUFFER=200;nograph:MLX_USE_CUDA_GRAPHS=0"}
 LONG="--batches '' --interleave 32 --long-new 448 --skip-mlx-lm-long"
-TESTS=${TESTS:-"tests/test_cuda_kernel_write.py tests/test_engine_paged.py tests/test_kv_quant.py tests/test_nonfinite.py tests/test_memory.py tests/test_lookahead.py"}
+TESTS=${TESTS:-"tests/engine/test_cuda_kernel_write.py tests/engine/test_engine_paged.py tests/engine/test_kv_quant.py tests/engine/test_nonfinite.py tests/engine/test_memory.py tests/engine/test_lookahead.py"}
 for arg in "$@"; do
   stage=${arg%%:*} secs=${arg#*:}; [ "$secs" = "$arg" ] && secs=300
   echo "== stage $stage (${secs}s) $(date -u +%T) $(env | grep ^KVBATCH_ | tr '\n' ' ')"

@@ -25,14 +25,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import engine  # noqa: E402,F401
+import kvbatch.engine  # noqa: E402,F401
 import mlx.core as mx  # noqa: E402
 
-import engine.engine as eng_mod  # noqa: E402
+import kvbatch.engine.engine as eng_mod  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu import _NullTokenizer, build, prompts, run_mlx_lm, warm_tokens  # noqa: E402
-from engine.engine import Engine, EngineConfig  # noqa: E402
-from engine.types import Request, SamplingParams  # noqa: E402
+from kvbatch.engine.engine import Engine, EngineConfig  # noqa: E402
+from kvbatch.engine.types import Request, SamplingParams  # noqa: E402
 
 
 def _engine(model, spec, batch, mode):

@@ -24,10 +24,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import engine  # noqa: E402,F401
+import kvbatch.engine  # noqa: E402,F401
 import mlx.core as mx  # noqa: E402
 
-from engine import cuda_attention  # noqa: E402
+from kvbatch.engine import cuda_attention  # noqa: E402
 
 
 class _StandIn:
@@ -39,7 +39,7 @@ class _StandIn:
 
 
 def _as_on_cuda() -> None:
-    from engine import kv_cache
+    from kvbatch.engine import kv_cache
 
     cuda_attention.available = lambda: True
     cuda_attention._kernel = lambda *a, **k: _StandIn()
@@ -48,9 +48,9 @@ def _as_on_cuda() -> None:
 
 def measure(model, spec, batch: int, mode: str, prompt: int, reps: int) -> dict:
     from gpu import _engine, prompts
-    from engine.types import Request, SamplingParams
+    from kvbatch.engine.types import Request, SamplingParams
 
-    from engine import rope
+    from kvbatch.engine import rope
 
     eng = _engine(model, spec, batch, mode, int(8e9))
     rope.uninstall(model)  # MLX's RoPE, as on a GPU (the per-step table is the CPU's)

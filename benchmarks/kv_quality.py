@@ -34,14 +34,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import engine  # noqa: E402,F401  (OpenBLAS before mlx)
+import kvbatch.engine  # noqa: E402,F401  (OpenBLAS before mlx)
 import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 
-from engine.engine import Engine, EngineConfig  # noqa: E402
-from engine.models.config import ModelConfig  # noqa: E402
-from engine.models.load import load_model  # noqa: E402
-from engine.types import Request, SamplingParams  # noqa: E402
+from kvbatch.engine.engine import Engine, EngineConfig  # noqa: E402
+from kvbatch.engine.models.config import ModelConfig  # noqa: E402
+from kvbatch.engine.models.load import load_model  # noqa: E402
+from kvbatch.engine.types import Request, SamplingParams  # noqa: E402
 
 PROMPTS = [
     "What is the capital of France?",

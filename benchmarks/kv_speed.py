@@ -40,18 +40,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import engine  # noqa: E402,F401  (OpenBLAS before mlx)
+import kvbatch.engine  # noqa: E402,F401  (OpenBLAS before mlx)
 import mlx.core as mx  # noqa: E402
 import mlx_lm  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 
-from engine import attention as att  # noqa: E402
-from engine.engine import Engine, EngineConfig  # noqa: E402
-from engine.kv_store import DenseStore, QuantizedStore  # noqa: E402
-from engine.memory import kv_layout  # noqa: E402
-from engine.models.config import ModelConfig  # noqa: E402
-from engine.models.load import load_model  # noqa: E402
-from engine.types import Request, SamplingParams  # noqa: E402
+from kvbatch.engine import attention as att  # noqa: E402
+from kvbatch.engine.engine import Engine, EngineConfig  # noqa: E402
+from kvbatch.engine.kv_store import DenseStore, QuantizedStore  # noqa: E402
+from kvbatch.engine.memory import kv_layout  # noqa: E402
+from kvbatch.engine.models.config import ModelConfig  # noqa: E402
+from kvbatch.engine.models.load import load_model  # noqa: E402
+from kvbatch.engine.types import Request, SamplingParams  # noqa: E402
 
 TEXTS = ("GPL-3", "Apache-2.0", "GFDL-1.3", "LGPL-3", "MPL-2.0", "Artistic", "CC0-1.0", "GPL-2")
 BITS = {"none": None, "q8": 8, "q4": 4}

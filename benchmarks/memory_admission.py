@@ -25,15 +25,15 @@ import sys
 import threading
 import time
 
-import engine  # noqa: F401  (OpenBLAS before mlx)
+import kvbatch.engine as engine  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 import psutil
 
-from engine.engine import Engine, EngineConfig
-from engine.memory import MemoryModel, fmt_bytes, format_plan, kv_layout, parse_size
-from engine.models.config import ModelConfig
-from engine.models.load import load_model
-from engine.types import Request, SamplingParams
+from kvbatch.engine.engine import Engine, EngineConfig
+from kvbatch.engine.memory import MemoryModel, fmt_bytes, format_plan, kv_layout, parse_size
+from kvbatch.engine.models.config import ModelConfig
+from kvbatch.engine.models.load import load_model
+from kvbatch.engine.types import Request, SamplingParams
 
 GiB = 1 << 30
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import engine  # noqa: E402,F401
+import kvbatch.engine  # noqa: E402,F401
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -89,9 +89,9 @@ def ops(B=64, hkv=8, rep=4, D=64, T=192, P=64, group=64) -> None:
 def engine_rows(fused: bool, mode: str = "q8", B: int = 64) -> None:
     from mlx_lm.models import llama
 
-    from engine.engine import Engine, EngineConfig
-    from engine.models.spec import model_spec
-    from engine.types import Request, SamplingParams
+    from kvbatch.engine.engine import Engine, EngineConfig
+    from kvbatch.engine.models.spec import model_spec
+    from kvbatch.engine.types import Request, SamplingParams
 
     class Tok:
         eos_token_ids: list[int] = []

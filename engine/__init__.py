@@ -3,16 +3,16 @@
 `ensure_blas()` runs first, before anything imports mlx: on Linux CPU it loads
 OpenBLAS globally so MLX's matmuls use it (~36x the bundled reference BLAS).
 """
-from engine.blas import blas_in_use, ensure_blas
+from kvbatch.engine.blas import blas_in_use, ensure_blas
 
 ensure_blas()
 
-from engine.errors import KvbatchConfigError  # noqa: E402
-from engine.models.config import ModelConfig  # noqa: E402
-from engine.models.load import load_model  # noqa: E402
-from engine.types import ModelSpec, Request, Result, RowStats, SamplingParams  # noqa: E402
+from kvbatch.engine.errors import KvbatchConfigError  # noqa: E402
+from kvbatch.engine.models.config import ModelConfig  # noqa: E402
+from kvbatch.engine.models.load import load_model  # noqa: E402
+from kvbatch.engine.types import ModelSpec, Request, Result, RowStats, SamplingParams  # noqa: E402
 
-_LAZY = {"Engine": "engine.engine", "EngineConfig": "engine.engine"}
+_LAZY = {"Engine": "kvbatch.engine.engine", "EngineConfig": "kvbatch.engine.engine"}
 
 
 def __getattr__(name: str):

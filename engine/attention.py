@@ -29,7 +29,7 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.softmax import masked_softmax
+from kvbatch.engine.softmax import masked_softmax
 
 ROUTE_DENSE = "paged_sdpa"
 ROUTE_DENSE_F32 = "paged_sdpa_f32"

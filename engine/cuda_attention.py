@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from engine.cuda_source import _REDUCE, kernel_source
+from kvbatch.engine.cuda_source import _REDUCE, kernel_source
 
 NE = 8  # head elements per lane
 # Per kernel kind: tokens per lane per loop step (KVBATCH_CUDA_UNROLL) and most warps per block

@@ -18,14 +18,14 @@ from typing import Iterator, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine import attention, errors, rope
-from engine.errors import KvbatchConfigError, RowError
-from engine.gate import check_kv_mode
-from engine.kv_cache import CacheRow, PagedKVCache, trace_mode
-from engine.lookahead import InflightStep, LookaheadDecode, lookahead_default
-from engine.memory import MemoryModel, format_plan, kv_layout, resolve_budget
-from engine.sampling import RowSampler, sample_batch
-from engine.types import ModelSpec, Request, Result, RowStats
+from kvbatch.engine import attention, errors, rope
+from kvbatch.engine.errors import KvbatchConfigError, RowError
+from kvbatch.engine.gate import check_kv_mode
+from kvbatch.engine.kv_cache import CacheRow, PagedKVCache, trace_mode
+from kvbatch.engine.lookahead import InflightStep, LookaheadDecode, lookahead_default
+from kvbatch.engine.memory import MemoryModel, format_plan, kv_layout, resolve_budget
+from kvbatch.engine.sampling import RowSampler, sample_batch
+from kvbatch.engine.types import ModelSpec, Request, Result, RowStats
 
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 

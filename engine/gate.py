@@ -1,12 +1,12 @@
 """Which KV modes are validated for which model family and head size (fail closed).
 
-Every entry here is exercised by tests/test_kv_quant.py (teacher-forced logits
+Every entry here is exercised by tests/engine/test_kv_quant.py (teacher-forced logits
 against a dequantize-and-attend reference, batched, at page sizes 16 and 64).
 """
 from __future__ import annotations
 
-from engine.errors import KvbatchConfigError
-from engine.types import ModelSpec
+from kvbatch.engine.errors import KvbatchConfigError
+from kvbatch.engine.types import ModelSpec
 
 # Families whose mlx-lm module routes attention through base.scaled_dot_product_attention
 # and reads cache.offset for RoPE: the paged cache runs them unchanged.
@@ -38,7 +38,7 @@ GROUP_SIZES = (32, 64, 128)
 
 def _cuda_quant_ok(spec: ModelSpec, mode: str, group_size: int) -> bool:
     """On MLX CUDA, q8/q4 decode is validated through the fused kernel (benchmarks/backend_check.py)."""
-    from engine import cuda_attention
+    from kvbatch.engine import cuda_attention
 
     rep = max(spec.num_heads // max(spec.num_kv_heads, 1), 1)
     return (backend() == "cuda" and cuda_attention.available()

@@ -16,12 +16,12 @@ from typing import Callable, Optional
 import mlx.core as mx
 import numpy as np
 
-from engine import attention as att
-from engine import cuda_attention, step_plan
-from engine.errors import INSUFFICIENT_MEMORY, RowError, UnreservedWriteError
-from engine.kv_store import DenseStore, QuantizedStore, dequantize
-from engine.memory import KVLayout, available_memory, fmt_bytes
-from engine.pages import PagePool
+from kvbatch.engine import attention as att
+from kvbatch.engine import cuda_attention, step_plan
+from kvbatch.engine.errors import INSUFFICIENT_MEMORY, RowError, UnreservedWriteError
+from kvbatch.engine.kv_store import DenseStore, QuantizedStore, dequantize
+from kvbatch.engine.memory import KVLayout, available_memory, fmt_bytes
+from kvbatch.engine.pages import PagePool
 
 
 @dataclass

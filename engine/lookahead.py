@@ -2,7 +2,7 @@
 step's tokens (as mlx-lm's BatchGenerator does), so a GPU never waits while the host builds
 a step's graph. A mixin of `engine.engine.Engine`, kept apart because it is a second way to
 run the same step: tokens, logits and finish reasons are those of `Engine._decode_step`
-(tests/test_lookahead.py)."""
+(tests/engine/test_lookahead.py)."""
 from __future__ import annotations
 
 import os
@@ -13,8 +13,8 @@ from typing import Optional
 
 import mlx.core as mx
 
-from engine import attention, errors
-from engine.errors import RowError
+from kvbatch.engine import attention, errors
+from kvbatch.engine.errors import RowError
 
 
 @dataclass

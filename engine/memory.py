@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from engine.types import ModelSpec
+from kvbatch.engine.types import ModelSpec
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}

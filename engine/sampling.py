@@ -9,7 +9,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
-from engine.types import SamplingParams
+from kvbatch.engine.types import SamplingParams
 
 
 class RowSampler:

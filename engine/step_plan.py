@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Callable
 import mlx.core as mx
 import numpy as np
 
-from engine import attention as att
-from engine.kv_store import head_rows
+from kvbatch.engine import attention as att
+from kvbatch.engine.kv_store import head_rows
 
 if TYPE_CHECKING:
-    from engine.kv_cache import CacheRow, PagedKVCache
+    from kvbatch.engine.kv_cache import CacheRow, PagedKVCache
 
 
 def page_table(rows: list[CacheRow], n_pages: list[int]) -> mx.array:

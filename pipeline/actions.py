@@ -16,13 +16,13 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
-from pipeline import summary as summ
-from pipeline.config import Config, ConfigError, as_dict, config_hash, parse_injection
-from pipeline.finalize import Finalized, finalize, reconcile
-from pipeline.inputs import read_rows, resolve_input
-from pipeline.progress import Progress
-from pipeline.queue import Queue
-from pipeline.worker import Runtime, Terminated, WorkStats, Worker
+from kvbatch.pipeline import summary as summ
+from kvbatch.pipeline.config import Config, ConfigError, as_dict, config_hash, parse_injection
+from kvbatch.pipeline.finalize import Finalized, finalize, reconcile
+from kvbatch.pipeline.inputs import read_rows, resolve_input
+from kvbatch.pipeline.progress import Progress
+from kvbatch.pipeline.queue import Queue
+from kvbatch.pipeline.worker import Runtime, Terminated, WorkStats, Worker
 
 QUEUE = "queue.sqlite"
 
@@ -64,10 +64,10 @@ def enqueue(job: Job) -> tuple[Queue, int, int]:
 
 def load_runtime(cfg: Config) -> Runtime:
     """Load the model and build the first engine now, so a bad model or KV mode fails at start."""
-    from engine import Engine, EngineConfig
-    from pipeline.model_cache import load_model  # sweeps: one load per distinct model config
-    from engine.memory import parse_size
-    from pipeline.prompts import check_template
+    from kvbatch.engine import Engine, EngineConfig
+    from kvbatch.pipeline.model_cache import load_model  # sweeps: one load per distinct model config
+    from kvbatch.engine.memory import parse_size
+    from kvbatch.pipeline.prompts import check_template
 
     model, tokenizer, spec = load_model(cfg.model)
     check_template(tokenizer, cfg.job.chat_template)
@@ -133,7 +133,7 @@ def work(job: Job, q: Queue) -> Optional[WorkStats]:
 
 
 def finish(job: Job, q: Queue, stats: Optional[WorkStats], t0: Optional[float] = None) -> tuple[Finalized, dict]:
-    from engine.blas import blas_in_use
+    from kvbatch.engine.blas import blas_in_use
 
     meta = {"kvbatch.config": json.dumps(as_dict(job.cfg), default=str),
             "kvbatch.config_hash": job.config_hash,
@@ -180,7 +180,7 @@ def status(job: Job) -> None:
     if not job.queue_path.exists():
         print(f"kvbatch: no queue in {job.out_dir} yet (run action=enqueue or action=run)")
         return
-    from pipeline.status import lines
+    from kvbatch.pipeline.status import lines
 
     print("\n".join(lines(job.queue_path, job.cfg.worker.isolate_after, job.cfg.worker.max_crashes)))
 

@@ -1,4 +1,4 @@
-"""The `kvbatch` command (also `python -m pipeline`): Hydra composes the config, actions run it.
+"""The `kvbatch` command (also `python -m kvbatch`): Hydra composes the config, actions run it.
 
 A single run is composed and validated first with Hydra's compose API, so any bad
 key or value is reported as one line on stderr (exit 2) instead of Hydra's
@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import engine  # noqa: F401  (loads OpenBLAS before anything imports mlx)
+import kvbatch.engine  # noqa: F401  (loads OpenBLAS before anything imports mlx)
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import MissingConfigException
@@ -17,8 +17,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from engine.errors import KvbatchConfigError
-from pipeline.config import register, to_config
+from kvbatch.engine.errors import KvbatchConfigError
+from kvbatch.pipeline.config import register, to_config
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 # Flags that make Hydra do something other than one plain run: leave those to Hydra.
@@ -65,7 +65,7 @@ def compose_config(overrides: list[str]):
 
 def _no_extra_keys(node: DictConfig) -> None:
     """`+foo=1` slips past the schema at the top level; refuse keys the schema does not have."""
-    from pipeline.config import Config
+    from kvbatch.pipeline.config import Config
 
     extra = [k for k in node.keys() if k not in Config.__dataclass_fields__ and k != "hydra"]
     if extra:
@@ -74,17 +74,17 @@ def _no_extra_keys(node: DictConfig) -> None:
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def _hydra_app(node: DictConfig):
-    from pipeline.actions import execute
+    from kvbatch.pipeline.actions import execute
 
     if HydraConfig.get().mode == RunMode.MULTIRUN:
-        from pipeline.sweep import run_sweep_job
+        from kvbatch.pipeline.sweep import run_sweep_job
 
         return run_sweep_job(node)  # one job of a sweep: fails alone, recorded in its job folder
     try:
         _no_extra_keys(node)
         cfg = to_config(node)
         if cfg.action == "report":
-            from pipeline.sweep_report import report_action
+            from kvbatch.pipeline.sweep_report import report_action
 
             report_action(cfg)
         else:
@@ -101,13 +101,13 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001 - every composition problem becomes one line
             die(describe(exc))
     elif {a.split("=")[0] for a in args if a.startswith("-")} <= {"-m", "--multirun"}:
-        from pipeline.sweep import check_sweep
+        from kvbatch.pipeline.sweep import check_sweep
 
         try:  # an option or key that does not exist stops the sweep before any job, with one line
             check_sweep([a for a in args if a not in ("-m", "--multirun")])
         except Exception as exc:  # noqa: BLE001
             die(describe(exc))
-    from pipeline.sweep import after_hydra
+    from kvbatch.pipeline.sweep import after_hydra
 
     try:
         _hydra_app()

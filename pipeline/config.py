@@ -17,9 +17,9 @@ from typing import Any, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from engine.errors import KvbatchConfigError
-from engine.memory import parse_size
-from engine.models.config import ModelConfig
+from kvbatch.engine.errors import KvbatchConfigError
+from kvbatch.engine.memory import parse_size
+from kvbatch.engine.models.config import ModelConfig
 
 ACTIONS = ("run", "enqueue", "work", "status", "finalize", "report")
 FORMATS = ("auto", "jsonl", "csv", "parquet")

@@ -15,8 +15,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.parts import SCHEMA, clean_temp, dir_lock, quarantine, scan, to_table, write_atomic
-from pipeline.queue import Queue
+from kvbatch.pipeline.parts import SCHEMA, clean_temp, dir_lock, quarantine, scan, to_table, write_atomic
+from kvbatch.pipeline.queue import Queue
 
 RESULTS = "results.parquet"
 

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from dataclasses import asdict
 from typing import Any, Optional
 
-from engine.models.config import ModelConfig
+from kvbatch.engine.models.config import ModelConfig
 
 _cache: "OrderedDict[str, tuple[Any, Any, Any]]" = OrderedDict()
 _enabled = False
@@ -59,7 +59,7 @@ def _weights(entry: tuple[Any, Any, Any]) -> int:
 def load_model(cfg: ModelConfig):
     """(model, tokenizer, spec) for this model config: from the cache when it is on and holds it."""
     global loads
-    from engine import load_model as engine_load
+    from kvbatch.engine import load_model as engine_load
 
     if not _enabled:
         loads += 1

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.config import ConfigError
+from kvbatch.pipeline.config import ConfigError
 
 
 def check_template(tokenizer: Any, chat_template: bool) -> None:

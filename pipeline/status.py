@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from pipeline.queue import Queue
+from kvbatch.pipeline.queue import Queue
 
 STOPS = ("finished", "deadline", "interrupted", "failed", "died")
 

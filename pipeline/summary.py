@@ -11,8 +11,8 @@ from typing import Optional
 
 import pyarrow as pa
 
-from engine.memory import fmt_bytes
-from pipeline.parts import fsync_dir, temp_path
+from kvbatch.engine.memory import fmt_bytes
+from kvbatch.pipeline.parts import fsync_dir, temp_path
 
 
 def versions() -> dict[str, str]:

@@ -31,7 +31,7 @@ from typing import Any, Optional
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from pipeline import model_cache
+from kvbatch.pipeline import model_cache
 
 STATUS_FILE = "job_status.json"
 
@@ -62,7 +62,7 @@ def compare_key(cfg, input_path: Path) -> str:
     """Jobs with equal keys saw the same model, prompts and sampling (KV, memory, engine may differ)."""
     import hashlib
 
-    from pipeline.config import as_dict
+    from kvbatch.pipeline.config import as_dict
 
     d = as_dict(cfg)
     keyed = {k: d[k] for k in ("model", "job", "sampling", "debug")}
@@ -74,8 +74,8 @@ def compare_key(cfg, input_path: Path) -> str:
 
 def _check_reuse(job) -> None:
     """A job folder reused by a later sweep must hold this config's queue, never another's."""
-    from pipeline.config import ConfigError
-    from pipeline.queue import Queue
+    from kvbatch.pipeline.config import ConfigError
+    from kvbatch.pipeline.queue import Queue
 
     if not job.queue_path.exists():
         return
@@ -112,10 +112,10 @@ def run_sweep_job(node: DictConfig) -> dict:
     (except Ctrl-C, after recording it)."""
     from hydra.core.hydra_config import HydraConfig
 
-    from pipeline import actions
-    from pipeline.app import _no_extra_keys, describe
-    from pipeline.config import ConfigError, as_dict, to_config
-    from engine.errors import KvbatchConfigError
+    from kvbatch.pipeline import actions
+    from kvbatch.pipeline.app import _no_extra_keys, describe
+    from kvbatch.pipeline.config import ConfigError, as_dict, to_config
+    from kvbatch.engine.errors import KvbatchConfigError
     from omegaconf.errors import OmegaConfBaseException
 
     hc = HydraConfig.get()
@@ -181,7 +181,7 @@ def check_sweep(args: list[str]) -> None:
     from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from pipeline.app import CONF_DIR, _no_extra_keys
+    from kvbatch.pipeline.app import CONF_DIR, _no_extra_keys
 
     fixed: list[str] = []
     swept: list[list[str]] = []
@@ -203,7 +203,7 @@ def check_sweep(args: list[str]) -> None:
 # ---- end of the multirun ------------------------------------------------------------------------
 def build_report(sweep_dir: Path) -> Optional[dict]:
     """sweep.parquet + report.md in the sweep folder; prints where they are. None if it failed."""
-    from pipeline.sweep_report import write_report
+    from kvbatch.pipeline.sweep_report import write_report
 
     try:
         res = write_report([sweep_dir], sweep_dir)

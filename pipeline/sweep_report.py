@@ -20,9 +20,9 @@ from typing import Any, Optional
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from engine.errors import ERROR_CODES
-from engine.memory import fmt_bytes
-from pipeline.sweep import STATUS_FILE, read_status
+from kvbatch.engine.errors import ERROR_CODES
+from kvbatch.engine.memory import fmt_bytes
+from kvbatch.pipeline.sweep import STATUS_FILE, read_status
 
 SWEEP_PARQUET = "sweep.parquet"
 REPORT_MD = "report.md"
@@ -377,8 +377,8 @@ def markdown(records: list[dict], sweep_dirs: list[Path], out: Path, plots: dict
 # ---- entry points --------------------------------------------------------------------------------
 def write_report(sweep_dirs: list[Path], out: Path) -> dict:
     """Collect the jobs of these sweep folders; write sweep.parquet, the plots and report.md into `out`."""
-    from pipeline.parts import write_atomic
-    from pipeline.summary import versions as get_versions
+    from kvbatch.pipeline.parts import write_atomic
+    from kvbatch.pipeline.summary import versions as get_versions
 
     dirs = [Path(d).resolve() for d in sweep_dirs]
     out = Path(out).resolve()
@@ -406,7 +406,7 @@ def write_report(sweep_dirs: list[Path], out: Path) -> dict:
 
 def resolve_dirs(patterns: list[str]) -> list[Path]:
     """report.sweep_dirs entries (globs allowed) -> existing sweep folders; ConfigError otherwise."""
-    from pipeline.config import ConfigError
+    from kvbatch.pipeline.config import ConfigError
 
     dirs: list[Path] = []
     for p in patterns:
@@ -425,7 +425,7 @@ def resolve_dirs(patterns: list[str]) -> list[Path]:
 
 def report_action(cfg) -> Path:
     """`kvbatch action=report report.sweep_dirs=[DIR,...] [report.out=DIR]`."""
-    from pipeline.config import ConfigError
+    from kvbatch.pipeline.config import ConfigError
 
     dirs = resolve_dirs(list(cfg.report.sweep_dirs))
     if cfg.report.out:

@@ -32,14 +32,14 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from engine.errors import INTERNAL_ERROR, INVALID_INPUT
-from engine.types import Request, Result, SamplingParams
-from pipeline import debug
-from pipeline.config import Config
-from pipeline.parts import part_name, write_part
-from pipeline.progress import Progress
-from pipeline.prompts import encode
-from pipeline.queue import Claimed, Queue
+from kvbatch.engine.errors import INTERNAL_ERROR, INVALID_INPUT
+from kvbatch.engine.types import Request, Result, SamplingParams
+from kvbatch.pipeline import debug
+from kvbatch.pipeline.config import Config
+from kvbatch.pipeline.parts import part_name, write_part
+from kvbatch.pipeline.progress import Progress
+from kvbatch.pipeline.prompts import encode
+from kvbatch.pipeline.queue import Claimed, Queue
 
 
 HEARTBEAT_S = 0.5  # the engine yields at least this often: deadline and flush checks mid-batch

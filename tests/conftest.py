@@ -19,13 +19,13 @@ os.environ.setdefault("MLX_ENABLE_TF32", "0")
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import engine  # noqa: E402,F401  (must precede any mlx import)
+import kvbatch.engine  # noqa: E402,F401  (must precede any mlx import)
 import mlx.core as mx  # noqa: E402
 import pytest  # noqa: E402
 
-from engine import attention, cuda_attention  # noqa: E402
-from engine.models.config import ModelConfig  # noqa: E402
-from engine.models.load import load_model  # noqa: E402
+from kvbatch.engine import attention, cuda_attention  # noqa: E402
+from kvbatch.engine.models.config import ModelConfig  # noqa: E402
+from kvbatch.engine.models.load import load_model  # noqa: E402
 
 ON_CPU = not mx.metal.is_available() and not mx.cuda.is_available()
 ON_CUDA = mx.cuda.is_available()

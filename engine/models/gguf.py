@@ -17,8 +17,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.errors import KvbatchConfigError
-from engine.models.gguf_tokenizer import write_gguf_tokenizer
+from kvbatch.engine.errors import KvbatchConfigError
+from kvbatch.engine.models.gguf_tokenizer import write_gguf_tokenizer
 
 VARIANTS = ("float32", "float16", "bfloat16", "quantized")
 SUPPORTED_ARCHS = ("llama",)

@@ -12,8 +12,8 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from engine.errors import KvbatchConfigError
-from engine.models.tokenizer_files import write_tokenizer
+from kvbatch.engine.errors import KvbatchConfigError
+from kvbatch.engine.models.tokenizer_files import write_tokenizer
 
 CONTROL, USER_DEFINED = 3, 4
 _LLAMA3_SPLIT = (

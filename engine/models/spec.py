@@ -15,7 +15,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models import cache as mlc
 
-from engine.types import ModelSpec
+from kvbatch.engine.types import ModelSpec
 
 RECURRENT_FAMILIES = frozenset({
     "mamba", "mamba2", "rwkv7", "recurrent_gemma", "qwen3_next", "qwen3_5", "lfm2", "lfm2_moe",

@@ -17,9 +17,9 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from engine.errors import KvbatchConfigError
-from engine.models.config import ModelConfig
-from engine.models.tokenizer_files import bytes_to_unicode, write_tokenizer
+from kvbatch.engine.errors import KvbatchConfigError
+from kvbatch.engine.models.config import ModelConfig
+from kvbatch.engine.models.tokenizer_files import bytes_to_unicode, write_tokenizer
 
 FORMAT_VERSION = 1
 FAMILIES = ("llama", "qwen3")

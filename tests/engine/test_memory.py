@@ -13,18 +13,18 @@ from __future__ import annotations
 import math
 import re
 
-import engine  # noqa: F401  (OpenBLAS before mlx)
+import kvbatch.engine  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 import psutil
 import pytest
 
-import engine.kv_cache as kv_cache_mod
-import engine.memory as memory_mod
-from engine.engine import Engine, EngineConfig
-from engine.errors import INSUFFICIENT_MEMORY, RowError
-from engine.kv_cache import CacheRow, PagedKVCache
-from engine.memory import MemoryModel, format_plan, kv_layout, parse_size, resolve_budget
-from engine.types import Request, SamplingParams
+import kvbatch.engine.kv_cache as kv_cache_mod
+import kvbatch.engine.memory as memory_mod
+from kvbatch.engine.engine import Engine, EngineConfig
+from kvbatch.engine.errors import INSUFFICIENT_MEMORY, RowError
+from kvbatch.engine.kv_cache import CacheRow, PagedKVCache
+from kvbatch.engine.memory import MemoryModel, format_plan, kv_layout, parse_size, resolve_budget
+from kvbatch.engine.types import Request, SamplingParams
 from tests.conftest import cpu_only
 
 BIG = 2 << 30

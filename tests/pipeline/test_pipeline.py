@@ -8,10 +8,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import pipeline.actions as actions
-from pipeline.app import compose_config
-from pipeline.parts import SCHEMA
-from pipeline.queue import Queue
+import kvbatch.pipeline.actions as actions
+from kvbatch.pipeline.app import compose_config
+from kvbatch.pipeline.parts import SCHEMA
+from kvbatch.pipeline.queue import Queue
 
 SAMPLE_IDS = ["capital", "haiku", "math", "explain", "list", "code", "chat", "story"]
 
@@ -111,7 +111,7 @@ def test_empty_input_gives_an_empty_results_file(run_app, tmp_path):
 
 
 def test_raw_prompts_and_greedy_matches_the_engine(run_app, tmp_path, tiny_model):
-    from engine import Engine, EngineConfig, Request, SamplingParams
+    from kvbatch.engine import Engine, EngineConfig, Request, SamplingParams
 
     src = _write(tmp_path, [{"id": "a", "prompt": "The cat"}, {"id": "b", "prompt": "A dog"}])
     path, _ = run_app(f"job.input={src}", "job.chat_template=false", "job.max_tokens=8")

@@ -10,12 +10,12 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def kvbatch(*args, cwd):
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "kvbatch", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
 
 

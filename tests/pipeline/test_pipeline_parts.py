@@ -4,10 +4,10 @@ from __future__ import annotations
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.finalize import finalize
-from pipeline.inputs import InputRow
-from pipeline.parts import SCHEMA, PartError, read_part, write_part
-from pipeline.queue import Queue
+from kvbatch.pipeline.finalize import finalize
+from kvbatch.pipeline.inputs import InputRow
+from kvbatch.pipeline.parts import SCHEMA, PartError, read_part, write_part
+from kvbatch.pipeline.queue import Queue
 
 
 def _rec(key, pos, text="out", code=None):
@@ -81,7 +81,7 @@ def test_reconcile_while_another_worker_acknowledges(tmp_path, monkeypatch):
     """A worker that reconciles while another one writes and acknowledges a part must not take
     that row for lost: the queue is read before the parts, so a row it sees finished has a part
     already on disk (a worker renames its part, then acknowledges)."""
-    import pipeline.finalize as fz
+    import kvbatch.pipeline.finalize as fz
 
     q = _queue(tmp_path, 2)
     parts = tmp_path / "parts"

@@ -1,6 +1,6 @@
 """The CUDA decode kernels' launch settings and source, checked without a GPU.
 
-The kernels themselves only run on MLX CUDA (tests/test_cuda_kernel_write.py and the q8/q4 /
+The kernels themselves only run on MLX CUDA (tests/engine/test_cuda_kernel_write.py and the q8/q4 /
 paging tests cover them there). Here: the environment switches that GPU runs depend on parse
 as documented, split ranges depend on a row's own length only, and the kernel text of every
 variant compiles with nvcc (as MLX's NVRTC would compile it), so a syntax error in a kernel
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from engine import cuda_attention as ca
-from engine import cuda_source as cs
+from kvbatch.engine import cuda_attention as ca
+from kvbatch.engine import cuda_source as cs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_chunk_setting_parses_n_and_n_colon_m(monkeypatch):
@@ -87,8 +87,8 @@ def _cache_as_on_cuda(mode: str, P: int, H: int, kernel_writes: bool):
     """A one-layer paged cache whose decode plans are built as on MLX CUDA (fused kernel)."""
     import mlx.core as mx
 
-    from engine.kv_cache import PagedKVCache
-    from engine.memory import KVLayout
+    from kvbatch.engine.kv_cache import PagedKVCache
+    from kvbatch.engine.memory import KVLayout
 
     lay = KVLayout(num_kv_layers=1, num_kv_heads=H, head_dim=64, dtype_bytes=4, mode=mode, group_size=64,
                    page_size=P)
@@ -99,7 +99,7 @@ def _cache_as_on_cuda(mode: str, P: int, H: int, kernel_writes: bool):
 
 def _rows_at(cache, pos: list[int], reserve: int) -> list:
     """Admitted rows holding pos[i] tokens, with room reserved for `reserve` more."""
-    from engine.kv_cache import CacheRow
+    from kvbatch.engine.kv_cache import CacheRow
 
     rows = []
     for i, p in enumerate(pos):
@@ -115,8 +115,8 @@ def _rows_at(cache, pos: list[int], reserve: int) -> list:
 def test_quantized_fused_decode_plan(kernel_writes):
     """The per-step plan of the CUDA q8/q4 decode (built on the host, so checkable here): rows
     at a fresh tail, a full tail (seals this step), a sealed page plus one, two pages plus two."""
-    from engine import step_plan
-    from engine.kv_store import head_rows
+    from kvbatch.engine import step_plan
+    from kvbatch.engine.kv_store import head_rows
 
     P, H = 16, 2
     cache = _cache_as_on_cuda("q8", P, H, kernel_writes)
@@ -146,7 +146,7 @@ def test_decode_steps_reuse_tables_only_while_no_page_changes(mode):
     page boundaries (a dense row gains a page, a q8 row seals its tail), after a step that was
     built and dropped (lookahead), and when a row released and given other pages comes back at
     the counts it had."""
-    from engine.kv_cache import CacheRow
+    from kvbatch.engine.kv_cache import CacheRow
 
     P = 4
     cache = _cache_as_on_cuda(mode, P, 2, kernel_writes=True)

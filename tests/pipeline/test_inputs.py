@@ -7,8 +7,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.config import ConfigError, JobConfig
-from pipeline.inputs import read_rows, resolve_input
+from kvbatch.pipeline.config import ConfigError, JobConfig
+from kvbatch.pipeline.inputs import read_rows, resolve_input
 
 JOB = JobConfig()
 

@@ -1,6 +1,6 @@
 """The durable worker (issue 7), with real processes, real SQLite, real Parquet and the tiny model.
 
-Every run is `python -m pipeline ...` in its own process. Crashes are real SIGKILLs: the
+Every run is `python -m kvbatch ...` in its own process. Crashes are real SIGKILLs: the
 testing-only crash points (pipeline/debug.py, KVBATCH_DEBUG_CRASH_AT=POINT:N:pause) stop
 the worker at an exact place and the test sends `kill -9` from outside; `row:KEY` makes a
 row kill its worker itself. Results are compared with one uninterrupted run of the same job.
@@ -20,9 +20,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.debug import ENV as CRASH_ENV
-from pipeline.parts import read_part
-from pipeline.queue import Queue
+from kvbatch.pipeline.debug import ENV as CRASH_ENV
+from kvbatch.pipeline.parts import read_part
+from kvbatch.pipeline.queue import Queue
 
 # 17 rows: prompts of 2-10 prefill chunks (chunk 8), answers of 16 to 800 tokens, one invalid row.
 MAX_TOKENS = [16, 64, 800, 32]
@@ -58,13 +58,13 @@ def _env(crash: str | None = None) -> dict:
 
 
 def kvbatch(out: Path, args: list[str], crash: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline", *args, f"output.dir={out}"], cwd=out.parent,
+    return subprocess.run([sys.executable, "-m", "kvbatch", *args, f"output.dir={out}"], cwd=out.parent,
                           env=_env(crash), capture_output=True, text=True, timeout=600)
 
 
 def start(out: Path, args: list[str], log: Path, crash: str | None = None) -> subprocess.Popen:
     with open(log, "w") as err, open(log.with_suffix(".out"), "w") as so:
-        return subprocess.Popen([sys.executable, "-m", "pipeline", *args, f"output.dir={out}"], cwd=out.parent,
+        return subprocess.Popen([sys.executable, "-m", "kvbatch", *args, f"output.dir={out}"], cwd=out.parent,
                                 env=_env(crash), stdout=so, stderr=err)
 
 

@@ -8,10 +8,10 @@ import time
 import pytest
 from mlx_lm import generate
 
-from engine.models.config import ModelConfig
-from engine.models.load import load_model
-from engine.models.materialize import MARKER
-from engine.models.sources import resolve_model_dir
+from kvbatch.engine.models.config import ModelConfig
+from kvbatch.engine.models.load import load_model
+from kvbatch.engine.models.materialize import MARKER
+from kvbatch.engine.models.sources import resolve_model_dir
 
 pytestmark = pytest.mark.smollm2
 

@@ -16,14 +16,14 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from pipeline.sweep_report import CODE_COLORS, KV_COLORS, PLOTS, compare
+from kvbatch.pipeline.sweep_report import CODE_COLORS, KV_COLORS, PLOTS, compare
 
 PROMPTS = [{"id": "a", "prompt": "The cat sat on"}, {"id": "b", "prompt": "Once upon a time"},
            {"id": "c", "prompt": "1, 2, 3,"}, {"id": "empty", "prompt": ""}]  # the last: invalid_input
 
 
 def kvbatch(*args, cwd, popen=False):
-    cmd = [sys.executable, "-m", "pipeline", *args]
+    cmd = [sys.executable, "-m", "kvbatch", *args]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     if popen:
         return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -200,8 +200,8 @@ def test_action_report_rebuilds_from_one_and_several_sweeps(root, basic_sweep, r
     assert (out / "report.md").exists() and all((out / name).exists() for name, _ in PLOTS.values())
 
     # One folder, in process: the same rows as the sweep's own report (timings and all).
-    from pipeline.app import compose_config
-    from pipeline.sweep_report import report_action
+    from kvbatch.pipeline.app import compose_config
+    from kvbatch.pipeline.sweep_report import report_action
 
     again = root / "again"
     report_action(compose_config(["action=report", f"report.sweep_dirs=[{basic}]", f"report.out={again}"]))
@@ -224,8 +224,8 @@ def test_compare_definitions():
 
 
 def test_model_cache_loads_once_per_model_config(model_cache_dir):
-    from engine.models.config import ModelConfig
-    from pipeline import model_cache
+    from kvbatch.engine.models.config import ModelConfig
+    from kvbatch.pipeline import model_cache
 
     model_cache.enable(True)
     try:

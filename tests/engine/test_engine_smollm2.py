@@ -2,13 +2,13 @@
 greedy tokens give the same tokens as mlx-lm's single-stream generation."""
 from __future__ import annotations
 
-import engine  # noqa: F401  (OpenBLAS before mlx)
+import kvbatch.engine  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from engine.engine import Engine, EngineConfig
-from engine.types import Request, SamplingParams
+from kvbatch.engine.engine import Engine, EngineConfig
+from kvbatch.engine.types import Request, SamplingParams
 
 pytestmark = pytest.mark.smollm2
 

@@ -1,12 +1,12 @@
 """RoPE from a per-step table (engine/rope.py) against MLX's fast.rope, and in the engine."""
 from __future__ import annotations
 
-import engine  # noqa: F401  (OpenBLAS before mlx)
+import kvbatch.engine  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from engine import rope
+from kvbatch.engine import rope
 from tests.conftest import cpu_only
 
 
@@ -47,7 +47,7 @@ def test_layers_share_one_table_per_step():
 
 @cpu_only
 def test_engine_installs_it_on_the_cpu(tiny_model):
-    from engine.engine import Engine, EngineConfig
+    from kvbatch.engine.engine import Engine, EngineConfig
 
     model, tok, spec = tiny_model(family="llama", head_dim=64)
     Engine(model, tok, spec, EngineConfig(memory_budget=1 << 30))

@@ -4,7 +4,7 @@ What is proven here:
 - every (family, head size, mode) entry of engine/gate.py's VALIDATED table, in
   batches of 8 rows with different prompt lengths, at page sizes 16 and 64 and
   a prefill chunk shorter than some prompts, gives teacher-forced logits that
-  match tests/kv_reference.py within 1e-4 at every step (see `_check_row` for
+  match tests/engine/kv_reference.py within 1e-4 at every step (see `_check_row` for
   the two references and why both are needed);
 - continuous batching (more rows than max_batch, freed pages reused) and a
   row's independence from its batch mates and from when the pool grew;
@@ -23,20 +23,20 @@ from __future__ import annotations
 import random
 from types import SimpleNamespace
 
-import engine  # noqa: F401  (OpenBLAS before mlx)
+import kvbatch.engine  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 import pytest
 
-from engine import attention, kv_store
-from engine.engine import Engine, EngineConfig
-from engine.errors import KvbatchConfigError
-from engine.gate import VALIDATED
-from engine.models.config import ModelConfig
-from engine.models.load import load_model
-from engine.types import Request, SamplingParams
-from engine import cuda_attention
+from kvbatch.engine import attention, kv_store
+from kvbatch.engine.engine import Engine, EngineConfig
+from kvbatch.engine.errors import KvbatchConfigError
+from kvbatch.engine.gate import VALIDATED
+from kvbatch.engine.models.config import ModelConfig
+from kvbatch.engine.models.load import load_model
+from kvbatch.engine.types import Request, SamplingParams
+from kvbatch.engine import cuda_attention
 from tests.conftest import ON_CPU, ON_CUDA, cpu_only, expected_route
-from tests.kv_reference import QuantRefCache, StoredPagesRefCache, teacher_forced_logits
+from tests.engine.kv_reference import QuantRefCache, StoredPagesRefCache, teacher_forced_logits
 
 TOL = 1e-4
 BITS = {"q8": 8, "q4": 4}

@@ -11,12 +11,12 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from engine.errors import KvbatchConfigError
-from engine.models.config import ModelConfig
-from engine.models.gguf import convert_gguf
-from engine.models.load import load_model
-from engine.models.materialize import MARKER
-from engine.models.sources import resolve_model_dir
+from kvbatch.engine.errors import KvbatchConfigError
+from kvbatch.engine.models.config import ModelConfig
+from kvbatch.engine.models.gguf import convert_gguf
+from kvbatch.engine.models.load import load_model
+from kvbatch.engine.models.materialize import MARKER
+from kvbatch.engine.models.sources import resolve_model_dir
 
 PROMPT = [104, 105, 32, 256, 257]  # "hi " <|im_start|> <|im_end|>
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
@@ -147,7 +147,7 @@ def test_gguf_unsupported_architecture(tmp_path):
 
 def _python(code: str, **env) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True,
-                          env={**os.environ, **env}, cwd=Path(__file__).parents[1], timeout=120)
+                          env={**os.environ, **env}, cwd=Path(__file__).parents[2], timeout=120)
 
 
 @pytest.mark.skipif(not os.path.exists(OPENBLAS), reason="needs Debian's libopenblas0-pthread")

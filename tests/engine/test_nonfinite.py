@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import re
 
-import engine  # noqa: F401  (OpenBLAS before mlx)
+import kvbatch.engine  # noqa: F401  (OpenBLAS before mlx)
 import pytest
 
-from engine.engine import Engine, EngineConfig
-from engine.errors import NON_FINITE_LOGITS
-from engine.types import Request, SamplingParams
+from kvbatch.engine.engine import Engine, EngineConfig
+from kvbatch.engine.errors import NON_FINITE_LOGITS
+from kvbatch.engine.types import Request, SamplingParams
 
 BUDGET = 2 << 30
 P = 4  # page size: small, so rows span many pages and the pool grows

@@ -2,7 +2,7 @@
 import mlx.core as mx
 import pytest
 
-from engine import attention, softmax
+from kvbatch.engine import attention, softmax
 
 
 def _reference(scores: mx.array, mask: mx.array) -> mx.array:

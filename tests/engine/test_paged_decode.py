@@ -3,14 +3,14 @@
 packed pages (`quantized_paged_decode` vs `quantized_decode_attention`)."""
 from __future__ import annotations
 
-import engine  # noqa: F401  (OpenBLAS before mlx)
+import kvbatch.engine  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.attention import _grouped_decode, paged_grouped_decode, quantized_decode_attention, quantized_paged_decode
-from engine.kv_store import QuantizedStore
-from engine.step_plan import quantized_paged_plan
+from kvbatch.engine.attention import _grouped_decode, paged_grouped_decode, quantized_decode_attention, quantized_paged_decode
+from kvbatch.engine.kv_store import QuantizedStore
+from kvbatch.engine.step_plan import quantized_paged_plan
 
 
 @pytest.mark.parametrize("B,Hkv,G,D,P", [(1, 1, 1, 64, 16), (5, 2, 2, 64, 16), (3, 3, 3, 64, 64),

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import random
 
-import engine  # noqa: F401  (OpenBLAS before mlx)
+import kvbatch.engine  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 import pytest
 
-from engine.engine import Engine, EngineConfig
-from engine.types import Request, SamplingParams
+from kvbatch.engine.engine import Engine, EngineConfig
+from kvbatch.engine.types import Request, SamplingParams
 from tests.conftest import ON_CUDA
 
 pytestmark = pytest.mark.skipif(not ON_CUDA, reason="the fused kernels run on MLX CUDA only")

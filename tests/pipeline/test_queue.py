@@ -4,8 +4,8 @@ from __future__ import annotations
 import threading
 import time
 
-from pipeline.inputs import InputRow
-from pipeline.queue import Queue
+from kvbatch.pipeline.inputs import InputRow
+from kvbatch.pipeline.queue import Queue
 
 
 def _rows(n, start=0):

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.app import compose_config, describe
-from pipeline.config import ConfigError, config_hash, parse_injection
+from kvbatch.pipeline.app import compose_config, describe
+from kvbatch.pipeline.config import ConfigError, config_hash, parse_injection
 
 
 def _error(overrides: list[str]) -> str:

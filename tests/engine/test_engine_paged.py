@@ -8,19 +8,19 @@ from __future__ import annotations
 
 import math
 
-import engine  # noqa: F401  (OpenBLAS before mlx)
+import kvbatch.engine  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models import llama, mamba
 
-from engine.attention import on_cpu
-from engine.engine import Engine, EngineConfig
-from engine.errors import INVALID_INPUT, PROMPT_TOO_LONG, KvbatchConfigError, UnreservedWriteError
-from engine.kv_cache import CacheRow, PagedKVCache
-from engine.memory import kv_layout
-from engine.models.spec import model_spec
-from engine.types import Request, SamplingParams
+from kvbatch.engine.attention import on_cpu
+from kvbatch.engine.engine import Engine, EngineConfig
+from kvbatch.engine.errors import INVALID_INPUT, PROMPT_TOO_LONG, KvbatchConfigError, UnreservedWriteError
+from kvbatch.engine.kv_cache import CacheRow, PagedKVCache
+from kvbatch.engine.memory import kv_layout
+from kvbatch.engine.models.spec import model_spec
+from kvbatch.engine.types import Request, SamplingParams
 
 BUDGET = 2 << 30
 EOS = 257  # the tiny model's <|im_end|>

@@ -7,13 +7,13 @@ sampling, a non-finite row, continuous batching (more rows than slots) and page 
 """
 from __future__ import annotations
 
-import engine  # noqa: F401  (OpenBLAS before mlx)
+import kvbatch.engine  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 import pytest
 
-from engine.engine import Engine, EngineConfig
-from engine.errors import NON_FINITE_LOGITS
-from engine.types import Request, SamplingParams
+from kvbatch.engine.engine import Engine, EngineConfig
+from kvbatch.engine.errors import NON_FINITE_LOGITS
+from kvbatch.engine.types import Request, SamplingParams
 
 EOS = 257
 

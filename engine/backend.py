@@ -1,0 +1,32 @@
+"""Which MLX backend this process runs on: detected once, asked everywhere else."""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str  # "cpu" | "cuda" | "metal"
+    cuda_kernels: bool  # MLX CUDA with custom kernels (mx.fast.cuda_kernel)
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.name == "cpu"
+
+
+@functools.cache
+def backend() -> Backend:
+    """The backend of MLX's default device. On the CPU backend MLX's SDPA is a composed fallback
+    and quantized matmuls run one thread per stream, which is what the CPU routes work around."""
+    import mlx.core as mx
+
+    if mx.default_device().type == mx.DeviceType.cpu:
+        name = "cpu"
+    else:
+        name = "metal" if mx.metal.is_available() else "cuda" if mx.cuda.is_available() else "cpu"
+    return Backend(name, name == "cuda" and hasattr(mx.fast, "cuda_kernel"))
+
+
+def on_cpu() -> bool:
+    return backend().on_cpu

@@ -1,0 +1,158 @@
+"""The engine's typed configs, and their checks: the one place that decides what a valid setting is.
+
+The Hydra schema (pipeline/config.py) embeds these dataclasses as its `kv`, `memory` and
+`engine` sections, so a key set on the command line (`kv.page_size=16`,
+`engine.options.lookahead=off`) reaches the engine as it is, typed, with no copy in between.
+`check()` raises KvbatchConfigError with one line naming the key.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Optional
+
+from kvbatch.engine.errors import KvbatchConfigError
+from kvbatch.engine.memory import parse_size
+
+# The one KV-mode table: mode -> bits of the stored K/V (None: the model's dtype).
+KV_BITS: dict[str, Optional[int]] = {"none": None, "q8": 8, "q4": 4}
+KV_MODES = tuple(KV_BITS)
+GROUP_SIZES = (32, 64, 128)
+
+
+@dataclass
+class KVConfig:
+    """How the KV cache stores keys and values (Hydra group `kv/`)."""
+
+    mode: str = "none"  # none | q8 | q4
+    group_size: int = 64  # quantization group: values along head_dim; keys too, or along tokens per channel
+    page_size: int = 64  # tokens per KV page
+    allow_unvalidated: bool = False  # run a KV mode that is not validated for this model/backend
+
+    @property
+    def bits(self) -> Optional[int]:
+        return KV_BITS.get(self.mode)
+
+
+@dataclass
+class MemoryConfig:
+    """The memory budget (Hydra group `memory/`)."""
+
+    budget: str = "auto"  # "auto" or a size such as 8GiB (weights included)
+    fraction: float = 0.8  # auto: share of the memory the machine can give now
+    headroom: str = "1GiB"  # auto: kept free for everything else
+
+    @property
+    def budget_bytes(self) -> Optional[int]:
+        """The explicit budget in bytes; None for auto (resolved once the weights are loaded)."""
+        return None if str(self.budget).strip().lower() == "auto" else parse_size(self.budget)
+
+
+@dataclass
+class CudaLaunch:
+    """Launch settings of the fused CUDA decode kernels (routes/cuda_kernels.py). The defaults are
+    the measured best (benchmarks/RESULTS.md, issue 9); the other values exist for A/B runs."""
+
+    chunk: int = 1024  # tokens per split of a long row (0: never split)
+    unsplit: int = 1024  # rows up to this many tokens are not split
+    unroll: int = 0  # tokens per lane per loop step; 0: the kernel kind's default (dense 2, q8/q4 4)
+    warps: int = 0  # most warps per block; 0: the kernel kind's default (dense 8, q8/q4 4)
+    kernel_writes: bool = True  # decode stores the step's new K/V inside the kernel (else scatters first)
+
+
+# Options that never change a row's tokens (they change how fast, or what is printed): left out of
+# a run's identity (`identity()`), so they do not move results to another output folder.
+_SAME_OUTPUTS = frozenset({"lookahead", "step_reuse", "attention_trace", "qmm_threads"})
+_CHOICES = {"route": ("auto", "portable"), "lookahead": ("auto", "on", "off"),
+            "attention_trace": ("off", "nonfinite", "all")}
+
+
+@dataclass
+class EngineOptions:
+    """Behaviour switches of the engine (Hydra `engine.options.*`). Every one is recorded in
+    summary.json; those that can change outputs are part of the run's identity."""
+
+    # auto: the fastest route this backend has; portable: the route Apple's Metal backend takes
+    # (pages gathered, MLX's SDPA / quantized_matmul; no CPU in-place reads, no CUDA kernels)
+    route: str = "auto"
+    # decode dispatches the next step before reading the previous step's tokens:
+    # auto = on for GPU backends, off on the CPU (the CPU does both)
+    lookahead: str = "auto"
+    in_place: bool = True  # CPU kv none decode reads float32 pages in place (gather_mm), else gathers
+    q_in_place: bool = True  # CPU q8/q4 decode reads packed pages in place (gather_qmm), else gathers
+    rope_table: bool = True  # CPU decode RoPE from one cos/sin table per step (else MLX's kernel per call)
+    step_reuse: bool = True  # CUDA decode reuses the last step's page table while no row gains a page
+    qmm_threads: int = 0  # CPU quantized matmuls spread over this many streams; 0: min(cores, 4); 1: off
+    attention_trace: str = "off"  # off | nonfinite (print bad attention calls) | all (print every call)
+    cuda: CudaLaunch = field(default_factory=CudaLaunch)
+
+    def identity(self) -> dict[str, Any]:
+        """The options that can change a row's tokens (part of the output folder's hash)."""
+        return {k: v for k, v in asdict(self).items() if k not in _SAME_OUTPUTS}
+
+
+@dataclass
+class EngineSettings:
+    """The `engine:` section: how many rows run together, how prompts are cut, and the options."""
+
+    max_batch: int = 8
+    prefill_chunk: int = 512  # prompt tokens per prefill forward
+    options: EngineOptions = field(default_factory=EngineOptions)
+
+
+@dataclass
+class EngineConfig:
+    """Everything an Engine is built from besides the model."""
+
+    kv: KVConfig = field(default_factory=KVConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    max_prompt_tokens: Optional[int] = None  # a limit below the model's context (prompt_too_long above it)
+
+    def check(self) -> None:
+        check_kv(self.kv)
+        check_memory(self.memory)
+        check_settings(self.engine)
+        _need(self.max_prompt_tokens is None or self.max_prompt_tokens >= 1, "job.max_prompt_tokens",
+              self.max_prompt_tokens, "must be >= 1 or null")
+
+
+def _need(ok: bool, key: str, value: Any, why: str) -> None:
+    if not ok:
+        raise KvbatchConfigError(f"{key}={value!r}: {why}")
+
+
+def _size(key: str, value: Any, allow_auto: bool = False) -> None:
+    if allow_auto and str(value).strip().lower() == "auto":
+        return
+    try:
+        n = parse_size(value)
+    except ValueError as exc:
+        raise KvbatchConfigError(f"{key}={value!r}: {exc}{' or auto' if allow_auto else ''}") from None
+    _need(n > 0 or key != "memory.budget", key, value, "must be > 0")
+
+
+def check_kv(kv: KVConfig) -> None:
+    _need(kv.mode in KV_BITS, "kv.mode", kv.mode, f"choose one of {', '.join(KV_MODES)}")
+    _need(kv.group_size in GROUP_SIZES, "kv.group_size", kv.group_size,
+          f"choose one of {', '.join(map(str, GROUP_SIZES))}")
+    _need(kv.page_size >= 1, "kv.page_size", kv.page_size, "must be >= 1")
+
+
+def check_memory(mem: MemoryConfig) -> None:
+    _size("memory.budget", mem.budget, allow_auto=True)
+    _need(0 < mem.fraction <= 1, "memory.fraction", mem.fraction, "must be in (0, 1]")
+    _size("memory.headroom", mem.headroom)
+
+
+def check_settings(s: EngineSettings) -> None:
+    _need(s.max_batch >= 1, "engine.max_batch", s.max_batch, "must be >= 1")
+    _need(s.prefill_chunk >= 1, "engine.prefill_chunk", s.prefill_chunk, "must be >= 1")
+    o = s.options
+    for name, choices in _CHOICES.items():
+        _need(getattr(o, name) in choices, f"engine.options.{name}", getattr(o, name),
+              f"choose one of {', '.join(choices)}")
+    _need(o.qmm_threads >= 0, "engine.options.qmm_threads", o.qmm_threads, "must be >= 0 (0 = auto)")
+    c = o.cuda
+    for f in fields(c):
+        if f.type in ("int", int):
+            _need(getattr(c, f.name) >= 0, f"engine.options.cuda.{f.name}", getattr(c, f.name), "must be >= 0")

@@ -1,0 +1,33 @@
+"""Test and debug hooks, given to an Engine at construction (production passes none).
+
+One object carries every hook, so nothing monkeypatches the engine and no production type
+grows test-only fields: fault injection (NaN in one row's attention at one step), teacher
+forcing (feed given tokens instead of sampling), logit capture, and the points where a
+crash injector may act (pipeline/debug.py subclasses this).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import mlx.core as mx
+
+
+@dataclass
+class EngineHooks:
+    # (row key, output step): that row's attention output becomes NaN at that step
+    nonfinite: Optional[tuple[str, int]] = None
+    # row key -> tokens fed instead of sampled (teacher forcing); the row ends after the last one
+    forced_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # row keys whose every step's float32 logits (vocab,) are kept in `logits`
+    capture_logits: set[str] = field(default_factory=set)
+    logits: dict[str, list[mx.array]] = field(default_factory=dict)
+
+    def on_row_start(self, key: str) -> None:
+        """A row's prefill is about to start."""
+
+    def on_prefill_chunk(self, key: str, done: int, total: int) -> None:
+        """A prefill chunk of row `key` is computed: `done` of `total` prompt tokens."""
+
+    def on_decode_step(self) -> None:
+        """A decode step's tokens were accepted."""
