@@ -21,7 +21,7 @@ from mlx_lm.models.cache import KVCache  # noqa: E402
 from kvbatch.engine.engine import Engine, EngineConfig  # noqa: E402
 from kvbatch.engine.models.spec import model_spec  # noqa: E402
 from kvbatch.engine.types import Request, SamplingParams  # noqa: E402
-from tests.kv_reference import StoredPagesRefCache, record_page_tables, teacher_forced_logits  # noqa: E402
+from tests.engine.kv_reference import StoredPagesRefCache, record_page_tables, teacher_forced_logits  # noqa: E402
 
 
 class _Tok:
