@@ -5,46 +5,34 @@ puts it first in its defaults list, so every group option and every command-line
 override is merged into typed dataclasses: an unknown key or a wrong type fails at
 composition. `validate()` then checks values (ranges, sizes, enums) and raises
 `ConfigError` with one line that names the key.
+
+The `kv`, `memory` and `engine` sections are the engine's own dataclasses
+(engine/config.py), so their values reach the engine as typed here and their checks
+live there, once; this module checks only the pipeline's sections.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+from kvbatch.engine.config import EngineConfig, EngineSettings, KVConfig, MemoryConfig
 from kvbatch.engine.errors import KvbatchConfigError
-from kvbatch.engine.memory import parse_size
 from kvbatch.engine.models.config import ModelConfig
+from kvbatch.pipeline import durations
 
 ACTIONS = ("run", "enqueue", "work", "status", "finalize", "report")
 FORMATS = ("auto", "jsonl", "csv", "parquet")
-KV_BITS = {"none": None, "q8": 8, "q4": 4}
 MODEL_SOURCES = ("smollm2", "local", "tiny")
 
 
 class ConfigError(KvbatchConfigError):
     """A bad key or value, or an unusable input: reported as one line before the model loads."""
-
-
-@dataclass
-class KVConfig:
-    mode: str = "none"  # none | q8 | q4
-    bits: Optional[int] = None  # must agree with mode (q8 -> 8, q4 -> 4, none -> null)
-    group_size: int = 64
-    page_size: int = 64
-    allow_unvalidated: bool = False
-
-
-@dataclass
-class MemoryConfig:
-    budget: str = "auto"  # "auto" or a size such as 8GiB (weights included)
-    fraction: float = 0.8  # auto: share of the memory the machine can give now
-    headroom: str = "1GiB"  # auto: kept free for everything else
 
 
 @dataclass
@@ -67,12 +55,6 @@ class SamplingConfig:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     seed: int = 0
-
-
-@dataclass
-class EngineSection:
-    max_batch: int = 8
-    prefill_chunk: int = 512
 
 
 @dataclass
@@ -113,7 +95,7 @@ class Config:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     job: JobConfig = field(default_factory=JobConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    engine: EngineSection = field(default_factory=EngineSection)
+    engine: EngineSettings = field(default_factory=EngineSettings)
     output: OutputConfig = field(default_factory=OutputConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
@@ -131,16 +113,6 @@ def _need(ok: bool, key: str, value: Any, why: str) -> None:
         raise ConfigError(f"{key}={value!r}: {why}")
 
 
-def _size(key: str, value: str, allow_auto: bool = False) -> None:
-    if allow_auto and str(value).strip().lower() == "auto":
-        return
-    try:
-        n = parse_size(value)
-    except ValueError as exc:
-        raise ConfigError(f"{key}={value!r}: {exc}{' or auto' if allow_auto else ''}") from None
-    _need(n > 0 or key != "memory.budget", key, value, "must be > 0")
-
-
 def parse_injection(text: Optional[str]) -> Optional[tuple[str, int]]:
     """'row-7:3' -> ('row-7', 3). The step is after the last ':' (row keys may hold ':')."""
     if text is None:
@@ -151,46 +123,32 @@ def parse_injection(text: Optional[str]) -> Optional[tuple[str, int]]:
     return key, int(step)
 
 
-_DURATION = re.compile(r"^(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?$")
-
-
-def check_deadline(text: Optional[str]) -> None:
-    if text is None:
-        return
-    t = str(text).strip()
-    ok = re.fullmatch(r"([01]?\d|2[0-3]):[0-5]\d", t) or (t and _DURATION.match(t))
-    _need(bool(ok), "worker.deadline", text, "use a time of day like 07:00 or a duration like 6h, 90m, 1h30m")
+def engine_config(cfg: Config) -> EngineConfig:
+    """The engine's config: the schema's own sections, not copies (checked by EngineConfig.check)."""
+    return EngineConfig(kv=cfg.kv, memory=cfg.memory, engine=cfg.engine, max_prompt_tokens=cfg.job.max_prompt_tokens)
 
 
 def validate(cfg: Config) -> None:
     """Check every value Hydra's types let through; raise ConfigError naming the first bad key."""
-    m, kv, mem, job, s, e, w = cfg.model, cfg.kv, cfg.memory, cfg.job, cfg.sampling, cfg.engine, cfg.worker
+    m, job, s, w = cfg.model, cfg.job, cfg.sampling, cfg.worker
     _need(cfg.action in ACTIONS, "action", cfg.action, f"choose one of {', '.join(ACTIONS)}")
     _need(m.source in MODEL_SOURCES, "model.source", m.source, f"choose one of {', '.join(MODEL_SOURCES)}")
     _need(m.source != "local" or bool(m.path), "model.path", m.path,
           "model=local needs model.path (an mlx-lm directory or a Hugging Face repo id)")
-    _need(kv.mode in KV_BITS, "kv.mode", kv.mode, "choose one of none, q8, q4")
-    _need(kv.bits in (None, KV_BITS[kv.mode]), "kv.bits", kv.bits,
-          f"does not match kv.mode={kv.mode} (expects {KV_BITS[kv.mode]})")
-    _need(kv.group_size in (32, 64, 128), "kv.group_size", kv.group_size, "choose one of 32, 64, 128")
-    _need(kv.page_size >= 1, "kv.page_size", kv.page_size, "must be >= 1")
-    _size("memory.budget", mem.budget, allow_auto=True)
-    _need(0 < mem.fraction <= 1, "memory.fraction", mem.fraction, "must be in (0, 1]")
-    _size("memory.headroom", mem.headroom)
+    try:
+        engine_config(cfg).check()  # kv.*, memory.*, engine.*, job.max_prompt_tokens
+    except KvbatchConfigError as exc:
+        raise ConfigError(str(exc)) from None
     _need(bool(re.fullmatch(r"[A-Za-z0-9_.-]+", job.name or "")), "job.name", job.name,
           "use letters, digits, '_', '-', '.' (it names the output folder)")
     _need(bool(job.input), "job.input", job.input, "must name an input file")
     _need(job.format in FORMATS, "job.format", job.format, f"choose one of {', '.join(FORMATS)}")
     _need(job.max_tokens >= 1, "job.max_tokens", job.max_tokens, "must be >= 1")
-    _need(job.max_prompt_tokens is None or job.max_prompt_tokens >= 1, "job.max_prompt_tokens",
-          job.max_prompt_tokens, "must be >= 1 or null")
     _need(all(isinstance(x, str) and x for x in job.stop), "job.stop", job.stop, "must be non-empty strings")
     _need(s.temperature >= 0, "sampling.temperature", s.temperature, "must be >= 0 (0 = greedy)")
     _need(0 < s.top_p <= 1, "sampling.top_p", s.top_p, "must be in (0, 1]")
     _need(s.top_k >= 0, "sampling.top_k", s.top_k, "must be >= 0 (0 = off)")
     _need(s.seed >= 0, "sampling.seed", s.seed, "must be >= 0")
-    _need(e.max_batch >= 1, "engine.max_batch", e.max_batch, "must be >= 1")
-    _need(e.prefill_chunk >= 1, "engine.prefill_chunk", e.prefill_chunk, "must be >= 1")
     _need(cfg.output.progress in ("auto", "on", "off"), "output.progress", cfg.output.progress,
           "choose one of auto, on, off")
     _need(w.lease_s > 0, "worker.lease_s", w.lease_s, "must be > 0")
@@ -201,7 +159,10 @@ def validate(cfg: Config) -> None:
     _need(w.prefetch >= 0, "worker.prefetch", w.prefetch, "must be >= 0")
     _need(w.flush_rows >= 1, "worker.flush_rows", w.flush_rows, "must be >= 1")
     _need(w.flush_s >= 0, "worker.flush_s", w.flush_s, "must be >= 0")
-    check_deadline(w.deadline)
+    try:
+        durations.deadline_at(w.deadline)
+    except ValueError as exc:
+        raise ConfigError(f"worker.deadline={w.deadline!r}: {exc}") from None
     parse_injection(cfg.debug.inject_nonfinite)
     _need(cfg.action != "report" or bool(cfg.report.sweep_dirs), "report.sweep_dirs", cfg.report.sweep_dirs,
           "action=report needs report.sweep_dirs=[DIR,...] (sweep folders)")
@@ -218,16 +179,33 @@ def as_dict(cfg: Config) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
 
 
-# Sections that change what a row's result is; engine/memory/worker/output settings do not.
-_HASHED = ("model", "kv", "job", "sampling", "debug")
+# Sections that shape a row's result; memory/worker/output settings and engine sizes do not.
+_SHAPES_OUTPUTS = ("model", "job", "sampling", "debug")
+
+
+def run_identity(cfg: Config, input_path: str, include_kv: bool) -> str:
+    """12 hex digits naming what a run's outputs depend on: the model (not where it is cached),
+    the job (its input by resolved path, not its name), sampling and debug settings; with
+    `include_kv`, also the KV settings and the engine options that can change tokens
+    (EngineOptions.identity). With it: the output folder's hash (runs that can differ never share
+    a folder). Without it: the sweep's comparison key (jobs that differ only in KV or engine
+    options are compared with each other)."""
+    d = as_dict(cfg)
+    keyed = {k: d[k] for k in _SHAPES_OUTPUTS}
+    keyed["model"].pop("cache_dir", None)
+    keyed["job"] = {**keyed["job"], "input": str(input_path), "name": None}
+    if include_kv:
+        keyed["kv"] = asdict(cfg.kv)
+        keyed["engine_options"] = cfg.engine.options.identity()
+    blob = json.dumps(keyed, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
 def config_hash(cfg: Config, input_path: str) -> str:
-    """Stable 12-hex id of everything that shapes the results: names the default output dir."""
-    d = as_dict(cfg)
-    keyed = {k: d[k] for k in _HASHED}
-    keyed["job"] = {**keyed["job"], "input": input_path, "name": None}
-    for k in ("cache_dir",):
-        keyed["model"].pop(k, None)
-    blob = json.dumps(keyed, sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+    """Names the default output folder (<root>/<job>/<hash>)."""
+    return run_identity(cfg, input_path, include_kv=True)
+
+
+def compare_key(cfg: Config, input_path: str) -> str:
+    """Sweep jobs with equal keys saw the same model, prompts and sampling."""
+    return run_identity(cfg, input_path, include_kv=False)

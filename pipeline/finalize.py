@@ -15,7 +15,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvbatch.pipeline.parts import SCHEMA, clean_temp, dir_lock, quarantine, scan, to_table, write_atomic
+from kvbatch.pipeline.parts import clean_temp, dir_lock, quarantine, scan, write_atomic
+from kvbatch.pipeline.results import SCHEMA, to_table
 from kvbatch.pipeline.queue import Queue
 
 RESULTS = "results.parquet"

@@ -1,4 +1,4 @@
-"""Parquet parts: the durable unit of work, and the results schema they share.
+"""Parquet parts: the durable unit of work (rows of the results schema, pipeline/results.py).
 
 A part is written to a hidden temporary name (`.NAME~HOST~PID.tmp`, unique per
 process), flushed and fsynced, then renamed into place (and the directory
@@ -22,17 +22,9 @@ from typing import Callable, Iterator, Optional
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-SCHEMA = pa.schema([
-    ("row_key", pa.string()), ("row_index", pa.int64()), ("job", pa.string()), ("run_id", pa.string()),
-    ("prompt", pa.string()), ("output", pa.string()), ("output_token_ids", pa.list_(pa.int32())),
-    ("prompt_tokens", pa.int32()), ("output_tokens", pa.int32()), ("finish_reason", pa.string()),
-    ("error_code", pa.string()), ("error_message", pa.string()), ("model", pa.string()),
-    ("kv_mode", pa.string()), ("max_tokens", pa.int32()), ("temperature", pa.float64()),
-    ("top_p", pa.float64()), ("top_k", pa.int32()), ("seed", pa.int64()), ("ttft_s", pa.float64()),
-    ("decode_tps", pa.float64()), ("wall_s", pa.float64()), ("peak_kv_bytes", pa.int64()),
-    ("route", pa.string()), ("attempt", pa.int32()), ("worker", pa.string()),
-])
-COLUMNS = SCHEMA.names
+from kvbatch.pipeline import procs
+from kvbatch.pipeline.results import SCHEMA, ResultRecord, to_table
+
 PART_GLOB = "part-*.parquet"
 LOCK = ".kvbatch.lock"
 _HOST = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())
@@ -55,13 +47,6 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def to_table(records: list[dict], metadata: Optional[dict[str, str]] = None) -> pa.Table:
-    table = pa.Table.from_pylist([{c: r.get(c) for c in COLUMNS} for r in records], schema=SCHEMA)
-    if metadata:
-        table = table.replace_schema_metadata({k.encode(): v.encode() for k, v in metadata.items()})
-    return table
 
 
 def temp_path(path: Path) -> Path:
@@ -100,11 +85,11 @@ def part_name(worker: str, seq: int) -> str:
     return f"part-{re.sub(r'[^A-Za-z0-9_.-]', '_', worker)}-{seq:05d}.parquet"
 
 
-def write_part(parts_dir: Path, name: str, records: list[dict],
+def write_part(parts_dir: Path, name: str, records: list[ResultRecord],
                before_rename: Optional[Callable[[], None]] = None) -> Path:
-    """A durable part holding `records` (results-schema dicts)."""
+    """A durable part holding `records`."""
     parts_dir.mkdir(parents=True, exist_ok=True)
-    keys = [r["row_key"] for r in records]
+    keys = [r.row_key for r in records]
     meta = {"kvbatch.part.rows": str(len(records)), "kvbatch.part.keys_sha256": keys_digest(keys)}
     return write_atomic(to_table(records, meta), parts_dir / name, before_rename)
 
@@ -146,16 +131,6 @@ def quarantine(parts_dir: Path, name: str) -> Path:
     return target
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def clean_temp(folder: Path, older_than_s: float = 3600.0) -> int:
     """Remove temporaries a crash left mid-write (never a complete part: those were renamed):
     at once when the process that wrote it (this host, its pid) is gone, else only old ones
@@ -164,7 +139,7 @@ def clean_temp(folder: Path, older_than_s: float = 3600.0) -> int:
     for tmp in folder.glob(".*.tmp") if folder.is_dir() else []:
         m = re.fullmatch(r"\..+~(.+)~(\d+)\.tmp", tmp.name)
         try:
-            dead = m is not None and m.group(1) == _HOST and not _pid_alive(int(m.group(2)))
+            dead = m is not None and m.group(1) == _HOST and not procs.alive(int(m.group(2)))
             if dead or time.time() - tmp.stat().st_mtime >= older_than_s:
                 tmp.unlink()
                 n += 1

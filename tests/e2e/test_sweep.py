@@ -16,7 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from kvbatch.pipeline.sweep_report import CODE_COLORS, KV_COLORS, PLOTS, compare
+from kvbatch.pipeline.sweep.report.compare import compare
+from kvbatch.pipeline.sweep.report.plots import CODE_COLORS, KV_COLORS, PLOTS
 
 PROMPTS = [{"id": "a", "prompt": "The cat sat on"}, {"id": "b", "prompt": "Once upon a time"},
            {"id": "c", "prompt": "1, 2, 3,"}, {"id": "empty", "prompt": ""}]  # the last: invalid_input

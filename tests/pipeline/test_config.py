@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvbatch.pipeline.app import compose_config, describe
+from kvbatch.pipeline.compose import compose_config, describe
 from kvbatch.pipeline.config import ConfigError, config_hash, parse_injection
 
 
@@ -40,7 +40,7 @@ def test_groups_compose():
     ("sampling.temperature=-1", "sampling.temperature=-1.0"),
     ("engine.max_batch=0", "engine.max_batch=0"),
     ("kv.group_size=48", "kv.group_size=48"),
-    ("kv.bits=4", "kv.bits=4: does not match kv.mode=none"),
+    ("kv.bits=4", "kv.bits: unknown key"),  # bits follow from kv.mode; not a key
     ("model=local", "model.path"),
     ("worker.deadline=7pm", "worker.deadline='7pm'"),
     ("debug.inject_nonfinite=row", "debug.inject_nonfinite='row'"),

@@ -9,9 +9,9 @@ import pyarrow.parquet as pq
 import pytest
 
 import kvbatch.pipeline.actions as actions
-from kvbatch.pipeline.app import compose_config
-from kvbatch.pipeline.parts import SCHEMA
+from kvbatch.pipeline.compose import compose_config
 from kvbatch.pipeline.queue import Queue
+from kvbatch.pipeline.results import SCHEMA
 
 SAMPLE_IDS = ["capital", "haiku", "math", "explain", "list", "code", "chat", "story"]
 

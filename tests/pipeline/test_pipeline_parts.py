@@ -6,14 +6,15 @@ import pytest
 
 from kvbatch.pipeline.finalize import finalize
 from kvbatch.pipeline.inputs import InputRow
-from kvbatch.pipeline.parts import SCHEMA, PartError, read_part, write_part
+from kvbatch.pipeline.parts import PartError, read_part, write_part
 from kvbatch.pipeline.queue import Queue
+from kvbatch.pipeline.results import SCHEMA, ResultRecord
 
 
 def _rec(key, pos, text="out", code=None):
-    return {"row_key": key, "row_index": pos, "prompt": f"p{pos}", "output": text,
-            "output_token_ids": [1, 2, 3], "output_tokens": 3, "finish_reason": "error" if code else "stop",
-            "error_code": code, "model": "m", "kv_mode": "none"}
+    return ResultRecord(row_key=key, row_index=pos, prompt=f"p{pos}", output=text,
+                        output_token_ids=[1, 2, 3], output_tokens=3, finish_reason="error" if code else "stop",
+                        error_code=code, model="m", kv_mode="none")
 
 
 def _queue(tmp_path, n):

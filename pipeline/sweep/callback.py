@@ -1,0 +1,94 @@
+"""The end of a multirun: the sweep report, and the command's exit code.
+
+No module state carries the outcome: the CLI creates an outcome file and hands its path
+to the callback as a Hydra setting (`hydra.callbacks.sweep_report.outcome=PATH`, see
+OUTCOME_KEY). The callback (Hydra builds it, in the CLI's process, for both launchers)
+writes the sweep folder into that file when the multirun starts and the report's result
+when it ends; the CLI reads the file once Hydra returns (`after_sweep`). Without the
+setting (Hydra run some other way) the report is still written, only no exit code
+comes of it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from kvbatch.pipeline.sweep.status import STATUS_FILE
+
+OUTCOME_KEY = "hydra.callbacks.sweep_report.outcome"
+
+
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def build_report(sweep_dir: Path) -> dict:
+    """sweep.parquet + report.md in the sweep folder; prints where they are. Returns what the
+    exit code needs: {"jobs", "completed", "failed"} or {"error", "failed": 1}."""
+    from kvbatch.pipeline.sweep.report.write import write_report
+
+    try:
+        res = write_report([sweep_dir], sweep_dir)
+    except Exception as exc:  # noqa: BLE001 - the jobs' results stand even if the report cannot be built
+        traceback.print_exc()
+        say(f"kvbatch: the sweep report could not be written: {type(exc).__name__}: {exc}")
+        return {"error": str(exc), "failed": 1}
+    print(res["line"])
+    print(res["parquet"])
+    return {k: res[k] for k in ("jobs", "completed", "failed")}
+
+
+def _write(path: Path, outcome: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(outcome, default=str))
+    os.replace(tmp, path)
+
+
+def read_outcome(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text() or "{}")
+    except (OSError, ValueError):
+        return {}
+
+
+class SweepCallback(Callback):
+    """Writes the sweep report at the end of every multirun (it runs in the main process)."""
+
+    def __init__(self, outcome: Optional[str] = None) -> None:
+        self.outcome = Path(outcome) if outcome else None
+
+    def _record(self, **outcome: Any) -> None:
+        if self.outcome is not None:
+            _write(self.outcome, outcome)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._record(sweep_dir=str(Path(str(config.hydra.sweep.dir)).resolve()), report=None)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
+        self._record(sweep_dir=str(sweep_dir), report=build_report(sweep_dir))
+
+
+def after_sweep(outcome_path: Path, crashed: bool = False) -> int:
+    """The exit code once Hydra returns: 1 when a job of the sweep did not complete (or its report
+    failed), else 0. After a crash of the multirun itself, build the report from the job folders
+    first, so finished jobs are not lost from it."""
+    outcome = read_outcome(outcome_path)
+    if not outcome.get("sweep_dir"):
+        return 0  # the multirun never started: Hydra's error is the whole story
+    sweep_dir = Path(outcome["sweep_dir"])
+    report = outcome.get("report")
+    if report is None and crashed:
+        if not any(sweep_dir.rglob(STATUS_FILE)):
+            return 0  # no job started: Hydra's error is the whole story
+        say("kvbatch: the sweep stopped early; writing the report from the job folders")
+        report = build_report(sweep_dir)
+    report = report or {}
+    return 1 if (report.get("failed") or report.get("error")) else 0

@@ -1,0 +1,133 @@
+"""One record per job of a sweep folder, read from its job folders; the sweep.parquet schema."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import pyarrow as pa
+
+from kvbatch.engine.errors import ERROR_CODES
+from kvbatch.pipeline import procs
+from kvbatch.pipeline.sweep.status import STATUS_FILE, read_status
+
+SWEEP_PARQUET = "sweep.parquet"
+SCHEMA = pa.schema([
+    ("sweep_dir", pa.string()), ("job_num", pa.int32()), ("job_dir", pa.string()),
+    ("overrides", pa.list_(pa.string())), ("label", pa.string()), ("status", pa.string()),
+    ("failure_reason", pa.string()), ("error_type", pa.string()), ("model", pa.string()),
+    ("kv_mode", pa.string()), ("memory_budget", pa.string()), ("job", pa.string()),
+    ("config_hash", pa.string()), ("compare_key", pa.string()),
+    ("rows", pa.int64()), ("rows_ok", pa.int64()), ("rows_remaining", pa.int64()),
+    *[(f"rows_{c}", pa.int64()) for c in ERROR_CODES],
+    ("output_tokens", pa.int64()), ("decode_tokens_per_s", pa.float64()), ("tokens_per_s", pa.float64()),
+    ("peak_memory_bytes", pa.int64()), ("kv_bytes_per_token", pa.int64()), ("route", pa.string()),
+    ("wall_s", pa.float64()), ("pid", pa.int64()), ("model_loads", pa.int32()),
+    ("baseline_job_dir", pa.string()), ("rows_compared", pa.int64()), ("rows_identical", pa.int64()),
+    ("token_agreement", pa.float64()), ("first_divergence_min", pa.int64()),
+    ("first_divergence_median", pa.float64()), ("results", pa.string()),
+])
+
+
+
+def _still_running(status: dict) -> bool:
+    """A job recorded as running whose process is gone ended without saying how. This process
+    is never it: the report runs after every job of its own multirun returned."""
+    pid = status.get("pid")
+    return not procs.is_me(pid) and procs.alive(pid, host=status.get("host"))
+
+
+def _expected_jobs(sweep_dir: Path) -> list[list[str]]:
+    """The jobs Hydra's basic sweeper planned for this sweep (from multirun.yaml), in job order."""
+    try:
+        from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+        from omegaconf import OmegaConf
+
+        conf = OmegaConf.load(sweep_dir / "multirun.yaml")
+        if "basic_sweeper" not in str(OmegaConf.select(conf, "hydra.sweeper._target_") or ""):
+            return []
+        task = list(OmegaConf.select(conf, "hydra.overrides.task") or [])
+        overrides = OverridesParser.create().parse_overrides(task)
+        return BasicSweeper.split_arguments(overrides, None)[0]
+    except Exception:  # noqa: BLE001 - unknown sweeper or no multirun.yaml: report the folders found
+        return []
+
+
+def _job_record(status: dict, sweep_dir: Path) -> dict:
+    cfg = status.get("config") or {}
+    state = status.get("status") or "failed"
+    reason = status.get("reason")
+    if state == "running" and not _still_running(status):
+        state, reason = "failed", "the job's process ended without recording how (killed, or out of memory?)"
+    rec: dict[str, Any] = {
+        "sweep_dir": str(sweep_dir), "job_num": status.get("job_num"), "job_dir": status.get("job_dir"),
+        "overrides": list(status.get("overrides") or []), "status": state, "failure_reason": reason,
+        "error_type": status.get("error_type"), "model": (cfg.get("model") or {}).get("name"),
+        "kv_mode": (cfg.get("kv") or {}).get("mode") or _override(status, "kv") or _override(status, "kv.mode"),
+        "memory_budget": (cfg.get("memory") or {}).get("budget"), "job": (cfg.get("job") or {}).get("name"),
+        "config_hash": status.get("config_hash"), "compare_key": status.get("compare_key"),
+        "wall_s": status.get("wall_s"), "pid": status.get("pid"), "model_loads": status.get("model_loads"),
+        "results": None,
+    }
+    results = Path(status["job_dir"]) / "results.parquet"
+    if results.exists() and state == "completed":
+        rec["results"] = str(results)
+    summary_path = Path(status["job_dir"]) / "summary.json" if status.get("job_dir") else None
+    if summary_path is not None and summary_path.exists() and state == "completed":
+        s = json.loads(summary_path.read_text())
+        eng = s.get("engine") or {}
+        by_code = s.get("rows_by_error_code") or {}
+        rec.update(rows=s.get("rows"), rows_ok=s.get("rows_ok"), rows_remaining=s.get("rows_remaining"),
+                   output_tokens=s.get("output_tokens"), tokens_per_s=s.get("tokens_per_s"),
+                   decode_tokens_per_s=eng.get("decode_tokens_per_s"),
+                   peak_memory_bytes=s.get("peak_memory_bytes"), kv_bytes_per_token=eng.get("kv_bytes_per_token"),
+                   route=s.get("route"), model=s.get("model") or rec["model"],
+                   kv_mode=s.get("kv_mode") or rec["kv_mode"])
+        rec.update({f"rows_{c}": int(by_code.get(c, 0)) for c in ERROR_CODES})
+    return rec
+
+
+def _override(status: dict, key: str) -> Optional[str]:
+    for o in status.get("overrides") or []:
+        k, _, v = o.partition("=")
+        if k.lstrip("+~") == key:
+            return v
+    return None
+
+
+def collect(sweep_dir: Path) -> list[dict]:
+    """One record per job of this sweep folder (jobs planned but never started: status not_run)."""
+    sweep_dir = Path(sweep_dir).resolve()
+    records = []
+    for path in sorted(sweep_dir.rglob(STATUS_FILE)):
+        status = read_status(path.parent)
+        if status is None:
+            continue
+        status["job_dir"] = str(path.parent)  # where it is now (a sweep folder may have been moved)
+        records.append(_job_record(status, sweep_dir))
+    seen = {r["job_num"] for r in records}
+    for num, overrides in enumerate(_expected_jobs(sweep_dir)):
+        if num not in seen:
+            records.append({"sweep_dir": str(sweep_dir), "job_num": num, "overrides": list(overrides),
+                            "status": "not_run", "failure_reason": "the sweep stopped before this job started",
+                            "kv_mode": _override({"overrides": overrides}, "kv")})
+    return sorted(records, key=lambda r: (r["job_num"] is None, r["job_num"] or 0))
+
+
+def add_labels(records: list[dict]) -> None:
+    """Short labels: the job number and the overrides that differ between the jobs."""
+    parsed = [dict(o.partition("=")[::2] for o in r.get("overrides") or []) for r in records]
+    keys = list(dict.fromkeys(k for p in parsed for k in p))  # in the order the user wrote them
+    varying = [k for k in keys if len({p.get(k) for p in parsed}) > 1] or keys
+    multi = len({r["sweep_dir"] for r in records}) > 1
+    for r, p in zip(records, parsed):
+        parts = [f"{k}={p[k]}" for k in varying if k in p]
+        prefix = f"{Path(r['sweep_dir']).name}/#{r['job_num']}" if multi else f"#{r['job_num']}"
+        r["label"] = " ".join([prefix, *parts])
+
+
+def to_table(records: list[dict], metadata: dict[str, str]) -> pa.Table:
+    rows = [{c: r.get(c) for c in SCHEMA.names} for r in records]
+    t = pa.Table.from_pylist(rows, schema=SCHEMA)
+    return t.replace_schema_metadata({k.encode(): v.encode() for k, v in metadata.items()})
