@@ -162,6 +162,7 @@ class Engine:
             "pool_bytes": c.capacity_bytes, "peak_pages_in_use": c.pool.peak_in_use,
             "pages_in_use": c.pool.in_use, "growth_events": list(c.growth_events),
             "peak_concurrency": self.scheduler.peak_concurrency, "generated_tokens": self.output.generated_tokens,
+            "prefill_s": t.prefill_time, "decode_s": t.decode_time,
             "prefill_tokens_per_s": t.prefill_tokens / t.prefill_time if t.prefill_time else None,
             "decode_tokens_per_s": t.decode_tokens / t.decode_time if t.decode_time else None,
             "mlx_peak_memory_bytes": int(mx.get_peak_memory()),

@@ -26,6 +26,7 @@ import pytest  # noqa: E402
 from kvbatch.engine import attention, cuda_attention  # noqa: E402
 from kvbatch.engine.models.config import ModelConfig  # noqa: E402
 from kvbatch.engine.models.load import load_model  # noqa: E402
+from tests.configs import engine_config  # noqa: E402,F401  (tests import it from here)
 
 ON_CPU = not mx.metal.is_available() and not mx.cuda.is_available()
 ON_CUDA = mx.cuda.is_available()
@@ -86,29 +87,3 @@ def tiny_model(model_cache_dir):
 
     return make
 
-
-def engine_config(kv_mode: str = "none", page_size: int = 64, group_size: int = 64, max_batch: int = 8,
-                  prefill_chunk: int = 512, memory_budget=None, memory_fraction: float = 0.8,
-                  memory_headroom: str = "1GiB", allow_unvalidated: bool = False,
-                  max_prompt_tokens=None, options=None):
-    """An EngineConfig from the few settings tests vary (memory_budget: bytes, None = auto)."""
-    from kvbatch.engine.config import EngineConfig, EngineOptions, EngineSettings, KVConfig, MemoryConfig
-
-    return EngineConfig(
-        kv=KVConfig(mode=kv_mode, page_size=page_size, group_size=group_size, allow_unvalidated=allow_unvalidated),
-        memory=MemoryConfig(budget="auto" if memory_budget is None else str(int(memory_budget)),
-                            fraction=memory_fraction, headroom=memory_headroom),
-        engine=EngineSettings(max_batch=max_batch, prefill_chunk=prefill_chunk, options=options or EngineOptions()),
-        max_prompt_tokens=max_prompt_tokens)
-
-
-def forced_requests(hooks, reqs_forced):
-    """[(Request, forced tokens or None, capture logits)] -> the requests, with the hooks set."""
-    out = []
-    for req, forced, capture in reqs_forced:
-        if forced is not None:
-            hooks.force(req.key, forced, capture)
-        elif capture:
-            hooks.capture_logits.add(req.key)
-        out.append(req)
-    return out
