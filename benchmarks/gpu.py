@@ -40,7 +40,6 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import llama
 
-import yaml
 from omegaconf import OmegaConf
 
 from kvbatch.engine.config import EngineOptions
@@ -121,7 +120,7 @@ def mode_options(mode: str) -> tuple[str, EngineOptions]:
     opts = OmegaConf.structured(EngineOptions)
     for item in filter(None, text.split("+")):
         key, _, value = item.partition("=")
-        OmegaConf.update(opts, key, yaml.safe_load(value), merge=False)
+        OmegaConf.update(opts, key, value, merge=False)  # typed by the schema: "8" -> 8, "false" -> False
     return kv_mode, OmegaConf.to_object(opts)
 
 
