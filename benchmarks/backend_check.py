@@ -18,7 +18,9 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.models import llama, qwen3  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
-from kvbatch.engine.engine import Engine, EngineConfig  # noqa: E402
+from kvbatch.engine.config import CudaLaunch, EngineOptions  # noqa: E402
+from kvbatch.engine.engine import Engine  # noqa: E402
+from tests.configs import engine_config  # noqa: E402
 from kvbatch.engine.models.spec import model_spec  # noqa: E402
 from kvbatch.engine.types import Request, SamplingParams  # noqa: E402
 from tests.engine.kv_reference import StoredPagesRefCache, record_page_tables, teacher_forced_logits  # noqa: E402
@@ -43,17 +45,18 @@ def build(family: str, head_dim: int, dtype):
     return m, model_spec(f"{family}-{head_dim}", m, cfg)
 
 
-def check(family, head_dim, dtype, mode, page, tol) -> bool:
+def check(family, head_dim, dtype, mode, page, tol, options: EngineOptions | None = None) -> bool:
     m, spec = build(family, head_dim, dtype)
     bits = {"q8": 8, "q4": 4}.get(mode)
     chunk = 24
-    eng = Engine(m, _Tok(), spec, EngineConfig(kv_mode=mode, page_size=page, max_batch=8, prefill_chunk=chunk,
-                                               memory_budget=2 << 30, allow_unvalidated=True))
+    eng = Engine(m, _Tok(), spec, engine_config(kv_mode=mode, page_size=page, max_batch=8, prefill_chunk=chunk,
+                                                memory_budget=2 << 30, allow_unvalidated=True, options=options))
     prompts = [[(7 * i + j) % 500 + 1 for j in range(5 + 9 * i)] for i in range(8)]
     cont = [[(3 * i + 5 * j) % 500 + 1 for j in range(40)] for i in range(8)]
     tables = record_page_tables(eng.cache)
-    res = eng.generate([Request(str(i), p, SamplingParams(max_tokens=40), forced_tokens=c, capture_logits=True)
-                        for i, (p, c) in enumerate(zip(prompts, cont))])
+    for i, c in enumerate(cont):
+        eng.hooks.force(str(i), c)
+    res = eng.generate([Request(str(i), p, SamplingParams(max_tokens=40)) for i, p in enumerate(prompts)])
     worst = 0.0
     for p, c, r in zip(prompts, cont, res):
         if r.error_code:
@@ -62,7 +65,7 @@ def check(family, head_dim, dtype, mode, page, tol) -> bool:
         mk = (lambda: [KVCache() for _ in m.layers]) if not bits else \
             (lambda: [StoredPagesRefCache(eng.cache.store, i, tables[r.key]) for i in range(len(m.layers))])
         ref = teacher_forced_logits(m, p, c, mk, chunk)
-        worst = max(worst, max(float(mx.abs(a - b).max()) for a, b in zip(r.logits, ref)))
+        worst = max(worst, max(float(mx.abs(a - b).max()) for a, b in zip(eng.hooks.logits[r.key], ref)))
     ok = worst <= tol
     print(f"{'ok  ' if ok else 'FAIL'} {family} hd={head_dim} {str(dtype):14s} kv={mode:4s} page={page:3d} "
           f"max|dlogit|={worst:.2e} route={eng.summary()['route']} growths={len(eng.summary()['growth_events'])}",
@@ -321,13 +324,10 @@ def main() -> int:
         for mode in ("none", "q8", "q4"):
             ok &= check("llama", 64, dtype, mode, 16, 0.15)
     if mx.cuda.is_available():  # the split-K path end to end (forced: these contexts are short)
-        import os
-
-        os.environ["KVBATCH_CUDA_CHUNK"] = "16"
+        split16 = EngineOptions(cuda=CudaLaunch(chunk=16, unsplit=16))
         for mode in ("none", "q8", "q4"):
-            print("KVBATCH_CUDA_CHUNK=16:", end=" ")
-            ok &= check("llama", 128, mx.float32, mode, 16, 1e-2)
-        del os.environ["KVBATCH_CUDA_CHUNK"]
+            print("engine.options.cuda.chunk=16:", end=" ")
+            ok &= check("llama", 128, mx.float32, mode, 16, 1e-2, split16)
     return 0 if ok else 1
 
 

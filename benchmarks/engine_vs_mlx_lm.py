@@ -23,16 +23,21 @@ import platform
 import sys
 import tempfile
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.configs
 
 import kvbatch.engine as engine  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
 from kvbatch.engine import rope
-from kvbatch.engine.engine import Engine, EngineConfig
+from kvbatch.engine.config import EngineOptions
+from kvbatch.engine.engine import Engine
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.load import load_model
 from kvbatch.engine.types import Request, SamplingParams
+from tests.configs import engine_config
 
 # The FACTS "4M-parameter" random llama: 4 layers, hidden 256, 4 heads / 2 KV heads of 64.
 TINY = dict(source="tiny", name="tiny-4m", family="llama", num_layers=4, hidden_size=256, num_heads=4,
@@ -80,10 +85,11 @@ def run_mlx_lm(model, ps, new):
             "outputs": [out[u] for u in uids]}
 
 
-def run_kvbatch(model, tok, spec, ps, new, page_size):
+def run_kvbatch(model, tok, spec, ps, new, page_size, options: EngineOptions | None = None):
     mx.clear_cache()
     mx.reset_peak_memory()
-    eng = Engine(model, _NoEos(tok), spec, EngineConfig(page_size=page_size, max_batch=len(ps), prefill_chunk=512))
+    eng = Engine(model, _NoEos(tok), spec, engine_config(page_size=page_size, max_batch=len(ps), prefill_chunk=512,
+                                                         options=options))
     t0 = time.perf_counter()
     res = eng.generate([Request(str(i), p, SamplingParams(max_tokens=new)) for i, p in enumerate(ps)])
     wall = time.perf_counter() - t0
@@ -92,8 +98,8 @@ def run_kvbatch(model, tok, spec, ps, new, page_size):
     if bad:
         raise RuntimeError(f"kvbatch rows failed: {bad}")
     n = sum(len(r.tokens) for r in res)
-    return {"tokens": n, "wall_s": wall, "prefill_s": eng.prefill_time,
-            "decode_tps": n / (wall - eng.prefill_time), "own_decode_tps": s["decode_tokens_per_s"],
+    return {"tokens": n, "wall_s": wall, "prefill_s": s["prefill_s"],
+            "decode_tps": n / (wall - s["prefill_s"]), "own_decode_tps": s["decode_tokens_per_s"],
             "peak_mem": int(mx.get_peak_memory()),
             "kv_held": s["peak_pages_in_use"] * eng.layout.page_bytes,
             "kv_rows_peak_sum": sum(r.stats.peak_kv_bytes for r in res),
@@ -126,37 +132,24 @@ def compare(name, model, tok, spec, batch, plen, new, page_size, repeats=1):
 
 
 def step_breakdown(model, tok, spec, batch, plen, page_size, steps=24):
-    """Where kvbatch's decode step goes: ms per step as is (CPU: pages read in place), with the
-    pages gathered into contiguous K/V first (the path before in-place decode), and with
-    attention skipped (its output replaced by the queries: timing only; the step's K/V writes
-    then go unevaluated too)."""
-    from kvbatch.engine.kv_cache import PagedKVCache
-
-    eng = Engine(model, _NoEos(tok), spec, EngineConfig(page_size=page_size, max_batch=batch, prefill_chunk=512))
-    for i, p in enumerate(prompts_for(batch, plen, spec.vocab_size)):
-        eng.submit(Request(str(i), p, SamplingParams(max_tokens=10 ** 6)))
-    eng._admit()
-    for _ in range(4):
-        eng._decode_step()
-
-    def timed():
+    """Where kvbatch's decode step goes: ms per step as is (CPU: pages read in place) and with the
+    pages gathered into contiguous K/V first (`engine.options.in_place=false`, the path before
+    in-place decode)."""
+    out = {}
+    for name, opts in (("step_ms", EngineOptions()), ("step_ms_gathered", EngineOptions(in_place=False))):
+        eng = Engine(model, _NoEos(tok), spec, engine_config(page_size=page_size, max_batch=batch, prefill_chunk=512,
+                                                             options=opts))
+        for i, p in enumerate(prompts_for(batch, plen, spec.vocab_size)):
+            eng.add(Request(str(i), p, SamplingParams(max_tokens=10 ** 6)))
+        for _ in range(5):  # admission + prefill + first step, then warm steps
+            eng.step()
         t = time.perf_counter()
         for _ in range(steps):
-            eng._decode_step()
-        return (time.perf_counter() - t) / steps * 1e3
-
-    real_attend, in_place = PagedKVCache.attend, eng.cache.in_place
-    out = {"in_place": in_place, "step_ms": timed()}
-    try:
-        eng.cache.in_place = False
-        out["step_ms_gathered"] = timed()
-        eng.cache.in_place = in_place
-        PagedKVCache.attend = lambda self, layer, queries, scale: queries
-        out["step_ms_without_attention"] = timed()
-    finally:
-        PagedKVCache.attend, eng.cache.in_place = real_attend, in_place
-    out["context_at_end"] = eng.running[0].kv.length
-    eng.cancel()
+            eng.step()
+        out[name] = (time.perf_counter() - t) / steps * 1e3
+        out["in_place" if name == "step_ms" else "in_place_gathered"] = eng.cache.in_place
+        out["context_at_end"] = eng.scheduler.running[0].kv.length
+        eng.cancel()
     return out
 
 

@@ -26,21 +26,27 @@ by up to 1.5x on the shared H200.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import platform
 import statistics
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.configs
 
 import kvbatch.engine  # noqa: F401  (BLAS first; harmless on GPU)
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import llama
 
-from kvbatch.engine.engine import Engine, EngineConfig
+from omegaconf import OmegaConf
+
+from kvbatch.engine.config import EngineOptions
+from kvbatch.engine.engine import Engine
 from kvbatch.engine.models.spec import model_spec
 from kvbatch.engine.types import Request, SamplingParams
+from tests.configs import engine_config  # noqa: E402
 from interleave import Stepper, interleave, median_or_none, paired_ratios
 
 GEOMETRIES = {
@@ -106,47 +112,27 @@ def run_mlx_lm(model, ps, new_tokens):
             "peak_gb": mx.get_peak_memory() / 1e9}
 
 
-# Named settings for MODE@NAME: "old" is the fused kernel as it was before the fifth session
-# (the float loop, q8/q4 dequantized per element, splits of 256 tokens from 1024 on).
-ENV_ALIASES = {"old": "KVBATCH_CUDA_RAW=0+KVBATCH_CUDA_UNROLL=2+KVBATCH_CUDA_WARPS=8+KVBATCH_CUDA_CHUNK=256:1024"}
-
-
-@contextlib.contextmanager
-def mode_env(mode: str):
-    """mode: none/q8/q4, optionally with environment settings, '+'-separated:
-    "none@KVBATCH_CUDA_KERNEL_WRITE=0" (A/B of an engine switch in the same process), or a name
-    from ENV_ALIASES ("q8@old"). Sets them while the block runs (the engine reads them when it
-    is built) and yields the KV mode."""
-    mode, _, env = mode.partition("@")
-    env = ENV_ALIASES.get(env, env)
-    saved = {}
-    for kv in filter(None, env.split("+")):
-        k, _, v = kv.partition("=")
-        saved[k] = os.environ.get(k)
-        os.environ[k] = v
-    try:
-        yield mode
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def run_kvbatch(model, spec, ps, new_tokens, mode, budget):
-    """One engine run of ps (mode as in mode_env)."""
-    with mode_env(mode) as kv_mode:
-        return _run_kvbatch(model, spec, ps, new_tokens, kv_mode, budget)
+def mode_options(mode: str) -> tuple[str, EngineOptions]:
+    """mode: none/q8/q4, optionally with engine options after '@', '+'-separated, dotted keys for
+    the CUDA launch settings: "none@cuda.kernel_writes=false", "q8@cuda.warps=8+cuda.unroll=2"
+    (an A/B of an engine option in the same process). -> (KV mode, options)."""
+    kv_mode, _, text = mode.partition("@")
+    opts = OmegaConf.structured(EngineOptions)
+    for item in filter(None, text.split("+")):
+        key, _, value = item.partition("=")
+        OmegaConf.update(opts, key, value, merge=False)  # typed by the schema: "8" -> 8, "false" -> False
+    return kv_mode, OmegaConf.to_object(opts)
 
 
 def _engine(model, spec, batch: int, mode: str, budget: int) -> Engine:
+    kv_mode, opts = mode_options(mode)
     return Engine(model, _NullTokenizer(), spec,
-                  EngineConfig(kv_mode=mode, page_size=64, max_batch=batch, prefill_chunk=2048,
-                               memory_budget=budget, allow_unvalidated=True))
+                  engine_config(kv_mode=kv_mode, page_size=64, max_batch=batch, prefill_chunk=2048,
+                                memory_budget=budget, allow_unvalidated=True, options=opts))
 
 
-def _run_kvbatch(model, spec, ps, new_tokens, mode, budget):
+def run_kvbatch(model, spec, ps, new_tokens, mode, budget):
+    """One engine run of ps (mode as in mode_options)."""
     mx.reset_peak_memory()
     eng = _engine(model, spec, len(ps), mode, budget)
     t0 = time.perf_counter()
@@ -167,8 +153,7 @@ def run_interleaved(model, spec, ps, new_tokens, modes: list[str], budget: int, 
     median, ratio_vs_first."""
     def maker(mode):
         def make():
-            with mode_env(mode) as kv_mode:
-                eng = _engine(model, spec, len(ps), kv_mode, budget)
+            eng = _engine(model, spec, len(ps), mode, budget)
             return Stepper(eng, [Request(str(i), p, SamplingParams(max_tokens=new_tokens)) for i, p in enumerate(ps)])
         return make
 
@@ -190,11 +175,10 @@ def run_interleaved(model, spec, ps, new_tokens, modes: list[str], budget: int, 
 
 def warm_tokens(plen: int, new: int, page: int = 64) -> int:
     """New tokens a warm-up needs to seal a page in decode and, if the measured run reaches
-    split-K (rows longer than cuda_attention's CHUNK and SPLIT_MIN), to reach it too."""
-    from kvbatch.engine.cuda_attention import CHUNK, SPLIT_MIN
-
+    split-K (rows longer than the CUDA kernels' default split: CudaLaunch), to reach it too."""
+    launch = EngineOptions().cuda
     need = (plen // page + 1) * page - plen + 2  # the first page filled by decode, sealed, then read
-    split = max(CHUNK, SPLIT_MIN)
+    split = max(launch.chunk, launch.unsplit)
     if plen + new > split:
         need = max(need, split + 2 - plen)
     return max(8, min(new, need))
@@ -233,7 +217,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=256)
-    ap.add_argument("--modes", default="none,q8,q4", help="also MODE@ENV=VALUE+ENV2=V2 or MODE@old (run_kvbatch)")
+    ap.add_argument("--modes", default="none,q8,q4", help="also MODE@OPTION=VALUE+OPTION2=V2, EngineOptions keys (mode_options)")
     ap.add_argument("--long-modes", default="", help="modes at long context (default: --modes)")
     ap.add_argument("--long", type=int, default=8192)
     ap.add_argument("--long-batches", default="1,8")
@@ -266,7 +250,7 @@ def main() -> None:
         long = plen >= a.long > 0
         # warm-up (kernel JIT for these shapes) for both sides, not measured: kvbatch runs past
         # its first page sealed in decode (q8/q4 kernels on packed pages) and past the first
-        # split-K launch (rows longer than cuda_attention.CHUNK), so no kernel variant compiles
+        # split-K launch (rows longer than the default split), so no kernel variant compiles
         # inside the measured run. At long context kvbatch runs first (mlx-lm ran out of GPU
         # memory there before).
         warm = warm_tokens(plen, new)

@@ -23,28 +23,19 @@ class Stepper:
 
     def __init__(self, eng, requests: list):
         self.eng, self.steps, self.results, self.done = eng, 0, [], False
-        inner = eng._decode_step
-
-        def counted() -> None:
-            inner()
-            self.steps += 1
-
-        eng._decode_step = counted
         for r in requests:
-            eng.submit(r)
-        self.gen = eng.run(heartbeat_s=0.0)
+            eng.add(r)
 
     def advance(self, n: int) -> int:
         """Run until n more decode steps have run (or the run ends); returns how many ran."""
         start = self.steps
         while not self.done and self.steps < start + n:
-            try:
-                x = next(self.gen)
-            except StopIteration:
+            if not self.eng.has_unfinished():
                 self.done = True
                 break
-            if x is not None:
-                self.results.append(x)
+            decoding = bool(self.eng.scheduler.running or self.eng.scheduler.waiting)
+            self.results += self.eng.step()
+            self.steps += decoding
         return self.steps - start
 
 
@@ -64,7 +55,7 @@ def interleave(make: dict[str, Callable[[], Stepper]], block: int, warm: int = 1
     while any(not s.done for s in steppers.values()):
         for mode in (modes if rnd % 2 == 0 else modes[::-1]):
             s = steppers[mode]
-            rows = len(s.eng.running)
+            rows = len(s.eng.scheduler.running)
             t = time.perf_counter()
             n = s.advance(block)
             mx.synchronize()

@@ -11,8 +11,8 @@ For >= 32 varied chat prompts, greedy, up to 256 new tokens:
    - first divergence: the first position where the outputs differ (a row that has
      stopped differs from one that goes on), 256 if they never do; mean over prompts,
      and how many prompts are identical throughout.
-3. kv=q8 and kv=q4 teacher-forced on none's output (Request.forced_tokens +
-   capture_logits): mean KL(p_none || p_mode) of the next-token distributions over all
+3. kv=q8 and kv=q4 teacher-forced on none's output (EngineHooks.force:
+   teacher forcing and logit capture): mean KL(p_none || p_mode) of the next-token distributions over all
    positions (and the max over rows of the per-row mean), plus the top-1 agreement of
    the two distributions at every position.
 4. Calibration: the same agreement for kv=none run again at another batch size (same
@@ -38,7 +38,9 @@ import kvbatch.engine  # noqa: E402,F401  (OpenBLAS before mlx)
 import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 
-from kvbatch.engine.engine import Engine, EngineConfig  # noqa: E402
+from kvbatch.engine.engine import Engine  # noqa: E402
+from kvbatch.engine.hooks import EngineHooks  # noqa: E402
+from tests.configs import engine_config  # noqa: E402
 from kvbatch.engine.models.config import ModelConfig  # noqa: E402
 from kvbatch.engine.models.load import load_model  # noqa: E402
 from kvbatch.engine.types import Request, SamplingParams  # noqa: E402
@@ -89,20 +91,21 @@ def chat_tokens(tok, text: str) -> list[int]:
 
 
 def make_engine(model, tok, spec, mode: str, args) -> Engine:
-    cfg = EngineConfig(kv_mode=mode, page_size=args.page_size, group_size=args.group_size,
-                       max_batch=args.batch, prefill_chunk=512, memory_budget=args.budget << 30)
-    return Engine(model, tok, spec, cfg)
+    cfg = engine_config(kv_mode=mode, page_size=args.page_size, group_size=args.group_size,
+                        max_batch=args.batch, prefill_chunk=512, memory_budget=args.budget << 30)
+    return Engine(model, tok, spec, cfg, EngineHooks())
 
 
 def generate(model, tok, spec, mode, prompts, args, capture=False):
     eng = make_engine(model, tok, spec, mode, args)
-    reqs = [Request(f"p{i}", p, SamplingParams(max_tokens=args.new), capture_logits=capture)
-            for i, p in enumerate(prompts)]
+    reqs = [Request(f"p{i}", p, SamplingParams(max_tokens=args.new)) for i, p in enumerate(prompts)]
+    if capture:
+        eng.hooks.capture_logits.update(r.key for r in reqs)
     t0 = time.perf_counter()
     res = eng.generate(reqs)
     for r in res:
         assert r.ok, (mode, r.key, r.error_code, r.error_message)
-    return res, time.perf_counter() - t0, eng.summary()
+    return res, eng.hooks.logits, time.perf_counter() - t0, eng.summary()
 
 
 def agreement(ref: list[int], got: list[int], n: int) -> tuple[int, int, int]:
@@ -175,17 +178,16 @@ def main() -> None:
               "batch": args.batch, "page_size": args.page_size, "group_size": args.group_size,
               "prompt_tokens": [len(p) for p in prompts], "modes": {}}
 
-    base, t_base, _ = generate(model, tok, spec, "none", prompts, args, capture=True)
+    base, base_logits, t_base, _ = generate(model, tok, spec, "none", prompts, args, capture=True)
     base_tokens = [r.tokens for r in base]
     # log p_none at each position of the none output, float32, one (positions, vocab) array per row
     base_logp = []
     for r in base:
-        lp = log_softmax(mx.stack(r.logits[: len(r.tokens)])) if r.tokens else None
+        lp = log_softmax(mx.stack(base_logits[r.key][: len(r.tokens)])) if r.tokens else None
         if lp is not None:
             mx.eval(lp)
         base_logp.append(lp)
-        r.logits = None
-    del base
+    del base, base_logits
     report["none"] = {"seconds": t_base, "output_tokens": [len(t) for t in base_tokens],
                       "stopped_early": sum(len(t) < args.new for t in base_tokens)}
     print(f"none: {sum(map(len, base_tokens))} tokens in {t_base:.1f}s; "
@@ -193,7 +195,7 @@ def main() -> None:
 
     # float-noise floor: none again at another batch size (other BLAS blockings, same math)
     floor_args = argparse.Namespace(**{**vars(args), "batch": args.floor_batch})
-    res, t_floor, _ = generate(model, tok, spec, "none", prompts, floor_args)
+    res, _, t_floor, _ = generate(model, tok, spec, "none", prompts, floor_args)
     report["none_floor"] = {**agreement_summary(base_tokens, [r.tokens for r in res], args.new),
                             "batch": args.floor_batch, "seconds": t_floor}
     print(f"none at batch {args.floor_batch} vs none at batch {args.batch} (float-noise floor): "
@@ -201,22 +203,24 @@ def main() -> None:
 
     mode_tokens = {}
     for mode in ("q8", "q4"):
-        res, t_gen, summ = generate(model, tok, spec, mode, prompts, args)
+        res, _, t_gen, summ = generate(model, tok, spec, mode, prompts, args)
         mode_tokens[mode] = [r.tokens for r in res]
         # teacher-forced on none's output
         eng = make_engine(model, tok, spec, mode, args)
-        reqs = [Request(f"p{i}", p, SamplingParams(max_tokens=len(t)), forced_tokens=t, capture_logits=True)
+        reqs = [Request(f"p{i}", p, SamplingParams(max_tokens=len(t)))
                 for i, (p, t) in enumerate(zip(prompts, base_tokens)) if t]
         for req in reqs:
-            eng.submit(req)
+            eng.hooks.force(req.key, base_tokens[int(req.key[1:])])
+            eng.add(req)
         t0 = time.perf_counter()
         kl_sum = n_pos = top1 = 0
         row_means = []
         for r in eng.run():
             i = int(r.key[1:])
-            assert r.ok and len(r.logits) == len(base_tokens[i]), (r.key, r.error_code)
+            logits = eng.hooks.logits.pop(r.key)
+            assert r.ok and len(logits) == len(base_tokens[i]), (r.key, r.error_code)
             lp = base_logp[i]
-            lq = log_softmax(mx.stack(r.logits))
+            lq = log_softmax(mx.stack(logits))
             kl = (mx.exp(lp) * (lp - lq)).sum(axis=-1)  # (positions,)
             same = (mx.argmax(lp, axis=-1) == mx.argmax(lq, axis=-1)).sum()
             mx.eval(kl, same)

@@ -46,7 +46,9 @@ import mlx_lm  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 
 from kvbatch.engine import attention as att  # noqa: E402
-from kvbatch.engine.engine import Engine, EngineConfig  # noqa: E402
+from kvbatch.engine.config import EngineOptions  # noqa: E402
+from kvbatch.engine.engine import Engine  # noqa: E402
+from tests.configs import engine_config  # noqa: E402
 from kvbatch.engine.kv_store import DenseStore, QuantizedStore  # noqa: E402
 from kvbatch.engine.memory import kv_layout  # noqa: E402
 from kvbatch.engine.models.config import ModelConfig  # noqa: E402
@@ -72,49 +74,40 @@ def long_text_tokens(tok) -> list[int]:
     return tok.encode(text)
 
 
-def kvbatch_modes(model, spec, prompts, new, group, page, rounds: int = 1, ab_env: str = "") -> dict:
+def kvbatch_modes(model, spec, prompts, new, group, page, rounds: int = 1, ab_option: str = "") -> dict:
     """none, q8 and q4 side by side. Prefill: `rounds` rounds, the mode order reversed every
     other round, best round per mode (other users' bursts only ever slow a run down).
     Decode: the last round's three engines step round-robin, one step of each in turn, so
     all three share the machine's conditions; decode tok/s = rows / median step time.
-    ab_env: an engine switch; q8 and q4 then also run as "q8@0", "q4@0", built with it set to
-    0 (the others with 1), interleaved with the rest."""
-    modes = ("none", "q8", "q4") + (("q8@0", "q4@0") if ab_env else ())
+    ab_option: a boolean engine option (EngineOptions field); q8 and q4 then also run as "q8@0",
+    "q4@0", built with it off (the others with it on), interleaved with the rest."""
+    modes = ("none", "q8", "q4") + (("q8@0", "q4@0") if ab_option else ())
     best = {m: 0.0 for m in modes}
     runs = {}
     for rnd in range(rounds):
         for mode in (modes if rnd % 2 == 0 else modes[::-1]):
-            if ab_env:  # read when the engine's cache is built
-                os.environ[ab_env] = "0" if mode.endswith("@0") else "1"
-            cfg = EngineConfig(kv_mode=mode.split("@")[0], page_size=page, group_size=group, max_batch=len(prompts),
-                               prefill_chunk=512, memory_budget=16 << 30)
+            opts = EngineOptions(**({ab_option: not mode.endswith("@0")} if ab_option else {}))
+            cfg = engine_config(kv_mode=mode.split("@")[0], page_size=page, group_size=group, max_batch=len(prompts),
+                                prefill_chunk=512, memory_budget=16 << 30, options=opts)
             eng = Engine(model, _NoEos(), spec, cfg)
-            steps: list[float] = []
-
-            def timed_step(decode=eng._decode_step, steps=steps):
-                t = time.perf_counter()
-                decode()
-                steps.append(time.perf_counter() - t)
-
-            eng._decode_step = timed_step
             for i, p in enumerate(prompts):
-                eng.submit(Request(f"r{i}", p, SamplingParams(max_tokens=new)))
-            gen = eng.run(heartbeat_s=0.0)  # yields after every step
-            results = [x for x in [next(gen)] if x is not None]  # admits: prefills every row, one decode step
+                eng.add(Request(f"r{i}", p, SamplingParams(max_tokens=new)))
+            results = eng.step()  # admits: prefills every row, one decode step
             best[mode] = max(best[mode], eng.summary()["prefill_tokens_per_s"])
             if rnd < rounds - 1:
                 eng.cancel()
                 continue
-            runs[mode] = {"eng": eng, "gen": gen, "steps": steps, "results": results}
+            runs[mode] = {"eng": eng, "steps": [], "results": results}
     active = list(runs)
     while active:
         for mode in list(active):
-            try:
-                x = next(runs[mode]["gen"])
-                if x is not None:
-                    runs[mode]["results"].append(x)
-            except StopIteration:
+            r = runs[mode]
+            if not r["eng"].has_unfinished():
                 active.remove(mode)
+                continue
+            t = time.perf_counter()
+            r["results"] += r["eng"].step()
+            r["steps"].append(time.perf_counter() - t)
     out = {}
     for mode, r in runs.items():
         res = r["results"]
@@ -256,8 +249,8 @@ def main() -> None:
     ap.add_argument("--skip-mlx-lm", action="store_true")
     ap.add_argument("--skip-micro", action="store_true")
     ap.add_argument("--prefill-rounds", type=int, default=2, help="kvbatch batch-1 prefill rounds (best kept)")
-    ap.add_argument("--ab-env", default="", help="also run q8/q4 with this engine switch at 0 (e.g. "
-                    "KVBATCH_Q_IN_PLACE), interleaved; labels q8@0, q4@0")
+    ap.add_argument("--ab-option", default="", help="also run q8/q4 with this boolean engine option off "
+                    "(e.g. q_in_place), interleaved; labels q8@0, q4@0")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     t_start = time.perf_counter()
@@ -265,7 +258,7 @@ def main() -> None:
     model, tok, spec = load_model(ModelConfig(source="smollm2"))
     text = long_text_tokens(tok)
     report = {"model": spec.name, "dtype": spec.dtype, "new_tokens": args.new, "group_size": args.group_size,
-              "ab_env": args.ab_env,
+              "ab_option": args.ab_option,
               "page_size": args.page_size, "qmm_streams": len(att.qmm_streams()), "runs": []}
 
     report["bytes_per_token_fresh_stores"] = live_bytes_per_token(spec, args.page_size, args.group_size)
@@ -280,14 +273,14 @@ def main() -> None:
             prompts = [text[i * 97: i * 97 + ctx] for i in range(batch)]
             base = None
             side = kvbatch_modes(model, spec, prompts, args.new, args.group_size, args.page_size,
-                                 args.prefill_rounds if batch == 1 else 1, args.ab_env)
+                                 args.prefill_rounds if batch == 1 else 1, args.ab_option)
             for mode in [m for m in ("none", "q8", "q4", "q8@0", "q4@0") if m in side]:  # none first: the base
                 r = side[mode]
                 r.update(impl="kvbatch", mode=mode.split("@")[0], label=mode, context=ctx, batch=batch)
                 if "@" in mode:
-                    r["env"] = {args.ab_env: "0"}
-                elif args.ab_env:
-                    r["env"] = {args.ab_env: "1"}
+                    r["options"] = {args.ab_option: False}
+                elif args.ab_option:
+                    r["options"] = {args.ab_option: True}
                 r["live_bytes_per_token"] = r["pool_bytes"] / r["pool_tokens"]
                 base = base or r
                 for k in ("prefill_tps", "decode_tps", "live_bytes_per_token"):

@@ -24,16 +24,20 @@ import resource
 import sys
 import threading
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.configs
 
 import kvbatch.engine as engine  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 import psutil
 
-from kvbatch.engine.engine import Engine, EngineConfig
+from kvbatch.engine.engine import Engine
 from kvbatch.engine.memory import MemoryModel, fmt_bytes, format_plan, kv_layout, parse_size
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.load import load_model
 from kvbatch.engine.types import Request, SamplingParams
+from tests.configs import engine_config
 
 GiB = 1 << 30
 
@@ -70,13 +74,14 @@ def admission(model, tok, spec, kv_budget: int, row_tokens: int, page_size: int,
         # budget = weights + workspace (for `arithmetic` rows) + growth copy + the fixed KV budget
         budget = (spec.weights_bytes + kv_budget + probe.growth_transient(kv_budget)
                   + probe.workspace(max(arithmetic, 1), row_tokens, len(prompt)))
-        eng = Engine(model, _NoEos(tok), spec, EngineConfig(kv_mode=mode, page_size=page_size,
+        eng = Engine(model, _NoEos(tok), spec, engine_config(kv_mode=mode, page_size=page_size,
                                                              group_size=group_size, max_batch=64,
                                                              memory_budget=budget))
         for i in range(64):
-            eng.submit(Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens)))
-        eng._admit()  # one admission round: every row that fits starts (and is prefilled)
-        admitted = len(eng.running)
+            eng.add(Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens)))
+        eng.step()  # one admission round (every row that fits starts and is prefilled), one decode step
+        admitted = len(eng.scheduler.running)
+        eng.cancel()
         # the same fixed 1 GiB with the workspace taken out of it (total = weights + 1 GiB)
         total_only = MemoryModel(spec, lay, spec.weights_bytes + kv_budget, 512, 64).rows_that_fit(
             row_tokens, len(prompt))
@@ -103,7 +108,7 @@ def long_run(model, tok, spec, rows: int, new: int, page_size: int, group_size: 
     probe = MemoryModel(spec, lay, 0, 512, rows)
     max_prompt = max(len(p) for p in prompts)
     budget = int(probe.bytes_for(worst, max_prompt) * budget_scale)
-    eng = Engine(model, _NoEos(tok), spec, EngineConfig(kv_mode="q8", page_size=page_size, group_size=group_size,
+    eng = Engine(model, _NoEos(tok), spec, engine_config(kv_mode="q8", page_size=page_size, group_size=group_size,
                                                          max_batch=rows, memory_budget=budget))
     plan = eng.plan(max(worst), max_prompt)
     predicted_total = eng.memory.bytes_for(worst, max_prompt)
@@ -133,33 +138,28 @@ def long_run(model, tok, spec, rows: int, new: int, page_size: int, group_size: 
     mx.reset_peak_memory()
     say(f"start {time.strftime('%H:%M:%S')} {out['plan_line']} budget={budget} predicted_total={predicted_total}")
     for i, p in enumerate(prompts):
-        eng.submit(Request(f"row{i}", p, SamplingParams(max_tokens=new)))
+        eng.add(Request(f"row{i}", p, SamplingParams(max_tokens=new)))
     t0 = last = time.perf_counter()
     last_tok = 0
     results = []
-    # Engine.run(), unrolled so progress can be logged between steps.
-    while eng.waiting or eng.running or eng._done:
-        eng._admit()
-        if eng.running:
-            eng._decode_step()
-        while eng._done:
-            results.append(eng._done.popleft())
+    while eng.has_unfinished():  # step by step, so progress can be logged between steps
+        results += eng.step()
         now = time.perf_counter()
         if now - last >= every:
             c = eng.cache
-            rate = (eng.generated_tokens - last_tok) / (now - last)
-            say(f"{now - t0:8.0f}s tokens={eng.generated_tokens} ({rate:.1f} tok/s now) running={len(eng.running)} "
+            rate = (eng.output.generated_tokens - last_tok) / (now - last)
+            say(f"{now - t0:8.0f}s tokens={eng.output.generated_tokens} ({rate:.1f} tok/s now) running={len(eng.scheduler.running)} "
                 f"pool={c.capacity_pages}p/{fmt_bytes(c.capacity_bytes)} in_use={c.pool.in_use}p "
                 f"growths={len(c.growth_events)} rss={fmt_bytes(_rss())} mx_active={fmt_bytes(mx.get_active_memory())} "
                 f"mx_peak={fmt_bytes(mx.get_peak_memory())}")
-            last, last_tok = now, eng.generated_tokens
+            last, last_tok = now, eng.output.generated_tokens
     wall = time.perf_counter() - t0
     stop.set()
     th.join()
     s = eng.summary()
     mx_peak = int(mx.get_peak_memory())
     out.update({
-        "wall_s": wall, "generated_tokens": eng.generated_tokens, "tok_per_s": eng.generated_tokens / wall,
+        "wall_s": wall, "generated_tokens": eng.output.generated_tokens, "tok_per_s": eng.output.generated_tokens / wall,
         "finish": {r.key: (r.finish_reason, r.error_code, len(r.tokens)) for r in results},
         "all_finished_length": all(r.finish_reason == "length" and r.error_code is None and len(r.tokens) == new
                                    for r in results) and len(results) == rows,

@@ -12,7 +12,8 @@ from kvbatch.engine.models.config import ModelConfig  # noqa: E402
 from kvbatch.engine.models.load import load_model  # noqa: E402
 from kvbatch.engine.types import ModelSpec, Request, Result, RowStats, SamplingParams  # noqa: E402
 
-_LAZY = {"Engine": "kvbatch.engine.engine", "EngineConfig": "kvbatch.engine.engine"}
+_LAZY = {"Engine": "kvbatch.engine.engine", "EngineConfig": "kvbatch.engine.config",
+         "EngineHooks": "kvbatch.engine.hooks"}
 
 
 def __getattr__(name: str):

@@ -23,6 +23,12 @@ class EngineHooks:
     capture_logits: set[str] = field(default_factory=set)
     logits: dict[str, list[mx.array]] = field(default_factory=dict)
 
+    def force(self, key: str, tokens: list[int], capture: bool = True) -> None:
+        """Teacher-force row `key` with `tokens` (and keep its logits, unless capture=False)."""
+        self.forced_tokens[key] = list(tokens)
+        if capture:
+            self.capture_logits.add(key)
+
     def on_row_start(self, key: str) -> None:
         """A row's prefill is about to start."""
 

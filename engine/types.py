@@ -45,10 +45,6 @@ class Request:
     key: str
     prompt_tokens: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    # Testing hooks: feed these tokens instead of sampling (teacher forcing),
-    # and keep every step's float32 logits in the result.
-    forced_tokens: Optional[list[int]] = None
-    capture_logits: bool = False
 
 
 @dataclass
@@ -71,7 +67,6 @@ class Result:
     error_code: Optional[str] = None
     error_message: Optional[str] = None
     stats: RowStats = field(default_factory=RowStats)
-    logits: Optional[list] = None  # list of mx.array (vocab,), only with capture_logits
 
     @property
     def ok(self) -> bool:

@@ -64,27 +64,31 @@ def enqueue(job: Job) -> tuple[Queue, int, int]:
 
 def load_runtime(cfg: Config) -> Runtime:
     """Load the model and build the first engine now, so a bad model or KV mode fails at start."""
-    from kvbatch.engine import Engine, EngineConfig
+    from kvbatch.engine import Engine
+    from kvbatch.engine import config as ec
+    from kvbatch.pipeline import debug
     from kvbatch.pipeline.model_cache import load_model  # sweeps: one load per distinct model config
-    from kvbatch.engine.memory import parse_size
     from kvbatch.pipeline.prompts import check_template
 
     model, tokenizer, spec = load_model(cfg.model)
     check_template(tokenizer, cfg.job.chat_template)
-    budget = None if cfg.memory.budget.strip().lower() == "auto" else parse_size(cfg.memory.budget)
-    ecfg = EngineConfig(kv_mode=cfg.kv.mode, page_size=cfg.kv.page_size, group_size=cfg.kv.group_size,
-                        max_batch=cfg.engine.max_batch, prefill_chunk=cfg.engine.prefill_chunk,
-                        memory_budget=budget, memory_fraction=cfg.memory.fraction,
-                        memory_headroom=cfg.memory.headroom, allow_unvalidated=cfg.kv.allow_unvalidated,
-                        max_prompt_tokens=cfg.job.max_prompt_tokens,
-                        inject_nonfinite=parse_injection(cfg.debug.inject_nonfinite))
-    first = [Engine(model, tokenizer, spec, ecfg)]
+    ecfg = ec.EngineConfig(
+        kv=ec.KVConfig(mode=cfg.kv.mode, page_size=cfg.kv.page_size, group_size=cfg.kv.group_size,
+                       allow_unvalidated=cfg.kv.allow_unvalidated),
+        memory=ec.MemoryConfig(budget=cfg.memory.budget, fraction=cfg.memory.fraction, headroom=cfg.memory.headroom),
+        engine=ec.EngineSettings(max_batch=cfg.engine.max_batch, prefill_chunk=cfg.engine.prefill_chunk),
+        max_prompt_tokens=cfg.job.max_prompt_tokens)
+
+    def engine():
+        return Engine(model, tokenizer, spec, ecfg, debug.hooks(parse_injection(cfg.debug.inject_nonfinite)))
+
+    first = [engine()]
     # the start-up plan (issue 6): prompt length is per row; price rows at max_tokens plus
     # max_prompt_tokens when set (the real admission prices each row's own prompt)
     say(first[0].plan_line(cfg.job.max_tokens + (cfg.job.max_prompt_tokens or 0)))
 
     def make_engine():
-        return first.pop() if first else Engine(model, tokenizer, spec, ecfg)
+        return first.pop() if first else engine()
 
     return Runtime(tokenizer=tokenizer, model_name=spec.name, make_engine=make_engine)
 

@@ -14,8 +14,7 @@ POINTs: `prefill` (after a prefill chunk of a prompt that has more chunks to go)
 fsynced, not yet renamed), `after_part_write` (a part is durable, its rows not yet
 acknowledged), `after_ack` (a part's rows were just acknowledged).
 
-The engine hooks wrap a few of one Engine instance's private methods; nothing is
-installed unless the variable is set.
+The engine side is an EngineHooks (`hooks()`), given to every engine the worker builds.
 """
 from __future__ import annotations
 
@@ -25,6 +24,8 @@ import sys
 import time
 from dataclasses import dataclass
 from typing import Optional
+
+from kvbatch.engine.hooks import EngineHooks
 
 ENV = "KVBATCH_DEBUG_CRASH_AT"
 POINTS = ("prefill", "decode", "part_tmp", "after_part_write", "after_ack")
@@ -88,33 +89,20 @@ def row_starts(key: str) -> None:
             _die(f"row {key}", s.pause)
 
 
-def install(eng) -> None:
-    """Wrap one Engine's prefill, decode step and cache pass end with the crash points."""
-    if not _specs or getattr(eng, "_kvbatch_debug", False):
-        return
-    eng._kvbatch_debug = True
-    prefill, decode, end = eng._prefill, eng._decode_step, eng.cache.end
-    chunk = eng.cfg.prefill_chunk
-    state = {"row": None, "chunks": 0}
+class CrashHooks(EngineHooks):
+    """The engine's crash points: a row's start, a prefill chunk with more to go, a decode step."""
 
-    def prefill_hooked(row):
-        row_starts(row.req.key)
-        state.update(row=row, chunks=0)
-        try:
-            return prefill(row)
-        finally:
-            state["row"] = None
+    def on_row_start(self, key: str) -> None:
+        row_starts(key)
 
-    def end_hooked():
-        end()
-        row = state["row"]
-        if row is not None:
-            state["chunks"] += 1
-            if state["chunks"] * chunk < len(row.req.prompt_tokens):  # more chunks to go
-                point("prefill")
+    def on_prefill_chunk(self, key: str, done: int, total: int) -> None:
+        if done < total:
+            point("prefill")
 
-    def decode_hooked():
-        decode()
+    def on_decode_step(self) -> None:
         point("decode")
 
-    eng._prefill, eng._decode_step, eng.cache.end = prefill_hooked, decode_hooked, end_hooked
+
+def hooks(nonfinite: Optional[tuple[str, int]] = None) -> EngineHooks:
+    """The hooks a worker's engines get: crash points only when KVBATCH_DEBUG_CRASH_AT is set."""
+    return (CrashHooks if _specs else EngineHooks)(nonfinite=nonfinite)

@@ -12,7 +12,7 @@ worker died `worker.isolate_after` times runs alone (nothing else claimed while 
 runs), so a row that kills its worker takes no batch mates with it; at
 `worker.max_crashes` it is written with `internal_error` without running again.
 
-`worker.deadline`: the engine yields between steps at least every HEARTBEAT_S, so
+`worker.deadline`: the worker looks between engine steps at least every HEARTBEAT_S, so
 the deadline is seen mid-batch: the worker claims nothing more, cancels the engine
 (in-flight rows go back to the queue, their attempt not counted: they start over
 next run), writes the rows already finished, and returns. SIGTERM is handled like
@@ -42,7 +42,7 @@ from kvbatch.pipeline.prompts import encode
 from kvbatch.pipeline.queue import Claimed, Queue
 
 
-HEARTBEAT_S = 0.5  # the engine yields at least this often: deadline and flush checks mid-batch
+HEARTBEAT_S = 0.5  # deadline and flush checks between engine steps at least this often
 
 
 def new_worker_id() -> str:
@@ -177,8 +177,7 @@ class Worker:
                     continue
                 if self.eng is None:
                     self.eng = self.rt.make_engine()
-                    debug.install(self.eng)
-                self.eng.submit(Request(key=c.key, prompt_tokens=ids, sampling=self._sampling(c.payload)))
+                self.eng.add(Request(key=c.key, prompt_tokens=ids, sampling=self._sampling(c.payload)))
                 self.inflight[c.key] = c
                 if c.crashes >= w.isolate_after:
                     self.alone = c.key
@@ -241,12 +240,17 @@ class Worker:
         """Run the engine over the rows in flight, topping up and flushing as rows finish; at the
         deadline, cancel it: the rows it hands back stay in `inflight` for _give_back."""
         cancelled = False
-        for res in self.eng.run(heartbeat_s=HEARTBEAT_S):
-            if res is not None:
+        last = time.perf_counter()
+        while self.eng.has_unfinished():
+            done = self.eng.step()
+            for res in done:
                 self._finished(res)
+            if not done and time.perf_counter() - last < HEARTBEAT_S:
+                continue  # the queue is asked between steps only when rows finished, or every HEARTBEAT_S
+            last = time.perf_counter()
             if self._past_deadline():
                 if not cancelled:
-                    self.eng.cancel()  # results that finished before this still come out of run()
+                    self.eng.cancel()  # results that finished before this still come out of step()
                     cancelled = True
                 continue
             self._top_up()

@@ -26,6 +26,7 @@ import pytest  # noqa: E402
 from kvbatch.engine import attention, cuda_attention  # noqa: E402
 from kvbatch.engine.models.config import ModelConfig  # noqa: E402
 from kvbatch.engine.models.load import load_model  # noqa: E402
+from tests.configs import engine_config  # noqa: E402,F401  (tests import it from here)
 
 ON_CPU = not mx.metal.is_available() and not mx.cuda.is_available()
 ON_CUDA = mx.cuda.is_available()
@@ -85,3 +86,4 @@ def tiny_model(model_cache_dir):
         return loaded[key]
 
     return make
+

@@ -12,7 +12,8 @@ import kvbatch.engine  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 import pytest
 
-from kvbatch.engine.engine import Engine, EngineConfig
+from kvbatch.engine.engine import Engine
+from tests.conftest import engine_config
 from kvbatch.engine.types import Request, SamplingParams
 from tests.conftest import ON_CUDA
 
@@ -23,7 +24,7 @@ def _run(tiny_model, mode: str, page: int, write: str, chunk: str, monkeypatch):
     monkeypatch.setenv("KVBATCH_CUDA_KERNEL_WRITE", write)
     monkeypatch.setenv("KVBATCH_CUDA_CHUNK", chunk)
     model, tok, spec = tiny_model(family="llama", head_dim=64)
-    cfg = EngineConfig(kv_mode=mode, page_size=page, group_size=64, max_batch=4, prefill_chunk=100,
+    cfg = engine_config(kv_mode=mode, page_size=page, group_size=64, max_batch=4, prefill_chunk=100,
                        memory_budget=4 << 30)
     eng = Engine(model, tok, spec, cfg)
     assert eng.cache.kernel_writes == (write == "1")
@@ -32,24 +33,24 @@ def _run(tiny_model, mode: str, page: int, write: str, chunk: str, monkeypatch):
     for i, n in enumerate((3, 17, 64, 70, 111, 40)):
         prompt = [rng.randrange(256) for _ in range(n)]
         forced = [rng.randrange(256) for _ in range(40 + 7 * i)]
-        reqs.append(Request(f"r{i}", prompt, SamplingParams(max_tokens=len(forced)), forced_tokens=forced,
-                            capture_logits=True))
+        eng.hooks.force(f"r{i}", forced)
+        reqs.append(Request(f"r{i}", prompt, SamplingParams(max_tokens=len(forced))))
     reqs.append(Request("g", [9, 8, 7], SamplingParams(max_tokens=90)))
     res = {r.key: r for r in eng.generate(reqs)}
     assert not [r.error_code for r in res.values() if r.error_code]
-    return res, eng.cache.store.all_arrays()  # pools (and q8/q4 tails) of every layer
+    return res, eng.hooks.logits, eng.cache.store.all_arrays()  # pools (and q8/q4 tails) of every layer
 
 
 @pytest.mark.parametrize("chunk", ["", "24"], ids=["default", "split24"])
 @pytest.mark.parametrize("mode,page", [("none", 16), ("none", 64), ("q8", 16), ("q4", 64)])
 def test_kernel_write_matches_scatter_write(tiny_model, monkeypatch, mode, page, chunk):
-    a, bufs_a = _run(tiny_model, mode, page, "1", chunk, monkeypatch)
-    b, bufs_b = _run(tiny_model, mode, page, "0", chunk, monkeypatch)
+    a, logits_a, bufs_a = _run(tiny_model, mode, page, "1", chunk, monkeypatch)
+    b, logits_b, bufs_b = _run(tiny_model, mode, page, "0", chunk, monkeypatch)
     for key, ra in a.items():
         rb = b[key]
         assert ra.tokens == rb.tokens, key
         assert ra.stats.route == rb.stats.route
-        for la, lb in zip(ra.logits or [], rb.logits or []):
+        for la, lb in zip(logits_a.get(key, []), logits_b.get(key, [])):
             assert mx.array_equal(la, lb).item(), key
     assert len(bufs_a) == len(bufs_b)
     for x, y in zip(bufs_a, bufs_b):

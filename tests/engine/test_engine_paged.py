@@ -15,7 +15,8 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import llama, mamba
 
 from kvbatch.engine.attention import on_cpu
-from kvbatch.engine.engine import Engine, EngineConfig
+from kvbatch.engine.engine import Engine
+from tests.conftest import engine_config
 from kvbatch.engine.errors import INVALID_INPUT, PROMPT_TOO_LONG, KvbatchConfigError, UnreservedWriteError
 from kvbatch.engine.kv_cache import CacheRow, PagedKVCache
 from kvbatch.engine.memory import kv_layout
@@ -54,7 +55,7 @@ def prompts_of(lengths: list[int], salt: int = 0) -> list[list[int]]:
 
 def make_engine(m, **cfg) -> Engine:
     model, tok, spec = m
-    return Engine(model, tok, spec, EngineConfig(memory_budget=BUDGET, **cfg))
+    return Engine(model, tok, spec, engine_config(memory_budget=BUDGET, **cfg))
 
 
 def pool_is_empty(eng: Engine) -> None:
@@ -78,15 +79,16 @@ def test_teacher_forced_logits_match_mlx_lm(tiny_model, geometry, P):
 
     eng = make_engine(m, page_size=P, max_batch=8, prefill_chunk=5)
     assert eng.cache.in_place == (P >= 16 and on_cpu())
-    reqs = [Request(f"r{i}", p, SamplingParams(max_tokens=steps), forced_tokens=refs[i][0], capture_logits=True)
-            for i, p in enumerate(prompts)]
-    results = eng.generate(reqs)
+    for i in range(len(prompts)):
+        eng.hooks.force(f"r{i}", refs[i][0])
+    results = eng.generate([Request(f"r{i}", p, SamplingParams(max_tokens=steps)) for i, p in enumerate(prompts)])
 
     for res, p, (ref_tokens, ref_logits) in zip(results, prompts, refs):
         assert res.ok and res.finish_reason == "length", (res.key, res.error_code, res.error_message)
         assert res.tokens == ref_tokens
-        assert len(res.logits) == len(ref_logits) == steps
-        diffs = [float(mx.abs(a - b).max()) for a, b in zip(res.logits, ref_logits)]
+        logits = eng.hooks.logits[res.key]
+        assert len(logits) == len(ref_logits) == steps
+        diffs = [float(mx.abs(a - b).max()) for a, b in zip(logits, ref_logits)]
         assert max(diffs) <= 1e-4, (res.key, max(diffs), diffs.index(max(diffs)))
         # the row held whole pages for what it stored (prompt + every output token but the last)
         stored = len(p) + steps - 1
@@ -130,12 +132,12 @@ def test_continuous_batching_refills_finished_slots(tiny_model):
 
     def record(rows, L, poison=None):
         if L == 1:
-            passes.append((len(rows), len(eng.waiting)))
+            passes.append((len(rows), len(eng.scheduler.waiting)))
         return begin(rows, L, poison)
 
     eng.cache.begin = record
     for i, (p, n) in enumerate(zip(prompts, max_tokens)):
-        eng.submit(Request(f"r{i}", p, SamplingParams(max_tokens=n)))
+        eng.add(Request(f"r{i}", p, SamplingParams(max_tokens=n)))
     order = [r for r in eng.run()]
 
     by_key = {r.key: r for r in order}
@@ -229,7 +231,7 @@ def test_pool_reuses_freed_pages_without_growing(tiny_model):
 
     eng = make_engine(m, page_size=4, max_batch=1, prefill_chunk=8)
     for i in range(5):
-        eng.submit(req(i))
+        eng.add(req(i))
     caps = []
     for res in eng.run():
         assert res.ok
@@ -363,7 +365,7 @@ def test_sliding_window_model_refused_at_construction(tiny_model):
     model = llama.Model(llama.ModelArgs.from_dict(config))
     spec = model_spec("swa", model, config)
     with pytest.raises(KvbatchConfigError) as e:
-        Engine(model, _tiny_tok(tiny_model()), spec, EngineConfig(memory_budget=BUDGET))
+        Engine(model, _tiny_tok(tiny_model()), spec, engine_config(memory_budget=BUDGET))
     msg = str(e.value)
     assert "\n" not in msg and "'llama'" in msg and "sliding" in msg
 
@@ -374,6 +376,6 @@ def test_recurrent_model_refused_at_construction(tiny_model):
     model = mamba.Model(mamba.ModelArgs.from_dict(config))
     spec = model_spec("ssm", model, config)
     with pytest.raises(KvbatchConfigError) as e:
-        Engine(model, _tiny_tok(tiny_model()), spec, EngineConfig(memory_budget=BUDGET))
+        Engine(model, _tiny_tok(tiny_model()), spec, engine_config(memory_budget=BUDGET))
     msg = str(e.value)
     assert "\n" not in msg and "'mamba'" in msg

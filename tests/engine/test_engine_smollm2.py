@@ -7,7 +7,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from kvbatch.engine.engine import Engine, EngineConfig
+from kvbatch.engine.engine import Engine
+from tests.conftest import engine_config
 from kvbatch.engine.types import Request, SamplingParams
 
 pytestmark = pytest.mark.smollm2
@@ -35,7 +36,7 @@ def test_four_chat_rows_match_mlx_lm_greedy(smollm2):
             out.append(t)
         expected.append(out)
 
-    eng = Engine(model, tok, spec, EngineConfig(page_size=16, max_batch=4, prefill_chunk=32,
+    eng = Engine(model, tok, spec, engine_config(page_size=16, max_batch=4, prefill_chunk=32,
                                                 memory_budget=4 << 30))
     results = eng.generate([Request(f"q{i}", p, SamplingParams(max_tokens=N)) for i, p in enumerate(prompts)])
     for r, exp in zip(results, expected):

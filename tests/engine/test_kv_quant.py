@@ -28,7 +28,8 @@ import mlx.core as mx
 import pytest
 
 from kvbatch.engine import attention, kv_store
-from kvbatch.engine.engine import Engine, EngineConfig
+from kvbatch.engine.engine import Engine
+from tests.conftest import engine_config
 from kvbatch.engine.errors import KvbatchConfigError
 from kvbatch.engine.gate import VALIDATED
 from kvbatch.engine.models.config import ModelConfig
@@ -66,13 +67,15 @@ def _rows(seed: int, prompt_lens=PROMPT_LENS, steps=STEPS):
     return prompts, forced
 
 
-def _requests(prompts, forced, prefix="r"):
-    return [Request(f"{prefix}{i}", p, SamplingParams(max_tokens=len(f)), forced_tokens=f, capture_logits=True)
-            for i, (p, f) in enumerate(zip(prompts, forced))]
+def _requests(eng, prompts, forced, prefix="r"):
+    """Teacher-forced requests (their logits kept in eng.hooks.logits)."""
+    for i, f in enumerate(forced):
+        eng.hooks.force(f"{prefix}{i}", f)
+    return [Request(f"{prefix}{i}", p, SamplingParams(max_tokens=len(f))) for i, (p, f) in enumerate(zip(prompts, forced))]
 
 
 def _engine(model, tok, spec, mode, page, group=64, max_batch=8, chunk=None, **kw):
-    cfg = EngineConfig(kv_mode=mode, page_size=page, group_size=group, max_batch=max_batch,
+    cfg = engine_config(kv_mode=mode, page_size=page, group_size=group, max_batch=max_batch,
                        prefill_chunk=chunk or CHUNK.get(page, 40), memory_budget=BUDGET, **kw)
     return Engine(model, tok, spec, cfg)
 
@@ -154,7 +157,7 @@ def _sealed_before(step: int, n_prompt: int, page: int, chunk: int) -> int:
     return ((n_prompt + step - 1) // page) * page
 
 
-def _check_row(model, res, prompt, forced, snap, page, bits, group, chunk) -> tuple[int, int, float]:
+def _check_row(model, res, logits, prompt, forced, snap, page, bits, group, chunk) -> tuple[int, int, float]:
     """Two references, both single-stream mlx-lm KVCache with plain full attention:
 
     - QuantRefCache: pages sealed before each call replaced by the quantize->dequantize
@@ -170,7 +173,7 @@ def _check_row(model, res, prompt, forced, snap, page, bits, group, chunk) -> tu
     Returns (steps checked against QuantRefCache, steps, worst stored-pages diff).
     """
     assert res.ok and res.finish_reason == "length", (res.error_code, res.error_message)
-    assert len(res.logits) == len(forced)
+    assert len(logits) == len(forced)
     q_ref, caches = _quant_ref(model, prompt, forced, page, bits, group, chunk, snap.src.k_axis)
     store = snap.store(res.key)
     s_ref = teacher_forced_logits(
@@ -179,7 +182,7 @@ def _check_row(model, res, prompt, forced, snap, page, bits, group, chunk) -> tu
         chunk)
     flip = _first_flip(snap, res.key, caches, page, bits, group)
     checked, worst = 0, 0.0
-    for step, (got, a, b) in enumerate(zip(res.logits, q_ref, s_ref)):
+    for step, (got, a, b) in enumerate(zip(logits, q_ref, s_ref)):
         d_stored = mx.abs(got - b).max().item()
         worst = max(worst, d_stored)
         assert d_stored <= TOL, f"{res.key} step {step}: stored-pages reference differs by {d_stored:.2e}"
@@ -201,7 +204,7 @@ def test_batched_logits_match_reference(tiny_model, family, head_dim, mode, page
     prompts, forced = _rows(seed=head_dim + page + group)
     eng = _engine(model, tok, spec, mode, page, group)
     snap = PageSnapshots(eng.cache)
-    results = eng.generate(_requests(prompts, forced))
+    results = eng.generate(_requests(eng, prompts, forced))
     s = eng.summary()
     route = expected_route(spec, mode, group)
     assert s["peak_concurrency"] == 8 and s["route"] == route
@@ -211,7 +214,7 @@ def test_batched_logits_match_reference(tiny_model, family, head_dim, mode, page
     checked = total = 0
     for res, p, f in zip(results, prompts, forced):
         assert snap.n_pages(res.key) == -(-(len(p) + len(f) - 1) // page)
-        c, n, _ = _check_row(model, res, p, f, snap, page, BITS[mode], group, CHUNK[page])
+        c, n, _ = _check_row(model, res, eng.hooks.logits[res.key], p, f, snap, page, BITS[mode], group, CHUNK[page])
         checked, total = checked + c, total + n
     # the strict QuantRefCache comparison must cover a large share of the steps (seen: 37-100%;
     # which step meets the first flip is chaotic: llama-h256-q8-p16 gave 50% with the pages
@@ -231,8 +234,8 @@ def test_continuous_batching_reuses_pages(tiny_model, mode):
     eng = _engine(model, tok, spec, mode, 16, max_batch=3)
     snap = PageSnapshots(eng.cache)
     order = []
-    for req in _requests(prompts, forced):
-        eng.submit(req)
+    for req in _requests(eng, prompts, forced):
+        eng.add(req)
     by_key = {}
     for res in eng.run():
         order.append(res.key)
@@ -243,7 +246,7 @@ def test_continuous_batching_reuses_pages(tiny_model, mode):
     assert s["peak_pages_in_use"] < sum(-(-(a + b) // 16) for a, b in zip(lens, steps))  # pages were reused
     assert len(s["growth_events"]) >= 2
     for i, (p, f) in enumerate(zip(prompts, forced)):
-        _check_row(model, by_key[f"r{i}"], p, f, snap, 16, BITS[mode], 64, CHUNK[16])
+        _check_row(model, by_key[f"r{i}"], eng.hooks.logits[f"r{i}"], p, f, snap, 16, BITS[mode], 64, CHUNK[16])
 
 
 @pytest.mark.parametrize("chunk", ["", "24"], ids=["default", "split24"])
@@ -270,23 +273,23 @@ def test_row_independent_of_batch_mates_and_pool_growth(tiny_model, monkeypatch,
             assert eng.summary()["pool_capacity_pages"] >= warm_tokens // 16
         mates, mf = _rows(seed=len(mates_lens) + sum(mates_lens), prompt_lens=mates_lens,
                           steps=(60,) * len(mates_lens))
-        reqs = _requests(mates, mf, prefix="m")
-        reqs.insert(len(reqs) // 2, Request("x", x, SamplingParams(max_tokens=60), forced_tokens=fx,
-                                            capture_logits=True))
+        reqs = _requests(eng, mates, mf, prefix="m")
+        eng.hooks.force("x", fx)
+        reqs.insert(len(reqs) // 2, Request("x", x, SamplingParams(max_tokens=60)))
         res = {r.key: r for r in eng.generate(reqs)}
         g = eng.generate([greedy])[0]
-        return res["x"], g, eng.summary()
+        return res["x"], eng.hooks.logits["x"], g, eng.summary()
 
-    a, ga, sa = run((5, 40, 70, 9, 120, 33, 64))
-    b, gb, sb = run((200, 3, 16, 150, 48, 99, 31), warm_tokens=700)
+    a, a_logits, ga, sa = run((5, 40, 70, 9, 120, 33, 64))
+    b, b_logits, gb, sb = run((200, 3, 16, 150, 48, 99, 31), warm_tokens=700)
     assert len(sa["growth_events"]) > 1 and sb["growth_events"][0]["to_pages"] != sa["growth_events"][0]["to_pages"]
     assert a.stats.route == b.stats.route == sa["route"]
-    for la, lb in zip(a.logits, b.logits):
+    for la, lb in zip(a_logits, b_logits):
         assert mx.array_equal(la, lb).item()
     assert ga.tokens == gb.tokens
-    alone, g_alone, _ = run(())
+    alone, alone_logits, g_alone, _ = run(())
     assert alone.stats.route == a.stats.route
-    assert max(mx.abs(p - q).max().item() for p, q in zip(alone.logits, a.logits)) <= TOL
+    assert max(mx.abs(p - q).max().item() for p, q in zip(alone_logits, a_logits)) <= TOL
     assert g_alone.tokens == ga.tokens
 
 
@@ -335,7 +338,7 @@ def test_decode_never_dequantizes(tiny_model, monkeypatch, in_place):
     monkeypatch.setattr(kv_store.mx, "dequantize", dq)
     monkeypatch.setattr(cuda_attention, "paged_decode_attention_quantized", kernel)
     per_step = []
-    decode = eng._decode_step
+    decode = eng.stepper.step
 
     def counted_step():
         kv_store.DEQUANT_COUNTER.update(calls=0, elements=0)
@@ -345,7 +348,7 @@ def test_decode_never_dequantizes(tiny_model, monkeypatch, in_place):
         per_step.append((dict(kv_store.DEQUANT_COUNTER), len(raw_dequant), len(sdpa_calls), list(qmm_calls),
                          list(kernel_calls), in_use))
 
-    eng._decode_step = counted_step
+    eng.stepper.step = counted_step
     eng.generate([Request(f"r{i}", p, SamplingParams(max_tokens=24)) for i, p in enumerate(prompts)])
     if eng.lookahead:  # (GPU default) the last call only reads the in-flight step: every row ends with it
         *per_step, last = per_step
@@ -403,7 +406,8 @@ def test_qmm_split_over_cpu_streams_is_bit_identical(tiny_model, monkeypatch, mo
         del calls[:]
         eng = _engine(model, tok, spec, mode, 16, max_batch=4, chunk=256)
         assert eng.cache.q_in_place == (in_place == "1")
-        logits[n] = {r.key: r.logits for r in eng.generate(_requests(prompts, forced))}
+        eng.generate(_requests(eng, prompts, forced))
+        logits[n] = eng.hooks.logits
         assert len({str(s) for s in calls}) == n  # the work really ran on n streams
     for key, ls in logits[1].items():
         assert all(mx.array_equal(a, b).item() for a, b in zip(ls, logits[3][key])), key
@@ -448,12 +452,13 @@ def test_fp16_huge_scores_stay_finite(tmp_path):
     for mode in ("none", "q8", "q4"):
         route = expected_route(spec, mode)
         eng = _engine(model, tok, spec, mode, 16, max_batch=4)
-        results = eng.generate([Request(f"r{i}", p, SamplingParams(max_tokens=40), capture_logits=True)
-                                for i, p in enumerate(prompts)])
+        eng.hooks.capture_logits.update(f"r{i}" for i in range(len(prompts)))
+        results = eng.generate([Request(f"r{i}", p, SamplingParams(max_tokens=40)) for i, p in enumerate(prompts)])
         for r in results:
             assert r.ok, (mode, r.error_code, r.error_message)
-            assert len(r.logits) == r.stats.output_tokens == 40  # crosses pages: sealed ones too
-            assert all(mx.isfinite(lg).all().item() for lg in r.logits), mode
+            lg = eng.hooks.logits[r.key]
+            assert len(lg) == r.stats.output_tokens == 40  # crosses pages: sealed ones too
+            assert all(mx.isfinite(x).all().item() for x in lg), mode
             assert r.stats.route == route
         assert eng.summary()["route"] == route
 

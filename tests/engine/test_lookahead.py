@@ -1,4 +1,4 @@
-"""Decode lookahead (Engine._decode_step_lookahead, on by default on GPU backends): the next
+"""Decode lookahead (runner.LookaheadStepper, on by default on GPU backends): the next
 step is built and dispatched before the host reads the current step's tokens. It must give
 the rows exactly what the step-by-step loop gives: tokens, finish reasons, error codes,
 logits (within float tolerance: a waiting row joins one step later, so some steps run at
@@ -11,7 +11,10 @@ import kvbatch.engine  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 import pytest
 
-from kvbatch.engine.engine import Engine, EngineConfig
+from kvbatch.engine.config import EngineOptions
+from kvbatch.engine.engine import Engine
+from kvbatch.engine.hooks import EngineHooks
+from tests.conftest import engine_config
 from kvbatch.engine.errors import NON_FINITE_LOGITS
 from kvbatch.engine.types import Request, SamplingParams
 
@@ -26,7 +29,8 @@ def _stop_rows(m) -> tuple:
     """(prompt, params) of a row that stops on a stop id and of one that stops on a stop string,
     both mid-decode: found from greedy outputs (step by step) of candidate prompts."""
     model, tok, spec = m
-    eng = Engine(model, tok, spec, EngineConfig(page_size=8, max_batch=8, memory_budget=2 << 30))
+    eng = Engine(model, tok, spec, engine_config(page_size=8, max_batch=8, memory_budget=2 << 30,
+                                                options=EngineOptions(lookahead="off")))
     cands = [_prompt(100 + i) for i in range(48)]
     outs = [r.tokens for r in eng.generate([Request(f"c{i}", p, SamplingParams(max_tokens=30))
                                             for i, p in enumerate(cands)])]
@@ -43,7 +47,7 @@ def _stop_rows(m) -> tuple:
     return by_id, by_str
 
 
-def _requests(stops) -> list[Request]:
+def _requests(stops, hooks: EngineHooks) -> list[Request]:
     reqs = []
     for i in range(14):
         p = _prompt(i)
@@ -59,15 +63,20 @@ def _requests(stops) -> list[Request]:
         else:
             sp = SamplingParams(max_tokens=1 + i)  # short rows: slots free early
         forced = [(3 * i + 11 * j) % 256 for j in range(28)] if kind == 6 else None
-        reqs.append(Request(f"r{i}", p, sp, forced_tokens=forced, capture_logits=kind in (0, 6)))
+        if forced is not None:
+            hooks.force(f"r{i}", forced)
+        elif kind == 0:
+            hooks.capture_logits.add(f"r{i}")
+        reqs.append(Request(f"r{i}", p, sp))
     return reqs
 
 
 def _run(m, monkeypatch, lookahead: str, mode: str, stops):
-    monkeypatch.setenv("KVBATCH_LOOKAHEAD", lookahead)
     model, tok, spec = m
-    eng = Engine(model, tok, spec, EngineConfig(kv_mode=mode, page_size=8, max_batch=4, prefill_chunk=16,
-                                                memory_budget=2 << 30, inject_nonfinite=("r10", 3)))
+    hooks = EngineHooks(nonfinite=("r10", 3))
+    opts = EngineOptions(lookahead="on" if lookahead == "1" else "off")
+    eng = Engine(model, tok, spec, engine_config(kv_mode=mode, page_size=8, max_batch=4, prefill_chunk=16,
+                                                memory_budget=2 << 30, options=opts), hooks)
     assert eng.lookahead == (lookahead == "1")
     async_calls = []
     real = mx.async_eval
@@ -78,20 +87,19 @@ def _run(m, monkeypatch, lookahead: str, mode: str, stops):
 
     monkeypatch.setattr(mx, "async_eval", spy)
     try:
-        res = eng.generate(_requests(stops))
+        res = eng.generate(_requests(stops, hooks))
     finally:
         monkeypatch.setattr(mx, "async_eval", real)
-    assert eng.cache.pool.in_use == 0 and eng._inflight is None
-    return res, eng.summary(), len(async_calls)
+    assert eng.cache.pool.in_use == 0 and not eng.stepper.inflight
+    return res, hooks.logits, eng.summary(), len(async_calls)
 
 
 @pytest.mark.parametrize("mode", ["none", "q8"])
 def test_lookahead_gives_the_step_by_step_results(tiny_model, monkeypatch, mode):
     m = tiny_model()
-    monkeypatch.setenv("KVBATCH_LOOKAHEAD", "0")
     stops = _stop_rows(m)
-    base, s0, n0 = _run(m, monkeypatch, "0", mode, stops)
-    ahead, s1, n1 = _run(m, monkeypatch, "1", mode, stops)
+    base, lg0, s0, n0 = _run(m, monkeypatch, "0", mode, stops)
+    ahead, lg1, s1, n1 = _run(m, monkeypatch, "1", mode, stops)
     assert n0 == 0 and n1 >= 40  # the lookahead loop really dispatched steps ahead
     by = {r.key: r for r in base}
     assert by["r10"].error_code == NON_FINITE_LOGITS and len(by["r10"].tokens) == 3
@@ -102,9 +110,10 @@ def test_lookahead_gives_the_step_by_step_results(tiny_model, monkeypatch, mode)
         b = by[a.key]
         assert (a.tokens, a.finish_reason, a.error_code) == (b.tokens, b.finish_reason, b.error_code), a.key
         assert a.text == b.text
-        if b.logits is not None:
-            assert len(a.logits) == len(b.logits) == len(b.tokens) + (b.finish_reason == "stop")
-            assert max(mx.abs(x - y).max().item() for x, y in zip(a.logits, b.logits)) <= 1e-4, a.key
+        if b.key in lg0:
+            la, lb = lg1[a.key], lg0[b.key]
+            assert len(la) == len(lb) == len(b.tokens) + (b.finish_reason == "stop")
+            assert max(mx.abs(x - y).max().item() for x, y in zip(la, lb)) <= 1e-4, a.key
     assert s1["generated_tokens"] == s0["generated_tokens"]
     assert s1["rows_by_error_code"] == s0["rows_by_error_code"] == {"ok": 13, NON_FINITE_LOGITS: 1}
     assert s1["decode_tokens_per_s"] > 0

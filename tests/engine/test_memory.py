@@ -20,7 +20,8 @@ import pytest
 
 import kvbatch.engine.kv_cache as kv_cache_mod
 import kvbatch.engine.memory as memory_mod
-from kvbatch.engine.engine import Engine, EngineConfig
+from kvbatch.engine.engine import Engine
+from tests.conftest import engine_config
 from kvbatch.engine.errors import INSUFFICIENT_MEMORY, RowError
 from kvbatch.engine.kv_cache import CacheRow, PagedKVCache
 from kvbatch.engine.memory import MemoryModel, format_plan, kv_layout, parse_size, resolve_budget
@@ -57,7 +58,7 @@ def prompt(n: int, salt: int = 0) -> list[int]:
 
 def make_engine(m, budget, **cfg) -> Engine:
     model, tok, spec = m
-    return Engine(model, NoEos(tok), spec, EngineConfig(memory_budget=budget, **cfg))
+    return Engine(model, NoEos(tok), spec, engine_config(memory_budget=budget, **cfg))
 
 
 def memory_model(spec, mode="none", page_size=16, group_size=64, prefill_chunk=512, max_batch=8) -> MemoryModel:
@@ -101,8 +102,8 @@ def test_row_that_can_never_fit_is_refused_before_any_page(tiny_model, mode):
     seen = spy_cache(eng)
     keys = ["a", "big", "b", "c"]
     for i, k in enumerate(keys):
-        eng.submit(Request(k, prompt(10, i), SamplingParams(max_tokens=big_max if k == "big" else small)))
-    big_kv = next(r.kv for r in eng.waiting if r.req.key == "big")
+        eng.add(Request(k, prompt(10, i), SamplingParams(max_tokens=big_max if k == "big" else small)))
+    big_kv = next(r.kv for r in eng.scheduler.waiting if r.req.key == "big")
     res = {r.key: r for r in eng.run()}
 
     bad = res["big"]
@@ -135,13 +136,13 @@ def test_budget_for_two_rows_runs_eight_two_at_a_time(tiny_model):
     eng = make_engine(m, budget, page_size=P, max_batch=8)
     assert eng.plan(worst, plen)["rows_fit"] == 2
     running = []
-    step = eng._decode_step
+    step = eng.stepper.step
 
     def watch():
-        running.append(len(eng.running))
+        running.append(len(eng.scheduler.running))
         step()
 
-    eng._decode_step = watch
+    eng.stepper.step = watch
     res = eng.generate(reqs)
     assert all(r.ok and r.finish_reason == "length" and len(r.tokens) == new for r in res)
     assert eng.summary()["peak_concurrency"] == 2 and max(running) == 2 and min(running) >= 1
@@ -235,7 +236,7 @@ def test_auto_budget_on_cpu_is_available_ram_times_fraction_minus_headroom(tiny_
     assert resolve_budget("auto", 0.1, "1GiB") == 0  # never negative
     # the engine's auto budget counts the loaded weights (they are no longer "available")
     m = tiny_model()
-    eng = Engine(m[0], NoEos(m[1]), m[2], EngineConfig(memory_budget=None, memory_fraction=0.5,
+    eng = Engine(m[0], NoEos(m[1]), m[2], engine_config(memory_budget=None, memory_fraction=0.5,
                                                        memory_headroom="1GiB"))
     assert eng.memory.budget == m[2].weights_bytes + (3 << 30) and m[2].weights_bytes > 0
 

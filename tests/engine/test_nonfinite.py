@@ -1,6 +1,6 @@
 """Non-finite logits end one row, not the batch; the attention trace names the bad call (issue 6).
 
-Fault injection is testing-only: EngineConfig.inject_nonfinite=(row key, output step)
+Fault injection is testing-only: EngineHooks(nonfinite=(row key, output step))
 poisons layer 0's attention output of that row in the pass that produces that output
 step (step 0 = the prefill pass(es), step k = the k-th decode step). Every test runs
 the same batch with and without the injection and compares.
@@ -12,7 +12,9 @@ import re
 import kvbatch.engine  # noqa: F401  (OpenBLAS before mlx)
 import pytest
 
-from kvbatch.engine.engine import Engine, EngineConfig
+from kvbatch.engine.engine import Engine
+from kvbatch.engine.hooks import EngineHooks
+from tests.conftest import engine_config
 from kvbatch.engine.errors import NON_FINITE_LOGITS
 from kvbatch.engine.types import Request, SamplingParams
 
@@ -48,8 +50,8 @@ def requests():
 
 def make_engine(m, mode="none", inject=None, chunk=32):
     model, tok, spec = m
-    return Engine(model, NoEos(tok), spec, EngineConfig(kv_mode=mode, page_size=P, max_batch=4, prefill_chunk=chunk,
-                                                        memory_budget=BUDGET, inject_nonfinite=inject))
+    return Engine(model, NoEos(tok), spec, engine_config(kv_mode=mode, page_size=P, max_batch=4, prefill_chunk=chunk,
+                                                        memory_budget=BUDGET), EngineHooks(nonfinite=inject))
 
 
 def spy_passes(eng):
@@ -71,7 +73,7 @@ def all_pages_free(eng):
     assert pool.in_use == 0
     assert pool.num_free == pool.capacity == eng.cache.capacity_pages
     if eng.cache.store.quantized:
-        assert sorted(eng.cache.free_tails) == list(range(eng.cfg.max_batch))
+        assert sorted(eng.cache.free_tails) == list(range(eng.cfg.engine.max_batch))
 
 
 @pytest.fixture(scope="module")

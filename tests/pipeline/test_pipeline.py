@@ -111,13 +111,14 @@ def test_empty_input_gives_an_empty_results_file(run_app, tmp_path):
 
 
 def test_raw_prompts_and_greedy_matches_the_engine(run_app, tmp_path, tiny_model):
-    from kvbatch.engine import Engine, EngineConfig, Request, SamplingParams
+    from kvbatch.engine import Engine, Request, SamplingParams
+    from tests.conftest import engine_config
 
     src = _write(tmp_path, [{"id": "a", "prompt": "The cat"}, {"id": "b", "prompt": "A dog"}])
     path, _ = run_app(f"job.input={src}", "job.chat_template=false", "job.max_tokens=8")
     got = {r["row_key"]: r["output_token_ids"] for r in pq.read_table(path).to_pylist()}
     model, tok, spec = tiny_model()
-    ref = Engine(model, tok, spec, EngineConfig()).generate(
+    ref = Engine(model, tok, spec, engine_config()).generate(
         [Request(key="a", prompt_tokens=tok.encode("The cat"), sampling=SamplingParams(max_tokens=8))])
     assert got["a"] == ref[0].tokens
 

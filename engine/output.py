@@ -1,0 +1,98 @@
+"""What a step's tokens do to their rows: stop rules, detokenizing, a row's result and stats.
+
+`accept` applies one step's sampled tokens (or the hooks' forced tokens) to its rows;
+`finish` ends a row: its pages go back to the pool (zeroed first after an error, whose K/V
+may be NaN), its text is decoded and cut at a stop string, and its Result is queued.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Callable, Optional
+
+import mlx.core as mx
+
+from kvbatch.engine import errors
+from kvbatch.engine.hooks import EngineHooks
+from kvbatch.engine.kv_cache import PagedKVCache
+from kvbatch.engine.memory import KVLayout
+from kvbatch.engine.row import Row
+from kvbatch.engine.types import ModelSpec, Result, RowStats
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, spec: ModelSpec, layout: KVLayout, cache: PagedKVCache, hooks: EngineHooks,
+                 unschedule: Callable[[Row], None]):
+        self.tokenizer, self.spec, self.layout, self.cache, self.hooks = tokenizer, spec, layout, cache, hooks
+        self.unschedule = unschedule  # takes a running row out of the batch
+        self.eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
+        self.done: deque[Result] = deque()
+        self.generated_tokens = 0
+        self.results_by_code: dict[str, int] = {}
+
+    def accept(self, rows: list[Row], logits: mx.array, tokens: mx.array, finite: mx.array) -> None:
+        now = time.perf_counter()
+        toks, ok = tokens.tolist(), finite.tolist()
+        capture = self.hooks.capture_logits
+        for i, r in enumerate(rows):
+            if r.ended:  # lookahead: the row stopped on its previous token; this step's output is dropped
+                continue
+            if not ok[i]:
+                nan = int(mx.isnan(logits[i]).sum().item())
+                inf = int(mx.isinf(logits[i]).sum().item())
+                self.end(r, "error", errors.NON_FINITE_LOGITS,
+                         f"non-finite logits at output step {len(r.out)}: {nan} NaN, {inf} inf")
+                continue
+            if capture and r.req.key in capture:
+                self.hooks.logits.setdefault(r.req.key, []).append(logits[i])
+            forced = r.forced
+            tok = forced[len(r.out)] if forced is not None and len(r.out) < len(forced) else toks[i]
+            if r.t_first is None:
+                r.t_first = now
+            r.t_last = now
+            p = r.req.sampling
+            if forced is None and (tok in self.eos_ids or tok in p.stop_token_ids):
+                self.end(r, "stop")
+                continue
+            r.out.append(tok)
+            self.generated_tokens += 1
+            if p.stop and self._hit_stop_string(r):
+                self.end(r, "stop")
+            elif r.ends_after(len(r.out), self.spec.context_length):
+                self.end(r, "length")
+
+    def _hit_stop_string(self, r: Row) -> bool:
+        window = max(len(s) for s in r.req.sampling.stop) + 8
+        tail = self.tokenizer.decode(r.out[-window:])
+        return any(s in tail for s in r.req.sampling.stop)
+
+    def end(self, row: Row, reason: str, code: Optional[str] = None, msg: Optional[str] = None) -> None:
+        """End a running row (or one never admitted)."""
+        self.unschedule(row)
+        self.finish(row, reason, code, msg)
+
+    def finish(self, row: Row, reason: str, code: Optional[str] = None, msg: Optional[str] = None) -> None:
+        row.ended = True
+        peak_kv = row.kv.peak_pages * self.layout.page_bytes
+        if row.kv.tail is not None or (self.layout.bits and row.kv.peak_pages):
+            peak_kv += self.layout.page_size * self.layout.dense_bytes_per_token
+        if reason == "error":  # its K/V may be NaN/inf: zeroed before the pages are reused
+            self.cache.release(row.kv, scrub=True)
+        else:
+            self.cache.release(row.kv)
+        text = self.tokenizer.decode(row.out) if row.out else ""
+        if reason == "stop" and row.req.sampling.stop:
+            for s in row.req.sampling.stop:
+                if s in text:
+                    text = text[: text.index(s)]
+        n = len(row.out)
+        decode_tps = None
+        if n > 1 and row.t_last and row.t_first and row.t_last > row.t_first:
+            decode_tps = (n - 1) / (row.t_last - row.t_first)
+        stats = RowStats(prompt_tokens=row.prompt_len, output_tokens=n,
+                         ttft_s=(row.t_first - row.t_submit) if row.t_first else None,
+                         decode_tps=decode_tps, wall_s=time.perf_counter() - row.t_submit,
+                         peak_kv_bytes=peak_kv, route=self.cache.route)
+        key = code or "ok"
+        self.results_by_code[key] = self.results_by_code.get(key, 0) + 1
+        self.done.append(Result(row.req.key, list(row.out), text, reason, code, msg, stats))
