@@ -1,4 +1,4 @@
 """`python -m kvbatch ...` is the same as `kvbatch ...`."""
-from kvbatch.pipeline.app import main
+from kvbatch.pipeline.cli import main
 
 main()

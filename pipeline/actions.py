@@ -10,14 +10,15 @@ import json
 import socket
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
 from omegaconf import OmegaConf
 
+from kvbatch.pipeline import procs
 from kvbatch.pipeline import summary as summ
-from kvbatch.pipeline.config import Config, ConfigError, as_dict, config_hash, parse_injection
+from kvbatch.pipeline.config import Config, ConfigError, as_dict, config_hash, engine_config, parse_injection
 from kvbatch.pipeline.finalize import Finalized, finalize, reconcile
 from kvbatch.pipeline.inputs import read_rows, resolve_input
 from kvbatch.pipeline.progress import Progress
@@ -65,22 +66,19 @@ def enqueue(job: Job) -> tuple[Queue, int, int]:
 def load_runtime(cfg: Config) -> Runtime:
     """Load the model and build the first engine now, so a bad model or KV mode fails at start."""
     from kvbatch.engine import Engine
-    from kvbatch.engine import config as ec
     from kvbatch.pipeline import debug
     from kvbatch.pipeline.model_cache import load_model  # sweeps: one load per distinct model config
     from kvbatch.pipeline.prompts import check_template
 
     model, tokenizer, spec = load_model(cfg.model)
     check_template(tokenizer, cfg.job.chat_template)
-    ecfg = ec.EngineConfig(
-        kv=ec.KVConfig(mode=cfg.kv.mode, page_size=cfg.kv.page_size, group_size=cfg.kv.group_size,
-                       allow_unvalidated=cfg.kv.allow_unvalidated),
-        memory=ec.MemoryConfig(budget=cfg.memory.budget, fraction=cfg.memory.fraction, headroom=cfg.memory.headroom),
-        engine=ec.EngineSettings(max_batch=cfg.engine.max_batch, prefill_chunk=cfg.engine.prefill_chunk),
-        max_prompt_tokens=cfg.job.max_prompt_tokens)
+    ecfg = engine_config(cfg)
+    # every engine of this run gets the same hooks: debug.inject_nonfinite, and the crash
+    # points when KVBATCH_DEBUG_CRASH_AT is set (testing only)
+    hooks = debug.hooks(parse_injection(cfg.debug.inject_nonfinite))
 
     def engine():
-        return Engine(model, tokenizer, spec, ecfg, debug.hooks(parse_injection(cfg.debug.inject_nonfinite)))
+        return Engine(model, tokenizer, spec, ecfg, hooks)
 
     first = [engine()]
     # the start-up plan (issue 6): prompt length is per row; price rows at max_tokens plus
@@ -93,16 +91,6 @@ def load_runtime(cfg: Config) -> Runtime:
     return Runtime(tokenizer=tokenizer, model_name=spec.name, make_engine=make_engine)
 
 
-def _alive(pid: int, started_at: float) -> bool:
-    """Is the worker process with this pid, started at this time, still running?"""
-    import psutil
-
-    try:
-        return psutil.Process(pid).create_time() <= started_at + 1.0
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return False
-
-
 def work(job: Job, q: Queue) -> Optional[WorkStats]:
     """Generate every claimable row; None when there was nothing to do (the model never loads)."""
     rec = reconcile(job.out_dir, q)
@@ -110,7 +98,7 @@ def work(job: Job, q: Queue) -> Optional[WorkStats]:
         say(f"kvbatch: {rec.adopted} rows were written by a stopped worker but not acknowledged; adopted")
     for name, why in rec.bad_parts.items():
         say(f"kvbatch: corrupt part moved to parts/corrupt/ (its rows run again): {why}")
-    expired = q.expire_dead_workers(socket.gethostname(), _alive)
+    expired = q.expire_dead_workers(socket.gethostname(), procs.alive)
     if expired:
         say(f"kvbatch: {expired} rows leased by dead workers on this host are back in the queue")
     counts = q.counts()
@@ -149,6 +137,7 @@ def finish(job: Job, q: Queue, stats: Optional[WorkStats], t0: Optional[float] =
         say(f"kvbatch: {len(fin.requeued)} finished rows lost their part; they are queued again")
     run = {"rows": stats.rows, "tokens": stats.tokens, "wall_s": stats.wall_s} if stats else None
     extra = {"job": job.cfg.job.name, "model": job.cfg.model.name, "kv_mode": job.cfg.kv.mode,
+             "options": asdict(job.cfg.engine.options),  # the engine options this config ran with
              "config_hash": job.config_hash, "output_dir": str(job.out_dir), "results": str(fin.path),
              "blas": blas_in_use(), "versions": summ.versions(),
              "wall_s": time.perf_counter() - t0 if t0 is not None else None}

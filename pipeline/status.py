@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from kvbatch.pipeline import procs
 from kvbatch.pipeline.queue import Queue
 
 STOPS = ("finished", "deadline", "interrupted", "failed", "died")
@@ -36,14 +37,9 @@ def _session_wall(s: dict) -> Optional[float]:
 
 def _gone(s: dict) -> bool:
     """A worker on this host whose process no longer runs (killed; its rows return at the next work)."""
-    import psutil
-
     if s["host"] != socket.gethostname() or not s["pid"]:
-        return False
-    try:
-        return psutil.Process(s["pid"]).create_time() > (s["started_at"] or 0) + 1.0
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return True
+        return False  # another host's worker: not ours to judge
+    return not procs.alive(s["pid"], s["started_at"] or 0)
 
 
 def lines(queue_path: Path, isolate_after: int, max_crashes: int, now: Optional[float] = None) -> list[str]:

@@ -21,14 +21,12 @@ Ctrl-C: finished rows are written, in-flight rows handed back.
 from __future__ import annotations
 
 import os
-import re
 import secrets
 import signal
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -36,10 +34,12 @@ from kvbatch.engine.errors import INTERNAL_ERROR, INVALID_INPUT
 from kvbatch.engine.types import Request, Result, SamplingParams
 from kvbatch.pipeline import debug
 from kvbatch.pipeline.config import Config
+from kvbatch.pipeline.durations import deadline_at
 from kvbatch.pipeline.parts import part_name, write_part
 from kvbatch.pipeline.progress import Progress
 from kvbatch.pipeline.prompts import encode
 from kvbatch.pipeline.queue import Claimed, Queue
+from kvbatch.pipeline.results import ResultRecord
 
 
 HEARTBEAT_S = 0.5  # deadline and flush checks between engine steps at least this often
@@ -47,20 +47,6 @@ HEARTBEAT_S = 0.5  # deadline and flush checks between engine steps at least thi
 
 def new_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
-
-
-def deadline_at(text: Optional[str], now: Optional[datetime] = None) -> Optional[float]:
-    """'07:00' -> the next 07:00; '6h' / '90m' / '1h30m' / '45s' -> now + that. Epoch seconds."""
-    if not text:
-        return None
-    now = now or datetime.now()
-    t = text.strip()
-    if ":" in t:
-        hh, mm = (int(x) for x in t.split(":"))
-        at = now.replace(hour=hh, minute=mm, second=0, microsecond=0)
-        return (at if at > now else at + timedelta(days=1)).timestamp()
-    h, m, s = re.match(r"^(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?$", t).groups()
-    return (now + timedelta(hours=int(h or 0), minutes=int(m or 0), seconds=int(s or 0))).timestamp()
 
 
 class LeaseKeeper(threading.Thread):
@@ -114,7 +100,7 @@ class Worker:
         self.deadline = deadline_at(cfg.worker.deadline)
         self.eng = None
         self.inflight: dict[str, Claimed] = {}
-        self.buffer: list[dict] = []
+        self.buffer: list[ResultRecord] = []
         self.seq = 0
         self.last_flush = time.monotonic()
         self.stats = WorkStats()
@@ -129,20 +115,21 @@ class Worker:
                               seed=payload.get("seed", c.sampling.seed), stop=tuple(c.job.stop))
 
     def _record(self, c: Claimed, res: Optional[Result] = None, code: Optional[str] = None,
-                msg: Optional[str] = None) -> dict:
-        p = self._sampling(c.payload) if "error" not in c.payload else None
-        rec = {"row_key": c.key, "row_index": c.pos, "job": self.cfg.job.name, "run_id": self.id,
-               "prompt": c.payload.get("prompt"), "model": self.rt.model_name, "kv_mode": self.cfg.kv.mode,
-               "attempt": c.attempt, "worker": self.id, "finish_reason": "error", "error_code": code,
-               "error_message": msg, "output_token_ids": [], "output_tokens": 0}
-        if p is not None:
-            rec.update(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed)
+                msg: Optional[str] = None) -> ResultRecord:
+        """The row's result: from the engine's Result, or an error that never reached the engine."""
+        rec = ResultRecord(row_key=c.key, row_index=c.pos, job=self.cfg.job.name, run_id=self.id,
+                           prompt=c.payload.get("prompt"), model=self.rt.model_name, kv_mode=self.cfg.kv.mode,
+                           attempt=c.attempt, worker=self.id, error_code=code, error_message=msg)
+        if "error" not in c.payload:
+            p = self._sampling(c.payload)
+            rec.max_tokens, rec.temperature, rec.top_p, rec.top_k, rec.seed = (
+                p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed)
         if res is not None:
             s = res.stats
-            rec.update(output=res.text, output_token_ids=list(res.tokens), output_tokens=len(res.tokens),
-                       prompt_tokens=s.prompt_tokens, finish_reason=res.finish_reason, error_code=res.error_code,
-                       error_message=res.error_message, ttft_s=s.ttft_s, decode_tps=s.decode_tps,
-                       wall_s=s.wall_s, peak_kv_bytes=s.peak_kv_bytes, route=s.route or None)
+            rec.output, rec.output_token_ids, rec.output_tokens = res.text, list(res.tokens), len(res.tokens)
+            rec.finish_reason, rec.error_code, rec.error_message = res.finish_reason, res.error_code, res.error_message
+            rec.prompt_tokens, rec.ttft_s, rec.decode_tps, rec.wall_s = s.prompt_tokens, s.ttft_s, s.decode_tps, s.wall_s
+            rec.peak_kv_bytes, rec.route = s.peak_kv_bytes, s.route or None
         return rec
 
     # ---- flow ------------------------------------------------------------------------------
@@ -194,7 +181,7 @@ class Worker:
             return
         self._add(self._record(c, res))
 
-    def _add(self, record: dict) -> None:
+    def _add(self, record: ResultRecord) -> None:
         self.buffer.append(record)
         if self.progress:
             self.progress.update(1, self.stats.tokens)
@@ -208,7 +195,7 @@ class Worker:
         name = part_name(self.id, self.seq)
         write_part(self.parts_dir, name, self.buffer, before_rename=lambda: debug.point("part_tmp"))
         debug.point("after_part_write")
-        self.q.ack(self.id, [(r["row_key"], r["error_code"]) for r in self.buffer], name)
+        self.q.ack(self.id, [(r.row_key, r.error_code) for r in self.buffer], name)
         debug.point("after_ack")
         self.seq += 1
         self.stats.rows += len(self.buffer)
@@ -237,24 +224,26 @@ class Worker:
         self.alone = None
 
     def _drive(self) -> None:
-        """Run the engine over the rows in flight, topping up and flushing as rows finish; at the
-        deadline, cancel it: the rows it hands back stay in `inflight` for _give_back."""
+        """Step the engine over the rows in flight (a step is one decode step, so the worker looks
+        often). At the deadline, cancel it: the rows it hands back stay in `inflight` for
+        _give_back, rows that had finished still come out of step(). Otherwise, when rows
+        finished or every HEARTBEAT_S, top the batch up and flush (the queue is not asked every step)."""
         cancelled = False
-        last = time.perf_counter()
+        last = time.monotonic()
         while self.eng.has_unfinished():
             done = self.eng.step()
             for res in done:
                 self._finished(res)
-            if not done and time.perf_counter() - last < HEARTBEAT_S:
-                continue  # the queue is asked between steps only when rows finished, or every HEARTBEAT_S
-            last = time.perf_counter()
-            if self._past_deadline():
-                if not cancelled:
-                    self.eng.cancel()  # results that finished before this still come out of step()
-                    cancelled = True
+            if cancelled:
                 continue
-            self._top_up()
-            self.flush()
+            if self._past_deadline():
+                self.eng.cancel()
+                cancelled = True
+                continue
+            if done or time.monotonic() - last >= HEARTBEAT_S:
+                last = time.monotonic()
+                self._top_up()
+                self.flush()
 
     def run(self) -> WorkStats:
         """Work until the queue has nothing claimable (or the deadline passes)."""

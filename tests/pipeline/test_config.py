@@ -70,3 +70,22 @@ def test_config_hash_ignores_runtime_settings():
 def test_parse_injection():
     assert parse_injection("a:b:3") == ("a:b", 3)
     assert parse_injection(None) is None
+
+
+def test_run_identity_output_hash_and_compare_key():
+    from kvbatch.pipeline.config import compare_key
+
+    base = compose_config(["model=tiny"])
+    routed = compose_config(["model=tiny", "engine.options.route=portable"])  # can change tokens
+    no_lookahead = compose_config(["model=tiny", "engine.options.lookahead=off"])  # never changes tokens
+    q8 = compose_config(["model=tiny", "kv=q8"])
+    assert config_hash(routed, "/in.jsonl") != config_hash(base, "/in.jsonl")
+    assert config_hash(no_lookahead, "/in.jsonl") == config_hash(base, "/in.jsonl")
+    keys = {compare_key(c, "/in.jsonl") for c in (base, routed, no_lookahead, q8)}
+    assert len(keys) == 1  # jobs are compared across KV modes and engine options
+    assert compare_key(base, "/in.jsonl") != compare_key(base, "/other.jsonl")
+
+
+def test_engine_option_values_are_checked():
+    msg = _error(["model=tiny", "engine.options.route=fast"])
+    assert "engine.options.route='fast'" in msg and "\n" not in msg

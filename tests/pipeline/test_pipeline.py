@@ -69,6 +69,18 @@ def test_main_job_end_to_end_and_rerun_generates_nothing(run_app, monkeypatch):
     assert len(Queue(path.parent / "queue.sqlite").attempts()) == 8
 
 
+def test_summary_and_results_record_the_engine_options(run_app, tmp_path):
+    from dataclasses import asdict
+
+    from kvbatch.engine.config import EngineOptions
+
+    src = _write(tmp_path, [{"id": "a", "prompt": "The cat"}])
+    path, _ = run_app(f"job.input={src}", "job.max_tokens=3", "engine.options.lookahead=off")
+    want = {**asdict(EngineOptions()), "lookahead": "off"}
+    assert json.loads((path.parent / "summary.json").read_text())["options"] == want
+    assert json.loads(pq.read_table(path).schema.metadata[b"kvbatch.config"])["engine"]["options"] == want
+
+
 def test_bad_rows_get_invalid_input_and_the_rest_completes(run_app, tmp_path):
     src = _write(tmp_path, [
         {"id": "ok1", "prompt": "hello"},
