@@ -201,8 +201,8 @@ def test_action_report_rebuilds_from_one_and_several_sweeps(root, basic_sweep, r
     assert (out / "report.md").exists() and all((out / name).exists() for name, _ in PLOTS.values())
 
     # One folder, in process: the same rows as the sweep's own report (timings and all).
-    from kvbatch.pipeline.app import compose_config
-    from kvbatch.pipeline.sweep_report import report_action
+    from kvbatch.pipeline.compose import compose_config
+    from kvbatch.pipeline.sweep.report.write import report_action
 
     again = root / "again"
     report_action(compose_config(["action=report", f"report.sweep_dirs=[{basic}]", f"report.out={again}"]))
