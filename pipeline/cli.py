@@ -3,6 +3,7 @@
 A single run is composed and validated first with Hydra's compose API, so any bad
 key or value is reported as one line on stderr (exit 2) instead of Hydra's
 multi-line report; then the Hydra app runs it (multirun, --cfg, --help keep working).
+The entry point only: nothing imports this module (composition lives in compose.py).
 """
 from __future__ import annotations
 
