@@ -96,7 +96,7 @@ def work(job: Job, q: Queue) -> Optional[WorkStats]:
     rec = reconcile(job.out_dir, q)
     if rec.adopted:
         say(f"kvbatch: {rec.adopted} rows were written by a stopped worker but not acknowledged; adopted")
-    for name, why in rec.bad_parts.items():
+    for why in rec.bad_parts.values():
         say(f"kvbatch: corrupt part moved to parts/corrupt/ (its rows run again): {why}")
     expired = q.expire_dead_workers(socket.gethostname(), procs.alive)
     if expired:
@@ -131,7 +131,7 @@ def finish(job: Job, q: Queue, stats: Optional[WorkStats], t0: Optional[float] =
             "kvbatch.config_hash": job.config_hash,
             **{f"{k}.version": v for k, v in summ.versions().items()}}
     fin = finalize(job.out_dir, q, meta)
-    for name, why in fin.bad_parts.items():
+    for why in fin.bad_parts.values():
         say(f"kvbatch: corrupt part moved to parts/corrupt/: {why}")
     if fin.requeued:
         say(f"kvbatch: {len(fin.requeued)} finished rows lost their part; they are queued again")

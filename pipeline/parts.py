@@ -99,10 +99,12 @@ def read_part(path: Path) -> pa.Table:
     try:
         table = pq.read_table(path, page_checksum_verification=True)
     except Exception as exc:  # ArrowInvalid, OSError, ...: all mean "not a whole part"
-        raise PartError(f"{path.name}: unreadable ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})")
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise PartError(f"{path.name}: unreadable ({why})") from None
     meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
     keys = table.column("row_key").to_pylist() if "row_key" in table.column_names else []
-    if meta.get("kvbatch.part.rows") != str(table.num_rows) or meta.get("kvbatch.part.keys_sha256") != keys_digest(keys):
+    if meta.get("kvbatch.part.rows") != str(table.num_rows) \
+            or meta.get("kvbatch.part.keys_sha256") != keys_digest(keys):
         raise PartError(f"{path.name}: row count or row keys do not match its metadata")
     if table.schema.remove_metadata() != SCHEMA:
         raise PartError(f"{path.name}: schema differs from the results schema")

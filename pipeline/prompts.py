@@ -31,4 +31,5 @@ def encode(tokenizer: Any, payload: dict, chat_template: bool) -> list[int]:
     try:
         return _ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
     except Exception as exc:  # jinja/template errors are the row's problem, not the run's
-        raise ValueError(f"chat template failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ValueError(f"chat template failed: {why}") from None

@@ -45,6 +45,7 @@ def build(table: pa.Table, counts: dict[str, int], sessions: list[dict], this_ru
     run = this_run or {}
     total_tokens = sum(s["tokens"] for s in worked)
     total_wall = sum(s["wall_s"] or 0 for s in worked)
+    run_tps = (run["tokens"] / run["wall_s"]) if run.get("wall_s") and run.get("tokens") else None
     return {
         **extra,
         "rows": table.num_rows,
@@ -55,7 +56,7 @@ def build(table: pa.Table, counts: dict[str, int], sessions: list[dict], this_ru
         "output_tokens": col("output_tokens"),
         "this_run": {"rows": run.get("rows", 0), "generated_tokens": run.get("tokens", 0),
                      "wall_s": run.get("wall_s", 0.0),
-                     "tokens_per_s": (run["tokens"] / run["wall_s"]) if run.get("wall_s") and run.get("tokens") else None},
+                     "tokens_per_s": run_tps},
         "tokens_per_s": total_tokens / total_wall if total_wall else None,
         "kv_mode": last.get("kv_mode", extra.get("kv_mode")),
         "route": last.get("route"),

@@ -128,8 +128,8 @@ class Worker:
             s = res.stats
             rec.output, rec.output_token_ids, rec.output_tokens = res.text, list(res.tokens), len(res.tokens)
             rec.finish_reason, rec.error_code, rec.error_message = res.finish_reason, res.error_code, res.error_message
-            rec.prompt_tokens, rec.ttft_s, rec.decode_tps, rec.wall_s = s.prompt_tokens, s.ttft_s, s.decode_tps, s.wall_s
-            rec.peak_kv_bytes, rec.route = s.peak_kv_bytes, s.route or None
+            rec.prompt_tokens, rec.ttft_s, rec.decode_tps = s.prompt_tokens, s.ttft_s, s.decode_tps
+            rec.wall_s, rec.peak_kv_bytes, rec.route = s.wall_s, s.peak_kv_bytes, s.route or None
         return rec
 
     # ---- flow ------------------------------------------------------------------------------

@@ -59,7 +59,7 @@ def markdown(records: list[dict], sweep_dirs: list[Path], out: Path, plots: dict
         for r in bad:
             lines.append(f"- `{r['label']}` ({' '.join(r.get('overrides') or [])}): **{r['status']}**: "
                          f"{r.get('failure_reason') or 'no reason recorded'}")
-    for key, (name, title) in PLOTS.items():
+    for key, (_, title) in PLOTS.items():
         rel = os.path.relpath(plots[key], out)
         lines += ["", f"## {title}", "", f"![{title}]({rel})"]
     lines += ["", "## How to read it", "",

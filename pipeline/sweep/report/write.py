@@ -38,9 +38,9 @@ def write_report(sweep_dirs: list[Path], out: Path) -> dict:
     os.replace(tmp, md)
     done = sum(r["status"] == "completed" for r in records)
     failed = len(records) - done
+    not_done = ", ".join(f"{r['label']}: {r['status']}" for r in records if r["status"] != "completed")
     line = (f"kvbatch: sweep of {len(records)} jobs: {done} completed"
-            + (f", {failed} did not ({', '.join(r['label'] + ': ' + r['status'] for r in records if r['status'] != 'completed')})"
-               if failed else "") + f"; report {md}")
+            + (f", {failed} did not ({not_done})" if failed else "") + f"; report {md}")
     return {"parquet": parquet, "report": md, "plots": plots, "jobs": len(records), "completed": done,
             "failed": failed, "line": line}
 
