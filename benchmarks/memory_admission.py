@@ -33,7 +33,8 @@ import mlx.core as mx
 import psutil
 
 from kvbatch.engine.engine import Engine
-from kvbatch.engine.memory import MemoryModel, fmt_bytes, format_plan, kv_layout, parse_size
+from kvbatch.engine.memory import MemoryModel, format_plan, kv_layout
+from kvbatch.engine.sizes import fmt_bytes, parse_size
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.load import load_model
 from kvbatch.engine.types import Request, SamplingParams

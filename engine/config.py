@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
 from kvbatch.engine.errors import KvbatchConfigError
-from kvbatch.engine.memory import parse_size
+from kvbatch.engine.sizes import parse_size
 
 # The one KV-mode table: mode -> bits of the stored K/V (None: the model's dtype).
 KV_BITS: dict[str, Optional[int]] = {"none": None, "q8": 8, "q4": 4}

@@ -20,7 +20,8 @@ from kvbatch.engine import attention as att
 from kvbatch.engine import cuda_attention, step_plan
 from kvbatch.engine.errors import INSUFFICIENT_MEMORY, RowError, UnreservedWriteError
 from kvbatch.engine.kv_store import DenseStore, QuantizedStore, dequantize
-from kvbatch.engine.memory import KVLayout, available_memory, fmt_bytes
+from kvbatch.engine.memory import KVLayout, available_memory
+from kvbatch.engine.sizes import fmt_bytes
 from kvbatch.engine.pages import PagePool
 
 

@@ -65,7 +65,8 @@ class Scheduler:
         if self.max_prompt_tokens is not None:
             limit = min(limit, self.max_prompt_tokens)
         if n > limit:
-            return errors.PROMPT_TOO_LONG, f"prompt has {n} tokens; the limit is {limit} (context {self.spec.context_length})"
+            return errors.PROMPT_TOO_LONG, (f"prompt has {n} tokens; the limit is {limit} "
+                                            f"(context {self.spec.context_length})")
         if not self.memory.fits([row.worst], n):
             need = self.memory.bytes_for([row.worst], n)
             return errors.INSUFFICIENT_MEMORY, (f"row needs {need} bytes at worst ({row.worst} tokens) "

@@ -7,7 +7,7 @@ import time
 import psutil
 from tqdm import tqdm
 
-from kvbatch.engine.memory import fmt_bytes
+from kvbatch.engine.sizes import fmt_bytes
 
 
 def rss_bytes() -> int:

@@ -11,7 +11,7 @@ from typing import Optional
 
 import pyarrow as pa
 
-from kvbatch.engine.memory import fmt_bytes
+from kvbatch.engine.sizes import fmt_bytes
 from kvbatch.pipeline.parts import fsync_dir, temp_path
 
 

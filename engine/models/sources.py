@@ -101,7 +101,8 @@ def hf_repo_dir(repo: str) -> Path:
     hint = (f"download it first (`hf download {repo}` or `mlx_lm.generate --model {repo}` while online) "
             "or set model.path to a model directory")
     if _hf_offline():
-        raise KvbatchConfigError(f"model.path={repo} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set: {hint}")
+        raise KvbatchConfigError(f"model.path={repo} is not in the local Hugging Face cache and HF_HUB_OFFLINE "
+                                 f"is set: {hint}")
     try:
         return Path(snapshot_download(repo, allow_patterns=DEFAULT_ALLOW_PATTERNS))
     except Exception as exc:
@@ -110,7 +111,8 @@ def hf_repo_dir(repo: str) -> Path:
 
 def local_dir(cfg: ModelConfig) -> Path:
     if not cfg.path:
-        raise KvbatchConfigError("model=local needs model.path: an mlx-lm model directory, a .gguf file or a Hugging Face repo id")
+        raise KvbatchConfigError("model=local needs model.path: an mlx-lm model directory, a .gguf file "
+                                 "or a Hugging Face repo id")
     path = Path(cfg.path).expanduser()
     if path.is_dir():
         return check_model_dir(path, cfg.path)
@@ -122,7 +124,8 @@ def local_dir(cfg: ModelConfig) -> Path:
         raise KvbatchConfigError(f"model.path={cfg.path} is a file, not an mlx-lm model directory or a .gguf file")
     if _REPO_ID.match(cfg.path) and not cfg.path.startswith("."):
         return check_model_dir(hf_repo_dir(cfg.path), cfg.path)
-    raise KvbatchConfigError(f"model.path={cfg.path} does not exist; set it to an mlx-lm model directory or a Hugging Face repo id")
+    raise KvbatchConfigError(f"model.path={cfg.path} does not exist; set it to an mlx-lm model directory "
+                             "or a Hugging Face repo id")
 
 
 def resolve_model_dir(cfg: ModelConfig) -> Path:

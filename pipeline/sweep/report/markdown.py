@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbatch.engine.errors import ERROR_CODES
-from kvbatch.engine.memory import fmt_bytes
+from kvbatch.engine.sizes import fmt_bytes
 from kvbatch.pipeline.sweep.report.collect import SWEEP_PARQUET
 from kvbatch.pipeline.sweep.report.plots import PLOTS
 
