@@ -20,6 +20,10 @@
 #   mlxenv   MLX's CUDA graph settings (read once per process, so one process each, $MLXENVS): the step
 #            profile of 8B batch 1 at 8k (none, q8, and mlx-lm; $MLXENV_ARGS: other gpu_step_profile.py
 #            arguments); SECONDS is per process
+#   sidebyside  gpu.py at batches $SBS_BATCHES (default 8,64,256), kv none, 2 order-alternating rounds against mlx-lm,
+#            for this tree and for an older one in .gpu/old (`git archive OLD engine benchmarks/gpu.py
+#            benchmarks/interleave.py | tar -x -C .gpu/old`), 8B then 1B, new-old-old-new: a restructure's
+#            speed against the code before it, each side in the same run as mlx-lm
 #   profile  gpu_step_profile.py $PROFILE_ARGS (default: 1B batch 8 at 8k, none and q8, lookahead loop, with
 #            mlx-lm): host phases against the wait for the GPU, to tell a host-bound case from a GPU-bound one
 set -uo pipefail
@@ -28,6 +32,11 @@ mkdir -p "$OUT"
 if [ ! -d "$SITE/mlx" ]; then
   cat "$S"/mlxcuda.part.aa .gpu/b/mlxcuda.part.ab > "$S"/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl &&
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$S"/*.whl || exit 1
+fi
+# the project itself: a wheel built here (`pip wheel --no-deps -w .gpu/kvbatch .`), as the import name
+# kvbatch maps engine/ and pipeline/ only when installed
+if ls .gpu/kvbatch/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" .gpu/kvbatch/*.whl || exit 1
 fi
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
 git log -1 --format='commit %h %s' 2>/dev/null; git status --short 2>/dev/null | head -20
@@ -67,6 +76,13 @@ for arg in "$@"; do
         timeout "$secs" env ${vars//,/ } python3 benchmarks/gpu_step_profile.py ${MLXENV_ARGS:---geometry 8b --batches 1 \
           --prompt 8192 --new 128 --modes none,q8 --no-sync} 2>&1 | tee -a "$OUT/mlxenv.txt" | cut -c1-1200
       done ;;
+    sidebyside) for g in ${SBS_GEOMS:-8b 1b}; do for side in new old old new; do
+        tag=a; [ -e "$OUT/gpu_${g}_${side}_a.json" ] && tag=b
+        if [ $side = new ]; then dir=.; pp=$SITE:$PWD; else dir=.gpu/old; pp=$SITE:$PWD/.gpu/old; fi
+        echo "-- $g $side ($tag)"
+        (cd $dir && PYTHONPATH=$pp timeout "$secs" python3 benchmarks/gpu.py --geometry $g --batches ${SBS_BATCHES:-8,64,256} \
+           --long-batches '' --modes none --repeats 2 --out "$OUT/gpu_${g}_${side}_$tag.json") 2>&1 | cut -c1-300
+      done; done ;;
     profile) timeout "$secs" python3 benchmarks/gpu_step_profile.py ${PROFILE_ARGS:---geometry 1b --batches 8 \
                --prompt 8192 --modes none,q8 --no-sync} 2>&1 | tee -a "$OUT/profile.txt" | cut -c1-1500 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
