@@ -40,10 +40,11 @@ test: setup lint
 
 # Architecture (import-linter: contracts in pyproject.toml) and lint (ruff) of the source. import-linter
 # reads packages from disk, and the editable install maps kvbatch.engine/pipeline without a folder of
-# that name: so the project is installed once more, plainly, into a scratch folder for it.
+# that name: so the project is installed once more, plainly, into a scratch folder for it (build/
+# removed first: setuptools keeps files there that the source no longer has).
 lint: setup
 	$(VENV)/bin/ruff check engine pipeline kvbatch
-	@d=$$(mktemp -d) && $(PY) -m pip install -q --no-deps --target $$d . 2>/dev/null \
+	@rm -rf build && d=$$(mktemp -d) && $(PY) -m pip install -q --no-deps --target $$d . 2>/dev/null \
 	  && (cd $$d && PYTHONPATH=$$d $(CURDIR)/$(VENV)/bin/lint-imports $(CURDIR)/pyproject.toml); \
 	  rc=$$?; rm -rf $$d; exit $$rc
 

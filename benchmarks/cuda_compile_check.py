@@ -1,9 +1,9 @@
-"""Compile engine/cuda_attention.py's kernels with nvcc, as MLX would wrap them, without a GPU.
+"""Compile engine/routes/cuda_kernels.py's kernels with nvcc, as MLX would wrap them, without a GPU.
 
 Catches syntax errors and prints registers / spills / shared memory (-Xptxas -v) before
 device time is spent. Needs nvcc on PATH; imports no MLX CUDA.
 
-    python benchmarks/cuda_compile_check.py [--warps 4] [--unroll 1] [--no-raw]
+    python benchmarks/cuda_compile_check.py [--warps 4] [--unroll 1]
 
 Kernel names: dense_/quant_<D>_<rep>_<dtype>[_split][_store][_q8|_q4]. Registers above 128 a
 thread leave one 256-thread block per SM instead of two.
@@ -18,8 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvbatch.engine import cuda_attention as ca  # noqa: E402
-from kvbatch.engine import cuda_source as cs  # noqa: E402
+from kvbatch.engine.routes import cuda_kernels as ca  # noqa: E402
+from kvbatch.engine.routes import cuda_source as cs  # noqa: E402
 
 STUB = """#include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -44,7 +44,6 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--warps", type=int, default=8, help="most warps per block (KVBATCH_CUDA_WARPS)")
     ap.add_argument("--unroll", type=int, default=ca.UNROLL["dense"])
-    ap.add_argument("--no-raw", action="store_true", help="the float loop (KVBATCH_CUDA_RAW=0)")
     a = ap.parse_args()
     src = [STUB]
     for D, rep in ((64, 4), (128, 4), (64, 2), (96, 3)):
@@ -59,14 +58,14 @@ def main() -> int:
                 outs = [("pm", "float"), ("pl", "float"), ("pacc", "float")] if split else [("out", T)]
                 dense_in = [("q", T), ("k", T), ("v", T), ("table", "int32_t"), ("lengths", "int32_t"),
                             ("meta", "int32_t"), ("scale", "float")]
-                src.append(wrap(f"dense_{i}", dense_in + store, outs, base, cs.kernel_source(False, split, new_kv, raw=not a.no_raw)))
+                src.append(wrap(f"dense_{i}", dense_in + store, outs, base, cs.kernel_source(False, split, new_kv)))
                 for bits in (8, 4):
                     qin = [("q", T), ("kw", "uint32_t"), ("ks", T), ("kb", T), ("vw", "uint32_t"), ("vs", T),
                            ("vb", T), ("tk", T), ("tv", T), ("tails", "int32_t")] + ints[:1] + \
                           [("lens", "int32_t")] + ints[1:]
                     consts = dict(base, BITS=bits, GS=32 if D % 64 else 64)
                     src.append(wrap(f"quant_{i}_q{bits}", qin + store, outs, consts,
-                                    cs.kernel_source(True, split, new_kv, not a.no_raw)))
+                                    cs.kernel_source(True, split, new_kv)))
             for ql in (0, 1):
                 src.append(wrap(f"reduce_{D}_{rep}_{dt}_{ql}", [("pm", "float"), ("pl", "float"), ("pacc", "float"),
                                                      ("meta", "int32_t"), ("lens", "int32_t")], [("out", T)],

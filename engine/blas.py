@@ -78,7 +78,7 @@ def ensure_blas() -> str:
         _in_use = "reference (bundled)"
         _warn_once(
             "kvbatch: mlx was imported before OpenBLAS could be loaded, so MLX uses its slow "
-            "reference BLAS; import engine (or engine.blas.ensure_blas()) before mlx."
+            "reference BLAS; import kvbatch.engine (or kvbatch.engine.blas.ensure_blas()) before mlx."
         )
         return _in_use
     for path in [requested] if requested else _candidates():

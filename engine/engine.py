@@ -16,13 +16,14 @@ from typing import Iterator, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from kvbatch.engine import attention, rope
+from kvbatch.engine import mlx_lm_bridge
 from kvbatch.engine.backend import on_cpu
 from kvbatch.engine.config import EngineConfig
 from kvbatch.engine.errors import KvbatchConfigError
 from kvbatch.engine.gate import check_kv_mode
 from kvbatch.engine.hooks import EngineHooks
-from kvbatch.engine.kv_cache import CacheRow, PagedKVCache, trace_mode
+from kvbatch.engine.kv_cache import PagedKVCache
+from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.memory import MemoryModel, format_plan, kv_layout, resolve_budget
 from kvbatch.engine.output import OutputProcessor
 from kvbatch.engine.row import Row
@@ -53,15 +54,11 @@ class Engine:
         cfg = cfg or EngineConfig()
         cfg.check()
         kv, settings, opts = cfg.kv, cfg.engine, cfg.engine.options
-        check_kv_mode(spec, kv.mode, kv.group_size, kv.allow_unvalidated)
-        if not attention.model_supports_paging(model):
+        check_kv_mode(spec, kv.mode, kv.group_size, kv.allow_unvalidated, opts)
+        if not mlx_lm_bridge.model_supports_paging(model):
             raise KvbatchConfigError(f"model type '{spec.family}' does not route attention through mlx-lm's "
                                      "scaled_dot_product_attention; the paged cache cannot run it")
-        attention.install(model)
-        if on_cpu() and opts.rope_table:
-            rope.install(model)  # decode RoPE from one table per step
-        else:
-            rope.uninstall(model)
+        mlx_lm_bridge.prepare_model(model, opts)
         self.model, self.tokenizer, self.spec, self.cfg = model, tokenizer, spec, cfg
         self.hooks = hooks or EngineHooks()
         budget = cfg.memory.budget_bytes
@@ -73,8 +70,7 @@ class Engine:
                                max(int(budget) - spec.weights_bytes, 0)))
         dtype = _DTYPES[spec.dtype]
         self.cache = PagedKVCache(self.layout, spec.num_layers, dtype, tail_slots=settings.max_batch,
-                                  upcast=dtype == mx.float16, trace=trace_mode(),
-                                  query_heads=spec.num_heads)
+                                  upcast=dtype == mx.float16, query_heads=spec.num_heads, options=opts)
         self.scheduler = Scheduler(spec, self.memory, self.cache, settings.max_batch, kv.page_size,
                                    cfg.max_prompt_tokens)
         self.output = OutputProcessor(tokenizer, spec, self.layout, self.cache, self.hooks, self._unschedule)

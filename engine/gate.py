@@ -5,7 +5,12 @@ against a dequantize-and-attend reference, batched, at page sizes 16 and 64).
 """
 from __future__ import annotations
 
+from typing import Optional
+
+from kvbatch.engine.backend import backend
+from kvbatch.engine.config import GROUP_SIZES, KV_BITS, KV_MODES, EngineOptions
 from kvbatch.engine.errors import KvbatchConfigError
+from kvbatch.engine.routes import cuda_kernels
 from kvbatch.engine.types import ModelSpec
 
 # Families whose mlx-lm module routes attention through base.scaled_dot_product_attention
@@ -18,35 +23,25 @@ VALIDATED: dict[tuple[str, int], frozenset[str]] = {
     ("llama", 256): frozenset({"none", "q8", "q4"}),
     ("qwen3", 128): frozenset({"none", "q8", "q4"}),
 }
-KV_MODES = ("none", "q8", "q4")
 # Backends where the portable quantized route (mx.quantized_matmul) has been validated. On MLX
 # CUDA (H200, mlx 0.32.4) it is not (RESULTS.md, issue 9); there q8/q4 are validated only where
-# the fused kernel of engine/cuda_attention.py runs decode (see `_cuda_quant_ok`).
+# the fused kernel of routes/cuda_kernels.py runs decode (see `_cuda_quant_ok`).
 QUANT_VALIDATED_BACKENDS = frozenset({"cpu", "metal"})
 
 
-def backend() -> str:
-    import mlx.core as mx
-
-    if mx.metal.is_available():
-        return "metal"
-    if mx.cuda.is_available():
-        return "cuda"
-    return "cpu"
-GROUP_SIZES = (32, 64, 128)
-
-
-def _cuda_quant_ok(spec: ModelSpec, mode: str, group_size: int) -> bool:
+def _cuda_quant_ok(spec: ModelSpec, mode: str, group_size: int, options: EngineOptions) -> bool:
     """On MLX CUDA, q8/q4 decode is validated through the fused kernel (benchmarks/backend_check.py)."""
-    from kvbatch.engine import cuda_attention
-
     rep = max(spec.num_heads // max(spec.num_kv_heads, 1), 1)
-    return (backend() == "cuda" and cuda_attention.available()
-            and cuda_attention.supports(spec.head_dim, rep, {"q8": 8, "q4": 4}[mode], group_size))
+    return (backend().cuda_kernels and options.route == "auto"
+            and cuda_kernels.supports(spec.head_dim, rep, KV_BITS[mode], group_size))
 
 
-def check_kv_mode(spec: ModelSpec, mode: str, group_size: int, allow_unvalidated: bool = False) -> None:
-    """Raise KvbatchConfigError (one line) unless this model may run this KV mode."""
+def check_kv_mode(spec: ModelSpec, mode: str, group_size: int, allow_unvalidated: bool = False,
+                  options: Optional[EngineOptions] = None) -> None:
+    """Raise KvbatchConfigError (one line) unless this model may run this KV mode (with these
+    engine options: the portable route has no fused CUDA kernel)."""
+    options = options or EngineOptions()
+    name = backend().name
     if spec.unsupported_reason:
         raise KvbatchConfigError(f"model type '{spec.family}' is not supported by the paged cache: "
                                  f"{spec.unsupported_reason}")
@@ -62,9 +57,9 @@ def check_kv_mode(spec: ModelSpec, mode: str, group_size: int, allow_unvalidated
     ok = mode in VALIDATED.get((spec.family, spec.head_dim), frozenset())
     if mode == "none" and spec.family in PAGED_FAMILIES:
         ok = True  # the dense route has no head-size specific code
-    if (ok and mode != "none" and backend() not in QUANT_VALIDATED_BACKENDS and not _cuda_quant_ok(spec, mode, group_size)
-            and not allow_unvalidated):
-        raise KvbatchConfigError(f"kv={mode} is not validated on the MLX {backend()} backend (see the README's "
+    if (ok and mode != "none" and name not in QUANT_VALIDATED_BACKENDS
+            and not _cuda_quant_ok(spec, mode, group_size, options) and not allow_unvalidated):
+        raise KvbatchConfigError(f"kv={mode} is not validated on the MLX {name} backend (see the README's "
                                  f"KV table); set kv.allow_unvalidated=true to run it anyway")
     if not ok and not allow_unvalidated:
         raise KvbatchConfigError(f"kv={mode} is not validated for {spec.family} with head size {spec.head_dim} "

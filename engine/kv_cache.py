@@ -1,124 +1,57 @@
-"""The KV-cache manager: page tables, reservations, growth, and the per-layer views
-that mlx-lm model code talks to (`offset`, `update_and_fetch`, `make_mask`).
+"""The KV-cache manager: admission, reservations, growth and release of pages, and one forward
+pass at a time handed to its attention route.
 
-One forward pass = `begin(rows, L)` (checks every row reserved room for L tokens,
-builds slot maps and masks once for all layers) → the model runs, each layer
-writing and attending through its view → `end()` advances the rows' lengths.
+One forward pass = `begin(rows, L)` (checks every row reserved room for L tokens, and has the
+route build the pass's metadata once for all layers) → the model runs, each layer writing and
+attending through its view (mlx_lm_bridge.PagedLayerCache) → `end()` advances the rows' lengths.
+The route (engine/routes/, chosen by routes/select.py) owns how pages are read and written.
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 import mlx.core as mx
-import numpy as np
 
-from kvbatch.engine import attention as att
-from kvbatch.engine import cuda_attention, step_plan
+from kvbatch.engine.config import EngineOptions
 from kvbatch.engine.errors import INSUFFICIENT_MEMORY, RowError, UnreservedWriteError
-from kvbatch.engine.kv_store import DenseStore, QuantizedStore, dequantize
+from kvbatch.engine.kv.pages import CacheRow, PagePool
 from kvbatch.engine.memory import KVLayout, available_memory
+from kvbatch.engine.mlx_lm_bridge import PagedLayerCache
+from kvbatch.engine.routes.select import select_route
 from kvbatch.engine.sizes import fmt_bytes
-from kvbatch.engine.pages import PagePool
 
 
 @dataclass
-class CacheRow:
-    """A row's claim on the cache: its page table, stored and reserved lengths."""
-
-    key: str
-    pages: list[int] = field(default_factory=list)
-    length: int = 0  # tokens stored
-    reserved: int = 0  # tokens with a slot reserved (length <= reserved)
-    tail: Optional[int] = None  # quantized modes: its dense tail-page slot
-    peak_pages: int = 0
-
-
-@dataclass
-class _Plan:
+class _Pass:
     rows: list[CacheRow]
     L: int
     offset: object
+    meta: object  # the route's metadata of this pass
     poison: Optional[mx.array] = None
-    tensors: dict = field(default_factory=dict)
-
-
-class PagedLayerCache:
-    """What one mlx-lm attention layer sees. Attention itself is routed via `paged_attend`."""
-
-    def __init__(self, mgr: "PagedKVCache", layer: int):
-        self.mgr, self.layer = mgr, layer
-
-    @property
-    def offset(self):
-        return self.mgr.plan.offset
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array):
-        self.mgr.write(self.layer, keys, values)
-        return keys, values  # attention reads the pages, not these
-
-    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
-        if window_size is not None:
-            raise NotImplementedError("sliding-window attention is not supported by the paged cache")
-        return None  # the paged attention builds its own padding+causal masks
-
-    def paged_attend(self, queries: mx.array, scale: float) -> mx.array:
-        return self.mgr.attend(self.layer, queries, scale)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.mgr.store.layer_arrays(self.layer))
-
-    def __repr__(self) -> str:
-        return f"PagedLayerCache(layer={self.layer}, mode={self.mgr.layout.mode}, page_size={self.mgr.P})"
 
 
 class PagedKVCache:
-    def __init__(self, layout: KVLayout, num_layers: int, dtype: mx.Dtype, tail_slots: int,
-                 upcast: bool, trace: str = "", query_heads: int = 0):
+    def __init__(self, layout: KVLayout, num_layers: int, dtype: mx.Dtype, tail_slots: int, upcast: bool,
+                 query_heads: int = 0, options: Optional[EngineOptions] = None):
+        options = options or EngineOptions()
         self.layout, self.P = layout, layout.page_size
         self.num_layers = num_layers
-        if layout.bits:
-            self.store = QuantizedStore(num_layers, layout.num_kv_heads, layout.head_dim, self.P, dtype,
-                                        layout.bits, layout.group_size, tail_slots,
-                                        k_axis=k_quant_axis(layout))
-            self.route = att.ROUTE_QMM
-            self.qmm_streams = att.qmm_streams()
-        else:
-            self.store = DenseStore(num_layers, layout.num_kv_heads, layout.head_dim, self.P, dtype)
-            self.route = att.ROUTE_DENSE_F32 if upcast else att.ROUTE_DENSE
-        self.fused_decode = cuda_attention.usable(layout, self.store, query_heads)
-        self.kernel_writes = self.fused_decode and cuda_attention.kernel_writes()  # CUDA decode stores
-        self.cuda_tuning = cuda_attention.tuning() if self.fused_decode else None
-        if self.fused_decode:
-            self.route = att.ROUTE_CUDA_Q if layout.bits else att.ROUTE_CUDA
-        self.upcast = upcast
-        # CPU decode over float32 pages of IN_PLACE_MIN_PAGE+ tokens reads them in place: dense pages
-        # through attention.paged_grouped_decode (KVBATCH_IN_PLACE=0: gather), packed q8/q4 pages
-        # through attention.quantized_paged_decode (KVBATCH_Q_IN_PLACE=0: attention.quantized_decode_attention)
-        cpu_pages = (not self.fused_decode and dtype == mx.float32 and self.P >= att.IN_PLACE_MIN_PAGE
-                     and att.on_cpu())
-        self.in_place = (cpu_pages and not layout.bits and not upcast
-                         and os.environ.get("KVBATCH_IN_PLACE", "1") != "0")
-        self.q_in_place = cpu_pages and bool(layout.bits) and os.environ.get("KVBATCH_Q_IN_PLACE", "1") != "0"
+        self.store, self.attention = select_route(layout, num_layers, dtype, tail_slots, upcast, query_heads, options)
+        self.route = self.attention.name
         self.pool = PagePool()
         self.free_tails = list(range(tail_slots))[::-1]
         self.views = [PagedLayerCache(self, i) for i in range(num_layers)]
-        self.plan: Optional[_Plan] = None
+        self.plan: Optional[_Pass] = None
         self.growth_events: list[dict] = []
         self.peak_capacity_pages = 0
-        self.trace = trace
+        self.trace = options.attention_trace if options.attention_trace != "off" else ""
         self._reported: set = set()
-        self._segment: dict[int, tuple[mx.array, mx.array]] = {}
-        self._new_kv: dict[int, tuple[mx.array, mx.array]] = {}  # decode K/V the fused kernel stores
-        # bumped whenever a row gains or loses pages or a tail: the CUDA decode reuses the last
-        # step's page tables only within one epoch (step_plan.reused; KVBATCH_STEP_REUSE=0: never)
+        # bumped whenever a row gains or loses pages or a tail: a route may reuse the last step's
+        # page tables within one epoch (routes/cuda.py StepReuse)
         self.epoch = 0
-        self.last_decode: Optional[tuple] = None
-        self.reuse_steps = os.environ.get("KVBATCH_STEP_REUSE", "1") != "0"
 
     # ---- capacity (always from the live buffers) -------------------------------------------
     @property
@@ -198,6 +131,7 @@ class PagedKVCache:
 
     # ---- one forward pass ------------------------------------------------------------------
     def begin(self, rows: list[CacheRow], L: int, poison: Optional[list[bool]] = None) -> None:
+        """poison: testing only (EngineHooks.nonfinite), rows whose layer-0 attention turns NaN."""
         if self.pool.capacity > self.capacity_pages:  # every page id the pool hands out is in the buffers
             raise UnreservedWriteError(f"the page pool ({self.pool.capacity} pages) exceeds the live buffers "
                                        f"({self.capacity_pages})")
@@ -210,99 +144,31 @@ class PagedKVCache:
                 raise UnreservedWriteError(f"row {r.key}: {r.reserved} tokens reserved in {len(r.pages)} pages")
             pos.append(r.length)
         offset = pos[0] if len(rows) == 1 else mx.array(pos, dtype=mx.int32)
-        self.plan = _Plan(rows, L, offset)
+        self.plan = _Pass(rows, L, offset, self.attention.plan(rows, L, pos, self.epoch))
         if poison is not None and any(poison):
             self.plan.poison = mx.array(poison)
-        if self.store.quantized and L == 1 and self.fused_decode:
-            self.plan.tensors = step_plan.quantized_fused_decode(self, rows, pos)
-        elif self.store.quantized:
-            self.plan.tensors = step_plan.quantized(self, rows, L, np.array(pos, dtype=np.int32))
-        elif L == 1:
-            self.plan.tensors = step_plan.decode(self, rows, pos)
-        else:
-            self.plan.tensors = step_plan.dense(self, rows, L, np.array(pos, dtype=np.int32))
         self._reported = set()
-        self._new_kv.clear()
 
     def end(self) -> None:
         for r in self.plan.rows:
             r.length += self.plan.L
         self.plan = None
+        self.attention.end()
 
     # ---- called by the model, layer by layer -----------------------------------------------
     def write(self, layer: int, keys: mx.array, values: mx.array) -> None:
         plan = self.plan
         if plan is None:
             raise UnreservedWriteError("KV write outside a reserved forward pass")
-        B, H, L, D = keys.shape
+        B, _, L, _ = keys.shape
         if B != len(plan.rows) or L != plan.L:
             raise UnreservedWriteError(f"KV write of {B}x{L} tokens into a pass reserved for "
                                        f"{len(plan.rows)}x{plan.L}")
-        t = plan.tensors
-        if "kernel_writes" in t:  # stored by the fused decode kernel (attend)
-            self._new_kv[layer] = (keys, values)
-            return
-        if L == 1:  # (B, H, 1, D) is (B, H, D) already: no transposed copy
-            k, v = keys.reshape(B, H, D), values.reshape(B, H, D)
-        else:
-            k = keys.transpose(0, 2, 1, 3).reshape(B * L, H, D)
-            v = values.transpose(0, 2, 1, 3).reshape(B * L, H, D)
-        if not self.store.quantized:
-            self.store.write(layer, t["rows"], k, v)
-        elif "run" in t:
-            tail, fill, slots = t["run"]
-            self._segment[layer] = self.store.write_run(layer, tail, fill, slots, k, v)
-        else:
-            self.store.write_tokens(layer, t["tail_write"], k, v)
-            if "seal_pages" in t:
-                self.store.seal_tail_pages(layer, *t["seal_pages"])
-            elif "seal_from" in t:
-                self.store.seal_tails(layer, t["seal_from"], t["seal_to"])
+        self.attention.write(layer, plan.meta, keys, values)
 
     def attend(self, layer: int, queries: mx.array, scale: float) -> mx.array:
-        plan, t, st = self.plan, self.plan.tensors, self.store
-        if "lengths" in t:  # CUDA: pages read in place by the fused decode kernel
-            out = cuda_attention.paged_decode_attention(queries, st.k[layer], st.v[layer], t["table"],
-                                                        t["lengths"], scale, new_kv=self._new_kv.pop(layer, None),
-                                                        tune=self.cuda_tuning)
-        elif "lens" in t:
-            out = cuda_attention.paged_decode_attention_quantized(
-                queries, st.q[layer], st.tk[layer], st.tv[layer], t["tails"], t["table_q"], t["lens"], scale,
-                st.bits, st.group_size, new_kv=self._new_kv.pop(layer, None), tune=self.cuda_tuning)
-        elif "page_heads" in t:
-            out = att.paged_grouped_decode(queries, st.k[layer], st.v[layer], t["page_heads"], t["query_of"],
-                                           t["mask"], scale)
-        elif "q_page_heads" in t:  # CPU q8/q4 decode: packed pages read in place
-            tk, tv = st.gather_tails(layer, t["tails"])
-            q = st.q[layer]
-            out = att.quantized_paged_decode(queries, q[:3], q[3:], tk, tv, t["q_page_heads"], t["query_of"],
-                                             t["mask_p"], scale, st.group_size, st.bits, self.qmm_streams,
-                                             t["cuts"], k_transposed=st.k_axis == "channel")
-        elif not st.quantized:
-            k, v = st.gather(layer, t["table"])
-            out = att.dense_attention(queries, k, v, t["mask"], scale, self.upcast)
-        elif "run" in t:  # prefill: sealed pages dequantized once for the chunk, the rest as written
-            sk, sv = (a.transpose(1, 0, 2)[None] for a in self._segment.pop(layer))
-            if "table_q" in t:
-                qk = st.gather_quantized(layer, t["table_q"])
-                sk = mx.concatenate([st.dequantize_k(*qk[:3]), sk], axis=2)
-                sv = mx.concatenate([dequantize(*qk[3:], st.group_size, st.bits), sv], axis=2)
-            out = att.dense_attention(queries, sk, sv, t["mask"], scale, upcast=True)
-        else:
-            tk, tv = st.gather_tails(layer, t["tails"])
-            qk = qv = mask_q = None
-            if "table_q" in t:
-                qk = []
-                for i, run in enumerate(t["runs_q"]):  # each run's gather on the stream that uses it
-                    if self.qmm_streams[i] is None:
-                        qk.append(st.gather_quantized(layer, run, "k"))
-                    else:
-                        with mx.stream(self.qmm_streams[i]):
-                            qk.append(st.gather_quantized(layer, run, "k"))
-                qv, mask_q = st.gather_quantized(layer, t["table_q"], "v"), t["mask_q"]
-            out = att.quantized_decode_attention(queries, qk, qv, tk, tv, mask_q, t["mask_t"], scale,
-                                                 st.group_size, st.bits, self.qmm_streams,
-                                                 k_transposed=st.k_axis == "channel", mask=t["mask_all"])
+        plan = self.plan
+        out = self.attention.attend(layer, plan.meta, queries, scale)
         if plan.poison is not None and layer == 0:  # testing-only fault injection
             out = mx.where(plan.poison[:, None, None, None], mx.array(mx.nan, out.dtype), out)
         if self.trace:
@@ -321,19 +187,6 @@ class PagedKVCache:
                   f"reserved={r.reserved} nonfinite={n_bad}", file=sys.stderr, flush=True)
 
 
-def k_quant_axis(layout: KVLayout) -> str:
-    """How quantized K pages are grouped: "channel" (along each page's tokens) on the CPU
-    when the page holds whole groups; else "token" (along head_dim; what the CUDA kernel
-    reads). See QuantizedStore."""
-    return "channel" if att.on_cpu() and layout.page_size % layout.group_size == 0 else "token"
-
-
 def mlx_cached_memory() -> int:
     """Bytes of freed buffers MLX keeps for reuse (reclaimable by mx.clear_cache())."""
     return int(mx.get_cache_memory())
-
-
-def trace_mode() -> str:
-    """KVBATCH_ATTENTION_TRACE: '' (off), 'nonfinite', or '1' (every call)."""
-    v = os.environ.get("KVBATCH_ATTENTION_TRACE", "").strip().lower()
-    return "" if v in ("", "0", "off", "false") else ("nonfinite" if v == "nonfinite" else "1")

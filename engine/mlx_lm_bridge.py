@@ -1,8 +1,31 @@
-"""Where kvbatch meets mlx-lm's model code."""
+"""Where kvbatch meets mlx-lm's model code: the attention hook, the per-layer cache view,
+last-position logits, and the CPU RoPE table.
+
+mlx-lm models call `cache.update_and_fetch(keys, values)`, read `cache.offset` for RoPE (an array
+offset per row is allowed) and call their module's `scaled_dot_product_attention`; kvbatch
+routes that call to the paged cache (`install`) and hands each layer a `PagedLayerCache`.
+"""
 from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from kvbatch.engine.backend import on_cpu
+from kvbatch.engine.config import EngineOptions
+from kvbatch.engine.routes import rope_cpu
+
+
+def prepare_model(model: nn.Module, options: EngineOptions) -> None:
+    """Route the model's attention to paged caches, and on the CPU route give its decode RoPE one
+    cos/sin table per step (`options.rope_table`; MLX's kernel per call elsewhere)."""
+    install(model)
+    if on_cpu() and options.route == "auto" and options.rope_table:
+        rope_cpu.install(model)
+    else:
+        rope_cpu.uninstall(model)
 
 
 def forward_last(model: nn.Module, tokens: mx.array, cache: list) -> mx.array:
@@ -14,3 +37,69 @@ def forward_last(model: nn.Module, tokens: mx.array, cache: list) -> mx.array:
     head = getattr(model, "lm_head", None)
     out = head(h) if head is not None else inner.embed_tokens.as_linear(h)
     return out[:, -1, :]
+
+
+class PagedLayerCache:
+    """What one mlx-lm attention layer sees. Attention itself is routed via `paged_attend`."""
+
+    def __init__(self, mgr, layer: int):
+        """mgr: the layer's PagedKVCache (kv_cache.py, which imports this module)."""
+        self.mgr, self.layer = mgr, layer
+
+    @property
+    def offset(self):
+        return self.mgr.plan.offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self.mgr.write(self.layer, keys, values)
+        return keys, values  # attention reads the pages, not these
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
+        if window_size is not None:
+            raise NotImplementedError("sliding-window attention is not supported by the paged cache")
+        return None  # the paged attention builds its own padding+causal masks
+
+    def paged_attend(self, queries: mx.array, scale: float) -> mx.array:
+        return self.mgr.attend(self.layer, queries, scale)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.mgr.store.layer_arrays(self.layer))
+
+    def __repr__(self) -> str:
+        return f"PagedLayerCache(layer={self.layer}, mode={self.mgr.layout.mode}, page_size={self.mgr.P})"
+
+
+def install(model: nn.Module) -> None:
+    """Route the model module's `scaled_dot_product_attention` to paged caches.
+
+    mlx-lm model files import the function from `.base` into their own module, so
+    patching that module's name routes every attention call of the model; calls
+    with any other cache (or none) go to the original function unchanged.
+    """
+    for mod_name in {type(model).__module__, type(getattr(model, "model", model)).__module__}:
+        mod = sys.modules.get(mod_name)
+        if mod is None or not hasattr(mod, "scaled_dot_product_attention"):
+            continue
+        original = mod.scaled_dot_product_attention
+        if getattr(original, "_kvbatch_paged", False):
+            continue
+        mod.scaled_dot_product_attention = _make_dispatch(original)
+
+
+def _make_dispatch(original: Callable) -> Callable:
+    def scaled_dot_product_attention(queries, keys, values, cache: Any, scale: float, mask=None, sinks=None):
+        attend = getattr(cache, "paged_attend", None)
+        if attend is not None:
+            if sinks is not None:
+                raise NotImplementedError("attention sinks are not supported by the paged cache")
+            return attend(queries, scale)
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+    scaled_dot_product_attention._kvbatch_paged = True
+    return scaled_dot_product_attention
+
+
+def model_supports_paging(model: nn.Module) -> bool:
+    mod = sys.modules.get(type(model).__module__)
+    return mod is not None and hasattr(mod, "scaled_dot_product_attention")

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from kvbatch.engine.kv_cache import CacheRow
+from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.sampling import RowSampler
 from kvbatch.engine.types import Request
 

@@ -1,6 +1,6 @@
 """Shared pytest fixtures, and what the tests expect on the MLX backend they run on.
 
-`import engine` comes first: it loads OpenBLAS before anything imports mlx
+`import kvbatch.engine` comes first: it loads OpenBLAS before anything imports mlx
 (loading it later has no effect, see engine/blas.py).
 
 MLX_ENABLE_TF32=0 (read by MLX 0.32's CUDA backend; no effect on the CPU): float32
@@ -23,7 +23,11 @@ import kvbatch.engine  # noqa: E402,F401  (must precede any mlx import)
 import mlx.core as mx  # noqa: E402
 import pytest  # noqa: E402
 
-from kvbatch.engine import attention, cuda_attention  # noqa: E402
+from kvbatch.engine.backend import backend  # noqa: E402
+from kvbatch.engine.routes import cuda_kernels  # noqa: E402
+from kvbatch.engine.routes.cuda import ROUTE_CUDA, ROUTE_CUDA_Q  # noqa: E402
+from kvbatch.engine.routes.dense import ROUTE_DENSE, ROUTE_DENSE_F32  # noqa: E402
+from kvbatch.engine.routes.quant import ROUTE_QMM  # noqa: E402
 from kvbatch.engine.models.config import ModelConfig  # noqa: E402
 from kvbatch.engine.models.load import load_model  # noqa: E402
 from tests.configs import engine_config  # noqa: E402,F401  (tests import it from here)
@@ -33,18 +37,19 @@ ON_CUDA = mx.cuda.is_available()
 cpu_only = pytest.mark.skipif(not ON_CPU, reason="tests a CPU-backend behaviour")
 
 
-def expected_route(spec, mode: str, group_size: int = 64) -> str:
+def expected_route(spec, mode: str, group_size: int = 64, route: str = "auto") -> str:
     """The attention route the engine must report for this model and KV mode on this backend:
-    MLX CUDA runs decode in the fused kernels of engine/cuda_attention.py wherever they handle
-    the geometry; elsewhere SDPA over gathered pages (float32 SDPA for fp16 models) and
-    quantized matmuls for q8/q4."""
+    MLX CUDA runs decode in the fused kernels of engine/routes/cuda_kernels.py wherever they handle
+    the geometry (unless the options ask for the portable route); elsewhere SDPA over gathered pages
+    (float32 SDPA for fp16 models) and quantized matmuls for q8/q4."""
     bits = {"none": None, "q8": 8, "q4": 4}[mode]
     rep = max(spec.num_heads // spec.num_kv_heads, 1)
-    if cuda_attention.available() and cuda_attention.supports(spec.head_dim, rep, bits, group_size if bits else None):
-        return attention.ROUTE_CUDA_Q if bits else attention.ROUTE_CUDA
+    if route == "auto" and backend().cuda_kernels and \
+            cuda_kernels.supports(spec.head_dim, rep, bits, group_size if bits else None):
+        return ROUTE_CUDA_Q if bits else ROUTE_CUDA
     if bits:
-        return attention.ROUTE_QMM
-    return attention.ROUTE_DENSE_F32 if spec.dtype == "float16" else attention.ROUTE_DENSE
+        return ROUTE_QMM
+    return ROUTE_DENSE_F32 if spec.dtype == "float16" else ROUTE_DENSE
 
 
 @pytest.fixture(scope="session")

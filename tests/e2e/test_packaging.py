@@ -8,6 +8,7 @@ generic names `engine` and `pipeline` must not be importable, `kvbatch.engine` a
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,9 +17,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_installed_distribution_has_one_import_name(tmp_path):
-    target, elsewhere = tmp_path / "site", tmp_path / "elsewhere"
+    target, elsewhere, src = tmp_path / "site", tmp_path / "elsewhere", tmp_path / "src"
     elsewhere.mkdir()
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(ROOT)],
+    # from a copy of the sources: setuptools' build/ in the checkout may hold files the source no longer has
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".venv", ".git", "build", "outputs", ".gpu", "*.egg-info",
+                                                             "__pycache__", "results"))
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(src)],
                    check=True, capture_output=True, timeout=300)
     packages = sorted(p.name for p in target.iterdir() if not p.name.endswith(".dist-info") and p.name != "bin")
     assert packages == ["kvbatch"]  # bin/: the console script

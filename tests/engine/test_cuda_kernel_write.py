@@ -1,5 +1,5 @@
-"""MLX CUDA: decode's new K/V stored by the fused kernel (cuda_attention.kernel_writes) gives
-the same bits as storing them with scatters before the kernel (KVBATCH_CUDA_KERNEL_WRITE=0):
+"""MLX CUDA: decode's new K/V stored by the fused kernel (engine.options.cuda.kernel_writes) gives
+the same bits as storing them with scatters before the kernel (kernel_writes=false):
 the same logits at every step, the same tokens, and the same pool and tail buffers after the
 run. Rows cross several page seals (q8/q4: a step that seals a page stores with scatters, the
 others in the kernel), rows are split (24-token splits) and unsplit, and more rows than slots
@@ -12,6 +12,7 @@ import kvbatch.engine  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 import pytest
 
+from kvbatch.engine.config import CudaLaunch, EngineOptions
 from kvbatch.engine.engine import Engine
 from tests.conftest import engine_config
 from kvbatch.engine.types import Request, SamplingParams
@@ -21,13 +22,12 @@ pytestmark = pytest.mark.skipif(not ON_CUDA, reason="the fused kernels run on ML
 
 
 def _run(tiny_model, mode: str, page: int, write: str, chunk: str, monkeypatch):
-    monkeypatch.setenv("KVBATCH_CUDA_KERNEL_WRITE", write)
-    monkeypatch.setenv("KVBATCH_CUDA_CHUNK", chunk)
+    launch = CudaLaunch(kernel_writes=write == "1", **({"chunk": int(chunk), "unsplit": int(chunk)} if chunk else {}))
     model, tok, spec = tiny_model(family="llama", head_dim=64)
     cfg = engine_config(kv_mode=mode, page_size=page, group_size=64, max_batch=4, prefill_chunk=100,
-                       memory_budget=4 << 30)
+                        memory_budget=4 << 30, options=EngineOptions(cuda=launch))
     eng = Engine(model, tok, spec, cfg)
-    assert eng.cache.kernel_writes == (write == "1")
+    assert eng.cache.attention.launch.kernel_writes == (write == "1")
     rng = random.Random(5)
     reqs = []
     for i, n in enumerate((3, 17, 64, 70, 111, 40)):

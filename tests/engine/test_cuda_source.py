@@ -1,8 +1,7 @@
 """The CUDA decode kernels' launch settings and source, checked without a GPU.
 
 The kernels themselves only run on MLX CUDA (tests/engine/test_cuda_kernel_write.py and the q8/q4 /
-paging tests cover them there). Here: the environment switches that GPU runs depend on parse
-as documented, split ranges depend on a row's own length only, and the kernel text of every
+paging tests cover them there). Here: the launch settings (engine.options.cuda) reach each launch, split ranges depend on a row's own length only, and the kernel text of every
 variant compiles with nvcc (as MLX's NVRTC would compile it), so a syntax error in a kernel
 fails CI instead of a device call.
 """
@@ -15,32 +14,20 @@ from pathlib import Path
 
 import pytest
 
-from kvbatch.engine import cuda_attention as ca
-from kvbatch.engine import cuda_source as cs
+from kvbatch.engine.config import CudaLaunch, EngineOptions
+from kvbatch.engine.routes import cuda_kernels as ca
+from kvbatch.engine.routes import cuda_source as cs
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_chunk_setting_parses_n_and_n_colon_m(monkeypatch):
-    monkeypatch.delenv("KVBATCH_CUDA_CHUNK", raising=False)
-    assert ca.chunk_tokens() == (ca.CHUNK, ca.SPLIT_MIN)
-    monkeypatch.setenv("KVBATCH_CUDA_CHUNK", "48")
-    assert ca.chunk_tokens() == (48, 48)
-    monkeypatch.setenv("KVBATCH_CUDA_CHUNK", "256:1024")
-    assert ca.chunk_tokens() == (256, 1024)
-    monkeypatch.setenv("KVBATCH_CUDA_CHUNK", "0")
-    assert ca.splits_for(100_000, *ca.chunk_tokens())[0] == 1  # 0 = never split
-
-
-def test_tuning_reads_every_switch(monkeypatch):
-    for k in ("KVBATCH_CUDA_CHUNK", "KVBATCH_CUDA_UNROLL", "KVBATCH_CUDA_WARPS", "KVBATCH_CUDA_RAW"):
-        monkeypatch.delenv(k, raising=False)
-    assert ca.tuning() == ca.Tuning(ca.CHUNK, ca.SPLIT_MIN, 0, 0, True)  # 0: the kernel kind's default
-    monkeypatch.setenv("KVBATCH_CUDA_CHUNK", "512:2048")
-    monkeypatch.setenv("KVBATCH_CUDA_UNROLL", "4")
-    monkeypatch.setenv("KVBATCH_CUDA_WARPS", "4")
-    monkeypatch.setenv("KVBATCH_CUDA_RAW", "0")
-    assert ca.tuning() == ca.Tuning(512, 2048, 4, 4, False)
+def test_launch_defaults_and_never_split():
+    """The launch settings are engine options (engine.options.cuda.*): their defaults are the
+    measured best, 0 chunk tokens never splits, 0 unroll/warps mean the kernel kind's defaults."""
+    assert CudaLaunch() == CudaLaunch(chunk=1024, unsplit=1024, unroll=0, warps=0, kernel_writes=True)
+    assert ca.splits_for(100_000, 0, 0)[0] == 1  # 0 = never split
+    assert ca.splits_for(100_000, 48, 48) == (-(-100_000 // 48), 48, 48)
+    assert ca.splits_for(1000, 256, 1024)[0] == 1  # rows up to `unsplit` tokens are not split
 
 
 def test_splits_follow_the_longest_row_and_chunk_only():
@@ -63,19 +50,20 @@ def test_warps_fit_the_merge_buffers():
 
 
 def test_kernel_variants_differ_where_they_should():
+    sources = set()
     for q in (False, True):
         for split in (False, True):
             for store in (False, True):
-                lean, old = cs.kernel_source(q, split, store, raw=True), cs.kernel_source(q, split, store, raw=False)
-                assert lean != old
+                lean = cs.kernel_source(q, split, store)
+                sources.add(lean)
                 assert ("pacc[" in lean) == split and ("kn +" in lean) == store
                 assert ("qs[r]" in lean) == q  # q8/q4: scales folded into the dot products
+    assert len(sources) == 8
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CUDA toolkit) to compile the kernels")
-@pytest.mark.parametrize("args", [[], ["--no-raw"]], ids=["lean", "float-loop"])
-def test_every_kernel_variant_compiles(args):
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cuda_compile_check.py"), *args],
+def test_every_kernel_variant_compiles():
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cuda_compile_check.py")],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "nvcc exit 0" in r.stdout
@@ -89,17 +77,22 @@ def _cache_as_on_cuda(mode: str, P: int, H: int, kernel_writes: bool):
 
     from kvbatch.engine.kv_cache import PagedKVCache
     from kvbatch.engine.memory import KVLayout
+    from kvbatch.engine.routes.base import Geometry
+    from kvbatch.engine.routes.cuda import CudaDenseRoute, CudaQuantRoute
 
     lay = KVLayout(num_kv_layers=1, num_kv_heads=H, head_dim=64, dtype_bytes=4, mode=mode, group_size=64,
                    page_size=P)
-    cache = PagedKVCache(lay, 1, mx.float32, tail_slots=4, upcast=False)
-    cache.fused_decode, cache.kernel_writes = True, kernel_writes
+    opts = EngineOptions(route="portable", cuda=CudaLaunch(kernel_writes=kernel_writes))
+    cache = PagedKVCache(lay, 1, mx.float32, tail_slots=4, upcast=False, query_heads=H, options=opts)
+    geom = Geometry(P, H, 64, H)
+    cache.attention = (CudaQuantRoute(cache.store, geom, opts.cuda, step_reuse=True) if mode != "none" else
+                       CudaDenseRoute(cache.store, geom, False, opts.cuda, step_reuse=True))
     return cache
 
 
 def _rows_at(cache, pos: list[int], reserve: int) -> list:
     """Admitted rows holding pos[i] tokens, with room reserved for `reserve` more."""
-    from kvbatch.engine.kv_cache import CacheRow
+    from kvbatch.engine.kv.pages import CacheRow
 
     rows = []
     for i, p in enumerate(pos):
@@ -115,38 +108,37 @@ def _rows_at(cache, pos: list[int], reserve: int) -> list:
 def test_quantized_fused_decode_plan(kernel_writes):
     """The per-step plan of the CUDA q8/q4 decode (built on the host, so checkable here): rows
     at a fresh tail, a full tail (seals this step), a sealed page plus one, two pages plus two."""
-    from kvbatch.engine import step_plan
-    from kvbatch.engine.kv_store import head_rows
+    from kvbatch.engine.kv.store import head_rows
 
     P, H = 16, 2
     cache = _cache_as_on_cuda("q8", P, H, kernel_writes)
     pos = [0, P - 1, P, 2 * P + 2]
     rows = _rows_at(cache, pos, reserve=1)
-    t = step_plan.quantized_fused_decode(cache, rows, pos)
-    assert t["tails"].tolist() == [r.tail for r in rows]
-    assert t["lens"].tolist() == [[0, 1], [0, P], [P, 1], [2 * P, 3]]
-    assert [x[:n] for x, n in zip(t["table_q"].tolist(), [0, 0, 1, 2])] == [r.pages[:n] for r, n in
-                                                                          zip(rows, [0, 0, 1, 2])]
-    assert "kernel_writes" not in t  # row 1 fills its tail: this step writes first, then seals
+    t = cache.attention.plan(rows, 1, pos, cache.epoch)
+    assert t.tails.tolist() == [r.tail for r in rows]
+    assert t.lens.tolist() == [[0, 1], [0, P], [P, 1], [2 * P, 3]]
+    assert [x[:n] for x, n in zip(t.table_q.tolist(), [0, 0, 1, 2])] == [r.pages[:n] for r, n in
+                                                                        zip(rows, [0, 0, 1, 2])]
+    assert t.writes is not None  # row 1 fills its tail: this step writes first, then seals
     tails = [r.tail for r in rows]
-    assert t["tail_write"].tolist() == head_rows([a * P + p % P for a, p in zip(tails, pos)], P, H)
+    assert t.writes.tail_write.tolist() == head_rows([a * P + p % P for a, p in zip(tails, pos)], P, H)
     assert cache.store.k_axis == "token"  # keys per token, as on MLX CUDA: the seal comes as whole pages
-    src, dst = t["seal_pages"]
+    src, dst = t.writes.seal_pages
     assert src.tolist() == [tails[1]] and dst.tolist() == [rows[1].pages[0]]
     rest = [rows[0], rows[2], rows[3]]  # no row seals: the kernel stores the token, if it may
-    t = step_plan.quantized_fused_decode(cache, rest, [0, P, 2 * P + 2])
-    assert ("kernel_writes" in t) == kernel_writes and ("tail_write" in t) != kernel_writes
-    assert "seal_pages" not in t and "seal_from" not in t
+    t = cache.attention.plan(rest, 1, [0, P, 2 * P + 2], cache.epoch)
+    assert (t.writes is None) == kernel_writes  # None: the kernel stores it; else the step writes it
+    assert t.writes is None or (t.writes.seal_pages is None and t.writes.seal_from is None)
 
 
 @pytest.mark.parametrize("mode", ["none", "q8"])
 def test_decode_steps_reuse_tables_only_while_no_page_changes(mode):
-    """The CUDA decode reuses the last step's device tables (step_plan.reused) and advances its
+    """The CUDA decode reuses the last step's device tables (routes/cuda.py StepReuse) and advances its
     counts on the device. Every step's arrays must equal a fresh build from the rows, across
     page boundaries (a dense row gains a page, a q8 row seals its tail), after a step that was
     built and dropped (lookahead), and when a row released and given other pages comes back at
     the counts it had."""
-    from kvbatch.engine.kv_cache import CacheRow
+    from kvbatch.engine.kv.pages import CacheRow
 
     P = 4
     cache = _cache_as_on_cuda(mode, P, 2, kernel_writes=True)
@@ -164,16 +156,16 @@ def test_decode_steps_reuse_tables_only_while_no_page_changes(mode):
         for r in rows:
             cache.reserve(r, 1, 1 << 30)
         cache.begin(rows, 1)
-        t = cache.plan.tensors
+        t = cache.plan.meta
         want, n = expected(rows)
         tab = "table" if mode == "none" else "table_q"
         for k, v in want.items():
-            got = t[k].tolist()
+            got = getattr(t, k).tolist()
             if k == tab:
                 got = [g[:m] for g, m in zip(got, n)]
             assert got == v, (k, [r.length for r in rows])
         cache.end()
-        return t[tab]
+        return getattr(t, tab)
 
     rows = _rows_at(cache, [0, P, 2 * P], reserve=0)  # in step: they cross page boundaries together
     tables = [step(rows) for _ in range(9)]
@@ -219,26 +211,26 @@ def _recording_kernels(monkeypatch) -> list:
 
 
 def test_launch_parameters_follow_each_call(monkeypatch):
-    """The launch plumbing (cuda_attention._launch, its per-step-shape cache) with a recording
+    """The launch plumbing (cuda_kernels._launch, its per-step-shape cache) with a recording
     stand-in for the kernels: each call gets the grid, templates, split metadata and outputs of
     its own shapes, also when an earlier call with other shapes is cached; the merge kernel reads
     the split kernel's partials and the row lengths."""
     import mlx.core as mx
 
     calls = _recording_kernels(monkeypatch)
-    tune = ca.Tuning(chunk=64, unsplit=64, unroll=2, warps=0, raw=True)
+    tune = CudaLaunch(chunk=64, unsplit=64, unroll=2, warps=0)
     B, Hkv, rep, D, P = 2, 2, 2, 64, 16
     q = mx.zeros((B, Hkv * rep, 1, D))
     pool = mx.zeros((12, Hkv, P, D))
     for maxp, lens in ((3, [40, 48]), (6, [70, 96]), (3, [33, 48])):  # unsplit, split (2 ranges), unsplit again
         calls.clear()
         lengths = mx.array(lens, dtype=mx.int32)
-        out = ca.paged_decode_attention(q, pool, pool, mx.zeros((B, maxp), dtype=mx.int32), lengths, 0.5, tune=tune)
+        out = ca.paged_decode_attention(q, pool, pool, mx.zeros((B, maxp), dtype=mx.int32), lengths, 0.5, tune)
         assert out.shape == (B, Hkv * rep, 1, D)
         nw = ca.warps_for(D, rep)
         ns = 1 if maxp * P <= 64 else -(-maxp * P // 64)
         first = calls[0]
-        assert first["key"] == ("dense", ns > 1, False, True)
+        assert first["key"] == ("dense", ns > 1, False)
         assert first["grid"] == (B * Hkv * ns * 32 * nw, 1, 1) and first["threadgroup"] == (32 * nw, 1, 1)
         assert dict(first["template"])["P"] == P and dict(first["template"])["REP"] == rep
         meta = first["inputs"][5]
@@ -267,11 +259,11 @@ def test_launch_settings_per_kernel_kind(monkeypatch):
     packed = packed * 2
     lens = mx.array([[32, 5], [16, 9]], dtype=mx.int32)
     for unroll, warps in ((0, 0), (2, 8), (4, 4)):
-        tune = ca.Tuning(chunk=0, unsplit=0, unroll=unroll, warps=warps, raw=True)
+        tune = CudaLaunch(chunk=0, unsplit=0, unroll=unroll, warps=warps)
         calls.clear()
-        ca.paged_decode_attention(q, pool, pool, table, mx.array([40, 48], dtype=mx.int32), 0.5, tune=tune)
-        ca.paged_decode_attention_quantized(q, packed, pool, pool, mx.array([0, 1], dtype=mx.int32), table,
-                                            lens, 0.5, 8, 32, tune=tune)
+        ca.paged_decode_attention(q, pool, pool, table, mx.array([40, 48], dtype=mx.int32), 0.5, tune)
+        ca.paged_decode_attention_quantized(q, ca.QuantPages(packed, pool, pool, 8, 32), mx.array([0, 1], dtype=mx.int32),
+                                            table, lens, 0.5, tune)
         got = [(c["key"][0], dict(c["template"])["NW"], dict(c["template"])["U"], c["threadgroup"][0])
                for c in calls]
         want_d = (warps or 8, unroll or 2)

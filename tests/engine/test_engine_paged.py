@@ -14,11 +14,14 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models import llama, mamba
 
-from kvbatch.engine.attention import on_cpu
+from kvbatch.engine.backend import on_cpu
+from kvbatch.engine.config import EngineOptions
+from kvbatch.engine.routes.dense import DenseRoute
 from kvbatch.engine.engine import Engine
 from tests.conftest import engine_config
 from kvbatch.engine.errors import INVALID_INPUT, PROMPT_TOO_LONG, KvbatchConfigError, UnreservedWriteError
-from kvbatch.engine.kv_cache import CacheRow, PagedKVCache
+from kvbatch.engine.kv_cache import PagedKVCache
+from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.memory import kv_layout
 from kvbatch.engine.models.spec import model_spec
 from kvbatch.engine.types import Request, SamplingParams
@@ -68,8 +71,11 @@ def pool_is_empty(eng: Engine) -> None:
 # ---- (a) teacher-forced logits against mlx-lm, batch of 8, small pages, pool growth ---------
 @pytest.mark.parametrize("geometry", [dict(family="llama", head_dim=64),
                                       dict(family="qwen3", head_dim=128)], ids=["llama64", "qwen3_128"])
-@pytest.mark.parametrize("P", [4, 16], ids=["page4", "page16"])  # page16: CPU decode reads pages in place
-def test_teacher_forced_logits_match_mlx_lm(tiny_model, geometry, P):
+@pytest.mark.parametrize("P,route", [(4, "auto"), (16, "auto"), (16, "portable")],
+                         ids=["page4", "page16", "page16-portable"])  # page16: CPU decode reads pages in place
+def test_teacher_forced_logits_match_mlx_lm(tiny_model, geometry, P, route):
+    """route=portable (what Apple's Metal backend runs: pages gathered, MLX's SDPA, no CPU-only
+    reads, no CUDA kernel) against the same reference, on every backend."""
     m = tiny_model(**geometry)
     model, _, spec = m
     steps = 300
@@ -77,8 +83,11 @@ def test_teacher_forced_logits_match_mlx_lm(tiny_model, geometry, P):
     prompts = prompts_of(lengths)
     refs = [mlx_lm_reference(model, p, steps) for p in prompts]
 
-    eng = make_engine(m, page_size=P, max_batch=8, prefill_chunk=5)
-    assert eng.cache.in_place == (P >= 16 and on_cpu())
+    eng = make_engine(m, page_size=P, max_batch=8, prefill_chunk=5, options=EngineOptions(route=route))
+    assert eng.cache.attention.in_place == (P >= 16 and on_cpu() and route == "auto")
+    if route == "portable":
+        assert type(eng.cache.attention) is DenseRoute and not eng.cache.attention.grouped
+        assert eng.summary()["route"] == "paged_sdpa"
     for i in range(len(prompts)):
         eng.hooks.force(f"r{i}", refs[i][0])
     results = eng.generate([Request(f"r{i}", p, SamplingParams(max_tokens=steps)) for i, p in enumerate(prompts)])

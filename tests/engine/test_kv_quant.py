@@ -27,7 +27,8 @@ import kvbatch.engine  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 import pytest
 
-from kvbatch.engine import attention, kv_store
+from kvbatch.engine.config import CudaLaunch, EngineOptions
+from kvbatch.engine.routes import cuda, quant
 from kvbatch.engine.engine import Engine
 from tests.conftest import engine_config
 from kvbatch.engine.errors import KvbatchConfigError
@@ -35,7 +36,9 @@ from kvbatch.engine.gate import VALIDATED
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.load import load_model
 from kvbatch.engine.types import Request, SamplingParams
-from kvbatch.engine import cuda_attention
+from kvbatch.engine.routes.cuda import ROUTE_CUDA, ROUTE_CUDA_Q
+from kvbatch.engine.routes.dense import ROUTE_DENSE, ROUTE_DENSE_F32
+from kvbatch.engine.routes.quant import ROUTE_QMM
 from tests.conftest import ON_CPU, ON_CUDA, cpu_only, expected_route
 from tests.engine.kv_reference import QuantRefCache, StoredPagesRefCache, teacher_forced_logits
 
@@ -197,16 +200,27 @@ def _check_row(model, res, logits, prompt, forced, snap, page, bits, group, chun
     return checked, len(forced), worst
 
 
-@pytest.mark.parametrize("family,head_dim,mode,page,group", CASES,
-                         ids=[f"{f}-h{h}-{m}-p{p}-g{g}" for f, h, m, p, g in CASES])
-def test_batched_logits_match_reference(tiny_model, family, head_dim, mode, page, group):
+# The portable route (engine.options.route=portable: what Apple's Metal backend runs, pages gathered,
+# quantized_matmul, keys per token, one stream) against the same references, on every backend.
+PORTABLE = [("llama", 64, "q8", 16, 64), ("llama", 64, "q4", 64, 64), ("qwen3", 128, "q8", 64, 64)]
+ALL_CASES = [c + ("auto",) for c in CASES] + [c + ("portable",) for c in PORTABLE]
+
+
+@pytest.mark.parametrize("family,head_dim,mode,page,group,route", ALL_CASES,
+                         ids=[f"{f}-h{h}-{m}-p{p}-g{g}" + ("-portable" if r == "portable" else "")
+                              for f, h, m, p, g, r in ALL_CASES])
+def test_batched_logits_match_reference(tiny_model, family, head_dim, mode, page, group, route):
     model, tok, spec = _model(tiny_model, family, head_dim)
     prompts, forced = _rows(seed=head_dim + page + group)
-    eng = _engine(model, tok, spec, mode, page, group)
+    eng = _engine(model, tok, spec, mode, page, group, options=EngineOptions(route=route))
+    if route == "portable":  # no CPU-only reads, no CUDA kernel, keys per token, one stream
+        a = eng.cache.attention
+        assert type(a) is quant.QuantRoute and not a.in_place and a.streams == [None]
+        assert eng.cache.store.k_axis == "token"
     snap = PageSnapshots(eng.cache)
     results = eng.generate(_requests(eng, prompts, forced))
     s = eng.summary()
-    route = expected_route(spec, mode, group)
+    route = expected_route(spec, mode, group, route)
     assert s["peak_concurrency"] == 8 and s["route"] == route
     assert {r.stats.route for r in results} == {route}
     sealed = [(len(p) + len(f) - 1) // page for p, f in zip(prompts, forced)]
@@ -260,14 +274,14 @@ def test_row_independent_of_batch_mates_and_pool_growth(tiny_model, monkeypatch,
     "split24" forces 24-token splits, so every row here is split, into as many splits as
     its own length gives, while the longest row of the batch differs between the runs."""
     if chunk and not ON_CUDA:
-        pytest.skip("KVBATCH_CUDA_CHUNK only changes MLX CUDA's fused decode kernel")
-    monkeypatch.setenv("KVBATCH_CUDA_CHUNK", chunk)
+        pytest.skip("engine.options.cuda.chunk only changes MLX CUDA's fused decode kernel")
+    opts = EngineOptions(cuda=CudaLaunch(chunk=int(chunk), unsplit=int(chunk))) if chunk else EngineOptions()
     model, tok, spec = _model(tiny_model, "llama", 64)
     (x,), (fx,) = _rows(seed=3, prompt_lens=(83,), steps=(60,))
     greedy = Request("x", x, SamplingParams(max_tokens=60))
 
     def run(mates_lens, warm_tokens=0, max_batch=8):
-        eng = _engine(model, tok, spec, mode, 16, max_batch=max_batch)
+        eng = _engine(model, tok, spec, mode, 16, max_batch=max_batch, options=opts)
         if warm_tokens:  # grow the pool first and leave stale data in its pages
             eng.generate([Request("warm", [7] * warm_tokens, SamplingParams(max_tokens=4))])
             assert eng.summary()["pool_capacity_pages"] >= warm_tokens // 16
@@ -297,18 +311,17 @@ def test_row_independent_of_batch_mates_and_pool_growth(tiny_model, monkeypatch,
 def test_decode_never_dequantizes(tiny_model, monkeypatch, in_place):
     """Per decode step: no dequantize call at all, no SDPA; every layer reads all 8 rows'
     packed pages, through quantized_matmul on gathered pages or gather_qmm on the pages in
-    place (CPU, KVBATCH_Q_IN_PLACE) or the fused kernel (MLX CUDA)."""
-    monkeypatch.setenv("KVBATCH_Q_IN_PLACE", in_place)
+    place (CPU, engine.options.q_in_place) or the fused kernel (MLX CUDA)."""
     model, tok, spec = _model(tiny_model, "llama", 64)
     prompts, _ = _rows(seed=11, prompt_lens=(300, 280, 260, 240, 220, 200, 180, 160))
-    eng = _engine(model, tok, spec, "q4", 16)
-    fused = eng.cache.fused_decode
+    eng = _engine(model, tok, spec, "q4", 16, options=EngineOptions(q_in_place=in_place == "1"))
+    fused = isinstance(eng.cache.attention, cuda.CudaQuantRoute)
     assert fused == ON_CUDA
-    assert eng.cache.q_in_place == (ON_CPU and in_place == "1")
+    assert eng.cache.attention.in_place == (ON_CPU and in_place == "1")
     qmm_calls, sdpa_calls, raw_dequant, kernel_calls = [], [], [], []
     real_qmm, real_sdpa, real_dq = mx.quantized_matmul, mx.fast.scaled_dot_product_attention, mx.dequantize
     real_gqmm = mx.gather_qmm
-    real_kernel = cuda_attention.paged_decode_attention_quantized
+    real_kernel = cuda.paged_decode_attention_quantized
 
     def qmm(x, w, *a, **kw):
         qmm_calls.append((kw["transpose"], w.size))
@@ -327,36 +340,34 @@ def test_decode_never_dequantizes(tiny_model, monkeypatch, in_place):
         raw_dequant.append(1)
         return real_dq(*a, **kw)
 
-    def kernel(q, packed, tail_k, tail_v, tails, table, lens, *a, **kw):
+    def kernel(q, pages, tails, table, lens, *a, **kw):
         # packed pool buffers (uint32 codes), the rows' sealed tokens read through their page tables
-        kernel_calls.append((packed[0].dtype, packed[3].dtype, int(lens[:, 0].sum().item()), table.shape))
-        return real_kernel(q, packed, tail_k, tail_v, tails, table, lens, *a, **kw)
+        kernel_calls.append((pages.packed[0].dtype, pages.packed[3].dtype, int(lens[:, 0].sum().item()), table.shape))
+        return real_kernel(q, pages, tails, table, lens, *a, **kw)
 
-    monkeypatch.setattr(attention.mx, "quantized_matmul", qmm)
-    monkeypatch.setattr(attention.mx, "gather_qmm", gqmm)
-    monkeypatch.setattr(attention.mx.fast, "scaled_dot_product_attention", sdpa)
-    monkeypatch.setattr(kv_store.mx, "dequantize", dq)
-    monkeypatch.setattr(cuda_attention, "paged_decode_attention_quantized", kernel)
+    monkeypatch.setattr(mx, "quantized_matmul", qmm)
+    monkeypatch.setattr(mx, "gather_qmm", gqmm)
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", sdpa)
+    monkeypatch.setattr(mx, "dequantize", dq)  # every dequantize the engine makes goes through it
+    monkeypatch.setattr(cuda, "paged_decode_attention_quantized", kernel)
     per_step = []
     decode = eng.stepper.step
 
     def counted_step():
-        kv_store.DEQUANT_COUNTER.update(calls=0, elements=0)
         del qmm_calls[:], sdpa_calls[:], raw_dequant[:], kernel_calls[:]
         in_use = eng.cache.pool.in_use
         decode()
-        per_step.append((dict(kv_store.DEQUANT_COUNTER), len(raw_dequant), len(sdpa_calls), list(qmm_calls),
-                         list(kernel_calls), in_use))
+        per_step.append((len(raw_dequant), len(sdpa_calls), list(qmm_calls), list(kernel_calls), in_use))
 
     eng.stepper.step = counted_step
     eng.generate([Request(f"r{i}", p, SamplingParams(max_tokens=24)) for i, p in enumerate(prompts)])
     if eng.lookahead:  # (GPU default) the last call only reads the in-flight step: every row ends with it
         *per_step, last = per_step
-        assert not last[3] and not last[4]
+        assert not last[2] and not last[3]
     assert len(per_step) >= 20
     L = spec.num_layers
-    for counter, raw, sdpa_n, qmm_sizes, kernels, in_use in per_step:
-        assert counter == {"calls": 0, "elements": 0} and raw == 0 and sdpa_n == 0
+    for raw, sdpa_n, qmm_sizes, kernels, in_use in per_step:
+        assert raw == 0 and sdpa_n == 0
         assert in_use >= 100  # many quantized pages held: 8 rows x 10+ pages
         if fused:  # one kernel call per layer, on the packed pages of all 8 rows (>= 160 sealed tokens each)
             assert not qmm_sizes and len(kernels) == L
@@ -370,7 +381,7 @@ def test_decode_never_dequantizes(tiny_model, monkeypatch, in_place):
         keys = sum(n for tr, n in qmm_sizes if tr)
         vals = sum(n for tr, n in qmm_sizes if not tr)
         assert keys == vals >= L * 8 * spec.num_kv_heads * 160 * spec.head_dim * 4 // 32
-        assert L * 2 <= len(qmm_sizes) <= L * 2 * len(attention.qmm_streams())
+        assert L * 2 <= len(qmm_sizes) <= L * 2 * len(eng.cache.attention.streams)
     # prefill (before the first decode step) did dequantize the sealed pages, once per chunk
     assert eng.summary()["route"] == expected_route(spec, "q4")
 
@@ -382,7 +393,6 @@ def test_qmm_split_over_cpu_streams_is_bit_identical(tiny_model, monkeypatch, mo
     """Decode's quantized matmuls spread over CPU streams (gathered: key scores by page runs,
     value sums by row and KV head; in place: both by page runs) give exactly the logits of
     one stream."""
-    monkeypatch.setenv("KVBATCH_Q_IN_PLACE", in_place)
     model, tok, spec = _model(tiny_model, "llama", 64)
     prompts, forced = _rows(seed=13, prompt_lens=(600, 420, 9, 333), steps=(40, 40, 40, 40))
     calls = []
@@ -396,16 +406,15 @@ def test_qmm_split_over_cpu_streams_is_bit_identical(tiny_model, monkeypatch, mo
         calls.append(kw.get("stream"))
         return real_gqmm(*a, **kw)
 
-    monkeypatch.setattr(attention.mx, "quantized_matmul", qmm)
-    monkeypatch.setattr(attention.mx, "gather_qmm", gqmm)
-    monkeypatch.setattr(attention, "QMM_MIN_WORK", 1 << 12)  # split even this tiny model's work
+    monkeypatch.setattr(mx, "quantized_matmul", qmm)
+    monkeypatch.setattr(mx, "gather_qmm", gqmm)
+    monkeypatch.setattr(quant, "QMM_MIN_WORK", 1 << 12)  # split even this tiny model's work
     logits = {}
     for n in (1, 3):
-        monkeypatch.setattr(attention, "_qmm_streams", None)
-        monkeypatch.setenv("KVBATCH_QMM_THREADS", str(n))
         del calls[:]
-        eng = _engine(model, tok, spec, mode, 16, max_batch=4, chunk=256)
-        assert eng.cache.q_in_place == (in_place == "1")
+        eng = _engine(model, tok, spec, mode, 16, max_batch=4, chunk=256,
+                      options=EngineOptions(q_in_place=in_place == "1", qmm_threads=n))
+        assert eng.cache.attention.in_place == (in_place == "1")
         eng.generate(_requests(eng, prompts, forced))
         logits[n] = eng.hooks.logits
         assert len({str(s) for s in calls}) == n  # the work really ran on n streams
@@ -472,7 +481,7 @@ def test_route_reported_is_route_that_ran(tiny_model, tmp_path, monkeypatch):
     seen = []
     real_qmm, real_sdpa = mx.quantized_matmul, mx.fast.scaled_dot_product_attention
     real_gqmm = mx.gather_qmm
-    real_k, real_qk = cuda_attention.paged_decode_attention, cuda_attention.paged_decode_attention_quantized
+    real_k, real_qk = cuda.paged_decode_attention, cuda.paged_decode_attention_quantized
 
     def qmm(x, *a, **kw):
         seen.append(("qmm", x.dtype))
@@ -494,25 +503,25 @@ def test_route_reported_is_route_that_ran(tiny_model, tmp_path, monkeypatch):
         seen.append(("qkernel", q.dtype))
         return real_qk(q, *a, **kw)
 
-    monkeypatch.setattr(attention.mx, "quantized_matmul", qmm)
-    monkeypatch.setattr(attention.mx, "gather_qmm", gqmm)
-    monkeypatch.setattr(attention.mx.fast, "scaled_dot_product_attention", sdpa)
-    monkeypatch.setattr(cuda_attention, "paged_decode_attention", kernel)
-    monkeypatch.setattr(cuda_attention, "paged_decode_attention_quantized", qkernel)
+    monkeypatch.setattr(mx, "quantized_matmul", qmm)
+    monkeypatch.setattr(mx, "gather_qmm", gqmm)
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", sdpa)
+    monkeypatch.setattr(cuda, "paged_decode_attention", kernel)
+    monkeypatch.setattr(cuda, "paged_decode_attention_quantized", qkernel)
     f32 = _model(tiny_model, "llama", 64)
     f16 = _scaled_fp16_model(tmp_path, 1.0)
     prompt = list(range(40, 90))
     pre = ("sdpa", mx.float32)
     if ON_CUDA:
-        cases = ((f32, "none", attention.ROUTE_CUDA, {pre, ("kernel", mx.float32)}),
-                 (f16, "none", attention.ROUTE_CUDA, {pre, ("kernel", mx.float16)}),
-                 (f16, "q8", attention.ROUTE_CUDA_Q, {pre, ("qkernel", mx.float16)}),
-                 (f32, "q4", attention.ROUTE_CUDA_Q, {pre, ("qkernel", mx.float32)}))
+        cases = ((f32, "none", ROUTE_CUDA, {pre, ("kernel", mx.float32)}),
+                 (f16, "none", ROUTE_CUDA, {pre, ("kernel", mx.float16)}),
+                 (f16, "q8", ROUTE_CUDA_Q, {pre, ("qkernel", mx.float16)}),
+                 (f32, "q4", ROUTE_CUDA_Q, {pre, ("qkernel", mx.float32)}))
     else:
-        cases = ((f32, "none", attention.ROUTE_DENSE, {pre}),
-                 (f16, "none", attention.ROUTE_DENSE_F32, {pre}),
-                 (f16, "q8", attention.ROUTE_QMM, {pre, ("qmm", mx.float32)}),
-                 (f32, "q4", attention.ROUTE_QMM, {pre, ("qmm", mx.float32)}))
+        cases = ((f32, "none", ROUTE_DENSE, {pre}),
+                 (f16, "none", ROUTE_DENSE_F32, {pre}),
+                 (f16, "q8", ROUTE_QMM, {pre, ("qmm", mx.float32)}),
+                 (f32, "q4", ROUTE_QMM, {pre, ("qmm", mx.float32)}))
     for (model, tok, spec), mode, route, kinds in cases:
         assert expected_route(spec, mode) == route
         del seen[:]

@@ -23,7 +23,8 @@ import kvbatch.engine.memory as memory_mod
 from kvbatch.engine.engine import Engine
 from tests.conftest import engine_config
 from kvbatch.engine.errors import INSUFFICIENT_MEMORY, RowError
-from kvbatch.engine.kv_cache import CacheRow, PagedKVCache
+from kvbatch.engine.kv_cache import PagedKVCache
+from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.memory import MemoryModel, format_plan, kv_layout, resolve_budget
 from kvbatch.engine.sizes import parse_size
 from kvbatch.engine.types import Request, SamplingParams

@@ -152,18 +152,18 @@ def _python(code: str, **env) -> subprocess.CompletedProcess:
 
 @pytest.mark.skipif(not os.path.exists(OPENBLAS), reason="needs Debian's libopenblas0-pthread")
 def test_blas_loaded_before_mlx():
-    out = _python("import engine, mlx.core; print(engine.blas_in_use())", KVBATCH_BLAS="")
+    out = _python("import kvbatch.engine as engine, mlx.core; print(engine.blas_in_use())", KVBATCH_BLAS="")
     assert out.stdout.strip() == f"openblas:{OPENBLAS}", out.stderr
 
 
 def test_blas_missing_warns_and_runs():
-    out = _python("import engine, mlx.core as mx; print(engine.blas_in_use(), (mx.ones((2, 2)) @ mx.ones((2, 2))).sum().item())",
+    out = _python("import kvbatch.engine as engine, mlx.core as mx; print(engine.blas_in_use(), (mx.ones((2, 2)) @ mx.ones((2, 2))).sum().item())",
                   KVBATCH_BLAS="/nonexistent/libblas.so")
     assert out.stdout.split() == ["reference", "(bundled)", "8.0"], out.stderr
     assert "apt-get install libopenblas0-pthread" in out.stderr
 
 
 def test_blas_too_late_warns():
-    out = _python("import mlx.core, engine; print(engine.blas_in_use())", KVBATCH_BLAS="")
+    out = _python("import mlx.core, kvbatch.engine as engine; print(engine.blas_in_use())", KVBATCH_BLAS="")
     assert out.stdout.strip() == "reference (bundled)"
     assert "imported before OpenBLAS" in out.stderr

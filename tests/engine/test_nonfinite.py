@@ -13,6 +13,7 @@ import kvbatch.engine  # noqa: F401  (OpenBLAS before mlx)
 import pytest
 
 from kvbatch.engine.engine import Engine
+from kvbatch.engine.config import EngineOptions
 from kvbatch.engine.hooks import EngineHooks
 from tests.conftest import engine_config
 from kvbatch.engine.errors import NON_FINITE_LOGITS
@@ -48,10 +49,12 @@ def requests():
     return [Request(k, p, SamplingParams(max_tokens=n)) for k, p, n in zip(KEYS, PROMPTS, MAX_TOKENS)]
 
 
-def make_engine(m, mode="none", inject=None, chunk=32):
+def make_engine(m, mode="none", inject=None, chunk=32, trace="off"):
     model, tok, spec = m
     return Engine(model, NoEos(tok), spec, engine_config(kv_mode=mode, page_size=P, max_batch=4, prefill_chunk=chunk,
-                                                        memory_budget=BUDGET), EngineHooks(nonfinite=inject))
+                                                        memory_budget=BUDGET,
+                                                        options=EngineOptions(attention_trace=trace)),
+                  EngineHooks(nonfinite=inject))
 
 
 def spy_passes(eng):
@@ -96,9 +99,8 @@ def parse_trace(err: str) -> list[dict]:
 @pytest.mark.parametrize("mode", ["none", "q8"])
 @pytest.mark.parametrize("step", [0, 7])
 def test_nan_row_ends_alone_and_trace_names_it(tiny_model, clean_runs, monkeypatch, capfd, mode, step):
-    monkeypatch.setenv("KVBATCH_ATTENTION_TRACE", "nonfinite")
     m = tiny_model()
-    eng = make_engine(m, mode, inject=("r1", step))
+    eng = make_engine(m, mode, inject=("r1", step), trace="nonfinite")
     passes = spy_passes(eng)
     capfd.readouterr()
     res = {r.key: r for r in eng.generate(requests())}
@@ -136,8 +138,7 @@ def test_nan_row_ends_alone_and_trace_names_it(tiny_model, clean_runs, monkeypat
 
 def test_prefill_injection_over_several_chunks(tiny_model, clean_runs, monkeypatch, capfd):
     """Step 0 with a prompt of 3 chunks: every chunk of that row's prefill is poisoned and traced."""
-    monkeypatch.setenv("KVBATCH_ATTENTION_TRACE", "nonfinite")
-    eng = make_engine(tiny_model(), "none", inject=("r1", 0), chunk=5)  # r1's 14-token prompt: 5+5+4
+    eng = make_engine(tiny_model(), "none", inject=("r1", 0), chunk=5, trace="nonfinite")  # r1's 14-token prompt: 5+5+4
     passes = spy_passes(eng)
     capfd.readouterr()
     res = {r.key: r for r in eng.generate(requests())}
@@ -152,7 +153,6 @@ def test_prefill_injection_over_several_chunks(tiny_model, clean_runs, monkeypat
 
 
 def test_trace_off_prints_nothing(tiny_model, monkeypatch, capfd):
-    monkeypatch.delenv("KVBATCH_ATTENTION_TRACE", raising=False)
     eng = make_engine(tiny_model(), "none", inject=("r2", 3))
     assert eng.cache.trace == ""
     capfd.readouterr()
@@ -162,17 +162,15 @@ def test_trace_off_prints_nothing(tiny_model, monkeypatch, capfd):
 
 
 def test_trace_nonfinite_is_silent_on_a_clean_run(tiny_model, monkeypatch, capfd):
-    monkeypatch.setenv("KVBATCH_ATTENTION_TRACE", "nonfinite")
-    eng = make_engine(tiny_model(), "q8")
+    eng = make_engine(tiny_model(), "q8", trace="nonfinite")
     capfd.readouterr()
     assert all(r.ok for r in eng.generate(requests()))
     assert TRACE not in capfd.readouterr().err
 
 
-def test_trace_1_prints_every_attention_call(tiny_model, monkeypatch, capfd):
-    monkeypatch.setenv("KVBATCH_ATTENTION_TRACE", "1")
+def test_trace_all_prints_every_attention_call(tiny_model, monkeypatch, capfd):
     m = tiny_model()
-    eng = make_engine(m, "none")
+    eng = make_engine(m, "none", trace="all")
     passes = spy_passes(eng)
     capfd.readouterr()
     reqs = requests()[:2]

@@ -8,9 +8,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvbatch.engine.attention import _grouped_decode, paged_grouped_decode, quantized_decode_attention, quantized_paged_decode
-from kvbatch.engine.kv_store import QuantizedStore
-from kvbatch.engine.step_plan import quantized_paged_plan
+from kvbatch.engine.routes.dense import _grouped_decode, paged_grouped_decode
+from kvbatch.engine.routes.quant import quantized_decode_attention, quantized_paged_decode, quantized_paged_plan
+from kvbatch.engine.kv.store import QuantizedStore
 
 
 @pytest.mark.parametrize("B,Hkv,G,D,P", [(1, 1, 1, 64, 16), (5, 2, 2, 64, 16), (3, 3, 3, 64, 64),

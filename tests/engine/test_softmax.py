@@ -2,7 +2,8 @@
 import mlx.core as mx
 import pytest
 
-from kvbatch.engine import attention, softmax
+from kvbatch.engine import backend
+from kvbatch.engine.routes import softmax_cpu as softmax
 
 
 def _reference(scores: mx.array, mask: mx.array) -> mx.array:
@@ -16,7 +17,7 @@ def test_masked_softmax_matches_precise_softmax(shape):
     scores = mx.random.normal(shape) * 30  # large spreads: exp underflows for most keys
     mask = mx.random.uniform(shape=(shape[0], 1, 1, shape[-1])) < 0.7
     mask[..., 0] = True  # every row has a key (decode always attends to its own token)
-    got, want = attention.masked_softmax(scores, mask), _reference(scores, mask)
+    got, want = softmax.masked_softmax(scores, mask), _reference(scores, mask)
     assert got.dtype == mx.float32 and got.shape == shape
     assert mx.abs(got - want).max().item() < 1e-6
     assert mx.allclose(got.sum(-1), mx.ones(shape[:-1]), atol=1e-5).item()
@@ -27,7 +28,7 @@ def test_masked_softmax_matches_precise_softmax(shape):
 def test_masked_softmax_keeps_half_dtypes_and_computes_in_float32(dtype):
     scores = (mx.random.normal((2, 2, 3, 50)) * 20).astype(dtype)
     mask = mx.ones((2, 1, 1, 50), dtype=mx.bool_)
-    got = attention.masked_softmax(scores, mask)
+    got = softmax.masked_softmax(scores, mask)
     assert got.dtype == dtype
     assert mx.abs(got.astype(mx.float32) - _reference(scores, mask)).max().item() < 4e-3  # output rounding
 
@@ -35,9 +36,9 @@ def test_masked_softmax_keeps_half_dtypes_and_computes_in_float32(dtype):
 def test_fused_kernel_is_the_one_used_on_the_cpu():
     """MLX builds the compiled kernel with the machine's C++ compiler; where that works (CI has one),
     decode must use it, not the slower eager fallback."""
-    if not attention.on_cpu():
+    if not backend.on_cpu():
         pytest.skip("the fused softmax is the CPU route only")
-    attention.masked_softmax(mx.zeros((1, 1, 1, 4)), mx.ones((1, 1, 1, 4), dtype=mx.bool_))
+    softmax.masked_softmax(mx.zeros((1, 1, 1, 4)), mx.ones((1, 1, 1, 4), dtype=mx.bool_))
     assert softmax._impl is softmax.softmax_fused
 
 
@@ -46,7 +47,7 @@ def test_masked_softmax_scale_and_keys_axis():
     mx.random.seed(5)
     scores = mx.random.normal((3, 2, 70, 4)) * 40  # (B, Hkv, T, G): keys on axis -2
     mask = (mx.arange(70)[None] < mx.array([70, 41, 5])[:, None]).reshape(3, 1, 70, 1)
-    got = attention.masked_softmax(scores, mask, axis=-2, scale=0.125)
+    got = softmax.masked_softmax(scores, mask, axis=-2, scale=0.125)
     want = _reference(scores.swapaxes(-1, -2) * 0.125, mask.swapaxes(-1, -2)).swapaxes(-1, -2)
     assert mx.abs(got - want).max().item() < 1e-6
     assert (mx.where(mask, 0.0, got) == 0).all().item()

@@ -1,4 +1,4 @@
-"""CUDA source of the fused paged decode kernels (engine/cuda_attention.py launches them).
+"""CUDA source of the fused paged decode kernels (routes/cuda_kernels.py launches them).
 
 Kept apart from the launch code so the text can be read (and compiled by
 benchmarks/cuda_compile_check.py) on its own. `kernel_source` assembles one kernel body from
@@ -34,94 +34,6 @@ _HEAD = r"""
         l[r] = 0.f;
     }}
     struct alignas(16) V8 {{ S x[NE]; }};
-"""
-
-# The float loop (KVBATCH_CUDA_RAW=0: the kernel as it was before the lean loop below): one pass
-# over tokens [ta, tz); `load` fills kf[u][e], vf[u][e] for token t (lane li's elements).
-_LOOP = r"""
-    {{
-        const int ta = {start}, tz = {stop};
-        for (int tb = ta + warp * TPW * U; tb < tz; tb += NW * TPW * U) {{
-            float kf[U][NE], vf[U][NE];
-            bool valid[U];
-            for (int u = 0; u < U; ++u) {{
-                const int t = tb + u * TPW + sub;
-                valid[u] = t < tz;
-                if (valid[u] && on) {{
-                    {load}
-                }} else {{
-                    for (int e = 0; e < NE; ++e) {{ kf[u][e] = 0.f; vf[u][e] = 0.f; }}
-                }}
-            }}
-            for (int r = 0; r < REP; ++r) {{
-                float s[U];
-                float mn = m[r];
-                bool any = false;
-                for (int u = 0; u < U; ++u) {{
-                    float x = 0.f;
-                    for (int e = 0; e < NE; ++e) x += qr[r][e] * kf[u][e];
-                    for (int o = LPT / 2; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffff, x, o);
-                    s[u] = x;
-                    if (valid[u]) {{ mn = fmaxf(mn, x); any = true; }}
-                }}
-                if (!any) continue;
-                if (mn > m[r]) {{  // rescale only when the running max moves (rarely, once warm)
-                    const float corr = __expf(m[r] - mn);
-                    l[r] *= corr;
-                    for (int e = 0; e < NE; ++e) acc[r][e] *= corr;
-                    m[r] = mn;
-                }}
-                for (int u = 0; u < U; ++u) {{
-                    if (!valid[u]) continue;
-                    const float p = __expf(s[u] - m[r]);  // NaN scores stay NaN (fmaxf skips them)
-                    l[r] += p;
-                    for (int e = 0; e < NE; ++e) acc[r][e] += p * vf[u][e];
-                }}
-            }}
-        }}
-    }}
-"""
-
-_DENSE_LOAD = r"""
-                    const int page = table[(size_t)b * maxp + t / P];
-                    const size_t base = (((size_t)page * HKV + hk) * P + (t % P)) * D + li * NE;
-                    const V8 kk = *reinterpret_cast<const V8*>(k + base);
-                    const V8 vv = *reinterpret_cast<const V8*>(v + base);
-                    for (int e = 0; e < NE; ++e) {
-                        kf[u][e] = static_cast<float>(kk.x[e]);
-                        vf[u][e] = static_cast<float>(vv.x[e]);
-                    }
-"""
-
-_TAIL_LOAD = r"""
-                    const size_t base = (((size_t)tails[b] * HKV + hk) * P + (t - n_main)) * D + li * NE;
-                    const V8 kk = *reinterpret_cast<const V8*>(tk + base);
-                    const V8 vv = *reinterpret_cast<const V8*>(tv + base);
-                    for (int e = 0; e < NE; ++e) {
-                        kf[u][e] = static_cast<float>(kk.x[e]);
-                        vf[u][e] = static_cast<float>(vv.x[e]);
-                    }
-"""
-
-_QUANT_LOAD = r"""
-                    constexpr int WPL = NE * BITS / 32, W = D * BITS / 32, G = D / GS;
-                    struct alignas(4 * WPL) QW { uint32_t x[WPL]; };
-                    const int page = table[(size_t)b * maxp + t / P];
-                    const size_t slot = ((size_t)page * HKV + hk) * P + (t % P);
-                    const size_t wo = slot * W + li * WPL, go = slot * G + (li * NE) / GS;
-                    const QW kq = *reinterpret_cast<const QW*>(kw + wo);
-                    const QW vq = *reinterpret_cast<const QW*>(vw + wo);
-                    const float ks_ = static_cast<float>(ks[go]), kb_ = static_cast<float>(kb[go]);
-                    const float vs_ = static_cast<float>(vs[go]), vb_ = static_cast<float>(vb[go]);
-                    for (int e = 0; e < NE; ++e) {  // code -> float as 2^23 + code, minus 2^23 (no I2F)
-                        const uint32_t a = kq.x[(e * BITS) / 32], c = vq.x[(e * BITS) / 32];
-                        const uint32_t ka = BITS == 8 ? __byte_perm(a, 0x4B000000u, (e % 4) | 0x7440)
-                                                      : ((a >> ((e * BITS) % 32)) & 0xFu) | 0x4B000000u;
-                        const uint32_t va = BITS == 8 ? __byte_perm(c, 0x4B000000u, (e % 4) | 0x7440)
-                                                      : ((c >> ((e * BITS) % 32)) & 0xFu) | 0x4B000000u;
-                        kf[u][e] = ks_ * (__uint_as_float(ka) - 8388608.f) + kb_;
-                        vf[u][e] = vs_ * (__uint_as_float(va) - 8388608.f) + vb_;
-                    }
 """
 
 # The step's new token (t == len - 1), when the kernel also stores it (`new_kv`): the block
@@ -231,13 +143,10 @@ _FOLD_END = r"""
     for (int r = 0; r < REP; ++r) for (int e = 0; e < NE; ++e) acc[r][e] += ab[r];
 """
 
-# The lean loop (KVBATCH_CUDA_RAW, default on): each lane keeps its tokens' K/V as loaded (bf16
-# pairs or packed codes: 4 registers a token for bf16 K, 2 for q8, 1 for q4, against 8 floats)
-# and converts element e inside the score and value loops, where all REP query heads use it at
-# once. With it the q8/q4 kernels fit in 128 registers a thread (nvcc -Xptxas -v, head 128, bf16;
-# the float loop: 137-138), so two 256-thread blocks share an SM instead of one; dense kernels
-# use 127-137 (float loop: 128), as ptxas chooses. The sums run in the same order as the float
-# loop (e, then u, per query head), so dense results are the same bits.
+# The loop: each lane keeps its tokens' K/V as loaded (bf16 pairs or packed codes: 4 registers a
+# token for bf16 K, 2 for q8, 1 for q4, against 8 floats) and converts element e inside the score
+# and value loops, where all REP query heads use it at once: the q8/q4 kernels fit in 128
+# registers a thread, so two 256-thread blocks share an SM (nvcc -Xptxas -v; RESULTS.md, issue 9).
 _RAW_LOOP = r"""
     {{
         const int ta = {start}, tz = {stop};
@@ -333,15 +242,11 @@ _QW = r"""
 """
 
 
-def kernel_source(quantized: bool, split: bool, new_kv: bool = False, raw: bool = True) -> str:
+def kernel_source(quantized: bool, split: bool, new_kv: bool = False) -> str:
     """The kernel body. new_kv: the kernel also stores the step's token (inputs kn, vn) into
-    its dense page / tail page. raw: the lean loop (_RAW_LOOP, q8/q4 scales folded); False: the
-    float loop (_LOOP, q8/q4 dequantized per element), the kernel as it was before."""
+    its dense page / tail page."""
     k, v = ("tk", "tv") if quantized else ("k", "v")
-    if raw:
-        load = _RAW_TAIL_LOAD if quantized else _RAW_DENSE_LOAD
-    else:
-        load = _TAIL_LOAD if quantized else _DENSE_LOAD
+    load = _RAW_TAIL_LOAD if quantized else _RAW_DENSE_LOAD
     store = ""
     if new_kv:
         base = ("(((size_t)tails[b] * HKV + hk) * P + (tn - n_main)) * D + li * NE" if quantized else
@@ -351,16 +256,10 @@ def kernel_source(quantized: bool, split: bool, new_kv: bool = False, raw: bool 
                 .replace(f"({v} + base)", _NEW_SEL.format(n="vn", p=v)))
     if quantized:
         head = _HEAD.format(lens="const int n_main = lens[2 * b], len = n_main + lens[2 * b + 1];")
-        if raw:
-            sealed = _QW + _FOLD_START + _RAW_LOOP.format(start="t0", stop="min(t1, n_main)", load=_RAW_QUANT_LOAD,
-                                                          **_RAW_QUANT) + _FOLD_END
-            tail = _RAW_LOOP.format(start="max(t0, n_main)", stop="t1", load=load, **_RAW_DENSE)
-        else:
-            sealed = _LOOP.format(start="t0", stop="min(t1, n_main)", load=_QUANT_LOAD)
-            tail = _LOOP.format(start="max(t0, n_main)", stop="t1", load=load)
-        body = sealed + tail
+        sealed = _QW + _FOLD_START + _RAW_LOOP.format(start="t0", stop="min(t1, n_main)", load=_RAW_QUANT_LOAD,
+                                                      **_RAW_QUANT) + _FOLD_END
+        body = sealed + _RAW_LOOP.format(start="max(t0, n_main)", stop="t1", load=load, **_RAW_DENSE)
     else:
         head = _HEAD.format(lens="const int len = lengths[b];")
-        body = (_RAW_LOOP.format(start="t0", stop="t1", load=load, **_RAW_DENSE) if raw else
-                _LOOP.format(start="t0", stop="t1", load=load))
+        body = _RAW_LOOP.format(start="t0", stop="t1", load=load, **_RAW_DENSE)
     return head + store + body + _MERGE + (_WRITE_PART if split else _WRITE_OUT)

@@ -15,14 +15,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-# Counts elements passed through dequantize, so tests can prove decode never
-# re-dequantizes a prefix (prefill may: it attends once per chunk).
-DEQUANT_COUNTER = {"elements": 0, "calls": 0}
-
 
 def dequantize(w: mx.array, s: mx.array, b: mx.array, group_size: int, bits: int) -> mx.array:
-    DEQUANT_COUNTER["calls"] += 1
-    DEQUANT_COUNTER["elements"] += w.size * 32 // bits
     return mx.dequantize(w, s, b, group_size=group_size, bits=bits)
 
 
@@ -236,7 +230,7 @@ class QuantizedStore:
                           self._tail_tokens(self.tv[layer], tail_slots))
 
     def seal_tail_pages(self, layer: int, tails: mx.array, pages: mx.array) -> None:
-        """seal_tails by whole pages (step_plan.tail_writes): tail pages `tails`, quantized, into
+        """seal_tails by whole pages (routes/common.py tail_writes): tail pages `tails`, quantized, into
         pool pages `pages`. Keys stored per token only: K's pools then have the values' layout,
         (pages, kv_heads, page_size, width), so a tail page maps onto a pool page as it is."""
         arrs = self.q[layer]

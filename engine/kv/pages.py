@@ -1,10 +1,26 @@
-"""The page pool: which page ids are free. Knows nothing about MLX or bytes.
+"""The page pool (which page ids are free) and a row's claim on it (CacheRow). Knows nothing
+about MLX or bytes.
 
 Like vLLM's block pool: one free list shared by all layers (a row's page table
 is the same in every layer). Freed pages go to the front of the list so they
 are reused at once.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class CacheRow:
+    """A row's claim on the cache: its page table, stored and reserved lengths."""
+
+    key: str
+    pages: list[int] = field(default_factory=list)
+    length: int = 0  # tokens stored
+    reserved: int = 0  # tokens with a slot reserved (length <= reserved)
+    tail: Optional[int] = None  # quantized modes: its dense tail-page slot
+    peak_pages: int = 0
 
 
 class PagePool:

@@ -1,0 +1,52 @@
+"""The interface every attention route implements, and the geometry it is built with.
+
+A route owns how one forward pass reads and writes the paged K/V: `plan()` builds the pass's
+metadata once, before the layers run (page tables, slot maps, masks: a small frozen dataclass of
+the route's own), then each layer calls `write()` and `attend()` with it, so the per-layer work
+holds no Python loops over rows. Routes get rows and geometry, never the cache (engine/kv_cache.py
+keeps admission, reservation, growth and release, and hands each pass to its route).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from kvbatch.engine.kv.pages import CacheRow
+
+
+@dataclass(frozen=True)
+class Geometry:
+    page_size: int
+    kv_heads: int
+    head_dim: int
+    query_heads: int
+
+
+class Route:
+    name: str = ""
+
+    def plan(self, rows: list[CacheRow], L: int, pos: list[int], epoch: int) -> object:
+        """The pass's metadata: rows at positions `pos` (their stored lengths), L tokens each.
+        epoch: the cache's counter of page-table changes (a route may reuse last step's arrays)."""
+        raise NotImplementedError
+
+    def write(self, layer: int, meta, keys: mx.array, values: mx.array) -> None:
+        """Store the pass's new K/V (B, H, L, D) of one layer."""
+        raise NotImplementedError
+
+    def attend(self, layer: int, meta, queries: mx.array, scale: float) -> mx.array:
+        """(B, Hq, L, D) attention of the pass's queries over each row's pages."""
+        raise NotImplementedError
+
+    def end(self) -> None:
+        """The pass is over (drop per-pass scratch)."""
+
+
+def flat_tokens(keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    """(B, H, L, D) -> (B * L, H, D), token-major as the slot maps are; (B, H, 1, D) is
+    (B, H, D) already: no transposed copy."""
+    B, H, L, D = keys.shape
+    if L == 1:
+        return keys.reshape(B, H, D), values.reshape(B, H, D)
+    return (keys.transpose(0, 2, 1, 3).reshape(B * L, H, D), values.transpose(0, 2, 1, 3).reshape(B * L, H, D))

@@ -1,0 +1,80 @@
+"""Per-pass index arrays the routes share: page tables, token slots, causal masks, in-place page
+indices, and the q8/q4 tail writes of a decode step."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+from kvbatch.engine.kv.pages import CacheRow
+from kvbatch.engine.kv.store import head_rows
+
+
+def page_table(rows: list[CacheRow], n_pages: list[int]) -> mx.array:
+    """(B, width) int32: each row's first n_pages pages."""
+    width = max(max(n_pages), 1)
+    # padding repeats the row's own first page (masked out): never another row's page,
+    # whose K/V may be NaN in this very pass (masked slots still meet probs @ V)
+    # (built as Python lists: per-row numpy slice assignments cost ~0.2 ms a step at batch 32)
+    table = [r.pages[:n] + [r.pages[0] if r.pages else 0] * (width - n) for r, n in zip(rows, n_pages)]
+    return mx.array(table, dtype=mx.int32)
+
+
+def token_slots(r: CacheRow, P: int, start: int, stop: int) -> np.ndarray:
+    """Pool slots (page * P + offset) of row r's tokens start..stop-1."""
+    p = np.arange(start, stop)
+    return np.asarray(r.pages, dtype=np.int64)[p // P] * P + p % P
+
+
+def causal_mask(pos: np.ndarray, L: int, T: int, extra_dims: int) -> mx.array:
+    """(B, 1 x extra_dims, L, T): query i of row b (at pos[b] + i) sees keys 0..pos[b] + i."""
+    qpos = mx.array(pos)[:, None] + mx.arange(L)[None]  # (B, L)
+    mask = mx.arange(T)[None, None, :] <= qpos[:, :, None]  # (B, L, T)
+    return mask.reshape(mask.shape[0], *([1] * extra_dims), L, T)
+
+
+def page_heads(table: mx.array, H: int) -> tuple[mx.array, mx.array]:
+    """For reading pages in place with gather_mm / gather_qmm: (B, H, n) the (page * H + head)
+    of each row's pages in `table` (B, n), and (B, H, 1) the query group b * H + head."""
+    B = table.shape[0]
+    heads = (table[:, None, :] * H + mx.arange(H, dtype=mx.int32)[None, :, None]).astype(mx.uint32)
+    return heads, mx.arange(B * H, dtype=mx.uint32).reshape(B, H, 1)
+
+
+@dataclass(frozen=True)
+class TailWrites:
+    """A decode step's writes into q8/q4 tails: the head rows of each row's new token in its tail
+    page, and for rows whose tail fills, what to seal: with keys per token (a tail page and a
+    packed page then share the (kv_heads, page_size) layout) the tail ids and page ids
+    (`seal_pages`: per layer one gather, one quantize and three one-index writes per K and V);
+    with keys per channel the tail slots and pool slots (`seal_from`, `seal_to`)."""
+
+    tail_write: mx.array
+    seal_pages: Optional[tuple[mx.array, mx.array]] = None
+    seal_from: Optional[mx.array] = None
+    seal_to: Optional[mx.array] = None
+
+    def apply(self, store, layer: int, k: mx.array, v: mx.array) -> None:
+        store.write_tokens(layer, self.tail_write, k, v)  # a step that seals writes first (the seal reads it)
+        if self.seal_pages is not None:
+            store.seal_tail_pages(layer, *self.seal_pages)
+        elif self.seal_from is not None:
+            store.seal_tails(layer, self.seal_from, self.seal_to)
+
+
+def tail_writes(P: int, H: int, k_axis: str, rows: list[CacheRow], pos: list[int], tails: list[int],
+                fill: list[int]) -> TailWrites:
+    """The TailWrites of one token per row at positions `pos` (fill: tokens in each tail before it)."""
+    tail_write = mx.array(head_rows([a * P + f for a, f in zip(tails, fill)], P, H), dtype=mx.int32)
+    done = [i for i, f in enumerate(fill) if f == P - 1]
+    if done and k_axis == "token":
+        return TailWrites(tail_write, seal_pages=(mx.array([tails[i] for i in done], dtype=mx.int32),
+                                                  mx.array([rows[i].pages[pos[i] // P] for i in done], dtype=mx.int32)))
+    if done:
+        return TailWrites(tail_write,
+                          seal_from=mx.array([tails[i] * P + j for i in done for j in range(P)], dtype=mx.int32),
+                          seal_to=mx.array([rows[i].pages[pos[i] // P] * P + j for i in done for j in range(P)],
+                                           dtype=mx.int32))
+    return TailWrites(tail_write)

@@ -1,0 +1,160 @@
+"""MLX CUDA: decode through the fused paged kernels (routes/cuda_kernels.py); prefill as the
+portable dense / quantized routes.
+
+A decode step's arrays come from host lists; in the H200's decode loop each such array cost the
+host 0.1-0.15 ms (RESULTS.md, issue 9), so while no row gains or loses a page (the cache's epoch
+is unchanged) a step reuses the previous step's page table and advances its lengths on the
+device with one add (`options.step_reuse`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import mlx.core as mx
+
+from kvbatch.engine.config import CudaLaunch
+from kvbatch.engine.kv.pages import CacheRow
+from kvbatch.engine.routes.base import Geometry, flat_tokens
+from kvbatch.engine.routes.common import TailWrites, page_table, tail_writes
+from kvbatch.engine.routes.cuda_kernels import QuantPages, paged_decode_attention, paged_decode_attention_quantized
+from kvbatch.engine.routes.dense import DenseRoute
+from kvbatch.engine.routes.quant import QuantRoute
+from kvbatch.engine.kv.store import head_rows
+
+ROUTE_CUDA = "paged_cuda_kernel"
+ROUTE_CUDA_Q = "paged_cuda_qkernel"
+
+_ONE = mx.array(1, dtype=mx.int32)
+_TAIL_STEP = mx.array([[0, 1]], dtype=mx.int32)  # lens (B, 2): sealed tokens stay, the tail grows by one
+
+
+class StepReuse:
+    """The last decode step's arrays, for the next step to reuse (see the module docstring)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.last: Optional[tuple] = None
+
+    def arrays(self, epoch: int, rows: list[CacheRow], fixed: tuple, counts: list, before: list, step: mx.array,
+               build: Callable[[], tuple]) -> tuple:
+        """(fixed arrays..., counts array). fixed: what the fixed arrays are made of besides the
+        rows' pages (page counts, tails); counts: this step's per-row counts (host list); before:
+        the same one token earlier. Reused when the epoch, the rows and `fixed` are the same and
+        the last step's counts were `before`: the fixed arrays as they are, the counts as the old
+        array + `step`. Else `build()` makes them from the host lists."""
+        key = (epoch, tuple(map(id, rows)), fixed)
+        last = self.last if self.enabled else None
+        if last is not None and last[0] == key and last[1] == before:
+            arrays = last[2][:-1] + (last[2][-1] + step,)
+        else:
+            arrays = build()
+        self.last = (key, counts, arrays)
+        return arrays
+
+
+@dataclass(frozen=True)
+class CudaDecode:
+    table: mx.array
+    lengths: mx.array  # (B,) keys stored, the new token included
+    rows: Optional[mx.array] = None  # head rows of the new token, when it is scattered before the kernel
+
+
+class CudaDenseRoute(DenseRoute):
+    name = ROUTE_CUDA
+
+    def __init__(self, store, geom: Geometry, upcast: bool, launch: CudaLaunch, step_reuse: bool):
+        super().__init__(store, geom, upcast, cpu=False, in_place=False)
+        self.name, self.launch, self.reuse = ROUTE_CUDA, launch, StepReuse(step_reuse)
+        self._new_kv: dict[int, tuple[mx.array, mx.array]] = {}  # decode K/V the kernel stores
+
+    def plan(self, rows, L, pos, epoch):
+        if L > 1:
+            return self.prefill_plan(rows, L, pos)
+        P = self.geom.page_size
+        new_len = [a + 1 for a in pos]
+        n_pages = [-(-n // P) for n in new_len]
+        if self.launch.kernel_writes:  # the kernel stores the token (slot len - 1)
+            table, lengths = self.reuse.arrays(epoch, rows, tuple(n_pages), new_len, pos, _ONE, lambda: (
+                page_table(rows, n_pages), mx.array(new_len, dtype=mx.int32)))
+            return CudaDecode(table, lengths)
+        table = page_table(rows, n_pages)
+        slots = [r.pages[a // P] * P + a % P for r, a in zip(rows, pos)]
+        hrows = mx.array(head_rows(slots, P, self.geom.kv_heads), dtype=mx.int32)
+        return CudaDecode(table, mx.array(new_len, dtype=mx.int32), hrows)
+
+    def write(self, layer, meta, keys, values):
+        if not isinstance(meta, CudaDecode):
+            return super().write(layer, meta, keys, values)
+        if meta.rows is None:
+            self._new_kv[layer] = (keys, values)  # stored by the kernel (attend)
+            return
+        k, v = flat_tokens(keys, values)
+        self.store.write(layer, meta.rows, k, v)
+
+    def attend(self, layer, meta, queries, scale):
+        if not isinstance(meta, CudaDecode):
+            return super().attend(layer, meta, queries, scale)
+        st = self.store
+        return paged_decode_attention(queries, st.k[layer], st.v[layer], meta.table, meta.lengths, scale,
+                                      self.launch, new_kv=self._new_kv.pop(layer, None))
+
+    def end(self):
+        self._new_kv.clear()
+
+
+@dataclass(frozen=True)
+class CudaQuantDecode:
+    tails: mx.array
+    table_q: mx.array  # (B, n) sealed pages
+    lens: mx.array  # (B, 2) tokens on sealed pages and in the tail, the new one included
+    writes: Optional[TailWrites] = None  # None: the kernel stores the token in the tail
+
+
+class CudaQuantRoute(QuantRoute):
+    name = ROUTE_CUDA_Q
+
+    def __init__(self, store, geom: Geometry, launch: CudaLaunch, step_reuse: bool):
+        super().__init__(store, geom, streams=[None], in_place=False)
+        self.launch, self.reuse = launch, StepReuse(step_reuse)
+        self._new_kv: dict[int, tuple[mx.array, mx.array]] = {}
+
+    def plan(self, rows, L, pos, epoch):
+        """Decode: one token per row into its tail; a row that fills its tail page seals it."""
+        if L > 1:
+            return super().plan(rows, L, pos, epoch)
+        P = self.geom.page_size
+        tails = [r.tail for r in rows]
+        n_before = [a // P for a in pos]  # pages sealed before this step
+        fill = [a % P for a in pos]  # tokens in the tail before this one
+
+        def build() -> tuple:
+            return (mx.array(tails, dtype=mx.int32), page_table(rows, n_before),
+                    mx.array([[n * P, f + 1] for n, f in zip(n_before, fill)], dtype=mx.int32))
+
+        arrays = self.reuse.arrays(epoch, rows, (tuple(n_before), tuple(tails)), [f + 1 for f in fill], fill,
+                                   _TAIL_STEP, build)
+        if self.launch.kernel_writes and P - 1 not in fill:
+            return CudaQuantDecode(*arrays)
+        return CudaQuantDecode(*arrays, tail_writes(P, self.geom.kv_heads, self.store.k_axis, rows, pos, tails, fill))
+
+    def write(self, layer, meta, keys, values):
+        if not isinstance(meta, CudaQuantDecode):
+            return super().write(layer, meta, keys, values)
+        if meta.writes is None:
+            self._new_kv[layer] = (keys, values)
+            return
+        k, v = flat_tokens(keys, values)
+        meta.writes.apply(self.store, layer, k, v)
+
+    def attend(self, layer, meta, queries, scale):
+        if not isinstance(meta, CudaQuantDecode):
+            return super().attend(layer, meta, queries, scale)
+        st = self.store
+        pages = QuantPages(st.q[layer], st.tk[layer], st.tv[layer], st.bits, st.group_size)
+        return paged_decode_attention_quantized(queries, pages, meta.tails, meta.table_q, meta.lens, scale,
+                                                self.launch, new_kv=self._new_kv.pop(layer, None))
+
+    def end(self):
+        super().end()
+        self._new_kv.clear()

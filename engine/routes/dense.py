@@ -1,0 +1,138 @@
+"""kv none: attention over dense pages.
+
+Portable (what Apple's Metal backend runs): each pass gathers the rows' pages through a page
+table into contiguous K/V, then MLX's fast SDPA with a padding+causal mask. On the CPU, decode
+folds each KV head's query group into one matmul (`_grouped_decode`, which MLX's CPU SDPA does
+not do) and, for float32 pages of IN_PLACE_MIN_PAGE+ tokens, reads the pages where they lie
+(`paged_grouped_decode`, no gathered copy). fp16 models attend in float32 (`paged_sdpa_f32`):
+scores can exceed fp16's range, and MLX's CPU fallback computes q·kᵀ in the input dtype.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+from kvbatch.engine.kv.pages import CacheRow
+from kvbatch.engine.kv.store import DenseStore, head_rows
+from kvbatch.engine.routes.base import Geometry, Route, flat_tokens
+from kvbatch.engine.routes.common import causal_mask, page_heads, page_table, token_slots
+from kvbatch.engine.routes.softmax_cpu import masked_softmax
+
+ROUTE_DENSE = "paged_sdpa"
+ROUTE_DENSE_F32 = "paged_sdpa_f32"
+
+
+def dense_attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array, scale: float, upcast: bool,
+                    grouped: bool = False) -> mx.array:
+    """q (B,Hq,L,D); k, v (B,Hkv,T,D); mask bool (B,1,L,T). grouped: one-query passes fold each
+    KV head's query group into one matmul (`_grouped_decode`; the CPU's decode)."""
+    dtype = q.dtype
+    if upcast:
+        q, k, v = q.astype(mx.float32), k.astype(mx.float32), v.astype(mx.float32)
+    if q.shape[2] == 1 and grouped:
+        out = _grouped_decode(q, k, v, mask, scale)
+    else:
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    return out.astype(dtype)
+
+
+def _grouped_decode(q: mx.array, k: mx.array, v: mx.array, mask: mx.array, scale: float) -> mx.array:
+    """One-query attention with each KV head's query group folded into the rows of one matmul.
+
+    MLX's CPU SDPA (a composed fallback) broadcasts K/V over the group: one GEMV per query
+    head, reading each KV head's K and V once per query head. Folded, it is one small GEMM
+    per (row, KV head) that reads them once: 30-37% less attention time at SmolLM2 and
+    tiny-llama shapes, bit-identical results (benchmarks/RESULTS.md, issue 3)."""
+    B, Hq, _, D = q.shape
+    Hkv = k.shape[1]
+    qf = (q * mx.array(scale, q.dtype)).reshape(B, Hkv, Hq // Hkv, D)
+    scores = qf @ k.swapaxes(-1, -2)  # (B, Hkv, rep, T)
+    probs = masked_softmax(scores, mask)
+    return (probs @ v).reshape(B, Hq, 1, D)
+
+
+# Smallest page (tokens) for which decode reads the pages in place (`paged_grouped_decode`):
+# it runs two small matmuls per (row, KV head, page), so tiny pages would mean many tiny ones.
+IN_PLACE_MIN_PAGE = 16
+
+
+def paged_grouped_decode(q: mx.array, k_pages: mx.array, v_pages: mx.array, page_heads: mx.array,
+                         query_of: mx.array, mask: mx.array, scale: float) -> mx.array:
+    """`_grouped_decode` read from the pages in place: no gathered copy of K/V.
+
+    q (B, Hq, 1, D); k_pages, v_pages (pages, Hkv, P, D); page_heads (B, Hkv, n): the
+    (page * Hkv + head) of each row's n pages; query_of (B, Hkv, 1): b * Hkv + head;
+    mask (B, 1, n * P, 1). `mx.gather_mm` multiplies each page where it lies by its
+    (row, KV head)'s query group: scores come out key-major, (B, Hkv, n * P, G), so
+    the softmax runs down the keys axis and neither product needs a transposed copy.
+    On the CPU a page-table gather copies K and V at ~10 GB/s before attention can
+    read them; in place, decode attention takes 0.35-0.8x the time at tiny-llama and
+    SmolLM2 shapes (benchmarks/RESULTS.md, issue 3). Same float32 softmax; the output
+    sums the pages' partial products (within 1e-6 of the gathered path)."""
+    B, Hq, _, D = q.shape
+    _, Hkv, P, _ = k_pages.shape
+    G, n = Hq // Hkv, page_heads.shape[-1]
+    qt = q.reshape(B * Hkv, G, D).swapaxes(-1, -2)  # (B*Hkv, D, G), a view
+    scores = mx.gather_mm(k_pages.reshape(-1, P, D), qt, page_heads, query_of)  # (B, Hkv, n, P, G)
+    probs = masked_softmax(scores.reshape(B, Hkv, n * P, G), mask, axis=-2, scale=scale)  # scaled in the kernel
+    pt = probs.reshape(B * Hkv * n, P, G).swapaxes(-1, -2)  # (.., G, P), a view
+    out = mx.gather_mm(pt, v_pages.reshape(-1, P, D), None, page_heads.reshape(-1))  # (B*Hkv*n, G, D)
+    return out.reshape(B, Hkv, n, G, D).sum(axis=2).reshape(B, Hq, 1, D)
+
+
+@dataclass(frozen=True)
+class DenseStep:
+    rows: mx.array  # head rows the pass's tokens are written to (kv.store.head_rows)
+    table: mx.array  # (B, width) page table
+    mask: Optional[mx.array] = None  # (B, 1, L, T); in place: (B, 1, T, 1), key-major
+    page_heads: Optional[mx.array] = None  # in place: (B, Hkv, n) page * Hkv + head
+    query_of: Optional[mx.array] = None  # in place: (B, Hkv, 1)
+
+
+class DenseRoute(Route):
+    def __init__(self, store: DenseStore, geom: Geometry, upcast: bool, cpu: bool, in_place: bool):
+        """cpu: the CPU's decode (grouped matmul); in_place: also read float32 pages in place."""
+        self.store, self.geom, self.upcast, self.grouped = store, geom, upcast, cpu
+        self.in_place = in_place
+        self.name = ROUTE_DENSE_F32 if upcast else ROUTE_DENSE
+
+    def plan(self, rows: list[CacheRow], L: int, pos: list[int], epoch: int) -> DenseStep:
+        return self.decode_plan(rows, pos) if L == 1 else self.prefill_plan(rows, L, pos)
+
+    def prefill_plan(self, rows: list[CacheRow], L: int, pos: list[int]) -> DenseStep:
+        """A multi-token pass (prefill chunk)."""
+        P, p = self.geom.page_size, np.array(pos, dtype=np.int32)
+        tokens = np.concatenate([token_slots(r, P, int(a), int(a) + L) for r, a in zip(rows, p)]).tolist()
+        table = page_table(rows, (-(-(p + L) // P)).tolist())
+        hrows = head_rows(tokens, P, self.geom.kv_heads)
+        return DenseStep(mx.array(hrows, dtype=mx.int32), table, causal_mask(p, L, table.shape[1] * P, 1))
+
+    def decode_plan(self, rows: list[CacheRow], pos: list[int]) -> DenseStep:
+        """A one-token pass, built from Python lists: right after a step's compute numpy costs ~10 us
+        an op on arrays of a few rows (cold caches), and these are a few dozen numbers."""
+        P, H, B = self.geom.page_size, self.geom.kv_heads, len(rows)
+        new_len = [a + 1 for a in pos]
+        table = page_table(rows, [-(-n // P) for n in new_len])
+        width = table.shape[1]
+        slots = [r.pages[a // P] * P + a % P for r, a in zip(rows, pos)]
+        hrows = mx.array(head_rows(slots, P, H), dtype=mx.int32)
+        mask = mx.arange(width * P) < mx.array(new_len, dtype=mx.int32)[:, None]  # (B, T)
+        if not self.in_place:
+            return DenseStep(hrows, table, mask.reshape(B, 1, 1, width * P))
+        heads, query_of = page_heads(table, H)  # key-major scores (paged_grouped_decode)
+        return DenseStep(hrows, table, mask.reshape(B, 1, width * P, 1), heads, query_of)
+
+    def write(self, layer: int, meta: DenseStep, keys: mx.array, values: mx.array) -> None:
+        k, v = flat_tokens(keys, values)
+        self.store.write(layer, meta.rows, k, v)
+
+    def attend(self, layer: int, meta: DenseStep, queries: mx.array, scale: float) -> mx.array:
+        st = self.store
+        if meta.page_heads is not None:
+            return paged_grouped_decode(queries, st.k[layer], st.v[layer], meta.page_heads, meta.query_of,
+                                        meta.mask, scale)
+        k, v = st.gather(layer, meta.table)
+        return dense_attention(queries, k, v, meta.mask, scale, self.upcast, self.grouped)

@@ -1,0 +1,290 @@
+"""q8/q4: attention over quantized pages (mx.quantize triplets) and each row's dense tail page.
+
+Decode scores the packed pages with `mx.quantized_matmul`, never dequantizing the prefix, plus a
+float32 matmul on the tail page; scores and softmax in float32 (on the CPU the quantized matmuls
+are spread over several streams, see `qmm_streams`). CPU decode over float32 stores reads the
+packed pages in place instead (`quantized_paged_decode`, `mx.gather_qmm`). Prefill (one row a
+pass) dequantizes the row's sealed pages once per chunk and attends in float32.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+from kvbatch.engine.kv.pages import CacheRow
+from kvbatch.engine.kv.store import QuantizedStore, dequantize
+from kvbatch.engine.routes.base import Geometry, Route, flat_tokens
+from kvbatch.engine.routes.common import TailWrites, causal_mask, page_heads, page_table, tail_writes, token_slots
+from kvbatch.engine.routes.dense import dense_attention
+from kvbatch.engine.routes.softmax_cpu import masked_softmax
+
+ROUTE_QMM = "paged_qmm_f32"
+
+# Quantized matmuls on MLX's CPU backend run on one thread per stream; decode spreads them
+# over several CPU streams (one thread each; engine.options.qmm_threads, 0 = min(cores, 4)).
+# A stream is worth its hand-off from this many quantized K (or V) elements on (row, KV head,
+# token, channel): SmolLM2's layer at 2k tokens, batch 1 (393k) ran slower split in two,
+# at 6k batch 1 (1.2M) and 2k batch 4 (1.6M) 1.2-1.8x faster (benchmarks/RESULTS.md, issue 5).
+QMM_MIN_WORK = 1 << 19
+
+
+def qmm_split(rows_heads: int, tokens: int, head_dim: int, most: int) -> int:
+    """How many streams a quantized matmul over rows_heads x tokens x head_dim elements uses."""
+    return max(1, min(most, rows_heads * tokens * head_dim // QMM_MIN_WORK))
+
+
+_streams: dict[int, list] = {}
+
+
+def qmm_streams(n: int) -> list:
+    """n streams for the quantized matmuls of decode: None (the caller's default stream) first,
+    then n - 1 extra CPU streams (made once per process)."""
+    if n not in _streams:
+        _streams[n] = [None] + [mx.new_stream(mx.cpu) for _ in range(max(n, 1) - 1)]
+    return _streams[n]
+
+
+def _f32(a: mx.array) -> mx.array:
+    return a if a.dtype == mx.float32 else a.astype(mx.float32)
+
+
+def quantized_decode_attention(q: mx.array, qk: list[mx.array] | list[list[mx.array]] | None,
+                               qv: list[mx.array], tk: mx.array, tv: mx.array, mask_q: mx.array,
+                               mask_t: mx.array, scale: float, group_size: int, bits: int,
+                               streams: list | None = None, k_transposed: bool = False,
+                               mask: mx.array | None = None) -> mx.array:
+    """q (B,Hq,L,D); qk/qv packed triplets (B,Hkv,Tq,·) or None; tail tk/tv (B,Hkv,P,D).
+
+    qk may also be a list of triplets, consecutive runs of pages that together make Tq
+    (the key scores of run i are computed on streams[i]). mask_q (B,1,1,Tq) and mask_t
+    (B,1,1,P) mark the valid keys (the same for every query of the pass). Queries of a
+    KV head's group are folded into rows, (B, Hkv, rep*L, D): the 4-D shape that MLX's
+    CUDA quantized_matmul implements for every head size (a 5-D broadcast shape has no
+    CUDA kernel at head size 64).
+
+    mask: mask_q and mask_t concatenated, if the caller has it (built once per step, not per layer).
+
+    k_transposed: qk holds K^T quantized per channel, (B,Hkv,D,·) (QuantizedStore
+    k_axis="channel"): the scores run as an untransposed quantized_matmul.
+
+    With several streams the work splits so that no sum changes order: key scores by
+    token runs (each score is its own dot product), value sums by (row, KV head). So a
+    row's output is bit-identical however its batch is split.
+    """
+    B, Hq, L, D = q.shape
+    Hkv = tk.shape[1]
+    rep = Hq // Hkv
+    dtype = q.dtype
+    streams = streams or [None]
+    qf = (_f32(q) * scale).reshape(B, Hkv, rep * L, D)
+    scores_t = qf @ _f32(tk).swapaxes(-1, -2)  # (B,Hkv,rep*L,P)
+    parts, masks = [scores_t], [mask_t]
+    if qk is not None:
+        runs = qk if isinstance(qk[0], (list, tuple)) else [qk]
+        scores_q = [mx.quantized_matmul(qf, w, _f32(s), _f32(b), transpose=not k_transposed, group_size=group_size,
+                                        bits=bits, stream=streams[i % len(streams)])
+                    for i, (w, s, b) in enumerate(runs)]
+        parts[:0] = scores_q
+        masks.insert(0, mask_q)
+    scores = mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+    if mask is None:
+        mask = mx.concatenate(masks, axis=-1) if len(masks) > 1 else masks[0]
+    probs = masked_softmax(scores, mask)
+    P = tk.shape[2]
+    out = probs[..., -P:] @ _f32(tv)
+    if qk is not None:
+        w, s, b = (a.reshape(B * Hkv, *a.shape[2:]) for a in qv)
+        s, b = _f32(s), _f32(b)
+        pq = probs[..., :-P].reshape(B * Hkv, rep * L, -1)
+        n = qmm_split(B * Hkv, pq.shape[-1], D, min(len(streams), B * Hkv))
+        cuts = [B * Hkv * i // n for i in range(n + 1)]
+        pv = [mx.quantized_matmul(pq[a:z], w[a:z], s[a:z], b[a:z], transpose=False, group_size=group_size,
+                                  bits=bits, stream=streams[i]) for i, (a, z) in enumerate(zip(cuts, cuts[1:]))]
+        out = out + (mx.concatenate(pv) if n > 1 else pv[0]).reshape(B, Hkv, rep * L, D)
+    out = out.reshape(B, Hq, L, D)
+    return out if out.dtype == dtype else out.astype(dtype)
+
+
+def quantized_paged_decode(q: mx.array, kq: list[mx.array], vq: list[mx.array], tk: mx.array, tv: mx.array,
+                           page_heads: mx.array, query_of: mx.array, mask: mx.array, scale: float,
+                           group_size: int, bits: int, streams: list | None = None,
+                           cuts: list[int] | None = None, k_transposed: bool = True) -> mx.array:
+    """`quantized_decode_attention` read from the packed pages in place (CPU, float32 stores).
+
+    q (B, Hq, 1, D); kq: the layer's K pool triplet, K^T pages (pages, Hkv, D, ·) quantized
+    per channel (k_transposed, QuantizedStore k_axis="channel") or K pages (pages, Hkv, P, ·)
+    quantized per token; vq: its V triplet, (pages, Hkv, P, ·);
+    tk, tv (B, Hkv, P, D): the rows' dense tail pages; page_heads (B, Hkv, n): the
+    (page * Hkv + head) of each row's sealed pages; query_of (B, Hkv, 1): b * Hkv + head;
+    mask (B, 1, 1 + n, 1, P): the tail's valid keys, then the sealed pages'.
+
+    `mx.gather_qmm` multiplies each packed page where it lies by its (row, KV head)'s query
+    group: no page-table gather of the packed K/V (and no K^T transpose copy). Scores come
+    out page by page, (B, Hkv, 1 + n, G, P) with the tail first; the softmax runs over the
+    (page, token) axes, and the values are a second gather_qmm per page, summed over pages.
+
+    cuts: page boundaries of runs computed on streams[i] (key scores and value products
+    alike); every run's pages are concatenated before the one sum over pages, so a row's
+    output is bit-identical however the work is split, and padded (masked) pages add
+    exact zeros.
+    """
+    B, Hq, _, D = q.shape
+    Hkv = tk.shape[1]
+    G, n = Hq // Hkv, page_heads.shape[-1]
+    streams = streams or [None]
+    runs = list(zip(cuts, cuts[1:])) if cuts else [(0, n)]
+    qf = _f32(q).reshape(B * Hkv, G, D)
+    kw, ks, kb = (a.reshape(-1, *a.shape[2:]) for a in kq)
+    vw, vs, vb = (a.reshape(-1, *a.shape[2:]) for a in vq)
+    parts = [(qf.reshape(B, Hkv, G, D) @ _f32(tk).swapaxes(-1, -2))[:, :, None]]  # the tail, (B,Hkv,1,G,P)
+    parts += [mx.gather_qmm(qf, kw, ks, kb, lhs_indices=query_of, rhs_indices=page_heads[..., a:z],
+                            transpose=not k_transposed,
+                            group_size=group_size, bits=bits, stream=streams[i % len(streams)])
+              for i, (a, z) in enumerate(runs)]  # (B, Hkv, z - a, G, P) each
+    probs = masked_softmax(mx.concatenate(parts, axis=2), mask, axis=(2, 4), scale=scale)
+    out = probs[:, :, 0] @ _f32(tv)  # (B, Hkv, G, D)
+    pv = [mx.gather_qmm(probs[:, :, 1 + a:1 + z], vw, vs, vb, rhs_indices=page_heads[..., a:z], transpose=False,
+                        group_size=group_size, bits=bits, stream=streams[i % len(streams)])
+          for i, (a, z) in enumerate(runs)]  # (B, Hkv, z - a, G, D) each
+    out = out + (mx.concatenate(pv, axis=2) if len(pv) > 1 else pv[0]).sum(axis=2)
+    out = out.reshape(B, Hq, 1, D)
+    return out if out.dtype == q.dtype else out.astype(q.dtype)
+
+
+def quantized_paged_plan(table: mx.array, n_before: list[int], fill: list[int], P: int, H: int, D: int,
+                         streams: list) -> dict:
+    """The per-step inputs of `attention.quantized_paged_decode`, built once for every layer:
+    table (B, n) the rows' sealed pages (padded with their first), n_before their sealed page
+    counts and fill their tail's tokens before this step's."""
+    B, width = table.shape
+    n = qmm_split(B * H, width * P, D, min(len(streams), width))
+    tail = mx.arange(P)[None] <= mx.array(fill)[:, None]  # (B, P): this step's token included
+    pages = mx.arange(width)[None] < mx.array(n_before)[:, None]  # (B, width)
+    mask = mx.concatenate([tail[:, None], mx.broadcast_to(pages[:, :, None], (B, width, P))], axis=1)
+    heads, query_of = page_heads(table, H)
+    return {"q_page_heads": heads, "query_of": query_of, "cuts": [width * i // n for i in range(n + 1)],
+            "mask_p": mask.reshape(B, 1, width + 1, 1, P)}
+
+
+@dataclass(frozen=True)
+class QuantPrefill:
+    tails: mx.array
+    table_q: Optional[mx.array]  # (1, n) the row's pages sealed before the pass
+    run: tuple  # (tail slot, tokens in the tail before the pass, pool slots of pages the pass fills or None)
+    mask: mx.array
+
+
+@dataclass(frozen=True)
+class QuantDecode:
+    tails: mx.array
+    table_q: Optional[mx.array]
+    writes: TailWrites
+    mask_q: Optional[mx.array]  # (B, 1, 1, Tq) valid keys on sealed pages
+    runs_q: Optional[list]  # the sealed pages' table in runs, one per stream
+    mask_t: mx.array  # (B, 1, 1, P) valid keys in the tail
+    mask_all: mx.array  # mask_q and mask_t concatenated (built once per step, not per layer)
+
+
+@dataclass(frozen=True)
+class QuantPagedDecode:
+    """CPU decode over float32 stores: the packed pages read in place."""
+
+    tails: mx.array
+    writes: TailWrites
+    heads: mx.array
+    query_of: mx.array
+    cuts: list
+    mask_p: mx.array
+
+
+class QuantRoute(Route):
+    name = ROUTE_QMM
+
+    def __init__(self, store: QuantizedStore, geom: Geometry, streams: list, in_place: bool):
+        """streams: see qmm_streams; in_place: CPU decode reads the packed pages in place."""
+        self.store, self.geom, self.streams, self.in_place = store, geom, streams, in_place
+        self._segment: dict[int, tuple[mx.array, mx.array]] = {}  # prefill: this pass's K/V as written
+
+    def plan(self, rows: list[CacheRow], L: int, pos: list[int], epoch: int):
+        """A pass attends to pages sealed before it (quantized) and to everything it wrote or that is
+        still in a tail page (full precision), like mlx-lm's quantized cache."""
+        P, H, D = self.geom.page_size, self.geom.kv_heads, self.geom.head_dim
+        p = np.array(pos, dtype=np.int32)
+        n_before = p // P  # pages sealed before this pass
+        tails = [r.tail for r in rows]
+        tails_a = mx.array(tails, dtype=mx.int32)
+        table_q = page_table(rows, n_before.tolist()) if n_before.max() > 0 else None
+        if L > 1:
+            return self._prefill_plan(rows, L, p, tails_a, table_q)
+        fill = p % P  # decode: one token per row into its tail; rows that fill their page seal it
+        writes = tail_writes(P, H, self.store.k_axis, rows, pos, tails, fill.tolist())
+        if table_q is not None and self.in_place:
+            t = quantized_paged_plan(table_q, n_before.tolist(), fill.tolist(), P, H, D, self.streams)
+            return QuantPagedDecode(tails_a, writes, t["q_page_heads"], t["query_of"], t["cuts"], t["mask_p"])
+        mask_q = runs_q = None
+        if table_q is not None:
+            width = table_q.shape[1]
+            Tq = width * P
+            mask_q = (mx.arange(Tq)[None] < mx.array(n_before * P)[:, None]).reshape(len(rows), 1, 1, Tq)
+            # key scores in runs of pages, one per stream (see quantized_decode_attention)
+            n = qmm_split(len(rows) * H, Tq, D, min(len(self.streams), width))
+            cuts = [width * i // n for i in range(n + 1)]
+            runs_q = [table_q[:, a:z] for a, z in zip(cuts, cuts[1:])]
+        mask_t = (mx.arange(P)[None] <= mx.array(fill)[:, None]).reshape(len(rows), 1, 1, P)
+        mask_all = mx.concatenate([mask_q, mask_t], axis=-1) if mask_q is not None else mask_t
+        return QuantDecode(tails_a, table_q, writes, mask_q, runs_q, mask_t, mask_all)
+
+    def _prefill_plan(self, rows, L, p, tails_a, table_q) -> QuantPrefill:
+        if len(rows) != 1:
+            raise ValueError("quantized multi-token passes (prefill) run one row at a time")
+        P = self.geom.page_size
+        r, p0 = rows[0], int(p[0])
+        fill = p0 % P
+        done_pages = (fill + L) // P
+        start = p0 - fill
+        slots = (mx.array(token_slots(r, P, start, start + done_pages * P).astype(np.int32)) if done_pages else None)
+        return QuantPrefill(tails_a, table_q, (r.tail, fill, slots), causal_mask(p, L, p0 + L, 1))
+
+    def write(self, layer: int, meta, keys: mx.array, values: mx.array) -> None:
+        k, v = flat_tokens(keys, values)
+        if isinstance(meta, QuantPrefill):
+            tail, fill, slots = meta.run
+            self._segment[layer] = self.store.write_run(layer, tail, fill, slots, k, v)
+        else:
+            meta.writes.apply(self.store, layer, k, v)
+
+    def attend(self, layer: int, meta, queries: mx.array, scale: float) -> mx.array:
+        st = self.store
+        k_transposed = st.k_axis == "channel"
+        if isinstance(meta, QuantPagedDecode):
+            tk, tv = st.gather_tails(layer, meta.tails)
+            q = st.q[layer]
+            return quantized_paged_decode(queries, q[:3], q[3:], tk, tv, meta.heads, meta.query_of, meta.mask_p,
+                                          scale, st.group_size, st.bits, self.streams, meta.cuts,
+                                          k_transposed=k_transposed)
+        if isinstance(meta, QuantPrefill):  # sealed pages dequantized once for the chunk, the rest as written
+            sk, sv = (a.transpose(1, 0, 2)[None] for a in self._segment.pop(layer))
+            if meta.table_q is not None:
+                qk = st.gather_quantized(layer, meta.table_q)
+                sk = mx.concatenate([st.dequantize_k(*qk[:3]), sk], axis=2)
+                sv = mx.concatenate([dequantize(*qk[3:], st.group_size, st.bits), sv], axis=2)
+            return dense_attention(queries, sk, sv, meta.mask, scale, upcast=True)
+        tk, tv = st.gather_tails(layer, meta.tails)
+        qk = qv = None
+        if meta.table_q is not None:
+            qk = []
+            for i, run in enumerate(meta.runs_q):  # each run's gather on the stream that uses it
+                if self.streams[i] is None:
+                    qk.append(st.gather_quantized(layer, run, "k"))
+                else:
+                    with mx.stream(self.streams[i]):
+                        qk.append(st.gather_quantized(layer, run, "k"))
+            qv = st.gather_quantized(layer, meta.table_q, "v")
+        return quantized_decode_attention(queries, qk, qv, tk, tv, meta.mask_q, meta.mask_t, scale, st.group_size,
+                                          st.bits, self.streams, k_transposed=k_transposed, mask=meta.mask_all)
+
+    def end(self) -> None:
+        self._segment.clear()

@@ -1,0 +1,64 @@
+"""The one place an attention route is chosen: from the KV layout, the backend and the options.
+
+                     kv none                            q8 / q4
+  MLX CUDA           CudaDenseRoute (fused kernel)      CudaQuantRoute (fused kernel)
+  CPU                DenseRoute, grouped decode,        QuantRoute, keys per channel when the
+                     float32 pages read in place        page holds whole groups, packed pages
+                                                        read in place (float32 stores)
+  portable / Metal   DenseRoute (gather + SDPA)         QuantRoute (quantized_matmul)
+
+`options.route="portable"` takes the last row on any backend: what Apple's Metal backend runs,
+so the CPU tests exercise it. The fused kernels also need a geometry they handle
+(cuda_kernels.supports); elsewhere the portable route runs.
+"""
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+
+from kvbatch.engine.backend import backend
+from kvbatch.engine.config import EngineOptions
+from kvbatch.engine.kv.store import DenseStore, QuantizedStore
+from kvbatch.engine.memory import KVLayout
+from kvbatch.engine.routes import cuda_kernels
+from kvbatch.engine.routes.base import Geometry, Route
+from kvbatch.engine.routes.cuda import CudaDenseRoute, CudaQuantRoute
+from kvbatch.engine.routes.dense import IN_PLACE_MIN_PAGE, DenseRoute
+from kvbatch.engine.routes.quant import QuantRoute, qmm_streams
+
+
+def fused_kernels(layout: KVLayout, query_heads: int, options: EngineOptions) -> bool:
+    """Whether decode runs the fused CUDA kernels for this layout (gate.py asks the same)."""
+    if options.route != "auto" or not backend().cuda_kernels:
+        return False
+    rep = max(query_heads // layout.num_kv_heads, 1)
+    return cuda_kernels.supports(layout.head_dim, rep, layout.bits, layout.group_size if layout.bits else None)
+
+
+def k_quant_axis(layout: KVLayout, options: EngineOptions) -> str:
+    """How quantized K pages are grouped: "channel" (along each page's tokens) on the CPU route when
+    the page holds whole groups; else "token" (along head_dim; what the CUDA kernel and Metal read)."""
+    cpu = options.route == "auto" and backend().on_cpu
+    return "channel" if cpu and layout.page_size % layout.group_size == 0 else "token"
+
+
+def select_route(layout: KVLayout, num_layers: int, dtype: mx.Dtype, tail_slots: int, upcast: bool,
+                 query_heads: int, options: EngineOptions) -> tuple[DenseStore | QuantizedStore, Route]:
+    """The cache's store and the route that reads and writes it."""
+    geom = Geometry(layout.page_size, layout.num_kv_heads, layout.head_dim, query_heads)
+    cpu = options.route == "auto" and backend().on_cpu
+    fused = fused_kernels(layout, query_heads, options)
+    # CPU decode over float32 pages of IN_PLACE_MIN_PAGE+ tokens reads them where they lie
+    cpu_pages = cpu and dtype == mx.float32 and layout.page_size >= IN_PLACE_MIN_PAGE
+    if layout.bits:
+        store = QuantizedStore(num_layers, layout.num_kv_heads, layout.head_dim, layout.page_size, dtype,
+                               layout.bits, layout.group_size, tail_slots, k_axis=k_quant_axis(layout, options))
+        if fused:
+            return store, CudaQuantRoute(store, geom, options.cuda, options.step_reuse)
+        n = (options.qmm_threads or min(os.cpu_count() or 1, 4)) if cpu else 1
+        return store, QuantRoute(store, geom, qmm_streams(n), in_place=cpu_pages and options.q_in_place)
+    store = DenseStore(num_layers, layout.num_kv_heads, layout.head_dim, layout.page_size, dtype)
+    if fused:
+        return store, CudaDenseRoute(store, geom, upcast, options.cuda, options.step_reuse)
+    return store, DenseRoute(store, geom, upcast, cpu=cpu, in_place=cpu_pages and not upcast and options.in_place)
