@@ -84,11 +84,15 @@ def _rand_rows(P: int, rng, n_pages: int, lengths: list[int]) -> list[list[int]]
 
 
 def kernel_case(mode: str, dtype, D: int, rep: int, P: int, chunk, hkv: int = 2, group: int = 64,
-                lengths=(1, 17, 100, 200, 513)) -> float:
-    """Fused kernel vs a float64 numpy reference on the same pages (dense, or packed + tail)."""
+                lengths=(1, 17, 100, 200, 513), launch: dict | None = None) -> float:
+    """Fused kernel vs a float64 numpy reference on the same pages (dense, or packed + tail).
+    chunk: tokens per split (None: the default); launch: other CudaLaunch settings."""
     import numpy as np
 
-    from kvbatch.engine import cuda_attention as ca
+    from kvbatch.engine.routes import cuda_kernels as ca
+
+    settings = dict(launch or {}, **({} if chunk is None else {"chunk": chunk, "unsplit": chunk}))
+    tune = CudaLaunch(**settings)
 
     rng = np.random.default_rng(D + rep + P)
     B, n_pages = len(lengths), sum(-(-n // P) for n in lengths) + 3
@@ -101,7 +105,7 @@ def kernel_case(mode: str, dtype, D: int, rep: int, P: int, chunk, hkv: int = 2,
     if mode == "none":
         width = max(len(t) for t in tables)
         table = mx.array([t + [t[0]] * (width - len(t)) for t in tables], dtype=mx.int32)
-        out = ca.paged_decode_attention(q, kp, vp, table, mx.array(list(lengths), dtype=mx.int32), scale, chunk)
+        out = ca.paged_decode_attention(q, kp, vp, table, mx.array(list(lengths), dtype=mx.int32), scale, tune)
         rows_k = [K[t].transpose(1, 0, 2, 3).reshape(hkv, -1, D)[:, :n] for t, n in zip(tables, lengths)]
         rows_v = [V[t].transpose(1, 0, 2, 3).reshape(hkv, -1, D)[:, :n] for t, n in zip(tables, lengths)]
     else:
@@ -117,8 +121,8 @@ def kernel_case(mode: str, dtype, D: int, rep: int, P: int, chunk, hkv: int = 2,
         width = max(1, max(len(t) for t in sealed))
         table = mx.array([t + [t[0] if t else 0] * (width - len(t)) for t in sealed], dtype=mx.int32)
         lens = mx.array([[m, n - m] for m, n in zip(n_main, lengths)], dtype=mx.int32)
-        out = ca.paged_decode_attention_quantized(q, packed, tk, tv, mx.array(tails, dtype=mx.int32), table, lens,
-                                                  scale, bits, group, chunk)
+        out = ca.paged_decode_attention_quantized(q, ca.QuantPages(packed, tk, tv, bits, group),
+                                                  mx.array(tails, dtype=mx.int32), table, lens, scale, tune)
         TK, TV = np.array(tk.astype(mx.float32)), np.array(tv.astype(mx.float32))
         rows_k, rows_v = [], []
         for t, m, n, tl in zip(sealed, n_main, lengths, tails):
@@ -138,7 +142,7 @@ def kernel_case(mode: str, dtype, D: int, rep: int, P: int, chunk, hkv: int = 2,
 
 
 def kernel_checks(modes=("none", "q8", "q4"), dtypes=("float32", "bfloat16", "float16"),
-                  chunks=(None, 0, 48, 100)) -> bool:
+                  chunks=(None, 0, 48, 100), launch: dict | None = None) -> bool:
     ok = True
     for mode in modes:
         for dtype in (getattr(mx, d) for d in dtypes):
@@ -149,7 +153,7 @@ def kernel_checks(modes=("none", "q8", "q4"), dtypes=("float32", "bfloat16", "fl
                     if dtype != mx.float32 and chunk not in (None, 48):
                         continue
                     try:
-                        err = kernel_case(mode, dtype, D, rep, P, chunk, group=group)
+                        err = kernel_case(mode, dtype, D, rep, P, chunk, group=group, launch=launch)
                     except Exception as e:  # report and go on
                         print(f"FAIL kernel {mode} {dtype} D={D} rep={rep} P={P} chunk={chunk}: {e}", flush=True)
                         ok = False
@@ -161,34 +165,20 @@ def kernel_checks(modes=("none", "q8", "q4"), dtypes=("float32", "bfloat16", "fl
     return ok
 
 
-def _with_env(env: dict, fn):
-    import os
-
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        return fn()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def parse_variants(spec: str) -> list[tuple[str, dict]]:
-    """"label:VAR=1,VAR2=0;label2:" -> [(label, {VAR: "1", VAR2: "0"}), (label2, {})]."""
+    """"label:chunk=256,unsplit=1024;label2:" -> [(label, {chunk: 256, unsplit: 1024}), (label2, {})]:
+    CudaLaunch settings (engine.options.cuda) per label."""
     out = []
     for item in filter(None, spec.split(";")):
-        label, _, env = item.partition(":")
-        out.append((label, dict(kv.split("=", 1) for kv in filter(None, env.split(",")))))
+        label, _, kvs = item.partition(":")
+        out.append((label, {k: int(v) for k, v in (kv.split("=", 1) for kv in filter(None, kvs.split(",")))}))
     return out
 
 
 def kernel_bench(contexts=(8192,), batches=(1, 8, 64), geometries=((64, 8, 4), (128, 8, 4)),
                  variants=(("default", {}),), portable: bool = False, n: int = 20) -> dict:
     """Decode attention time of one layer at long context: the fused kernels (none/q8/q4) under
-    each variant of the launch settings (cuda_attention.Tuning, set through the environment), the
+    each variant of the launch settings (CudaLaunch), the
     first variant's outputs as the reference for the others (max |difference|; 0 = same bits), and
     optionally the portable gather + SDPA. Returns {label: {(D, ctx, B, mode): seconds}} (None:
     the variant failed there)."""
@@ -196,7 +186,7 @@ def kernel_bench(contexts=(8192,), batches=(1, 8, 64), geometries=((64, 8, 4), (
 
     import numpy as np
 
-    from kvbatch.engine import cuda_attention as ca
+    from kvbatch.engine.routes import cuda_kernels as ca
 
     def timeit(fn):
         mx.eval(fn())
@@ -224,7 +214,8 @@ def kernel_bench(contexts=(8192,), batches=(1, 8, 64), geometries=((64, 8, 4), (
                         vp[table[:, None, :], mx.arange(hkv)[None, :, None]].reshape(B, hkv, ctx, D),
                         scale=0.1, mask=mask))
                     print(f"{head} gather+sdpa {t * 1e6:.0f}us", flush=True)
-                calls = {"none": (lambda: ca.paged_decode_attention(q, kp, vp, table, lengths, 0.1), dense_bytes)}
+                calls = {"none": (lambda tune: ca.paged_decode_attention(q, kp, vp, table, lengths, 0.1, tune),
+                                  dense_bytes)}
                 for bits in (8, 4):
                     packed = list(mx.quantize(kp, group_size=64, bits=bits)) + \
                         list(mx.quantize(vp, group_size=64, bits=bits))
@@ -233,18 +224,20 @@ def kernel_bench(contexts=(8192,), batches=(1, 8, 64), geometries=((64, 8, 4), (
                     lens = mx.array([[ctx - P, P]] * B, dtype=mx.int32)
                     qbytes = sum(a.nbytes for a in packed) * B * ctx / (npg * P)
                     tails = mx.arange(B).astype(mx.int32)
-                    calls[f"q{bits}"] = (lambda packed=packed, tk=tk, tv=tv, lens=lens, tails=tails, bits=bits:
-                                         ca.paged_decode_attention_quantized(q, packed, tk, tv, tails, table[:, :-1],
-                                                                             lens, 0.1, bits, 64), qbytes)
+                    pages = ca.QuantPages(packed, tk, tv, bits, 64)
+                    calls[f"q{bits}"] = (lambda tune, pages=pages, lens=lens, tails=tails:
+                                         ca.paged_decode_attention_quantized(q, pages, tails, table[:, :-1], lens,
+                                                                             0.1, tune), qbytes)
                 ref = {}
-                for label, env in variants:
+                for label, settings in variants:
                     line = f"{head} {label:>10s}:"
+                    tune = CudaLaunch(**settings)
                     for mode, (fn, nbytes) in calls.items():
                         try:
-                            out = _with_env(env, fn)
+                            out = fn(tune)
                             diff = float(mx.abs(out.astype(mx.float32) - ref[mode]).max()) if mode in ref else 0.0
                             ref.setdefault(mode, out.astype(mx.float32))
-                            t = _with_env(env, lambda: timeit(fn))
+                            t = timeit(lambda: fn(tune))
                         except Exception as e:  # a variant that fails to compile or run: reported, skipped
                             times[label][(D, ctx, B, mode)] = None
                             line += f" | {mode} FAILED {str(e)[:200]}"
@@ -282,7 +275,7 @@ def main() -> int:
     ap.add_argument("--kernel-dtypes", default="float32,bfloat16,float16")
     ap.add_argument("--kernel-chunks", default="default,0,48,100", help="tokens per split; default = CHUNK")
     ap.add_argument("--variants", default="default:",
-                    help="bench: launch settings to compare, 'label:VAR=V,VAR=V;label2:...' (cuda_attention.Tuning)")
+                    help="bench: launch settings to compare, 'label:chunk=256,warps=4;label2:...' (CudaLaunch)")
     ap.add_argument("--check-variants", default="default:", help="kernels: run the checks under each of these")
     ap.add_argument("--bench-batches", default="1,8,64")
     ap.add_argument("--bench-dims", default="64,128", help="head sizes (Hkv 8, GQA 4)")
@@ -297,10 +290,10 @@ def main() -> int:
     if "kernels" in parts and mx.cuda.is_available():
         chunks = tuple(None if c == "default" else int(c) for c in a.kernel_chunks.split(","))
         checked = {}
-        for label, env in parse_variants(a.check_variants):
-            print(f"kernel checks, variant {label} {env}", flush=True)
-            checked[label] = _with_env(env, lambda: kernel_checks(tuple(a.kernel_modes.split(",")),
-                                                                 tuple(a.kernel_dtypes.split(",")), chunks))
+        for label, settings in parse_variants(a.check_variants):
+            print(f"kernel checks, variant {label} {settings}", flush=True)
+            checked[label] = kernel_checks(tuple(a.kernel_modes.split(",")), tuple(a.kernel_dtypes.split(",")), chunks,
+                                           settings)
             ok &= checked[label]
     if "bench" in parts and mx.cuda.is_available():
         variants = parse_variants(a.variants)
@@ -310,10 +303,10 @@ def main() -> int:
                              variants=variants, portable=a.portable)
         if a.pick_out:
             best = pick_variant(times, checked if "kernels" in parts else {k: True for k, _ in variants})
-            env = dict(variants)[best] if best else {}
-            print(f"picked: {best} {env}", flush=True)
+            settings = dict(variants)[best] if best else {}
+            print(f"picked: {best} {settings}", flush=True)
             with open(a.pick_out, "w") as f:
-                f.write(f"# picked: {best}\n" + "".join(f"export {k}={v}\n" for k, v in env.items()))
+                f.write(f"# picked: {best}\n" + "".join(f"engine.options.cuda.{k}={v}\n" for k, v in settings.items()))
     if "engine" not in parts:
         return 0 if ok else 1
     for family, hd in (("llama", 64), ("llama", 128), ("qwen3", 128)):

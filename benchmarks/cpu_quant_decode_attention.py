@@ -24,8 +24,8 @@ import kvbatch.engine  # noqa: E402,F401  (OpenBLAS before mlx)
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from kvbatch.engine import attention as att  # noqa: E402
-from kvbatch.engine.kv_store import QuantizedStore  # noqa: E402
+from kvbatch.engine.routes import quant as att  # noqa: E402
+from kvbatch.engine.kv.store import QuantizedStore  # noqa: E402
 
 
 def case(B: int, T: int, bits: int, P: int = 64, group: int = 64, H: int = 3, Hq: int = 9, D: int = 64,

@@ -31,7 +31,7 @@ import kvbatch.engine as engine  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
-from kvbatch.engine import rope
+from kvbatch.engine.routes import rope_cpu as rope
 from kvbatch.engine.config import EngineOptions
 from kvbatch.engine.engine import Engine
 from kvbatch.engine.models.config import ModelConfig
@@ -147,7 +147,7 @@ def step_breakdown(model, tok, spec, batch, plen, page_size, steps=24):
         for _ in range(steps):
             eng.step()
         out[name] = (time.perf_counter() - t) / steps * 1e3
-        out["in_place" if name == "step_ms" else "in_place_gathered"] = eng.cache.in_place
+        out["in_place" if name == "step_ms" else "in_place_gathered"] = eng.cache.attention.in_place
         out["context_at_end"] = eng.scheduler.running[0].kv.length
         eng.cancel()
     return out

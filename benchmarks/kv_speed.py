@@ -45,11 +45,12 @@ import mlx.core as mx  # noqa: E402
 import mlx_lm  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 
-from kvbatch.engine import attention as att  # noqa: E402
+from kvbatch.engine.routes import dense, quant as att  # noqa: E402
+from kvbatch.engine.routes.softmax_cpu import masked_softmax  # noqa: E402
 from kvbatch.engine.config import EngineOptions  # noqa: E402
 from kvbatch.engine.engine import Engine  # noqa: E402
 from tests.configs import engine_config  # noqa: E402
-from kvbatch.engine.kv_store import DenseStore, QuantizedStore  # noqa: E402
+from kvbatch.engine.kv.store import DenseStore, QuantizedStore  # noqa: E402
 from kvbatch.engine.memory import kv_layout  # noqa: E402
 from kvbatch.engine.models.config import ModelConfig  # noqa: E402
 from kvbatch.engine.models.load import load_model  # noqa: E402
@@ -177,7 +178,7 @@ def attention_micro(spec, group, page) -> list[dict]:
     H, Hq, D, P = spec.num_kv_heads, spec.num_heads, spec.head_dim, page
     rep, scale = Hq // H, D ** -0.5
     k_axis = "channel" if P % group == 0 else "token"
-    streams = att.qmm_streams()
+    streams = att.qmm_streams(min(os.cpu_count() or 1, 4))  # the CPU route's default
     rows = []
     for T in (2048, 6144):
         for B in (1, 4):
@@ -191,8 +192,8 @@ def attention_micro(spec, group, page) -> list[dict]:
             ds.k[0], ds.v[0] = mx.random.normal(ds.k[0].shape), mx.random.normal(ds.v[0].shape)
             mx.eval(ds.k, ds.v)
             r = {"context": T, "batch": B, "k_axis": k_axis,
-                 "dense_gather_attention_ms": _bench(lambda: att.dense_attention(
-                     q, *ds.gather(0, table), mask_all[..., :T], scale, False)),
+                 "dense_gather_attention_ms": _bench(lambda: dense.dense_attention(
+                     q, *ds.gather(0, table), mask_all[..., :T], scale, False, grouped=True)),
                  "dense_gather_ms": _bench(lambda: ds.gather(0, table))}
             kf, vf = ds.gather(0, table)
             qf = q.reshape(B, H, rep, D)
@@ -201,7 +202,7 @@ def attention_micro(spec, group, page) -> list[dict]:
             r["f32_matmul_scores_ms"] = _bench(lambda: qf @ kf.swapaxes(-1, -2))
             r["f32_matmul_values_ms"] = _bench(lambda: probs @ vf)
             sc = mx.random.normal((B, H, rep, T + P))
-            r["masked_softmax_ms"] = _bench(lambda: att.masked_softmax(sc, mask_all))
+            r["masked_softmax_ms"] = _bench(lambda: masked_softmax(sc, mask_all))
             r["mlx_softmax_ms"] = _bench(lambda: mx.softmax(mx.where(mask_all, sc, -mx.inf), axis=-1, precise=True))
             for bits in (8, 4):
                 st = QuantizedStore(1, H, D, P, mx.float32, bits, group, tail_slots=B, k_axis=k_axis)
@@ -259,7 +260,7 @@ def main() -> None:
     text = long_text_tokens(tok)
     report = {"model": spec.name, "dtype": spec.dtype, "new_tokens": args.new, "group_size": args.group_size,
               "ab_option": args.ab_option,
-              "page_size": args.page_size, "qmm_streams": len(att.qmm_streams()), "runs": []}
+              "page_size": args.page_size, "qmm_streams": len(att.qmm_streams(min(os.cpu_count() or 1, 4))), "runs": []}
 
     report["bytes_per_token_fresh_stores"] = live_bytes_per_token(spec, args.page_size, args.group_size)
     print("KV bytes/token (fresh stores):", json.dumps(report["bytes_per_token_fresh_stores"]), flush=True)
