@@ -38,6 +38,9 @@ fi
 if ls .gpu/kvbatch/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" .gpu/kvbatch/*.whl || exit 1
 fi
+# the checkout's kvbatch/ (only __init__ and __main__) would shadow the installed package: python puts
+# the script's folder, pytest the rootdir, ahead of PYTHONPATH
+[ -d kvbatch ] && ls .gpu/kvbatch/*.whl >/dev/null 2>&1 && mv kvbatch .kvbatch-src
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
 git log -1 --format='commit %h %s' 2>/dev/null; git status --short 2>/dev/null | head -20
 # the checks of one variant take ~2.5 min (60 cases, most of it compiling): check the default only
@@ -76,7 +79,7 @@ for arg in "$@"; do
         timeout "$secs" env ${vars//,/ } python3 benchmarks/gpu_step_profile.py ${MLXENV_ARGS:---geometry 8b --batches 1 \
           --prompt 8192 --new 128 --modes none,q8 --no-sync} 2>&1 | tee -a "$OUT/mlxenv.txt" | cut -c1-1200
       done ;;
-    sidebyside) for g in ${SBS_GEOMS:-8b 1b}; do for side in new old old new; do
+    sidebyside) for g in ${SBS_GEOMS:-8b 1b}; do for side in ${SBS_SIDES:-new old old new}; do
         tag=a; [ -e "$OUT/gpu_${g}_${side}_a.json" ] && tag=b
         if [ $side = new ]; then dir=.; pp=$SITE:$PWD; else dir=.gpu/old; pp=$SITE:$PWD/.gpu/old; fi
         echo "-- $g $side ($tag)"
