@@ -40,7 +40,7 @@ SHAPES = [("tiny llama", 4, 8, 4, 2, 64, 200, 16), ("tiny llama", 4, 32, 4, 2, 6
 
 
 def _old_softmax(scores: mx.array, mask: mx.array) -> mx.array:
-    """kvbatch's softmax before engine/softmax.py: 2^x by mx.power, one compiled kernel."""
+    """kvbatch's softmax before engine/routes/softmax_cpu.py: 2^x by mx.power, one compiled kernel."""
     s = mx.where(mask, scores.astype(mx.float32), -mx.inf)
     e = mx.power(2.0, (s - s.max(axis=-1, keepdims=True)) * (1.0 / math.log(2.0)))
     return (e / e.sum(axis=-1, keepdims=True)).astype(scores.dtype)

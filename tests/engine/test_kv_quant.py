@@ -459,7 +459,7 @@ def test_fp16_huge_scores_stay_finite(tmp_path):
     scores = (q.astype(mx.float32) * scale) @ mx.repeat(k.astype(mx.float32), q.shape[1] // k.shape[1], axis=1).swapaxes(-1, -2)
     assert mx.abs(scores).max().item() > 2 * 65504
     if ON_CPU:  # the hazard is real there: MLX's CPU SDPA on these fp16 q/k overflows (its CUDA SDPA
-        # kept this case finite on the H200: FACTS.md; the engine must stay finite on every backend)
+        # kept this case finite on the H200; the engine must stay finite on every backend)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")
         assert not mx.isfinite(out).all().item()
     for mode in ("none", "q8", "q4"):
