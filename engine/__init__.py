@@ -12,8 +12,9 @@ from kvbatch.engine.models.config import ModelConfig  # noqa: E402
 from kvbatch.engine.models.load import load_model  # noqa: E402
 from kvbatch.engine.types import ModelSpec, Request, Result, RowStats, SamplingParams  # noqa: E402
 
-_LAZY = {"Engine": "kvbatch.engine.engine", "EngineConfig": "kvbatch.engine.config",
-         "EngineHooks": "kvbatch.engine.hooks"}
+_LAZY = {"Engine": "kvbatch.engine.engine", "EngineHooks": "kvbatch.engine.hooks",
+         **{name: "kvbatch.engine.config" for name in ("EngineConfig", "EngineOptions", "EngineSettings", "KVConfig",
+                                                       "MemoryConfig", "CudaLaunch")}}
 
 
 def __getattr__(name: str):
@@ -22,7 +23,7 @@ def __getattr__(name: str):
         import importlib
 
         return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    raise AttributeError(f"module 'kvbatch.engine' has no attribute {name!r}")
 
 
 __all__ = [
