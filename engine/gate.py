@@ -10,7 +10,7 @@ from typing import Optional
 from kvbatch.engine.backend import backend
 from kvbatch.engine.config import GROUP_SIZES, KV_BITS, KV_MODES, EngineOptions
 from kvbatch.engine.errors import KvbatchConfigError
-from kvbatch.engine.routes import cuda_kernels
+from kvbatch.engine.routes.select import fused_kernels
 from kvbatch.engine.types import ModelSpec
 
 # Families whose mlx-lm module routes attention through base.scaled_dot_product_attention
@@ -32,8 +32,7 @@ QUANT_VALIDATED_BACKENDS = frozenset({"cpu", "metal"})
 def _cuda_quant_ok(spec: ModelSpec, mode: str, group_size: int, options: EngineOptions) -> bool:
     """On MLX CUDA, q8/q4 decode is validated through the fused kernel (benchmarks/backend_check.py)."""
     rep = max(spec.num_heads // max(spec.num_kv_heads, 1), 1)
-    return (backend().cuda_kernels and options.route == "auto"
-            and cuda_kernels.supports(spec.head_dim, rep, KV_BITS[mode], group_size))
+    return backend().name == "cuda" and fused_kernels(spec.head_dim, rep, KV_BITS[mode], group_size, options)
 
 
 def check_kv_mode(spec: ModelSpec, mode: str, group_size: int, allow_unvalidated: bool = False,

@@ -40,7 +40,6 @@ class PagedKVCache:
         self.layout, self.P = layout, layout.page_size
         self.num_layers = num_layers
         self.store, self.attention = select_route(layout, num_layers, dtype, tail_slots, upcast, query_heads, options)
-        self.route = self.attention.name
         self.pool = PagePool()
         self.free_tails = list(range(tail_slots))[::-1]
         self.views = [PagedLayerCache(self, i) for i in range(num_layers)]
@@ -52,6 +51,11 @@ class PagedKVCache:
         # bumped whenever a row gains or loses pages or a tail: a route may reuse the last step's
         # page tables within one epoch (routes/cuda.py StepReuse)
         self.epoch = 0
+
+    @property
+    def route(self) -> str:
+        """The name of the attention route that runs (reported per row and in summary.json)."""
+        return self.attention.name
 
     # ---- capacity (always from the live buffers) -------------------------------------------
     @property

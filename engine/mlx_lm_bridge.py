@@ -13,16 +13,16 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from kvbatch.engine.backend import on_cpu
 from kvbatch.engine.config import EngineOptions
 from kvbatch.engine.routes import rope_cpu
+from kvbatch.engine.routes.select import cpu_route
 
 
 def prepare_model(model: nn.Module, options: EngineOptions) -> None:
     """Route the model's attention to paged caches, and on the CPU route give its decode RoPE one
     cos/sin table per step (`options.rope_table`; MLX's kernel per call elsewhere)."""
     install(model)
-    if on_cpu() and options.route == "auto" and options.rope_table:
+    if cpu_route(options) and options.rope_table:
         rope_cpu.install(model)
     else:
         rope_cpu.uninstall(model)

@@ -61,11 +61,9 @@ class CudaDecode:
 
 
 class CudaDenseRoute(DenseRoute):
-    name = ROUTE_CUDA
-
     def __init__(self, store, geom: Geometry, upcast: bool, launch: CudaLaunch, step_reuse: bool):
         super().__init__(store, geom, upcast, cpu=False, in_place=False)
-        self.name, self.launch, self.reuse = ROUTE_CUDA, launch, StepReuse(step_reuse)
+        self.name, self.launch, self.reuse = ROUTE_CUDA, launch, StepReuse(step_reuse)  # not DenseRoute's name
         self._new_kv: dict[int, tuple[mx.array, mx.array]] = {}  # decode K/V the kernel stores
 
     def plan(self, rows, L, pos, epoch):

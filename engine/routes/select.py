@@ -28,27 +28,31 @@ from kvbatch.engine.routes.dense import IN_PLACE_MIN_PAGE, DenseRoute
 from kvbatch.engine.routes.quant import QuantRoute, qmm_streams
 
 
-def fused_kernels(layout: KVLayout, query_heads: int, options: EngineOptions) -> bool:
-    """Whether decode runs the fused CUDA kernels for this layout (gate.py asks the same)."""
-    if options.route != "auto" or not backend().cuda_kernels:
-        return False
-    rep = max(query_heads // layout.num_kv_heads, 1)
-    return cuda_kernels.supports(layout.head_dim, rep, layout.bits, layout.group_size if layout.bits else None)
+def cpu_route(options: EngineOptions) -> bool:
+    """The CPU's own route (grouped decode, in-place reads, per-channel keys, one RoPE table a step):
+    on the CPU backend, unless the options ask for the portable route."""
+    return options.route == "auto" and backend().on_cpu
+
+
+def fused_kernels(head_dim: int, rep: int, bits: int | None, group_size: int, options: EngineOptions) -> bool:
+    """Whether decode runs the fused CUDA kernels for this geometry (rep: query heads per KV head)."""
+    return (options.route == "auto" and backend().cuda_kernels
+            and cuda_kernels.supports(head_dim, rep, bits, group_size if bits else None))
 
 
 def k_quant_axis(layout: KVLayout, options: EngineOptions) -> str:
     """How quantized K pages are grouped: "channel" (along each page's tokens) on the CPU route when
     the page holds whole groups; else "token" (along head_dim; what the CUDA kernel and Metal read)."""
-    cpu = options.route == "auto" and backend().on_cpu
-    return "channel" if cpu and layout.page_size % layout.group_size == 0 else "token"
+    return "channel" if cpu_route(options) and layout.page_size % layout.group_size == 0 else "token"
 
 
 def select_route(layout: KVLayout, num_layers: int, dtype: mx.Dtype, tail_slots: int, upcast: bool,
                  query_heads: int, options: EngineOptions) -> tuple[DenseStore | QuantizedStore, Route]:
     """The cache's store and the route that reads and writes it."""
     geom = Geometry(layout.page_size, layout.num_kv_heads, layout.head_dim, query_heads)
-    cpu = options.route == "auto" and backend().on_cpu
-    fused = fused_kernels(layout, query_heads, options)
+    cpu = cpu_route(options)
+    fused = fused_kernels(layout.head_dim, max(query_heads // layout.num_kv_heads, 1), layout.bits,
+                          layout.group_size, options)
     # CPU decode over float32 pages of IN_PLACE_MIN_PAGE+ tokens reads them where they lie
     cpu_pages = cpu and dtype == mx.float32 and layout.page_size >= IN_PLACE_MIN_PAGE
     if layout.bits:
