@@ -71,7 +71,7 @@ def test_every_kernel_variant_compiles():
     assert r.stdout.count(" registers") == 4 * 2 * (4 * 3 + 2)
 
 
-def _cache_as_on_cuda(mode: str, P: int, H: int, kernel_writes: bool):
+def _cache_as_on_cuda(mode: str, P: int, H: int, kernel_writes: bool, step_reuse: bool = True):
     """A one-layer paged cache whose decode plans are built as on MLX CUDA (fused kernel)."""
     import mlx.core as mx
 
@@ -82,11 +82,11 @@ def _cache_as_on_cuda(mode: str, P: int, H: int, kernel_writes: bool):
 
     lay = KVLayout(num_kv_layers=1, num_kv_heads=H, head_dim=64, dtype_bytes=4, mode=mode, group_size=64,
                    page_size=P)
-    opts = EngineOptions(route="portable", cuda=CudaLaunch(kernel_writes=kernel_writes))
+    opts = EngineOptions(route="portable", step_reuse=step_reuse, cuda=CudaLaunch(kernel_writes=kernel_writes))
     cache = PagedKVCache(lay, 1, mx.float32, tail_slots=4, upcast=False, query_heads=H, options=opts)
     geom = Geometry(P, H, 64, H)
-    cache.attention = (CudaQuantRoute(cache.store, geom, opts.cuda, step_reuse=True) if mode != "none" else
-                       CudaDenseRoute(cache.store, geom, False, opts.cuda, step_reuse=True))
+    cache.attention = (CudaQuantRoute(cache.store, geom, opts.cuda, opts.step_reuse) if mode != "none" else
+                       CudaDenseRoute(cache.store, geom, False, opts.cuda, opts.step_reuse))
     return cache
 
 
@@ -188,6 +188,11 @@ def test_decode_steps_reuse_tables_only_while_no_page_changes(mode):
     rows[0].length = length
     assert rows[0].pages != other.pages
     step(rows)
+    # engine.options.step_reuse=false: built from the host every step
+    cache = _cache_as_on_cuda(mode, P, 2, kernel_writes=True, step_reuse=False)
+    rows = _rows_at(cache, [0, P, 2 * P], reserve=0)
+    tables = [step(rows) for _ in range(5)]
+    assert not any(a is b for a, b in zip(tables, tables[1:]))
 
 
 def _recording_kernels(monkeypatch) -> list:

@@ -92,3 +92,21 @@ def test_teacher_forcing_and_capture_go_through_hooks(tiny_model):
     assert res["f"].tokens == [5, 6, 7, 8, 9] and res["f"].finish_reason == "length"
     assert len(hooks.logits["f"]) == 5 and len(hooks.logits["g"]) == len(res["g"].tokens)
     assert "h" not in hooks.logits
+
+
+def test_rope_table_option_decides_the_models_rope(tiny_model):
+    """engine.options.rope_table: the CPU route's one-table-a-step RoPE, or MLX's own module."""
+    import mlx.nn as nn
+
+    from kvbatch.engine.backend import on_cpu
+    from kvbatch.engine.routes.rope_cpu import TableRoPE
+
+    def ropes():
+        return {type(m.rope) for _, m in tiny_model()[0].named_modules() if hasattr(m, "rope")}
+
+    _engine(tiny_model, options=EngineOptions(rope_table=False))
+    assert ropes() == {nn.RoPE}
+    _engine(tiny_model, options=EngineOptions(rope_table=True))
+    assert ropes() == ({TableRoPE} if on_cpu() else {nn.RoPE})
+    _engine(tiny_model, options=EngineOptions(route="portable"))  # the portable route runs MLX's RoPE
+    assert ropes() == {nn.RoPE}
