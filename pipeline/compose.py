@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from kvbatch.engine.errors import KvbatchConfigError
+from kvbatch.pipeline import keys
 from kvbatch.pipeline.config import Config, register, to_config
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -34,16 +35,17 @@ def describe(exc: BaseException) -> str:
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         key = getattr(err, "full_key", None)
         if "not in" in first and key:
-            return f"{key}: unknown key (check the spelling; `kvbatch --cfg job` shows every key)"
+            return keys.message(Config, str(key))
         return f"{key}: {first}" if key else first
     return " ".join(str(exc).split("\n\n")[0].split("\n")) or type(exc).__name__
 
 
 def check_keys(node: DictConfig) -> None:
-    """`+foo=1` slips past the schema at the top level; refuse keys the schema does not have."""
-    extra = [k for k in node.keys() if k not in Config.__dataclass_fields__ and k != "hydra"]
-    if extra:
-        raise KvbatchConfigError(f"{extra[0]}: unknown key (not part of kvbatch's config)")
+    """`+foo=1`, `+sampling.min_p=0.05` slip past the schema (OmegaConf would drop them without a word):
+    refuse every key, at any depth, that the schema does not have."""
+    bad = keys.unknown(Config, node)
+    if bad:
+        raise KvbatchConfigError(keys.message(Config, bad))
 
 
 def node_to_config(node: DictConfig) -> Config:

@@ -45,6 +45,17 @@ def test_groups_compose():
     ("worker.deadline=7pm", "worker.deadline='7pm'"),
     ("debug.inject_nonfinite=row", "debug.inject_nonfinite='row'"),
     ("action=explode", "action='explode'"),
+    # issue 22: keys added with `+` at any depth are refused too (OmegaConf would drop them silently),
+    # including the sampling options that are not implemented (min_p, repetition_penalty, n, logprobs)
+    ("+sampling.min_p=0.05", "sampling.min_p: unknown key (kvbatch has no such setting; sampling has: temperature"),
+    ("+sampling.repetition_penalty=1.3", "sampling.repetition_penalty: unknown key"),
+    ("+job.n=4", "job.n: unknown key"),
+    ("+sampling.logprobs=5", "sampling.logprobs: unknown key"),
+    ("++sampling.presence_penalty=1", "sampling.presence_penalty: unknown key"),
+    ("+engine.options.cuda.chunks=8", "engine.options.cuda.chunks: unknown key (did you mean engine.options.cuda.chunk?)"),
+    ("+sampling.temprature=0.5", "sampling.temprature: unknown key (did you mean sampling.temperature?)"),
+    ("job.max_tokenz=5", "job.max_tokenz: unknown key (did you mean job.max_tokens?)"),
+    ("+modle=tiny", "modle: unknown key (did you mean model?)"),
 ])
 def test_bad_values_name_the_key(override, needle):
     msg = _error(["model=tiny", override])
