@@ -25,6 +25,7 @@ from kvbatch.engine.config import EngineConfig, EngineSettings, KVConfig, Memory
 from kvbatch.engine.errors import KvbatchConfigError
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.pipeline import durations
+from kvbatch.pipeline.escapes import unescape
 
 ACTIONS = ("run", "enqueue", "work", "status", "finalize", "report")
 FORMATS = ("auto", "jsonl", "csv", "parquet")
@@ -46,7 +47,7 @@ class JobConfig:
     chat_template: bool = True  # wrap a prompt as one user message and apply the model's template
     max_tokens: int = 256
     max_prompt_tokens: Optional[int] = None  # None: the model's context length
-    stop: List[str] = field(default_factory=list)
+    stop: List[str] = field(default_factory=list)  # backslash escapes decoded: '\n' (backslash, n) is a newline
 
 
 @dataclass
@@ -169,8 +170,12 @@ def validate(cfg: Config) -> None:
 
 
 def to_config(node: Any) -> Config:
-    """A composed DictConfig -> a validated Config dataclass tree."""
-    cfg = OmegaConf.to_object(node) if not isinstance(node, Config) else node
+    """A composed DictConfig -> a validated Config dataclass tree (job.stop's escapes decoded, once)."""
+    if isinstance(node, Config):
+        cfg = node
+    else:
+        cfg = OmegaConf.to_object(node)
+        cfg.job.stop = [unescape(x) if isinstance(x, str) else x for x in cfg.job.stop]
     validate(cfg)
     return cfg
 

@@ -100,3 +100,13 @@ def test_run_identity_output_hash_and_compare_key():
 def test_engine_option_values_are_checked():
     msg = _error(["model=tiny", "engine.options.route=fast"])
     assert "engine.options.route='fast'" in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("override,stop", [
+    (r"job.stop=['\n']", ["\n"]),  # the shell hands Hydra a backslash and an n
+    (r"job.stop=[\n,'\t']", ["\n", "\t"]),
+    (r"job.stop=['\\n']", ["\\n"]),  # an escaped backslash: a literal backslash-n
+    (r"job.stop=['\u00e9','END']", ["é", "END"]),
+])
+def test_stop_escapes_on_the_command_line(override, stop):
+    assert compose_config(["model=tiny", override]).job.stop == stop
