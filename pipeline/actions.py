@@ -40,6 +40,17 @@ class Job:
         return self.out_dir / QUEUE
 
 
+class RowsFailed(Exception):
+    """results.parquet is written, but no row succeeded or too many failed (output.max_error_fraction):
+    the command exits 1 so unattended runs notice."""
+
+
+def check_rows(cfg: Config, s: dict) -> None:
+    why = summ.failure(s, cfg.output.max_error_fraction)
+    if why:
+        raise RowsFailed(why)
+
+
 def job_for(cfg: Config) -> Job:
     """Where this config's rows come from and where its results go (<root>/<job>/<config hash>)."""
     path = resolve_input(cfg.job.input)
@@ -166,6 +177,7 @@ def run(job: Job) -> Path:
         fin, s = finish(job, q, stats, t_start)
     print(summ.one_line(s))
     print(fin.path)
+    check_rows(job.cfg, s)
     return fin.path
 
 
@@ -197,4 +209,6 @@ def execute(cfg: Config) -> Optional[Path]:
     fin, s = finish(job, q, stats)
     print(summ.one_line(s))
     print(fin.path)
+    if cfg.action == "work":
+        check_rows(cfg, s)
     return fin.path

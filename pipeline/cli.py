@@ -36,7 +36,7 @@ def die(msg: str, code: int = 2) -> None:
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def _hydra_app(node: DictConfig):
-    from kvbatch.pipeline.actions import execute
+    from kvbatch.pipeline.actions import RowsFailed, execute
 
     if HydraConfig.get().mode == RunMode.MULTIRUN:
         from kvbatch.pipeline.sweep.run import run_sweep_job
@@ -52,6 +52,8 @@ def _hydra_app(node: DictConfig):
             execute(cfg)
     except (KvbatchConfigError, OmegaConfBaseException) as exc:
         die(describe(exc))
+    except RowsFailed as exc:  # the results are written; exit 1 so cron/systemd notice
+        die(str(exc), 1)
 
 
 def main() -> None:

@@ -63,6 +63,9 @@ class OutputConfig:
     root: str = "outputs"
     dir: Optional[str] = None  # None: <root>/<job.name>/<config hash>
     progress: str = "auto"  # auto (a bar when stderr is a terminal) | on | off
+    # exit 1 after writing the results when more than this share of the rows has an error code;
+    # None: only when no row succeeded
+    max_error_fraction: Optional[float] = None
 
 
 @dataclass
@@ -152,6 +155,9 @@ def validate(cfg: Config) -> None:
     _need(s.seed >= 0, "sampling.seed", s.seed, "must be >= 0")
     _need(cfg.output.progress in ("auto", "on", "off"), "output.progress", cfg.output.progress,
           "choose one of auto, on, off")
+    mef = cfg.output.max_error_fraction
+    _need(mef is None or 0 <= mef <= 1, "output.max_error_fraction", mef,
+          "must be in [0, 1] (0: any error row fails the run) or null (fail only when no row succeeded)")
     _need(w.lease_s > 0, "worker.lease_s", w.lease_s, "must be > 0")
     _need(w.max_attempts >= 1, "worker.max_attempts", w.max_attempts, "must be >= 1")
     _need(w.isolate_after >= 1, "worker.isolate_after", w.isolate_after, "must be >= 1")

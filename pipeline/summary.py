@@ -79,6 +79,23 @@ def write(path: Path, summary: dict) -> None:
     fsync_dir(path.parent)
 
 
+def failure(s: dict, max_error_fraction: Optional[float]) -> Optional[str]:
+    """Why a run whose results are written still failed (exit 1), or None: no row succeeded, or more
+    than `max_error_fraction` of the rows ended with an error code. Rows without a result yet
+    (a deadline) do not count; a job with no results (empty input, nothing done yet) does not fail."""
+    rows, ok = s["rows"], s["rows_ok"]
+    if not rows:
+        return None
+    bad = rows - ok
+    codes = ", ".join(f"{c} {n}" for c, n in sorted(s["rows_by_error_code"].items()))
+    if not ok:
+        return f"no row succeeded: {bad} of {rows} rows ended with an error code ({codes})"
+    if max_error_fraction is not None and bad / rows > max_error_fraction:
+        return (f"{bad} of {rows} rows ({bad / rows:.0%}) ended with an error code ({codes}), more than "
+                f"output.max_error_fraction={max_error_fraction}")
+    return None
+
+
 def one_line(s: dict) -> str:
     errs = ", ".join(f"{n} {c}" for c, n in sorted(s["rows_by_error_code"].items()))
     run = s["this_run"]

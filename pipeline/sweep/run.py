@@ -99,7 +99,7 @@ def run_sweep_job(node: DictConfig) -> dict:
         if (job_dir / "summary.json").exists():
             status["summary"] = str(job_dir / "summary.json")
     except Exception as exc:  # noqa: BLE001 - the job fails alone; the sweep goes on
-        if isinstance(exc, (KvbatchConfigError, OmegaConfBaseException)) or \
+        if isinstance(exc, (KvbatchConfigError, OmegaConfBaseException, actions.RowsFailed)) or \
                 isinstance(exc.__cause__, OmegaConfBaseException):
             reason = describe(exc)
         else:
