@@ -16,12 +16,12 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
-from kvbatch.pipeline import procs
+from kvbatch.pipeline import durations, procs
 from kvbatch.pipeline import summary as summ
 from kvbatch.pipeline.config import Config, ConfigError, as_dict, config_hash, engine_config, parse_injection
 from kvbatch.pipeline.finalize import Finalized, finalize, reconcile
 from kvbatch.pipeline.inputs import read_rows, resolve_input
-from kvbatch.pipeline.progress import Progress
+from kvbatch.pipeline.progress import Progress, row_budget
 from kvbatch.pipeline.queue import Queue
 from kvbatch.pipeline.worker import Runtime, Terminated, WorkStats, Worker
 
@@ -117,7 +117,8 @@ def work(job: Job, q: Queue) -> Optional[WorkStats]:
     if not todo:
         return None
     runtime = load_runtime(job.cfg)
-    progress = Progress(todo, job.cfg.output.progress)
+    budget = sum(row_budget(p, job.cfg.job.max_tokens) for p in q.todo_payloads())
+    progress = Progress(todo, budget, job.cfg.output.progress, durations.seconds(job.cfg.output.progress_every))
     try:
         stats = Worker(job.cfg, q, job.out_dir / "parts", runtime, progress=progress).run()
     except KeyboardInterrupt as exc:  # Ctrl-C / SIGTERM: the worker wrote what was done, handed the rest back

@@ -62,7 +62,8 @@ class SamplingConfig:
 class OutputConfig:
     root: str = "outputs"
     dir: Optional[str] = None  # None: <root>/<job.name>/<config hash>
-    progress: str = "auto"  # auto (a bar when stderr is a terminal) | on | off
+    progress: str = "auto"  # auto (a bar on a terminal, else plain lines) | on (a bar) | off
+    progress_every: str = "5m"  # progress=auto and stderr not a terminal: a plain progress line this often
     # exit 1 after writing the results when more than this share of the rows has an error code;
     # None: only when no row succeeded
     max_error_fraction: Optional[float] = None
@@ -155,6 +156,10 @@ def validate(cfg: Config) -> None:
     _need(s.seed >= 0, "sampling.seed", s.seed, "must be >= 0")
     _need(cfg.output.progress in ("auto", "on", "off"), "output.progress", cfg.output.progress,
           "choose one of auto, on, off")
+    try:
+        durations.seconds(cfg.output.progress_every)
+    except ValueError as exc:
+        raise ConfigError(f"output.progress_every={cfg.output.progress_every!r}: {exc}") from None
     mef = cfg.output.max_error_fraction
     _need(mef is None or 0 <= mef <= 1, "output.max_error_fraction", mef,
           "must be in [0, 1] (0: any error row fails the run) or null (fail only when no row succeeded)")

@@ -28,3 +28,15 @@ def deadline_at(text: Optional[str], now: Optional[datetime] = None) -> Optional
         raise ValueError(HELP)
     h, mi, s = (int(x or 0) for x in m.groups())
     return (now + timedelta(hours=h, minutes=mi, seconds=s)).timestamp()
+
+
+def seconds(text: str) -> float:
+    """A duration (`5m`, `90s`, `1h30m`) in seconds; ValueError for anything else or zero."""
+    m = _DURATION.fullmatch(str(text).strip())
+    if not m or not any(m.groups()):
+        raise ValueError("use a duration like 5m, 90s, 1h30m")
+    h, mi, s = (int(x or 0) for x in m.groups())
+    total = 3600 * h + 60 * mi + s
+    if total <= 0:
+        raise ValueError("must be longer than 0s")
+    return float(total)

@@ -1,8 +1,16 @@
-"""Progress: a tqdm bar (rows, tokens/s, memory) on a terminal; silent otherwise."""
+"""Progress that moves with tokens: a tqdm bar on a terminal, a plain line every
+`output.progress_every` otherwise (cron, systemd, a log file).
+
+The worker reports every engine step's generated tokens (`tokens`), and each row as it is written
+(`row_done`). The bar counts tokens against the job's token budget (each queued row's max_tokens),
+so its rate and ETA are in tokens; a row that stops early takes its unused budget off the total, so
+the ETA tightens as rows finish. Rows done/total, tokens/s and memory ride along.
+"""
 from __future__ import annotations
 
 import sys
 import time
+from typing import Optional, TextIO
 
 import psutil
 from tqdm import tqdm
@@ -14,17 +22,75 @@ def rss_bytes() -> int:
     return psutil.Process().memory_info().rss
 
 
-class Progress:
-    def __init__(self, total: int, mode: str = "auto", desc: str = "rows"):
-        show = mode == "on" or (mode == "auto" and sys.stderr.isatty())
-        self.bar = tqdm(total=total, desc=desc, unit="row", file=sys.stderr, disable=not show,
-                        dynamic_ncols=True, leave=True)
-        self.t0 = time.perf_counter()
+def row_budget(payload: dict, default_max_tokens: int) -> int:
+    """Tokens a queued row may generate (0 for a row the input stage already refused)."""
+    return 0 if "error" in payload else int(payload.get("max_tokens", default_max_tokens))
 
-    def update(self, rows: int, tokens: int) -> None:
+
+def fmt_duration(s: float) -> str:
+    s = int(round(s))
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else (f"{m}m{sec:02d}s" if m else f"{sec}s")
+
+
+class Progress:
+    def __init__(self, rows: int, token_budget: int, mode: str = "auto", every_s: float = 300.0,
+                 stream: Optional[TextIO] = None):
+        self.stream = stream or sys.stderr
+        tty = self.stream.isatty()
+        self.bar_on = mode == "on" or (mode == "auto" and tty)
+        self.lines_on = mode == "auto" and not tty
+        self.rows_total, self.rows = rows, 0
+        self.total, self.done_tokens = max(token_budget, 0), 0
+        self.every_s = every_s
+        self.t0 = time.perf_counter()
+        self.last_line = self.t0
+        self.bar = tqdm(total=self.total, desc="tokens", unit="tok", unit_scale=True, file=self.stream,
+                        disable=not self.bar_on, dynamic_ncols=True, leave=True, mininterval=0.5)
+        self._postfix()
+
+    def _postfix(self) -> None:
+        if self.bar_on:
+            self.bar.set_postfix_str(f"rows {self.rows}/{self.rows_total}, mem {fmt_bytes(rss_bytes())}",
+                                     refresh=False)
+
+    def tokens(self, n: int) -> None:
+        """`n` more tokens generated (called every engine step)."""
+        if n > 0:
+            self.done_tokens += n
+            if self.bar_on:
+                self.bar.update(n)
+        self._maybe_line()
+
+    def row_done(self, unused_budget: int = 0) -> None:
+        """A row written; `unused_budget`: its max_tokens it did not generate (it stopped early or failed)."""
+        self.rows += 1
+        if unused_budget > 0:
+            self.total = max(self.total - unused_budget, self.done_tokens)
+            if self.bar_on:
+                self.bar.total = self.total
+        self._postfix()
+        if self.bar_on:
+            self.bar.refresh()
+        self._maybe_line()
+
+    def line(self) -> str:
         elapsed = max(time.perf_counter() - self.t0, 1e-9)
-        self.bar.set_postfix_str(f"{tokens / elapsed:.1f} tok/s, mem {fmt_bytes(rss_bytes())}", refresh=False)
-        self.bar.update(rows)
+        rate = self.done_tokens / elapsed
+        left = max(self.total - self.done_tokens, 0)
+        eta = fmt_duration(left / rate) if rate > 0 else "unknown"
+        return (f"kvbatch: progress: {self.rows}/{self.rows_total} rows, {self.done_tokens}/{self.total} tokens, "
+                f"{rate:.1f} tok/s, elapsed {fmt_duration(elapsed)}, ETA {eta}, mem {fmt_bytes(rss_bytes())}")
+
+    def _maybe_line(self) -> None:
+        now = time.perf_counter()
+        if self.lines_on and now - self.last_line >= self.every_s:
+            self.last_line = now
+            print(self.line(), file=self.stream, flush=True)
 
     def close(self) -> None:
+        if self.lines_on and self.rows:
+            print(self.line(), file=self.stream, flush=True)
+            self.lines_on = False  # close() runs twice on Ctrl-C paths: one last line
         self.bar.close()

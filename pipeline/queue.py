@@ -308,6 +308,11 @@ class Queue:
         return self.db.execute("SELECT m.pos, m.key, r.state, r.part, r.attempts FROM manifest m "
                                "JOIN rows r ON r.key=m.key ORDER BY m.pos").fetchall()
 
+    def todo_payloads(self) -> list[dict]:
+        """Payloads of the manifest rows still to generate (pending or leased): the progress budget."""
+        return [json.loads(p) for (p,) in self.db.execute(
+            "SELECT r.payload FROM rows r JOIN manifest m ON m.key=r.key WHERE r.state IN ('pending','leased')")]
+
     def attempts(self, key: Optional[str] = None) -> list[tuple]:
         """The processing record: (key, attempt, worker, claimed_at, ended_at, outcome, part, error_code)."""
         sql = "SELECT key, attempt, worker, claimed_at, ended_at, outcome, part, error_code FROM attempts"

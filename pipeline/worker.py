@@ -105,6 +105,7 @@ class Worker:
         self.last_flush = time.monotonic()
         self.stats = WorkStats()
         self.alone: Optional[str] = None  # key of a row running alone (isolate_after crashes)
+        self.seen_tokens = 0  # the current engine's generated tokens already reported to progress
 
     # ---- records ---------------------------------------------------------------------------
     def _sampling(self, payload: dict) -> SamplingParams:
@@ -164,6 +165,7 @@ class Worker:
                     continue
                 if self.eng is None:
                     self.eng = self.rt.make_engine()
+                    self.seen_tokens = self.eng.output.generated_tokens
                 self.eng.add(Request(key=c.key, prompt_tokens=ids, sampling=self._sampling(c.payload)))
                 self.inflight[c.key] = c
                 if c.crashes >= w.isolate_after:
@@ -184,7 +186,15 @@ class Worker:
     def _add(self, record: ResultRecord) -> None:
         self.buffer.append(record)
         if self.progress:
-            self.progress.update(1, self.stats.tokens)
+            budget = record.max_tokens or 0  # set for every row that was meant to run
+            self.progress.row_done(budget - (record.output_tokens or 0))
+
+    def _tick(self) -> None:
+        """Progress on the engine's heartbeat: the tokens generated since the last step."""
+        if self.progress and self.eng is not None:
+            n = self.eng.output.generated_tokens
+            self.progress.tokens(n - self.seen_tokens)
+            self.seen_tokens = n
 
     def flush(self, force: bool = False) -> None:
         """Write buffered results as one durable part, then acknowledge its rows."""
@@ -232,6 +242,7 @@ class Worker:
         last = time.monotonic()
         while self.eng.has_unfinished():
             done = self.eng.step()
+            self._tick()
             for res in done:
                 self._finished(res)
             if cancelled:
