@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 # OpenBLAS makes MLX's CPU matmuls ~36x faster on Linux (benchmarks/RESULTS.md, issue 2); a C++ compiler lets
-# MLX build kvbatch's fused CPU softmax (engine/attention.py). Best effort: installed when
+# MLX build kvbatch's fused CPU softmax (engine/routes/softmax_cpu.py). Best effort: installed when
 # apt is there and we are root (or have sudo); otherwise kvbatch warns and runs slower.
 system-deps:
 	@if [ "$$(uname -s)" = "Linux" ] && command -v apt-get >/dev/null 2>&1 \

@@ -82,6 +82,11 @@ def load_runtime(cfg: Config) -> Runtime:
     from kvbatch.pipeline.prompts import check_template
 
     model, tokenizer, spec = load_model(cfg.model)
+    from kvbatch.engine.models.load import cpu_half_warning
+
+    warning = cpu_half_warning(model, spec)
+    if warning:
+        say(warning)
     check_template(tokenizer, cfg.job.chat_template)
     ecfg = engine_config(cfg)
     # every engine of this run gets the same hooks: debug.inject_nonfinite, and the crash

@@ -56,8 +56,18 @@ def _hydra_app(node: DictConfig):
         die(str(exc), 1)
 
 
+def version_line() -> str:
+    from kvbatch.pipeline.summary import versions
+
+    v = versions()
+    return f"kvbatch {v['kvbatch']} (mlx {v['mlx']}, mlx-lm {v['mlx-lm']}, Python {sys.version.split()[0]})"
+
+
 def main() -> None:
     args = sys.argv[1:]
+    if "--version" in args or "-V" in args:  # Hydra has no such flag (it would try to parse it as an override)
+        print(version_line())
+        return
     multirun = any(a in _MULTIRUN for a in args)
     if not any(a.split("=")[0] in _HYDRA_FLAGS for a in args):
         try:

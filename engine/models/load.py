@@ -24,6 +24,20 @@ def _display_name(cfg: ModelConfig, path: Path) -> str:
     return path.name if cfg.source == "tiny" or not cfg.path else cfg.path.rstrip("/").split("/")[-1]
 
 
+def cpu_half_warning(model: nn.Module, spec: ModelSpec) -> str | None:
+    """A warning when half-precision weights run on MLX's CPU backend, whose float16/bfloat16 matmuls
+    are several times slower than float32 (the CPU default, `model.dtype=auto`). Quantized models
+    (their scales are half) are not meant: they have no float32 form to suggest."""
+    from kvbatch.engine.backend import on_cpu
+
+    if not on_cpu() or spec.dtype not in ("float16", "bfloat16"):
+        return None
+    if any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules()):
+        return None
+    return (f"kvbatch: warning: the model's weights are {spec.dtype} on the CPU backend, where MLX runs "
+            f"half-precision matmuls several times slower than float32: set model.dtype=float32")
+
+
 def load_model(cfg: ModelConfig) -> tuple[nn.Module, TokenizerWrapper, ModelSpec]:
     """Resolve (convert/build once if needed) and load the model; raise KvbatchConfigError on bad config."""
     path = resolve_model_dir(cfg)

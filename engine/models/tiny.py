@@ -9,12 +9,12 @@ chat template. So it needs no download and no tokenizer files from anywhere.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.utils import _get_classes
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from kvbatch.engine.errors import KvbatchConfigError
@@ -80,8 +80,10 @@ def tiny_key(config: dict) -> str:
 
 def random_weights(config: dict, seed: int) -> dict[str, mx.array]:
     """Seeded N(0, 0.02) weights, norms at 1; same seed -> bit-identical arrays."""
-    model_class, args_class = _get_classes(config)
-    shapes = {k: v.shape for k, v in tree_flatten(model_class(args_class.from_dict(config)).parameters())}
+    # mlx-lm's model modules (mlx_lm.models.<model_type>: Model, ModelArgs) are its public way to build a
+    # model from a config.json; FAMILIES holds only types that have a module of their own
+    arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    shapes = {k: v.shape for k, v in tree_flatten(arch.Model(arch.ModelArgs.from_dict(config)).parameters())}
     names = sorted(shapes)
     keys = mx.random.split(mx.random.key(seed), len(names))
     dtype = getattr(mx, config["torch_dtype"])
