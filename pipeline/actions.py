@@ -23,7 +23,7 @@ from kvbatch.pipeline.finalize import Finalized, finalize, reconcile
 from kvbatch.pipeline.inputs import read_rows, resolve_input
 from kvbatch.pipeline.progress import Progress, row_budget
 from kvbatch.pipeline.queue import Queue
-from kvbatch.pipeline.worker import Runtime, Terminated, WorkStats, Worker
+from kvbatch.pipeline.worker import Runtime, StorageError, Terminated, WorkStats, Worker
 
 QUEUE = "queue.sqlite"
 
@@ -66,8 +66,12 @@ def say(msg: str) -> None:
 def enqueue(job: Job) -> tuple[Queue, int, int]:
     """Read the input (ConfigError on file-level problems) and enqueue it; (queue, rows, new rows)."""
     rows = read_rows(job.input_path, job.cfg.job.format, job.cfg.job)
-    job.out_dir.mkdir(parents=True, exist_ok=True)
-    (job.out_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(job.cfg)))
+    try:
+        job.out_dir.mkdir(parents=True, exist_ok=True)
+        (job.out_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(job.cfg)))
+    except OSError as exc:  # read-only, not a folder, no space
+        raise ConfigError(f"output folder {str(job.out_dir)!r} is not writable ({exc.strerror or exc}); "
+                          f"set output.dir or output.root to a folder you can write") from None
     q = Queue(job.queue_path)
     q.set_meta("config_hash", job.config_hash)
     q.set_meta("input", str(job.input_path))
@@ -126,6 +130,11 @@ def work(job: Job, q: Queue) -> Optional[WorkStats]:
     progress = Progress(todo, budget, job.cfg.output.progress, durations.seconds(job.cfg.output.progress_every))
     try:
         stats = Worker(job.cfg, q, job.out_dir / "parts", runtime, progress=progress).run()
+    except StorageError as exc:  # not the rows' fault: none is charged, the next run continues
+        progress.close()
+        say(f"kvbatch: error: cannot write to {job.out_dir}: {exc}; rows finished before this are saved, "
+            f"no row was charged: free space (or fix the folder) and run the same command again")
+        raise SystemExit(1) from None
     except KeyboardInterrupt as exc:  # Ctrl-C / SIGTERM: the worker wrote what was done, handed the rest back
         progress.close()
         left = q.counts()

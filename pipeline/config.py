@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 from kvbatch.engine.config import EngineConfig, EngineSettings, KVConfig, MemoryConfig
 from kvbatch.engine.errors import KvbatchConfigError
 from kvbatch.engine.models.config import ModelConfig
-from kvbatch.pipeline import durations
+from kvbatch.pipeline import durations, ranges
 from kvbatch.pipeline.escapes import unescape
 
 ACTIONS = ("run", "enqueue", "work", "status", "finalize", "report")
@@ -118,6 +118,12 @@ def _need(ok: bool, key: str, value: Any, why: str) -> None:
         raise ConfigError(f"{key}={value!r}: {why}")
 
 
+def _range(key: str, value: Any, why) -> None:
+    problem = why(value)
+    if problem:
+        raise ConfigError(f"{key}={value!r}: {problem}")
+
+
 def parse_injection(text: Optional[str]) -> Optional[tuple[str, int]]:
     """'row-7:3' -> ('row-7', 3). The step is after the last ':' (row keys may hold ':')."""
     if text is None:
@@ -148,12 +154,12 @@ def validate(cfg: Config) -> None:
           "use letters, digits, '_', '-', '.' (it names the output folder)")
     _need(bool(job.input), "job.input", job.input, "must name an input file")
     _need(job.format in FORMATS, "job.format", job.format, f"choose one of {', '.join(FORMATS)}")
-    _need(job.max_tokens >= 1, "job.max_tokens", job.max_tokens, "must be >= 1")
+    _range("job.max_tokens", job.max_tokens, ranges.max_tokens_error)
     _need(all(isinstance(x, str) and x for x in job.stop), "job.stop", job.stop, "must be non-empty strings")
-    _need(s.temperature >= 0, "sampling.temperature", s.temperature, "must be >= 0 (0 = greedy)")
+    _range("sampling.temperature", s.temperature, ranges.temperature_error)
     _need(0 < s.top_p <= 1, "sampling.top_p", s.top_p, "must be in (0, 1]")
-    _need(s.top_k >= 0, "sampling.top_k", s.top_k, "must be >= 0 (0 = off)")
-    _need(s.seed >= 0, "sampling.seed", s.seed, "must be >= 0")
+    _range("sampling.top_k", s.top_k, ranges.top_k_error)
+    _range("sampling.seed", s.seed, ranges.seed_error)
     _need(cfg.output.progress in ("auto", "on", "off"), "output.progress", cfg.output.progress,
           "choose one of auto, on, off")
     try:

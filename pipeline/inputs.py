@@ -2,20 +2,26 @@
 
 File-level problems (missing file, unknown format, no prompt/messages column at all)
 raise ConfigError before the model loads. Row-level problems (a malformed JSON line,
-a missing or non-string prompt, bad per-row max_tokens/temperature/seed) become a
-payload with an `error` message: that row is written with `invalid_input` and never
-reaches the engine, and every other row goes on.
+a missing or non-string prompt, bad per-row max_tokens/temperature/seed, NaN, text that
+is not valid Unicode, nesting too deep to parse, anything else that fails on one row)
+become a payload with an `error` message: that row is written with `invalid_input` and
+never reaches the engine, and every other row goes on. A UTF-8 byte-order mark is
+skipped; CSV fields have no size limit (a huge prompt gets `prompt_too_long` later).
+Row keys are unique: a repeated id gets `ID#POS` (more `#` until no real id has it).
 """
 from __future__ import annotations
 
 import csv
 import hashlib
+import os
+import stat
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from kvbatch.pipeline import ranges
 from kvbatch.pipeline.config import ConfigError, JobConfig
 
 SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv",
@@ -33,10 +39,13 @@ class InputRow:
 def resolve_input(path: str) -> Path:
     """Relative paths: the working directory first, then the project root (for jobs/ samples)."""
     p = Path(path).expanduser()
-    if p.is_absolute() or p.exists():
-        return p.resolve()
-    alt = PROJECT_ROOT / p
-    return alt.resolve() if alt.exists() else p.resolve()
+    try:
+        if p.is_absolute() or p.exists():
+            return p.resolve()
+        alt = PROJECT_ROOT / p
+        return alt.resolve() if alt.exists() else p.resolve()
+    except (RuntimeError, OSError) as exc:  # a symlink loop, an unreadable parent
+        raise ConfigError(f"job.input={path!r}: cannot resolve the path ({exc})") from None
 
 
 def detect_format(path: Path, fmt: str) -> str:
@@ -51,7 +60,7 @@ def detect_format(path: Path, fmt: str) -> str:
 
 def _jsonl(path: Path) -> Iterator[tuple[Optional[dict], str]]:
     """(parsed object or None, raw text) per non-blank line."""
-    with open(path, encoding="utf-8", errors="replace") as fh:
+    with open(path, encoding="utf-8-sig", errors="replace") as fh:
         for lineno, line in enumerate(fh, 1):
             raw = line.strip()
             if not raw:
@@ -61,6 +70,9 @@ def _jsonl(path: Path) -> Iterator[tuple[Optional[dict], str]]:
             except json.JSONDecodeError as exc:
                 yield {"__error__": f"line {lineno}: malformed JSON ({exc.msg})"}, raw
                 continue
+            except RecursionError:
+                yield {"__error__": f"line {lineno}: JSON nested too deeply to read"}, raw[:1000]
+                continue
             if not isinstance(obj, dict):
                 yield {"__error__": f"line {lineno}: not a JSON object ({type(obj).__name__})"}, raw
                 continue
@@ -68,9 +80,14 @@ def _jsonl(path: Path) -> Iterator[tuple[Optional[dict], str]]:
 
 
 def _csv(path: Path) -> tuple[list[str], list[dict]]:
-    with open(path, newline="", encoding="utf-8", errors="replace") as fh:
+    csv.field_size_limit(ranges.INT32_MAX)  # the default (131,072 characters) would fail the whole file
+    with open(path, newline="", encoding="utf-8-sig", errors="replace") as fh:
         reader = csv.DictReader(fh)
-        rows = [{k: (None if v == "" else v) for k, v in r.items() if k is not None} for r in reader]
+        try:
+            rows = [{k: (None if v == "" else v) for k, v in r.items() if k is not None} for r in reader]
+        except csv.Error as exc:
+            raise ConfigError(f"job.input={str(path)!r}: not readable as CSV at line {reader.line_num}: {exc}") \
+                from None
         return list(reader.fieldnames or []), rows
 
 
@@ -85,7 +102,15 @@ def _parquet(path: Path) -> tuple[list[str], list[dict]]:
 
 
 def _missing(v: Any) -> bool:
-    return v is None or (isinstance(v, float) and math.isnan(v))
+    """No value: None (JSON null, an empty CSV field, a Parquet null). NaN is a value (refused where a
+    number is read): pandas and pyarrow write a missing float as null, so a NaN was put there."""
+    return v is None
+
+
+def _check(name: str, v, why) -> None:
+    problem = why(v)
+    if problem:
+        raise ValueError(f"{name} {problem}")
 
 
 def _int(name: str, v: Any, lo: int) -> int:
@@ -146,52 +171,116 @@ def row_payload(row: dict, job: JobConfig) -> dict:
             raise ValueError(f"row has no {job.prompt_column!r} or {job.messages_column!r}")
         if not _missing(row.get("max_tokens")):
             out["max_tokens"] = _int("max_tokens", row["max_tokens"], 1)
+            _check("max_tokens", out["max_tokens"], ranges.max_tokens_error)
         if not _missing(row.get("temperature")):
             out["temperature"] = _float("temperature", row["temperature"])
+            _check("temperature", out["temperature"], ranges.temperature_error)
         if not _missing(row.get("seed")):
             out["seed"] = _int("seed", row["seed"], 0)
+            _check("seed", out["seed"], ranges.seed_error)
     except ValueError as exc:
         out["error"] = str(exc)
     return out
 
 
 def _key(pos: int, content: str) -> str:
-    return hashlib.sha256(f"{pos}\n{content}".encode()).hexdigest()[:16]
+    return hashlib.sha256(f"{pos}\n{content}".encode("utf-8", "backslashreplace")).hexdigest()[:16]
+
+
+def _unicode_safe(payload: dict) -> dict:
+    """The payload as stored in the queue must be valid UTF-8: a lone surrogate (JSON "\\ud800")
+    cannot be, so such a row becomes invalid_input, its text shown with the surrogate escaped."""
+    try:
+        json.dumps(payload, ensure_ascii=False).encode("utf-8")
+        return payload
+    except UnicodeEncodeError:
+        shown = payload.get("prompt")
+        if isinstance(shown, str):
+            shown = shown.encode("utf-8", "backslashreplace").decode("utf-8")
+        return {"prompt": shown, "error": "not valid Unicode text (it holds a lone surrogate such as \\udc00)"}
+
+
+def _row(pos: int, obj: dict, raw: Optional[str], job: JobConfig) -> tuple[Optional[str], str, dict]:
+    """(the row's id or None, its content hash key, its payload) for one parsed row."""
+    if "__error__" in obj:
+        return None, _key(pos, raw or ""), _unicode_safe({"prompt": raw, "error": obj["__error__"]})
+    payload = _unicode_safe(row_payload(obj, job))
+    rid = obj.get(job.id_column)
+    hashed = _key(pos, json.dumps(obj, sort_keys=True, default=str, ensure_ascii=False))
+    if rid is None or (isinstance(rid, float) and math.isnan(rid)) or (isinstance(rid, str) and not rid.strip()):
+        return None, hashed, payload
+    rid = str(int(rid) if isinstance(rid, float) and rid.is_integer() else rid)
+    try:
+        rid.encode("utf-8")
+    except UnicodeEncodeError:
+        rid = rid.encode("utf-8", "backslashreplace").decode("utf-8")
+        payload = {"prompt": payload.get("prompt"),
+                   "error": f"{job.id_column} is not valid Unicode text (it holds a lone surrogate)"}
+    return rid, hashed, payload
+
+
+def _guarded_row(pos: int, obj: dict, raw: Optional[str], job: JobConfig) -> tuple[Optional[str], str, dict]:
+    """One row can never stop the job: whatever fails while reading it makes it invalid_input."""
+    try:
+        return _row(pos, obj, raw, job)
+    except (RecursionError, ValueError, TypeError, OverflowError) as exc:
+        why = "nested too deeply to read" if isinstance(exc, RecursionError) else f"{type(exc).__name__}: {exc}"
+        text = (raw or repr(obj)[:1000]).encode("utf-8", "backslashreplace").decode("utf-8")
+        return None, _key(pos, text), {"prompt": text, "error": f"cannot read this row: {why}"}
+
+
+def _unique_keys(rows: list[tuple[Optional[str], str, dict]], job: JobConfig) -> list[InputRow]:
+    """Keys: the id; a repeated id is invalid_input under `ID#POS` (with more `#` until it names no
+    other row: ids `dup`, `dup`, `dup#1` keep three distinct keys); rows without an id: the hash."""
+    taken = {rid for rid, _, _ in rows if rid is not None}
+    seen: dict[str, int] = {}
+    out: list[InputRow] = []
+    for pos, (rid, hashed, payload) in enumerate(rows):
+        if rid is None:
+            key = hashed
+        elif rid in seen:
+            payload = {**payload}
+            payload.setdefault("error", f"duplicate {job.id_column} {rid!r} (first at row {seen[rid]})")
+            key = f"{rid}#{pos}"
+            while key in taken:
+                key += "#"
+        else:
+            seen[rid] = pos
+            key = rid
+        taken.add(key)
+        out.append(InputRow(pos, key, payload))
+    return out
+
+
+def _input_file(path: Path) -> None:
+    """The input must be a regular file (not missing, a directory, a FIFO, a symlink loop)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise ConfigError(f"job.input={str(path)!r}: no such file") from None
+    except OSError as exc:
+        raise ConfigError(f"job.input={str(path)!r}: cannot open ({exc.strerror or exc})") from None
+    if not stat.S_ISREG(mode):
+        raise ConfigError(f"job.input={str(path)!r}: not a regular file")
 
 
 def read_rows(path: Path, fmt: str, job: JobConfig) -> list[InputRow]:
     """All rows of the input, in order, each with its key and payload."""
-    if not path.is_file():
-        raise ConfigError(f"job.input={str(path)!r}: no such file")
+    _input_file(path)
     fmt = detect_format(path, fmt)
-    if fmt == "jsonl":
-        items = list(_jsonl(path))
-        parsed = [o for o, _ in items if "__error__" not in o]
-        columns = set().union(*[o.keys() for o in parsed]) if parsed else None
-        records = [(o, raw) for o, raw in items]
-    else:
-        names, rows = _csv(path) if fmt == "csv" else _parquet(path)
-        columns = set(names) if names or rows else None
-        records = [(r, None) for r in rows]
+    try:
+        if fmt == "jsonl":
+            items = list(_jsonl(path))
+            parsed = [o for o, _ in items if "__error__" not in o]
+            columns = set().union(*[o.keys() for o in parsed]) if parsed else None
+            records = [(o, raw) for o, raw in items]
+        else:
+            names, rows = _csv(path) if fmt == "csv" else _parquet(path)
+            columns = set(names) if names or rows else None
+            records = [(r, None) for r in rows]
+    except OSError as exc:
+        raise ConfigError(f"job.input={str(path)!r}: cannot read ({exc.strerror or exc})") from None
     if columns is not None and not ({job.prompt_column, job.messages_column} & columns):
         raise ConfigError(f"job.prompt_column={job.prompt_column!r}: no such column in {path.name} "
-                          f"(nor job.messages_column={job.messages_column!r}); columns: {sorted(columns)}")
-    out: list[InputRow] = []
-    seen: dict[str, int] = {}
-    for pos, (obj, raw) in enumerate(records):
-        if "__error__" in obj:
-            out.append(InputRow(pos, _key(pos, raw), {"prompt": raw, "error": obj["__error__"]}))
-            continue
-        payload = row_payload(obj, job)
-        rid = obj.get(job.id_column)
-        if _missing(rid) or (isinstance(rid, str) and not rid.strip()):
-            key = _key(pos, json.dumps(obj, sort_keys=True, default=str, ensure_ascii=False))
-        else:
-            key = str(int(rid) if isinstance(rid, float) and rid.is_integer() else rid)
-            if key in seen:
-                payload.setdefault("error", f"duplicate {job.id_column} {key!r} (first at row {seen[key]})")
-                key = f"{key}#{pos}"
-            else:
-                seen[key] = pos
-        out.append(InputRow(pos, key, payload))
-    return out
+                          f"(nor job.messages_column={job.messages_column!r}); columns: {sorted(columns, key=str)}")
+    return _unique_keys([_guarded_row(pos, obj, raw, job) for pos, (obj, raw) in enumerate(records)], job)

@@ -95,12 +95,20 @@ def write_part(parts_dir: Path, name: str, records: list[ResultRecord],
 
 
 def read_part(path: Path) -> pa.Table:
-    """Read and verify one part; PartError when it cannot be trusted."""
+    """Read and verify one part; PartError when it cannot be trusted. Anything that fails while
+    reading it (a corrupt footer can fail in Arrow, in decoding its names, anywhere) means the
+    same: not a whole part, to be quarantined and its rows generated again."""
     try:
-        table = pq.read_table(path, page_checksum_verification=True)
-    except Exception as exc:  # ArrowInvalid, OSError, ...: all mean "not a whole part"
+        return _verified(path)
+    except PartError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - ArrowInvalid, OSError, UnicodeDecodeError, ...
         why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise PartError(f"{path.name}: unreadable ({why})") from None
+        raise PartError(f"{path.name}: unreadable ({type(exc).__name__}: {why})") from None
+
+
+def _verified(path: Path) -> pa.Table:
+    table = pq.read_table(path, page_checksum_verification=True)
     meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
     keys = table.column("row_key").to_pylist() if "row_key" in table.column_names else []
     if meta.get("kvbatch.part.rows") != str(table.num_rows) \

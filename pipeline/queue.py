@@ -16,10 +16,17 @@ Two counters per row:
   column of the results). A claim that ends without such an outcome does not count: the
   worker died or lost its lease, the deadline or Ctrl-C handed the row back, or its
   finished part was lost.
-- `crashes`: how often a worker died (or stopped renewing its lease) while it held the
-  row. A crash is not the row's fault, but a row that kills its worker every time must
-  not stop the job forever: the worker runs rows with `crashes >= isolate_after` alone
-  and ends rows at `max_crashes` with internal_error (see Queue.claim, Worker).
+- `crashes`: how often a worker died (or stopped renewing its lease) while the row was
+  running in its engine (`running`: set when the worker hands the row to the engine,
+  cleared when it finishes, so rows that were only claimed, or finished and not yet
+  written, are never charged). A crash is not the row's fault, but a row that kills its
+  worker every time must not stop the job forever: the worker runs rows with
+  `crashes >= isolate_after` alone and ends rows at `max_crashes` with internal_error
+  (see Queue.claim, Worker); `alone_crashes` counts the crashes observed while the row
+  ran alone (the give-up message reports it, and a row is given up only after them).
+
+A worker that ended (any way, a failure included) holds nothing: rows still leased by
+it go back to pending at once, without counting an attempt or a crash.
 """
 from __future__ import annotations
 
@@ -30,19 +37,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional
 
+from kvbatch.engine.errors import KvbatchConfigError
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta(k TEXT PRIMARY KEY, v TEXT);
 CREATE TABLE IF NOT EXISTS rows(
   key TEXT PRIMARY KEY, pos INTEGER NOT NULL, payload TEXT NOT NULL,
   state TEXT NOT NULL DEFAULT 'pending' CHECK(state IN ('pending','leased','done','error')),
   attempts INTEGER NOT NULL DEFAULT 0, worker TEXT, lease_until REAL,
-  part TEXT, error_code TEXT, updated_at REAL NOT NULL, crashes INTEGER NOT NULL DEFAULT 0);
+  part TEXT, error_code TEXT, updated_at REAL NOT NULL, crashes INTEGER NOT NULL DEFAULT 0,
+  running INTEGER NOT NULL DEFAULT 0, alone_crashes INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS rows_state ON rows(state, pos);
 CREATE TABLE IF NOT EXISTS manifest(pos INTEGER PRIMARY KEY, key TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS attempts(
   id INTEGER PRIMARY KEY AUTOINCREMENT, key TEXT NOT NULL, attempt INTEGER NOT NULL,
   worker TEXT NOT NULL, claimed_at REAL NOT NULL, ended_at REAL, outcome TEXT,
-  part TEXT, error_code TEXT);
+  part TEXT, error_code TEXT, alone INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS attempts_open ON attempts(key, ended_at);
 CREATE TABLE IF NOT EXISTS workers(
   id TEXT PRIMARY KEY, pid INTEGER, host TEXT, started_at REAL, heartbeat_at REAL,
@@ -50,7 +60,10 @@ CREATE TABLE IF NOT EXISTS workers(
   wall_s REAL, summary TEXT, stop TEXT);
 """
 # Columns added after the first release: (table, column, declaration), added to older queue files.
-MIGRATIONS = (("rows", "crashes", "INTEGER NOT NULL DEFAULT 0"), ("workers", "stop", "TEXT"))
+MIGRATIONS = (("rows", "crashes", "INTEGER NOT NULL DEFAULT 0"), ("workers", "stop", "TEXT"),
+              ("rows", "running", "INTEGER NOT NULL DEFAULT 0"),
+              ("rows", "alone_crashes", "INTEGER NOT NULL DEFAULT 0"),
+              ("attempts", "alone", "INTEGER NOT NULL DEFAULT 0"))
 TERMINAL = ("done", "error")
 
 
@@ -60,18 +73,29 @@ class Claimed:
     pos: int
     payload: dict
     attempt: int  # 1 for the first run; +1 per internal_error retry (crashes do not count)
-    crashes: int = 0  # times a worker died while holding this row (this claim's previous holders)
+    crashes: int = 0  # times a worker died while this row ran in its engine (this claim's previous holders)
+    alone_crashes: int = 0  # ... of them while the row ran alone
+
+
+class QueueUnreadable(KvbatchConfigError):
+    """queue.sqlite exists but SQLite cannot use it (corrupt, not a database, unwritable)."""
 
 
 class Queue:
     def __init__(self, path: Path | str, timeout_s: float = 60.0):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(str(self.path), timeout=timeout_s, isolation_level=None)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=FULL")
-        self.db.executescript(SCHEMA)
-        self._migrate()
+        try:
+            self.db = sqlite3.connect(str(self.path), timeout=timeout_s, isolation_level=None)
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA synchronous=FULL")
+            self.db.executescript(SCHEMA)
+            self._migrate()
+        except sqlite3.DatabaseError as exc:  # OperationalError included
+            raise QueueUnreadable(
+                f"{self.path}: the queue cannot be opened ({exc}); finished rows are safe in parts/: "
+                f"delete {self.path.name} (and its -wal/-shm files) and run the same command again "
+                f"to rebuild the queue from the input and the parts") from None
 
     def _migrate(self) -> None:
         for table, col, decl in MIGRATIONS:
@@ -132,35 +156,66 @@ class Queue:
             after, full = -1, False
             while not full:
                 page = self.db.execute(
-                    "SELECT r.key, m.pos, r.attempts, r.crashes, r.state FROM rows r JOIN manifest m "
+                    "SELECT r.key, m.pos, r.attempts, r.crashes, r.state, r.running FROM rows r JOIN manifest m "
                     "ON m.key = r.key WHERE (r.state='pending' OR (r.state='leased' AND r.lease_until < ?)) "
                     "AND m.pos > ? ORDER BY m.pos LIMIT ?", (now, after, max(4 * n, 64))).fetchall()
                 if not page:
                     break
                 after = page[-1][1]
                 for row in page:
-                    if alone(row[3] + (row[4] == "leased")):
+                    if alone(row[3] + (row[4] == "leased" and row[5])):
                         if idle and not picked:  # this row, and nothing else
-                            picked.append(row)
+                            picked.append((*row, True))
                             full = True
                             break
                         continue  # waits until this worker (or another) is idle
-                    picked.append(row)
+                    picked.append((*row, False))
                     if len(picked) >= n:
                         full = True
                         break
-            for key, pos, attempts, crashes, state in picked:
-                if state == "leased":  # its holder died: undo that claim's count, record the crash
-                    self._end_attempt(key, "expired", now)
-                    attempts, crashes = attempts - 1, crashes + 1
+            for key, pos, attempts, crashes, state, running, solo in picked:
+                if state == "leased":  # its holder stopped renewing: undo that claim's count, charge a crash
+                    self._charge(key, running, now)
+                    self._end_attempt(key, "expired" if running else "expired_not_running", now)
+                    attempts, crashes = attempts - 1, crashes + bool(running)
                 self.db.execute("UPDATE rows SET state='leased', worker=?, lease_until=?, attempts=?, crashes=?, "
-                                "updated_at=? WHERE key=?", (worker, now + lease_s, attempts + 1, crashes, now, key))
-                self.db.execute("INSERT INTO attempts(key, attempt, worker, claimed_at) VALUES (?,?,?,?)",
-                                (key, attempts + 1, worker, now))
-                payload = self.db.execute("SELECT payload FROM rows WHERE key=?", (key,)).fetchone()[0]
-                out.append(Claimed(key, pos, json.loads(payload), attempts + 1, crashes))
+                                "running=0, updated_at=? WHERE key=?",
+                                (worker, now + lease_s, attempts + 1, crashes, now, key))
+                self.db.execute("INSERT INTO attempts(key, attempt, worker, claimed_at, alone) VALUES (?,?,?,?,?)",
+                                (key, attempts + 1, worker, now, int(solo)))
+                payload, alone_n = self.db.execute("SELECT payload, alone_crashes FROM rows WHERE key=?",
+                                                   (key,)).fetchone()
+                out.append(Claimed(key, pos, json.loads(payload), attempts + 1, crashes, alone_n))
             self.db.execute("UPDATE workers SET heartbeat_at=? WHERE id=?", (now, worker))
         return out
+
+    def _charge(self, key: str, running: int, now: float) -> None:
+        """The worker holding `key` died: one more alone crash when the row ran alone in its engine."""
+        if running and self.db.execute("SELECT alone FROM attempts WHERE key=? AND ended_at IS NULL "
+                                       "ORDER BY id DESC LIMIT 1", (key,)).fetchone() == (1,):
+            self.db.execute("UPDATE rows SET alone_crashes=alone_crashes+1, updated_at=? WHERE key=?", (now, key))
+
+    def mark_running(self, worker: str, keys: list[str], running: bool) -> None:
+        """Rows this worker handed to its engine (True) or that finished there (False): a crash is
+        charged only to rows running at the time."""
+        if not keys:
+            return
+        with self._tx():
+            self.db.executemany("UPDATE rows SET running=? WHERE key=? AND state='leased' AND worker=?",
+                                [(int(running), k, worker) for k in keys])
+
+    def release_worker(self, worker: str, outcome: str) -> int:
+        """Every row this worker still holds goes back to pending, its attempt not counted (the
+        worker is ending: finished rows whose part was not written are generated again)."""
+        now = time.time()
+        with self._tx():
+            keys = [k for (k,) in self.db.execute("SELECT key FROM rows WHERE state='leased' AND worker=?",
+                                                  (worker,))]
+            for key in keys:
+                self.db.execute("UPDATE rows SET state='pending', worker=NULL, lease_until=NULL, running=0, "
+                                "attempts=MAX(attempts-1, 0), updated_at=? WHERE key=?", (now, key))
+                self._end_attempt(key, outcome, now, worker)
+        return len(keys)
 
     def renew(self, worker: str, lease_s: float) -> int:
         """Extend every lease this worker holds; returns how many rows it still holds."""
@@ -178,7 +233,8 @@ class Queue:
         with self._tx():
             for key, code in items:
                 self.db.execute(
-                    "UPDATE rows SET state=?, part=?, error_code=?, worker=?, lease_until=NULL, updated_at=? "
+                    "UPDATE rows SET state=?, part=?, error_code=?, worker=?, lease_until=NULL, running=0, "
+                    "updated_at=? "
                     "WHERE key=? AND state NOT IN ('done','error')",
                     ("error" if code else "done", part, code, worker, now, key))
                 self._end_attempt(key, "error" if code else "done", now, worker, part, code)
@@ -191,7 +247,8 @@ class Queue:
         with self._tx():
             for key, code, writer in items:
                 self.db.execute(
-                    "UPDATE rows SET state=?, part=?, error_code=?, worker=?, lease_until=NULL, updated_at=? "
+                    "UPDATE rows SET state=?, part=?, error_code=?, worker=?, lease_until=NULL, running=0, "
+                    "updated_at=? "
                     "WHERE key=? AND state NOT IN ('done','error')",
                     ("error" if code else "done", part, code, writer, now, key))
                 self._end_attempt(key, "error" if code else "done", now, writer, part, code)
@@ -202,7 +259,7 @@ class Queue:
         with self._tx():
             for key in keys:
                 self.db.execute(
-                    "UPDATE rows SET state='pending', worker=NULL, lease_until=NULL, updated_at=?, "
+                    "UPDATE rows SET state='pending', worker=NULL, lease_until=NULL, running=0, updated_at=?, "
                     "attempts=attempts-? WHERE key=? AND state='leased' AND worker=?",
                     (now, 0 if count_attempt else 1, key, worker))
                 self._end_attempt(key, outcome, now, worker)
@@ -215,8 +272,9 @@ class Queue:
         with self._tx():
             for key, part in items:
                 n = self.db.execute("UPDATE rows SET state='pending', part=NULL, error_code=NULL, worker=NULL, "
-                                    "lease_until=NULL, attempts=MAX(attempts-1, 0), updated_at=? WHERE key=? "
-                                    "AND state IN ('done','error') AND part=?", (now, key, part)).rowcount
+                                    "running=0, lease_until=NULL, attempts=MAX(attempts-1, 0), updated_at=? "
+                                    "WHERE key=? AND state IN ('done','error') AND part=?",
+                                    (now, key, part)).rowcount
                 if n:
                     self.db.execute("UPDATE attempts SET outcome=? WHERE id=(SELECT MAX(id) FROM attempts "
                                     "WHERE key=?)", (outcome, key))
@@ -248,24 +306,33 @@ class Queue:
                         (time.time(), rows, tokens, wall_s, json.dumps(summary, default=str), stop, worker))
 
     def expire_dead_workers(self, host: str, alive) -> int:
-        """Workers on `host` whose process is gone (`alive(pid, started_at)` is False): their rows
-        go back to pending at once (instead of when the lease runs out) with one more crash and
-        the claim not counted as an attempt; the worker is marked `died`. Returns rows freed."""
+        """Rows held by workers that are gone go back to pending at once (instead of when the lease
+        runs out), the claim not counted as an attempt. A worker on `host` whose process is gone
+        (`alive(pid, started_at)` is False) died: rows running in its engine get one more crash,
+        and it is marked `died`. A worker that ended (any host) holds nothing: its rows come back
+        uncharged. Returns rows freed."""
         freed = 0
         dead = [w for w, pid, started in self.db.execute(
             "SELECT id, pid, started_at FROM workers WHERE host=? AND ended_at IS NULL", (host,)).fetchall()
             if not alive(pid, started)]
+        ended = {w for (w,) in self.db.execute(
+            "SELECT DISTINCT r.worker FROM rows r JOIN workers w ON w.id=r.worker "
+            "WHERE r.state='leased' AND w.ended_at IS NOT NULL")}
         now = time.time()
         with self._tx():
             for w in dead:
-                keys = [k for (k,) in self.db.execute("SELECT key FROM rows WHERE state='leased' AND worker=?", (w,))]
-                for key in keys:
-                    self.db.execute("UPDATE rows SET state='pending', worker=NULL, lease_until=NULL, "
-                                    "attempts=MAX(attempts-1, 0), crashes=crashes+1, updated_at=? WHERE key=?",
-                                    (now, key))
-                    self._end_attempt(key, "worker_died", now, w)
-                freed += len(keys)
+                rows = self.db.execute("SELECT key, running FROM rows WHERE state='leased' AND worker=?",
+                                       (w,)).fetchall()
+                for key, running in rows:
+                    self._charge(key, running, now)
+                    self.db.execute("UPDATE rows SET state='pending', worker=NULL, lease_until=NULL, running=0, "
+                                    "attempts=MAX(attempts-1, 0), crashes=crashes+?, updated_at=? WHERE key=?",
+                                    (1 if running else 0, now, key))
+                    self._end_attempt(key, "worker_died" if running else "worker_died_not_running", now, w)
+                freed += len(rows)
                 self.db.execute("UPDATE workers SET ended_at=?, stop='died' WHERE id=?", (now, w))
+        for w in ended:
+            freed += self.release_worker(w, "worker_ended")
         return freed
 
     def sessions(self) -> list[dict]:

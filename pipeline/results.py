@@ -50,6 +50,30 @@ SCHEMA = pa.schema([(f.name, f.metadata["arrow"]) for f in fields(ResultRecord)]
 COLUMNS = SCHEMA.names
 
 
+_INT_BOUNDS = {pa.int32(): (-(2**31), 2**31 - 1), pa.int64(): (-(2**63), 2**63 - 1)}
+
+
+def fit(record: ResultRecord) -> ResultRecord:
+    """The record made writable whatever it holds: a number outside its column's type is dropped
+    (the row then carries invalid_input saying which), text that is not valid UTF-8 is escaped.
+    The input reader refuses such values already; this keeps one bad value (from an older queue,
+    say) from failing the whole part and every row in it, on every run."""
+    d = asdict(record)
+    bad = []
+    for f in fields(ResultRecord):
+        v, t = d[f.name], f.metadata["arrow"]
+        if t in _INT_BOUNDS and isinstance(v, int) and not _INT_BOUNDS[t][0] <= v <= _INT_BOUNDS[t][1]:
+            bad.append(f"{f.name}={v}")
+            d[f.name] = None
+        elif isinstance(v, str):
+            d[f.name] = v.encode("utf-8", "backslashreplace").decode("utf-8")
+    out = ResultRecord(**d)
+    if bad and not out.error_code:
+        out.error_code, out.finish_reason = "invalid_input", "error"
+        out.error_message = f"{', '.join(bad)} does not fit the results schema"
+    return out
+
+
 def to_table(records: list[ResultRecord], metadata: Optional[dict[str, str]] = None) -> pa.Table:
     table = pa.Table.from_pylist([asdict(r) for r in records], schema=SCHEMA)
     if metadata:

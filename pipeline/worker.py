@@ -7,10 +7,18 @@ stage marked invalid, and rows that could not be tokenized, are written with
 `invalid_input` without reaching the engine. `internal_error` rows are given back
 for another attempt up to `worker.max_attempts`.
 
-Crashes (see pipeline/queue.py) are not attempts. A row that was in flight when a
-worker died `worker.isolate_after` times runs alone (nothing else claimed while it
-runs), so a row that kills its worker takes no batch mates with it; at
-`worker.max_crashes` it is written with `internal_error` without running again.
+Crashes (see pipeline/queue.py) are not attempts. The queue is told which rows run in
+the engine (handed to it, finished there), so a crash is charged only to those. A row
+that was running when a worker died `worker.isolate_after` times runs alone (nothing
+else claimed while it runs, the rows finished before it written first, and it is
+written as soon as it finishes), so a row that kills its worker takes no batch mates
+with it; at `worker.max_crashes`, after the crashes it caused running alone, it is
+written with `internal_error` without running again.
+
+Only exceptions out of the engine are charged to the rows in flight (retry, then
+`internal_error`). A storage fault (disk full writing a part, SQLite unable to write)
+is not the rows' fault: it propagates as StorageError and the run stops with one line;
+every exit path hands the worker's leased rows back, attempts not counted.
 
 `worker.deadline`: the worker looks between engine steps at least every HEARTBEAT_S, so
 the deadline is seen mid-batch: the worker claims nothing more, cancels the engine
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import sqlite3
 import signal
 import socket
 import threading
@@ -32,17 +41,26 @@ from typing import Any, Callable, Optional
 
 from kvbatch.engine.errors import INTERNAL_ERROR, INVALID_INPUT
 from kvbatch.engine.types import Request, Result, SamplingParams
-from kvbatch.pipeline import debug
+from kvbatch.pipeline import debug, procs
 from kvbatch.pipeline.config import Config
 from kvbatch.pipeline.durations import deadline_at
 from kvbatch.pipeline.parts import part_name, write_part
 from kvbatch.pipeline.progress import Progress
 from kvbatch.pipeline.prompts import encode
 from kvbatch.pipeline.queue import Claimed, Queue
-from kvbatch.pipeline.results import ResultRecord
+from kvbatch.pipeline.results import ResultRecord, fit
 
 
 HEARTBEAT_S = 0.5  # deadline and flush checks between engine steps at least this often
+STORAGE_ERRORS = (OSError, sqlite3.Error)  # writing parts or the queue: the folder's fault, never a row's
+
+
+class StorageError(Exception):
+    """The output folder could not be written (disk full, read-only, SQLite failure)."""
+
+
+class EngineFailure(Exception):
+    """An exception out of the engine itself (not storage): charged to the rows in flight."""
 
 
 def new_worker_id() -> str:
@@ -148,12 +166,13 @@ class Worker:
         want = self.cfg.engine.max_batch + w.prefetch - len(self.inflight)
         claimed = self.q.claim(self.id, want, w.lease_s, idle=not self.inflight,
                                isolate_after=w.isolate_after, max_crashes=w.max_crashes)
+        started: list[str] = []
         for c in claimed:
-            if c.crashes >= w.max_crashes:
+            if c.crashes >= w.max_crashes and c.alone_crashes >= w.max_crashes - w.isolate_after:
                 self.stats.gave_up += 1
                 self._add(self._record(c, code=INTERNAL_ERROR, msg=(
-                    f"a worker process died {c.crashes} times while this row was in flight "
-                    f"({c.crashes - w.isolate_after} of them with the row running alone); not run again "
+                    f"a worker process died {c.crashes} times while this row was running "
+                    f"({c.alone_crashes} of them with the row running alone); not run again "
                     f"(worker.max_crashes={w.max_crashes})")))
             elif "error" in c.payload:
                 self._add(self._record(c, code=INVALID_INPUT, msg=c.payload["error"]))
@@ -166,11 +185,32 @@ class Worker:
                 if self.eng is None:
                     self.eng = self.rt.make_engine()
                     self.seen_tokens = self.eng.output.generated_tokens
-                self.eng.add(Request(key=c.key, prompt_tokens=ids, sampling=self._sampling(c.payload)))
-                self.inflight[c.key] = c
-                if c.crashes >= w.isolate_after:
+                if c.crashes >= w.isolate_after:  # a suspect: what finished before it is written first
+                    self.flush(force=True)
                     self.alone = c.key
+                try:
+                    self.eng.add(Request(key=c.key, prompt_tokens=ids, sampling=self._sampling(c.payload)))
+                except Exception as exc:  # noqa: BLE001 - the engine refused this one row
+                    self.alone = None if self.alone == c.key else self.alone
+                    self._add(self._record(c, code=INTERNAL_ERROR, msg=f"the engine refused this row: "
+                                                                       f"{type(exc).__name__}: {exc}"))
+                    continue
+                self.inflight[c.key] = c
+                started.append(c.key)
+        self.q.mark_running(self.id, started, True)
         return len(claimed)
+
+    def _finished_all(self, done: list[Result]) -> None:
+        """Rows out of one engine step: no longer running (a crash now is not theirs); a suspect that
+        finished is written at once, so it is never charged with a later crash."""
+        if not done:
+            return
+        self.q.mark_running(self.id, [r.key for r in done], False)
+        suspect = any(self.inflight[r.key].crashes for r in done if r.key in self.inflight)
+        for res in done:
+            self._finished(res)
+        if suspect:
+            self.flush(force=True)
 
     def _finished(self, res: Result) -> None:
         c = self.inflight.pop(res.key)
@@ -184,7 +224,7 @@ class Worker:
         self._add(self._record(c, res))
 
     def _add(self, record: ResultRecord) -> None:
-        self.buffer.append(record)
+        self.buffer.append(fit(record))  # always writable: one bad value never fails a part
         if self.progress:
             budget = record.max_tokens or 0  # set for every row that was meant to run
             self.progress.row_done(budget - (record.output_tokens or 0))
@@ -240,21 +280,33 @@ class Worker:
         finished or every HEARTBEAT_S, top the batch up and flush (the queue is not asked every step)."""
         cancelled = False
         last = time.monotonic()
-        while self.eng.has_unfinished():
-            done = self.eng.step()
+        while self._engine(self.eng.has_unfinished):
+            done = self._engine(self.eng.step)
             self._tick()
-            for res in done:
-                self._finished(res)
+            self._finished_all(done)
             if cancelled:
                 continue
             if self._past_deadline():
-                self.eng.cancel()
+                self._engine(self.eng.cancel)
                 cancelled = True
                 continue
             if done or time.monotonic() - last >= HEARTBEAT_S:
                 last = time.monotonic()
                 self._top_up()
                 self.flush()
+
+    @staticmethod
+    def _engine(call: Callable[[], Any]) -> Any:
+        """One call into the engine: its exceptions become EngineFailure (charged to the rows in
+        flight); the worker's own storage calls stay outside, so a full disk is never a row's fault."""
+        try:
+            return call()
+        except Exception as exc:  # noqa: BLE001
+            raise EngineFailure(f"{type(exc).__name__}: {exc}") from exc
+
+    def _take_over(self, host: str) -> bool:
+        """Nothing left to claim: rows still leased by dead or ended workers come back to this one."""
+        return self.q.expire_dead_workers(host, procs.alive) > 0
 
     def run(self) -> WorkStats:
         """Work until the queue has nothing claimable (or the deadline passes)."""
@@ -266,12 +318,13 @@ class Worker:
         stop = "failed"
         old_term = _on_sigterm_raise_interrupt()
         try:
-            while self._top_up() or self.inflight or self.buffer:
+            while self._top_up() or self.inflight or self.buffer or \
+                    (not self.stats.stopped_by_deadline and self._take_over(host)):
                 if self.inflight:
                     try:
                         self._drive()
-                    except Exception as exc:  # noqa: BLE001 - confined to the rows in flight
-                        self._engine_failed(exc)
+                    except EngineFailure as exc:  # confined to the rows in flight
+                        self._engine_failed(exc.__cause__ or exc)
                 self.flush(force=True)
                 if self.stats.stopped_by_deadline:
                     break
@@ -280,18 +333,32 @@ class Worker:
             stop = "deadline" if self.stats.stopped_by_deadline else "finished"
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep what is done, hand the rest back at once
             stop = "interrupted"
-            self.flush(force=True)
-            self._give_back("interrupted")
+            self._best_effort(lambda: self.flush(force=True))
             raise
+        except STORAGE_ERRORS as exc:
+            stop = "storage"
+            raise StorageError(f"{type(exc).__name__}: {exc}") from None
         finally:
             _restore_sigterm(old_term)
             keeper.stop()
             self.stats.wall_s = time.perf_counter() - t0
             if self.eng is not None:
-                self.stats.engine_summary = self.eng.summary()
-            self.q.worker_ended(self.id, self.stats.rows, self.stats.tokens, self.stats.wall_s,
-                                self.stats.engine_summary, stop)
+                self.stats.engine_summary = self._best_effort(self.eng.summary) or {}
+            # every exit path: what this worker still holds goes back, attempts not counted
+            self.stats.released += len(self.inflight)
+            self._best_effort(lambda: self.q.release_worker(self.id, stop if stop != "finished" else "released"))
+            self._best_effort(lambda: self.q.worker_ended(self.id, self.stats.rows, self.stats.tokens,
+                                                          self.stats.wall_s, self.stats.engine_summary, stop))
         return self.stats
+
+    @staticmethod
+    def _best_effort(call: Callable[[], Any]) -> Any:
+        """Cleanup on the way out must not hide why the worker stopped (a full disk fails these too;
+        the next start frees the rows of a worker that is gone)."""
+        try:
+            return call()
+        except Exception:  # noqa: BLE001
+            return None
 
 
 class Terminated(KeyboardInterrupt):

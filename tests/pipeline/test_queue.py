@@ -44,6 +44,7 @@ def test_expired_lease_returns_to_the_queue_as_a_crash_not_an_attempt(tmp_path):
     q = Queue(tmp_path / "q.sqlite")
     q.enqueue(_rows(2))
     q.claim("dead", 2, lease_s=0.05)
+    q.mark_running("dead", ["k0", "k1"], True)  # handed to its engine
     time.sleep(0.1)
     again = q.claim("alive", 5, lease_s=60)
     assert [c.key for c in again] == ["k0", "k1"]
@@ -114,6 +115,7 @@ def test_dead_workers_on_this_host_lose_their_leases_at_once(tmp_path):
     q.worker_started("live", 222, "h1")
     q.worker_started("remote", 333, "h2")
     q.claim("dead", 1, lease_s=600)
+    q.mark_running("dead", ["k0"], True)
     q.claim("live", 1, lease_s=600)
     q.claim("remote", 1, lease_s=600)
     assert q.expire_dead_workers("h1", lambda pid, started: pid == 222) == 1
@@ -129,6 +131,7 @@ def _crash(q, worker, keys_expected=None):
     """Claim as `worker` (a process that then dies), and have the next start notice it."""
     q.worker_started(worker, 1, "h")
     got = q.claim(worker, 10, lease_s=600, idle=True, isolate_after=2, max_crashes=4)
+    q.mark_running(worker, [c.key for c in got], True)
     q.expire_dead_workers("h", lambda pid, started: False)
     return [c.key for c in got]
 
@@ -148,7 +151,7 @@ def test_crashes_do_not_use_up_attempts_and_suspects_run_alone(tmp_path):
     for w in ("w4", "w5"):
         assert _crash(q, w) == ["k1"]
     got = q.claim("w6", 10, lease_s=600, idle=True, isolate_after=2, max_crashes=4)
-    assert [(c.key, c.crashes) for c in got] == [("k1", 4)]
+    assert [(c.key, c.crashes, c.alone_crashes) for c in got] == [("k1", 4, 2)]  # 2 of them observed alone
     assert all(c.attempt == 1 for c in got)
     assert q.crash_counts() == {"rows": 4, "max": 4, "retried": 0}
 
@@ -158,6 +161,7 @@ def test_plain_rows_pass_suspects_and_lost_parts_do_not_count(tmp_path):
     q.enqueue(_rows(3))
     q.worker_started("w1", 1, "h")
     q.claim("w1", 1, lease_s=600)  # k0 only
+    q.mark_running("w1", ["k0"], True)
     q.expire_dead_workers("h", lambda pid, started: False)
     got = q.claim("w2", 10, lease_s=600, idle=True, isolate_after=1, max_crashes=3)
     assert [c.key for c in got] == ["k0"]  # idle: the suspect first, alone
@@ -168,6 +172,33 @@ def test_plain_rows_pass_suspects_and_lost_parts_do_not_count(tmp_path):
     q.requeue([("k1", "p1")], "lost_part")
     again = {c.key: c.attempt for c in q.claim("w3", 10, lease_s=600)}
     assert again == {"k0": 1, "k1": 1}  # handed back / part lost: neither counts as an attempt
+
+
+def test_a_crash_is_charged_only_to_rows_running_in_the_engine(tmp_path):
+    """Rows only claimed (prefetched) or finished and not yet written were not running when the
+    worker died: they come back uncharged (issue 23, defect 4)."""
+    q = Queue(tmp_path / "q.sqlite")
+    q.enqueue(_rows(4))
+    q.worker_started("w1", 1, "h")
+    q.claim("w1", 4, lease_s=600)
+    q.mark_running("w1", ["k0", "k1", "k2"], True)
+    q.mark_running("w1", ["k2"], False)  # finished, still in the worker's buffer
+    q.expire_dead_workers("h", lambda pid, started: False)
+    assert {c.key: c.crashes for c in q.claim("w2", 10, lease_s=600)} == {"k0": 1, "k1": 1, "k2": 0, "k3": 0}
+
+
+def test_rows_of_an_ended_worker_come_back_at_once_uncharged(tmp_path):
+    """A worker that ended (an exception, disk full) and still holds leases: freed by the next
+    start on any host, no attempt and no crash counted (issue 23, defect 3)."""
+    q = Queue(tmp_path / "q.sqlite")
+    q.enqueue(_rows(2))
+    q.worker_started("gone", 1, "other-host")
+    q.claim("gone", 2, lease_s=600)
+    q.mark_running("gone", ["k0"], True)
+    q.worker_ended("gone", 0, 0, 1.0, {}, "failed")
+    assert q.claim("w2", 10, lease_s=600) == []  # leased until lease_s ...
+    assert q.expire_dead_workers("h", lambda pid, started: True) == 2  # ... unless its worker ended
+    assert [(c.key, c.attempt, c.crashes) for c in q.claim("w2", 10, lease_s=600)] == [("k0", 1, 0), ("k1", 1, 0)]
 
 
 def test_old_queue_files_gain_the_new_columns(tmp_path):

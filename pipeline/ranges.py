@@ -1,0 +1,47 @@
+"""The ranges of per-row generation values, for the config check and the input reader alike.
+
+Why one place: a value accepted here must fit the results schema (max_tokens and top_k are
+int32 columns, seed int64) and the sampler (which scales log-probabilities by 1/temperature:
+a temperature near zero overflows float32 and samples garbage without an error). A value
+outside these ranges is refused where it is read, so no later stage can choke on it.
+"""
+from __future__ import annotations
+
+import math
+
+INT32_MAX = 2**31 - 1
+SEED_MAX = 2**63 - 1  # the results' seed column is int64 (MLX keys take up to 2**64 - 1)
+MIN_TEMPERATURE = 1e-3  # below this (and above 0) 1/T overflows on fp16 logits; use 0 for greedy
+MAX_TEMPERATURE = 1e3
+
+
+def max_tokens_error(v: int) -> str | None:
+    if v < 1:
+        return f"must be >= 1, got {v}"
+    if v > INT32_MAX:
+        return f"must be <= {INT32_MAX} (2**31 - 1), got {v}"
+    return None
+
+
+def seed_error(v: int) -> str | None:
+    if v < 0:
+        return f"must be >= 0, got {v}"
+    if v > SEED_MAX:
+        return f"must be <= {SEED_MAX} (2**63 - 1), got {v}"
+    return None
+
+
+def top_k_error(v: int) -> str | None:
+    if v < 0:
+        return f"must be >= 0 (0 = off), got {v}"
+    if v > INT32_MAX:
+        return f"must be <= {INT32_MAX} (2**31 - 1), got {v}"
+    return None
+
+
+def temperature_error(v: float) -> str | None:
+    if not math.isfinite(v) or v < 0:
+        return f"must be a finite number >= 0, got {v!r}"
+    if 0 < v < MIN_TEMPERATURE or v > MAX_TEMPERATURE:
+        return f"must be 0 (greedy) or between {MIN_TEMPERATURE:g} and {MAX_TEMPERATURE:g}, got {v!r}"
+    return None
