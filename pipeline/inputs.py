@@ -110,7 +110,7 @@ def _missing(v: Any) -> bool:
 def _check(name: str, v, why) -> None:
     problem = why(v)
     if problem:
-        raise ValueError(f"{name} {problem}")
+        raise ValueError(f"{name} {problem}, got {v!r}")
 
 
 def _int(name: str, v: Any, lo: int) -> int:

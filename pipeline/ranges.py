@@ -17,31 +17,31 @@ MAX_TEMPERATURE = 1e3
 
 def max_tokens_error(v: int) -> str | None:
     if v < 1:
-        return f"must be >= 1, got {v}"
+        return "must be >= 1"
     if v > INT32_MAX:
-        return f"must be <= {INT32_MAX} (2**31 - 1), got {v}"
+        return f"must be <= {INT32_MAX} (2**31 - 1)"
     return None
 
 
 def seed_error(v: int) -> str | None:
     if v < 0:
-        return f"must be >= 0, got {v}"
+        return "must be >= 0"
     if v > SEED_MAX:
-        return f"must be <= {SEED_MAX} (2**63 - 1), got {v}"
+        return f"must be <= {SEED_MAX} (2**63 - 1)"
     return None
 
 
 def top_k_error(v: int) -> str | None:
     if v < 0:
-        return f"must be >= 0 (0 = off), got {v}"
+        return "must be >= 0 (0 = off)"
     if v > INT32_MAX:
-        return f"must be <= {INT32_MAX} (2**31 - 1), got {v}"
+        return f"must be <= {INT32_MAX} (2**31 - 1)"
     return None
 
 
 def temperature_error(v: float) -> str | None:
     if not math.isfinite(v) or v < 0:
-        return f"must be a finite number >= 0, got {v!r}"
+        return "must be a finite number >= 0"
     if 0 < v < MIN_TEMPERATURE or v > MAX_TEMPERATURE:
-        return f"must be 0 (greedy) or between {MIN_TEMPERATURE:g} and {MAX_TEMPERATURE:g}, got {v!r}"
+        return f"must be 0 (greedy) or between {MIN_TEMPERATURE:g} and {MAX_TEMPERATURE:g}"
     return None
