@@ -16,10 +16,12 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
+from kvbatch.engine.errors import INSUFFICIENT_MEMORY
+
 from kvbatch.pipeline import durations, procs
 from kvbatch.pipeline import summary as summ
 from kvbatch.pipeline.config import Config, ConfigError, as_dict, config_hash, engine_config, parse_injection
-from kvbatch.pipeline.finalize import Finalized, finalize, reconcile
+from kvbatch.pipeline.finalize import Finalized, finalize, reconcile, regenerate
 from kvbatch.pipeline.inputs import read_rows, resolve_input
 from kvbatch.pipeline.progress import Progress, row_budget
 from kvbatch.pipeline.queue import Queue
@@ -63,19 +65,58 @@ def say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def open_queue(job: Job) -> Queue:
+    """The job's queue; ConfigError when the folder holds another config's rows (output.dir reused
+    with other settings): its rows were made by that config and must not be passed off as this one's."""
+    q = Queue(job.queue_path)
+    held = q.get_meta("config_hash")
+    if held is not None and held != job.config_hash:
+        q.close()
+        raise ConfigError(f"output.dir={str(job.out_dir)!r} holds the rows of another config (hash {held}; this "
+                          f"config is {job.config_hash}): a changed model, job, sampling or KV setting is another "
+                          f"job; use a new output.dir (or leave it unset), or delete that folder to start over")
+    return q
+
+
 def enqueue(job: Job) -> tuple[Queue, int, int]:
-    """Read the input (ConfigError on file-level problems) and enqueue it; (queue, rows, new rows)."""
+    """Read the input (ConfigError on file-level problems) and enqueue it; (queue, rows, new rows).
+    Rows whose content changed since they were queued, and rows refused for memory when the memory
+    settings changed, are generated again (their old results superseded, see Queue.regenerate)."""
     rows = read_rows(job.input_path, job.cfg.job.format, job.cfg.job)
     try:
         job.out_dir.mkdir(parents=True, exist_ok=True)
+        q = open_queue(job)
         (job.out_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(job.cfg)))
     except OSError as exc:  # read-only, not a folder, no space
         raise ConfigError(f"output folder {str(job.out_dir)!r} is not writable ({exc.strerror or exc}); "
                           f"set output.dir or output.root to a folder you can write") from None
-    q = Queue(job.queue_path)
     q.set_meta("config_hash", job.config_hash)
     q.set_meta("input", str(job.input_path))
-    return q, len(rows), q.enqueue(rows)
+    changed = q.changed(rows)
+    added = q.enqueue(rows)
+    if changed:
+        regenerate(job.out_dir, q, changed, "input_changed")
+        say(f"kvbatch: {len(changed)} rows changed in the input since they were queued "
+            f"({_some(changed)}); they are generated again and their old results dropped")
+    memory_changed(job, q)
+    return q, len(rows), added
+
+
+def memory_changed(job: Job, q: Queue) -> None:
+    """insufficient_memory is final for one budget, not for another: the memory settings are not part
+    of the folder's identity, so when they change, the rows refused for memory are generated again."""
+    memory = json.dumps(as_dict(job.cfg)["memory"], sort_keys=True)
+    before = q.get_meta("memory")
+    if before is not None and before != memory:
+        refused = q.keys_with_error(INSUFFICIENT_MEMORY)
+        if refused:
+            regenerate(job.out_dir, q, refused, "memory_changed")
+            say(f"kvbatch: the memory settings changed; {len(refused)} rows refused for memory run again")
+    q.set_meta("memory", memory)
+
+
+def _some(keys: list[str], n: int = 5) -> str:
+    return ", ".join(keys[:n]) + (f" and {len(keys) - n} more" if len(keys) > n else "")
 
 
 def load_runtime(cfg: Config) -> Runtime:
@@ -219,7 +260,9 @@ def execute(cfg: Config) -> Optional[Path]:
         return None
     if not job.queue_path.exists():
         raise ConfigError(f"action={cfg.action}: no queue in {job.out_dir}; run action=enqueue (or run) first")
-    q = Queue(job.queue_path)
+    q = open_queue(job)
+    if cfg.action == "work":
+        memory_changed(job, q)
     stats = work(job, q) if cfg.action == "work" else None
     fin, s = finish(job, q, stats)
     print(summ.one_line(s))

@@ -53,7 +53,8 @@ def _reconcile(out_dir: Path, q: Queue) -> Finalized:
     good, bad = scan(parts_dir)
     for name in bad:
         quarantine(parts_dir, name)
-    index = {name: {k: i for i, k in enumerate(t.column("row_key").to_pylist())} for name, t in good.items()}
+    stale_parts, stale_workers = q.superseded()  # results of older content or settings: never taken
+    index = {name: _fresh(name, t, stale_parts, stale_workers) for name, t in good.items()}
     where: dict[str, tuple[str, int]] = {}  # key -> (part, row); the first part (by name) wins
     for name, keys in index.items():
         for key, i in keys.items():
@@ -84,6 +85,25 @@ def _reconcile(out_dir: Path, q: Queue) -> Finalized:
     if done.requeued:
         q.requeue(lost, "lost_part")
     return done
+
+
+def _fresh(name: str, table: pa.Table, stale_parts: set, stale_workers: set) -> dict[str, int]:
+    """{row key: row} of a part, without the rows that were superseded (see Queue.regenerate)."""
+    keys, workers = table.column("row_key").to_pylist(), table.column("worker").to_pylist()
+    return {k: i for i, (k, w) in enumerate(zip(keys, workers))
+            if (k, name) not in stale_parts and (k, w) not in stale_workers}
+
+
+def regenerate(out_dir: Path, q: Queue, keys: list[str], reason: str) -> None:
+    """Generate `keys` again from scratch: every result they have in a part is superseded (under the
+    folder's lock, so no reconcile sees the row half-way)."""
+    if not keys:
+        return
+    wanted = set(keys)
+    with dir_lock(out_dir):
+        good, _ = scan(out_dir / "parts")
+        found = [(k, name) for name, t in good.items() for k in t.column("row_key").to_pylist() if k in wanted]
+        q.regenerate(keys, found, reason)
 
 
 def finalize(out_dir: Path, q: Queue, metadata: dict[str, str]) -> Finalized:

@@ -25,6 +25,12 @@ Two counters per row:
   (see Queue.claim, Worker); `alone_crashes` counts the crashes observed while the row
   ran alone (the give-up message reports it, and a row is given up only after them).
 
+Regenerating a finished row (its input content changed, or the memory budget changed for a
+row refused for memory): the row goes back to pending with fresh counters, and the results
+it had are recorded in `superseded` ((key, part) for a result in a part, (key, worker) for
+whatever a worker holding it at that moment writes), so reconcile and finalize never take
+them again and results.parquet holds only the new outcome.
+
 A worker that ended (any way, a failure included) holds nothing: rows still leased by
 it go back to pending at once, without counting an attempt or a crash.
 """
@@ -54,6 +60,8 @@ CREATE TABLE IF NOT EXISTS attempts(
   worker TEXT NOT NULL, claimed_at REAL NOT NULL, ended_at REAL, outcome TEXT,
   part TEXT, error_code TEXT, alone INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS attempts_open ON attempts(key, ended_at);
+CREATE TABLE IF NOT EXISTS superseded(key TEXT NOT NULL, part TEXT, worker TEXT, reason TEXT, at REAL);
+CREATE INDEX IF NOT EXISTS superseded_key ON superseded(key);
 CREATE TABLE IF NOT EXISTS workers(
   id TEXT PRIMARY KEY, pid INTEGER, host TEXT, started_at REAL, heartbeat_at REAL,
   ended_at REAL, rows INTEGER NOT NULL DEFAULT 0, tokens INTEGER NOT NULL DEFAULT 0,
@@ -126,10 +134,55 @@ class Queue:
                     "INSERT OR IGNORE INTO rows(key, pos, payload, updated_at) VALUES (?,?,?,?)",
                     (r.key, r.pos, json.dumps(r.payload, ensure_ascii=False), now))
                 added += cur.rowcount
-                if not cur.rowcount:
-                    self.db.execute("UPDATE rows SET pos=? WHERE key=?", (r.pos, r.key))
+                if not cur.rowcount:  # the payload follows the input (see changed(): regenerate those rows)
+                    self.db.execute("UPDATE rows SET pos=?, payload=? WHERE key=?",
+                                    (r.pos, json.dumps(r.payload, ensure_ascii=False), r.key))
                 self.db.execute("INSERT INTO manifest(pos, key) VALUES (?,?)", (r.pos, r.key))
         return added
+
+    def changed(self, rows: Iterable) -> list[str]:
+        """Keys of rows already queued whose content (payload) differs from `rows` (an edited input)."""
+        stored = dict(self.db.execute("SELECT key, payload FROM rows"))
+        return [r.key for r in rows if r.key in stored and json.loads(stored[r.key]) != r.payload]
+
+    def keys_with_error(self, code: str) -> list[str]:
+        return [k for (k,) in self.db.execute("SELECT r.key FROM rows r JOIN manifest m ON m.key=r.key "
+                                              "WHERE r.state='error' AND r.error_code=?", (code,))]
+
+    def regenerate(self, keys: list[str], in_parts: list[tuple[str, str]], reason: str) -> None:
+        """Rows to be generated again from scratch: pending, counters reset; every result they have
+        (`in_parts`: (key, part) found on disk, and the row's acknowledged part) and whatever the
+        worker holding one now writes is superseded, never taken again."""
+        now, wanted = time.time(), set(keys)
+        with self._tx():
+            for key, part in in_parts:
+                if key in wanted:
+                    self.db.execute("INSERT INTO superseded(key, part, reason, at) VALUES (?,?,?,?)",
+                                    (key, part, reason, now))
+            for key in keys:
+                row = self.db.execute("SELECT state, part, worker FROM rows WHERE key=?", (key,)).fetchone()
+                if row is None:
+                    continue
+                state, part, worker = row
+                if part:
+                    self.db.execute("INSERT INTO superseded(key, part, reason, at) VALUES (?,?,?,?)",
+                                    (key, part, reason, now))
+                if state == "leased" and worker:
+                    self.db.execute("INSERT INTO superseded(key, worker, reason, at) VALUES (?,?,?,?)",
+                                    (key, worker, reason, now))
+                    self._end_attempt(key, reason, now, worker)
+                self.db.execute("UPDATE rows SET state='pending', part=NULL, error_code=NULL, worker=NULL, "
+                                "lease_until=NULL, running=0, attempts=0, crashes=0, alone_crashes=0, updated_at=? "
+                                "WHERE key=?", (now, key))
+                self.db.execute("UPDATE attempts SET outcome=? WHERE id=(SELECT MAX(id) FROM attempts WHERE key=?) "
+                                "AND ended_at IS NOT NULL", (reason, key))
+
+    def superseded(self) -> tuple[set[tuple[str, str]], set[tuple[str, str]]]:
+        """({(key, part)}, {(key, worker)}): results that belong to older content or settings."""
+        by_part, by_worker = set(), set()
+        for key, part, worker in self.db.execute("SELECT key, part, worker FROM superseded"):
+            (by_part.add((key, part)) if part else by_worker.add((key, worker)))
+        return by_part, by_worker
 
     # ---- leases ----------------------------------------------------------------------------
     def claim(self, worker: str, n: int, lease_s: float, idle: bool = True,
@@ -235,8 +288,9 @@ class Queue:
                 self.db.execute(
                     "UPDATE rows SET state=?, part=?, error_code=?, worker=?, lease_until=NULL, running=0, "
                     "updated_at=? "
-                    "WHERE key=? AND state NOT IN ('done','error')",
-                    ("error" if code else "done", part, code, worker, now, key))
+                    "WHERE key=? AND state NOT IN ('done','error') AND NOT EXISTS "
+                    "(SELECT 1 FROM superseded s WHERE s.key=rows.key AND s.worker=?)",
+                    ("error" if code else "done", part, code, worker, now, key, worker))
                 self._end_attempt(key, "error" if code else "done", now, worker, part, code)
 
     def adopt(self, items: list[tuple[str, Optional[str], str]], part: str) -> None:

@@ -238,3 +238,66 @@ def test_weak_unusable_inputs_and_output_folders_are_one_line_errors(tmp_path, m
                               f"output.root={tmp_path / 'out'}", override])
         with pytest.raises(ConfigError, match=needle):
             actions.execute(cfg)
+
+
+def test_8_a_larger_memory_budget_regenerates_rows_refused_for_memory(run_app, tmp_path):
+    src = _jsonl(tmp_path, [{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"}])
+    out = f"output.dir={tmp_path / 'o'}"
+    with pytest.raises(actions.RowsFailed):  # exit 1: no row succeeded (results written first)
+        run_app(f"job.input={src}", out, "memory.budget=1B")
+    rows = {r["row_key"]: r for r in pq.read_table(tmp_path / "o" / "results.parquet").to_pylist()}
+    assert set(_codes(rows).values()) == {"insufficient_memory"}
+    rows, _ = run_app(f"job.input={src}", out, "memory.budget=8GiB")
+    assert _codes(rows) == {"a": None, "b": None} and all(r["output_tokens"] == 4 for r in rows.values())
+    assert all(r["attempt"] == 1 for r in rows.values())
+
+
+def test_9_reusing_an_output_dir_with_another_config_is_refused(run_app, tmp_path):
+    src = _jsonl(tmp_path, [{"id": "a", "prompt": "x"}])
+    out = f"output.dir={tmp_path / 'o'}"
+    first, _ = run_app(f"job.input={src}", out, "kv=none")
+    with pytest.raises(ConfigError, match="holds the rows of another config"):
+        run_app(f"job.input={src}", out, "kv=q8", "job.max_tokens=32")
+    with pytest.raises(ConfigError, match="holds the rows of another config"):
+        run_app(f"job.input={src}", out, "sampling.seed=3", "action=finalize")
+    meta = pq.read_table(tmp_path / "o" / "results.parquet").schema.metadata
+    assert json.loads(meta[b"kvbatch.config"])["kv"]["mode"] == "none"  # still names the config that made it
+    again, _ = run_app(f"job.input={src}", out, "kv=none")
+    assert again == first
+
+
+def test_22_4_an_edited_row_is_generated_again_and_its_old_output_dropped(run_app, tmp_path):
+    args = ("job.chat_template=false", f"output.dir={tmp_path / 'o'}")
+    src = _jsonl(tmp_path, [{"id": "a", "prompt": "The cat"}, {"id": "b", "prompt": "A dog"}])
+    before, _ = run_app(f"job.input={src}", *args)
+    _jsonl(tmp_path, [{"id": "a", "prompt": "The cat"}, {"id": "b", "prompt": "A bird flew"}])
+    after, _ = run_app(f"job.input={src}", *args)
+    fresh_src = _jsonl(tmp_path, [{"id": "b", "prompt": "A bird flew"}], "fresh.jsonl")
+    fresh, _ = run_app(f"job.input={fresh_src}", "job.chat_template=false", f"output.dir={tmp_path / 'f'}")
+    assert after["a"] == before["a"]  # unchanged: not generated again
+    assert after["b"]["prompt"] == "A bird flew" and after["b"]["output_token_ids"] == fresh["b"]["output_token_ids"]
+    assert after["b"]["attempt"] == 1
+    table = pq.read_table(tmp_path / "o" / "results.parquet")
+    assert "A dog" not in table.column("prompt").to_pylist() and table.num_rows == 2
+    q = Queue(tmp_path / "o" / "queue.sqlite")
+    assert [r[5] for r in q.attempts("b")] == ["input_changed", "done"]
+
+
+def test_22_4_a_result_written_by_the_worker_holding_an_edited_row_is_never_taken(tmp_path):
+    """The edit lands while a worker holds the row: what that worker writes (acknowledged or adopted)
+    belongs to the old content and is skipped; the row is generated again."""
+    from kvbatch.pipeline.finalize import finalize, regenerate
+    from kvbatch.pipeline.inputs import InputRow
+
+    q = Queue(tmp_path / "queue.sqlite")
+    q.enqueue([InputRow(0, "k", {"prompt": "old"})])
+    q.claim("w1", 1, lease_s=600)
+    q.enqueue([InputRow(0, "k", {"prompt": "new"})])
+    regenerate(tmp_path, q, ["k"], "input_changed")
+    write_part(tmp_path / "parts", "part-w1-00000.parquet",
+               [ResultRecord(row_key="k", row_index=0, prompt="old", worker="w1", finish_reason="stop")])
+    q.ack("w1", [("k", None)], "part-w1-00000.parquet")
+    fin = finalize(tmp_path, q, {})
+    assert fin.rows == 0 and fin.adopted == 0 and q.counts()["pending"] == 1
+    got = q.claim("w2", 1, lease_s=600)
+    assert got[0].payload == {"prompt": "new"} and got[0].attempt == 1
