@@ -57,10 +57,14 @@ def temp_path(path: Path) -> Path:
 def write_atomic(table: pa.Table, path: Path, before_rename: Optional[Callable[[], None]] = None) -> Path:
     """Write `table` to `path` so that `path` is either absent or complete and durable."""
     tmp = temp_path(path)
-    with open(tmp, "wb") as fh:
-        pq.write_table(table, fh, compression="zstd", write_page_checksum=True)
-        fh.flush()
-        os.fsync(fh.fileno())
+    try:
+        with open(tmp, "wb") as fh:
+            pq.write_table(table, fh, compression="zstd", write_page_checksum=True)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except BaseException:  # a full disk: give its space back at once (the queue still has to be written)
+        tmp.unlink(missing_ok=True)
+        raise
     if before_rename is not None:
         before_rename()
     os.replace(tmp, path)
