@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from kvbatch.engine.errors import INSUFFICIENT_MEMORY
 
-from kvbatch.pipeline import durations, procs
+from kvbatch.pipeline import durations, locate, procs
 from kvbatch.pipeline import summary as summ
 from kvbatch.pipeline.config import Config, ConfigError, as_dict, config_hash, engine_config, parse_injection
 from kvbatch.pipeline.finalize import Finalized, finalize, reconcile, regenerate
@@ -27,7 +27,7 @@ from kvbatch.pipeline.progress import Progress, row_budget
 from kvbatch.pipeline.queue import Queue
 from kvbatch.pipeline.worker import Runtime, StorageError, Terminated, WorkStats, Worker
 
-QUEUE = "queue.sqlite"
+QUEUE = locate.QUEUE
 
 
 @dataclass
@@ -237,13 +237,46 @@ def run(job: Job) -> Path:
     return fin.path
 
 
+def found_jobs(job: Job) -> list[Job]:
+    """status/finalize/retry: the exact folder of these options, else the job's folders by name
+    (pipeline/locate.py); each with the config it was made with."""
+    folders, note = locate.locate(job.cfg, job.out_dir, job.cfg.action)
+    if note:
+        say(note)
+    out = []
+    for f in folders:
+        if f.path == job.out_dir:
+            out.append(job)
+        else:
+            cfg = f.cfg or job.cfg
+            cfg.action, cfg.retry = job.cfg.action, job.cfg.retry  # what to do now: from the command
+            out.append(Job(cfg, Path(f.input) if f.input else job.input_path, f.path, f.config_hash or "unknown"))
+    return out
+
+
 def status(job: Job) -> None:
-    if not job.queue_path.exists():
-        print(f"kvbatch: no queue in {job.out_dir} yet (run action=enqueue or action=run)")
+    found = found_jobs(job)
+    if not found:
+        print(f"kvbatch: no queue in {job.out_dir} yet, nor any folder of job {job.cfg.job.name!r} under "
+              f"{Path(job.cfg.output.root).resolve() / job.cfg.job.name} (run action=enqueue or action=run)")
+        return
+    if len(found) > 1:
+        print("\n".join(f"  {locate.open_folder(j.out_dir).describe()}" for j in found))
         return
     from kvbatch.pipeline.status import lines
 
-    print("\n".join(lines(job.queue_path, job.cfg.worker.isolate_after, job.cfg.worker.max_crashes)))
+    j = found[0]
+    print("\n".join(lines(j.queue_path, j.cfg.worker.isolate_after, j.cfg.worker.max_crashes)))
+
+
+def retry(job: Job, q: Queue) -> None:
+    """Requeue finished error rows (retry.codes; every code when empty); the next run regenerates them,
+    and their old results are superseded (never taken back into results.parquet)."""
+    keys = q.error_keys(job.cfg.retry.codes)
+    regenerate(job.out_dir, q, keys, "retry")
+    which = ", ".join(job.cfg.retry.codes) or "any code"
+    print(f"kvbatch: {len(keys)} error rows ({which}) queued again in {job.out_dir}; run the job again "
+          f"(the same options: {job.out_dir / 'config.yaml'}) to regenerate them")
 
 
 def execute(cfg: Config) -> Optional[Path]:
@@ -258,9 +291,15 @@ def execute(cfg: Config) -> Optional[Path]:
     if cfg.action == "status":
         status(job)
         return None
+    if cfg.action in ("finalize", "retry"):
+        found = found_jobs(job)
+        job = found[0] if found else job
     if not job.queue_path.exists():
         raise ConfigError(f"action={cfg.action}: no queue in {job.out_dir}; run action=enqueue (or run) first")
     q = open_queue(job)
+    if cfg.action == "retry":
+        retry(job, q)
+        return None
     if cfg.action == "work":
         memory_changed(job, q)
     stats = work(job, q) if cfg.action == "work" else None

@@ -22,12 +22,12 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from kvbatch.engine.config import EngineConfig, EngineSettings, KVConfig, MemoryConfig
-from kvbatch.engine.errors import KvbatchConfigError
+from kvbatch.engine.errors import ERROR_CODES, KvbatchConfigError
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.pipeline import durations, ranges
 from kvbatch.pipeline.escapes import unescape
 
-ACTIONS = ("run", "enqueue", "work", "status", "finalize", "report")
+ACTIONS = ("run", "enqueue", "work", "status", "finalize", "retry", "report")
 FORMATS = ("auto", "jsonl", "csv", "parquet")
 MODEL_SOURCES = ("smollm2", "local", "tiny")
 
@@ -94,6 +94,11 @@ class ReportConfig:
 
 
 @dataclass
+class RetryConfig:
+    codes: List[str] = field(default_factory=list)  # action=retry: requeue error rows with these codes; []: every code
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     kv: KVConfig = field(default_factory=KVConfig)
@@ -105,6 +110,7 @@ class Config:
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
+    retry: RetryConfig = field(default_factory=RetryConfig)
     action: str = "run"
 
 
@@ -182,6 +188,8 @@ def validate(cfg: Config) -> None:
     except ValueError as exc:
         raise ConfigError(f"worker.deadline={w.deadline!r}: {exc}") from None
     parse_injection(cfg.debug.inject_nonfinite)
+    _need(all(c in ERROR_CODES for c in cfg.retry.codes), "retry.codes", cfg.retry.codes,
+          f"choose among {', '.join(ERROR_CODES)} ([] = every code)")
     _need(cfg.action != "report" or bool(cfg.report.sweep_dirs), "report.sweep_dirs", cfg.report.sweep_dirs,
           "action=report needs report.sweep_dirs=[DIR,...] (sweep folders)")
 

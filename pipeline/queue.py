@@ -149,6 +149,12 @@ class Queue:
         return [k for (k,) in self.db.execute("SELECT r.key FROM rows r JOIN manifest m ON m.key=r.key "
                                               "WHERE r.state='error' AND r.error_code=?", (code,))]
 
+    def error_keys(self, codes: list[str]) -> list[str]:
+        """Manifest rows that ended with one of `codes` (every error code when empty), in input order."""
+        where = f" AND r.error_code IN ({','.join('?' * len(codes))})" if codes else ""
+        return [k for (k,) in self.db.execute("SELECT r.key FROM rows r JOIN manifest m ON m.key=r.key "
+                                              f"WHERE r.state='error'{where} ORDER BY m.pos", list(codes))]
+
     def regenerate(self, keys: list[str], in_parts: list[tuple[str, str]], reason: str) -> None:
         """Rows to be generated again from scratch: pending, counters reset; every result they have
         (`in_parts`: (key, part) found on disk, and the row's acknowledged part) and whatever the

@@ -62,7 +62,7 @@ def test_version_and_help(tmp_path):
     assert v.returncode == 0 and re.fullmatch(r"kvbatch \S+ \(mlx \S+, mlx-lm \S+, Python \S+\)\n", v.stdout), v
     h = kvbatch("--help", cwd=tmp_path)
     assert h.returncode == 0, h.stderr
-    for needle in ("== Actions (action=...) ==", "status", "== Inputs ==", "== Outputs ==",
+    for needle in ("== Actions (action=...) ==", "status", "retry", "== Inputs ==", "== Outputs ==",
                    "== Examples ==", "kv: none, q4, q8", "max_error_fraction"):
         assert needle in h.stdout, needle
     assert "Powered by Hydra" not in h.stdout
