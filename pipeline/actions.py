@@ -240,17 +240,20 @@ def run(job: Job) -> Path:
 def found_jobs(job: Job) -> list[Job]:
     """status/finalize/retry: the exact folder of these options, else the job's folders by name
     (pipeline/locate.py); each with the config it was made with."""
+    if job.cfg.output.dir:  # named explicitly: that folder, its identity checked against these options
+        return [job] if job.queue_path.exists() else []
     folders, note = locate.locate(job.cfg, job.out_dir, job.cfg.action)
     if note:
         say(note)
     out = []
     for f in folders:
-        if f.path == job.out_dir:
-            out.append(job)
-        else:
-            cfg = f.cfg or job.cfg
-            cfg.action, cfg.retry = job.cfg.action, job.cfg.retry  # what to do now: from the command
-            out.append(Job(cfg, Path(f.input) if f.input else job.input_path, f.path, f.config_hash or "unknown"))
+        if f.cfg is None or f.config_hash is None:  # a folder this schema cannot read: as the command says
+            out.append(Job(job.cfg, job.input_path, f.path, job.config_hash))
+            continue
+        # found by the job's name: these actions only read or fix the folder, so they take its own
+        # config (and hash) and need none of the options it was made with
+        f.cfg.action, f.cfg.retry = job.cfg.action, job.cfg.retry
+        out.append(Job(f.cfg, Path(f.input) if f.input else job.input_path, f.path, f.config_hash))
     return out
 
 

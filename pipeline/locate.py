@@ -81,7 +81,8 @@ def locate(cfg: Config, exact: Path, action: str) -> tuple[list[Folder], Optiona
                          f"{cfg.job.name!r}, {paths[0]}")
     if action != "status":
         raise ConfigError(f"action={action}: job {cfg.job.name!r} has {len(folders)} folders under "
-                          f"{paths[0].parent}; choose one with output.dir=...: "
+                          f"{paths[0].parent}; choose one with output.dir=FOLDER and the options it was made with "
+                          f"(its config.yaml), or pass those options alone: "
                           + "; ".join(f.describe() for f in folders))
     return folders, (f"kvbatch: no folder for exactly these options; job {cfg.job.name!r} has {len(folders)} "
                      f"folders (newest first; output.dir=... picks one):")

@@ -68,8 +68,8 @@ def test_status_and_finalize_find_the_job_by_name(tmp_path, model_cache_dir):
     assert any("kv=q8" in ln and "8 done" in ln for ln in listed), listed
     which = kvbatch(*_tiny(tmp_path, model_cache_dir, "action=finalize"), cwd=tmp_path)
     assert which.returncode == 2 and "has 2 folders" in which.stderr and "output.dir=" in which.stderr
-    exact = kvbatch(*_tiny(tmp_path, model_cache_dir, "action=finalize", f"output.dir={folder}"), cwd=tmp_path)
-    assert exact.returncode == 0, exact.stderr
+    exact = kvbatch(*_tiny(tmp_path, model_cache_dir, "action=finalize", "job.max_tokens=3"), cwd=tmp_path)
+    assert exact.returncode == 0 and exact.stdout.strip().splitlines()[-1] == str(folder / "results.parquet")
 
 
 def test_retry_requeues_error_rows_and_the_results_keep_only_the_new_outcome(tmp_path, model_cache_dir):
