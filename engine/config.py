@@ -17,6 +17,7 @@ from kvbatch.engine.sizes import parse_size
 KV_BITS: dict[str, Optional[int]] = {"none": None, "q8": 8, "q4": 4}
 KV_MODES = tuple(KV_BITS)
 GROUP_SIZES = (32, 64, 128)
+ADMISSIONS = ("reserve", "optimistic")
 
 
 @dataclass
@@ -94,8 +95,17 @@ class EngineOptions:
 class EngineSettings:
     """The `engine:` section: how many rows run together, how prompts are cut, and the options."""
 
-    max_batch: int = 8
-    prefill_chunk: int = 512  # prompt tokens per prefill forward
+    # rows that run together: "auto" (as many as memory admits, up to the backend's measured
+    # ceiling, engine/batch_limits.py) or a number
+    max_batch: Any = "auto"
+    prefill_chunk: int = 512  # most prompt tokens of one row in one prefill pass
+    # most tokens of one prefill pass, all its rows together (padding included): vLLM's
+    # max_num_batched_tokens; "auto" = the backend's default (engine/batch_limits.py)
+    prefill_tokens: Any = "auto"
+    # reserve: a row is admitted only if its worst case (prompt + max_tokens) fits, and never stops;
+    # optimistic: admitted when what it needs now fits; when growth cannot fit, the most recently
+    # admitted rows are preempted (pages freed, tokens kept) and resume later
+    admission: str = "optimistic"
     options: EngineOptions = field(default_factory=EngineOptions)
 
 
@@ -145,8 +155,12 @@ def check_memory(mem: MemoryConfig) -> None:
 
 
 def check_settings(s: EngineSettings) -> None:
-    _need(s.max_batch >= 1, "engine.max_batch", s.max_batch, "must be >= 1")
+    for key in ("max_batch", "prefill_tokens"):
+        v = getattr(s, key)
+        _need(v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1), f"engine.{key}", v,
+              "must be auto or an integer >= 1")
     _need(s.prefill_chunk >= 1, "engine.prefill_chunk", s.prefill_chunk, "must be >= 1")
+    _need(s.admission in ADMISSIONS, "engine.admission", s.admission, f"choose one of {', '.join(ADMISSIONS)}")
     o = s.options
     for name, choices in _CHOICES.items():
         _need(getattr(o, name) in choices, f"engine.options.{name}", getattr(o, name),

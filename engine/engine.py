@@ -18,6 +18,7 @@ import mlx.nn as nn
 
 from kvbatch.engine import mlx_lm_bridge
 from kvbatch.engine.backend import on_cpu
+from kvbatch.engine.batch_limits import resolve_max_batch, resolve_prefill_tokens
 from kvbatch.engine.config import EngineConfig
 from kvbatch.engine.errors import KvbatchConfigError
 from kvbatch.engine.gate import check_kv_mode
@@ -65,23 +66,26 @@ class Engine:
         if budget is None:
             budget = resolve_budget("auto", cfg.memory.fraction, cfg.memory.headroom, resident=spec.weights_bytes)
         self.layout = kv_layout(spec, kv.mode, kv.page_size, kv.group_size)
-        self.memory = MemoryModel(spec, self.layout, int(budget), settings.prefill_chunk, settings.max_batch)
-        _raise_cache_limit(min(self.memory.workspace(settings.max_batch, spec.context_length),
+        self.max_batch, self.max_batch_why = resolve_max_batch(settings.max_batch)
+        self.prefill_tokens = resolve_prefill_tokens(settings.prefill_tokens, settings.prefill_chunk)
+        self.memory = MemoryModel(spec, self.layout, int(budget), settings.prefill_chunk, self.max_batch,
+                                  self.prefill_tokens)
+        _raise_cache_limit(min(self.memory.workspace(self.max_batch, spec.context_length),
                                max(int(budget) - spec.weights_bytes, 0)))
         dtype = _DTYPES[spec.dtype]
-        self.cache = PagedKVCache(self.layout, spec.num_layers, dtype, tail_slots=settings.max_batch,
+        self.cache = PagedKVCache(self.layout, spec.num_layers, dtype, tail_slots=self.max_batch,
                                   upcast=dtype == mx.float16, query_heads=spec.num_heads, options=opts)
-        self.scheduler = Scheduler(spec, self.memory, self.cache, settings.max_batch, kv.page_size,
-                                   cfg.max_prompt_tokens)
+        self.scheduler = Scheduler(spec, self.memory, self.cache, self.max_batch, kv.page_size,
+                                   cfg.max_prompt_tokens, settings.admission, self.prefill_tokens)
         self.output = OutputProcessor(tokenizer, spec, self.layout, self.cache, self.hooks, self._unschedule)
-        self.runner = Runner(model, self.cache, self.scheduler, self.output, self.hooks, settings.prefill_chunk,
-                             self.memory.budget)
+        self.runner = Runner(model, self.cache, self.scheduler, self.output, self.hooks, self.memory.budget)
         # lookahead overlaps the host's graph building with the device: GPU backends only by default
         # (the CPU does both); the attention trace reads every layer, so it never overlaps
         self.lookahead = (opts.lookahead == "on" or (opts.lookahead == "auto" and not on_cpu())) \
             and not self.cache.trace
         self.stepper = LookaheadStepper(self.runner, spec.context_length) if self.lookahead \
             else SyncStepper(self.runner)
+        self.runner.flush = self.stepper.flush
 
     # ---- public surface --------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -92,15 +96,18 @@ class Engine:
                                forced=self.hooks.forced_tokens.get(req.key)))
 
     def step(self) -> list[Result]:
-        """One scheduler iteration: admit (and prefill) what fits, run one decode step; the rows
-        that finished, in the order they finished."""
-        while (decision := self.scheduler.next_admission()) is not None:
+        """One scheduler iteration: admit what fits, run one prefill pass over the admitted rows'
+        prompt chunks, then one decode step of the rows past their prompt; the rows that
+        finished, in the order they finished."""
+        s = self.scheduler
+        while (decision := s.next_admission()) is not None:
             row, problem = decision
             if problem:
                 self.output.finish(row, "error", *problem)
-            else:
-                self.runner.prefill(row)
-        if self.scheduler.running:
+        batch = s.prefill_batch()
+        if batch:
+            self.runner.prefill(batch)
+        if self.stepper.inflight or any(not r.prefilling for r in s.running):
             self.stepper.step()
             self.hooks.on_decode_step()
         done = list(self.output.done)
@@ -119,6 +126,7 @@ class Engine:
         self.stepper.drop()
         for r in s.running:
             self.cache.release(r.kv)
+            r.active = False
         s.waiting.clear()
         s.running.clear()
         return reqs
@@ -140,10 +148,14 @@ class Engine:
     def plan(self, worst_tokens: int, max_prompt: int | None = None) -> dict:
         """Memory plan for rows of `worst_tokens` (prompt + max_tokens) each, prompts of at most
         `max_prompt` tokens (None: up to worst_tokens): see MemoryModel.plan."""
-        return self.memory.plan(worst_tokens, max_prompt)
+        plan = self.memory.plan(worst_tokens, max_prompt)
+        plan.update(max_batch=self.max_batch, max_batch_why=self.max_batch_why,
+                    admission=self.cfg.engine.admission, prefill_tokens=self.prefill_tokens)
+        return plan
 
     def plan_line(self, worst_tokens: int, max_prompt: int | None = None) -> str:
-        """The one-line start-up plan ("memory plan: budget ..., weights ..., KV ... B/token, N rows ...")."""
+        """The one-line start-up plan ("memory plan: budget ..., weights ..., KV ... B/token, N rows ...;
+        batch: up to M rows (why), admission ...")."""
         return format_plan(self.plan(worst_tokens, max_prompt))
 
     def summary(self) -> dict:
@@ -157,6 +169,8 @@ class Engine:
             "pool_capacity_pages": c.capacity_pages, "peak_capacity_pages": c.peak_capacity_pages,
             "pool_bytes": c.capacity_bytes, "peak_pages_in_use": c.pool.peak_in_use,
             "pages_in_use": c.pool.in_use, "growth_events": list(c.growth_events),
+            "max_batch": self.max_batch, "max_batch_why": self.max_batch_why, "prefill_tokens": self.prefill_tokens,
+            "admission": self.cfg.engine.admission, "preemptions": self.scheduler.preemptions,
             "peak_concurrency": self.scheduler.peak_concurrency, "generated_tokens": self.output.generated_tokens,
             "prefill_s": t.prefill_time, "decode_s": t.decode_time,
             "prefill_tokens_per_s": t.prefill_tokens / t.prefill_time if t.prefill_time else None,
@@ -168,5 +182,8 @@ class Engine:
 
     # ---- internal --------------------------------------------------------------------------
     def _unschedule(self, row: Row) -> None:
-        if row in self.scheduler.running:
+        if row.active:
             self.scheduler.running.remove(row)
+            row.active = False
+        elif row in self.scheduler.waiting:  # preempted, then ended by its last in-flight token
+            self.scheduler.waiting.remove(row)

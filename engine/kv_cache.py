@@ -28,6 +28,7 @@ from kvbatch.engine.sizes import fmt_bytes
 class _Pass:
     rows: list[CacheRow]
     L: int
+    lens: list[int]  # real tokens per row (<= L)
     offset: object
     meta: object  # the route's metadata of this pass
     poison: Optional[mx.array] = None
@@ -134,28 +135,32 @@ class PagedKVCache:
                        f"KV budget {fmt_bytes(kv_limit_bytes)}, machine free {fmt_bytes(free_now)}")
 
     # ---- one forward pass ------------------------------------------------------------------
-    def begin(self, rows: list[CacheRow], L: int, poison: Optional[list[bool]] = None) -> None:
-        """poison: testing only (EngineHooks.nonfinite), rows whose layer-0 attention turns NaN."""
+    def begin(self, rows: list[CacheRow], L: int, poison: Optional[list[bool]] = None,
+              lens: Optional[list[int]] = None) -> None:
+        """A pass of L tokens per row; lens: each row's real tokens (a prefill pass of rows with
+        different chunks is right-padded to L; None: all L). poison: testing only
+        (EngineHooks.nonfinite), rows whose layer-0 attention turns NaN."""
+        lens = lens or [L] * len(rows)
         if self.pool.capacity > self.capacity_pages:  # every page id the pool hands out is in the buffers
             raise UnreservedWriteError(f"the page pool ({self.pool.capacity} pages) exceeds the live buffers "
                                        f"({self.capacity_pages})")
         P, pos = self.P, []
-        for r in rows:
-            if r.length + L > r.reserved:
+        for r, n in zip(rows, lens):
+            if r.length + n > r.reserved:
                 raise UnreservedWriteError(
-                    f"row {r.key}: forward of {L} tokens at {r.length} but only {r.reserved} reserved")
+                    f"row {r.key}: forward of {n} tokens at {r.length} but only {r.reserved} reserved")
             if r.reserved > len(r.pages) * P:
                 raise UnreservedWriteError(f"row {r.key}: {r.reserved} tokens reserved in {len(r.pages)} pages")
             pos.append(r.length)
         offset = pos[0] if len(rows) == 1 else mx.array(pos, dtype=mx.int32)
-        self.plan = _Pass(rows, L, offset, self.attention.plan(rows, L, pos, self.epoch))
+        self.plan = _Pass(rows, L, lens, offset, self.attention.plan(rows, L, pos, self.epoch, lens))
         if poison is not None and any(poison):
             self.plan.poison = mx.array(poison)
         self._reported = set()
 
     def end(self) -> None:
-        for r in self.plan.rows:
-            r.length += self.plan.L
+        for r, n in zip(self.plan.rows, self.plan.lens):
+            r.length += n
         self.plan = None
         self.attention.end()
 

@@ -107,19 +107,27 @@ class MemoryModel:
     budget: int
     prefill_chunk: int
     max_batch: int
+    prefill_tokens: int = 0  # most tokens of one prefill pass (0: one chunk)
 
     def workspace(self, rows: int, max_tokens: int, max_prompt: int | None = None) -> int:
-        """Transient bytes of the largest step (decode and prefill never overlap), plus tail pages.
+        """Transient bytes of the largest pass (`step_workspace`), plus the q8/q4 tail pages:
+        the page each batch slot is filling, kept in full precision."""
+        lay = self.layout
+        tails = self.max_batch * lay.page_size * lay.dense_bytes_per_token if lay.bits else 0
+        return self.step_workspace(rows, max_tokens, max_prompt) + tails
 
-        - decode (every row, one token): one layer's K/V of every row gathered from the
-          pages (quantized pages: gathered and made contiguous, twice their bytes; dense:
-          once, plus a float32 copy when a 2-byte dtype is upcast), float32 scores and
-          probabilities, float32 logits (the engine computes last-position logits only);
-        - prefill (one row, one chunk of up to prefill_chunk tokens at up to max_prompt
-          tokens of context; None = max_tokens): that row's K/V of one layer as stored plus
-          two float32 copies (dequantized/upcast, concatenated), the chunk's scores and
-          probabilities, its activations (about 16 hidden vectors per token), logits;
-        - quantized modes: the page each batch slot is filling, kept in full precision.
+    def step_workspace(self, rows: int, max_tokens: int, max_prompt: int | None = None) -> int:
+        """Transient bytes of the largest forward pass (passes run one after another, never together).
+
+        - decode (every row, one token, up to max_tokens of context): one layer's K/V of every
+          row gathered from the pages (quantized pages: gathered and made contiguous, twice their
+          bytes; dense: once, plus a float32 copy when a 2-byte dtype is upcast), float32 scores
+          and probabilities, float32 logits (the engine computes last-position logits only);
+        - prefill: the larger of a pass of one row's chunk (up to prefill_chunk tokens) at up to
+          max_prompt tokens of context (None = max_tokens), and a pass of as many such chunks
+          as prefill_tokens holds (up to `rows`) at the chunk's own length of context. The
+          scheduler puts several rows' chunks into one pass only while `prefill_pass` stays
+          within this, so short prompts batch and long ones run alone or nearly.
         """
         s, lay = self.spec, self.layout
         rows, T = max(rows, 1), max(max_tokens, 1)
@@ -129,10 +137,18 @@ class MemoryModel:
         f32 = 2 * s.num_kv_heads * s.head_dim * 4
         per_token = 2 * stored if lay.bits else stored + (f32 if lay.dtype_bytes < 4 else 0)
         decode = rows * T * per_token + 2 * rows * s.num_heads * T * 4 + 2 * rows * s.vocab_size * 4
-        prefill = (Tp * (stored + 2 * f32) + 2 * s.num_heads * c * Tp * 4
-                   + 16 * c * s.num_heads * s.head_dim * 4 + 2 * s.vocab_size * 4)
-        tails = self.max_batch * lay.page_size * lay.dense_bytes_per_token if lay.bits else 0
-        return max(decode, prefill) + tails
+        batched = min(rows, max(1, self.prefill_tokens // c))
+        return max(decode, self.prefill_pass(1, c, Tp), self.prefill_pass(batched, c, c))
+
+    def prefill_pass(self, rows: int, L: int, T: int) -> int:
+        """Transient bytes of one prefill pass: `rows` rows right-padded to L tokens, each attending
+        to at most T keys: one layer's K/V of each row as stored plus two float32 copies
+        (dequantized/upcast, concatenated), float32 scores and probabilities, activations, logits."""
+        s, lay = self.spec, self.layout
+        stored = lay.bytes_per_token // max(lay.num_kv_layers, 1)
+        f32 = 2 * s.num_kv_heads * s.head_dim * 4
+        activations = 16 * s.num_heads * s.head_dim * 4  # about 16 float32 hidden vectors a token
+        return rows * (T * (stored + 2 * f32) + 2 * s.num_heads * L * T * 4 + L * activations + 2 * s.vocab_size * 4)
 
     def bytes_for(self, worst_tokens: list[int], max_prompt: int | None = None) -> int:
         """Weights + worst-case KV pages of these rows + the growth copy + workspace."""
@@ -180,7 +196,16 @@ class MemoryModel:
 
 def format_plan(plan: dict) -> str:
     """One line for the start of a run, from MemoryModel.plan / Engine.plan."""
-    return (f"memory plan: budget {fmt_bytes(plan['budget_bytes'])}, weights {fmt_bytes(plan['weights_bytes'])}, "
+    line = (f"memory plan: budget {fmt_bytes(plan['budget_bytes'])}, weights {fmt_bytes(plan['weights_bytes'])}, "
             f"KV ({plan['kv_mode']}) {plan['kv_bytes_per_token']} B/token, "
             f"{plan['rows_fit']} rows of {plan['row_worst_tokens']} tokens fit at once "
             f"(predicted peak {fmt_bytes(plan['predicted_peak_bytes'])})")
+    if "max_batch" in plan:
+        runs = min(plan["max_batch"], plan["rows_fit"])
+        line += (f"; batch: up to {plan['max_batch']} rows ({plan['max_batch_why']}), "
+                 f"{runs} at their worst case")
+        if plan["admission"] == "optimistic":
+            line += ", more while answers are shorter (admission optimistic: preempts when memory runs out)"
+        else:
+            line += " (admission reserve)"
+    return line

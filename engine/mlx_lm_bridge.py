@@ -28,15 +28,24 @@ def prepare_model(model: nn.Module, options: EngineOptions) -> None:
         rope_cpu.uninstall(model)
 
 
-def forward_last(model: nn.Module, tokens: mx.array, cache: list) -> mx.array:
-    """Logits of the last position only: skips the vocab projection of every prompt token."""
+def forward_last(model: nn.Module, tokens: mx.array, cache: list, last: Optional[mx.array] = None) -> mx.array:
+    """(B, vocab) logits of each row's last position only (skips the vocab projection of every
+    prompt token). last: (B,) the position of each row's last real token (a right-padded prefill
+    pass); None: the last position."""
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "embed_tokens"):
-        return model(tokens, cache=cache)[:, -1, :]
-    h = inner(tokens, cache=cache)[:, -1:, :]
+        return _pick(model(tokens, cache=cache), last)[:, 0, :]
+    h = _pick(inner(tokens, cache=cache), last)
     head = getattr(model, "lm_head", None)
     out = head(h) if head is not None else inner.embed_tokens.as_linear(h)
     return out[:, -1, :]
+
+
+def _pick(h: mx.array, last: Optional[mx.array]) -> mx.array:
+    """(B, L, ·) -> (B, 1, ·) at each row's last position."""
+    if last is None:
+        return h[:, -1:, :]
+    return mx.take_along_axis(h, last.reshape(-1, 1, 1), axis=1)
 
 
 class PagedLayerCache:

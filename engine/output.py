@@ -90,7 +90,9 @@ class OutputProcessor:
         if n > 1 and row.t_last and row.t_first and row.t_last > row.t_first:
             decode_tps = (n - 1) / (row.t_last - row.t_first)
         stats = RowStats(prompt_tokens=row.prompt_len, output_tokens=n,
-                         ttft_s=(row.t_first - row.t_submit) if row.t_first else None,
+                         ttft_s=(row.t_first - row.t_admit) if row.t_first and row.t_admit else None,
+                         queue_s=(row.t_admit - row.t_submit) if row.t_admit else None,
+                         preemptions=row.preemptions,
                          decode_tps=decode_tps, wall_s=time.perf_counter() - row.t_submit,
                          peak_kv_bytes=peak_kv, route=self.cache.route)
         key = code or "ok"

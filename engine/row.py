@@ -14,17 +14,34 @@ class Row:
     req: Request
     kv: CacheRow
     sampler: RowSampler
-    worst: int  # prompt + max_tokens, capped at the context: what admission prices
+    worst: int  # prompt + max_tokens, capped at the context: what `reserve` admission prices
     t_submit: float
     forced: Optional[list[int]] = None  # hooks: teacher-forced tokens
     out: list[int] = field(default_factory=list)
+    target: int = 0  # tokens its prefill stores: the prompt, plus the tokens generated before a preemption
+    t_admit: Optional[float] = None  # first admission
     t_first: Optional[float] = None
     t_last: Optional[float] = None
+    preemptions: int = 0
+    active: bool = False  # in the running batch
     ended: bool = False
 
     @property
     def prompt_len(self) -> int:
         return len(self.req.prompt_tokens)
+
+    @property
+    def prefilling(self) -> bool:
+        """Admitted, and its prompt (plus tokens kept from before a preemption) not all stored yet."""
+        return self.kv.length < self.target
+
+    def prefill_tokens(self, n: int) -> list[int]:
+        """Its next n tokens to prefill."""
+        done = self.kv.length
+        seq = self.req.prompt_tokens
+        if done + n > len(seq):  # a resumed row: its generated tokens follow the prompt
+            seq = seq + self.out
+        return seq[done:done + n]
 
     def ends_after(self, n: int, context_length: int) -> bool:
         """Whether the row ends once it holds n output tokens, whatever they are."""

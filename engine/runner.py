@@ -1,4 +1,5 @@
-"""Forward passes and sampling: a row's prefill, and decode steps run by one of two steppers.
+"""Forward passes and sampling: prefill passes over several rows' prompt chunks, and decode
+steps run by one of two steppers.
 
 `SyncStepper` runs a decode step and reads its tokens before the next one. `LookaheadStepper`
 dispatches the next step before the host reads the previous step's tokens (as mlx-lm's
@@ -40,10 +41,11 @@ class StepTimes:
 
 class Runner:
     def __init__(self, model: nn.Module, cache: PagedKVCache, sched: Scheduler, output: OutputProcessor,
-                 hooks: EngineHooks, prefill_chunk: int, budget: int):
+                 hooks: EngineHooks, budget: int):
         self.model, self.cache, self.sched, self.output, self.hooks = model, cache, sched, output, hooks
-        self.prefill_chunk, self.budget = prefill_chunk, budget
+        self.budget = budget
         self.times = StepTimes()
+        self.flush = lambda: None  # lands a decode step in flight (set by the engine to its stepper's)
 
     def poison(self, rows: list[Row], ahead: frozenset = frozenset()) -> Optional[list[bool]]:
         """hooks.nonfinite: which rows get NaN attention this step. ahead: rows with one token in
@@ -53,39 +55,62 @@ class Runner:
             return None
         return [r.req.key == inj[0] and len(r.out) + (id(r) in ahead) == int(inj[1]) for r in rows]
 
-    def prefill(self, row: Row) -> None:
-        """The row's prompt in chunks of prefill_chunk tokens, then its first token."""
-        self.hooks.on_row_start(row.req.key)
+    def prefill(self, batch: list[tuple[Row, int]]) -> None:
+        """One prefill pass: each (row, n) stores the row's next n prompt tokens, the chunks
+        right-padded to the longest (ragged: each row at its own position, over its own pages).
+        A row whose prompt is complete gets its first token. A row that fails alone ends with its
+        error; a pass of several rows that fails is run again row by row, so a fault stays with
+        the row that causes it."""
+        for row, _ in batch:
+            if row.kv.length == 0:
+                self.hooks.on_row_start(row.req.key)
         t0 = time.perf_counter()
-        toks, chunk = row.req.prompt_tokens, self.prefill_chunk
+        ready = []
+        for row, n in batch:
+            try:
+                if self.sched.make_room(row, n, self.flush):
+                    ready.append((row, n))
+            except RowError as e:
+                self.output.end(row, "error", e.code, e.message)
+        batch = [(row, n) for row, n in ready if row.active]
+        if not batch:
+            return
+        rows, lens = [row for row, _ in batch], [n for _, n in batch]
+        L, before = max(lens), [row.kv.length for row in rows]
         try:
-            for start in range(0, len(toks), chunk):
-                piece = toks[start:start + chunk]
-                self.sched.reserve(row, len(piece))
-                self.cache.begin([row.kv], len(piece), self.poison([row]))
-                try:
-                    logits = forward_last(self.model, mx.array([piece]), self.cache.views)
-                    if start + chunk < len(toks):
-                        mx.eval(self.cache.store.all_arrays())
-                    else:
-                        logits = logits.astype(mx.float32)
-                        token = sample_batch(logits, [row.sampler])
-                        finite = mx.isfinite(logits).all(axis=-1)
-                        mx.eval(token, finite)
-                finally:
-                    self.cache.end()
-                self.hooks.on_prefill_chunk(row.req.key, start + len(piece), len(toks))
-        except RowError as e:
-            self.output.end(row, "error", e.code, e.message)
+            inputs = mx.array([row.prefill_tokens(n) + [0] * (L - n) for row, n in batch])
+            last = [row.kv.length + n == row.target for row, n in batch]
+            self.cache.begin([row.kv for row in rows], L, self.poison(rows), lens)
+            try:
+                logits = forward_last(self.model, inputs, self.cache.views,
+                                      None if L == min(lens) else mx.array(lens) - 1)
+                done = [i for i, f in enumerate(last) if f]
+                if done:
+                    logits = (logits if len(done) == len(rows) else logits[mx.array(done)]).astype(mx.float32)
+                    token = sample_batch(logits, [rows[i].sampler for i in done])
+                    finite = mx.isfinite(logits).all(axis=-1)
+                    mx.eval(token, finite, self.cache.store.all_arrays())
+                else:
+                    mx.eval(self.cache.store.all_arrays())
+            finally:
+                self.cache.end()
+        except Exception as e:
+            for row, n in zip(rows, before):
+                row.kv.length = n  # nothing of the failed pass counts as stored
+            if len(batch) > 1:
+                for one in batch:
+                    self.prefill([one])
+                return
+            self.output.end(rows[0], "error", errors.INTERNAL_ERROR, f"{type(e).__name__}: {e}")
             return
-        except Exception as e:  # confined to this row
-            self.output.end(row, "error", errors.INTERNAL_ERROR, f"{type(e).__name__}: {e}")
-            return
+        for row, n in batch:
+            self.hooks.on_prefill_chunk(row.req.key, min(row.kv.length, row.prompt_len), row.prompt_len)
         self.times.t_accepted = time.perf_counter()  # lookahead: decode time restarts after a prefill
         self.times.prefill_time += self.times.t_accepted - t0
-        self.times.prefill_tokens += len(toks)
+        self.times.prefill_tokens += sum(lens)
         self.trim_cache()
-        self.output.accept([row], logits, token, finite)
+        if done:
+            self.output.accept([rows[i] for i in done], logits, token, finite)
 
     def forward_sample(self, rows: list[Row], inputs: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """One decode forward of (B, 1) inputs, lazily: float32 logits, sampled tokens, finite flags."""
@@ -111,7 +136,8 @@ class SyncStepper:
 
     def step(self) -> None:
         r, out = self.r, self.r.output
-        rows = r.sched.reserve_decode(list(r.sched.running), lambda row, e: out.end(row, "error", e.code, e.message))
+        rows = r.sched.reserve_decode(r.sched.decoding(), lambda row, e: out.end(row, "error", e.code, e.message),
+                                      self.flush)
         if not rows:
             return
         t0 = time.perf_counter()
@@ -136,6 +162,9 @@ class SyncStepper:
 
     def drop(self) -> None:
         """Forget any step in flight (cancel)."""
+
+    def flush(self) -> None:
+        """Land any step in flight (none here)."""
 
 
 @dataclass
@@ -166,21 +195,30 @@ class LookaheadStepper:
     def drop(self) -> None:
         self._step = None  # its tokens are dropped with the rows
 
+    def flush(self) -> None:
+        """Land the step in flight (before a preemption frees pages its rows hold)."""
+        if self._step is not None:
+            step, self._step = self._step, None
+            self._accept(step)
+
     def _last(self, row: Row) -> bool:
         """Whether the row's in-flight token ends it whatever that token is (see OutputProcessor.accept)."""
         return row.ends_after(len(row.out) + 1, self.context_length)
 
     def step(self) -> None:
         r, out = self.r, self.r.output
-        prev, self._step = self._step, None
+        prev = self._step
         ahead = frozenset(id(row) for row in prev.rows) if prev else frozenset()
         if prev is not None and r.sched.waiting and any(self._last(row) for row in prev.rows):
             # a slot frees with this step: read it now, so the waiting row joins the next step
-            self._accept(prev)
+            self.flush()
             return
-        candidates = [row for row in r.sched.running if not (id(row) in ahead and self._last(row))]
+        candidates = [row for row in r.sched.decoding() if not (id(row) in ahead and self._last(row))]
         refused: list = []  # ended after the in-flight token is accepted
-        rows = r.sched.reserve_decode(candidates, lambda row, e: refused.append((row, e)))
+        rows = r.sched.reserve_decode(candidates, lambda row, e: refused.append((row, e)), self.flush)
+        prev, self._step = self._step, None  # None if a preemption landed it
+        if prev is None:
+            ahead = frozenset()
         failed = None
         if rows:
             t0 = time.perf_counter()

@@ -1,11 +1,18 @@
-"""Which rows run: the waiting queue, the running batch, admission against the memory model.
+"""Which rows run: the waiting queue, the running batch, admission and preemption against the
+memory model, and which prompt chunks the next prefill pass takes.
 
-Admission prices a row's worst case (prompt + max_tokens) next to the rows already
-running; a row that can never fit alone is refused (`insufficient_memory`) before any page
-is allocated for it; one that does not fit yet waits for running rows to finish.
+Admission (`engine.admission`):
+- `reserve` prices each running row at its worst case (prompt + max_tokens): a row admitted
+  never runs out of room, but rows that end early held memory they never used;
+- `optimistic` prices each row at what it holds now plus a margin. When a row's growth cannot
+  fit, the rows admitted after it are preempted, most recent first (pages freed, generated
+  tokens kept, back to the head of the queue); readmitted, they prefill prompt + generated
+  tokens and continue. A row is refused (`insufficient_memory`) only when it cannot fit alone.
+Every growth is priced before anything is allocated, under both policies.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Callable, Optional
 
@@ -16,18 +23,36 @@ from kvbatch.engine.memory import MemoryModel
 from kvbatch.engine.row import Row
 from kvbatch.engine.types import ModelSpec
 
+# optimistic: tokens of growth priced beyond what a running row holds now, in pages
+MARGIN_PAGES = 2
+
 
 class Scheduler:
     def __init__(self, spec: ModelSpec, memory: MemoryModel, cache: PagedKVCache, max_batch: int,
-                 page_size: int, max_prompt_tokens: Optional[int]):
+                 page_size: int, max_prompt_tokens: Optional[int], admission: str = "reserve",
+                 prefill_tokens: int = 0):
         self.spec, self.memory, self.cache = spec, memory, cache
         self.max_batch, self.page_size, self.max_prompt_tokens = max_batch, page_size, max_prompt_tokens
+        self.optimistic = admission == "optimistic"
+        self.prefill_tokens = prefill_tokens
+        self.margin = MARGIN_PAGES * page_size
         self.waiting: deque[Row] = deque()
-        self.running: list[Row] = []
+        self.running: list[Row] = []  # in admission order
         self.peak_concurrency = 0
+        self.preemptions = 0
 
     def add(self, row: Row) -> None:
         self.waiting.append(row)
+
+    def decoding(self) -> list[Row]:
+        return [r for r in self.running if not r.prefilling]
+
+    # ---- admission -------------------------------------------------------------------------
+    def priced(self, r: Row) -> int:
+        """Tokens the admission policy prices for a row."""
+        if not self.optimistic:
+            return r.worst
+        return min(r.worst, max(r.kv.reserved, r.target) + self.margin)
 
     def next_admission(self) -> Optional[tuple[Row, Optional[tuple[str, str]]]]:
         """The next waiting row that can be decided now: (row, None) = admitted (its cache row
@@ -40,12 +65,16 @@ class Scheduler:
         if problem:
             self.waiting.popleft()
             return row, problem
-        if not self.memory.fits([r.worst for r in self.running] + [row.worst],
-                                max(r.prompt_len for r in self.running + [row])):
+        row.target = row.prompt_len + len(row.out)
+        if not self.memory.fits([self.priced(r) for r in self.running] + [self.priced(row)],
+                                max(r.target for r in self.running + [row])):
             return None  # waits for running rows to finish
         self.waiting.popleft()
         self.cache.admit(row.kv)
         self.running.append(row)
+        row.active = True
+        if row.t_admit is None:
+            row.t_admit = time.perf_counter()
         self.peak_concurrency = max(self.peak_concurrency, len(self.running))
         return row, None
 
@@ -73,6 +102,36 @@ class Scheduler:
                                                 f"but the budget is {self.memory.budget}")
         return None
 
+    # ---- prefill ---------------------------------------------------------------------------
+    def prefill_batch(self) -> list[tuple[Row, int]]:
+        """The next prefill pass: (row, tokens) of admitted rows still prefilling, up to
+        prefill_chunk tokens each and prefill_tokens in all (padded to the longest chunk; the
+        first row always goes, so prefill_tokens=1 means one row a pass), and
+        within the workspace the memory model priced. Chosen longest chunks first, so a pass pads
+        little; returned in admission order."""
+        chunk = self.memory.prefill_chunk
+        cands = sorted((r for r in self.running if r.prefilling), key=lambda r: -min(r.target - r.kv.length, chunk))
+        if not cands:
+            return []
+        cap = self._step_workspace()
+        batch: list[tuple[Row, int]] = []
+        L = T = 0
+        for r in cands:
+            n = min(r.target - r.kv.length, chunk)
+            L2, T2 = max(L, n), max(T, r.kv.length + n)
+            if batch and ((len(batch) + 1) * L2 > self.prefill_tokens
+                          or self.memory.prefill_pass(len(batch) + 1, L2, T2) > cap):
+                continue
+            batch.append((r, n))
+            L, T = L2, T2
+        order = {id(r): i for i, r in enumerate(self.running)}
+        return sorted(batch, key=lambda b: order[id(b[0])])
+
+    def _step_workspace(self) -> int:
+        tokens = [self.priced(r) for r in self.running] or [1]
+        return self.memory.step_workspace(len(tokens), max(tokens), max(r.target for r in self.running))
+
+    # ---- growth ----------------------------------------------------------------------------
     def pool_want(self) -> int:
         """Pages the running rows can hold at most, together: where pool growth may stop."""
         P = self.page_size
@@ -80,23 +139,64 @@ class Scheduler:
 
     def kv_limit(self) -> int:
         """KV bytes the budget leaves next to the weights and the running rows' workspace."""
-        worst = [r.worst for r in self.running] or [1]
-        prompt = max((r.prompt_len for r in self.running), default=1)
-        return self.memory.budget - self.spec.weights_bytes - self.memory.workspace(len(worst), max(worst), prompt)
+        tokens = [self.priced(r) for r in self.running] or [1]
+        prompt = max((r.target for r in self.running), default=1)
+        return self.memory.budget - self.spec.weights_bytes - self.memory.workspace(len(tokens), max(tokens), prompt)
 
-    def reserve(self, row: Row, n_tokens: int) -> None:
-        """Room for the row's next n_tokens (priced; raises RowError when it cannot fit)."""
-        self.cache.reserve(row.kv, n_tokens, self.kv_limit(), self.pool_want())
+    def limits(self) -> list[int]:
+        """[kv_limit, pool_want] for make_room (they scan every running row: once per step)."""
+        return [self.kv_limit(), self.pool_want()]
 
-    def reserve_decode(self, rows: list[Row], refused: Callable[[Row, RowError], None]) -> list[Row]:
-        """Room for one more token in each of `rows`, in order; the rows reserved. A row whose
-        growth is refused goes to `refused` at once (which may free its pages for the next)."""
-        ok = []
-        limit, want = self.kv_limit(), self.pool_want()  # once per step: they scan every running row
-        for r in rows:
+    def make_room(self, row: Row, n_tokens: int, flush: Callable[[], None],
+                  limits: Optional[list[int]] = None) -> bool:
+        """Room for the row's next n_tokens (priced first). Under `optimistic`, when it cannot fit,
+        the rows admitted after it are preempted, most recent first (flush() is called once
+        before the first preemption: a decode step in flight must land first); when none is left,
+        the row itself is preempted (False). Raises RowError when it cannot fit alone.
+        limits: `limits()` of this step, refreshed here after a preemption."""
+        limits = limits if limits is not None else self.limits()
+        flushed = False
+        while True:
             try:
-                self.cache.reserve(r.kv, 1, limit, want)
-                ok.append(r)
+                self.cache.reserve(row.kv, n_tokens, *limits)
+                return True
+            except RowError:
+                if not self.optimistic or (self.running and self.running == [row]):
+                    raise
+            limits[:] = self.limits()
+            if not flushed:
+                flush()
+                flushed = True
+                if not row.active:
+                    return False
+                continue
+            later = self.running[self.running.index(row) + 1:]
+            self.preempt(later[-1] if later else row)
+            if not later:
+                return False
+            limits[:] = self.limits()
+
+    def preempt(self, row: Row) -> None:
+        """Free a running row's pages and put it back at the head of the queue; its generated
+        tokens are kept and prefilled again when it is readmitted."""
+        self.cache.release(row.kv)
+        self.running.remove(row)
+        row.active = False
+        self.waiting.appendleft(row)
+        row.preemptions += 1
+        self.preemptions += 1
+
+    def reserve_decode(self, rows: list[Row], refused: Callable[[Row, RowError], None],
+                       flush: Callable[[], None]) -> list[Row]:
+        """Room for one more token in each of `rows` (in admission order); the rows reserved and
+        still running. A row that cannot fit alone goes to `refused` at once."""
+        ok, limits = [], self.limits()
+        for r in rows:
+            if not r.active:  # preempted for an earlier row, or ended by a flush
+                continue
+            try:
+                if self.make_room(r, 1, flush, limits):
+                    ok.append(r)
             except RowError as e:
                 refused(r, e)
-        return ok
+        return [r for r in ok if r.active]

@@ -51,7 +51,9 @@ class Request:
 class RowStats:
     prompt_tokens: int = 0
     output_tokens: int = 0
-    ttft_s: Optional[float] = None
+    ttft_s: Optional[float] = None  # from admission to the first token
+    queue_s: Optional[float] = None  # from add() to admission (waiting for a slot or memory)
+    preemptions: int = 0
     decode_tps: Optional[float] = None
     wall_s: float = 0.0
     peak_kv_bytes: int = 0

@@ -26,9 +26,11 @@ class Geometry:
 class Route:
     name: str = ""
 
-    def plan(self, rows: list[CacheRow], L: int, pos: list[int], epoch: int) -> object:
-        """The pass's metadata: rows at positions `pos` (their stored lengths), L tokens each.
-        epoch: the cache's counter of page-table changes (a route may reuse last step's arrays)."""
+    def plan(self, rows: list[CacheRow], L: int, pos: list[int], epoch: int, lens: list[int]) -> object:
+        """The pass's metadata: rows at positions `pos` (their stored lengths), lens[b] <= L tokens
+        each (a prefill pass is right-padded to L: the padding is neither stored nor attended to by
+        real tokens). epoch: the cache's counter of page-table changes (a route may reuse last
+        step's arrays)."""
         raise NotImplementedError
 
     def write(self, layer: int, meta, keys: mx.array, values: mx.array) -> None:
@@ -41,6 +43,13 @@ class Route:
 
     def end(self) -> None:
         """The pass is over (drop per-pass scratch)."""
+
+
+def real_tokens(L: int, lens: list[int]) -> mx.array | None:
+    """Indices of the real tokens in a pass's (B * L) flat tokens; None when none is padding."""
+    if all(n == L for n in lens):
+        return None
+    return mx.array([b * L + i for b, n in enumerate(lens) for i in range(n)], dtype=mx.int32)
 
 
 def flat_tokens(keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:

@@ -66,9 +66,9 @@ class CudaDenseRoute(DenseRoute):
         self.name, self.launch, self.reuse = ROUTE_CUDA, launch, StepReuse(step_reuse)  # not DenseRoute's name
         self._new_kv: dict[int, tuple[mx.array, mx.array]] = {}  # decode K/V the kernel stores
 
-    def plan(self, rows, L, pos, epoch):
+    def plan(self, rows, L, pos, epoch, lens):
         if L > 1:
-            return self.prefill_plan(rows, L, pos)
+            return self.prefill_plan(rows, L, pos, lens)
         P = self.geom.page_size
         new_len = [a + 1 for a in pos]
         n_pages = [-(-n // P) for n in new_len]
@@ -117,10 +117,10 @@ class CudaQuantRoute(QuantRoute):
         self.launch, self.reuse = launch, StepReuse(step_reuse)
         self._new_kv: dict[int, tuple[mx.array, mx.array]] = {}
 
-    def plan(self, rows, L, pos, epoch):
+    def plan(self, rows, L, pos, epoch, lens):
         """Decode: one token per row into its tail; a row that fills its tail page seals it."""
         if L > 1:
-            return super().plan(rows, L, pos, epoch)
+            return super().plan(rows, L, pos, epoch, lens)
         P = self.geom.page_size
         tails = [r.tail for r in rows]
         n_before = [a // P for a in pos]  # pages sealed before this step

@@ -17,7 +17,7 @@ import numpy as np
 
 from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.kv.store import DenseStore, head_rows
-from kvbatch.engine.routes.base import Geometry, Route, flat_tokens
+from kvbatch.engine.routes.base import Geometry, Route, flat_tokens, real_tokens
 from kvbatch.engine.routes.common import causal_mask, page_heads, page_table, token_slots
 from kvbatch.engine.routes.softmax_cpu import masked_softmax
 
@@ -90,6 +90,7 @@ class DenseStep:
     mask: Optional[mx.array] = None  # (B, 1, L, T); in place: (B, 1, T, 1), key-major
     page_heads: Optional[mx.array] = None  # in place: (B, Hkv, n) page * Hkv + head
     query_of: Optional[mx.array] = None  # in place: (B, Hkv, 1)
+    take: Optional[mx.array] = None  # prefill: the real tokens of the padded pass (base.real_tokens)
 
 
 class DenseRoute(Route):
@@ -99,16 +100,18 @@ class DenseRoute(Route):
         self.in_place = in_place
         self.name = ROUTE_DENSE_F32 if upcast else ROUTE_DENSE
 
-    def plan(self, rows: list[CacheRow], L: int, pos: list[int], epoch: int) -> DenseStep:
-        return self.decode_plan(rows, pos) if L == 1 else self.prefill_plan(rows, L, pos)
+    def plan(self, rows: list[CacheRow], L: int, pos: list[int], epoch: int, lens: list[int]) -> DenseStep:
+        return self.decode_plan(rows, pos) if L == 1 else self.prefill_plan(rows, L, pos, lens)
 
-    def prefill_plan(self, rows: list[CacheRow], L: int, pos: list[int]) -> DenseStep:
-        """A multi-token pass (prefill chunk)."""
-        P, p = self.geom.page_size, np.array(pos, dtype=np.int32)
-        tokens = np.concatenate([token_slots(r, P, int(a), int(a) + L) for r, a in zip(rows, p)]).tolist()
-        table = page_table(rows, (-(-(p + L) // P)).tolist())
+    def prefill_plan(self, rows: list[CacheRow], L: int, pos: list[int], lens: list[int]) -> DenseStep:
+        """A multi-token pass (prefill chunks of several rows, right-padded to L): only the real
+        tokens are stored; a real query sees only keys at or before it, all real."""
+        P, p, n = self.geom.page_size, np.array(pos, dtype=np.int32), np.array(lens, dtype=np.int32)
+        tokens = np.concatenate([token_slots(r, P, int(a), int(a + k)) for r, a, k in zip(rows, p, n)]).tolist()
+        table = page_table(rows, (-(-(p + n) // P)).tolist())
         hrows = head_rows(tokens, P, self.geom.kv_heads)
-        return DenseStep(mx.array(hrows, dtype=mx.int32), table, causal_mask(p, L, table.shape[1] * P, 1))
+        return DenseStep(mx.array(hrows, dtype=mx.int32), table, causal_mask(p, L, table.shape[1] * P, 1),
+                         take=real_tokens(L, lens))
 
     def decode_plan(self, rows: list[CacheRow], pos: list[int]) -> DenseStep:
         """A one-token pass, built from Python lists: right after a step's compute numpy costs ~10 us
@@ -127,6 +130,8 @@ class DenseRoute(Route):
 
     def write(self, layer: int, meta: DenseStep, keys: mx.array, values: mx.array) -> None:
         k, v = flat_tokens(keys, values)
+        if meta.take is not None:
+            k, v = k[meta.take], v[meta.take]
         self.store.write(layer, meta.rows, k, v)
 
     def attend(self, layer: int, meta: DenseStep, queries: mx.array, scale: float) -> mx.array:

@@ -3,8 +3,9 @@
 Decode scores the packed pages with `mx.quantized_matmul`, never dequantizing the prefix, plus a
 float32 matmul on the tail page; scores and softmax in float32 (on the CPU the quantized matmuls
 are spread over several streams, see `qmm_streams`). CPU decode over float32 stores reads the
-packed pages in place instead (`quantized_paged_decode`, `mx.gather_qmm`). Prefill (one row a
-pass) dequantizes the row's sealed pages once per chunk and attends in float32.
+packed pages in place instead (`quantized_paged_decode`, `mx.gather_qmm`). Prefill dequantizes
+each row's sealed pages once per chunk and attends in float32, row by row (the rows of a pass have
+different sealed prefixes and tails; the pass's matmuls outside attention are still batched).
 """
 from __future__ import annotations
 
@@ -170,11 +171,21 @@ def quantized_paged_plan(table: mx.array, n_before: list[int], fill: list[int], 
 
 
 @dataclass(frozen=True)
+class PrefillRun:
+    """One row of a prefill pass."""
+
+    n: int  # real tokens of the row in this pass
+    tail: int  # its tail slot
+    fill: int  # tokens in its tail before the pass
+    slots: Optional[mx.array]  # pool slots of the pages the pass fills, or None
+    table_q: Optional[mx.array]  # (1, n) its pages sealed before the pass
+    mask: mx.array  # (1, 1, n, sealed + fill + n) causal
+
+
+@dataclass(frozen=True)
 class QuantPrefill:
-    tails: mx.array
-    table_q: Optional[mx.array]  # (1, n) the row's pages sealed before the pass
-    run: tuple  # (tail slot, tokens in the tail before the pass, pool slots of pages the pass fills or None)
-    mask: mx.array
+    L: int
+    runs: tuple[PrefillRun, ...]
 
 
 @dataclass(frozen=True)
@@ -206,19 +217,19 @@ class QuantRoute(Route):
     def __init__(self, store: QuantizedStore, geom: Geometry, streams: list, in_place: bool):
         """streams: see qmm_streams; in_place: CPU decode reads the packed pages in place."""
         self.store, self.geom, self.streams, self.in_place = store, geom, streams, in_place
-        self._segment: dict[int, tuple[mx.array, mx.array]] = {}  # prefill: this pass's K/V as written
+        self._segment: dict[int, list[tuple[mx.array, mx.array]]] = {}  # prefill: each row's K/V as written
 
-    def plan(self, rows: list[CacheRow], L: int, pos: list[int], epoch: int):
+    def plan(self, rows: list[CacheRow], L: int, pos: list[int], epoch: int, lens: list[int]):
         """A pass attends to pages sealed before it (quantized) and to everything it wrote or that is
         still in a tail page (full precision), like mlx-lm's quantized cache."""
         P, H, D = self.geom.page_size, self.geom.kv_heads, self.geom.head_dim
         p = np.array(pos, dtype=np.int32)
         n_before = p // P  # pages sealed before this pass
+        if L > 1:
+            return self._prefill_plan(rows, L, p, lens)
         tails = [r.tail for r in rows]
         tails_a = mx.array(tails, dtype=mx.int32)
         table_q = page_table(rows, n_before.tolist()) if n_before.max() > 0 else None
-        if L > 1:
-            return self._prefill_plan(rows, L, p, tails_a, table_q)
         fill = p % P  # decode: one token per row into its tail; rows that fill their page seal it
         writes = tail_writes(P, H, self.store.k_axis, rows, pos, tails, fill.tolist())
         if table_q is not None and self.in_place:
@@ -237,22 +248,24 @@ class QuantRoute(Route):
         mask_all = mx.concatenate([mask_q, mask_t], axis=-1) if mask_q is not None else mask_t
         return QuantDecode(tails_a, table_q, writes, mask_q, runs_q, mask_t, mask_all)
 
-    def _prefill_plan(self, rows, L, p, tails_a, table_q) -> QuantPrefill:
-        if len(rows) != 1:
-            raise ValueError("quantized multi-token passes (prefill) run one row at a time")
-        P = self.geom.page_size
-        r, p0 = rows[0], int(p[0])
-        fill = p0 % P
-        done_pages = (fill + L) // P
-        start = p0 - fill
-        slots = (mx.array(token_slots(r, P, start, start + done_pages * P).astype(np.int32)) if done_pages else None)
-        return QuantPrefill(tails_a, table_q, (r.tail, fill, slots), causal_mask(p, L, p0 + L, 1))
+    def _prefill_plan(self, rows, L, p, lens) -> QuantPrefill:
+        P, runs = self.geom.page_size, []
+        for r, p0, n in zip(rows, p.tolist(), lens):
+            fill = p0 % P
+            done_pages = (fill + n) // P
+            start = p0 - fill
+            slots = mx.array(token_slots(r, P, start, start + done_pages * P).astype(np.int32)) if done_pages else None
+            table_q = page_table([r], [p0 // P]) if p0 // P else None
+            runs.append(PrefillRun(n, r.tail, fill, slots, table_q, causal_mask(np.array([p0]), n, p0 + n, 1)))
+        return QuantPrefill(L, tuple(runs))
 
     def write(self, layer: int, meta, keys: mx.array, values: mx.array) -> None:
         k, v = flat_tokens(keys, values)
         if isinstance(meta, QuantPrefill):
-            tail, fill, slots = meta.run
-            self._segment[layer] = self.store.write_run(layer, tail, fill, slots, k, v)
+            L = meta.L
+            self._segment[layer] = [self.store.write_run(layer, run.tail, run.fill, run.slots,
+                                                         k[b * L:b * L + run.n], v[b * L:b * L + run.n])
+                                    for b, run in enumerate(meta.runs)]
         else:
             meta.writes.apply(self.store, layer, k, v)
 
@@ -265,13 +278,8 @@ class QuantRoute(Route):
             return quantized_paged_decode(queries, q[:3], q[3:], tk, tv, meta.heads, meta.query_of, meta.mask_p,
                                           scale, st.group_size, st.bits, self.streams, meta.cuts,
                                           k_transposed=k_transposed)
-        if isinstance(meta, QuantPrefill):  # sealed pages dequantized once for the chunk, the rest as written
-            sk, sv = (a.transpose(1, 0, 2)[None] for a in self._segment.pop(layer))
-            if meta.table_q is not None:
-                qk = st.gather_quantized(layer, meta.table_q)
-                sk = mx.concatenate([st.dequantize_k(*qk[:3]), sk], axis=2)
-                sv = mx.concatenate([dequantize(*qk[3:], st.group_size, st.bits), sv], axis=2)
-            return dense_attention(queries, sk, sv, meta.mask, scale, upcast=True)
+        if isinstance(meta, QuantPrefill):
+            return self._prefill_attend(layer, meta, queries, scale)
         tk, tv = st.gather_tails(layer, meta.tails)
         qk = qv = None
         if meta.table_q is not None:
@@ -285,6 +293,23 @@ class QuantRoute(Route):
             qv = st.gather_quantized(layer, meta.table_q, "v")
         return quantized_decode_attention(queries, qk, qv, tk, tv, meta.mask_q, meta.mask_t, scale, st.group_size,
                                           st.bits, self.streams, k_transposed=k_transposed, mask=meta.mask_all)
+
+    def _prefill_attend(self, layer: int, meta: QuantPrefill, queries: mx.array, scale: float) -> mx.array:
+        """Row by row: its sealed pages dequantized once for the chunk, the rest as written; a
+        row's padded queries get zeros (their outputs are never read)."""
+        st, outs = self.store, []
+        for b, (run, (sk, sv)) in enumerate(zip(meta.runs, self._segment.pop(layer))):
+            sk, sv = sk.transpose(1, 0, 2)[None], sv.transpose(1, 0, 2)[None]
+            if run.table_q is not None:
+                qk = st.gather_quantized(layer, run.table_q)
+                sk = mx.concatenate([st.dequantize_k(*qk[:3]), sk], axis=2)
+                sv = mx.concatenate([dequantize(*qk[3:], st.group_size, st.bits), sv], axis=2)
+            q = queries[b:b + 1] if run.n == meta.L else queries[b:b + 1, :, :run.n]
+            out = dense_attention(q, sk, sv, run.mask, scale, upcast=True)
+            if run.n < meta.L:
+                out = mx.pad(out, [(0, 0), (0, 0), (0, meta.L - run.n), (0, 0)])
+            outs.append(out)
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
 
     def end(self) -> None:
         self._segment.clear()

@@ -114,7 +114,7 @@ def test_quantized_fused_decode_plan(kernel_writes):
     cache = _cache_as_on_cuda("q8", P, H, kernel_writes)
     pos = [0, P - 1, P, 2 * P + 2]
     rows = _rows_at(cache, pos, reserve=1)
-    t = cache.attention.plan(rows, 1, pos, cache.epoch)
+    t = cache.attention.plan(rows, 1, pos, cache.epoch, [1] * len(rows))
     assert t.tails.tolist() == [r.tail for r in rows]
     assert t.lens.tolist() == [[0, 1], [0, P], [P, 1], [2 * P, 3]]
     assert [x[:n] for x, n in zip(t.table_q.tolist(), [0, 0, 1, 2])] == [r.pages[:n] for r, n in
@@ -126,7 +126,7 @@ def test_quantized_fused_decode_plan(kernel_writes):
     src, dst = t.writes.seal_pages
     assert src.tolist() == [tails[1]] and dst.tolist() == [rows[1].pages[0]]
     rest = [rows[0], rows[2], rows[3]]  # no row seals: the kernel stores the token, if it may
-    t = cache.attention.plan(rest, 1, [0, P, 2 * P + 2], cache.epoch)
+    t = cache.attention.plan(rest, 1, [0, P, 2 * P + 2], cache.epoch, [1] * 3)
     assert (t.writes is None) == kernel_writes  # None: the kernel stores it; else the step writes it
     assert t.writes is None or (t.writes.seal_pages is None and t.writes.seal_from is None)
 

@@ -107,7 +107,8 @@ def test_teacher_forced_logits_match_mlx_lm(tiny_model, geometry, P, route):
     s = eng.summary()
     assert s["peak_concurrency"] == 8
     assert len(s["growth_events"]) >= 3
-    assert s["peak_pages_in_use"] == sum(math.ceil((n + steps - 1) / P) for n in lengths)
+    # rows prefill in ragged passes of 5-token chunks, so they reach their length at different steps
+    assert s["peak_pages_in_use"] <= sum(math.ceil((n + steps - 1) / P) for n in lengths)
     pool_is_empty(eng)
 
 
@@ -136,13 +137,14 @@ def test_continuous_batching_refills_finished_slots(tiny_model):
     expected = [until_eos(mlx_lm_reference(model, p, n)[0]) for p, n in zip(prompts, max_tokens)]
 
     eng = make_engine(m, page_size=8, max_batch=4, prefill_chunk=16)
-    passes = []  # (rows in the decode pass, rows still waiting)
+    passes = []  # (rows in the decode pass, rows running, rows still prefilling, rows still waiting)
     begin = eng.cache.begin
 
-    def record(rows, L, poison=None):
+    def record(rows, L, poison=None, lens=None):
         if L == 1:
-            passes.append((len(rows), len(eng.scheduler.waiting)))
-        return begin(rows, L, poison)
+            s = eng.scheduler
+            passes.append((len(rows), len(s.running), sum(r.prefilling for r in s.running), len(s.waiting)))
+        return begin(rows, L, poison, lens)
 
     eng.cache.begin = record
     for i, (p, n) in enumerate(zip(prompts, max_tokens)):
@@ -157,9 +159,10 @@ def test_continuous_batching_refills_finished_slots(tiny_model):
         assert r.finish_reason == ("length" if len(exp) == max_tokens[i] else "stop")
     s = eng.summary()
     assert s["peak_concurrency"] == 4
-    assert max(n for n, _ in passes) == 4
-    # while rows were waiting, every decode pass ran a full batch: a finished row's slot was refilled
-    assert all(n == 4 for n, waiting in passes if waiting)
+    assert max(n for n, *_ in passes) == 4
+    # while rows were waiting, every slot was taken (a finished row's slot was refilled at once) and
+    # every running row past its prompt was in the decode pass
+    assert all(running == 4 and n == running - prefilling for n, running, prefilling, waiting in passes if waiting)
     # results stream out as rows finish: short rows admitted late finish before the long first ones
     keys = [r.key for r in order]
     assert keys.index("r4") < keys.index("r1") and keys.index("r5") < keys.index("r3")

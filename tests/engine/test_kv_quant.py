@@ -270,9 +270,10 @@ def test_continuous_batching_reuses_pages(tiny_model, mode):
 @pytest.mark.parametrize("chunk", ["", "24"], ids=["default", "split24"])
 @pytest.mark.parametrize("mode", ["none", "q8", "q4"])
 def test_row_independent_of_batch_mates_and_pool_growth(tiny_model, monkeypatch, mode, chunk):
-    """A row's logits are bit-identical whichever rows share its batch and whenever the pool
-    grew, at the same batch size (OpenBLAS rounds a matmul row differently for some batch
-    sizes, so alone vs in a batch is compared to float tolerance, with the same tokens).
+    """A row's logits do not depend on which rows share its batch or when the pool grew: the same
+    to float tolerance and the same greedy tokens (not bit-identical: the batch sizes it decodes
+    in and the shapes of the prefill passes it shares depend on its mates, and OpenBLAS rounds a
+    matmul row differently for some shapes). A page-table or mask bug mixing rows is far above it.
 
     On MLX CUDA the fused decode kernel splits long rows over several blocks (split-K);
     "split24" forces 24-token splits, so every row here is split, into as many splits as
@@ -300,10 +301,11 @@ def test_row_independent_of_batch_mates_and_pool_growth(tiny_model, monkeypatch,
 
     a, a_logits, ga, sa = run((5, 40, 70, 9, 120, 33, 64))
     b, b_logits, gb, sb = run((200, 3, 16, 150, 48, 99, 31), warm_tokens=700)
-    assert len(sa["growth_events"]) > 1 and sb["growth_events"][0]["to_pages"] != sa["growth_events"][0]["to_pages"]
+    grown = [[e["to_pages"] for e in x["growth_events"]] for x in (sa, sb)]
+    assert len(grown[0]) > 1 and grown[0] != grown[1]
     assert a.stats.route == b.stats.route == sa["route"]
-    for la, lb in zip(a_logits, b_logits):
-        assert mx.array_equal(la, lb).item()
+    assert len(a_logits) == len(b_logits)  # the forced run, then the greedy one (same key)
+    assert max(mx.abs(p - q).max().item() for p, q in zip(a_logits, b_logits)) <= TOL
     assert ga.tokens == gb.tokens
     alone, alone_logits, g_alone, _ = run(())
     assert alone.stats.route == a.stats.route
@@ -359,16 +361,17 @@ def test_decode_never_dequantizes(tiny_model, monkeypatch, in_place):
 
     def counted_step():
         del qmm_calls[:], sdpa_calls[:], raw_dequant[:], kernel_calls[:]
-        in_use = eng.cache.pool.in_use
+        in_use, n = eng.cache.pool.in_use, len(eng.scheduler.decoding())
         decode()
-        per_step.append((len(raw_dequant), len(sdpa_calls), list(qmm_calls), list(kernel_calls), in_use))
+        if n == 8:  # steps of all 8 rows (the first ones decode while the others still prefill)
+            per_step.append((len(raw_dequant), len(sdpa_calls), list(qmm_calls), list(kernel_calls), in_use))
 
     eng.stepper.step = counted_step
     eng.generate([Request(f"r{i}", p, SamplingParams(max_tokens=24)) for i, p in enumerate(prompts)])
     if eng.lookahead:  # (GPU default) the last call only reads the in-flight step: every row ends with it
         *per_step, last = per_step
         assert not last[2] and not last[3]
-    assert len(per_step) >= 20
+    assert len(per_step) >= 15
     L = spec.num_layers
     for raw, sdpa_n, qmm_sizes, kernels, in_use in per_step:
         assert raw == 0 and sdpa_n == 0

@@ -25,6 +25,7 @@ from tests.conftest import engine_config
 from kvbatch.engine.errors import INSUFFICIENT_MEMORY, RowError
 from kvbatch.engine.kv_cache import PagedKVCache
 from kvbatch.engine.kv.pages import CacheRow
+from kvbatch.engine.batch_limits import resolve_prefill_tokens
 from kvbatch.engine.memory import MemoryModel, format_plan, kv_layout, resolve_budget
 from kvbatch.engine.sizes import parse_size
 from kvbatch.engine.types import Request, SamplingParams
@@ -65,7 +66,8 @@ def make_engine(m, budget, **cfg) -> Engine:
 
 def memory_model(spec, mode="none", page_size=16, group_size=64, prefill_chunk=512, max_batch=8) -> MemoryModel:
     """The engine's memory model for a config, before any engine exists (budget 0: pricing only)."""
-    return MemoryModel(spec, kv_layout(spec, mode, page_size, group_size), 0, prefill_chunk, max_batch)
+    return MemoryModel(spec, kv_layout(spec, mode, page_size, group_size), 0, prefill_chunk, max_batch,
+                       resolve_prefill_tokens("auto", prefill_chunk))
 
 
 def spy_cache(eng) -> dict:

@@ -62,10 +62,10 @@ def spy_passes(eng):
     passes = []
     begin = eng.cache.begin
 
-    def recording_begin(rows, L, poison=None):
+    def recording_begin(rows, L, poison=None, lens=None):
         passes.append(([r.key for r in rows], [r.length for r in rows], L,
                        eng.cache.capacity_pages * eng.cache.P, list(poison) if poison else [False] * len(rows)))
-        return begin(rows, L, poison)
+        return begin(rows, L, poison, lens)
 
     eng.cache.begin = recording_begin
     return passes

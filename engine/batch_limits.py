@@ -1,0 +1,31 @@
+"""How many rows run together and how many tokens one prefill pass takes, per backend.
+
+`engine.max_batch: auto` runs as many rows as the memory model admits, up to a ceiling where more
+rows stopped adding tokens/s on the machines measured (benchmarks/RESULTS.md, "Job throughput"):
+a ceiling still matters because every running row costs host work per step, and q8/q4 keep one
+full-precision tail page per batch slot. `engine.prefill_tokens: auto` is the padded token budget
+of one prefill pass: large enough that a pass fills the device, small enough that running rows
+are not kept waiting long between decode steps.
+"""
+from __future__ import annotations
+
+from kvbatch.engine.backend import backend
+
+# rows; measured on the 2-core CPU (SmolLM2) and the H200 (Llama-1B/8B geometry)
+BATCH_CEILING = {"cpu": 64, "cuda": 256, "metal": 128}
+PREFILL_TOKENS = {"cpu": 2048, "cuda": 8192, "metal": 4096}
+
+
+def resolve_max_batch(setting: int | str) -> tuple[int, str]:
+    """(rows, why) for engine.max_batch."""
+    if setting != "auto":
+        return int(setting), "engine.max_batch"
+    name = backend().name
+    return BATCH_CEILING[name], f"auto: the {name} ceiling"
+
+
+def resolve_prefill_tokens(setting: int | str, prefill_chunk: int) -> int:
+    """Tokens of one prefill pass for engine.prefill_tokens (auto: never below one row's chunk)."""
+    if setting == "auto":
+        return max(PREFILL_TOKENS[backend().name], prefill_chunk)
+    return int(setting)
