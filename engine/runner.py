@@ -34,6 +34,8 @@ class StepTimes:
 
     prefill_time: float = 0.0
     prefill_tokens: int = 0
+    prefill_passes: int = 0
+    prefill_rows_max: int = 0  # most rows in one prefill pass
     decode_time: float = 0.0
     decode_tokens: int = 0
     t_accepted: float = 0.0  # lookahead: when the host last read a step (decode time restarts there)
@@ -103,11 +105,13 @@ class Runner:
                 return
             self.output.end(rows[0], "error", errors.INTERNAL_ERROR, f"{type(e).__name__}: {e}")
             return
-        for row, n in batch:
+        for row, _ in batch:
             self.hooks.on_prefill_chunk(row.req.key, min(row.kv.length, row.prompt_len), row.prompt_len)
         self.times.t_accepted = time.perf_counter()  # lookahead: decode time restarts after a prefill
         self.times.prefill_time += self.times.t_accepted - t0
         self.times.prefill_tokens += sum(lens)
+        self.times.prefill_passes += 1
+        self.times.prefill_rows_max = max(self.times.prefill_rows_max, len(rows))
         self.trim_cache()
         if done:
             self.output.accept([rows[i] for i in done], logits, token, finite)

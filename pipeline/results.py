@@ -37,7 +37,9 @@ class ResultRecord:
     top_p: Optional[float] = _col(pa.float64())
     top_k: Optional[int] = _col(pa.int32())
     seed: Optional[int] = _col(pa.int64())
-    ttft_s: Optional[float] = _col(pa.float64())
+    ttft_s: Optional[float] = _col(pa.float64())  # from the row's admission to its first token
+    queue_s: Optional[float] = _col(pa.float64())  # from submission to admission (waiting for a slot or memory)
+    preemptions: int = _col(pa.int32(), 0)  # times its pages were freed to make room (it resumed each time)
     decode_tps: Optional[float] = _col(pa.float64())
     wall_s: Optional[float] = _col(pa.float64())
     peak_kv_bytes: Optional[int] = _col(pa.int64())

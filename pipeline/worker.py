@@ -1,6 +1,6 @@
 """The worker: claim rows -> engine (continuous batching) -> durable Parquet part -> ack.
 
-It keeps about `engine.max_batch + worker.prefetch` rows claimed, so the batch stays
+It keeps about the engine's batch (`engine.max_batch`, resolved) + `worker.prefetch` rows claimed, so the batch stays
 full while other workers on the same queue still get rows. A background thread
 renews its leases (a long row may not yield for a long time). Rows that the input
 stage marked invalid, and rows that could not be tokenized, are written with
@@ -148,6 +148,7 @@ class Worker:
             rec.output, rec.output_token_ids, rec.output_tokens = res.text, list(res.tokens), len(res.tokens)
             rec.finish_reason, rec.error_code, rec.error_message = res.finish_reason, res.error_code, res.error_message
             rec.prompt_tokens, rec.ttft_s, rec.decode_tps = s.prompt_tokens, s.ttft_s, s.decode_tps
+            rec.queue_s, rec.preemptions = s.queue_s, s.preemptions
             rec.wall_s, rec.peak_kv_bytes, rec.route = s.wall_s, s.peak_kv_bytes, s.route or None
         return rec
 
@@ -163,7 +164,10 @@ class Worker:
         if self._past_deadline() or self.alone:
             return 0
         w = self.cfg.worker
-        want = self.cfg.engine.max_batch + w.prefetch - len(self.inflight)
+        if self.eng is None:
+            self.eng = self.rt.make_engine()
+            self.seen_tokens = self.eng.output.generated_tokens
+        want = self.eng.max_batch + w.prefetch - len(self.inflight)  # the resolved batch (auto: a number)
         claimed = self.q.claim(self.id, want, w.lease_s, idle=not self.inflight,
                                isolate_after=w.isolate_after, max_crashes=w.max_crashes)
         started: list[str] = []
@@ -182,9 +186,6 @@ class Worker:
                 except ValueError as exc:
                     self._add(self._record(c, code=INVALID_INPUT, msg=str(exc)))
                     continue
-                if self.eng is None:
-                    self.eng = self.rt.make_engine()
-                    self.seen_tokens = self.eng.output.generated_tokens
                 if c.crashes >= w.isolate_after:  # a suspect: what finished before it is written first
                     self.flush(force=True)
                     self.alone = c.key
