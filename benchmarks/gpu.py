@@ -149,7 +149,8 @@ def run_kvbatch(model, spec, ps, new_tokens, mode, budget):
     return {"decode_tps": s["decode_tokens_per_s"], "e2e_tps": sum(len(r.tokens) for r in res) / wall,
             "tokens": sum(len(r.tokens) for r in res), "peak_gb": mx.get_peak_memory() / 1e9,
             "route": s["route"], "errors": bad, "kv_bytes_per_token": s["kv_bytes_per_token"],
-            "lookahead": eng.lookahead}
+            "lookahead": eng.lookahead, "wall_s": wall, "prefill_s": s["prefill_s"],
+            "prefill_tps": s["prefill_tokens_per_s"], "prefill_passes": s.get("prefill_passes")}
 
 
 def run_interleaved(model, spec, ps, new_tokens, modes: list[str], budget: int, block: int, warm: int) -> dict:

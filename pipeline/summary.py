@@ -54,6 +54,7 @@ def build(table: pa.Table, counts: dict[str, int], sessions: list[dict], this_ru
         "rows_remaining": counts.get("pending", 0) + counts.get("leased", 0),
         "prompt_tokens": col("prompt_tokens"),
         "output_tokens": col("output_tokens"),
+        "preemptions": col("preemptions"),  # engine.admission=optimistic: rows' pages freed and recomputed
         "this_run": {"rows": run.get("rows", 0), "generated_tokens": run.get("tokens", 0),
                      "wall_s": run.get("wall_s", 0.0),
                      "tokens_per_s": run_tps},

@@ -1,0 +1,161 @@
+"""The whole job a user runs: the `kvbatch` command against mlx-lm's `batch_generate`, side by side.
+
+Both sides are whole processes, timed from start to exit (model load, tokenizing, prefill,
+decode and, for kvbatch, the queue and the Parquet results included), on the same prompts of
+mixed length (a few words to ~600 tokens), greedy, the same max_tokens, EOS honoured on both
+sides. Output tok/s = generated tokens / process wall time. The sides alternate (kvbatch,
+mlx-lm, mlx-lm, kvbatch, ...) so drift on a shared machine is spread over both; each round's
+ratio is reported and the median of those ratios is the number to read.
+
+mlx-lm runs at its defaults and, with --match, also with completion_batch_size set to the batch
+kvbatch ran at (read from its summary.json).
+
+    flock /tmp/kvbatch-bench.lock .venv/bin/python benchmarks/job_vs_mlx_lm.py --rows 64 --new 256 \
+        --rounds 2 --out benchmarks/results/job_cpu.json [--kvbatch-args "engine.max_batch=32"]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = ("the of and to in is that for it as with was on be by at this from or an which are have not can all "
+         "water river mountain history science market engine garden music theory village storm letter window "
+         "explain describe compare why how what summarize list write story poem plan steps reasons example").split()
+
+
+def prompts(n: int, seed: int, max_words: int) -> list[str]:
+    """Mixed lengths: a few words to ~max_words words (about 1.3 tokens each), most of them short."""
+    rnd = random.Random(seed)
+    out = []
+    for i in range(n):
+        words = max(3, int(max_words * rnd.random() ** 2))
+        body = " ".join(rnd.choice(WORDS) for _ in range(words))
+        out.append(f"Question {i}: {body}. Answer in detail.")
+    return out
+
+
+def run_kvbatch(kvbatch: list[str], input_path: Path, out_dir: Path, model: str, model_args: dict, new: int,
+                extra: list[str]) -> dict:
+    cmd = [*kvbatch, f"model={model}", *[f"model.{k}={v}" for k, v in model_args.items()], f"job.input={input_path}",
+           "job.name=bench", f"job.max_tokens={new}", f"output.dir={out_dir}", "output.progress=off", *extra]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    wall = time.perf_counter() - t0
+    if p.returncode:
+        raise SystemExit(f"kvbatch failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(out_dir / "results.parquet").to_pylist()
+    summary = json.loads((out_dir / "summary.json").read_text())
+    eng = (summary.get("engine") or {})
+    tokens = sum(r["output_tokens"] for r in t)
+    return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "rows": len(t),
+            "ok": sum(r["error_code"] is None for r in t), "engine": eng,
+            "outputs": {r["row_key"]: r["output_token_ids"] for r in t},
+            "plan": next((ln for ln in p.stderr.splitlines() + p.stdout.splitlines() if "memory plan" in ln), None)}
+
+
+MLX_LM = r"""
+import json, sys, time
+t0 = time.perf_counter()
+import kvbatch.engine as engine  # OpenBLAS before mlx, and kvbatch's model loader (same weights)
+from kvbatch.engine.models.config import ModelConfig
+from mlx_lm import batch_generate
+cfg = json.loads(sys.argv[1])
+model, tok, spec = engine.load_model(ModelConfig(**cfg["model"]))
+texts = [json.loads(l)["prompt"] for l in open(cfg["input"])]
+ids = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True) for t in texts]
+kw = {"completion_batch_size": cfg["batch"]} if cfg["batch"] else {}
+r = batch_generate(model, tok, ids, max_tokens=cfg["new"], return_token_ids=True, **kw)
+s = r.stats
+print(json.dumps({"outputs": {f"r{i}": list(map(int, t)) for i, t in enumerate(r.token_ids)},
+                  "prompt_tps": s.prompt_tps, "generation_tps": s.generation_tps, "prompt_time": s.prompt_time,
+                  "generation_time": s.generation_time, "inner_s": time.perf_counter() - t0}))
+"""
+
+
+def run_mlx_lm(python: str, input_path: Path, model_cfg: dict, new: int, batch: int | None) -> dict:
+    arg = json.dumps({"input": str(input_path), "model": model_cfg, "new": new, "batch": batch})
+    t0 = time.perf_counter()
+    p = subprocess.run([python, "-c", MLX_LM, arg], capture_output=True, text=True, cwd=ROOT)
+    wall = time.perf_counter() - t0
+    if p.returncode:
+        raise SystemExit(f"mlx-lm failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    tokens = sum(len(t) for t in res["outputs"].values())
+    return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, **res}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--max-words", type=int, default=450)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--kvbatch-args", default="")
+    ap.add_argument("--model-args", default="", help="model=tiny geometry for both sides: 'num_layers=16 ...'")
+    ap.add_argument("--kvbatch-cmd", default=str(ROOT / ".venv/bin/kvbatch"))
+    ap.add_argument("--python", default=str(ROOT / ".venv/bin/python"), help="runs the mlx-lm side")
+    ap.add_argument("--match", action="store_true", help="also mlx-lm with completion_batch_size = kvbatch's batch")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="kvbatch-job-"))
+    inp = tmp / "prompts.jsonl"
+    with open(inp, "w") as f:
+        for i, t in enumerate(prompts(a.rows, 7, a.max_words)):
+            f.write(json.dumps({"id": f"r{i}", "prompt": t}) + "\n")
+    model_args = dict(kv.split("=", 1) for kv in shlex.split(a.model_args))
+    typed = {k: (int(v) if v.lstrip("-").isdigit() else v) for k, v in model_args.items()}
+    model_cfg = {} if a.model == "smollm2" else {"source": "tiny", "name": "tiny", **typed}
+    extra, kvbatch = shlex.split(a.kvbatch_args), shlex.split(a.kvbatch_cmd)
+    rounds = []
+    for k in range(a.rounds):
+        order = ["kvbatch", "mlx_lm"] if k % 2 == 0 else ["mlx_lm", "kvbatch"]
+        rnd = {}
+        for side in order:
+            if side == "kvbatch":
+                rnd["kvbatch"] = run_kvbatch(kvbatch, inp, tmp / f"out{k}", a.model, model_args, a.new, extra)
+            else:
+                rnd["mlx_lm"] = run_mlx_lm(a.python, inp, model_cfg, a.new, None)
+        if a.match:
+            rnd["mlx_lm_matched"] = run_mlx_lm(a.python, inp, model_cfg, a.new,
+                                               rnd["kvbatch"]["engine"].get("max_batch"))
+        kv, ml = rnd["kvbatch"], rnd["mlx_lm"]
+        same = sum(kv["outputs"].get(key) == toks for key, toks in ml["outputs"].items())
+        line = {"round": k, "order": order, "kvbatch_tok_s": kv["tok_s"], "mlx_lm_tok_s": ml["tok_s"],
+                "ratio": kv["tok_s"] / ml["tok_s"], "kvbatch_wall_s": kv["wall_s"], "mlx_lm_wall_s": ml["wall_s"],
+                "kvbatch_tokens": kv["tokens"], "mlx_lm_tokens": ml["tokens"], "identical_rows": same,
+                "kvbatch_engine": {key: kv["engine"].get(key) for key in (
+                    "max_batch", "peak_concurrency", "prefill_s", "decode_s", "prefill_tokens_per_s",
+                    "decode_tokens_per_s", "prefill_passes", "prefill_rows_max", "preemptions")},
+                "mlx_lm_prompt_time": ml["prompt_time"], "mlx_lm_generation_time": ml["generation_time"],
+                "kvbatch_plan": kv["plan"]}
+        if a.match:
+            mm = rnd["mlx_lm_matched"]
+            line.update(mlx_lm_matched_tok_s=mm["tok_s"], ratio_matched=kv["tok_s"] / mm["tok_s"])
+        print(json.dumps(line), flush=True)
+        rounds.append(line)
+    result = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "python": platform.python_version(),
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "args": vars(a),
+              "median_ratio": statistics.median(r["ratio"] for r in rounds), "rounds": rounds}
+    if a.match:
+        result["median_ratio_matched"] = statistics.median(r["ratio_matched"] for r in rounds)
+    print(json.dumps({k: result[k] for k in result if k != "rounds"}))
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
