@@ -24,6 +24,10 @@
 #            for this tree and for an older one in .gpu/old (`git archive OLD engine benchmarks/gpu.py
 #            benchmarks/interleave.py | tar -x -C .gpu/old`), 8B then 1B, new-old-old-new: a restructure's
 #            speed against the code before it, each side in the same run as mlx-lm
+#   throughput  gpu.py 8B batch 256 none/q8 and 1B batches 8/64/256 none (whole generate call, prefill included)
+#   job      the kvbatch command against mlx-lm batch_generate (benchmarks/job_vs_mlx_lm.py), Llama-1B geometry
+#            (random bf16), 256 prompts, 512 new tokens; installs the wheels in .gpu/c (pyarrow, hydra-core,
+#            omegaconf, antlr4, tqdm: `pip download --only-binary ... --python-version 3.12`)
 #   profile  gpu_step_profile.py $PROFILE_ARGS (default: 1B batch 8 at 8k, none and q8, lookahead loop, with
 #            mlx-lm): host phases against the wait for the GPU, to tell a host-bound case from a GPU-bound one
 set -uo pipefail
@@ -86,6 +90,16 @@ for arg in "$@"; do
         (cd $dir && PYTHONPATH=$pp timeout "$secs" python3 benchmarks/gpu.py --geometry $g --batches ${SBS_BATCHES:-8,64,256} \
            --long-batches '' --modes none --repeats 2 --out "$OUT/gpu_${g}_${side}_$tag.json") 2>&1 | cut -c1-300
       done; done ;;
+    throughput) timeout "$secs" bash -c "python3 benchmarks/gpu.py --geometry 8b --batches 256 --long-batches '' \
+               --modes none,q8 --repeats 2 --out $OUT/gpu_8b_throughput.json; python3 benchmarks/gpu.py --geometry 1b \
+               --batches 8,64,256 --long-batches '' --modes none --repeats 2 --out $OUT/gpu_1b_throughput.json" 2>&1 |
+        tee "$OUT/throughput.txt" | cut -c1-400 ;;
+    job) python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .gpu/c/*.whl || exit 1
+      GEOM="family=llama num_layers=16 hidden_size=2048 num_heads=32 num_kv_heads=8 head_dim=64 intermediate_size=8192
+            vocab_size=128256 context_length=4096 dtype=bfloat16 cache_dir=$HOME/kvbatch-models"
+      timeout "$secs" python3 benchmarks/job_vs_mlx_lm.py --model tiny --model-args "$GEOM" --rows 256 --new 512 \
+        --max-words ${JOB_WORDS:-150} --rounds 2 --match --kvbatch-cmd "python3 -m kvbatch" --python python3 \
+        --out "$OUT/job_1b.json" 2>&1 | tee "$OUT/job.txt" | cut -c1-1500 ;;
     profile) timeout "$secs" python3 benchmarks/gpu_step_profile.py ${PROFILE_ARGS:---geometry 1b --batches 8 \
                --prompt 8192 --modes none,q8 --no-sync} 2>&1 | tee -a "$OUT/profile.txt" | cut -c1-1500 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
