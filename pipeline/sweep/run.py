@@ -120,22 +120,36 @@ def run_sweep_job(node: DictConfig) -> dict:
 
 
 # ---- before the multirun -------------------------------------------------------------------------
+def parse_sweep(args: list[str]) -> list[tuple[Any, Optional[list[str]]]]:
+    """Hydra's parsed overrides with the values of each discrete sweep (None for the others). A glob(...)
+    sweep lists a group's options through the config loader of kvbatch's config tree, as Hydra's own
+    sweeper does (without one it fails with "ConfigLoader is not set")."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from kvbatch.pipeline.compose import CONF_DIR
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="kvbatch"):
+        loader = GlobalHydra.instance().config_loader()
+        return [(o, list(o.sweep_string_iterator()) if o.is_sweep_override() and o.is_discrete_sweep() else None)
+                for o in OverridesParser.create(config_loader=loader).parse_overrides(args)]
+
+
 def check_sweep(args: list[str]) -> None:
     """Compose every value of every swept override once (next to the fixed overrides), so an option or
     key that does not exist (`kv=q3`, `job.max_tokenz=5`) stops the sweep before any job runs, with one
     line, instead of Hydra's report. Values the config checks refuse (`job.max_tokens=-1`) and KV modes
     the gate refuses are left to their own jobs: they fail alone. Raises on the first problem."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     fixed: list[str] = []
     swept: list[list[str]] = []
-    for o in OverridesParser.create().parse_overrides(args):
+    for o, values in parse_sweep(args):
         key = o.get_key_element()
         if key.lstrip("+~").startswith("hydra"):
             continue  # Hydra checks its own settings (launcher, sweep dir) itself
         if o.is_sweep_override():
             if o.is_discrete_sweep():
-                swept.append([f"{key}={v}" for v in o.sweep_string_iterator()])
+                swept.append([f"{key}={v}" for v in values])
         else:
             fixed.append(o.input_line)
     combos = [[v] for values in swept for v in values] or [[]]

@@ -242,3 +242,14 @@ def test_model_cache_loads_once_per_model_config(model_cache_dir):
     finally:
         model_cache.enable(False)
     assert model_cache.cached_keys() == []
+
+
+def test_glob_and_range_sweeps(root, model_cache_dir):
+    """Hydra's sweep syntaxes beyond a,b,c: glob(...) over a config group's options (it used to fail with
+    "ConfigLoader is not set" before any job ran) and range(...)."""
+    args = [a if not a.startswith("job.max_tokens") else "job.max_tokens=range(3,5)"
+            for a in base_args(root, model_cache_dir, "glob")]
+    p = kvbatch(*args, "kv=glob(q*)", cwd=root)
+    assert p.returncode == 0, p.stderr[-2000:]
+    got = sorted((j["kv_mode"], j["status"], tuple(sorted(o for o in j["overrides"] if o.startswith(("kv=", "job.max_tokens="))))) for j in jobs(root / "glob"))
+    assert got == [(kv, "completed", (f"job.max_tokens={n}", f"kv={kv}")) for kv in ("q4", "q8") for n in (3, 4)], got
