@@ -17,6 +17,7 @@ from typing import Optional
 from omegaconf import OmegaConf
 
 from kvbatch.engine.errors import INSUFFICIENT_MEMORY
+from kvbatch.engine.sizes import fmt_bytes
 
 from kvbatch.pipeline import durations, locate, procs
 from kvbatch.pipeline import summary as summ
@@ -145,6 +146,12 @@ def load_runtime(cfg: Config) -> Runtime:
     # the start-up plan (issue 6): prompt length is per row; price rows at max_tokens plus
     # max_prompt_tokens when set (the real admission prices each row's own prompt)
     say(first[0].plan_line(cfg.job.max_tokens + (cfg.job.max_prompt_tokens or 0)))
+    smallest = first[0].plan(2)  # a one-token prompt, one generated token
+    if smallest["rows_fit"] == 0:  # every row would be refused: say so once, now
+        raise ConfigError(f"memory.budget={cfg.memory.budget!r}: the budget ({fmt_bytes(smallest['budget_bytes'])}) "
+                          f"leaves no room for even one row next to the weights "
+                          f"({fmt_bytes(smallest['weights_bytes'])}); the smallest row needs "
+                          f"{fmt_bytes(smallest['predicted_peak_bytes'])}: raise memory.budget (or memory.fraction)")
 
     def make_engine():
         return first.pop() if first else engine()

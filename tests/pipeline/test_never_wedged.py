@@ -240,16 +240,23 @@ def test_weak_unusable_inputs_and_output_folders_are_one_line_errors(tmp_path, m
             actions.execute(cfg)
 
 
-def test_8_a_larger_memory_budget_regenerates_rows_refused_for_memory(run_app, tmp_path):
-    src = _jsonl(tmp_path, [{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"}])
+def test_8_a_larger_memory_budget_regenerates_rows_refused_for_memory(run_app, tmp_path, monkeypatch):
+    src = _jsonl(tmp_path, [{"id": "s", "prompt": "hi"}, {"id": "b", "prompt": "hi", "max_tokens": 400}])
     out = f"output.dir={tmp_path / 'o'}"
-    with pytest.raises(actions.RowsFailed):  # exit 1: no row succeeded (results written first)
-        run_app(f"job.input={src}", out, "memory.budget=1B")
-    rows = {r["row_key"]: r for r in pq.read_table(tmp_path / "o" / "results.parquet").to_pylist()}
-    assert set(_codes(rows).values()) == {"insufficient_memory"}
-    rows, _ = run_app(f"job.input={src}", out, "memory.budget=8GiB")
-    assert _codes(rows) == {"a": None, "b": None} and all(r["output_tokens"] == 4 for r in rows.values())
-    assert all(r["attempt"] == 1 for r in rows.values())
+    small, _ = run_app(f"job.input={src}", out, "memory.budget=3MiB")  # room for the short row only
+    assert _codes(small) == {"s": None, "b": "insufficient_memory"}
+    rows, out_text = run_app(f"job.input={src}", out, "memory.budget=8GiB")
+    assert _codes(rows) == {"s": None, "b": None} and rows["b"]["output_tokens"] > 4 and rows["b"]["attempt"] == 1
+    assert rows["s"] == small["s"]  # a finished row keeps its result
+    monkeypatch.setattr(actions, "load_runtime", lambda cfg: pytest.fail("generated again with the same budget"))
+    again, _ = run_app(f"job.input={src}", out, "memory.budget=8GiB")
+    assert again == rows
+
+
+def test_weak_a_budget_with_no_room_for_one_row_is_refused_at_start(run_app, tmp_path):
+    src = _jsonl(tmp_path, [{"id": "a", "prompt": "x"}])
+    with pytest.raises(ConfigError, match=r"memory.budget='1B': the budget \(1B\) leaves no room for even one row"):
+        run_app(f"job.input={src}", "memory.budget=1B")
 
 
 def test_9_reusing_an_output_dir_with_another_config_is_refused(run_app, tmp_path):
