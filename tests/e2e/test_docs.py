@@ -16,7 +16,8 @@ from tests.e2e.test_pipeline_cli import kvbatch
 ROOT = Path(__file__).resolve().parents[2]
 TRACKED = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
 SOURCES = [p for p in TRACKED if p.endswith((".py", ".yaml", ".md", ".sh", ".toml")) or p == "Makefile"]
-PATH = re.compile(r"\b((?:engine|pipeline|benchmarks|tests|conf|jobs)/[A-Za-z0-9_./-]*\.(?:py|md|yaml|jsonl?|sh|txt))\b")
+PATH = re.compile(r"\b((?:engine|pipeline|benchmarks|tests|conf|jobs)/[A-Za-z0-9_./-]*"
+                  r"\.(?:py|md|yaml|jsonl?|sh|txt))\b")
 
 
 def test_every_repository_path_named_in_the_text_exists():

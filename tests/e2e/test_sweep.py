@@ -251,5 +251,7 @@ def test_glob_and_range_sweeps(root, model_cache_dir):
             for a in base_args(root, model_cache_dir, "glob")]
     p = kvbatch(*args, "kv=glob(q*)", cwd=root)
     assert p.returncode == 0, p.stderr[-2000:]
-    got = sorted((j["kv_mode"], j["status"], tuple(sorted(o for o in j["overrides"] if o.startswith(("kv=", "job.max_tokens="))))) for j in jobs(root / "glob"))
+    swept = ("kv=", "job.max_tokens=")
+    got = sorted((j["kv_mode"], j["status"], tuple(sorted(o for o in j["overrides"] if o.startswith(swept))))
+                 for j in jobs(root / "glob"))
     assert got == [(kv, "completed", (f"job.max_tokens={n}", f"kv={kv}")) for kv in ("q4", "q8") for n in (3, 4)], got
