@@ -160,3 +160,30 @@ def test_kill_loop_loses_duplicates_changes_strands_and_blames_nothing(job, tmp_
     assert 1 <= stops.count("died") <= killed and stops[-1] == "finished", stops
     assert q.crash_counts()["max"] < 6
     assert check_files(out) == []
+
+
+def test_a_surviving_worker_takes_over_the_rows_of_a_worker_killed_meanwhile(job, tmp_path):
+    """Worker A holds rows and is killed while worker B runs: B does not exit with A's rows still
+    leased (for worker.lease_s), it takes them over and the job ends complete (issue 23, also weak)."""
+    base, ref = job
+    args = base + SMALL + ["worker.flush_rows=1"]
+    out = tmp_path / "out"
+    assert kvbatch(out, args + ["action=enqueue"]).returncode == 0
+    log_a = tmp_path / "a.err"
+    a = start(out, args + ["action=work"], log_a, crash="decode:3:pause")  # A claims rows, then stops
+    limit = time.monotonic() + 300
+    while "kvbatch-debug: paused at" not in log_a.read_text():
+        assert a.poll() is None and time.monotonic() < limit, log_a.read_text()
+        time.sleep(0.05)
+    log_b = tmp_path / "b.err"
+    b = start(out, args + ["action=work"], log_b)
+    while "memory plan:" not in log_b.read_text():  # B is past its start-up checks: A is alive then
+        assert b.poll() is None and time.monotonic() < limit, log_b.read_text()
+        time.sleep(0.05)
+    os.kill(a.pid, signal.SIGKILL)
+    a.wait(timeout=60)
+    assert b.wait(timeout=300) == 0, log_b.read_text()
+    q = Queue(out / "queue.sqlite")
+    assert q.counts() == {"pending": 0, "leased": 0, "done": len(KEYS), "error": 0}
+    rows = _results(out)
+    assert all(r["output_token_ids"] == ref[k]["output_token_ids"] and r["attempt"] == 1 for k, r in rows.items())
