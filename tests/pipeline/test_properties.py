@@ -103,3 +103,39 @@ def test_a_run_writes_every_hostile_row_exactly_once_with_a_documented_code(tmp_
     invalid = {r.key for r in read_rows(src, "auto", JOB) if "error" in r.payload}
     assert {r["row_key"] for r in got if r["error_code"] == INVALID_INPUT} >= invalid
     q.close()
+
+
+CELL = st.one_of(st.none(), st.text(max_size=8), st.sampled_from(["NaN", "inf", "-1", "1e20", "1e12", "2.5", "0",
+                                                                  "dup", "dup#1", "\ufeff", '"', ",", "\n"]),
+                 st.integers(-(2**65), 2**65).map(str))
+TABLE_ROW = st.fixed_dictionaries({"id": CELL, "prompt": CELL, "max_tokens": CELL, "temperature": CELL, "seed": CELL})
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.lists(TABLE_ROW, min_size=1, max_size=8), fmt=st.sampled_from(["csv", "parquet"]), bom=st.booleans())
+def test_every_hostile_csv_or_parquet_row_becomes_one_storable_row(tmp_path_factory, rows, fmt, bom):
+    import csv
+    import io
+
+    import pyarrow as pa
+
+    d = tmp_path_factory.mktemp("prop-table")
+    src = d / f"in.{fmt}"
+    if fmt == "csv":
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows([{k: ("" if v is None else v) for k, v in r.items()} for r in rows])
+        src.write_bytes((b"\xef\xbb\xbf" if bom else b"") + buf.getvalue().encode("utf-8"))
+        n = sum(1 for _ in csv.DictReader(io.StringIO(buf.getvalue())))  # rows as csv reads them back
+    else:
+        pq.write_table(pa.Table.from_pylist(rows, schema=pa.schema([(k, pa.string()) for k in rows[0]])), src)
+        n = len(rows)
+    got = read_rows(src, "auto", JOB)
+    assert len(got) == n and len({r.key for r in got}) == n
+    for r in got:
+        json.dumps(r.payload, ensure_ascii=False).encode("utf-8")
+        assert "error" in r.payload or _valid(r.payload), r.payload
+    q = Queue(d / "queue.sqlite")
+    assert q.enqueue(got) == n
+    q.close()
