@@ -146,12 +146,12 @@ def load_runtime(cfg: Config) -> Runtime:
     # the start-up plan (issue 6): prompt length is per row; price rows at max_tokens plus
     # max_prompt_tokens when set (the real admission prices each row's own prompt)
     say(first[0].plan_line(cfg.job.max_tokens + (cfg.job.max_prompt_tokens or 0)))
-    smallest = first[0].plan(2)  # a one-token prompt, one generated token
-    if smallest["rows_fit"] == 0:  # every row would be refused: say so once, now
-        raise ConfigError(f"memory.budget={cfg.memory.budget!r}: the budget ({fmt_bytes(smallest['budget_bytes'])}) "
+    mem = first[0].memory  # a one-token prompt and one generated token: the smallest row there is
+    if not mem.fits([2], 1):  # every row would be refused: say so once, now
+        raise ConfigError(f"memory.budget={cfg.memory.budget!r}: the budget ({fmt_bytes(mem.budget)}) "
                           f"leaves no room for even one row next to the weights "
-                          f"({fmt_bytes(smallest['weights_bytes'])}); the smallest row needs "
-                          f"{fmt_bytes(smallest['predicted_peak_bytes'])}: raise memory.budget (or memory.fraction)")
+                          f"({fmt_bytes(first[0].spec.weights_bytes)}); the smallest row needs "
+                          f"{fmt_bytes(mem.bytes_for([2], 1))}: raise memory.budget (or memory.fraction)")
 
     def make_engine():
         return first.pop() if first else engine()
