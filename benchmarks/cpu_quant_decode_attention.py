@@ -38,7 +38,7 @@ def case(B: int, T: int, bits: int, P: int = 64, group: int = 64, H: int = 3, Hq
     st.grow(n_pages)
     k = mx.array(rng.standard_normal((n_pages * P, H, D)).astype(np.float32))
     v = mx.array(rng.standard_normal((n_pages * P, H, D)).astype(np.float32))
-    st._store_pages(0, mx.arange(n_pages * P, dtype=mx.int32), k, v)
+    st.store_pages(0, mx.arange(n_pages * P, dtype=mx.int32), k, v)
     st.tk[0] = mx.array(rng.standard_normal(st.tk[0].shape).astype(np.float32))
     st.tv[0] = mx.array(rng.standard_normal(st.tv[0].shape).astype(np.float32))
     mx.eval(st.q[0], st.tk[0], st.tv[0])

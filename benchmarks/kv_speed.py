@@ -207,7 +207,7 @@ def attention_micro(spec, group, page) -> list[dict]:
             for bits in (8, 4):
                 st = QuantizedStore(1, H, D, P, mx.float32, bits, group, tail_slots=B, k_axis=k_axis)
                 st.grow(n * B)
-                st._store_pages(0, mx.arange(n * B * P, dtype=mx.int32), kf.transpose(0, 2, 1, 3).reshape(-1, H, D),
+                st.store_pages(0, mx.arange(n * B * P, dtype=mx.int32), kf.transpose(0, 2, 1, 3).reshape(-1, H, D),
                                 vf.transpose(0, 2, 1, 3).reshape(-1, H, D))
                 mx.eval(st.q[0])
 

@@ -178,7 +178,7 @@ class QuantizedStore:
         for arrs in self.q:
             arrs[:] = [_grow(a, extra) for a in arrs]
 
-    def _store_pages(self, layer: int, slots: mx.array, k: mx.array, v: mx.array) -> None:
+    def store_pages(self, layer: int, slots: mx.array, k: mx.array, v: mx.array) -> None:
         """Quantize whole pages of full-precision tokens (N, kv_heads, head_dim) into their
         slots (page*P + offset; each page's P tokens consecutive and in order)."""
         arrs = self.q[layer]
@@ -226,7 +226,7 @@ class QuantizedStore:
 
     def seal_tails(self, layer: int, tail_slots: mx.array, page_slots: mx.array) -> None:
         """Quantize whole tail pages (token slots tail_slots) into pool token slots page_slots."""
-        self._store_pages(layer, page_slots, self._tail_tokens(self.tk[layer], tail_slots),
+        self.store_pages(layer, page_slots, self._tail_tokens(self.tk[layer], tail_slots),
                           self._tail_tokens(self.tv[layer], tail_slots))
 
     def seal_tail_pages(self, layer: int, tails: mx.array, pages: mx.array) -> None:
@@ -254,7 +254,7 @@ class QuantizedStore:
             v = mx.concatenate([self.tv[layer][tail, :, :fill].swapaxes(0, 1), v.astype(self.dtype)])
         n_done = (k.shape[0] // P) * P
         if n_done:
-            self._store_pages(layer, page_slots, k[:n_done], v[:n_done])
+            self.store_pages(layer, page_slots, k[:n_done], v[:n_done])
         rest = k.shape[0] - n_done
         if rest:
             self.tk[layer][tail, :, :rest] = k[n_done:].swapaxes(0, 1).astype(self.dtype)

@@ -3,9 +3,11 @@
 Decode scores the packed pages with `mx.quantized_matmul`, never dequantizing the prefix, plus a
 float32 matmul on the tail page; scores and softmax in float32 (on the CPU the quantized matmuls
 are spread over several streams, see `qmm_streams`). CPU decode over float32 stores reads the
-packed pages in place instead (`quantized_paged_decode`, `mx.gather_qmm`). Prefill dequantizes
-each row's sealed pages once per chunk and attends in float32, row by row (the rows of a pass have
-different sealed prefixes and tails; the pass's matmuls outside attention are still batched).
+packed pages in place instead (`quantized_paged_decode`, `mx.gather_qmm`). Prefill attends in float32
+to what the pass wrote at full precision plus, dequantized once per chunk, the pages sealed before
+it. Rows whose chunk starts the prompt (nothing sealed, empty tail: most rows of most passes) are
+written and attended all together; rows further in go row by row (each has its own sealed prefix
+and tail).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvbatch.engine.kv.pages import CacheRow
-from kvbatch.engine.kv.store import QuantizedStore, dequantize
+from kvbatch.engine.kv.store import QuantizedStore, dequantize, head_rows
 from kvbatch.engine.routes.base import Geometry, Route, flat_tokens
 from kvbatch.engine.routes.common import TailWrites, causal_mask, page_heads, page_table, tail_writes, token_slots
 from kvbatch.engine.routes.dense import dense_attention
@@ -172,8 +174,9 @@ def quantized_paged_plan(table: mx.array, n_before: list[int], fill: list[int], 
 
 @dataclass(frozen=True)
 class PrefillRun:
-    """One row of a prefill pass."""
+    """One row of a prefill pass that does not start at position 0."""
 
+    b: int  # its row in the pass
     n: int  # real tokens of the row in this pass
     tail: int  # its tail slot
     fill: int  # tokens in its tail before the pass
@@ -183,9 +186,23 @@ class PrefillRun:
 
 
 @dataclass(frozen=True)
+class FreshPrefill:
+    """The rows of a prefill pass that start at position 0, written and attended together."""
+
+    idx: mx.array  # their rows in the pass
+    page_tok: Optional[mx.array]  # flat token indices (b * L + i) of the tokens that fill whole pages
+    page_slots: Optional[mx.array]  # those tokens' pool slots (each page's tokens consecutive)
+    tail_tok: Optional[mx.array]  # flat token indices of the rest (into the rows' tails)
+    tail_rows: Optional[mx.array]  # head rows of their tail slots
+    mask: mx.array  # (Bf, 1, L, L) causal
+
+
+@dataclass(frozen=True)
 class QuantPrefill:
     L: int
     runs: tuple[PrefillRun, ...]
+    fresh: Optional[FreshPrefill]
+    order: Optional[mx.array]  # pass row -> its output among [fresh rows..., runs...] (None: already in order)
 
 
 @dataclass(frozen=True)
@@ -249,23 +266,51 @@ class QuantRoute(Route):
         return QuantDecode(tails_a, table_q, writes, mask_q, runs_q, mask_t, mask_all)
 
     def _prefill_plan(self, rows, L, p, lens) -> QuantPrefill:
-        P, runs = self.geom.page_size, []
-        for r, p0, n in zip(rows, p.tolist(), lens):
+        P, H, runs = self.geom.page_size, self.geom.kv_heads, []
+        fresh = [b for b, p0 in enumerate(p.tolist()) if p0 == 0]
+        for b, (r, p0, n) in enumerate(zip(rows, p.tolist(), lens)):
+            if p0 == 0:
+                continue
             fill = p0 % P
             done_pages = (fill + n) // P
             start = p0 - fill
             slots = mx.array(token_slots(r, P, start, start + done_pages * P).astype(np.int32)) if done_pages else None
             table_q = page_table([r], [p0 // P]) if p0 // P else None
-            runs.append(PrefillRun(n, r.tail, fill, slots, table_q, causal_mask(np.array([p0]), n, p0 + n, 1)))
-        return QuantPrefill(L, tuple(runs))
+            runs.append(PrefillRun(b, n, r.tail, fill, slots, table_q, causal_mask(np.array([p0]), n, p0 + n, 1)))
+        f = None
+        if fresh:
+            page_tok, page_slots, tail_tok, tail_slots = [], [], [], []
+            for b in fresh:
+                r, n = rows[b], lens[b]
+                full = (n // P) * P
+                page_tok += range(b * L, b * L + full)
+                page_slots += token_slots(r, P, 0, full).tolist()
+                tail_tok += range(b * L + full, b * L + n)
+                tail_slots += [r.tail * P + j for j in range(n - full)]
+            arr = lambda x: mx.array(x, dtype=mx.int32) if x else None  # noqa: E731
+            f = FreshPrefill(mx.array(fresh, dtype=mx.int32), arr(page_tok), arr(page_slots), arr(tail_tok),
+                             arr(head_rows(tail_slots, P, H)), causal_mask(np.zeros(len(fresh), np.int32), L, L, 1))
+        placed = fresh + [run.b for run in runs]  # the outputs' order before `order`
+        order = None
+        if placed != list(range(len(rows))):
+            where = {b: i for i, b in enumerate(placed)}
+            order = mx.array([where[b] for b in range(len(rows))], dtype=mx.int32)
+        return QuantPrefill(L, tuple(runs), f, order)
 
     def write(self, layer: int, meta, keys: mx.array, values: mx.array) -> None:
         k, v = flat_tokens(keys, values)
         if isinstance(meta, QuantPrefill):
-            L = meta.L
-            self._segment[layer] = [self.store.write_run(layer, run.tail, run.fill, run.slots,
-                                                         k[b * L:b * L + run.n], v[b * L:b * L + run.n])
-                                    for b, run in enumerate(meta.runs)]
+            L, f, st = meta.L, meta.fresh, self.store
+            segments = [st.write_run(layer, run.tail, run.fill, run.slots, k[run.b * L:run.b * L + run.n],
+                                     v[run.b * L:run.b * L + run.n]) for run in meta.runs]
+            if f is not None:
+                if f.page_tok is not None:
+                    st.store_pages(layer, f.page_slots, k[f.page_tok], v[f.page_tok])
+                if f.tail_tok is not None:
+                    st.write_tokens(layer, f.tail_rows, k[f.tail_tok], v[f.tail_tok])
+                whole = len(meta.runs) == 0
+                segments.insert(0, (keys if whole else keys[f.idx], values if whole else values[f.idx]))
+            self._segment[layer] = segments
         else:
             meta.writes.apply(self.store, layer, k, v)
 
@@ -295,10 +340,16 @@ class QuantRoute(Route):
                                           st.bits, self.streams, k_transposed=k_transposed, mask=meta.mask_all)
 
     def _prefill_attend(self, layer: int, meta: QuantPrefill, queries: mx.array, scale: float) -> mx.array:
-        """Row by row: its sealed pages dequantized once for the chunk, the rest as written; a
-        row's padded queries get zeros (their outputs are never read)."""
-        st, outs = self.store, []
-        for b, (run, (sk, sv)) in enumerate(zip(meta.runs, self._segment.pop(layer))):
+        """The fresh rows together, over their chunk as written; the others row by row, over their
+        sealed pages dequantized once for the chunk and the rest as written (padded queries get
+        zeros: their outputs are never read)."""
+        st, outs, segments = self.store, [], self._segment.pop(layer)
+        if meta.fresh is not None:  # their chunk attends to itself, as written (B, H, L, D)
+            fk, fv = segments.pop(0)
+            q = queries if not meta.runs else queries[meta.fresh.idx]
+            outs.append(dense_attention(q, fk, fv, meta.fresh.mask, scale, upcast=True))
+        for run, (sk, sv) in zip(meta.runs, segments):
+            b = run.b
             sk, sv = sk.transpose(1, 0, 2)[None], sv.transpose(1, 0, 2)[None]
             if run.table_q is not None:
                 qk = st.gather_quantized(layer, run.table_q)
@@ -309,7 +360,8 @@ class QuantRoute(Route):
             if run.n < meta.L:
                 out = mx.pad(out, [(0, 0), (0, 0), (0, meta.L - run.n), (0, 0)])
             outs.append(out)
-        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+        out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+        return out if meta.order is None else out[meta.order]
 
     def end(self) -> None:
         self._segment.clear()

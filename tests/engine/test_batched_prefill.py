@@ -16,11 +16,11 @@ LENGTHS = [37, 3, 70, 12, 1, 55]  # ragged: chunks of 16 pad short rows in every
 STEPS = 6
 
 
-def _run(m, mode: str, page: int, prefill_tokens):
+def _run(m, mode: str, page: int, prefill_tokens, max_batch: int = 8, lengths=tuple(LENGTHS)):
     model, tok, spec = m
-    eng = Engine(model, tok, spec, engine_config(kv_mode=mode, page_size=page, max_batch=8, prefill_chunk=16,
+    eng = Engine(model, tok, spec, engine_config(kv_mode=mode, page_size=page, max_batch=max_batch, prefill_chunk=16,
                                                 memory_budget=2 << 30, prefill_tokens=prefill_tokens))
-    prompts = prompts_of(LENGTHS, salt=5)
+    prompts = prompts_of(list(lengths), salt=5)
     forced = [[(11 * i + 3 * j) % 256 for j in range(STEPS)] for i in range(len(prompts))]
     for i, f in enumerate(forced):
         eng.hooks.force(f"r{i}", f)
@@ -42,4 +42,17 @@ def test_batched_prefill_matches_one_row_prefill(tiny_model, family, head_dim, m
     assert s_batched["prefill_tokens_total"] == s_alone["prefill_tokens_total"] == sum(LENGTHS)
     for key, a in alone.items():
         assert a.shape == batched[key].shape == (STEPS, m[2].vocab_size)
+        assert mx.abs(a - batched[key]).max().item() <= TOL, key
+
+
+@pytest.mark.parametrize("mode", ["none", "q8", "q4"])
+def test_rows_admitted_mid_prefill_share_passes(tiny_model, mode):
+    """Four slots: rows admitted as others finish share passes with rows half-way through their
+    prompts (q8/q4: the rows at position 0 go together, the others row by row, in one pass)."""
+    m = tiny_model(family="qwen3", head_dim=128)
+    lengths = (200, 3, 5, 2, 40, 7, 1, 9, 20)  # the 200-token prompt takes 13 passes of 16
+    alone, _ = _run(m, mode, 16, prefill_tokens=1, max_batch=4, lengths=lengths)
+    batched, s = _run(m, mode, 16, prefill_tokens="auto", max_batch=4, lengths=lengths)
+    assert s["prefill_rows_max"] > 1
+    for key, a in alone.items():
         assert mx.abs(a - batched[key]).max().item() <= TOL, key

@@ -62,7 +62,7 @@ def test_quantized_in_place_decode_equals_gathered(B, Hkv, G, D, P, group, bits,
     n_pages = 4 * B + 3
     st = QuantizedStore(1, Hkv, D, P, mx.float32, bits, group, tail_slots=B + 2, k_axis=k_axis)
     st.grow(n_pages)
-    st._store_pages(0, mx.arange(n_pages * P, dtype=mx.int32),
+    st.store_pages(0, mx.arange(n_pages * P, dtype=mx.int32),
                     mx.array(rng.standard_normal((n_pages * P, Hkv, D)).astype(np.float32)),
                     mx.array(rng.standard_normal((n_pages * P, Hkv, D)).astype(np.float32)))
     st.tk[0] = mx.array(rng.standard_normal(st.tk[0].shape).astype(np.float32))
