@@ -19,11 +19,11 @@ from omegaconf import OmegaConf
 from kvbatch.engine.errors import INSUFFICIENT_MEMORY
 from kvbatch.engine.sizes import fmt_bytes
 
-from kvbatch.pipeline import durations, locate, procs
+from kvbatch.pipeline import durations, locate, passthrough, procs
 from kvbatch.pipeline import summary as summ
 from kvbatch.pipeline.config import Config, ConfigError, as_dict, config_hash, engine_config, parse_injection
 from kvbatch.pipeline.finalize import Finalized, finalize, reconcile, regenerate
-from kvbatch.pipeline.inputs import read_rows, resolve_input
+from kvbatch.pipeline.inputs import detect_format, read_rows, resolve_input
 from kvbatch.pipeline.progress import Progress, row_budget
 from kvbatch.pipeline.queue import Queue
 from kvbatch.pipeline.worker import Runtime, StorageError, Terminated, WorkStats, Worker
@@ -95,12 +95,24 @@ def enqueue(job: Job) -> tuple[Queue, int, int]:
     q.set_meta("input", str(job.input_path))
     changed = q.changed(rows)
     added = q.enqueue(rows)
+    carry_columns(job, rows)
     if changed:
         regenerate(job.out_dir, q, changed, "input_changed")
         say(f"kvbatch: {len(changed)} rows changed in the input since they were queued "
             f"({_some(changed)}); they are generated again and their old results dropped")
     memory_changed(job, q)
     return q, len(rows), added
+
+
+def carry_columns(job: Job, rows: list) -> None:
+    """The input's columns kvbatch does not use, for results.parquet (pipeline/passthrough.py)."""
+    try:
+        fmt = detect_format(job.input_path, job.cfg.job.format)
+        keys = [r.key for r in sorted(rows, key=lambda r: r.pos)]
+        passthrough.write(job.out_dir, job.input_path, fmt, job.cfg.job, keys)
+    except Exception as exc:  # noqa: BLE001 - the rows still run; say that their extra columns will be missing
+        say(f"kvbatch: warning: the input's other columns cannot be carried to results.parquet "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
 
 
 def memory_changed(job: Job, q: Queue) -> None:

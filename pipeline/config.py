@@ -161,9 +161,9 @@ def validate(cfg: Config) -> None:
     _need(bool(job.input), "job.input", job.input, "must name an input file")
     _need(job.format in FORMATS, "job.format", job.format, f"choose one of {', '.join(FORMATS)}")
     _range("job.max_tokens", job.max_tokens, ranges.max_tokens_error)
-    _need(all(isinstance(x, str) and x for x in job.stop), "job.stop", job.stop, "must be non-empty strings")
+    _range("job.stop", job.stop, ranges.stop_error)
     _range("sampling.temperature", s.temperature, ranges.temperature_error)
-    _need(0 < s.top_p <= 1, "sampling.top_p", s.top_p, "must be in (0, 1]")
+    _range("sampling.top_p", s.top_p, ranges.top_p_error)
     _range("sampling.top_k", s.top_k, ranges.top_k_error)
     _range("sampling.seed", s.seed, ranges.seed_error)
     _need(cfg.output.progress in ("auto", "on", "off"), "output.progress", cfg.output.progress,

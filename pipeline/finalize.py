@@ -15,6 +15,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from kvbatch.pipeline import passthrough
 from kvbatch.pipeline.parts import clean_temp, dir_lock, quarantine, scan, write_atomic
 from kvbatch.pipeline.results import SCHEMA, to_table
 from kvbatch.pipeline.queue import Queue
@@ -111,7 +112,7 @@ def finalize(out_dir: Path, q: Queue, metadata: dict[str, str]) -> Finalized:
     with dir_lock(out_dir):
         clean_temp(out_dir)
         done = _reconcile(out_dir, q)
-        table = _assemble(done.good, done.chosen)
+        table = passthrough.attach(_assemble(done.good, done.chosen), out_dir)
         table = table.replace_schema_metadata({k.encode(): v.encode() for k, v in metadata.items()})
         write_atomic(table, done.path)
     done.rows, done.table = table.num_rows, table

@@ -153,6 +153,20 @@ def _messages(v: Any) -> list:
     return [{"role": m["role"], "content": m["content"]} for m in v]
 
 
+def _stop(v: Any) -> list[str]:
+    """A row's stop strings: a list of strings (JSONL, Parquet), or a string: one stop string, or a
+    JSON list of them (CSV). Taken as the file holds them (its own escapes), not decoded again."""
+    if isinstance(v, str) and v.lstrip().startswith("["):
+        try:
+            v = json.loads(v)
+        except json.JSONDecodeError:
+            pass
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, (list, tuple)) or ranges.stop_error(list(stops)):
+        raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {v!r:.80}")
+    return list(stops)
+
+
 def row_payload(row: dict, job: JobConfig) -> dict:
     """Validate one parsed row; return its payload (an `error` key when the row is unusable)."""
     out: dict = {}
@@ -178,6 +192,14 @@ def row_payload(row: dict, job: JobConfig) -> dict:
         if not _missing(row.get("seed")):
             out["seed"] = _int("seed", row["seed"], 0)
             _check("seed", out["seed"], ranges.seed_error)
+        if not _missing(row.get("top_p")):
+            out["top_p"] = _float("top_p", row["top_p"])
+            _check("top_p", out["top_p"], ranges.top_p_error)
+        if not _missing(row.get("top_k")):
+            out["top_k"] = _int("top_k", row["top_k"], 0)
+            _check("top_k", out["top_k"], ranges.top_k_error)
+        if not _missing(row.get("stop")):
+            out["stop"] = _stop(row["stop"])
     except ValueError as exc:
         out["error"] = str(exc)
     return out

@@ -39,6 +39,18 @@ def top_k_error(v: int) -> str | None:
     return None
 
 
+def top_p_error(v: float) -> str | None:
+    if not math.isfinite(v) or not 0 < v <= 1:
+        return "must be in (0, 1]"
+    return None
+
+
+def stop_error(v: list) -> str | None:
+    if not all(isinstance(x, str) and x for x in v):
+        return "must be non-empty strings"
+    return None
+
+
 def temperature_error(v: float) -> str | None:
     if not math.isfinite(v) or v < 0:
         return "must be a finite number >= 0"

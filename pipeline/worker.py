@@ -130,8 +130,10 @@ class Worker:
         c = self.cfg
         return SamplingParams(max_tokens=payload.get("max_tokens", c.job.max_tokens),
                               temperature=payload.get("temperature", c.sampling.temperature),
-                              top_p=c.sampling.top_p, top_k=c.sampling.top_k,
-                              seed=payload.get("seed", c.sampling.seed), stop=tuple(c.job.stop))
+                              top_p=payload.get("top_p", c.sampling.top_p),
+                              top_k=payload.get("top_k", c.sampling.top_k),
+                              seed=payload.get("seed", c.sampling.seed),
+                              stop=tuple(payload.get("stop", c.job.stop)))
 
     def _record(self, c: Claimed, res: Optional[Result] = None, code: Optional[str] = None,
                 msg: Optional[str] = None) -> ResultRecord:
