@@ -130,7 +130,24 @@ def test_report_md_and_plots(basic_sweep):
         assert f"![{title}]({name})" in md
     assert "| `#1 kv=q8` | completed | tiny | q8 | 3 / 4 | invalid_input 1 |" in md
     _png_ok(sweep / PLOTS["decode"][0], must_have=(KV_COLORS["none"], KV_COLORS["q8"], KV_COLORS["q4"]))
-    _png_ok(sweep / PLOTS["memory"][0], must_have=(KV_COLORS["none"], KV_COLORS["q8"], KV_COLORS["q4"]))
+    _png_ok(sweep / PLOTS["kv_memory"][0], must_have=(KV_COLORS["none"], KV_COLORS["q8"], KV_COLORS["q4"]))
+    _png_ok(sweep / PLOTS["quality"][0], must_have=(KV_COLORS["none"], KV_COLORS["q8"], KV_COLORS["q4"]))
+
+
+def test_report_shows_the_kv_cache_itself(basic_sweep):
+    """Issue 22.9: the peak-memory plot showed q8/q4 above none on a small model (weights dominate). The
+    report now carries the KV cache's own peak bytes and the tokens the budget holds per mode, and the
+    agreement axis is zoomed to the data."""
+    from kvbatch.pipeline.sweep.report.kv_plots import agreement_limits
+
+    sweep, _ = basic_sweep
+    by = {r["kv_mode"]: r for r in jobs(sweep)}
+    assert by["none"]["kv_peak_bytes"] > by["q8"]["kv_peak_bytes"] > by["q4"]["kv_peak_bytes"] > 0
+    assert 0 < by["none"]["kv_tokens_fit"] < by["q8"]["kv_tokens_fit"] < by["q4"]["kv_tokens_fit"]
+    for r in by.values():
+        assert r["kv_tokens_fit"] == r["kv_budget_bytes"] // r["kv_bytes_per_token"]
+    lo, hi = agreement_limits([0.93, 0.97])
+    assert 0.9 < lo < 0.93 and 1.0 < hi < 1.02
     _png_ok(sweep / PLOTS["agreement"][0], must_have=(KV_COLORS["q8"], KV_COLORS["q4"]))
     _png_ok(sweep / PLOTS["errors"][0], must_have=(CODE_COLORS["ok"], CODE_COLORS["invalid_input"]))
 

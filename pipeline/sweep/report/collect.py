@@ -21,7 +21,8 @@ SCHEMA = pa.schema([
     ("rows", pa.int64()), ("rows_ok", pa.int64()), ("rows_remaining", pa.int64()),
     *[(f"rows_{c}", pa.int64()) for c in ERROR_CODES],
     ("output_tokens", pa.int64()), ("decode_tokens_per_s", pa.float64()), ("tokens_per_s", pa.float64()),
-    ("peak_memory_bytes", pa.int64()), ("kv_bytes_per_token", pa.int64()), ("route", pa.string()),
+    ("peak_memory_bytes", pa.int64()), ("kv_bytes_per_token", pa.int64()), ("kv_peak_bytes", pa.int64()),
+    ("kv_budget_bytes", pa.int64()), ("kv_tokens_fit", pa.int64()), ("route", pa.string()),
     ("wall_s", pa.float64()), ("pid", pa.int64()), ("model_loads", pa.int32()),
     ("baseline_job_dir", pa.string()), ("rows_compared", pa.int64()), ("rows_identical", pa.int64()),
     ("token_agreement", pa.float64()), ("first_divergence_min", pa.int64()),
@@ -85,7 +86,23 @@ def _job_record(status: dict, sweep_dir: Path) -> dict:
                    route=s.get("route"), model=s.get("model") or rec["model"],
                    kv_mode=s.get("kv_mode") or rec["kv_mode"])
         rec.update({f"rows_{c}": int(by_code.get(c, 0)) for c in ERROR_CODES})
+        rec.update(kv_capacity(eng))
     return rec
+
+
+def kv_capacity(eng: dict) -> dict:
+    """The KV cache's own bytes, which a job's peak memory hides when the weights dominate: its peak
+    (pages in use at the peak x page bytes), the budget left for it next to the weights, and the
+    tokens of context that budget holds (rows x context; before workspace, so an upper bound)."""
+    per_token, page = eng.get("kv_bytes_per_token"), eng.get("page_size")
+    budget, weights = eng.get("budget_bytes"), eng.get("weights_bytes")
+    out: dict = {}
+    if per_token and page and eng.get("peak_pages_in_use") is not None:
+        out["kv_peak_bytes"] = int(eng["peak_pages_in_use"]) * int(page) * int(per_token)
+    if per_token and budget and weights is not None:
+        out["kv_budget_bytes"] = max(int(budget) - int(weights), 0)
+        out["kv_tokens_fit"] = out["kv_budget_bytes"] // int(per_token)
+    return out
 
 
 def _override(status: dict, key: str) -> Optional[str]:

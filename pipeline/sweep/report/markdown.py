@@ -42,8 +42,8 @@ def markdown(records: list[dict], sweep_dirs: list[Path], out: Path, plots: dict
              f"One row per job in `{SWEEP_PARQUET}`.", "",
              "## Jobs", "",
              "| job | status | model | kv | rows ok | errors | decode tok/s | peak memory | KV bytes/token "
-             "| agreement vs kv=none | first divergence (min / median) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| KV peak | tokens that fit | agreement vs kv=none | first divergence (min / median) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         div = "–" if r.get("first_divergence_min") is None else \
             f"{r['first_divergence_min']} / {r['first_divergence_median']:g}"
@@ -53,6 +53,7 @@ def markdown(records: list[dict], sweep_dirs: list[Path], out: Path, plots: dict
             f"`{r['label']}`", r["status"], _fmt(r.get("model")), _fmt(r.get("kv_mode")),
             f"{_fmt(r.get('rows_ok'))} / {_fmt(r.get('rows'))}", _errors(r), _fmt(r.get("decode_tokens_per_s")),
             _fmt(r.get("peak_memory_bytes"), "bytes"), _fmt(r.get("kv_bytes_per_token"), "bytes"),
+            _fmt(r.get("kv_peak_bytes"), "bytes"), _fmt(r.get("kv_tokens_fit")),
             _fmt(r.get("token_agreement"), "ratio"), div]) + " |")
     if bad:
         lines += ["", "## Jobs that did not complete", ""]
@@ -67,7 +68,10 @@ def markdown(records: list[dict], sweep_dirs: list[Path], out: Path, plots: dict
               "prefill excluded). Jobs run by the joblib launcher share the machine, so compare speeds "
               "from one-at-a-time (basic launcher) sweeps.",
               "- **peak memory**: MLX's peak allocated memory during the job (weights, KV pages, workspace), "
-              "reset at the start of every job and after a model load (the load's transients are not counted).",
+              "reset at the start of every job and after a model load (the load's transients are not counted). "
+              "On a small model the weights dominate it, so it does not show what a KV mode saves: read "
+              "**KV peak** (the KV cache's own pages at its peak) and **tokens that fit** (the tokens of "
+              "context the budget holds next to the weights in that mode: rows x context, before workspace).",
               "- **KV bytes/token**: cache bytes per token over all layers, K and V, with the scales and "
               "biases of quantized modes.",
               "- **agreement vs kv=none**: compared with the kv=none job of the same model, prompts and "

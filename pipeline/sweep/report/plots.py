@@ -5,17 +5,23 @@ from pathlib import Path
 from typing import Optional
 
 from kvbatch.engine.errors import ERROR_CODES
+from kvbatch.pipeline.sweep.report.kv_plots import KV_COLORS, KV_ORDER, kv_memory, quality_vs_memory, zoomed
 
 PLOTS = {
     "decode": ("decode_tokens_per_s.png", "Decode tokens/s by KV mode"),
-    "memory": ("peak_memory.png", "Peak memory by KV mode"),
+    "kv_memory": ("kv_memory.png", "KV cache by mode: its peak bytes and the tokens the budget holds"),
     "agreement": ("agreement.png", "Token agreement with kv=none by KV mode"),
+    "quality": ("quality_vs_memory.png", "Agreement with kv=none against KV bytes per token"),
     "errors": ("rows_by_error_code.png", "Rows per error code"),
 }
-KV_ORDER = {"none": 0, "q8": 1, "q4": 2}
-KV_COLORS = {"none": "#4C72B0", "q8": "#DD8452", "q4": "#55A868"}
+__all__ = ["KV_COLORS", "KV_ORDER", "PLOTS", "plot"]
 CODE_COLORS = {"ok": "#55A868", "invalid_input": "#8172B3", "prompt_too_long": "#937860",
                "insufficient_memory": "#C44E52", "non_finite_logits": "#DA8BC3", "internal_error": "#8C8C8C"}
+
+
+def _short(text: str, n: int = 32) -> str:
+    """Tick labels that fit under their bar."""
+    return text if len(text) <= n else text[: n - 1] + "…"
 
 
 def _plot_order(records: list[dict]) -> list[dict]:
@@ -23,7 +29,8 @@ def _plot_order(records: list[dict]) -> list[dict]:
 
 
 def _bars(records: list[dict], field: str, title: str, ylabel: str, path: Path, scale: float = 1.0,
-          reference: Optional[float] = None, empty_note: str = "no completed job") -> None:
+          reference: Optional[float] = None, empty_note: str = "no completed job",
+          ylim: Optional[tuple[float, float]] = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -51,8 +58,8 @@ def _bars(records: list[dict], field: str, title: str, ylabel: str, path: Path, 
     if not any(r.get(field) is not None for r in jobs):
         ax.text(0.5, 0.5, empty_note, transform=ax.transAxes, ha="center", va="center", fontsize=11)
     ax.set_xticks(xs)
-    ax.set_xticklabels([r["label"] for r in jobs], rotation=30, ha="right", fontsize=8)
-    ax.set_ylim(0, top * 1.15)
+    ax.set_xticklabels([_short(r["label"]) for r in jobs], rotation=30, ha="right", fontsize=8)
+    ax.set_ylim(*(ylim or (0, top * 1.15)))
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     modes = sorted({r.get("kv_mode") or "?" for r in jobs}, key=lambda m: KV_ORDER.get(m, 9))
@@ -85,7 +92,7 @@ def _error_plot(records: list[dict], path: Path) -> None:
             ax.text(x, top * 0.02, f"job {r['status']}", ha="center", va="bottom", rotation=90, fontsize=8,
                     color="#C44E52")
     ax.set_xticks(xs)
-    ax.set_xticklabels([r["label"] for r in jobs], rotation=30, ha="right", fontsize=8)
+    ax.set_xticklabels([_short(r["label"]) for r in jobs], rotation=30, ha="right", fontsize=8)
     ax.set_ylim(0, top * 1.15)
     ax.set_ylabel("rows")
     ax.set_title(PLOTS["errors"][1])
@@ -100,9 +107,11 @@ def _error_plot(records: list[dict], path: Path) -> None:
 def plot(records: list[dict], out: Path) -> dict[str, Path]:
     paths = {k: out / name for k, (name, _) in PLOTS.items()}
     _bars(records, "decode_tokens_per_s", PLOTS["decode"][1], "decode tokens/s", paths["decode"])
-    _bars(records, "peak_memory_bytes", PLOTS["memory"][1], "peak memory (MiB)", paths["memory"], scale=2**20)
+    kv_memory(records, paths["kv_memory"], PLOTS["kv_memory"][1])
     quant = [r for r in records if r.get("kv_mode") != "none"] or records
     _bars(quant, "token_agreement", PLOTS["agreement"][1], "token agreement (1 = identical)", paths["agreement"],
-          reference=1.0, empty_note="no quantized job with a kv=none job of the same model, prompts, sampling")
+          reference=1.0, empty_note="no quantized job with a kv=none job of the same model, prompts, sampling",
+          ylim=zoomed([r.get("token_agreement") for r in quant]))
+    quality_vs_memory(records, paths["quality"], PLOTS["quality"][1])
     _error_plot(records, paths["errors"])
     return paths
