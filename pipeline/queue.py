@@ -361,7 +361,8 @@ class Queue:
 
     def worker_ended(self, worker: str, rows: int, tokens: int, wall_s: float, summary: dict,
                      stop: str = "finished") -> None:
-        """`stop`: finished (nothing left to claim), deadline, interrupted (Ctrl-C/SIGTERM), failed."""
+        """`stop`: finished (nothing left to claim), deadline, interrupted (Ctrl-C/SIGTERM),
+        storage (the folder could not be written), failed."""
         self.db.execute("UPDATE workers SET ended_at=?, rows=?, tokens=?, wall_s=?, summary=?, stop=? WHERE id=?",
                         (time.time(), rows, tokens, wall_s, json.dumps(summary, default=str), stop, worker))
 
@@ -397,7 +398,7 @@ class Queue:
 
     def sessions(self) -> list[dict]:
         """Every worker session, oldest first. `wall_s` is set when it ended cleanly; `stop` says
-        how it ended (finished, deadline, interrupted, failed, died; None while running)."""
+        how it ended (finished, deadline, interrupted, storage, failed, died; None while running)."""
         cur = self.db.execute("SELECT id, pid, host, started_at, heartbeat_at, ended_at, rows, tokens, wall_s, "
                               "summary, stop FROM workers ORDER BY started_at")
         return [{"worker": w, "pid": pid, "host": host, "started_at": s, "heartbeat_at": hb, "ended_at": e,
