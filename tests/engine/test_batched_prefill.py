@@ -6,12 +6,16 @@ import kvbatch.engine  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 import pytest
 
+from kvbatch.engine.backend import on_cpu
 from kvbatch.engine.engine import Engine
 from kvbatch.engine.types import Request, SamplingParams
 from tests.conftest import engine_config
 from tests.engine.test_engine_paged import prompts_of
 
-TOL = 1e-4
+# kv none: float tolerance. q8/q4: where a key computed in a differently shaped pass sits on a
+# quantization rounding boundary, it rounds one step apart: the bound the KV-quant tests allow such a
+# step (seen on MLX CUDA at q4). On the CPU every mode is held to 1e-4.
+TOL = {"none": 1e-4, "q8": 10e-4, "q4": 170e-4} if not on_cpu() else {"none": 1e-4, "q8": 1e-4, "q4": 1e-4}
 LENGTHS = [37, 3, 70, 12, 1, 55]  # ragged: chunks of 16 pad short rows in every shared pass
 STEPS = 6
 
@@ -42,7 +46,7 @@ def test_batched_prefill_matches_one_row_prefill(tiny_model, family, head_dim, m
     assert s_batched["prefill_tokens_total"] == s_alone["prefill_tokens_total"] == sum(LENGTHS)
     for key, a in alone.items():
         assert a.shape == batched[key].shape == (STEPS, m[2].vocab_size)
-        assert mx.abs(a - batched[key]).max().item() <= TOL, key
+        assert mx.abs(a - batched[key]).max().item() <= TOL[mode], key
 
 
 @pytest.mark.parametrize("mode", ["none", "q8", "q4"])
@@ -55,4 +59,4 @@ def test_rows_admitted_mid_prefill_share_passes(tiny_model, mode):
     batched, s = _run(m, mode, 16, prefill_tokens="auto", max_batch=4, lengths=lengths)
     assert s["prefill_rows_max"] > 1
     for key, a in alone.items():
-        assert mx.abs(a - batched[key]).max().item() <= TOL, key
+        assert mx.abs(a - batched[key]).max().item() <= TOL[mode], key
