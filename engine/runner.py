@@ -69,6 +69,8 @@ class Runner:
         t0 = time.perf_counter()
         ready = []
         for row, n in batch:
+            if not row.active:  # preempted to make room for a row before it in this pass
+                continue
             try:
                 if self.sched.make_room(row, n, self.flush):
                     ready.append((row, n))

@@ -163,12 +163,12 @@ class Scheduler:
             except RowError:
                 if not self.optimistic or (self.running and self.running == [row]):
                     raise
-            limits[:] = self.limits()
             if not flushed:
-                flush()
+                flush()  # rows that end with the step in flight free their pages
                 flushed = True
                 if not row.active:
                     return False
+                limits[:] = self.limits()
                 continue
             later = self.running[self.running.index(row) + 1:]
             self.preempt(later[-1] if later else row)

@@ -6,6 +6,7 @@ import kvbatch.engine  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 import pytest
 
+from kvbatch.engine.config import EngineOptions
 from kvbatch.engine.engine import Engine
 from kvbatch.engine.errors import INSUFFICIENT_MEMORY
 from kvbatch.engine.types import Request, SamplingParams
@@ -32,8 +33,8 @@ def _budget(m, mode) -> int:
     return probe.memory.bytes_for([max(LENGTHS) + STEPS] * 2, max(LENGTHS))
 
 
-def _run(m, mode, budget, admission, forced=True):
-    eng = _engine(m, mode, budget, admission)
+def _run(m, mode, budget, admission, forced=True, **kw):
+    eng = _engine(m, mode, budget, admission, **kw)
     prompts = prompts_of(LENGTHS, salt=3)
     if forced:
         for i in range(ROWS):
@@ -70,10 +71,13 @@ def test_preempted_rows_finish_with_the_same_outputs(tiny_model, mode):
     assert worst <= TOL[mode]
 
 
-def test_preempted_greedy_rows_match_an_unpreempted_run(tiny_model):
+@pytest.mark.parametrize("lookahead", ["off", "on"])  # on: a preemption first lands the step in flight
+def test_preempted_greedy_rows_match_an_unpreempted_run(tiny_model, lookahead):
     m = tiny_model(num_layers=8)
     ref, _ = _run(m, "none", 2 << 30, "reserve", forced=False)
-    got, eng = _run(m, "none", _budget(m, "none"), "optimistic", forced=False)
+    got, eng = _run(m, "none", _budget(m, "none"), "optimistic", forced=False,
+                    options=EngineOptions(lookahead=lookahead))
+    assert eng.lookahead == (lookahead == "on")
     assert eng.summary()["preemptions"] > 0
     assert {r.key: r.tokens for r in got} == {r.key: r.tokens for r in ref}
 
