@@ -1,17 +1,19 @@
 """How many rows run together and how many tokens one prefill pass takes, per backend.
 
-`engine.max_batch: auto` runs as many rows as the memory model admits, up to a ceiling where more
-rows stopped adding tokens/s on the machines measured (benchmarks/RESULTS.md, "Job throughput"):
-a ceiling still matters because every running row costs host work per step, and q8/q4 keep one
-full-precision tail page per batch slot. `engine.prefill_tokens: auto` is the padded token budget
-of one prefill pass: large enough that a pass fills the device, small enough that running rows
+`engine.max_batch: auto` runs as many rows as the memory model admits, up to a ceiling per backend
+(below: what it rests on so far). A ceiling still matters: every running row costs host work per
+step, and q8/q4 keep one full-precision tail page per batch slot. `engine.prefill_tokens: auto` is
+the padded token budget of one prefill pass: large enough that a pass fills the device, small enough that running rows
 are not kept waiting long between decode steps.
 """
 from __future__ import annotations
 
 from kvbatch.engine.backend import backend
 
-# rows; measured on the 2-core CPU (SmolLM2) and the H200 (Llama-1B/8B geometry)
+# rows. MLX CUDA: on the H200 decode tok/s still grew from 64 to 256 rows (1B geometry 10.8k -> 29.6k,
+# RESULTS.md), 256 is the largest batch measured there. CPU and Metal: not measured yet (the CPU's 64 is
+# twice the largest batch RESULTS.md has, 32, where SmolLM2 still gained); benchmarks/batch_ceiling.py
+# measures it.
 BATCH_CEILING = {"cpu": 64, "cuda": 256, "metal": 128}
 # CPU: one chunk: matmuls of one 512-token chunk already fill the cores, and padding rows to a shared
 # length is compute the CPU pays in full (a 16-row SmolLM2 probe, loaded machine: 52 prompt tok/s batched
