@@ -1,0 +1,33 @@
+"""engine.max_batch: auto resolves to the backend's ceiling and says so; bad batch settings are refused."""
+from __future__ import annotations
+
+import kvbatch.engine  # noqa: F401  (OpenBLAS before mlx)
+import pytest
+
+from kvbatch.engine.backend import backend
+from kvbatch.engine.batch_limits import BATCH_CEILING, PREFILL_TOKENS
+from kvbatch.engine.engine import Engine
+from kvbatch.engine.errors import KvbatchConfigError
+from tests.conftest import engine_config
+
+
+def test_max_batch_auto_is_the_backend_ceiling_and_the_plan_says_so(tiny_model):
+    model, tok, spec = tiny_model()
+    eng = Engine(model, tok, spec, engine_config(max_batch="auto", memory_budget=1 << 30))
+    name = backend().name
+    assert eng.max_batch == BATCH_CEILING[name] and eng.scheduler.max_batch == eng.max_batch
+    assert eng.prefill_tokens == max(PREFILL_TOKENS[name], 512)
+    s = eng.summary()
+    assert (s["max_batch"], s["admission"], s["prefill_tokens"]) == (eng.max_batch, "reserve", eng.prefill_tokens)
+    assert f"up to {eng.max_batch} rows (auto: the {name} ceiling)" in eng.plan_line(64)
+    fixed = Engine(model, tok, spec, engine_config(max_batch=5, memory_budget=1 << 30))
+    assert fixed.max_batch == 5 and "up to 5 rows (engine.max_batch)" in fixed.plan_line(64)
+
+
+@pytest.mark.parametrize("kw,key", [(dict(admission="greedy"), "engine.admission"),
+                                    (dict(max_batch=0), "engine.max_batch"),
+                                    (dict(max_batch="lots"), "engine.max_batch"),
+                                    (dict(prefill_tokens=0), "engine.prefill_tokens")])
+def test_bad_batch_settings_are_refused_with_the_key(kw, key):
+    with pytest.raises(KvbatchConfigError, match=key):
+        engine_config(**kw).check()
