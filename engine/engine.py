@@ -183,8 +183,6 @@ class Engine:
 
     # ---- internal --------------------------------------------------------------------------
     def _unschedule(self, row: Row) -> None:
-        if row.active:
+        if row.active:  # a preempted row never ends while waiting: the step in flight lands first
             self.scheduler.running.remove(row)
             row.active = False
-        elif row in self.scheduler.waiting:  # preempted, then ended by its last in-flight token
-            self.scheduler.waiting.remove(row)
