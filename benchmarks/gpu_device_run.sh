@@ -20,6 +20,9 @@
 #   mlxenv   MLX's CUDA graph settings (read once per process, so one process each, $MLXENVS): the step
 #            profile of 8B batch 1 at 8k (none, q8, and mlx-lm; $MLXENV_ARGS: other gpu_step_profile.py
 #            arguments); SECONDS is per process
+#   prefill  benchmarks/gpu_prefill_shapes.py $PREFILL_ARGS (default 1B, 256 mixed prompts, none and q8): each
+#            prefill pass's shape and seconds, cold / warm / new shapes, once per $PREFILL_ENVS process (default:
+#            MLX as it is, and with cuDNN's SDPA off); SECONDS is per process
 #   sidebyside  gpu.py at batches $SBS_BATCHES (default 8,64,256), kv none, 2 order-alternating rounds against mlx-lm,
 #            for this tree and for an older one in .gpu/old (`git archive OLD engine benchmarks/gpu.py
 #            benchmarks/interleave.py | tar -x -C .gpu/old`), 8B then 1B, new-old-old-new: a restructure's
@@ -27,7 +30,8 @@
 #   throughput  gpu.py 8B batch 256 none/q8 and 1B batches 8/64/256 none (whole generate call, prefill included)
 #   job      the kvbatch command against mlx-lm batch_generate (benchmarks/job_vs_mlx_lm.py), Llama-1B geometry
 #            (random bf16), 256 prompts, 512 new tokens; installs the wheels in .gpu/c (pyarrow, hydra-core,
-#            omegaconf, antlr4, tqdm: `pip download --only-binary ... --python-version 3.12`)
+#            omegaconf, antlr4, tqdm: `pip download --only-binary ... --python-version 3.12`); JOB_PROFILE=1 first
+#            profiles one kvbatch run (job_profile.txt), JOB_ROUNDS (default 2)
 #   profile  gpu_step_profile.py $PROFILE_ARGS (default: 1B batch 8 at 8k, none and q8, lookahead loop, with
 #            mlx-lm): host phases against the wait for the GPU, to tell a host-bound case from a GPU-bound one
 set -uo pipefail
@@ -98,10 +102,15 @@ for arg in "$@"; do
       GEOM="family=llama num_layers=16 hidden_size=2048 num_heads=32 num_kv_heads=8 head_dim=64 intermediate_size=8192
             vocab_size=128256 context_length=4096 dtype=bfloat16 cache_dir=$HOME/kvbatch-models"
       timeout "$secs" python3 benchmarks/job_vs_mlx_lm.py --model tiny --model-args "$GEOM" --rows 256 --new 512 \
-        --max-words ${JOB_WORDS:-150} --rounds 2 --match --kvbatch-cmd "python3 -m kvbatch" --python python3 \
+        --max-words ${JOB_WORDS:-150} --rounds ${JOB_ROUNDS:-2} ${JOB_PROFILE:+--profile $OUT/job_profile.txt} --match --kvbatch-cmd "python3 -m kvbatch" --python python3 \
         --out "$OUT/job_1b.json" 2>&1 | tee "$OUT/job.txt" | cut -c1-1500 ;;
     profile) timeout "$secs" python3 benchmarks/gpu_step_profile.py ${PROFILE_ARGS:---geometry 1b --batches 8 \
                --prompt 8192 --modes none,q8 --no-sync} 2>&1 | tee -a "$OUT/profile.txt" | cut -c1-1500 ;;
+    prefill) for c in ${PREFILL_ENVS:-"default:" "nocudnn:MLX_CUDA_USE_CUDNN_SDPA=0"}; do
+        name=${c%%:*} vars=${c#*:}; echo "-- $name ${vars//,/ }" | tee -a "$OUT/prefill.txt"
+        timeout "$secs" env ${vars//,/ } python3 benchmarks/gpu_prefill_shapes.py ${PREFILL_ARGS:---geometry 1b --rows 256 \
+          --modes none,q8} --out "$OUT/prefill_$name.json" 2>&1 | tee -a "$OUT/prefill.txt" | cut -c1-900
+      done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

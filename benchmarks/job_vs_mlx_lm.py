@@ -97,6 +97,21 @@ def run_mlx_lm(python: str, input_path: Path, model_cfg: dict, new: int, batch: 
     return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, **res}
 
 
+def profile_kvbatch(a, inp: Path, tmp: Path, model_args: dict, extra: list[str]) -> None:
+    """Where the command's own time goes (imports, config, model load, queue, engine, results)."""
+    import io
+    import pstats
+
+    prof = tmp / "kvbatch.prof"
+    r = run_kvbatch([a.python, "-m", "cProfile", "-o", str(prof), "-m", "kvbatch"], inp, tmp / "profiled", a.model,
+                    model_args, a.new, extra)
+    buf = io.StringIO()
+    st = pstats.Stats(str(prof), stream=buf)
+    st.sort_stats("cumulative").print_stats(60)
+    st.sort_stats("tottime").print_stats(30)
+    Path(a.profile).write_text(f"wall {r['wall_s']:.1f}s engine {json.dumps(r['engine'])[:2000]}\n" + buf.getvalue())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2")
@@ -109,6 +124,7 @@ def main() -> None:
     ap.add_argument("--kvbatch-cmd", default=str(ROOT / ".venv/bin/kvbatch"))
     ap.add_argument("--python", default=str(ROOT / ".venv/bin/python"), help="runs the mlx-lm side")
     ap.add_argument("--match", action="store_true", help="also mlx-lm with completion_batch_size = kvbatch's batch")
+    ap.add_argument("--profile", help="first one untimed kvbatch run under cProfile; its top functions to this file")
     ap.add_argument("--out")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="kvbatch-job-"))
@@ -123,6 +139,8 @@ def main() -> None:
     warm = tmp / "warm.jsonl"  # untimed: builds or converts the model into its cache once
     warm.write_text(inp.read_text().splitlines()[0] + "\n")
     run_mlx_lm(a.python, warm, model_cfg, 1, None)
+    if a.profile:
+        profile_kvbatch(a, inp, tmp, model_args, extra)
     rounds = []
     for k in range(a.rounds):
         order = ["kvbatch", "mlx_lm"] if k % 2 == 0 else ["mlx_lm", "kvbatch"]

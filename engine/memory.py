@@ -155,8 +155,17 @@ class MemoryModel:
         if not worst_tokens:
             return self.spec.weights_bytes
         kv = sum(self.layout.pages_for(t) for t in worst_tokens) * self.layout.page_bytes
-        return (self.spec.weights_bytes + kv + self.growth_transient(kv)
-                + self.workspace(len(worst_tokens), max(worst_tokens), max_prompt))
+        return self._total(kv, len(worst_tokens), max(worst_tokens), max_prompt)
+
+    def bytes_for_rows(self, n: int, worst_tokens: int, max_prompt: int | None = None) -> int:
+        """bytes_for([worst_tokens] * n) without building the list (the plan searches up to millions of rows)."""
+        if n <= 0:
+            return self.spec.weights_bytes
+        return self._total(n * self.layout.pages_for(worst_tokens) * self.layout.page_bytes, n, worst_tokens,
+                           max_prompt)
+
+    def _total(self, kv: int, rows: int, max_tokens: int, max_prompt: int | None) -> int:
+        return self.spec.weights_bytes + kv + self.growth_transient(kv) + self.workspace(rows, max_tokens, max_prompt)
 
     def growth_transient(self, kv_bytes: int) -> int:
         """Pool growth copies one layer at a time: one layer's new buffers coexist with the old."""
@@ -168,11 +177,15 @@ class MemoryModel:
     def rows_that_fit(self, worst_tokens: int, max_prompt: int | None = None) -> int:
         """How many rows of this worst case fit at once (for the start-up plan)."""
         lo, hi = 0, 1
-        while hi < 1_000_000 and self.fits([worst_tokens] * hi, max_prompt):
+        def fits(n: int) -> bool:
+            return self.bytes_for_rows(n, worst_tokens, max_prompt) <= self.budget
+
+        lo, hi = 0, 1
+        while hi < 1_000_000 and fits(hi):
             lo, hi = hi, hi * 2
         while hi - lo > 1:  # fits(lo) holds, fits(hi) does not
             mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if self.fits([worst_tokens] * mid, max_prompt) else (lo, mid)
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
         return lo
 
     def plan(self, worst_tokens: int, max_prompt: int | None = None) -> dict:
@@ -190,7 +203,7 @@ class MemoryModel:
             "predicted_kv_bytes_per_row": lay.pages_for(worst_tokens) * lay.page_bytes,
             "workspace_bytes": self.workspace(max(n, 1), worst_tokens, max_prompt),
             # total (weights + KV pages + growth copy + workspace) with rows_fit rows running
-            "predicted_peak_bytes": self.bytes_for([worst_tokens] * max(n, 1), max_prompt),
+            "predicted_peak_bytes": self.bytes_for_rows(max(n, 1), worst_tokens, max_prompt),
         }
 
 

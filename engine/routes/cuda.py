@@ -1,5 +1,6 @@
 """MLX CUDA: decode through the fused paged kernels (routes/cuda_kernels.py); prefill as the
-portable dense / quantized routes.
+portable dense / quantized routes, with attention composed of matmuls (dense.composed_attention:
+no cuDNN graph per pass shape).
 
 A decode step's arrays come from host lists; in the H200's decode loop each such array cost the
 host 0.1-0.15 ms (RESULTS.md, issue 9), so while no row gains or loses a page (the cache's epoch
@@ -64,6 +65,7 @@ class CudaDenseRoute(DenseRoute):
     def __init__(self, store, geom: Geometry, upcast: bool, launch: CudaLaunch, step_reuse: bool):
         super().__init__(store, geom, upcast, cpu=False, in_place=False)
         self.name, self.launch, self.reuse = ROUTE_CUDA, launch, StepReuse(step_reuse)  # not DenseRoute's name
+        self.composed = True  # prefill: no cuDNN graph per pass shape (dense.composed_attention)
         self._new_kv: dict[int, tuple[mx.array, mx.array]] = {}  # decode K/V the kernel stores
 
     def plan(self, rows, L, pos, epoch, lens):
@@ -115,6 +117,7 @@ class CudaQuantRoute(QuantRoute):
     def __init__(self, store, geom: Geometry, launch: CudaLaunch, step_reuse: bool):
         super().__init__(store, geom, streams=[None], in_place=False)
         self.launch, self.reuse = launch, StepReuse(step_reuse)
+        self.composed = True
         self._new_kv: dict[int, tuple[mx.array, mx.array]] = {}
 
     def plan(self, rows, L, pos, epoch, lens):

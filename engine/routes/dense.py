@@ -26,17 +26,39 @@ ROUTE_DENSE_F32 = "paged_sdpa_f32"
 
 
 def dense_attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array, scale: float, upcast: bool,
-                    grouped: bool = False) -> mx.array:
+                    grouped: bool = False, composed: bool = False) -> mx.array:
     """q (B,Hq,L,D); k, v (B,Hkv,T,D); mask bool (B,1,L,T). grouped: one-query passes fold each
-    KV head's query group into one matmul (`_grouped_decode`; the CPU's decode)."""
+    KV head's query group into one matmul (`_grouped_decode`; the CPU's decode). composed:
+    multi-token passes run `composed_attention` instead of MLX's fused SDPA (MLX CUDA)."""
     dtype = q.dtype
     if upcast:
         q, k, v = q.astype(mx.float32), k.astype(mx.float32), v.astype(mx.float32)
     if q.shape[2] == 1 and grouped:
         out = _grouped_decode(q, k, v, mask, scale)
+    elif composed and q.shape[2] > 1:
+        out = composed_attention(q, k, v, mask, scale)
     else:
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     return out.astype(dtype)
+
+
+def composed_attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array, scale: float) -> mx.array:
+    """Attention as two matmuls around a float32-accurate softmax, each KV head's query group
+    folded into the rows of one matmul (what MLX's own SDPA fallback computes).
+
+    On MLX CUDA, fused SDPA runs a multi-token 2-byte pass through cuDNN, which builds a graph for
+    every new shape (~60 ms each) after a one-time set-up of ~17 s; batched prefill passes of mixed
+    prompt lengths meet a new shape nearly every pass. cuBLAS matmuls need no per-shape set-up and
+    ran these passes as fast (benchmarks/RESULTS.md, issue 20). Masked keys get the dtype's lowest
+    value, not -inf, so a padded query that sees no key gets finite (unused) outputs."""
+    B, Hq, L, D = q.shape
+    Hkv, T = k.shape[1], k.shape[2]
+    rep = Hq // Hkv
+    qg = (q * mx.array(scale, q.dtype)).reshape(B, Hkv, rep * L, D)
+    scores = (qg @ k.swapaxes(-1, -2)).reshape(B, Hkv, rep, L, T)
+    scores = mx.where(mask.reshape(B, 1, 1, L, T), scores, mx.finfo(scores.dtype).min)
+    probs = mx.softmax(scores, axis=-1, precise=True).reshape(B, Hkv, rep * L, T)
+    return (probs @ v).reshape(B, Hq, L, D)
 
 
 def _grouped_decode(q: mx.array, k: mx.array, v: mx.array, mask: mx.array, scale: float) -> mx.array:
@@ -98,6 +120,7 @@ class DenseRoute(Route):
         """cpu: the CPU's decode (grouped matmul); in_place: also read float32 pages in place."""
         self.store, self.geom, self.upcast, self.grouped = store, geom, upcast, cpu
         self.in_place = in_place
+        self.composed = False  # multi-token passes through composed_attention (the CUDA route)
         self.name = ROUTE_DENSE_F32 if upcast else ROUTE_DENSE
 
     def plan(self, rows: list[CacheRow], L: int, pos: list[int], epoch: int, lens: list[int]) -> DenseStep:
@@ -140,4 +163,4 @@ class DenseRoute(Route):
             return paged_grouped_decode(queries, st.k[layer], st.v[layer], meta.page_heads, meta.query_of,
                                         meta.mask, scale)
         k, v = st.gather(layer, meta.table)
-        return dense_attention(queries, k, v, meta.mask, scale, self.upcast, self.grouped)
+        return dense_attention(queries, k, v, meta.mask, scale, self.upcast, self.grouped, self.composed)

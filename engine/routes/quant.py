@@ -234,6 +234,7 @@ class QuantRoute(Route):
     def __init__(self, store: QuantizedStore, geom: Geometry, streams: list, in_place: bool):
         """streams: see qmm_streams; in_place: CPU decode reads the packed pages in place."""
         self.store, self.geom, self.streams, self.in_place = store, geom, streams, in_place
+        self.composed = False  # prefill attention through dense.composed_attention (the CUDA route)
         self._segment: dict[int, list[tuple[mx.array, mx.array]]] = {}  # prefill: each row's K/V as written
 
     def plan(self, rows: list[CacheRow], L: int, pos: list[int], epoch: int, lens: list[int]):
@@ -347,7 +348,7 @@ class QuantRoute(Route):
         if meta.fresh is not None:  # their chunk attends to itself, as written (B, H, L, D)
             fk, fv = segments.pop(0)
             q = queries if not meta.runs else queries[meta.fresh.idx]
-            outs.append(dense_attention(q, fk, fv, meta.fresh.mask, scale, upcast=True))
+            outs.append(dense_attention(q, fk, fv, meta.fresh.mask, scale, upcast=True, composed=self.composed))
         for run, (sk, sv) in zip(meta.runs, segments):
             b = run.b
             sk, sv = sk.transpose(1, 0, 2)[None], sv.transpose(1, 0, 2)[None]
@@ -356,7 +357,7 @@ class QuantRoute(Route):
                 sk = mx.concatenate([st.dequantize_k(*qk[:3]), sk], axis=2)
                 sv = mx.concatenate([dequantize(*qk[3:], st.group_size, st.bits), sv], axis=2)
             q = queries[b:b + 1] if run.n == meta.L else queries[b:b + 1, :, :run.n]
-            out = dense_attention(q, sk, sv, run.mask, scale, upcast=True)
+            out = dense_attention(q, sk, sv, run.mask, scale, upcast=True, composed=self.composed)
             if run.n < meta.L:
                 out = mx.pad(out, [(0, 0), (0, 0), (0, meta.L - run.n), (0, 0)])
             outs.append(out)

@@ -20,10 +20,12 @@ LENGTHS = [37, 3, 70, 12, 1, 55]  # ragged: chunks of 16 pad short rows in every
 STEPS = 6
 
 
-def _run(m, mode: str, page: int, prefill_tokens, max_batch: int = 8, lengths=tuple(LENGTHS)):
+def _run(m, mode: str, page: int, prefill_tokens, max_batch: int = 8, lengths=tuple(LENGTHS), composed=None):
     model, tok, spec = m
     eng = Engine(model, tok, spec, engine_config(kv_mode=mode, page_size=page, max_batch=max_batch, prefill_chunk=16,
                                                 memory_budget=2 << 30, prefill_tokens=prefill_tokens))
+    if composed is not None:  # the CUDA routes' prefill attention, on any backend
+        eng.cache.attention.composed = composed
     prompts = prompts_of(list(lengths), salt=5)
     forced = [[(11 * i + 3 * j) % 256 for j in range(STEPS)] for i in range(len(prompts))]
     for i, f in enumerate(forced):
@@ -60,3 +62,39 @@ def test_rows_admitted_mid_prefill_share_passes(tiny_model, mode):
     assert s["prefill_rows_max"] > 1
     for key, a in alone.items():
         assert mx.abs(a - batched[key]).max().item() <= TOL[mode], key
+
+
+@pytest.mark.parametrize("mode,family,head_dim", [("none", "llama", 64), ("none", "qwen3", 128), ("q8", "qwen3", 128)])
+def test_composed_prefill_attention_matches_fused(tiny_model, mode, family, head_dim):
+    """The CUDA routes prefill through dense.composed_attention (matmuls, no cuDNN graph per shape):
+    the same logits as MLX's fused SDPA, batched ragged passes included."""
+    m = tiny_model(family=family, head_dim=head_dim)
+    fused, _ = _run(m, mode, 16, prefill_tokens="auto", composed=False)
+    composed, _ = _run(m, mode, 16, prefill_tokens="auto", composed=True)
+    for key, a in fused.items():
+        assert mx.abs(a - composed[key]).max().item() <= TOL[mode], key
+
+
+@pytest.mark.parametrize("dtype,tol", [(mx.float32, 1e-5), (mx.bfloat16, 2e-2)])
+def test_composed_attention_equals_sdpa(dtype, tol):
+    """Grouped query heads, ragged right-padded rows: the real queries' outputs equal fused SDPA's;
+    padded queries that see no key stay finite."""
+    from kvbatch.engine.routes.common import causal_mask
+    from kvbatch.engine.routes.dense import composed_attention
+    import numpy as np
+
+    B, Hq, Hkv, L, T, D = 3, 8, 2, 5, 12, 32
+    q, k, v = (mx.random.normal(s, key=mx.random.key(i)).astype(dtype)
+               for i, s in enumerate([(B, Hq, L, D), (B, Hkv, T, D), (B, Hkv, T, D)]))
+    pos = np.array([0, 4, 7])  # row 0: 5 real queries at 0..4; its keys past 4 are masked
+    mask = causal_mask(pos, L, T, 1)
+    mask = mask & (mx.arange(T)[None, None, None] < mx.array([5, 9, 12])[:, None, None, None])
+    lens = [5, 3, 5]
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+    out = composed_attention(q, k, v, mask, 0.125)
+    assert out.dtype == dtype and out.shape == ref.shape
+    for b, n in enumerate(lens):
+        err = mx.abs(out[b, :, :n].astype(mx.float32) - ref[b, :, :n].astype(mx.float32)).max().item()
+        assert err <= tol, (b, err)
+    dead = mx.zeros((1, 1, 2, T), dtype=mx.bool_)  # queries that see no key at all
+    assert mx.isfinite(composed_attention(q[:1, :, :2], k[:1], v[:1], dead, 0.125)).all().item()
