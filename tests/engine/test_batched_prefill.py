@@ -6,16 +6,16 @@ import kvbatch.engine  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 import pytest
 
-from kvbatch.engine.backend import on_cpu
 from kvbatch.engine.engine import Engine
 from kvbatch.engine.types import Request, SamplingParams
 from tests.conftest import engine_config
 from tests.engine.test_engine_paged import prompts_of
 
-# kv none: float tolerance. q8/q4: where a key computed in a differently shaped pass sits on a
-# quantization rounding boundary, it rounds one step apart: the bound the KV-quant tests allow such a
-# step (seen on MLX CUDA at q4). On the CPU every mode is held to 1e-4.
-TOL = {"none": 1e-4, "q8": 10e-4, "q4": 170e-4} if not on_cpu() else {"none": 1e-4, "q8": 1e-4, "q4": 1e-4}
+# kv none: float tolerance. q8/q4: a key computed in a differently shaped pass (a GEMM of other
+# rows, other blocking) can differ in its last bits, and where it sits on a quantization rounding
+# boundary it rounds one step apart: the bound the KV-quant tests allow such a step. Which keys flip
+# depends on the host's BLAS kernels (seen at q8 on an AMD EPYC CPU and at q4 on MLX CUDA).
+TOL = {"none": 1e-4, "q8": 10e-4, "q4": 170e-4}
 LENGTHS = [37, 3, 70, 12, 1, 55]  # ragged: chunks of 16 pad short rows in every shared pass
 STEPS = 6
 
