@@ -17,16 +17,23 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 # OpenBLAS makes MLX's CPU matmuls ~36x faster on Linux (benchmarks/RESULTS.md, issue 2); a C++ compiler lets
-# MLX build kvbatch's fused CPU softmax (engine/routes/softmax_cpu.py). Best effort: installed when
-# apt is there and we are root (or have sudo); otherwise kvbatch warns and runs slower.
+# MLX build kvbatch's fused CPU softmax (engine/routes/softmax_cpu.py); PostgreSQL's server binaries let the
+# tests start a real server for the shared queue (queue.url; tests/pg_server.py). Best effort: installed when
+# apt is there and we are root (or have sudo); otherwise kvbatch warns and runs slower, and the PostgreSQL
+# tests are skipped, saying why.
 system-deps:
-	@if [ "$$(uname -s)" = "Linux" ] && command -v apt-get >/dev/null 2>&1 \
-	   && { { [ ! -e /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 ] \
-	          && [ ! -e /usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3 ]; } \
-	        || ! command -v g++ >/dev/null 2>&1; }; then \
-	  SUDO=""; [ "$$(id -u)" = 0 ] || SUDO="sudo -n"; \
-	  ($$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libopenblas0-pthread g++) \
-	    || echo "kvbatch: could not install libopenblas0-pthread and g++; CPU runs will be slower"; \
+	@if [ "$$(uname -s)" = "Linux" ] && command -v apt-get >/dev/null 2>&1; then \
+	  pkgs=""; \
+	  { [ -e /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 ] \
+	    || [ -e /usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3 ]; } || pkgs="$$pkgs libopenblas0-pthread"; \
+	  command -v g++ >/dev/null 2>&1 || pkgs="$$pkgs g++"; \
+	  { ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null 2>&1; } \
+	    || pkgs="$$pkgs postgresql"; \
+	  if [ -n "$$pkgs" ]; then \
+	    SUDO=""; [ "$$(id -u)" = 0 ] || SUDO="sudo -n"; \
+	    ($$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$pkgs) \
+	      || echo "kvbatch: could not install$$pkgs (CPU runs are slower without OpenBLAS and g++; the PostgreSQL tests need postgresql)"; \
+	  fi; \
 	fi
 
 setup: system-deps $(VENV)/.installed

@@ -25,7 +25,8 @@ from kvbatch.pipeline.config import Config, ConfigError, as_dict, config_hash, e
 from kvbatch.pipeline.finalize import Finalized, finalize, reconcile, regenerate
 from kvbatch.pipeline.inputs import detect_format, read_rows, resolve_input
 from kvbatch.pipeline.progress import Progress, row_budget
-from kvbatch.pipeline.queue import Queue
+from kvbatch.pipeline.redact import redact
+from kvbatch.pipeline.queue import Queue, open_store
 from kvbatch.pipeline.worker import Runtime, StorageError, Terminated, WorkStats, Worker
 
 QUEUE = locate.QUEUE
@@ -40,7 +41,33 @@ class Job:
 
     @property
     def queue_path(self) -> Path:
+        """The SQLite queue's file (queue.url empty)."""
         return self.out_dir / QUEUE
+
+    @property
+    def queue_job(self) -> str:
+        """The job's id in a shared queue database: the folder's identity (job name / config hash)."""
+        return f"{self.cfg.job.name}/{self.config_hash}"
+
+    @property
+    def host(self) -> str:
+        return host_name(self.cfg)
+
+
+def host_name(cfg: Config) -> str:
+    """This machine's name in the queue (worker.host, else the hostname)."""
+    return cfg.worker.host or socket.gethostname()
+
+
+def queue_exists(job: Job) -> bool:
+    """Whether the job was enqueued: its queue.sqlite exists, or its database holds its rows."""
+    if not job.cfg.queue.url:
+        return job.queue_path.exists()
+    q = Queue(open_store(job.cfg.queue.url, job.out_dir, job.queue_job))
+    try:
+        return q.has_job()
+    finally:
+        q.close()
 
 
 class RowsFailed(Exception):
@@ -69,7 +96,7 @@ def say(msg: str) -> None:
 def open_queue(job: Job) -> Queue:
     """The job's queue; ConfigError when the folder holds another config's rows (output.dir reused
     with other settings): its rows were made by that config and must not be passed off as this one's."""
-    q = Queue(job.queue_path)
+    q = Queue(open_store(job.cfg.queue.url, job.out_dir, job.queue_job))
     held = q.get_meta("config_hash")
     if held is not None and held != job.config_hash:
         q.close()
@@ -93,6 +120,8 @@ def enqueue(job: Job) -> tuple[Queue, int, int]:
                           f"set output.dir or output.root to a folder you can write") from None
     q.set_meta("config_hash", job.config_hash)
     q.set_meta("input", str(job.input_path))
+    q.set_meta("output_dir", str(job.out_dir))
+    q.set_meta("config", OmegaConf.to_yaml(OmegaConf.structured(job.cfg)))  # status from a host without the folder
     changed = q.changed(rows)
     added = q.enqueue(rows)
     carry_columns(job, rows)
@@ -178,7 +207,7 @@ def work(job: Job, q: Queue) -> Optional[WorkStats]:
         say(f"kvbatch: {rec.adopted} rows were written by a stopped worker but not acknowledged; adopted")
     for why in rec.bad_parts.values():
         say(f"kvbatch: corrupt part moved to parts/corrupt/ (its rows run again): {why}")
-    expired = q.expire_dead_workers(socket.gethostname(), procs.alive)
+    expired = q.expire_dead_workers(job.host, procs.alive)
     if expired:
         say(f"kvbatch: {expired} rows leased by dead workers on this host are back in the queue")
     counts = q.counts()
@@ -259,6 +288,8 @@ def run(job: Job) -> Path:
 def found_jobs(job: Job) -> list[Job]:
     """status/finalize/retry: the exact folder of these options, else the job's folders by name
     (pipeline/locate.py); each with the config it was made with."""
+    if job.cfg.queue.url:
+        return _found_in_database(job)
     if job.cfg.output.dir:  # named explicitly: that folder, its identity checked against these options
         return [job] if job.queue_path.exists() else []
     folders, note = locate.locate(job.cfg, job.out_dir, job.cfg.action)
@@ -276,19 +307,65 @@ def found_jobs(job: Job) -> list[Job]:
     return out
 
 
+def _found_in_database(job: Job) -> list[Job]:
+    """status/finalize/retry on a shared queue: this job if the database holds it, else the job's only
+    job of that name there (with the config it was enqueued with); ConfigError when there are several
+    (status lists them)."""
+    if queue_exists(job):
+        return [job]
+    q = open_queue(job)
+    try:
+        named = q.jobs_named(job.cfg.job.name)
+        found = []
+        for jid in named:
+            other = Queue(open_store(job.cfg.queue.url, job.out_dir, jid))
+            try:
+                text, out_dir, inp = other.get_meta("config"), other.get_meta("output_dir"), other.get_meta("input")
+            finally:
+                other.close()
+            cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(text or "{}")))
+            cfg.action, cfg.retry, cfg.queue, cfg.worker.host = job.cfg.action, job.cfg.retry, job.cfg.queue, \
+                job.cfg.worker.host
+            found.append(Job(cfg, Path(inp) if inp else job.input_path, Path(out_dir or job.out_dir),
+                             jid.rpartition("/")[2]))
+    finally:
+        q.close()
+    if len(found) == 1:
+        say(f"kvbatch: no job for exactly these options in {redact(job.cfg.queue.url)}; using the only job named "
+            f"{job.cfg.job.name!r} there ({found[0].queue_job})")
+    elif len(found) > 1 and job.cfg.action != "status":
+        raise ConfigError(f"action={job.cfg.action}: {redact(job.cfg.queue.url)} holds {len(found)} jobs named "
+                          f"{job.cfg.job.name!r} ({', '.join(j.queue_job for j in found)}); pass the options the "
+                          f"one you mean was made with")
+    return found
+
+
 def status(job: Job) -> None:
     found = found_jobs(job)
+    if not found and job.cfg.queue.url:
+        print(f"kvbatch: no job {job.queue_job} in {redact(job.cfg.queue.url)} yet, nor any job named "
+              f"{job.cfg.job.name!r} there (run action=enqueue or action=run)")
+        return
     if not found:
         print(f"kvbatch: no queue in {job.out_dir} yet, nor any folder of job {job.cfg.job.name!r} under "
               f"{Path(job.cfg.output.root).resolve() / job.cfg.job.name} (run action=enqueue or action=run)")
         return
     if len(found) > 1:
-        print("\n".join(f"  {locate.open_folder(j.out_dir).describe()}" for j in found))
+        if job.cfg.queue.url:
+            print("\n".join(f"  {j.queue_job} ({j.out_dir}; model={j.cfg.model.name} kv={j.cfg.kv.mode})"
+                            for j in found))
+        else:
+            print("\n".join(f"  {locate.open_folder(j.out_dir).describe()}" for j in found))
         return
     from kvbatch.pipeline.status import lines
 
     j = found[0]
-    print("\n".join(lines(j.queue_path, j.cfg.worker.isolate_after, j.cfg.worker.max_crashes)))
+    q = open_queue(j)
+    try:
+        print("\n".join(lines(q, j.cfg.worker.isolate_after, j.cfg.worker.max_crashes, j.cfg.worker.lease_s,
+                               host=j.host)))
+    finally:
+        q.close()
 
 
 def retry(job: Job, q: Queue) -> None:
@@ -307,8 +384,8 @@ def execute(cfg: Config) -> Optional[Path]:
     if cfg.action == "run":
         return run(job)
     if cfg.action == "enqueue":
-        _, n, added = enqueue(job)
-        print(f"kvbatch: {added} new of {n} rows queued in {job.queue_path}")
+        q, n, added = enqueue(job)
+        print(f"kvbatch: {added} new of {n} rows queued in {q.where}")
         return None
     if cfg.action == "status":
         status(job)
@@ -316,7 +393,7 @@ def execute(cfg: Config) -> Optional[Path]:
     if cfg.action in ("finalize", "retry"):
         found = found_jobs(job)
         job = found[0] if found else job
-    if not job.queue_path.exists():
+    if not queue_exists(job):
         raise ConfigError(f"action={cfg.action}: no queue in {job.out_dir}; run action=enqueue (or run) first")
     q = open_queue(job)
     if cfg.action == "retry":

@@ -26,6 +26,7 @@ from kvbatch.engine.errors import ERROR_CODES, KvbatchConfigError
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.pipeline import durations, ranges
 from kvbatch.pipeline.escapes import unescape
+from kvbatch.pipeline.redact import redact
 
 ACTIONS = ("run", "enqueue", "work", "status", "finalize", "retry", "report")
 FORMATS = ("auto", "jsonl", "csv", "parquet")
@@ -80,6 +81,17 @@ class WorkerConfig:
     flush_rows: int = 16  # write a part after this many finished rows ...
     flush_s: float = 30.0  # ... or this many seconds
     deadline: Optional[str] = None  # "07:00" (time of day) or "6h", "90m", "30s": stop claiming then
+    # this machine's name in the queue (None: its hostname): workers of one host judge each other by PID,
+    # workers of other hosts by lease; set it where machines (containers) share a hostname
+    host: Optional[str] = None
+    replica: int = 0  # which of N identical workers this is (a launcher's sweep over worker.replica=range(N))
+
+
+@dataclass
+class QueueConfig:
+    # "" (default): queue.sqlite in the output folder (one machine); postgresql://user@host:port/db: a
+    # PostgreSQL queue that workers on many hosts share (the output folder then on a shared file system)
+    url: str = ""
 
 
 @dataclass
@@ -108,6 +120,7 @@ class Config:
     engine: EngineSettings = field(default_factory=EngineSettings)
     output: OutputConfig = field(default_factory=OutputConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
+    queue: QueueConfig = field(default_factory=QueueConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
     retry: RetryConfig = field(default_factory=RetryConfig)
@@ -187,6 +200,12 @@ def validate(cfg: Config) -> None:
         durations.deadline_at(w.deadline)
     except ValueError as exc:
         raise ConfigError(f"worker.deadline={w.deadline!r}: {exc}") from None
+    _need(w.host is None or bool(re.fullmatch(r"[A-Za-z0-9_.-]+", w.host)), "worker.host", w.host,
+          "use letters, digits, '_', '-', '.' (it names the worker and its parts)")
+    _need(w.replica >= 0, "worker.replica", w.replica, "must be >= 0")
+    url = cfg.queue.url or ""
+    _need(not url or bool(re.match(r"postgres(ql)?://", url)), "queue.url", redact(url),
+          "use postgresql://user@host:port/database, or leave it empty for queue.sqlite in the output folder")
     parse_injection(cfg.debug.inject_nonfinite)
     _need(all(c in ERROR_CODES for c in cfg.retry.codes), "retry.codes", cfg.retry.codes,
           f"choose among {', '.join(ERROR_CODES)} ([] = every code)")

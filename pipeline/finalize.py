@@ -4,8 +4,10 @@ The queue says which part holds each finished row; a row found in a part but not
 acknowledged (its worker died between the rename and the ack) is adopted, not run
 again; a finished row whose part is missing or corrupt goes back to the queue, so
 it is generated again and never silently dropped. Duplicates (a row generated
-twice) are resolved to the part the queue acknowledged. Both run under the output
-directory's lock, so several workers on one queue reconcile one at a time.
+twice) are resolved to the part the queue acknowledged. Both run under the queue's lock (the
+output folder's lock file with SQLite, an advisory lock in the database with PostgreSQL, which
+holds across hosts where file locks on a network file system may not), so several workers on
+one queue reconcile one at a time.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvbatch.pipeline import passthrough
-from kvbatch.pipeline.parts import clean_temp, dir_lock, quarantine, scan, write_atomic
+from kvbatch.pipeline.parts import clean_temp, quarantine, scan, write_atomic
 from kvbatch.pipeline.results import SCHEMA, to_table
 from kvbatch.pipeline.queue import Queue
 
@@ -40,7 +42,7 @@ def reconcile(out_dir: Path, q: Queue) -> Finalized:
     """Match the queue against the parts on disk: quarantine bad parts, adopt rows that are
     durable but unacknowledged, re-queue finished rows whose part is gone. Workers call this
     before claiming, so a row whose part survived a crash is never generated again."""
-    with dir_lock(out_dir):
+    with q.exclusive():
         return _reconcile(out_dir, q)
 
 
@@ -101,7 +103,7 @@ def regenerate(out_dir: Path, q: Queue, keys: list[str], reason: str) -> None:
     if not keys:
         return
     wanted = set(keys)
-    with dir_lock(out_dir):
+    with q.exclusive():
         good, _ = scan(out_dir / "parts")
         found = [(k, name) for name, t in good.items() for k in t.column("row_key").to_pylist() if k in wanted]
         q.regenerate(keys, found, reason)
@@ -109,7 +111,7 @@ def regenerate(out_dir: Path, q: Queue, keys: list[str], reason: str) -> None:
 
 def finalize(out_dir: Path, q: Queue, metadata: dict[str, str]) -> Finalized:
     """results.parquet (written atomically) from the reconciled parts."""
-    with dir_lock(out_dir):
+    with q.exclusive():
         clean_temp(out_dir)
         done = _reconcile(out_dir, q)
         table = passthrough.attach(_assemble(done.good, done.chosen), out_dir)

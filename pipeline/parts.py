@@ -9,15 +9,13 @@ so a truncated or corrupt part is detected instead of silently dropping rows.
 """
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import os
 import re
 import socket
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -26,7 +24,6 @@ from kvbatch.pipeline import procs
 from kvbatch.pipeline.results import SCHEMA, ResultRecord, to_table
 
 PART_GLOB = "part-*.parquet"
-LOCK = ".kvbatch.lock"
 _HOST = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())
 
 
@@ -70,19 +67,6 @@ def write_atomic(table: pa.Table, path: Path, before_rename: Optional[Callable[[
     os.replace(tmp, path)
     fsync_dir(path.parent)
     return path
-
-
-@contextlib.contextmanager
-def dir_lock(out_dir: Path) -> Iterator[None]:
-    """An exclusive lock on the output directory (reconcile, finalize): several workers on one
-    queue never quarantine the same part twice or write results.parquet from a stale view."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / LOCK, "a") as fh:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
 def part_name(worker: str, seq: int) -> str:

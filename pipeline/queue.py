@@ -1,11 +1,15 @@
-"""The row queue: one SQLite file in the output directory.
+"""The row queue: the same semantics on two stores, SQLite (one file in the output folder, the
+default) and PostgreSQL (`queue.url=postgresql://...`: workers on many hosts).
 
 Rows are enqueued idempotently by row key and claimed with a lease (worker id +
 expiry) that the worker renews while it works; a dead worker's rows come back when
 their lease expires. A row becomes `done`/`error` only when its Parquet part is
 durable (`ack` after the part is renamed into place). Every claim is recorded in
 `attempts` (who, when, how it ended), so a test or `status` can tell who processed
-what. WAL + synchronous=FULL: an acknowledged row survives a crash or power loss.
+what. Every statement below is the same on both stores (pipeline/queue_sqlite.py and
+pipeline/queue_postgres.py differ only in connecting, transactions, schema, row locks, the
+clock and the reconcile lock), and every table has a `job` column, so one PostgreSQL database
+holds many jobs.
 
 States: pending -> leased -> done | error (terminal), or back to pending
 (lease expired, retry, deadline release, lost part).
@@ -32,47 +36,47 @@ whatever a worker holding it at that moment writes), so reconcile and finalize n
 them again and results.parquet holds only the new outcome.
 
 A worker that ended (any way, a failure included) holds nothing: rows still leased by
-it go back to pending at once, without counting an attempt or a crash.
+it go back to pending at once, without counting an attempt or a crash. Whether a worker that
+did not end is alive is known from its process only on its own host (`expire_dead_workers`);
+anywhere else its lease says it: rows whose lease expired are claimed again.
 """
 from __future__ import annotations
 
+import functools
 import json
-import sqlite3
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
-from kvbatch.engine.errors import KvbatchConfigError
+from kvbatch.pipeline.queue_sqlite import QueueUnreadable, SqliteStore
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta(k TEXT PRIMARY KEY, v TEXT);
-CREATE TABLE IF NOT EXISTS rows(
-  key TEXT PRIMARY KEY, pos INTEGER NOT NULL, payload TEXT NOT NULL,
-  state TEXT NOT NULL DEFAULT 'pending' CHECK(state IN ('pending','leased','done','error')),
-  attempts INTEGER NOT NULL DEFAULT 0, worker TEXT, lease_until REAL,
-  part TEXT, error_code TEXT, updated_at REAL NOT NULL, crashes INTEGER NOT NULL DEFAULT 0,
-  running INTEGER NOT NULL DEFAULT 0, alone_crashes INTEGER NOT NULL DEFAULT 0);
-CREATE INDEX IF NOT EXISTS rows_state ON rows(state, pos);
-CREATE TABLE IF NOT EXISTS manifest(pos INTEGER PRIMARY KEY, key TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS attempts(
-  id INTEGER PRIMARY KEY AUTOINCREMENT, key TEXT NOT NULL, attempt INTEGER NOT NULL,
-  worker TEXT NOT NULL, claimed_at REAL NOT NULL, ended_at REAL, outcome TEXT,
-  part TEXT, error_code TEXT, alone INTEGER NOT NULL DEFAULT 0);
-CREATE INDEX IF NOT EXISTS attempts_open ON attempts(key, ended_at);
-CREATE TABLE IF NOT EXISTS superseded(key TEXT NOT NULL, part TEXT, worker TEXT, reason TEXT, at REAL);
-CREATE INDEX IF NOT EXISTS superseded_key ON superseded(key);
-CREATE TABLE IF NOT EXISTS workers(
-  id TEXT PRIMARY KEY, pid INTEGER, host TEXT, started_at REAL, heartbeat_at REAL,
-  ended_at REAL, rows INTEGER NOT NULL DEFAULT 0, tokens INTEGER NOT NULL DEFAULT 0,
-  wall_s REAL, summary TEXT, stop TEXT);
-"""
-# Columns added after the first release: (table, column, declaration), added to older queue files.
-MIGRATIONS = (("rows", "crashes", "INTEGER NOT NULL DEFAULT 0"), ("workers", "stop", "TEXT"),
-              ("rows", "running", "INTEGER NOT NULL DEFAULT 0"),
-              ("rows", "alone_crashes", "INTEGER NOT NULL DEFAULT 0"),
-              ("attempts", "alone", "INTEGER NOT NULL DEFAULT 0"))
+__all__ = ["Claimed", "Queue", "QueueUnreadable", "TERMINAL", "open_store"]
+
 TERMINAL = ("done", "error")
+
+
+def open_store(url: str, folder: Path, job: str):
+    """The store `queue.url` names: empty -> <folder>/queue.sqlite; postgresql://... -> that database
+    (the job's rows under `job`)."""
+    if not url:
+        return SqliteStore(Path(folder) / "queue.sqlite")
+    from kvbatch.pipeline.queue_postgres import PostgresStore  # psycopg loads only for this store
+
+    return PostgresStore(url, job)
+
+
+def _retrying(method):
+    """A transaction the database rolled back to break a deadlock (PostgreSQL) runs again: each
+    method's writes are one transaction, so running it again is running it once."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        for attempt in range(8):
+            try:
+                return method(self, *args, **kwargs)
+            except self.s.transient:
+                if attempt == 7:
+                    raise
+    return wrapper
 
 
 @dataclass
@@ -85,112 +89,126 @@ class Claimed:
     alone_crashes: int = 0  # ... of them while the row ran alone
 
 
-class QueueUnreadable(KvbatchConfigError):
-    """queue.sqlite exists but SQLite cannot use it (corrupt, not a database, unwritable)."""
-
-
 class Queue:
-    def __init__(self, path: Path | str, timeout_s: float = 60.0):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            self.db = sqlite3.connect(str(self.path), timeout=timeout_s, isolation_level=None)
-            self.db.execute("PRAGMA journal_mode=WAL")
-            self.db.execute("PRAGMA synchronous=FULL")
-            self.db.executescript(SCHEMA)
-            self._migrate()
-        except sqlite3.DatabaseError as exc:  # OperationalError included
-            raise QueueUnreadable(
-                f"{self.path}: the queue cannot be opened ({exc}); finished rows are safe in parts/: "
-                f"delete {self.path.name} (and its -wal/-shm files) and run the same command again "
-                f"to rebuild the queue from the input and the parts") from None
+    """The queue's operations over one store (a path: the SQLite file there)."""
 
-    def _migrate(self) -> None:
-        for table, col, decl in MIGRATIONS:
-            have = {r[1] for r in self.db.execute(f"PRAGMA table_info({table})")}
-            if col not in have:
-                try:
-                    self.db.execute(f"ALTER TABLE {table} ADD COLUMN {col} {decl}")
-                except sqlite3.OperationalError as exc:  # another process added it first
-                    if "duplicate column" not in str(exc):
-                        raise
+    def __init__(self, store: Any):
+        self.s = SqliteStore(store) if isinstance(store, (str, Path)) else store
+        self.job = self.s.job
+        self.db = self.s.db  # the store's own connection (tests read SQLite files through it)
+
+    @property
+    def path(self) -> Optional[Path]:
+        return getattr(self.s, "path", None)
+
+    @property
+    def where(self) -> str:
+        """Where the queue is, for messages: the SQLite file, or the server (password hidden) and job."""
+        return self.s.where
+
+    @property
+    def kind(self) -> str:
+        return self.s.kind
+
+    @property
+    def storage_errors(self) -> tuple[type[BaseException], ...]:
+        return self.s.errors
+
+    def reopen(self) -> "Queue":
+        """Another connection to the same queue (the lease thread's own)."""
+        return Queue(self.s.reopen())
 
     def close(self) -> None:
-        self.db.close()
+        self.s.close()
+
+    def now(self) -> float:
+        """The time leases are judged by (PostgreSQL: the server's clock, so every host agrees)."""
+        return self.s.now()
+
+    def exclusive(self):
+        """The reconcile/finalize lock: the folder's lock file (SQLite), an advisory lock (PostgreSQL)."""
+        return self.s.exclusive()
+
+    def _x(self, sql: str, args=()):
+        return self.s.execute(sql, args)
 
     def _tx(self):
-        """BEGIN IMMEDIATE: take the write lock up front, so two claimers never pick the same rows."""
-        return _Tx(self.db)
+        return self.s.tx()
 
     # ---- enqueue ---------------------------------------------------------------------------
+    @_retrying
     def enqueue(self, rows: Iterable) -> int:
         """Add rows (InputRow-like: pos, key, payload) not seen before; the manifest becomes
-        exactly these keys in this order. Returns how many rows were new."""
-        now, added = time.time(), 0
+        exactly these keys in this order. Returns how many rows were new. A row already queued
+        takes the input's position and payload (see changed(): such rows are regenerated)."""
+        now, j = self.now(), self.job
+        items = [(j, r.key, r.pos, json.dumps(r.payload, ensure_ascii=False), now) for r in rows]
         with self._tx():
-            self.db.execute("DELETE FROM manifest")
-            for r in rows:
-                cur = self.db.execute(
-                    "INSERT OR IGNORE INTO rows(key, pos, payload, updated_at) VALUES (?,?,?,?)",
-                    (r.key, r.pos, json.dumps(r.payload, ensure_ascii=False), now))
-                added += cur.rowcount
-                if not cur.rowcount:  # the payload follows the input (see changed(): regenerate those rows)
-                    self.db.execute("UPDATE rows SET pos=?, payload=? WHERE key=?",
-                                    (r.pos, json.dumps(r.payload, ensure_ascii=False), r.key))
-                self.db.execute("INSERT INTO manifest(pos, key) VALUES (?,?)", (r.pos, r.key))
-        return added
+            before = self._x("SELECT COUNT(*) FROM rows WHERE job=?", (j,)).fetchone()[0]
+            self._x("DELETE FROM manifest WHERE job=?", (j,))
+            self.s.executemany(
+                f"INSERT INTO rows(job, key, pos, payload, updated_at) VALUES (?,?,?,?,?) "
+                f"ON CONFLICT {self.s.conflict['rows']} DO UPDATE SET pos=excluded.pos, payload=excluded.payload",
+                items)
+            self.s.executemany("INSERT INTO manifest(job, pos, key) VALUES (?,?,?)",
+                               [(j, pos, key) for j, key, pos, _, _ in items])
+            after = self._x("SELECT COUNT(*) FROM rows WHERE job=?", (j,)).fetchone()[0]
+        return after - before
 
     def changed(self, rows: Iterable) -> list[str]:
         """Keys of rows already queued whose content (payload) differs from `rows` (an edited input)."""
-        stored = dict(self.db.execute("SELECT key, payload FROM rows"))
+        stored = {k: p for k, p in self._x("SELECT key, payload FROM rows WHERE job=?", (self.job,))}
         return [r.key for r in rows if r.key in stored and json.loads(stored[r.key]) != r.payload]
 
     def keys_with_error(self, code: str) -> list[str]:
-        return [k for (k,) in self.db.execute("SELECT r.key FROM rows r JOIN manifest m ON m.key=r.key "
-                                              "WHERE r.state='error' AND r.error_code=?", (code,))]
+        return [k for (k,) in self._x("SELECT r.key FROM rows r JOIN manifest m ON m.job=r.job AND m.key=r.key "
+                                      "WHERE r.job=? AND r.state='error' AND r.error_code=?", (self.job, code))]
 
     def error_keys(self, codes: list[str]) -> list[str]:
         """Manifest rows that ended with one of `codes` (every error code when empty), in input order."""
         where = f" AND r.error_code IN ({','.join('?' * len(codes))})" if codes else ""
-        return [k for (k,) in self.db.execute("SELECT r.key FROM rows r JOIN manifest m ON m.key=r.key "
-                                              f"WHERE r.state='error'{where} ORDER BY m.pos", list(codes))]
+        return [k for (k,) in self._x("SELECT r.key FROM rows r JOIN manifest m ON m.job=r.job AND m.key=r.key "
+                                      f"WHERE r.job=? AND r.state='error'{where} ORDER BY m.pos",
+                                      [self.job, *codes])]
 
+    @_retrying
     def regenerate(self, keys: list[str], in_parts: list[tuple[str, str]], reason: str) -> None:
         """Rows to be generated again from scratch: pending, counters reset; every result they have
         (`in_parts`: (key, part) found on disk, and the row's acknowledged part) and whatever the
         worker holding one now writes is superseded, never taken again."""
-        now, wanted = time.time(), set(keys)
+        now, wanted, j = self.now(), set(keys), self.job
         with self._tx():
             for key, part in in_parts:
                 if key in wanted:
-                    self.db.execute("INSERT INTO superseded(key, part, reason, at) VALUES (?,?,?,?)",
-                                    (key, part, reason, now))
-            for key in keys:
-                row = self.db.execute("SELECT state, part, worker FROM rows WHERE key=?", (key,)).fetchone()
+                    self._x("INSERT INTO superseded(job, key, part, reason, at) VALUES (?,?,?,?,?)",
+                            (j, key, part, reason, now))
+            for key in sorted(keys):
+                row = self._x("SELECT state, part, worker FROM rows WHERE job=? AND key=?", (j, key)).fetchone()
                 if row is None:
                     continue
                 state, part, worker = row
                 if part:
-                    self.db.execute("INSERT INTO superseded(key, part, reason, at) VALUES (?,?,?,?)",
-                                    (key, part, reason, now))
+                    self._x("INSERT INTO superseded(job, key, part, reason, at) VALUES (?,?,?,?,?)",
+                            (j, key, part, reason, now))
                 if state == "leased" and worker:
-                    self.db.execute("INSERT INTO superseded(key, worker, reason, at) VALUES (?,?,?,?)",
-                                    (key, worker, reason, now))
+                    self._x("INSERT INTO superseded(job, key, worker, reason, at) VALUES (?,?,?,?,?)",
+                            (j, key, worker, reason, now))
                     self._end_attempt(key, reason, now, worker)
-                self.db.execute("UPDATE rows SET state='pending', part=NULL, error_code=NULL, worker=NULL, "
-                                "lease_until=NULL, running=0, attempts=0, crashes=0, alone_crashes=0, updated_at=? "
-                                "WHERE key=?", (now, key))
-                self.db.execute("UPDATE attempts SET outcome=? WHERE id=(SELECT MAX(id) FROM attempts WHERE key=?) "
-                                "AND ended_at IS NOT NULL", (reason, key))
+                self._x("UPDATE rows SET state='pending', part=NULL, error_code=NULL, worker=NULL, lease_until=NULL, "
+                        "running=0, attempts=0, crashes=0, alone_crashes=0, updated_at=? WHERE job=? AND key=?",
+                        (now, j, key))
+                self._x("UPDATE attempts SET outcome=? WHERE id=(SELECT MAX(id) FROM attempts WHERE job=? AND key=?) "
+                        "AND ended_at IS NOT NULL", (reason, j, key))
 
     def superseded(self) -> tuple[set[tuple[str, str]], set[tuple[str, str]]]:
         """({(key, part)}, {(key, worker)}): results that belong to older content or settings."""
         by_part, by_worker = set(), set()
-        for key, part, worker in self.db.execute("SELECT key, part, worker FROM superseded"):
+        for key, part, worker in self._x("SELECT key, part, worker FROM superseded WHERE job=?", (self.job,)):
             (by_part.add((key, part)) if part else by_worker.add((key, worker)))
         return by_part, by_worker
 
     # ---- leases ----------------------------------------------------------------------------
+    @_retrying
     def claim(self, worker: str, n: int, lease_s: float, idle: bool = True,
               isolate_after: Optional[int] = None, max_crashes: Optional[int] = None) -> list[Claimed]:
         """Lease up to n manifest rows that are pending or whose lease has expired, in input order.
@@ -200,10 +218,10 @@ class Queue:
         `isolate_after` crashes (and fewer than `max_crashes`) are claimed only alone, and only
         by an `idle` worker (nothing in flight): a row that kills its worker then takes no
         batch mates with it. Rows at `max_crashes` are claimed like any other (the worker ends
-        them without running them)."""
+        them without running them). PostgreSQL: rows another claimer has locked are skipped."""
         if n <= 0:
             return []
-        now = time.time()
+        now, j = self.now(), self.job
         out: list[Claimed] = []
 
         def alone(crashes: int) -> bool:
@@ -214,10 +232,12 @@ class Queue:
             picked: list[tuple] = []
             after, full = -1, False
             while not full:
-                page = self.db.execute(
-                    "SELECT r.key, m.pos, r.attempts, r.crashes, r.state, r.running FROM rows r JOIN manifest m "
-                    "ON m.key = r.key WHERE (r.state='pending' OR (r.state='leased' AND r.lease_until < ?)) "
-                    "AND m.pos > ? ORDER BY m.pos LIMIT ?", (now, after, max(4 * n, 64))).fetchall()
+                page = self._x(
+                    "SELECT r.key, r.pos, r.attempts, r.crashes, r.state, r.running, r.payload, r.alone_crashes "
+                    "FROM rows r JOIN manifest m ON m.job=r.job AND m.key=r.key "
+                    "WHERE r.job=? AND r.state IN ('pending','leased') "
+                    "AND (r.state='pending' OR r.lease_until < ?) AND r.pos > ? ORDER BY r.pos LIMIT ?"
+                    + self.s.lock_rows, (j, now, after, max(4 * n, 64))).fetchall()
                 if not page:
                     break
                 after = page[-1][1]
@@ -232,237 +252,270 @@ class Queue:
                     if len(picked) >= n:
                         full = True
                         break
-            for key, pos, attempts, crashes, state, running, solo in picked:
+            leases, records = [], []
+            for key, pos, attempts, crashes, state, running, payload, alone_n, solo in picked:
                 if state == "leased":  # its holder stopped renewing: undo that claim's count, charge a crash
-                    self._charge(key, running, now)
+                    alone_n += self._charge(key, running, now)
                     self._end_attempt(key, "expired" if running else "expired_not_running", now)
                     attempts, crashes = attempts - 1, crashes + bool(running)
-                self.db.execute("UPDATE rows SET state='leased', worker=?, lease_until=?, attempts=?, crashes=?, "
-                                "running=0, updated_at=? WHERE key=?",
-                                (worker, now + lease_s, attempts + 1, crashes, now, key))
-                self.db.execute("INSERT INTO attempts(key, attempt, worker, claimed_at, alone) VALUES (?,?,?,?,?)",
-                                (key, attempts + 1, worker, now, int(solo)))
-                payload, alone_n = self.db.execute("SELECT payload, alone_crashes FROM rows WHERE key=?",
-                                                   (key,)).fetchone()
+                leases.append((worker, now + lease_s, attempts + 1, crashes, now, j, key))
+                records.append((j, key, attempts + 1, worker, now, int(solo)))
                 out.append(Claimed(key, pos, json.loads(payload), attempts + 1, crashes, alone_n))
-            self.db.execute("UPDATE workers SET heartbeat_at=? WHERE id=?", (now, worker))
+            if leases:
+                self.s.executemany("UPDATE rows SET state='leased', worker=?, lease_until=?, attempts=?, crashes=?, "
+                                   "running=0, updated_at=? WHERE job=? AND key=?", leases)
+                self.s.executemany("INSERT INTO attempts(job, key, attempt, worker, claimed_at, alone) "
+                                   "VALUES (?,?,?,?,?,?)", records)
+            self._x("UPDATE workers SET heartbeat_at=? WHERE job=? AND id=?", (now, j, worker))
         return out
 
-    def _charge(self, key: str, running: int, now: float) -> None:
-        """The worker holding `key` died: one more alone crash when the row ran alone in its engine."""
-        if running and self.db.execute("SELECT alone FROM attempts WHERE key=? AND ended_at IS NULL "
-                                       "ORDER BY id DESC LIMIT 1", (key,)).fetchone() == (1,):
-            self.db.execute("UPDATE rows SET alone_crashes=alone_crashes+1, updated_at=? WHERE key=?", (now, key))
+    def _charge(self, key: str, running: int, now: float) -> int:
+        """The worker holding `key` died: one more alone crash when the row ran alone in its engine
+        (returns 1 then, else 0)."""
+        if running and self._x("SELECT alone FROM attempts WHERE job=? AND key=? AND ended_at IS NULL "
+                               "ORDER BY id DESC LIMIT 1", (self.job, key)).fetchone() == (1,):
+            self._x("UPDATE rows SET alone_crashes=alone_crashes+1, updated_at=? WHERE job=? AND key=?",
+                    (now, self.job, key))
+            return 1
+        return 0
 
+    @_retrying
     def mark_running(self, worker: str, keys: list[str], running: bool) -> None:
         """Rows this worker handed to its engine (True) or that finished there (False): a crash is
         charged only to rows running at the time."""
         if not keys:
             return
         with self._tx():
-            self.db.executemany("UPDATE rows SET running=? WHERE key=? AND state='leased' AND worker=?",
-                                [(int(running), k, worker) for k in keys])
+            self.s.executemany("UPDATE rows SET running=? WHERE job=? AND key=? AND state='leased' AND worker=?",
+                               [(int(running), self.job, k, worker) for k in sorted(keys)])
 
+    @_retrying
     def release_worker(self, worker: str, outcome: str) -> int:
         """Every row this worker still holds goes back to pending, its attempt not counted (the
         worker is ending: finished rows whose part was not written are generated again)."""
-        now = time.time()
+        now, j = self.now(), self.job
         with self._tx():
-            keys = [k for (k,) in self.db.execute("SELECT key FROM rows WHERE state='leased' AND worker=?",
-                                                  (worker,))]
+            keys = sorted(k for (k,) in self._x("SELECT key FROM rows WHERE job=? AND state='leased' AND worker=?",
+                                                (j, worker)))
             for key in keys:
-                self.db.execute("UPDATE rows SET state='pending', worker=NULL, lease_until=NULL, running=0, "
-                                "attempts=MAX(attempts-1, 0), updated_at=? WHERE key=?", (now, key))
+                self._x("UPDATE rows SET state='pending', worker=NULL, lease_until=NULL, running=0, "
+                        "attempts=CASE WHEN attempts > 0 THEN attempts-1 ELSE 0 END, updated_at=? "
+                        "WHERE job=? AND key=?", (now, j, key))
                 self._end_attempt(key, outcome, now, worker)
         return len(keys)
 
+    @_retrying
     def renew(self, worker: str, lease_s: float) -> int:
-        """Extend every lease this worker holds; returns how many rows it still holds."""
-        now = time.time()
+        """Extend every lease this worker holds; returns how many rows it still holds. (The worker's
+        heartbeat too: status and other hosts see it is alive.)"""
+        now, j = self.now(), self.job
         with self._tx():
-            n = self.db.execute("UPDATE rows SET lease_until=? WHERE state='leased' AND worker=?",
-                                (now + lease_s, worker)).rowcount
-            self.db.execute("UPDATE workers SET heartbeat_at=? WHERE id=?", (now, worker))
+            n = self._x("UPDATE rows SET lease_until=? WHERE job=? AND state='leased' AND worker=?",
+                        (now + lease_s, j, worker)).rowcount
+            self._x("UPDATE workers SET heartbeat_at=? WHERE job=? AND id=?", (now, j, worker))
         return n
 
+    @_retrying
     def ack(self, worker: str, items: list[tuple[str, Optional[str]]], part: str) -> None:
         """Rows (key, error_code) whose results are durable in `part`: done (ok) or error.
         A row already terminal stays as it is (it was acknowledged from another part)."""
-        now = time.time()
+        now, j = self.now(), self.job
+        items = sorted(items, key=lambda kv: kv[0])  # one lock order for every writer
         with self._tx():
-            for key, code in items:
-                self.db.execute(
-                    "UPDATE rows SET state=?, part=?, error_code=?, worker=?, lease_until=NULL, running=0, "
-                    "updated_at=? "
-                    "WHERE key=? AND state NOT IN ('done','error') AND NOT EXISTS "
-                    "(SELECT 1 FROM superseded s WHERE s.key=rows.key AND s.worker=?)",
-                    ("error" if code else "done", part, code, worker, now, key, worker))
-                self._end_attempt(key, "error" if code else "done", now, worker, part, code)
+            self.s.executemany(
+                "UPDATE rows SET state=?, part=?, error_code=?, worker=?, lease_until=NULL, running=0, updated_at=? "
+                "WHERE job=? AND key=? AND state NOT IN ('done','error') AND NOT EXISTS "
+                "(SELECT 1 FROM superseded s WHERE s.job=rows.job AND s.key=rows.key AND s.worker=?)",
+                [("error" if code else "done", part, code, worker, now, j, key, worker) for key, code in items])
+            self.s.executemany(
+                "UPDATE attempts SET ended_at=?, outcome=?, part=?, error_code=? "
+                "WHERE job=? AND key=? AND ended_at IS NULL AND worker=?",
+                [(now, "error" if code else "done", part, code, j, key, worker) for key, code in items])
 
+    @_retrying
     def adopt(self, items: list[tuple[str, Optional[str], str]], part: str) -> None:
         """Rows (key, error_code, writer) found durable in `part` but never acknowledged (their
         writer died between the rename and the ack): finished from that part, and the writer's
         attempt is closed as if it had acknowledged them."""
-        now = time.time()
+        now, j = self.now(), self.job
         with self._tx():
-            for key, code, writer in items:
-                self.db.execute(
-                    "UPDATE rows SET state=?, part=?, error_code=?, worker=?, lease_until=NULL, running=0, "
-                    "updated_at=? "
-                    "WHERE key=? AND state NOT IN ('done','error')",
-                    ("error" if code else "done", part, code, writer, now, key))
+            for key, code, writer in sorted(items, key=lambda x: x[0]):
+                self._x("UPDATE rows SET state=?, part=?, error_code=?, worker=?, lease_until=NULL, running=0, "
+                        "updated_at=? WHERE job=? AND key=? AND state NOT IN ('done','error')",
+                        ("error" if code else "done", part, code, writer, now, j, key))
                 self._end_attempt(key, "error" if code else "done", now, writer, part, code)
 
+    @_retrying
     def release(self, worker: str, keys: list[str], outcome: str, count_attempt: bool = True) -> None:
         """Give leased rows back (retry, deadline, shutdown); `count_attempt=False` undoes the claim's count."""
-        now = time.time()
+        now, j = self.now(), self.job
         with self._tx():
-            for key in keys:
-                self.db.execute(
-                    "UPDATE rows SET state='pending', worker=NULL, lease_until=NULL, running=0, updated_at=?, "
-                    "attempts=attempts-? WHERE key=? AND state='leased' AND worker=?",
-                    (now, 0 if count_attempt else 1, key, worker))
+            for key in sorted(keys):
+                self._x("UPDATE rows SET state='pending', worker=NULL, lease_until=NULL, running=0, updated_at=?, "
+                        "attempts=attempts-? WHERE job=? AND key=? AND state='leased' AND worker=?",
+                        (now, 0 if count_attempt else 1, j, key, worker))
                 self._end_attempt(key, outcome, now, worker)
 
+    @_retrying
     def requeue(self, items: list[tuple[str, str]], outcome: str) -> None:
         """Terminal rows (key, part) whose part is gone or corrupt: back to pending, to be generated
         again (the lost run does not count as an attempt: losing a file is not the row's fault).
         A row no longer finished from that part (acknowledged again meanwhile) is left alone."""
-        now = time.time()
+        now, j = self.now(), self.job
         with self._tx():
-            for key, part in items:
-                n = self.db.execute("UPDATE rows SET state='pending', part=NULL, error_code=NULL, worker=NULL, "
-                                    "running=0, lease_until=NULL, attempts=MAX(attempts-1, 0), updated_at=? "
-                                    "WHERE key=? AND state IN ('done','error') AND part=?",
-                                    (now, key, part)).rowcount
+            for key, part in sorted(items):
+                n = self._x("UPDATE rows SET state='pending', part=NULL, error_code=NULL, worker=NULL, running=0, "
+                            "lease_until=NULL, attempts=CASE WHEN attempts > 0 THEN attempts-1 ELSE 0 END, "
+                            "updated_at=? WHERE job=? AND key=? AND state IN ('done','error') AND part=?",
+                            (now, j, key, part)).rowcount
                 if n:
-                    self.db.execute("UPDATE attempts SET outcome=? WHERE id=(SELECT MAX(id) FROM attempts "
-                                    "WHERE key=?)", (outcome, key))
+                    self._x("UPDATE attempts SET outcome=? WHERE id=(SELECT MAX(id) FROM attempts "
+                            "WHERE job=? AND key=?)", (outcome, j, key))
 
     def _end_attempt(self, key: str, outcome: str, now: float, worker: Optional[str] = None,
                      part: Optional[str] = None, code: Optional[str] = None) -> None:
-        sql = "UPDATE attempts SET ended_at=?, outcome=?, part=?, error_code=? WHERE key=? AND ended_at IS NULL"
-        args: list = [now, outcome, part, code, key]
+        sql = ("UPDATE attempts SET ended_at=?, outcome=?, part=?, error_code=? "
+               "WHERE job=? AND key=? AND ended_at IS NULL")
+        args: list = [now, outcome, part, code, self.job, key]
         if worker is not None:
             sql += " AND worker=?"
             args.append(worker)
-        self.db.execute(sql, args)
+        self._x(sql, args)
 
     # ---- workers ---------------------------------------------------------------------------
+    @_retrying
     def worker_started(self, worker: str, pid: int, host: str) -> None:
-        now = time.time()
-        self.db.execute("INSERT OR REPLACE INTO workers(id, pid, host, started_at, heartbeat_at) VALUES (?,?,?,?,?)",
-                        (worker, pid, host, now, now))
+        now, j = self.now(), self.job
+        with self._tx():
+            self._x("DELETE FROM workers WHERE job=? AND id=?", (j, worker))
+            self._x("INSERT INTO workers(job, id, pid, host, started_at, heartbeat_at) VALUES (?,?,?,?,?,?)",
+                    (j, worker, pid, host, now, now))
 
     def worker_progress(self, worker: str, rows: int, tokens: int) -> None:
         """Rows written and tokens generated so far (kept current, so a killed worker's work shows)."""
-        self.db.execute("UPDATE workers SET rows=?, tokens=?, heartbeat_at=? WHERE id=?",
-                        (rows, tokens, time.time(), worker))
+        self._x("UPDATE workers SET rows=?, tokens=?, heartbeat_at=? WHERE job=? AND id=?",
+                (rows, tokens, self.now(), self.job, worker))
 
     def worker_ended(self, worker: str, rows: int, tokens: int, wall_s: float, summary: dict,
                      stop: str = "finished") -> None:
         """`stop`: finished (nothing left to claim), deadline, interrupted (Ctrl-C/SIGTERM),
         storage (the folder could not be written), failed."""
-        self.db.execute("UPDATE workers SET ended_at=?, rows=?, tokens=?, wall_s=?, summary=?, stop=? WHERE id=?",
-                        (time.time(), rows, tokens, wall_s, json.dumps(summary, default=str), stop, worker))
+        self._x("UPDATE workers SET ended_at=?, rows=?, tokens=?, wall_s=?, summary=?, stop=? WHERE job=? AND id=?",
+                (self.now(), rows, tokens, wall_s, json.dumps(summary, default=str), stop, self.job, worker))
 
+    @_retrying
     def expire_dead_workers(self, host: str, alive) -> int:
         """Rows held by workers that are gone go back to pending at once (instead of when the lease
         runs out), the claim not counted as an attempt. A worker on `host` whose process is gone
         (`alive(pid, started_at)` is False) died: rows running in its engine get one more crash,
         and it is marked `died`. A worker that ended (any host) holds nothing: its rows come back
-        uncharged. Returns rows freed."""
-        freed = 0
-        dead = [w for w, pid, started in self.db.execute(
-            "SELECT id, pid, started_at FROM workers WHERE host=? AND ended_at IS NULL", (host,)).fetchall()
-            if not alive(pid, started)]
-        ended = {w for (w,) in self.db.execute(
-            "SELECT DISTINCT r.worker FROM rows r JOIN workers w ON w.id=r.worker "
-            "WHERE r.state='leased' AND w.ended_at IS NOT NULL")}
-        now = time.time()
+        uncharged. Workers on other hosts are judged by their leases alone (see claim). Returns
+        rows freed."""
+        freed, j = 0, self.job
+        dead = [w for w, pid, started in self._x(
+            "SELECT id, pid, started_at FROM workers WHERE job=? AND host=? AND ended_at IS NULL",
+            (j, host)).fetchall() if not alive(pid, started)]
+        ended = sorted(w for (w,) in self._x(
+            "SELECT DISTINCT r.worker FROM rows r JOIN workers w ON w.job=r.job AND w.id=r.worker "
+            "WHERE r.job=? AND r.state='leased' AND w.ended_at IS NOT NULL", (j,)))
+        now = self.now()
         with self._tx():
             for w in dead:
-                rows = self.db.execute("SELECT key, running FROM rows WHERE state='leased' AND worker=?",
-                                       (w,)).fetchall()
+                rows = sorted(self._x("SELECT key, running FROM rows WHERE job=? AND state='leased' AND worker=?",
+                                      (j, w)).fetchall())
                 for key, running in rows:
                     self._charge(key, running, now)
-                    self.db.execute("UPDATE rows SET state='pending', worker=NULL, lease_until=NULL, running=0, "
-                                    "attempts=MAX(attempts-1, 0), crashes=crashes+?, updated_at=? WHERE key=?",
-                                    (1 if running else 0, now, key))
+                    self._x("UPDATE rows SET state='pending', worker=NULL, lease_until=NULL, running=0, "
+                            "attempts=CASE WHEN attempts > 0 THEN attempts-1 ELSE 0 END, crashes=crashes+?, "
+                            "updated_at=? WHERE job=? AND key=?", (1 if running else 0, now, j, key))
                     self._end_attempt(key, "worker_died" if running else "worker_died_not_running", now, w)
                 freed += len(rows)
-                self.db.execute("UPDATE workers SET ended_at=?, stop='died' WHERE id=?", (now, w))
+                self._x("UPDATE workers SET ended_at=?, stop='died' WHERE job=? AND id=?", (now, j, w))
         for w in ended:
             freed += self.release_worker(w, "worker_ended")
         return freed
 
+    def leased_elsewhere(self, host: str) -> Optional[float]:
+        """The earliest lease expiry of rows held by live-registered workers on other hosts (None:
+        none): a worker with nothing to claim waits for those, since only their leases can tell
+        whether their holders are alive."""
+        row = self._x("SELECT MIN(r.lease_until) FROM rows r JOIN manifest m ON m.job=r.job AND m.key=r.key "
+                      "JOIN workers w ON w.job=r.job AND w.id=r.worker "
+                      "WHERE r.job=? AND r.state='leased' AND w.ended_at IS NULL AND w.host<>?",
+                      (self.job, host)).fetchone()
+        return row[0] if row else None
+
     def sessions(self) -> list[dict]:
         """Every worker session, oldest first. `wall_s` is set when it ended cleanly; `stop` says
         how it ended (finished, deadline, interrupted, storage, failed, died; None while running)."""
-        cur = self.db.execute("SELECT id, pid, host, started_at, heartbeat_at, ended_at, rows, tokens, wall_s, "
-                              "summary, stop FROM workers ORDER BY started_at")
+        cur = self._x("SELECT id, pid, host, started_at, heartbeat_at, ended_at, rows, tokens, wall_s, "
+                      "summary, stop FROM workers WHERE job=? ORDER BY started_at", (self.job,))
         return [{"worker": w, "pid": pid, "host": host, "started_at": s, "heartbeat_at": hb, "ended_at": e,
                  "rows": r, "tokens": t, "wall_s": ws, "summary": json.loads(sm) if sm else None, "stop": stop}
-                for w, pid, host, s, hb, e, r, t, ws, sm, stop in cur]
+                for w, pid, host, s, hb, e, r, t, ws, sm, stop in cur.fetchall()]
 
     # ---- reading ---------------------------------------------------------------------------
     def counts(self) -> dict[str, int]:
         """Rows of the current manifest per state (pending, leased, done, error)."""
         out = {s: 0 for s in ("pending", "leased", "done", "error")}
-        for state, n in self.db.execute("SELECT r.state, COUNT(*) FROM rows r JOIN manifest m ON m.key=r.key "
-                                        "GROUP BY r.state"):
-            out[state] = n
+        for state, n in self._x("SELECT r.state, COUNT(*) FROM rows r JOIN manifest m ON m.job=r.job AND m.key=r.key "
+                                "WHERE r.job=? GROUP BY r.state", (self.job,)):
+            out[state] = int(n)
         return out
 
     def error_counts(self) -> dict[str, int]:
-        return dict(self.db.execute("SELECT r.error_code, COUNT(*) FROM rows r JOIN manifest m ON m.key=r.key "
-                                    "WHERE r.state='error' GROUP BY r.error_code ORDER BY 1"))
+        return {c: int(n) for c, n in self._x(
+            "SELECT r.error_code, COUNT(*) FROM rows r JOIN manifest m ON m.job=r.job AND m.key=r.key "
+            "WHERE r.job=? AND r.state='error' GROUP BY r.error_code ORDER BY 1", (self.job,))}
 
     def leases(self) -> list[tuple[str, int, float]]:
         """(worker, rows it holds, earliest lease expiry) of every worker holding leases."""
-        return self.db.execute("SELECT r.worker, COUNT(*), MIN(r.lease_until) FROM rows r JOIN manifest m "
-                               "ON m.key=r.key WHERE r.state='leased' GROUP BY r.worker ORDER BY 1").fetchall()
+        return [(w, int(n), t) for w, n, t in self._x(
+            "SELECT r.worker, COUNT(*), MIN(r.lease_until) FROM rows r JOIN manifest m ON m.job=r.job "
+            "AND m.key=r.key WHERE r.job=? AND r.state='leased' GROUP BY r.worker ORDER BY 1", (self.job,))]
 
     def crash_counts(self) -> dict[str, int]:
         """Manifest rows that were in flight when a worker died: how many (`rows`), the most crashes
         of one row (`max`), and rows retried after internal_error (`retried`)."""
-        n, most, retried = self.db.execute(
-            "SELECT SUM(r.crashes > 0), MAX(r.crashes), SUM(r.attempts > 1) FROM rows r "
-            "JOIN manifest m ON m.key=r.key").fetchone()
-        return {"rows": n or 0, "max": most or 0, "retried": retried or 0}
+        n, most, retried = self._x(
+            "SELECT SUM(CASE WHEN r.crashes > 0 THEN 1 ELSE 0 END), MAX(r.crashes), "
+            "SUM(CASE WHEN r.attempts > 1 THEN 1 ELSE 0 END) FROM rows r "
+            "JOIN manifest m ON m.job=r.job AND m.key=r.key WHERE r.job=?", (self.job,)).fetchone()
+        return {"rows": int(n or 0), "max": int(most or 0), "retried": int(retried or 0)}
 
     def manifest(self) -> list[tuple[int, str, str, Optional[str], int]]:
         """(pos, key, state, part, attempts) of every manifest row, in input order."""
-        return self.db.execute("SELECT m.pos, m.key, r.state, r.part, r.attempts FROM manifest m "
-                               "JOIN rows r ON r.key=m.key ORDER BY m.pos").fetchall()
+        return [tuple(r) for r in self._x(
+            "SELECT m.pos, m.key, r.state, r.part, r.attempts FROM manifest m "
+            "JOIN rows r ON r.job=m.job AND r.key=m.key WHERE m.job=? ORDER BY m.pos", (self.job,)).fetchall()]
 
     def todo_payloads(self) -> list[dict]:
         """Payloads of the manifest rows still to generate (pending or leased): the progress budget."""
-        return [json.loads(p) for (p,) in self.db.execute(
-            "SELECT r.payload FROM rows r JOIN manifest m ON m.key=r.key WHERE r.state IN ('pending','leased')")]
+        return [json.loads(p) for (p,) in self._x(
+            "SELECT r.payload FROM rows r JOIN manifest m ON m.job=r.job AND m.key=r.key "
+            "WHERE r.job=? AND r.state IN ('pending','leased')", (self.job,))]
 
     def attempts(self, key: Optional[str] = None) -> list[tuple]:
         """The processing record: (key, attempt, worker, claimed_at, ended_at, outcome, part, error_code)."""
-        sql = "SELECT key, attempt, worker, claimed_at, ended_at, outcome, part, error_code FROM attempts"
-        return self.db.execute(sql + (" WHERE key=? ORDER BY id" if key else " ORDER BY id"),
-                               (key,) if key else ()).fetchall()
+        sql = "SELECT key, attempt, worker, claimed_at, ended_at, outcome, part, error_code FROM attempts WHERE job=?"
+        return [tuple(r) for r in self._x(sql + (" AND key=? ORDER BY id" if key else " ORDER BY id"),
+                                          (self.job, key) if key else (self.job,)).fetchall()]
 
     def get_meta(self, k: str) -> Optional[str]:
-        row = self.db.execute("SELECT v FROM meta WHERE k=?", (k,)).fetchone()
+        row = self._x("SELECT v FROM meta WHERE job=? AND k=?", (self.job, k)).fetchone()
         return row[0] if row else None
 
     def set_meta(self, k: str, v: str) -> None:
-        self.db.execute("INSERT OR REPLACE INTO meta(k, v) VALUES (?,?)", (k, v))
+        self._x(f"INSERT INTO meta(job, k, v) VALUES (?,?,?) ON CONFLICT {self.s.conflict['meta']} "
+                "DO UPDATE SET v=excluded.v", (self.job, k, v))
 
+    def jobs_named(self, name: str) -> list[str]:
+        """Ids of the jobs in this store enqueued under job.name `name` (ids are NAME/CONFIG_HASH)."""
+        prefix = f"{name}/"
+        return [j for (j,) in self._x("SELECT job FROM meta WHERE k='config_hash' AND substr(job, 1, ?) = ? "
+                                      "ORDER BY job", (len(prefix), prefix))]
 
-class _Tx:
-    def __init__(self, db: sqlite3.Connection):
-        self.db = db
-
-    def __enter__(self):
-        self.db.execute("BEGIN IMMEDIATE")
-        return self.db
-
-    def __exit__(self, exc_type, exc, tb):
-        self.db.execute("COMMIT" if exc_type is None else "ROLLBACK")
-        return False
+    def has_job(self) -> bool:
+        """Whether this store holds the job (it was enqueued)."""
+        return self.get_meta("config_hash") is not None or \
+            self._x("SELECT 1 FROM rows WHERE job=? LIMIT 1", (self.job,)).fetchone() is not None

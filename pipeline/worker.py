@@ -20,6 +20,13 @@ Only exceptions out of the engine are charged to the rows in flight (retry, then
 is not the rows' fault: it propagates as StorageError and the run stops with one line;
 every exit path hands the worker's leased rows back, attempts not counted.
 
+Across hosts (a PostgreSQL queue): a worker knows whether another worker is alive from its
+process only on its own host (`worker.host`); rows held by workers on other hosts come back
+only when their leases expire. So a worker with nothing left to claim does not exit while
+such rows are leased: it waits for them (claiming each one whose lease runs out), and ends
+when none is left, so the rows of a worker killed or frozen on another machine are never
+stranded.
+
 `worker.deadline`: the worker looks between engine steps at least every HEARTBEAT_S, so
 the deadline is seen mid-batch: the worker claims nothing more, cancels the engine
 (in-flight rows go back to the queue, their attempt not counted: they start over
@@ -30,7 +37,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import sqlite3
 import signal
 import socket
 import threading
@@ -52,7 +58,7 @@ from kvbatch.pipeline.results import ResultRecord, fit
 
 
 HEARTBEAT_S = 0.5  # deadline and flush checks between engine steps at least this often
-STORAGE_ERRORS = (OSError, sqlite3.Error)  # writing parts or the queue: the folder's fault, never a row's
+WAIT_S = 2.0  # nothing to claim, rows leased on other hosts: look again this often
 
 
 class StorageError(Exception):
@@ -63,20 +69,21 @@ class EngineFailure(Exception):
     """An exception out of the engine itself (not storage): charged to the rows in flight."""
 
 
-def new_worker_id() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
+def new_worker_id(host: Optional[str] = None, replica: int = 0) -> str:
+    rep = f"r{replica}-" if replica else ""
+    return f"{host or socket.gethostname()}-{rep}{os.getpid()}-{secrets.token_hex(2)}"
 
 
 class LeaseKeeper(threading.Thread):
-    """Renews this worker's leases every lease_s/3 on its own SQLite connection."""
+    """Renews this worker's leases (and its heartbeat) every lease_s/3 on its own connection."""
 
-    def __init__(self, queue_path: Path, worker: str, lease_s: float):
+    def __init__(self, queue: Queue, worker: str, lease_s: float):
         super().__init__(daemon=True, name="kvbatch-lease")
-        self.queue_path, self.worker, self.lease_s = queue_path, worker, lease_s
+        self.queue, self.worker, self.lease_s = queue, worker, lease_s
         self.stop_event = threading.Event()
 
     def run(self) -> None:
-        q = Queue(self.queue_path)
+        q = self.queue.reopen()  # SQLite connections belong to their thread; one connection each anyway
         try:
             while not self.stop_event.wait(max(self.lease_s / 3, 0.5)):
                 q.renew(self.worker, self.lease_s)
@@ -113,7 +120,9 @@ class Worker:
     def __init__(self, cfg: Config, queue: Queue, parts_dir: Path, runtime: Runtime,
                  worker_id: Optional[str] = None, progress: Optional[Progress] = None):
         self.cfg, self.q, self.parts_dir, self.rt = cfg, queue, parts_dir, runtime
-        self.id = worker_id or cfg.worker.id or new_worker_id()
+        self.host = cfg.worker.host or socket.gethostname()
+        self.id = worker_id or cfg.worker.id or new_worker_id(self.host, cfg.worker.replica)
+        self.storage_errors = (OSError, *queue.storage_errors)  # the folder's or the queue's fault, never a row's
         self.progress = progress
         self.deadline = deadline_at(cfg.worker.deadline)
         self.eng = None
@@ -308,15 +317,22 @@ class Worker:
             raise EngineFailure(f"{type(exc).__name__}: {exc}") from exc
 
     def _take_over(self, host: str) -> bool:
-        """Nothing left to claim: rows still leased by dead or ended workers come back to this one."""
-        return self.q.expire_dead_workers(host, procs.alive) > 0
+        """Nothing left to claim: rows still leased by dead or ended workers come back to this one; rows
+        leased by workers on other hosts are waited for (they come back when their leases expire)."""
+        if self.q.expire_dead_workers(host, procs.alive) > 0:
+            return True
+        until = self.q.leased_elsewhere(host)
+        if until is None:
+            return False
+        time.sleep(min(max(until - self.q.now(), 0.0) + 0.05, WAIT_S))
+        return True  # claim again (a deadline that passed meanwhile stops the loop there)
 
     def run(self) -> WorkStats:
         """Work until the queue has nothing claimable (or the deadline passes)."""
         t0 = time.perf_counter()
-        host = socket.gethostname()
+        host = self.host
         self.q.worker_started(self.id, os.getpid(), host)
-        keeper = LeaseKeeper(self.q.path, self.id, self.cfg.worker.lease_s)
+        keeper = LeaseKeeper(self.q, self.id, self.cfg.worker.lease_s)
         keeper.start()
         stop = "failed"
         old_term = _on_sigterm_raise_interrupt()
@@ -338,7 +354,7 @@ class Worker:
             stop = "interrupted"
             self._best_effort(lambda: self.flush(force=True))
             raise
-        except STORAGE_ERRORS as exc:
+        except self.storage_errors as exc:
             stop = "storage"
             raise StorageError(f"{type(exc).__name__}: {exc}") from None
         finally:

@@ -92,3 +92,55 @@ def tiny_model(model_cache_dir):
 
     return make
 
+
+
+@pytest.fixture(scope="session")
+def pg_server():
+    """A real PostgreSQL server for the session (tests/pg_server.py); skipped only where no PostgreSQL
+    server binaries are installed (`make system-deps` installs them on Debian/Ubuntu)."""
+    from tests.pg_server import PgServer, find_bindir
+
+    bindir = find_bindir()
+    if bindir is None:
+        pytest.skip("no PostgreSQL server binaries (initdb, pg_ctl): apt-get install postgresql "
+                    "(make system-deps does), or brew install postgresql")
+    server = PgServer(bindir).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def pg_url(pg_server) -> str:
+    """queue.url of a database for the tests' jobs (each test uses its own job ids in it)."""
+    return pg_server.create_database("kvbatch_tests")
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def queue_backend(request, tmp_path):
+    """Factory: queue_backend(name="q") -> a new, empty Queue on this test's backend: a SQLite file
+    under tmp_path, or a job of its own in the session's PostgreSQL database (same name, same queue:
+    another connection to it). `.kind` is the backend's name."""
+    import uuid
+
+    from kvbatch.pipeline.queue import Queue, open_store
+
+    url = request.getfixturevalue("pg_url") if request.param == "postgresql" else ""
+    run = uuid.uuid4().hex[:8]
+    opened: list = []
+
+    def make(name: str = "q") -> Queue:
+        folder = tmp_path / name
+        q = Queue(open_store(url, folder, f"{request.node.name}-{run}-{name}"))
+        opened.append(q)
+        return q
+
+    make.kind = request.param
+    make.url = url
+    yield make
+    for q in opened:
+        try:
+            q.close()
+        except Exception:  # noqa: BLE001 - already closed by the test
+            pass

@@ -30,7 +30,7 @@ def say(msg: str) -> None:
 
 def _check_reuse(job) -> None:
     """A job folder reused by a later sweep must hold this config's queue, never another's."""
-    if not job.queue_path.exists():
+    if job.cfg.queue.url or not job.queue_path.exists():  # a database's jobs are keyed by their config
         return
     q = Queue(job.queue_path)
     try:

@@ -138,7 +138,7 @@ def test_kill_9_six_times_then_every_row_once_and_equal_to_an_uninterrupted_run(
             assert [t.parent.name for t in temps] == ["parts"] and temps[0].name.startswith(".part-")
         if i == 0:  # status right after a kill: the dead worker still holds its rows
             lines = status(out, args)
-            assert re.search(r"^workers: \S+ died \(pid \d+ on \S+, 6 rows leased", "\n".join(lines), re.M), lines
+            assert re.search(r"^workers on \S+: \S+ died \(pid \d+, 6 rows leased", "\n".join(lines), re.M), lines
             assert "remaining: 17 rows (11 pending, 6 leased)" in lines
             assert "runs: 1 worker sessions (died 1)" in lines
     # the run after the kill between part write and ack adopted that part's rows

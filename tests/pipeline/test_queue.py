@@ -1,4 +1,5 @@
-"""The SQLite queue: idempotent enqueue, leases (claim, renew, expiry), ack, release, the attempts record."""
+"""The queue on both backends (the `queue_backend` fixture: SQLite and a real PostgreSQL server): idempotent
+enqueue, leases (claim, renew, expiry), ack, release, the attempts record, crashes, dead workers."""
 from __future__ import annotations
 
 import threading
@@ -12,8 +13,8 @@ def _rows(n, start=0):
     return [InputRow(i, f"k{i}", {"prompt": f"p{i}"}) for i in range(start, start + n)]
 
 
-def test_enqueue_is_idempotent_and_tracks_the_manifest(tmp_path):
-    q = Queue(tmp_path / "q.sqlite")
+def test_enqueue_is_idempotent_and_tracks_the_manifest(queue_backend):
+    q = queue_backend()
     assert q.enqueue(_rows(3)) == 3
     assert q.enqueue(_rows(3)) == 0
     assert q.counts() == {"pending": 3, "leased": 0, "done": 0, "error": 0}
@@ -23,8 +24,8 @@ def test_enqueue_is_idempotent_and_tracks_the_manifest(tmp_path):
     assert q.counts()["pending"] == 2
 
 
-def test_claim_in_order_ack_and_record(tmp_path):
-    q = Queue(tmp_path / "q.sqlite")
+def test_claim_in_order_ack_and_record(queue_backend):
+    q = queue_backend()
     q.enqueue(_rows(5))
     got = q.claim("w1", 3, lease_s=60)
     assert [c.key for c in got] == ["k0", "k1", "k2"] and all(c.attempt == 1 for c in got)
@@ -40,8 +41,8 @@ def test_claim_in_order_ack_and_record(tmp_path):
     assert rec["k3"][2] == "w2" and rec["k3"][4] is None  # still open
 
 
-def test_expired_lease_returns_to_the_queue_as_a_crash_not_an_attempt(tmp_path):
-    q = Queue(tmp_path / "q.sqlite")
+def test_expired_lease_returns_to_the_queue_as_a_crash_not_an_attempt(queue_backend):
+    q = queue_backend()
     q.enqueue(_rows(2))
     q.claim("dead", 2, lease_s=0.05)
     q.mark_running("dead", ["k0", "k1"], True)  # handed to its engine
@@ -54,8 +55,8 @@ def test_expired_lease_returns_to_the_queue_as_a_crash_not_an_attempt(tmp_path):
     assert q.crash_counts() == {"rows": 2, "max": 1, "retried": 0}
 
 
-def test_renew_keeps_the_lease(tmp_path):
-    q = Queue(tmp_path / "q.sqlite")
+def test_renew_keeps_the_lease(queue_backend):
+    q = queue_backend()
     q.enqueue(_rows(1))
     q.claim("w1", 1, lease_s=0.3)
     for _ in range(3):
@@ -64,8 +65,8 @@ def test_renew_keeps_the_lease(tmp_path):
     assert q.claim("w2", 1, lease_s=60) == []
 
 
-def test_release_and_retry_counts(tmp_path):
-    q = Queue(tmp_path / "q.sqlite")
+def test_release_and_retry_counts(queue_backend):
+    q = queue_backend()
     q.enqueue(_rows(2))
     q.claim("w", 2, lease_s=60)
     q.release("w", ["k0"], "retry")  # counts as an attempt
@@ -74,8 +75,8 @@ def test_release_and_retry_counts(tmp_path):
     assert back == {"k0": 2, "k1": 1}
 
 
-def test_ack_never_overwrites_a_finished_row(tmp_path):
-    q = Queue(tmp_path / "q.sqlite")
+def test_ack_never_overwrites_a_finished_row(queue_backend):
+    q = queue_backend()
     q.enqueue(_rows(1))
     q.claim("w", 1, lease_s=60)
     q.ack("w", [("k0", None)], "part-1")
@@ -87,13 +88,12 @@ def test_ack_never_overwrites_a_finished_row(tmp_path):
     assert q.counts()["pending"] == 1 and q.manifest()[0][3] is None
 
 
-def test_concurrent_claimers_never_share_a_row(tmp_path):
-    path = tmp_path / "q.sqlite"
-    Queue(path).enqueue(_rows(200))
+def test_concurrent_claimers_never_share_a_row(queue_backend):
+    queue_backend().enqueue(_rows(200))
     got: dict[str, list[str]] = {}
 
     def claimer(name):
-        q = Queue(path)
+        q = queue_backend()  # a connection of its own (PostgreSQL: claims with SKIP LOCKED)
         mine = got.setdefault(name, [])
         while batch := q.claim(name, 3, lease_s=60):
             mine.extend(c.key for c in batch)
@@ -108,8 +108,8 @@ def test_concurrent_claimers_never_share_a_row(tmp_path):
     assert len(keys) == 200 and len(set(keys)) == 200
 
 
-def test_dead_workers_on_this_host_lose_their_leases_at_once(tmp_path):
-    q = Queue(tmp_path / "q.sqlite")
+def test_dead_workers_on_this_host_lose_their_leases_at_once(queue_backend):
+    q = queue_backend()
     q.enqueue(_rows(3))
     q.worker_started("dead", 111, "h1")
     q.worker_started("live", 222, "h1")
@@ -136,8 +136,8 @@ def _crash(q, worker, keys_expected=None):
     return [c.key for c in got]
 
 
-def test_crashes_do_not_use_up_attempts_and_suspects_run_alone(tmp_path):
-    q = Queue(tmp_path / "q.sqlite")
+def test_crashes_do_not_use_up_attempts_and_suspects_run_alone(queue_backend):
+    q = queue_backend()
     q.enqueue(_rows(4))
     assert _crash(q, "w1") == ["k0", "k1", "k2", "k3"]
     assert _crash(q, "w2") == ["k0", "k1", "k2", "k3"]  # every row now has 2 crashes: suspects
@@ -156,8 +156,8 @@ def test_crashes_do_not_use_up_attempts_and_suspects_run_alone(tmp_path):
     assert q.crash_counts() == {"rows": 4, "max": 4, "retried": 0}
 
 
-def test_plain_rows_pass_suspects_and_lost_parts_do_not_count(tmp_path):
-    q = Queue(tmp_path / "q.sqlite")
+def test_plain_rows_pass_suspects_and_lost_parts_do_not_count(queue_backend):
+    q = queue_backend()
     q.enqueue(_rows(3))
     q.worker_started("w1", 1, "h")
     q.claim("w1", 1, lease_s=600)  # k0 only
@@ -174,10 +174,10 @@ def test_plain_rows_pass_suspects_and_lost_parts_do_not_count(tmp_path):
     assert again == {"k0": 1, "k1": 1}  # handed back / part lost: neither counts as an attempt
 
 
-def test_a_crash_is_charged_only_to_rows_running_in_the_engine(tmp_path):
+def test_a_crash_is_charged_only_to_rows_running_in_the_engine(queue_backend):
     """Rows only claimed (prefetched) or finished and not yet written were not running when the
     worker died: they come back uncharged (issue 23, defect 4)."""
-    q = Queue(tmp_path / "q.sqlite")
+    q = queue_backend()
     q.enqueue(_rows(4))
     q.worker_started("w1", 1, "h")
     q.claim("w1", 4, lease_s=600)
@@ -187,10 +187,10 @@ def test_a_crash_is_charged_only_to_rows_running_in_the_engine(tmp_path):
     assert {c.key: c.crashes for c in q.claim("w2", 10, lease_s=600)} == {"k0": 1, "k1": 1, "k2": 0, "k3": 0}
 
 
-def test_rows_of_an_ended_worker_come_back_at_once_uncharged(tmp_path):
+def test_rows_of_an_ended_worker_come_back_at_once_uncharged(queue_backend):
     """A worker that ended (an exception, disk full) and still holds leases: freed by the next
     start on any host, no attempt and no crash counted (issue 23, defect 3)."""
-    q = Queue(tmp_path / "q.sqlite")
+    q = queue_backend()
     q.enqueue(_rows(2))
     q.worker_started("gone", 1, "other-host")
     q.claim("gone", 2, lease_s=600)
@@ -218,3 +218,46 @@ def test_old_queue_files_gain_the_new_columns(tmp_path):
     q.worker_started("w", 1, "h")
     q.worker_ended("w", 1, 5, 1.0, {}, "deadline")
     assert q.sessions()[0]["stop"] == "deadline"
+
+
+def test_jobs_sharing_a_database_never_see_each_other(queue_backend):
+    a, b = queue_backend("a"), queue_backend("b")
+    a.enqueue(_rows(3))
+    b.enqueue(_rows(2))
+    a.set_meta("config_hash", "A")
+    assert b.get_meta("config_hash") is None and b.counts()["pending"] == 2
+    assert [c.key for c in b.claim("w", 10, lease_s=60)] == ["k0", "k1"]
+    assert a.counts() == {"pending": 3, "leased": 0, "done": 0, "error": 0}
+    b.worker_started("w", 1, "h")
+    assert a.sessions() == [] and a.expire_dead_workers("h", lambda pid, started: False) == 0
+    assert b.expire_dead_workers("h", lambda pid, started: False) == 2
+
+
+def test_a_worker_on_another_host_is_judged_by_its_lease(queue_backend):
+    """A PID means nothing on another host: its rows wait for their lease (leased_elsewhere says until
+    when), then any claimer takes them as a crash; the same host's dead worker is freed at once."""
+    q = queue_backend()
+    q.enqueue(_rows(2))
+    q.worker_started("far", 1, "h2")
+    q.claim("far", 1, lease_s=0.3)
+    q.mark_running("far", ["k0"], True)
+    assert q.expire_dead_workers("h1", lambda pid, started: False) == 0  # not this host's to judge
+    until = q.leased_elsewhere("h1")
+    assert until is not None and 0 < until - q.now() <= 0.3 and q.leased_elsewhere("h2") is None
+    assert [c.key for c in q.claim("near", 5, lease_s=60)] == ["k1"]
+    time.sleep(until - q.now() + 0.05)
+    assert [(c.key, c.crashes) for c in q.claim("near", 5, lease_s=60)] == [("k0", 1)]
+    assert q.leased_elsewhere("h1") is None
+
+
+def test_the_schema_is_versioned(queue_backend):
+    from kvbatch.pipeline import queue_sqlite
+
+    q = queue_backend()
+    if queue_backend.kind == "sqlite":
+        assert q.s.version() == queue_sqlite.VERSION
+    else:
+        from kvbatch.pipeline import queue_postgres
+
+        assert q.s.version() == queue_postgres.VERSION
+        assert q.reopen().s.version() == queue_postgres.VERSION  # opening again migrates nothing twice
