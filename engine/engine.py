@@ -20,8 +20,9 @@ from kvbatch.engine import mlx_lm_bridge
 from kvbatch.engine.backend import on_cpu
 from kvbatch.engine.batch_limits import resolve_max_batch, resolve_prefill_tokens
 from kvbatch.engine.config import EngineConfig
-from kvbatch.engine.errors import KvbatchConfigError
+from kvbatch.engine.errors import KvbatchConfigError, RowError
 from kvbatch.engine.gate import check_kv_mode
+from kvbatch.engine.grammar import Grammars
 from kvbatch.engine.hooks import EngineHooks
 from kvbatch.engine.kv_cache import PagedKVCache
 from kvbatch.engine.kv.pages import CacheRow
@@ -31,7 +32,7 @@ from kvbatch.engine.row import Row
 from kvbatch.engine.runner import LookaheadStepper, Runner, SyncStepper
 from kvbatch.engine.sampling import RowSampler
 from kvbatch.engine.scheduler import Scheduler
-from kvbatch.engine.types import ModelSpec, Request, Result
+from kvbatch.engine.types import Logprobs, ModelSpec, Request, Result
 
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -78,7 +79,9 @@ class Engine:
         self.scheduler = Scheduler(spec, self.memory, self.cache, self.max_batch, kv.page_size,
                                    cfg.max_prompt_tokens, settings.admission, self.prefill_tokens)
         self.output = OutputProcessor(tokenizer, spec, self.layout, self.cache, self.hooks, self._unschedule)
-        self.runner = Runner(model, self.cache, self.scheduler, self.output, self.hooks, self.memory.budget)
+        self.grammars = Grammars(tokenizer, spec.vocab_size, self.output.eos_ids)
+        self.runner = Runner(model, self.cache, self.scheduler, self.output, self.hooks, self.memory.budget,
+                             self.grammars)
         # lookahead overlaps the host's graph building with the device: GPU backends only by default
         # (the CPU does both); the attention trace reads every layer, so it never overlaps
         self.lookahead = (opts.lookahead == "on" or (opts.lookahead == "auto" and not on_cpu())) \
@@ -92,8 +95,20 @@ class Engine:
         """Queue a row; it is admitted by a later step() when a slot and memory allow."""
         p = req.sampling
         worst = min(len(req.prompt_tokens) + max(p.max_tokens, 0), self.spec.context_length)
-        self.scheduler.add(Row(req, CacheRow(req.key), RowSampler(p), worst, time.perf_counter(),
-                               forced=self.hooks.forced_tokens.get(req.key)))
+        matcher, problem = None, None
+        if p.grammar is not None:
+            try:
+                matcher = self.grammars.matcher(p.grammar)
+            except RowError as e:
+                problem = (e.code, e.message)
+        row = Row(req, CacheRow(req.key), RowSampler(p, req.prompt_tokens, self.output.eos_ids, matcher), worst,
+                  time.perf_counter(), forced=self.hooks.forced_tokens.get(req.key))
+        if p.logprobs or p.prompt_logprobs:
+            row.logprobs = Logprobs(prompt=[] if p.prompt_logprobs else None)
+        if problem:  # a grammar llguidance rejects: the row ends now, with its error
+            self.output.finish(row, "error", *problem)
+            return
+        self.scheduler.add(row)
 
     def step(self) -> list[Result]:
         """One scheduler iteration: admit what fits, run one prefill pass over the admitted rows'

@@ -32,16 +32,21 @@ def forward_last(model: nn.Module, tokens: mx.array, cache: list, last: Optional
     """(B, vocab) logits of each row's last position only (skips the vocab projection of every
     prompt token). last: (B,) the position of each row's last real token (a right-padded prefill
     pass); None: the last position."""
+    h, head = forward_hidden(model, tokens, cache)
+    return head(pick_last(h, last))[:, -1, :]
+
+
+def forward_hidden(model: nn.Module, tokens: mx.array, cache: list) -> tuple[mx.array, Callable[[mx.array], mx.array]]:
+    """(B, L, ·) states before the vocab projection, and that projection (for a model without the
+    usual `model.embed_tokens` layout: its logits, and the identity)."""
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "embed_tokens"):
-        return _pick(model(tokens, cache=cache), last)[:, 0, :]
-    h = _pick(inner(tokens, cache=cache), last)
+        return model(tokens, cache=cache), lambda h: h
     head = getattr(model, "lm_head", None)
-    out = head(h) if head is not None else inner.embed_tokens.as_linear(h)
-    return out[:, -1, :]
+    return inner(tokens, cache=cache), head if head is not None else inner.embed_tokens.as_linear
 
 
-def _pick(h: mx.array, last: Optional[mx.array]) -> mx.array:
+def pick_last(h: mx.array, last: Optional[mx.array]) -> mx.array:
     """(B, L, ·) -> (B, 1, ·) at each row's last position."""
     if last is None:
         return h[:, -1:, :]

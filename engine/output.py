@@ -12,11 +12,12 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
-from kvbatch.engine import errors
+from kvbatch.engine import errors, grammar
 from kvbatch.engine.hooks import EngineHooks
 from kvbatch.engine.kv_cache import PagedKVCache
 from kvbatch.engine.memory import KVLayout
 from kvbatch.engine.row import Row
+from kvbatch.engine.sampling import Sampled
 from kvbatch.engine.types import ModelSpec, Result, RowStats
 
 
@@ -30,9 +31,10 @@ class OutputProcessor:
         self.generated_tokens = 0
         self.results_by_code: dict[str, int] = {}
 
-    def accept(self, rows: list[Row], logits: mx.array, tokens: mx.array, finite: mx.array) -> None:
+    def accept(self, rows: list[Row], logits: mx.array, sampled: Sampled, finite: mx.array) -> None:
         now = time.perf_counter()
-        toks, ok = tokens.tolist(), finite.tolist()
+        toks, ok = sampled.tokens.tolist(), finite.tolist()
+        lps = self._logprobs(sampled)
         capture = self.hooks.capture_logits
         for i, r in enumerate(rows):
             if r.ended:  # lookahead: the row stopped on its previous token; this step's output is dropped
@@ -51,27 +53,55 @@ class OutputProcessor:
                 r.t_first = now
             r.t_last = now
             p = r.req.sampling
-            if forced is None and (tok in self.eos_ids or tok in p.stop_token_ids):
+            if forced is None and tok in p.stop_token_ids:
+                self.end(r, "stop", stop_reason=str(tok))
+                continue
+            if forced is None and tok in self.eos_ids and not p.ignore_eos:
                 self.end(r, "stop")
                 continue
             r.out.append(tok)
             self.generated_tokens += 1
-            if p.stop and self._hit_stop_string(r):
-                self.end(r, "stop")
+            if i in lps:
+                lp, top = lps[i]
+                r.logprobs.tokens.append(lp)
+                r.logprobs.top.append(top[:p.logprobs])
+            matcher = r.sampler.matcher
+            if matcher is not None:
+                refused = grammar.advance(matcher, tok)
+                if refused:
+                    self.end(r, "error", errors.INVALID_INPUT, f"the response_format cannot go on: {refused}")
+                    continue
+            hit = self._hit_stop_string(r) if p.stop and len(r.out) > p.min_tokens else None
+            if hit is not None:
+                self.end(r, "stop", stop_reason=hit)
+            elif matcher is not None and matcher.is_stopped():
+                self.end(r, "stop")  # the grammar is complete: only EOS could follow
             elif r.ends_after(len(r.out), self.spec.context_length):
                 self.end(r, "length")
 
-    def _hit_stop_string(self, r: Row) -> bool:
+    @staticmethod
+    def _logprobs(sampled: Sampled) -> dict[int, tuple[float, list[tuple[int, float]]]]:
+        """{row index in the step: (chosen token's logprob, [(id, logprob)] best first)}."""
+        if not sampled.lp_rows:
+            return {}
+        lp, ids, vals = sampled.lp.tolist(), sampled.top_ids.tolist(), sampled.top_lps.tolist()
+        return {i: (lp[j], list(zip(ids[j], vals[j]))) for j, i in enumerate(sampled.lp_rows)}
+
+    def _hit_stop_string(self, r: Row) -> Optional[str]:
+        """The stop string the row's latest tokens end in, if any."""
         window = max(len(s) for s in r.req.sampling.stop) + 8
         tail = self.tokenizer.decode(r.out[-window:])
-        return any(s in tail for s in r.req.sampling.stop)
+        found = [s for s in r.req.sampling.stop if s in tail]
+        return min(found, key=tail.index) if found else None
 
-    def end(self, row: Row, reason: str, code: Optional[str] = None, msg: Optional[str] = None) -> None:
+    def end(self, row: Row, reason: str, code: Optional[str] = None, msg: Optional[str] = None,
+            stop_reason: Optional[str] = None) -> None:
         """End a running row (or one never admitted)."""
         self.unschedule(row)
-        self.finish(row, reason, code, msg)
+        self.finish(row, reason, code, msg, stop_reason)
 
-    def finish(self, row: Row, reason: str, code: Optional[str] = None, msg: Optional[str] = None) -> None:
+    def finish(self, row: Row, reason: str, code: Optional[str] = None, msg: Optional[str] = None,
+               stop_reason: Optional[str] = None) -> None:
         row.ended = True
         peak_kv = row.kv.peak_pages * self.layout.page_bytes
         if row.kv.tail is not None or (self.layout.bits and row.kv.peak_pages):
@@ -81,10 +111,11 @@ class OutputProcessor:
         else:
             self.cache.release(row.kv)
         text = self.tokenizer.decode(row.out) if row.out else ""
-        if reason == "stop" and row.req.sampling.stop:
-            for s in row.req.sampling.stop:
-                if s in text:
-                    text = text[: text.index(s)]
+        p = row.req.sampling
+        if reason == "stop" and stop_reason in p.stop:  # cut where the stop string starts (after min_tokens)
+            floor = len(self.tokenizer.decode(row.out[:p.min_tokens])) if p.min_tokens else 0
+            at = text.find(stop_reason, max(0, floor - len(stop_reason) + 1))
+            text = text[:at] if at >= 0 else text
         n = len(row.out)
         decode_tps = None
         if n > 1 and row.t_last and row.t_first and row.t_last > row.t_first:
@@ -97,4 +128,5 @@ class OutputProcessor:
                          peak_kv_bytes=peak_kv, route=self.cache.route)
         key = code or "ok"
         self.results_by_code[key] = self.results_by_code.get(key, 0) + 1
-        self.done.append(Result(row.req.key, list(row.out), text, reason, code, msg, stats))
+        self.done.append(Result(row.req.key, list(row.out), text, reason, code, msg, stats, stop_reason,
+                                row.logprobs))

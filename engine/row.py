@@ -6,7 +6,7 @@ from typing import Optional
 
 from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.sampling import RowSampler
-from kvbatch.engine.types import Request
+from kvbatch.engine.types import Logprobs, Request
 
 
 @dataclass(eq=False)
@@ -25,6 +25,7 @@ class Row:
     preemptions: int = 0
     active: bool = False  # in the running batch
     ended: bool = False
+    logprobs: Optional[Logprobs] = None  # recorded when the row asks for logprobs or prompt_logprobs
 
     @property
     def prompt_len(self) -> int:

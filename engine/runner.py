@@ -19,12 +19,14 @@ import mlx.nn as nn
 
 from kvbatch.engine import errors
 from kvbatch.engine.errors import RowError
+from kvbatch.engine.grammar import Grammars
 from kvbatch.engine.hooks import EngineHooks
 from kvbatch.engine.kv_cache import PagedKVCache
-from kvbatch.engine.mlx_lm_bridge import forward_last
+from kvbatch.engine.logprobs import prompt_tokens
+from kvbatch.engine.mlx_lm_bridge import pick_last, forward_hidden, forward_last
 from kvbatch.engine.output import OutputProcessor
 from kvbatch.engine.row import Row
-from kvbatch.engine.sampling import sample_batch
+from kvbatch.engine.sampling import Sampled, sample_batch
 from kvbatch.engine.scheduler import Scheduler
 
 
@@ -43,8 +45,9 @@ class StepTimes:
 
 class Runner:
     def __init__(self, model: nn.Module, cache: PagedKVCache, sched: Scheduler, output: OutputProcessor,
-                 hooks: EngineHooks, budget: int):
+                 hooks: EngineHooks, budget: int, grammars: Optional[Grammars] = None):
         self.model, self.cache, self.sched, self.output, self.hooks = model, cache, sched, output, hooks
+        self.grammars = grammars
         self.budget = budget
         self.times = StepTimes()
         self.flush = lambda: None  # lands a decode step in flight (set by the engine to its stepper's)
@@ -86,16 +89,17 @@ class Runner:
             last = [row.kv.length + n == row.target for row, n in batch]
             self.cache.begin([row.kv for row in rows], L, self.poison(rows), lens)
             try:
-                logits = forward_last(self.model, inputs, self.cache.views,
-                                      None if L == min(lens) else mx.array(lens) - 1)
+                h, head = forward_hidden(self.model, inputs, self.cache.views)
+                scores = self._prompt_scores(batch, before, h, head)
+                logits = head(pick_last(h, None if L == min(lens) else mx.array(lens) - 1))[:, -1, :]
                 done = [i for i, f in enumerate(last) if f]
                 if done:
                     logits = (logits if len(done) == len(rows) else logits[mx.array(done)]).astype(mx.float32)
-                    token = sample_batch(logits, [rows[i].sampler for i in done])
+                    token = sample_batch(logits, [rows[i] for i in done], self.grammars)
                     finite = mx.isfinite(logits).all(axis=-1)
-                    mx.eval(token, finite, self.cache.store.all_arrays())
+                    mx.eval(*token.arrays(), finite, *[a for _, a in scores], self.cache.store.all_arrays())
                 else:
-                    mx.eval(self.cache.store.all_arrays())
+                    mx.eval(*[a for _, a in scores], self.cache.store.all_arrays())
             finally:
                 self.cache.end()
         except Exception as e:
@@ -107,6 +111,8 @@ class Runner:
                 return
             self.output.end(rows[0], "error", errors.INTERNAL_ERROR, f"{type(e).__name__}: {e}")
             return
+        for row, a in scores:
+            row.logprobs.prompt.extend(a.tolist())
         for row, _ in batch:
             self.hooks.on_prefill_chunk(row.req.key, min(row.kv.length, row.prompt_len), row.prompt_len)
         self.times.t_accepted = time.perf_counter()  # lookahead: decode time restarts after a prefill
@@ -118,10 +124,26 @@ class Runner:
         if done:
             self.output.accept([rows[i] for i in done], logits, token, finite)
 
-    def forward_sample(self, rows: list[Row], inputs: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    def _prompt_scores(self, batch: list[tuple[Row, int]], before: list[int], h: mx.array,
+                       head) -> list[tuple[Row, mx.array]]:
+        """prompt_logprobs: (row, lazy log-probabilities of the prompt tokens this pass's chunk predicts)
+        for the rows that ask and are not scored yet (a row resumed after a preemption was)."""
+        out = []
+        for j, (row, n) in enumerate(batch):
+            lp, start = row.logprobs, before[j]
+            if lp is None or lp.prompt is None or len(lp.prompt) >= row.prompt_len - 1:
+                continue
+            del lp.prompt[start:]  # a row preempted mid-prompt prefills from its start again
+            m = min(n, row.prompt_len - 1 - start)
+            if m > 0:
+                out.append((row, prompt_tokens(h[j, :m], head, row.req.prompt_tokens[start + 1:start + 1 + m])))
+        return out
+
+    def forward_sample(self, rows: list[Row], inputs: mx.array,
+                       ahead: frozenset = frozenset()) -> tuple[mx.array, Sampled, mx.array]:
         """One decode forward of (B, 1) inputs, lazily: float32 logits, sampled tokens, finite flags."""
         logits = forward_last(self.model, inputs, self.cache.views).astype(mx.float32)
-        return logits, sample_batch(logits, [r.sampler for r in rows]), mx.isfinite(logits).all(axis=-1)
+        return logits, sample_batch(logits, rows, self.grammars, ahead), mx.isfinite(logits).all(axis=-1)
 
     def trim_cache(self) -> None:
         """MLX keeps freed buffers in its cache (process memory too; step sizes change every
@@ -152,7 +174,7 @@ class SyncStepper:
             r.cache.begin([row.kv for row in rows], 1, r.poison(rows))
             try:
                 logits, tokens, finite = r.forward_sample(rows, inputs)
-                mx.eval(tokens, finite)
+                mx.eval(*tokens.arrays(), finite)
             finally:
                 r.cache.end()
         except Exception as e:
@@ -179,7 +201,7 @@ class _Inflight:
 
     rows: list[Row]
     logits: mx.array
-    tokens: mx.array
+    sampled: Sampled
     finite: mx.array
     t0: float
 
@@ -232,8 +254,8 @@ class LookaheadStepper:
                 inputs = self._next_inputs(rows, prev, ahead)
                 r.cache.begin([row.kv for row in rows], 1, r.poison(rows, ahead))
                 try:
-                    logits, tokens, finite = r.forward_sample(rows, inputs)
-                    mx.async_eval(tokens, finite)
+                    logits, tokens, finite = r.forward_sample(rows, inputs, ahead)
+                    mx.async_eval(*tokens.arrays(), finite)
                 finally:
                     r.cache.end()
                 self._step = _Inflight(rows, logits, tokens, finite, t0)
@@ -242,6 +264,8 @@ class LookaheadStepper:
                 traceback.print_exc()
         if prev is not None:
             self._accept(prev)  # waits for that step only; the next one keeps the device busy
+        if self._step is not None and any(row.sampler.needs_host for row in rows):
+            self.flush()  # a grammar or penalty row: its next step needs this token on the host first
         for row, e in refused:
             if not row.ended:
                 out.end(row, "error", e.code, e.message)
@@ -253,13 +277,13 @@ class LookaheadStepper:
 
     def _accept(self, step: _Inflight) -> None:
         t = self.r.times
-        step.tokens.tolist()
+        step.sampled.tokens.tolist()
         now = time.perf_counter()
         t.decode_time += now - max(step.t0, t.t_accepted)
         t.t_accepted = now
         t.decode_tokens += sum(not row.ended for row in step.rows)
         self.r.trim_cache()
-        self.r.output.accept(step.rows, step.logits, step.tokens, step.finite)
+        self.r.output.accept(step.rows, step.logits, step.sampled, step.finite)
 
     def _next_inputs(self, rows: list[Row], prev: Optional[_Inflight], ahead: frozenset) -> mx.array:
         """(B, 1) input tokens: a forced token or a token the host holds, else the row's token
@@ -280,7 +304,8 @@ class LookaheadStepper:
         if all(i < 0 for i in pick):
             return mx.array(host)[:, None]
         if all(i >= 0 for i in pick) and pick == list(range(len(prev.rows))):
-            return prev.tokens[:, None]
+            return prev.sampled.tokens[:, None]
         idx = mx.array([max(i, 0) for i in pick])
-        tok = mx.where(mx.array([i >= 0 for i in pick]), prev.tokens[idx], mx.array(host, dtype=prev.tokens.dtype))
+        prev_tokens = prev.sampled.tokens
+        tok = mx.where(mx.array([i >= 0 for i in pick]), prev_tokens[idx], mx.array(host, dtype=prev_tokens.dtype))
         return tok[:, None]

@@ -1,40 +1,159 @@
-"""Per-row sampling over a batch of logits.
+"""Per-row sampling over a batch of logits, in one set of MLX ops per step.
 
-Each row has its own seeded key, split once per step, so a row's samples depend
-only on its seed and step, never on which rows share its batch. Filtering uses
-mlx-lm's top-k / top-p pieces on log-probabilities, as mlx-lm's own sampler does.
+Each row's controls are columns of per-row vectors applied to the (B, V) float32 logits together;
+a control no row in the step uses adds no op at all, so rows without controls cost what they
+always did: one argmax for greedy rows, and for sampled rows the filters and Gumbel-max below.
+Each sampled row keeps its own seeded key, split once per step (vmapped over the rows), so a
+row's samples depend only on its seed and step, never on which rows share its batch.
+
+Order, as vLLM applies them: penalties (engine/penalties.py), then the allowed-token mask (a
+grammar's, engine/grammar.py; EOS and stop tokens before min_tokens), then for sampled rows
+log-softmax, top_k, min_p, top_p (mlx-lm's apply_top_p; top_k and min_p as mlx-lm's pieces with a
+per-row parameter), 1/temperature and the row's categorical draw. As in mlx-lm's sampler the
+filters see the distribution before temperature.
 """
 from __future__ import annotations
 
-import mlx.core as mx
-from mlx_lm.sample_utils import apply_top_k, apply_top_p
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
 
+import mlx.core as mx
+import numpy as np
+from mlx_lm.sample_utils import apply_top_p
+
+from kvbatch.engine import logprobs, penalties
 from kvbatch.engine.types import SamplingParams
+
+if TYPE_CHECKING:
+    from kvbatch.engine.grammar import Grammars
+    from kvbatch.engine.row import Row
+
+_split = mx.vmap(mx.random.split)
 
 
 class RowSampler:
-    def __init__(self, params: SamplingParams):
+    """One row's sampling state: its key (sampled rows), its grammar matcher (constrained rows),
+    the tokens masked before min_tokens, the prompt's distinct tokens (repetition_penalty)."""
+
+    def __init__(self, params: SamplingParams, prompt: list[int] = (), eos_ids: frozenset = frozenset(),
+                 matcher: Any = None):
         self.params = params
         self.greedy = params.temperature <= 0
-        self._key = None if self.greedy else mx.random.key(params.seed)
-
-    def sample(self, logits: mx.array) -> mx.array:
-        """logits: (V,) float32 -> scalar token (lazy)."""
-        p = self.params
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        if 0 < p.top_k < logits.shape[-1]:
-            logprobs = apply_top_k(logprobs, p.top_k)
-        if 0 < p.top_p < 1:
-            logprobs = apply_top_p(logprobs, p.top_p)
-        self._key, sub = mx.random.split(self._key)
-        return mx.random.categorical(logprobs * (1 / p.temperature), key=sub)
+        self.key = None if self.greedy else mx.random.key(params.seed)
+        self.matcher = matcher
+        self.penalized = penalties.used(params)
+        self.prompt_ids = np.unique(np.asarray(prompt, dtype=np.int64)) \
+            if params.repetition_penalty != 1 else None
+        banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+        self.min_tokens_ban = np.array(sorted(banned), dtype=np.int64) if params.min_tokens and banned else None
+        # the host must know the row's last token before its next step (grammar state, penalty counts)
+        self.needs_host = matcher is not None or self.penalized
 
 
-def sample_batch(logits: mx.array, samplers: list[RowSampler]) -> mx.array:
-    """logits (B, V) float32 -> tokens (B,), greedy rows by one argmax."""
-    tokens = mx.argmax(logits, axis=-1)
+@dataclass
+class Sampled:
+    """A step's picks (lazy): tokens (B,); with logprobs asked by some rows, for those rows (`lp_rows`,
+    indices into the step) the chosen token's log-probability and the top-K alternatives."""
+
+    tokens: mx.array
+    lp_rows: Optional[list[int]] = None
+    lp: Optional[mx.array] = None  # (len(lp_rows),)
+    top_ids: Optional[mx.array] = None  # (len(lp_rows), K), best first
+    top_lps: Optional[mx.array] = None
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.tokens, self.lp, self.top_ids, self.top_lps) if a is not None]
+
+
+def sample_batch(logits: mx.array, rows: list[Row], grammars: Optional[Grammars] = None,
+                 ahead: frozenset = frozenset()) -> Sampled:
+    """logits (B, V) float32 -> the step's tokens (and logprobs). rows: the step's rows, in order;
+    ahead: ids of rows with a token in flight (lookahead: their step is len(out) + 1; such rows never
+    need host state, see RowSampler.needs_host)."""
+    samplers = [r.sampler for r in rows]
+    x = logits
+    pen = [i for i, s in enumerate(samplers) if s.penalized]
+    if pen:
+        x = penalties.apply(x, [(i, samplers[i].params, samplers[i].prompt_ids, rows[i].out) for i in pen])
+    steps = [len(r.out) + (id(r) in ahead) for r in rows]
+    masked = [i for i, s in enumerate(samplers)
+              if s.matcher is not None or (s.min_tokens_ban is not None and steps[i] < s.params.min_tokens)]
+    if masked:
+        x = mx.where(allowed_mask(rows, masked, steps, grammars, x.shape[-1]), x, -mx.inf)
+    tokens = mx.argmax(x, axis=-1)
     sampled = [i for i, s in enumerate(samplers) if not s.greedy]
     if sampled:
-        picks = {i: samplers[i].sample(logits[i]) for i in sampled}
-        tokens = mx.stack([picks[i] if i in picks else tokens[i] for i in range(len(samplers))])
-    return tokens
+        picks = _draw(x if len(sampled) == len(rows) else x[mx.array(sampled)], [samplers[i] for i in sampled])
+        if len(sampled) == len(rows):
+            tokens = picks
+        else:
+            tokens[mx.array(sampled)] = picks
+    out = Sampled(tokens)
+    lp_rows = [i for i, s in enumerate(samplers) if s.params.logprobs]
+    if lp_rows:
+        out.lp_rows = lp_rows
+        chosen = [rows[i].forced[steps[i]] if rows[i].forced is not None and steps[i] < len(rows[i].forced)
+                  else None for i in lp_rows]
+        out.lp, out.top_ids, out.top_lps = logprobs.chosen_and_top(
+            logits, tokens, lp_rows, len(rows), chosen, max(samplers[i].params.logprobs for i in lp_rows))
+    return out
+
+
+def allowed_mask(rows: list[Row], masked: list[int], steps: list[int], grammars: Optional[Grammars],
+                 vocab: int) -> mx.array:
+    """(B, V) bool: the tokens each row may take this step. The host fills an int32 bitmask (32 tokens a
+    word; rows without a mask all ones): constrained rows from llguidance, min_tokens bans cleared;
+    MLX unpacks it on the device."""
+    words = (vocab + 31) // 32
+    bits = np.full((len(rows), words), -1, dtype=np.int32)
+    constrained = [(rows[i].sampler.matcher, i) for i in masked if rows[i].sampler.matcher is not None]
+    if constrained:
+        grammars.fill(bits, constrained)
+    flat = bits.view(np.uint32)
+    for i in masked:
+        s = rows[i].sampler
+        if s.min_tokens_ban is not None and steps[i] < s.params.min_tokens:
+            ban = s.min_tokens_ban[s.min_tokens_ban < vocab]
+            np.bitwise_and.at(flat[i], ban // 32, ~(np.uint32(1) << (ban % 32).astype(np.uint32)))
+    m = mx.array(flat)
+    unpacked = (m[:, :, None] >> mx.arange(32, dtype=mx.uint32)) & 1
+    return unpacked.reshape(len(rows), words * 32)[:, :vocab].astype(mx.bool_)
+
+
+def _draw(x: mx.array, samplers: list[RowSampler]) -> mx.array:
+    """Sampled rows' tokens from their (Bs, V) logits: filters with per-row parameters, then each
+    row's Gumbel-max draw with its own key (mx.random.categorical(l, key=k) == argmax(l + gumbel(k)))."""
+    V = x.shape[-1]
+    lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
+    ps = [s.params for s in samplers]
+    ks = [p.top_k if 0 < p.top_k < V else 0 for p in ps]
+    if any(ks):
+        lp = top_k(lp, ks)
+    if any(p.min_p > 0 for p in ps):
+        lp = min_p(lp, [p.min_p for p in ps])
+    if any(0 < p.top_p < 1 for p in ps):
+        use = mx.array([0 < p.top_p < 1 for p in ps])[:, None]
+        lp = mx.where(use, apply_top_p(lp, mx.array([p.top_p for p in ps], dtype=mx.float32)[:, None]), lp)
+    inv_t = mx.array([1 / p.temperature for p in ps], dtype=mx.float32)[:, None]
+    keys = _split(mx.stack([s.key for s in samplers]))  # (Bs, 2, 2): [next key, this step's key]
+    for j, s in enumerate(samplers):
+        s.key = keys[j, 0]
+    noise = mx.vmap(lambda k: mx.random.gumbel((V,), key=k))(keys[:, 1])
+    return mx.argmax(lp * inv_t + noise, axis=-1)
+
+
+def top_k(lp: mx.array, ks: list[int]) -> mx.array:
+    """mlx-lm's apply_top_k with a k per row (0: off): keep each row's k best log-probabilities."""
+    kmax = max(ks)
+    best = mx.sort(mx.topk(lp, kmax, axis=-1), axis=-1)  # (B, kmax) ascending
+    kth = mx.take_along_axis(best, mx.array([kmax - max(k, 1) for k in ks])[:, None], axis=-1)
+    drop = (lp < kth) & mx.array([k > 0 for k in ks])[:, None]
+    return mx.where(drop, -mx.inf, lp)
+
+
+def min_p(lp: mx.array, mins: list[float]) -> mx.array:
+    """mlx-lm's apply_min_p with a min_p per row (0: off): drop tokens below min_p x the top token's
+    probability."""
+    with np.errstate(divide="ignore"):
+        floor = mx.array(np.log(np.asarray(mins, dtype=np.float32)))[:, None]  # log 0 = -inf: keeps all
+    return mx.where(lp < lp.max(axis=-1, keepdims=True) + floor, -mx.inf, lp)

@@ -83,12 +83,13 @@ class Scheduler:
         p = req.sampling
         if n == 0:
             return errors.INVALID_INPUT, "empty prompt (0 tokens)"
-        if p.max_tokens < 1:
-            return errors.INVALID_INPUT, f"max_tokens must be >= 1, got {p.max_tokens}"
-        if p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k < 0:
-            return errors.INVALID_INPUT, f"bad sampling parameters: {p}"
+        bad = p.problem()
+        if bad:
+            return errors.INVALID_INPUT, bad
         if any((not isinstance(t, int)) or t < 0 or t >= self.spec.vocab_size for t in req.prompt_tokens):
             return errors.INVALID_INPUT, "prompt has token ids outside the vocabulary"
+        if any((not isinstance(t, int)) or t < 0 or t >= self.spec.vocab_size for t in p.stop_token_ids):
+            return errors.INVALID_INPUT, f"stop_token_ids outside the vocabulary (0 to {self.spec.vocab_size - 1})"
         # the context must keep room for at least one generated token
         limit = self.spec.context_length - 1
         if self.max_prompt_tokens is not None:
