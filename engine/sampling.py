@@ -26,7 +26,6 @@ from kvbatch.engine.types import SamplingParams
 
 if TYPE_CHECKING:
     from kvbatch.engine.grammar import Grammars
-    from kvbatch.engine.row import Row
 
 _split = mx.vmap(mx.random.split)
 
@@ -65,9 +64,9 @@ class Sampled:
         return [a for a in (self.tokens, self.lp, self.top_ids, self.top_lps) if a is not None]
 
 
-def sample_batch(logits: mx.array, rows: list[Row], grammars: Optional[Grammars] = None,
+def sample_batch(logits: mx.array, rows: list, grammars: Optional[Grammars] = None,
                  ahead: frozenset = frozenset()) -> Sampled:
-    """logits (B, V) float32 -> the step's tokens (and logprobs). rows: the step's rows, in order;
+    """logits (B, V) float32 -> the step's tokens (and logprobs). rows: the step's engine Rows, in order;
     ahead: ids of rows with a token in flight (lookahead: their step is len(out) + 1; such rows never
     need host state, see RowSampler.needs_host)."""
     samplers = [r.sampler for r in rows]
@@ -99,7 +98,7 @@ def sample_batch(logits: mx.array, rows: list[Row], grammars: Optional[Grammars]
     return out
 
 
-def allowed_mask(rows: list[Row], masked: list[int], steps: list[int], grammars: Optional[Grammars],
+def allowed_mask(rows: list, masked: list[int], steps: list[int], grammars: Optional[Grammars],
                  vocab: int) -> mx.array:
     """(B, V) bool: the tokens each row may take this step. The host fills an int32 bitmask (32 tokens a
     word; rows without a mask all ones): constrained rows from llguidance, min_tokens bans cleared;
