@@ -45,6 +45,18 @@ def build_report(sweep_dir: Path) -> dict:
     return {k: res[k] for k in ("jobs", "completed", "failed")}
 
 
+def workers_outcome(sweep_dir: Path) -> dict:
+    """A multirun of workers (action=work, worker.replica=range(N)): no report to compare (they all ran
+    the one job, its results are in the job's own folder); how many completed, for the exit code."""
+    from kvbatch.pipeline.sweep.status import read_status
+
+    found = [read_status(p.parent) or {} for p in sorted(sweep_dir.rglob(STATUS_FILE))]
+    done = sum(1 for st in found if st.get("status") == "completed")
+    say(f"kvbatch: {len(found)} workers: {done} completed" + (f", {len(found) - done} failed (their logs are "
+        f"in {sweep_dir})" if done < len(found) else "") + "; the last to end wrote the job's results.parquet")
+    return {"jobs": len(found), "completed": done, "failed": len(found) - done}
+
+
 def _write(path: Path, outcome: dict) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(outcome, default=str))
@@ -73,7 +85,9 @@ class SweepCallback(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
-        self._record(sweep_dir=str(sweep_dir), report=build_report(sweep_dir))
+        workers = config.get("action") == "work"
+        report = workers_outcome(sweep_dir) if workers else build_report(sweep_dir)
+        self._record(sweep_dir=str(sweep_dir), report=report)
 
 
 def after_sweep(outcome_path: Path, crashed: bool = False) -> int:

@@ -23,6 +23,14 @@ def _queue(tmp_path, n):
     return q
 
 
+def _shared(queue_backend, tmp_path, n):
+    """(queue, output folder) on the test's backend: SQLite in the folder, or a PostgreSQL job."""
+    q = queue_backend("o")
+    (tmp_path / "o").mkdir(exist_ok=True)
+    q.enqueue([InputRow(i, f"k{i}", {"prompt": f"p{i}"}) for i in range(n)])
+    return q, tmp_path / "o"
+
+
 def test_part_roundtrip_and_no_temp_left(tmp_path):
     path = write_part(tmp_path, "part-w-00000.parquet", [_rec("a", 0), _rec("b", 1)])
     t = read_part(path)
@@ -46,9 +54,9 @@ def test_damaged_parts_are_detected(tmp_path, damage):
         read_part(path)
 
 
-def test_finalize_orders_dedupes_adopts_and_requeues(tmp_path):
-    q = _queue(tmp_path, 5)
-    parts = tmp_path / "parts"
+def test_finalize_orders_dedupes_adopts_and_requeues(queue_backend, tmp_path):
+    q, out = _shared(queue_backend, tmp_path, 5)
+    parts = out / "parts"
     q.claim("w", 5, lease_s=60)
     write_part(parts, "part-w-00000.parquet", [_rec("k3", 3), _rec("k1", 1, code="invalid_input")])
     q.ack("w", [("k3", None), ("k1", "invalid_input")], "part-w-00000.parquet")
@@ -60,7 +68,7 @@ def test_finalize_orders_dedupes_adopts_and_requeues(tmp_path):
     bad = write_part(parts, "part-w-00002.parquet", [_rec("k2", 2)])
     q.ack("w", [("k2", None)], "part-w-00002.parquet")
     bad.write_bytes(bad.read_bytes()[:40])
-    fin = finalize(tmp_path, q, {"kvbatch.config": "{}"})
+    fin = finalize(out, q, {"kvbatch.config": "{}"})
     t = pq.read_table(fin.path)
     assert t.column("row_key").to_pylist() == ["k0", "k1", "k3"]
     assert t.column("row_index").to_pylist() == [0, 1, 3]
@@ -78,14 +86,15 @@ def test_finalize_empty(tmp_path):
     assert t.num_rows == 0 and t.schema.remove_metadata() == SCHEMA
 
 
-def test_reconcile_while_another_worker_acknowledges(tmp_path, monkeypatch):
+def test_reconcile_while_another_worker_acknowledges(queue_backend, tmp_path, monkeypatch):
     """A worker that reconciles while another one writes and acknowledges a part must not take
     that row for lost: the queue is read before the parts, so a row it sees finished has a part
     already on disk (a worker renames its part, then acknowledges)."""
     import kvbatch.pipeline.finalize as fz
 
-    q = _queue(tmp_path, 2)
-    parts = tmp_path / "parts"
+    q, out = _shared(queue_backend, tmp_path, 2)
+    other = queue_backend("o")  # worker b's own connection
+    parts = out / "parts"
     q.claim("b", 2, lease_s=60)
     real_scan = fz.scan
 
@@ -93,14 +102,37 @@ def test_reconcile_while_another_worker_acknowledges(tmp_path, monkeypatch):
         seen = real_scan(folder)
         # worker b, between this scan and the rest of the reconcile: rename, then ack
         write_part(parts, "part-b-00000.parquet", [_rec("k0", 0)])
-        Queue(tmp_path / "queue.sqlite").ack("b", [("k0", None)], "part-b-00000.parquet")
+        other.ack("b", [("k0", None)], "part-b-00000.parquet")
         return seen
 
     monkeypatch.setattr(fz, "scan", scan_then_other_worker_acks)
-    rec = fz.reconcile(tmp_path, q)
+    rec = fz.reconcile(out, q)
     assert rec.requeued == [] and rec.adopted == 0
     assert q.counts() == {"pending": 0, "leased": 1, "done": 1, "error": 0}
     assert [r[5] for r in q.attempts("k0")] == ["done"]
     monkeypatch.setattr(fz, "scan", real_scan)
-    fin = finalize(tmp_path, q, {})
+    fin = finalize(out, q, {})
     assert fin.requeued == [] and pq.read_table(fin.path).column("row_key").to_pylist() == ["k0"]
+
+
+def test_reconcile_and_finalize_take_one_lock_across_connections(queue_backend):
+    """The queue's lock (SQLite: the folder's lock file; PostgreSQL: an advisory lock, which holds
+    across hosts): a second holder waits until the first lets go."""
+    import threading
+    import time
+
+    a, b = queue_backend("o"), queue_backend("o")
+    got = []
+
+    def second():
+        with b.exclusive():
+            got.append(time.monotonic())
+
+    with a.exclusive():
+        t = threading.Thread(target=second)
+        t.start()
+        time.sleep(0.3)
+        assert got == []  # still waiting
+        released = time.monotonic()
+    t.join(timeout=10)
+    assert got and got[0] >= released

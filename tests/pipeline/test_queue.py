@@ -261,3 +261,22 @@ def test_the_schema_is_versioned(queue_backend):
 
         assert q.s.version() == queue_postgres.VERSION
         assert q.reopen().s.version() == queue_postgres.VERSION  # opening again migrates nothing twice
+
+
+def test_a_bad_or_unreachable_queue_url_is_one_line_naming_it(tmp_path, model_cache_dir):
+    import pytest
+
+    from kvbatch.engine.errors import KvbatchConfigError
+    from kvbatch.pipeline import actions
+    from kvbatch.pipeline.compose import compose_config
+    from kvbatch.pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"queue.url='mysql://u:\*\*\*@h/db': use postgresql://"):
+        compose_config(["model=tiny", "queue.url='mysql://u:secret@h/db'"])
+    nowhere = tmp_path / "nosock"
+    nowhere.mkdir()
+    cfg = compose_config(["model=tiny", f"model.cache_dir={model_cache_dir}", f"output.root={tmp_path / 'o'}",
+                          "action=enqueue", f"queue.url='postgresql://u:secret@/db?host={nowhere}'"])
+    with pytest.raises(KvbatchConfigError, match="cannot connect") as err:
+        actions.execute(cfg)
+    assert "secret" not in str(err.value) and len(str(err.value).splitlines()) == 1
