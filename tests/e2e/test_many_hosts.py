@@ -97,6 +97,8 @@ def test_four_hosts_one_killed_one_frozen_every_row_once_as_one_sqlite_worker(jo
         for h in ("h0", "h3"):
             assert procs[h].wait(timeout=300) == 0, logs[h].read_text()
         assert procs["h1"].wait(timeout=30) == -signal.SIGKILL
+        held = {s["host"]: s["worker"] for s in q.sessions()}  # all four registered by now
+        assert len(held) == 4
 
         st = kvbatch(args + ["action=status", "worker.host=h0"], tmp_path)
         assert st.returncode == 0, st.stderr
