@@ -194,10 +194,31 @@ def load_runtime(cfg: Config) -> Runtime:
                           f"({fmt_bytes(first[0].spec.weights_bytes)}); the smallest row needs "
                           f"{fmt_bytes(mem.bytes_for([2], 1))}: raise memory.budget (or memory.fraction)")
 
+    check_controls(cfg, first[0])
+
     def make_engine():
         return first.pop() if first else engine()
 
     return Runtime(tokenizer=tokenizer, model_name=spec.name, make_engine=make_engine)
+
+
+def check_controls(cfg: Config, eng) -> None:
+    """What only the loaded model can tell: job.stop_token_ids inside its vocabulary, and
+    job.response_format compiled against its tokenizer (else every row would fail alike)."""
+    from kvbatch.engine.errors import RowError
+    from kvbatch.pipeline import response_format
+
+    vocab = eng.spec.vocab_size
+    outside = [t for t in cfg.job.stop_token_ids if t >= vocab]
+    if outside:
+        raise ConfigError(f"job.stop_token_ids={list(cfg.job.stop_token_ids)}: {outside} outside the model's "
+                          f"vocabulary (0 to {vocab - 1})")
+    grammar = response_format.grammar(response_format.resolve(cfg.job.response_format))
+    if grammar is not None:
+        try:
+            eng.grammars.matcher(grammar)
+        except RowError as exc:
+            raise ConfigError(f"job.response_format: {exc.message}") from None
 
 
 def work(job: Job, q: Queue) -> Optional[WorkStats]:

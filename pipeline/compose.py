@@ -41,7 +41,7 @@ def describe(exc: BaseException) -> str:
 
 
 def check_keys(node: DictConfig) -> None:
-    """`+foo=1`, `+sampling.min_p=0.05` slip past the schema (OmegaConf would drop them without a word):
+    """`+foo=1`, `+sampling.typical_p=0.9` slip past the schema (OmegaConf would drop them without a word):
     refuse every key, at any depth, that the schema does not have."""
     bad = keys.unknown(Config, node)
     if bad:

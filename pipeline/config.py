@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 from kvbatch.engine.config import EngineConfig, EngineSettings, KVConfig, MemoryConfig
 from kvbatch.engine.errors import ERROR_CODES, KvbatchConfigError
 from kvbatch.engine.models.config import ModelConfig
-from kvbatch.pipeline import durations, ranges
+from kvbatch.pipeline import durations, ranges, response_format
 from kvbatch.pipeline.escapes import unescape
 from kvbatch.pipeline.redact import redact
 
@@ -49,6 +49,11 @@ class JobConfig:
     max_tokens: int = 256
     max_prompt_tokens: Optional[int] = None  # None: the model's context length
     stop: List[str] = field(default_factory=list)  # backslash escapes decoded: '\n' (backslash, n) is a newline
+    stop_token_ids: List[int] = field(default_factory=list)  # a row ends at any of these tokens (not output)
+    min_tokens: int = 0  # EOS and stop_token_ids masked, stop strings not checked, before this many tokens
+    ignore_eos: bool = False  # EOS is an ordinary token: rows run to max_tokens or a stop
+    # constrained output: json_object | regex:PATTERN | a JSON schema (inline mapping or a .json file) | null
+    response_format: Optional[Any] = None
 
 
 @dataclass
@@ -57,6 +62,12 @@ class SamplingConfig:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     seed: int = 0
+    min_p: float = 0.0  # 0 = off; drop tokens below min_p x the top token's probability
+    repetition_penalty: float = 1.0  # 1 = off; > 1 discourages every token of the prompt and the output so far
+    presence_penalty: float = 0.0  # [-2, 2]; subtracted once from each token already output
+    frequency_penalty: float = 0.0  # [-2, 2]; subtracted once per time a token was output
+    logprobs: int = 0  # 0 = off; K: each output token's log-probability and the top K alternatives
+    prompt_logprobs: bool = False  # the log-probability of every prompt token after the first
 
 
 @dataclass
@@ -143,6 +154,11 @@ def _range(key: str, value: Any, why) -> None:
         raise ConfigError(f"{key}={value!r}: {problem}")
 
 
+def _short(value: Any) -> str:
+    text = repr(OmegaConf.to_container(value) if hasattr(value, "items") and not isinstance(value, dict) else value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def parse_injection(text: Optional[str]) -> Optional[tuple[str, int]]:
     """'row-7:3' -> ('row-7', 3). The step is after the last ':' (row keys may hold ':')."""
     if text is None:
@@ -179,6 +195,19 @@ def validate(cfg: Config) -> None:
     _range("sampling.top_p", s.top_p, ranges.top_p_error)
     _range("sampling.top_k", s.top_k, ranges.top_k_error)
     _range("sampling.seed", s.seed, ranges.seed_error)
+    _range("sampling.min_p", s.min_p, ranges.min_p_error)
+    _range("sampling.repetition_penalty", s.repetition_penalty, ranges.repetition_penalty_error)
+    _range("sampling.presence_penalty", s.presence_penalty, ranges.penalty_error)
+    _range("sampling.frequency_penalty", s.frequency_penalty, ranges.penalty_error)
+    _range("sampling.logprobs", s.logprobs, ranges.logprobs_error)
+    _range("job.stop_token_ids", job.stop_token_ids, ranges.stop_token_ids_error)
+    _range("job.min_tokens", job.min_tokens, ranges.min_tokens_error)
+    _need(job.min_tokens <= job.max_tokens, "job.min_tokens", job.min_tokens,
+          f"must be <= job.max_tokens ({job.max_tokens})")
+    try:
+        response_format.resolve(job.response_format)
+    except ValueError as exc:
+        raise ConfigError(f"job.response_format={_short(job.response_format)}: {exc}") from None
     _need(cfg.output.progress in ("auto", "on", "off"), "output.progress", cfg.output.progress,
           "choose one of auto, on, off")
     try:
@@ -243,6 +272,8 @@ def run_identity(cfg: Config, input_path: str, include_kv: bool) -> str:
     keyed = {k: d[k] for k in _SHAPES_OUTPUTS}
     keyed["model"].pop("cache_dir", None)
     keyed["job"] = {**keyed["job"], "input": str(input_path), "name": None}
+    if cfg.job.response_format is not None:  # a schema file by its content, not its path
+        keyed["job"]["response_format"] = response_format.canonical(response_format.resolve(cfg.job.response_format))
     if include_kv:
         keyed["kv"] = asdict(cfg.kv)
         keyed["engine_options"] = cfg.engine.options.identity()

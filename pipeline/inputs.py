@@ -2,7 +2,7 @@
 
 File-level problems (missing file, unknown format, no prompt/messages column at all)
 raise ConfigError before the model loads. Row-level problems (a malformed JSON line,
-a missing or non-string prompt, bad per-row max_tokens/temperature/seed, NaN, text that
+a missing or non-string prompt, a bad per-row parameter or response_format, NaN, text that
 is not valid Unicode, nesting too deep to parse, anything else that fails on one row)
 become a payload with an `error` message: that row is written with `invalid_input` and
 never reaches the engine, and every other row goes on. A UTF-8 byte-order mark is
@@ -21,12 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from kvbatch.pipeline import ranges
+from kvbatch.pipeline import paths, ranges, response_format
 from kvbatch.pipeline.config import ConfigError, JobConfig
 
 SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv",
             ".parquet": "parquet", ".pq": "parquet"}
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -38,12 +37,8 @@ class InputRow:
 
 def resolve_input(path: str) -> Path:
     """Relative paths: the working directory first, then the project root (for jobs/ samples)."""
-    p = Path(path).expanduser()
     try:
-        if p.is_absolute() or p.exists():
-            return p.resolve()
-        alt = PROJECT_ROOT / p
-        return alt.resolve() if alt.exists() else p.resolve()
+        return paths.resolve(path)
     except (RuntimeError, OSError) as exc:  # a symlink loop, an unreadable parent
         raise ConfigError(f"job.input={path!r}: cannot resolve the path ({exc})") from None
 
@@ -138,6 +133,46 @@ def _float(name: str, v: Any) -> float:
     return f
 
 
+def _signed(name: str, v: Any) -> float:
+    """A finite number of either sign (the penalties)."""
+    try:
+        if isinstance(v, bool):
+            raise ValueError
+        f = float(v.strip() if isinstance(v, str) else v)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {v!r}") from None
+    if not math.isfinite(f):
+        raise ValueError(f"{name} must be a finite number, got {v!r}")
+    return f
+
+
+_TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
+
+
+def _bool(name: str, v: Any) -> bool:
+    """true/false (JSONL, Parquet), or in text (CSV): true/false, 1/0, yes/no."""
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, int) and v in (0, 1):
+        return bool(v)
+    if isinstance(v, str) and v.strip().lower() in _TRUE + _FALSE:
+        return v.strip().lower() in _TRUE
+    raise ValueError(f"{name} must be true or false, got {v!r:.80}")
+
+
+def _token_ids(v: Any) -> list[int]:
+    """stop_token_ids: a list of ids (JSONL, Parquet), one id, or in text a JSON list such as [2, 50] (CSV)."""
+    if isinstance(v, str):
+        try:
+            v = json.loads(v)
+        except json.JSONDecodeError:
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {v!r:.80}") from None
+    ids = [v] if isinstance(v, int) and not isinstance(v, bool) else v
+    if not isinstance(ids, (list, tuple)) or ranges.stop_token_ids_error(list(ids)):
+        raise ValueError(f"stop_token_ids must be a list of token ids (integers >= 0), got {v!r:.80}")
+    return list(ids)
+
+
 def _messages(v: Any) -> list:
     if isinstance(v, str):
         try:
@@ -200,9 +235,30 @@ def row_payload(row: dict, job: JobConfig) -> dict:
             _check("top_k", out["top_k"], ranges.top_k_error)
         if not _missing(row.get("stop")):
             out["stop"] = _stop(row["stop"])
+        _controls(row, out)
     except ValueError as exc:
         out["error"] = str(exc)
     return out
+
+
+def _controls(row: dict, out: dict) -> None:
+    """The per-row decoding controls of issue 24 (min_p ... response_format), checked as their config keys."""
+    for name, why in (("min_p", ranges.min_p_error), ("repetition_penalty", ranges.repetition_penalty_error),
+                      ("presence_penalty", ranges.penalty_error), ("frequency_penalty", ranges.penalty_error)):
+        if not _missing(row.get(name)):
+            out[name] = _signed(name, row[name])
+            _check(name, out[name], why)
+    for name, why in (("min_tokens", ranges.min_tokens_error), ("logprobs", ranges.logprobs_error)):
+        if not _missing(row.get(name)):
+            out[name] = _int(name, row[name], 0)
+            _check(name, out[name], why)
+    for name in ("ignore_eos", "prompt_logprobs"):
+        if not _missing(row.get(name)):
+            out[name] = _bool(name, row[name])
+    if not _missing(row.get("stop_token_ids")):
+        out["stop_token_ids"] = _token_ids(row["stop_token_ids"])
+    if not _missing(row.get("response_format")):
+        out["response_format"] = response_format.resolve(row["response_format"])
 
 
 def _key(pos: int, content: str) -> str:

@@ -1,7 +1,7 @@
 """Unknown config keys, at any depth: found against the schema's dataclasses, named with a suggestion.
 
 Hydra refuses a misspelt key that is set (`job.max_tokenz=5`), but `+key=value` adds keys that the
-schema does not have (`+sampling.min_p=0.05`, `+job.n=4`) and OmegaConf then drops them without a
+schema does not have (`+sampling.typical_p=0.9`, `+job.n=4`) and OmegaConf then drops them without a
 word. Every composed node is therefore walked against the schema before it is used; this module
 also words Hydra's own unknown-key error, so both read the same.
 """

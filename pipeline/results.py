@@ -12,6 +12,9 @@ from typing import Optional
 import pyarrow as pa
 
 
+TOP = pa.struct([("token_id", pa.int32()), ("logprob", pa.float32())])
+
+
 def _col(arrow: pa.DataType, default=None):
     return field(default=default, metadata={"arrow": arrow})
 
@@ -28,6 +31,7 @@ class ResultRecord:
     prompt_tokens: Optional[int] = _col(pa.int32())
     output_tokens: int = _col(pa.int32(), 0)
     finish_reason: str = _col(pa.string(), "error")  # stop | length | error
+    stop_reason: Optional[str] = _col(pa.string())  # the stop string, or the stop token's id; null: EOS etc.
     error_code: Optional[str] = _col(pa.string())  # None: the row succeeded
     error_message: Optional[str] = _col(pa.string())
     model: Optional[str] = _col(pa.string())
@@ -37,6 +41,21 @@ class ResultRecord:
     top_p: Optional[float] = _col(pa.float64())
     top_k: Optional[int] = _col(pa.int32())
     seed: Optional[int] = _col(pa.int64())
+    min_p: Optional[float] = _col(pa.float64())
+    repetition_penalty: Optional[float] = _col(pa.float64())
+    presence_penalty: Optional[float] = _col(pa.float64())
+    frequency_penalty: Optional[float] = _col(pa.float64())
+    min_tokens: Optional[int] = _col(pa.int32())
+    stop_token_ids: Optional[list[int]] = _col(pa.list_(pa.int32()))
+    ignore_eos: Optional[bool] = _col(pa.bool_())
+    logprobs: Optional[int] = _col(pa.int32())  # alternatives asked per token (0: off)
+    response_format: Optional[str] = _col(pa.string())  # the format the output was held to (JSON text)
+    # logprobs (sampling.logprobs > 0): per output token its log-probability and the top alternatives, best
+    # first; their sum. prompt_logprobs: per prompt token after the first. Null when not asked.
+    output_logprobs: Optional[list[float]] = _col(pa.list_(pa.float32()))
+    top_logprobs: Optional[list] = _col(pa.list_(pa.list_(TOP)))
+    cumulative_logprob: Optional[float] = _col(pa.float64())
+    prompt_logprobs: Optional[list[float]] = _col(pa.list_(pa.float32()))
     ttft_s: Optional[float] = _col(pa.float64())  # from the row's admission to its first token
     queue_s: Optional[float] = _col(pa.float64())  # from submission to admission (waiting for a slot or memory)
     preemptions: int = _col(pa.int32(), 0)  # times its pages were freed to make room (it resumed each time)

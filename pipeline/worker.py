@@ -47,7 +47,7 @@ from typing import Any, Callable, Optional
 
 from kvbatch.engine.errors import INTERNAL_ERROR, INVALID_INPUT
 from kvbatch.engine.types import Request, Result, SamplingParams
-from kvbatch.pipeline import debug, procs
+from kvbatch.pipeline import debug, procs, response_format
 from kvbatch.pipeline.config import Config
 from kvbatch.pipeline.durations import deadline_at
 from kvbatch.pipeline.parts import part_name, write_part
@@ -57,6 +57,7 @@ from kvbatch.pipeline.queue import Claimed, Queue
 from kvbatch.pipeline.results import ResultRecord, fit
 
 
+_UNSET = object()
 HEARTBEAT_S = 0.5  # deadline and flush checks between engine steps at least this often
 WAIT_S = 2.0  # nothing to claim, rows leased on other hosts: look again this often
 
@@ -133,16 +134,36 @@ class Worker:
         self.stats = WorkStats()
         self.alone: Optional[str] = None  # key of a row running alone (isolate_after crashes)
         self.seen_tokens = 0  # the current engine's generated tokens already reported to progress
+        self.job_format = _UNSET  # job.response_format, resolved on first use
 
     # ---- records ---------------------------------------------------------------------------
     def _sampling(self, payload: dict) -> SamplingParams:
-        c = self.cfg
+        c, s = self.cfg, self.cfg.sampling
+        fmt = self._format(payload)
         return SamplingParams(max_tokens=payload.get("max_tokens", c.job.max_tokens),
-                              temperature=payload.get("temperature", c.sampling.temperature),
-                              top_p=payload.get("top_p", c.sampling.top_p),
-                              top_k=payload.get("top_k", c.sampling.top_k),
-                              seed=payload.get("seed", c.sampling.seed),
-                              stop=tuple(payload.get("stop", c.job.stop)))
+                              temperature=payload.get("temperature", s.temperature),
+                              top_p=payload.get("top_p", s.top_p),
+                              top_k=payload.get("top_k", s.top_k),
+                              seed=payload.get("seed", s.seed),
+                              stop=tuple(payload.get("stop", c.job.stop)),
+                              stop_token_ids=tuple(payload.get("stop_token_ids", c.job.stop_token_ids)),
+                              min_tokens=payload.get("min_tokens", c.job.min_tokens),
+                              ignore_eos=payload.get("ignore_eos", c.job.ignore_eos),
+                              min_p=payload.get("min_p", s.min_p),
+                              repetition_penalty=payload.get("repetition_penalty", s.repetition_penalty),
+                              presence_penalty=payload.get("presence_penalty", s.presence_penalty),
+                              frequency_penalty=payload.get("frequency_penalty", s.frequency_penalty),
+                              logprobs=payload.get("logprobs", s.logprobs),
+                              prompt_logprobs=payload.get("prompt_logprobs", s.prompt_logprobs),
+                              grammar=response_format.grammar(fmt))
+
+    def _format(self, payload: dict):
+        """The row's response format (resolved): its own, else the job's."""
+        if "response_format" in payload:
+            return payload["response_format"]
+        if self.job_format is _UNSET:
+            self.job_format = response_format.resolve(self.cfg.job.response_format)
+        return self.job_format
 
     def _record(self, c: Claimed, res: Optional[Result] = None, code: Optional[str] = None,
                 msg: Optional[str] = None) -> ResultRecord:
@@ -154,6 +175,11 @@ class Worker:
             p = self._sampling(c.payload)
             rec.max_tokens, rec.temperature, rec.top_p, rec.top_k, rec.seed = (
                 p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed)
+            rec.min_p, rec.repetition_penalty, rec.presence_penalty, rec.frequency_penalty = (
+                p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
+            rec.min_tokens, rec.stop_token_ids, rec.ignore_eos = p.min_tokens, list(p.stop_token_ids), p.ignore_eos
+            rec.logprobs = p.logprobs
+            rec.response_format = response_format.canonical(self._format(c.payload)) if p.grammar else None
         if res is not None:
             s = res.stats
             rec.output, rec.output_token_ids, rec.output_tokens = res.text, list(res.tokens), len(res.tokens)
@@ -161,6 +187,13 @@ class Worker:
             rec.prompt_tokens, rec.ttft_s, rec.decode_tps = s.prompt_tokens, s.ttft_s, s.decode_tps
             rec.queue_s, rec.preemptions = s.queue_s, s.preemptions
             rec.wall_s, rec.peak_kv_bytes, rec.route = s.wall_s, s.peak_kv_bytes, s.route or None
+            rec.stop_reason = res.stop_reason
+            lp = res.logprobs
+            if lp is not None and (lp.tokens or lp.top):
+                rec.output_logprobs, rec.cumulative_logprob = lp.tokens, lp.total
+                rec.top_logprobs = [[{"token_id": t, "logprob": v} for t, v in top] for top in lp.top]
+            if lp is not None and lp.prompt is not None:
+                rec.prompt_logprobs = lp.prompt
         return rec
 
     # ---- flow ------------------------------------------------------------------------------

@@ -46,12 +46,24 @@ def test_groups_compose():
     ("debug.inject_nonfinite=row", "debug.inject_nonfinite='row'"),
     ("action=explode", "action='explode'"),
     # issue 22: keys added with `+` at any depth are refused too (OmegaConf would drop them silently),
-    # including the sampling options that are not implemented (min_p, repetition_penalty, n, logprobs)
-    ("+sampling.min_p=0.05", "sampling.min_p: unknown key (kvbatch has no such setting; sampling has: temperature"),
-    ("+sampling.repetition_penalty=1.3", "sampling.repetition_penalty: unknown key"),
-    ("+job.n=4", "job.n: unknown key"),
-    ("+sampling.logprobs=5", "sampling.logprobs: unknown key"),
-    ("++sampling.presence_penalty=1", "sampling.presence_penalty: unknown key"),
+    # including sampling options kvbatch does not have (typical_p, best_of, mirostat)
+    ("+sampling.typical_p=0.9", "sampling.typical_p: unknown key (kvbatch has no such setting; sampling has: "
+                                "temperature"),
+    ("+sampling.best_of=2", "sampling.best_of: unknown key"),
+    ("+job.beam_width=4", "job.beam_width: unknown key"),
+    ("++sampling.mirostat=1", "sampling.mirostat: unknown key"),
+    # issue 24's controls: their ranges
+    ("sampling.min_p=1.5", "sampling.min_p=1.5: must be in [0, 1]"),
+    ("sampling.repetition_penalty=0", "sampling.repetition_penalty=0.0: must be a finite number > 0"),
+    ("sampling.presence_penalty=3", "sampling.presence_penalty=3.0: must be in [-2, 2]"),
+    ("sampling.frequency_penalty=-2.5", "sampling.frequency_penalty=-2.5: must be in [-2, 2]"),
+    ("sampling.logprobs=21", "sampling.logprobs=21: must be in [0, 20]"),
+    ("job.min_tokens=300", "job.min_tokens=300: must be <= job.max_tokens"),
+    ("job.stop_token_ids=[-1]", "job.stop_token_ids=[-1]: must be token ids"),
+    ("job.response_format=yaml", "job.response_format='yaml': response_format 'yaml' is not json_object"),
+    ("job.response_format={type:foo}", "job.response_format={'type': 'foo'}: response_format rejected by "
+                                       "llguidance: Invalid type: foo"),
+    ("job.response_format='regex:a(b'", "unclosed group"),
     ("+engine.options.cuda.chunks=8", "engine.options.cuda.chunks: unknown key (did you mean engine.options.cuda.chunk?)"),
     ("+sampling.temprature=0.5", "sampling.temprature: unknown key (did you mean sampling.temperature?)"),
     ("job.max_tokenz=5", "job.max_tokenz: unknown key (did you mean job.max_tokens?)"),

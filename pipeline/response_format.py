@@ -1,0 +1,73 @@
+"""`job.response_format` and the per-row `response_format` column: read once into the form the queue
+stores, and turned into the llguidance grammar the engine runs (engine/grammar.py).
+
+A value is "text" (free output: a row's way out of a job's format), "json_object", "regex:PATTERN",
+a JSON schema (a mapping, or its JSON text), one of the OpenAI-style mappings ({type: json_schema,
+json_schema: {schema: ...}}, {type: json_object}, {type: regex, regex: ...}), or the path of a JSON
+file holding a schema (relative: to the working directory, else to the project root, as job.input).
+Every value is compiled once when it is read, so a schema llguidance rejects is a one-line error at
+start (job level) or `invalid_input` (a row).
+"""
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from typing import Any, Optional
+
+from kvbatch.engine.grammar import grammar_from_format
+from kvbatch.pipeline import paths
+
+
+@lru_cache(maxsize=64)
+def _schema_file(path: str) -> Any:
+    try:
+        resolved = paths.resolve(path)
+        text = resolved.read_text(encoding="utf-8-sig")
+    except (OSError, RuntimeError, UnicodeDecodeError) as exc:
+        why = "no such file" if isinstance(exc, FileNotFoundError) else f"cannot read it ({exc})"
+        raise ValueError(f"response_format {path!r} is not json_object, regex:..., or JSON, and as a schema "
+                         f"file: {why}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"response_format file {str(resolved)!r} is not JSON ({exc.msg}, line {exc.lineno})") \
+            from None
+
+
+def resolve(value: Any) -> Optional[Any]:
+    """The format as it runs (None: not set; "text": free output): "json_object", "regex:...", or a mapping (JSON text
+    parsed, a file read). Raises ValueError with one line when it is unusable or llguidance rejects it."""
+    if value is None:
+        return None
+    if hasattr(value, "items") and not isinstance(value, dict):  # an OmegaConf node from the config
+        from omegaconf import OmegaConf
+
+        value = OmegaConf.to_container(value, resolve=True)
+    if value == "text" or value == {"type": "text"}:  # OpenAI's "free text": a row unconstrained in a constrained job
+        return "text"
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("{"):
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"response_format is not valid JSON ({exc.msg} at character {exc.pos})") from None
+        elif text != "json_object" and not text.startswith("regex:"):
+            value = _schema_file(text)
+    grammar(value)
+    return value
+
+
+def canonical(value: Any) -> Optional[str]:
+    """A resolved format as one JSON text (the results' response_format column, the grammar cache key)."""
+    return None if value is None else json.dumps(value, sort_keys=True, ensure_ascii=False)
+
+
+def grammar(value: Any) -> Optional[str]:
+    """The llguidance grammar of a resolved format (compiled once per distinct format); None: free text."""
+    return None if value is None or value == "text" else _grammar(canonical(value))
+
+
+@lru_cache(maxsize=256)
+def _grammar(text: str) -> str:
+    return grammar_from_format(json.loads(text))
