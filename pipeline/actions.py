@@ -242,7 +242,8 @@ def work(job: Job, q: Queue) -> Optional[WorkStats]:
         stats = Worker(job.cfg, q, job.out_dir / "parts", runtime, progress=progress).run()
     except StorageError as exc:  # not the rows' fault: none is charged, the next run continues
         progress.close()
-        say(f"kvbatch: error: cannot write to {job.out_dir}: {exc}; rows finished before this are saved, "
+        where = str(job.out_dir) if q.kind == "sqlite" else f"{job.out_dir} or the queue ({q.where})"
+        say(f"kvbatch: error: cannot write to {where}: {exc}; rows finished before this are saved, "
             f"no row was charged: free space (or fix the folder) and run the same command again")
         raise SystemExit(1) from None
     except KeyboardInterrupt as exc:  # Ctrl-C / SIGTERM: the worker wrote what was done, handed the rest back

@@ -1,6 +1,6 @@
 """A real PostgreSQL server for the tests: initdb into a temporary folder, listening on a Unix socket
 only (no TCP port), run as an unprivileged user when the tests run as root (PostgreSQL refuses
-root), stopped and removed at the end of the session. fsync is off: a test server (no test cuts
+root), stopped and removed at the end of the session. fsync is off for the tests (PgServer(fsync=True) for benchmarks): a test server (no test cuts
 its power; durability of acknowledged rows is the server's, tested by PostgreSQL itself).
 
 The server binaries come from Debian's `postgresql` package (`make system-deps` installs it):
@@ -46,8 +46,8 @@ def _run_as() -> Optional[pwd.struct_passwd]:
 
 
 class PgServer:
-    def __init__(self, bindir: Path):
-        self.bindir = bindir
+    def __init__(self, bindir: Path, fsync: bool = False):
+        self.bindir, self.fsync = bindir, fsync
         self.user = _run_as()
         self.root = Path(tempfile.mkdtemp(prefix="kvbatch-pg-"))
         self.data, self.sock = self.root / "data", self.root / "sock"
@@ -69,8 +69,9 @@ class PgServer:
         r = self._cmd("initdb", "-D", str(self.data), "-U", USER, "--auth=trust", "-E", "UTF8", "--no-sync")
         if r.returncode:
             raise RuntimeError(f"initdb failed: {r.stderr or r.stdout}")
-        opts = (f"-k {self.sock} -c listen_addresses='' -c max_connections=200 -c fsync=off "
-                f"-c synchronous_commit=off -c full_page_writes=off")
+        opts = f"-k {self.sock} -c listen_addresses='' -c max_connections=200"
+        if not self.fsync:  # the tests' server (benchmarks keep PostgreSQL's durable defaults)
+            opts += " -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
         r = self._cmd("pg_ctl", "-D", str(self.data), "-l", str(self.root / "log"), "-o", opts, "-w", "start")
         if r.returncode:
             log = (self.root / "log").read_text() if (self.root / "log").exists() else ""
