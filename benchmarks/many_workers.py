@@ -131,6 +131,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--queue-rows", type=int, default=4000)
     ap.add_argument("--scan-rows", type=int, default=200_000)
+    ap.add_argument("--parts", default="123", help="parts to run: 1 job rows/s, 2 queue cost, 3 claim latency")
     a = ap.parse_args()
     server = PgServer(find_bindir(), fsync=True).start()  # PostgreSQL's durable defaults
     try:
@@ -141,21 +142,26 @@ def main() -> None:
             src.write_text("".join(json.dumps({"id": f"r{i:04d}", "prompt": f"item{i} " * (2 + i % 6)}) + "\n"
                                    for i in range(a.rows)))
             args = SETTINGS + [f"model.cache_dir={d / 'models'}", f"job.input={src}", f"job.max_tokens={a.max_tokens}"]
-            _job_round(d, "", 1, "warm", args)  # builds the tiny model once
             rounds = []
-            for i, n in enumerate([1, 2, 4, 4, 2, 1]):
+            if "1" in a.parts:
+                _job_round(d, "", 1, "warm", args)  # builds the tiny model once
+            for i, n in enumerate([1, 2, 4, 4, 2, 1] if "1" in a.parts else []):
                 rounds.append(_job_round(d, url, n, f"pg{i}", args))
                 print(json.dumps(rounds[-1]), flush=True)
-            rounds.append(_job_round(d, "", 1, "sqlite", args))
-            print(json.dumps(rounds[-1]), flush=True)
+            if "1" in a.parts:
+                rounds.append(_job_round(d, "", 1, "sqlite", args))
+                print(json.dumps(rounds[-1]), flush=True)
             spin = []
-            for i, u in enumerate([url, "", url, ""]):
+            for i, u in enumerate([url, "", url, ""] if "2" in a.parts else []):
                 spin.append(_queue_round(d, u, a.queue_rows, f"{i}"))
                 print(json.dumps(spin[-1]), flush=True)
-            scan = _claim_latency(url, d, a.scan_rows)
-            print(json.dumps({"claim_latency": scan, "rows": a.scan_rows}), flush=True)
+            if "3" in a.parts:
+                scan = _claim_latency(url, d, a.scan_rows)
+                print(json.dumps({"claim_latency": scan, "rows": a.scan_rows}), flush=True)
     finally:
         server.stop()
+    if not rounds:
+        return
     by = {}
     for r in rounds:
         by.setdefault((r["queue"], r["workers"]), []).append(r)
