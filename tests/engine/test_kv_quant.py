@@ -43,6 +43,11 @@ from tests.conftest import ON_CPU, ON_CUDA, cpu_only, expected_route
 from tests.engine.kv_reference import QuantRefCache, StoredPagesRefCache, teacher_forced_logits
 
 TOL = 1e-4
+# Stored K/V elements allowed one quantization step from the reference's own rounding. A flip moves
+# later hidden states by ~1e-4, so flips cascade a little (seen: 0-0.08% of elements, 1.3% once, at q8
+# p16 on an AMD EPYC); a quantizer that rounded the wrong way (floor, or a scale off by a step) would
+# put about half of them a step away.
+FLIP_SHARE = 0.05
 BITS = {"q8": 8, "q4": 4}
 BUDGET = 4 << 30
 # Prompt lengths of the 8 rows (some longer than the prefill chunk, some shorter than a page)
@@ -117,16 +122,18 @@ def _quant_ref(model, prompt, forced, page, bits, group, chunk, k_axis="token"):
     return logits, caches
 
 
-def _first_flip(snap: PageSnapshots, key: str, ref_caches, page: int, bits: int, group: int) -> int:
-    """First token position of the first sealed page whose stored (engine) quantization differs
-    from the quantization of QuantRefCache's own keys by more than float rounding; returns
-    the row length when there is none. Also checks that any difference is at most one
-    quantization step (a rounding flip), never more."""
+def _first_flip(snap: PageSnapshots, key: str, ref_caches, page: int, bits: int,
+                group: int) -> tuple[int, int, int]:
+    """(first, flipped, stored): the first token position of the first sealed page whose stored
+    (engine) quantization differs from the quantization of QuantRefCache's own keys by more
+    than float rounding (the row length when there is none), and how many of the stored K/V
+    elements differ, of how many. Also checks that any difference is at most one quantization
+    step (a rounding flip), never more."""
     q, length = snap.rows[key]
     n_sealed = length // page
-    first = length
+    first, flipped, stored = length, 0, 0
     if not n_sealed:
-        return first
+        return first, flipped, stored
     by_channel = snap.src.k_axis == "channel"
     for layer, rc in enumerate(ref_caches):
         assert rc.offset == length
@@ -146,11 +153,13 @@ def _first_flip(snap: PageSnapshots, key: str, ref_caches, page: int, bits: int,
                 diff = diff.transpose(0, 3, 1, 2).reshape(n_sealed * page, *diff.shape[1:3])
                 step = step.transpose(0, 3, 1, 2).reshape(n_sealed * page, *step.shape[1:3])
             assert (diff <= 1.01 * step + 1e-5).all().item(), "stored page differs by more than one step"
+            flipped += int((diff > 1e-5).sum().item())
+            stored += diff.size
             bad_tok = mx.array(diff.reshape(diff.shape[0], -1).max(axis=1) > 1e-5)
             if bad_tok.any().item():
                 pos = int(mx.argmax(bad_tok).item())
                 first = min(first, (pos // page) * page)
-    return first
+    return first, flipped, stored
 
 
 def _sealed_before(step: int, n_prompt: int, page: int, chunk: int) -> int:
@@ -160,7 +169,7 @@ def _sealed_before(step: int, n_prompt: int, page: int, chunk: int) -> int:
     return ((n_prompt + step - 1) // page) * page
 
 
-def _check_row(model, res, logits, prompt, forced, snap, page, bits, group, chunk) -> tuple[int, int, float]:
+def _check_row(model, res, logits, prompt, forced, snap, page, bits, group, chunk) -> tuple[int, int, int, int]:
     """Two references, both single-stream mlx-lm KVCache with plain full attention:
 
     - QuantRefCache: pages sealed before each call replaced by the quantize->dequantize
@@ -173,7 +182,8 @@ def _check_row(model, res, logits, prompt, forced, snap, page, bits, group, chun
     - StoredPagesRefCache: the same, but the sealed pages are the engine's *stored* pages,
       dequantized. Every step must match within TOL: paging and batching add nothing.
 
-    Returns (steps checked against QuantRefCache, steps, worst stored-pages diff).
+    Returns (steps checked against QuantRefCache, steps, K/V elements whose quantization flipped,
+    K/V elements stored).
     """
     assert res.ok and res.finish_reason == "length", (res.error_code, res.error_message)
     assert len(logits) == len(forced)
@@ -183,7 +193,7 @@ def _check_row(model, res, logits, prompt, forced, snap, page, bits, group, chun
         model, prompt, forced,
         lambda: [StoredPagesRefCache(store, i, list(range(snap.n_pages(res.key)))) for i in range(len(model.layers))],
         chunk)
-    flip = _first_flip(snap, res.key, caches, page, bits, group)
+    flip, flipped, stored = _first_flip(snap, res.key, caches, page, bits, group)
     checked, worst = 0, 0.0
     for step, (got, a, b) in enumerate(zip(logits, q_ref, s_ref)):
         d_stored = mx.abs(got - b).max().item()
@@ -197,7 +207,7 @@ def _check_row(model, res, logits, prompt, forced, snap, page, bits, group, chun
             # 17x coarser (15 vs 255 levels; seen: 1.0e-3 with per-channel keys)
             bound = 10 * TOL if bits == 8 else 170 * TOL
             assert d <= bound, f"{res.key} step {step}: QuantRefCache reference differs by {d:.2e}"
-    return checked, len(forced), worst
+    return checked, len(forced), flipped, stored
 
 
 # The portable route (engine.options.route=portable: what Apple's Metal backend runs, pages gathered,
@@ -229,16 +239,17 @@ def test_batched_logits_match_reference(tiny_model, family, head_dim, mode, page
     assert {r.stats.route for r in results} == {route}
     sealed = [(len(p) + len(f) - 1) // page for p, f in zip(prompts, forced)]
     assert max(sealed) >= 4 and sum(s >= 2 for s in sealed) >= 4  # rows cross several page boundaries
-    checked = total = 0
+    checked = total = flipped = stored = 0
     for res, p, f in zip(results, prompts, forced):
         assert snap.n_pages(res.key) == -(-(len(p) + len(f) - 1) // page)
-        c, n, _ = _check_row(model, res, eng.hooks.logits[res.key], p, f, snap, page, BITS[mode], group, CHUNK[page])
-        checked, total = checked + c, total + n
-    # the strict QuantRefCache comparison must cover a large share of the steps (seen: 37-100%;
-    # which step meets the first flip is chaotic: llama-h256-q8-p16 gave 50% with the pages
-    # gathered and 37% read in place, whose attention is the closer of the two to a float64
-    # reference: benchmarks/RESULTS.md, issue 5)
-    assert checked >= 0.3 * total, f"only {checked}/{total} steps free of rounding flips"
+        c, n, fl, st = _check_row(model, res, eng.hooks.logits[res.key], p, f, snap, page, BITS[mode], group,
+                                  CHUNK[page])
+        checked, total, flipped, stored = checked + c, total + n, flipped + fl, stored + st
+    # the engine's stored pages are the reference's quantization but for rare one-step flips. Which
+    # step meets the first flip is chaotic and depends on the host's float kernels (the strict
+    # comparison covered 37-100% of steps on earlier hosts, 16% at q8 p16 on an AMD EPYC), so the
+    # bound is on the flips themselves
+    assert stored and flipped <= FLIP_SHARE * stored, f"{flipped}/{stored} stored K/V elements flipped"
 
 
 @pytest.mark.parametrize("mode", ["q8", "q4"])
