@@ -31,6 +31,9 @@ from kvbatch.pipeline.redact import redact
 ACTIONS = ("run", "enqueue", "work", "status", "finalize", "retry", "report")
 FORMATS = ("auto", "jsonl", "csv", "parquet")
 MODEL_SOURCES = ("smollm2", "local", "tiny")
+# apply_chat_template's own arguments: set by kvbatch, never by job.chat_template_kwargs
+RESERVED_KWARGS = ("conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
+                   "return_dict", "return_tensors", "padding", "truncation", "max_length", "chat_template")
 
 
 class ConfigError(KvbatchConfigError):
@@ -46,6 +49,9 @@ class JobConfig:
     messages_column: str = "messages"
     id_column: str = "id"
     chat_template: bool = True  # wrap a prompt as one user message and apply the model's template
+    system_prompt: Optional[str] = None  # prompt rows: a system turn before the user turn (chat_template=true)
+    chat_template_kwargs: Optional[Any] = None  # passed to the template: {enable_thinking: false}
+    continue_final_message: bool = False  # a trailing assistant turn is continued, not followed by a new turn
     max_tokens: int = 256
     max_prompt_tokens: Optional[int] = None  # None: the model's context length
     stop: List[str] = field(default_factory=list)  # backslash escapes decoded: '\n' (backslash, n) is a newline
@@ -190,6 +196,17 @@ def validate(cfg: Config) -> None:
     _need(bool(job.input), "job.input", job.input, "must name an input file")
     _need(job.format in FORMATS, "job.format", job.format, f"choose one of {', '.join(FORMATS)}")
     _range("job.max_tokens", job.max_tokens, ranges.max_tokens_error)
+    _need(job.system_prompt is None or job.chat_template, "job.system_prompt", job.system_prompt,
+          "needs job.chat_template=true (a system turn exists only in a chat template)")
+    kw = job.chat_template_kwargs
+    _need(kw is None or (isinstance(kw, dict) and all(isinstance(k, str) for k in kw)), "job.chat_template_kwargs",
+          kw, "must be a mapping of argument names to values, e.g. {enable_thinking: false}")
+    _need(not kw or job.chat_template, "job.chat_template_kwargs", kw, "needs job.chat_template=true")
+    taken = sorted(set(kw or ()) & set(RESERVED_KWARGS))
+    _need(not taken, "job.chat_template_kwargs", job.chat_template_kwargs,
+          f"{', '.join(taken)} is set by kvbatch (use job.continue_final_message, job.chat_template)")
+    _need(not job.continue_final_message or job.chat_template, "job.continue_final_message",
+          job.continue_final_message, "needs job.chat_template=true")
     _range("job.stop", job.stop, ranges.stop_error)
     _range("sampling.temperature", s.temperature, ranges.temperature_error)
     _range("sampling.top_p", s.top_p, ranges.top_p_error)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from kvbatch.pipeline import paths, ranges, response_format
+from kvbatch.pipeline import chat, paths, ranges, response_format
 from kvbatch.pipeline.config import ConfigError, JobConfig
 
 SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv",
@@ -174,18 +174,7 @@ def _token_ids(v: Any) -> list[int]:
 
 
 def _messages(v: Any) -> list:
-    if isinstance(v, str):
-        try:
-            v = json.loads(v)
-        except json.JSONDecodeError:
-            raise ValueError("messages is a string but not JSON") from None
-    ok = isinstance(v, list) and v and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in v)
-    if not ok:
-        raise ValueError("messages must be a non-empty list of {role, content} string pairs")
-    if not any(m["content"].strip() for m in v):
-        raise ValueError("messages have no content")
-    return [{"role": m["role"], "content": m["content"]} for m in v]
+    return chat.read_messages(v)  # {role, content} pairs; OpenAI content parts joined (pipeline/chat.py)
 
 
 def _stop(v: Any) -> list[str]:

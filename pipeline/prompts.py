@@ -1,9 +1,10 @@
-"""Turn a row's prompt or messages into token ids (chat template on or off)."""
+"""Turn a row's prompt or messages into token ids (chat template on or off, with the job's chat options)."""
 from __future__ import annotations
 
 from typing import Any
 
-from kvbatch.pipeline.config import ConfigError
+from kvbatch.pipeline.chat import continues, turns
+from kvbatch.pipeline.config import ConfigError, JobConfig
 
 
 def check_template(tokenizer: Any, chat_template: bool) -> None:
@@ -19,17 +20,23 @@ def _ids(out: Any) -> list[int]:
     return [int(t) for t in out]
 
 
-def encode(tokenizer: Any, payload: dict, chat_template: bool) -> list[int]:
-    """Token ids for one valid payload; ValueError (-> invalid_input) when it cannot be encoded."""
-    messages = payload.get("messages")
-    if messages is None:
-        if not chat_template:
-            return _ids(tokenizer.encode(payload["prompt"]))
-        messages = [{"role": "user", "content": payload["prompt"]}]
-    elif not chat_template:
-        raise ValueError("a messages row needs job.chat_template=true")
+def render(tokenizer: Any, payload: dict, job: JobConfig, tokenize: bool = True) -> Any:
+    """Token ids (or, tokenize=False, the text) for one valid payload; ValueError (-> invalid_input) when
+    it cannot be encoded. A trailing assistant turn is continued under job.continue_final_message."""
+    msgs = turns(payload, job)
+    if msgs is None:
+        if "messages" in payload:
+            raise ValueError("a messages row needs job.chat_template=true")
+        return _ids(tokenizer.encode(payload["prompt"])) if tokenize else payload["prompt"]
+    cont = continues(msgs, job)
     try:
-        return _ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+        out = tokenizer.apply_chat_template(msgs, add_generation_prompt=not cont, continue_final_message=cont,
+                                            tokenize=tokenize, **(job.chat_template_kwargs or {}))
     except Exception as exc:  # jinja/template errors are the row's problem, not the run's
         why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ValueError(f"chat template failed: {why}") from None
+    return _ids(out) if tokenize else out
+
+
+def encode(tokenizer: Any, payload: dict, job: JobConfig) -> list[int]:
+    return render(tokenizer, payload, job)

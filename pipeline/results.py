@@ -12,6 +12,7 @@ from typing import Optional
 import pyarrow as pa
 
 
+MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 TOP = pa.struct([("token_id", pa.int32()), ("logprob", pa.float32())])
 
 
@@ -34,6 +35,8 @@ class ResultRecord:
     stop_reason: Optional[str] = _col(pa.string())  # the stop string, or the stop token's id; null: EOS etc.
     error_code: Optional[str] = _col(pa.string())  # None: the row succeeded
     error_message: Optional[str] = _col(pa.string())
+    # the rendered turns plus the assistant's (an SFT dataset as it stands); null: an error, or no chat template
+    messages: Optional[list] = _col(MESSAGES)
     model: Optional[str] = _col(pa.string())
     kv_mode: Optional[str] = _col(pa.string())
     max_tokens: Optional[int] = _col(pa.int32())

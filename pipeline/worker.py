@@ -48,6 +48,7 @@ from typing import Any, Callable, Optional
 from kvbatch.engine.errors import INTERNAL_ERROR, INVALID_INPUT
 from kvbatch.engine.types import Request, Result, SamplingParams
 from kvbatch.pipeline import debug, procs, response_format
+from kvbatch.pipeline.chat import transcript
 from kvbatch.pipeline.config import Config
 from kvbatch.pipeline.durations import deadline_at
 from kvbatch.pipeline.parts import part_name, write_part
@@ -188,6 +189,8 @@ class Worker:
             rec.queue_s, rec.preemptions = s.queue_s, s.preemptions
             rec.wall_s, rec.peak_kv_bytes, rec.route = s.wall_s, s.peak_kv_bytes, s.route or None
             rec.stop_reason = res.stop_reason
+            if res.error_code is None:
+                rec.messages = transcript(c.payload, self.cfg.job, res.text)
             lp = res.logprobs
             if lp is not None and (lp.tokens or lp.top):
                 rec.output_logprobs, rec.cumulative_logprob = lp.tokens, lp.total
@@ -226,7 +229,7 @@ class Worker:
                 self._add(self._record(c, code=INVALID_INPUT, msg=c.payload["error"]))
             else:
                 try:
-                    ids = encode(self.rt.tokenizer, c.payload, self.cfg.job.chat_template)
+                    ids = encode(self.rt.tokenizer, c.payload, self.cfg.job)
                 except ValueError as exc:
                     self._add(self._record(c, code=INVALID_INPUT, msg=str(exc)))
                     continue
