@@ -4,5 +4,17 @@ The distribution installs this one import name. `kvbatch.engine` (everything tha
 touches MLX) and `kvbatch.pipeline` (the Hydra app, queue, worker and Parquet
 results around it) live in the repository's top-level `engine/` and `pipeline/`
 folders, mapped here by the build backend (pyproject.toml, `package-dir`).
+
+`kvbatch.generate(rows, model=..., kv=..., max_tokens=..., **options)` is the command from Python
+(pipeline/api.py); it is imported on first use, so `import kvbatch` stays cheap.
 """
 __version__ = "0.1.0"
+__all__ = ["generate", "__version__"]
+
+
+def __getattr__(name: str):  # PEP 562
+    if name == "generate":
+        from kvbatch.pipeline.api import generate
+
+        return generate
+    raise AttributeError(f"module 'kvbatch' has no attribute {name!r}")

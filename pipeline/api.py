@@ -1,0 +1,134 @@
+"""`kvbatch.generate`: the command's run (enqueue, work, finalize) from Python, on rows in memory or a file.
+
+The options are the config's keys, so a notebook and a job file say the same thing: a key by its own
+name where only one section has it (`temperature=0.7`, `system_prompt=...`), a section as a mapping
+(`sampling={"seed": 3}`), or a dotted name (`**{"engine.max_batch": 8}`). In-memory rows are written to
+the output folder as the job's input file (JSONL for a list, Parquet for a DataFrame or Table, so
+column types carry through). With `output_dir` the run is the command's: durable parts, resume where
+it stopped, nothing generated twice; without it everything lives in a temporary folder, removed on return.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import tempfile
+import typing
+import warnings
+from os import PathLike
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import kvbatch.engine  # noqa: F401  (loads OpenBLAS before anything imports mlx)
+import pyarrow as pa
+import pyarrow.parquet as pq
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from kvbatch.engine.errors import KvbatchConfigError
+from kvbatch.pipeline.compose import CONF_DIR, compose_nodes, describe, node_to_config
+from kvbatch.pipeline.config import Config, ConfigError
+from kvbatch.pipeline.finalize import RESULTS
+
+# keys two sections share, taken as the one a generation call means (model.seed, model.name: dotted)
+PREFERRED = {"seed": "sampling", "name": "job"}
+Rows = Union[str, PathLike, list, pa.Table, Any]  # Any: a pandas DataFrame (pandas is not required)
+
+
+def _sections() -> dict[str, set[str]]:
+    hints = typing.get_type_hints(Config)
+    return {f.name: {g.name for g in dataclasses.fields(hints[f.name])}
+            for f in dataclasses.fields(Config) if dataclasses.is_dataclass(hints[f.name])}
+
+
+def _key(name: str) -> str:
+    """An option's dotted config key: itself when dotted or a section, else the one section that has it."""
+    sections = _sections()
+    if "." in name or name in sections or name == "action":
+        return name
+    owners = [s for s, names in sections.items() if name in names]
+    if name in PREFERRED:
+        return f"{PREFERRED[name]}.{name}"
+    if len(owners) == 1:
+        return f"{owners[0]}.{name}"
+    if owners:
+        raise ConfigError(f"{name}: several sections have this key ({', '.join(f'{s}.{name}' for s in owners)}); "
+                          f"pass the one you mean as **{{'{owners[0]}.{name}': ...}} or {owners[0]}={{...}}")
+    raise ConfigError(f"{name}: unknown option (use a config key: max_tokens, temperature, sampling={{...}}, "
+                      f"'engine.max_batch', ...; README \"Job files\")")
+
+
+def _model_option(model: str) -> list[str]:
+    """A model group option (smollm2, tiny, local), else an mlx-lm folder or Hugging Face repo id."""
+    if (CONF_DIR / "model" / f"{model}.yaml").exists():
+        return [f"model={model}"]
+    return ["model=local"]
+
+
+def _write_input(rows: Rows, folder: Path) -> Path:
+    """The rows as the job's input file in `folder` (a path is used where it is)."""
+    if isinstance(rows, (str, PathLike)):
+        return Path(rows)
+    if type(rows).__module__.split(".")[0] == "pandas":
+        rows = pa.Table.from_pandas(rows, preserve_index=False)  # NaN (pandas' missing value) becomes null
+    if isinstance(rows, pa.Table):
+        path = folder / "input.parquet"
+        pq.write_table(rows, path)
+        return path
+    if isinstance(rows, (list, tuple)):
+        path = folder / "input.jsonl"
+        with open(path, "w", encoding="utf-8") as fh:
+            for r in rows:
+                if not isinstance(r, (str, dict)):
+                    raise ConfigError(f"rows: each row must be a prompt string or a dict of columns, "
+                                      f"got {type(r).__name__}")
+                fh.write(json.dumps({"prompt": r} if isinstance(r, str) else r, ensure_ascii=False,
+                                    default=str) + "\n")
+        return path
+    raise ConfigError(f"rows: a list of strings or dicts, a pandas DataFrame, a pyarrow Table or a path; "
+                      f"got {type(rows).__name__}")
+
+
+def config_for(rows_path: Path, model: str, kv: str, output_dir: Path, options: dict[str, Any]) -> Config:
+    """The validated Config of one call: the command's defaults, the model and KV options, then `options`."""
+    node = compose_nodes([[*_model_option(model), f"kv={kv}"]])[0]
+    settings: dict[str, Any] = {"output.dir": str(output_dir), "job.input": str(rows_path)}
+    if not (CONF_DIR / "model" / f"{model}.yaml").exists():
+        settings["model.path"] = model
+    settings.update({_key(k): v for k, v in options.items()})
+    try:
+        for key, value in settings.items():
+            OmegaConf.update(node, key, value, merge=True)
+        return node_to_config(node)
+    except (KvbatchConfigError, OmegaConfBaseException) as exc:
+        raise ConfigError(describe(exc)) from None
+
+
+def generate(rows: Rows, model: str = "smollm2", kv: str = "none", max_tokens: Optional[int] = None,
+             output_dir: Optional[Union[str, PathLike]] = None, **options: Any) -> pa.Table:
+    """Generate every row; a pyarrow Table with results.parquet's schema (one row per input row, in order).
+
+    rows: prompt strings, dicts of columns (prompt or messages, id, per-row parameters, anything else
+    carried through), a pandas DataFrame, a pyarrow Table, or a path to a JSONL/CSV/Parquet file.
+    model: smollm2 | tiny | local (with model_path...) or an mlx-lm folder / Hugging Face repo id.
+    kv: none | q8 | q4. output_dir: where the queue, parts and results live (run again to resume);
+    None: a temporary folder, removed on return. options: config keys (`temperature=0.7`,
+    `system_prompt="..."`, `sampling={"seed": 1}`, `**{"engine.max_batch": 8}`).
+    A bad option or input raises ConfigError (one line); a run where no row succeeded warns
+    (raises RowsFailed when `output={"max_error_fraction": ...}` is set, as the command exits 1).
+    """
+    from kvbatch.pipeline import actions
+
+    if max_tokens is not None:
+        options = {"max_tokens": max_tokens, **options}
+    with tempfile.TemporaryDirectory(prefix="kvbatch-") as tmp:
+        folder = Path(output_dir) if output_dir is not None else Path(tmp)
+        folder.mkdir(parents=True, exist_ok=True)
+        cfg = config_for(_write_input(rows, folder).resolve(), model, kv, folder, options)
+        try:
+            path = actions.run(actions.job_for(cfg))
+        except actions.RowsFailed as exc:
+            if cfg.output.max_error_fraction is not None:
+                raise
+            warnings.warn(f"kvbatch: {exc}", stacklevel=2)
+            path = folder.resolve() / RESULTS
+        return pq.read_table(path)
