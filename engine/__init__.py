@@ -13,6 +13,7 @@ from kvbatch.engine.models.load import load_model  # noqa: E402
 from kvbatch.engine.types import ModelSpec, Request, Result, RowStats, SamplingParams  # noqa: E402
 
 _LAZY = {"Engine": "kvbatch.engine.engine", "EngineHooks": "kvbatch.engine.hooks",
+         "samples": "kvbatch.engine.samples", "derive_seed": "kvbatch.engine.samples",
          **{name: "kvbatch.engine.config" for name in ("EngineConfig", "EngineOptions", "EngineSettings", "KVConfig",
                                                        "MemoryConfig", "CudaLaunch")}}
 

@@ -106,6 +106,9 @@ class EngineSettings:
     # optimistic: admitted when what it needs now fits; when growth cannot fit, the most recently
     # admitted rows are preempted (pages freed, tokens kept) and resume later
     admission: str = "optimistic"
+    # automatic prefix caching: full pages of a prompt are cached by the hash of their tokens and
+    # everything before them; a row whose prompt begins with cached pages takes them (engine/sharing.py)
+    prefix_cache: bool = True
     options: EngineOptions = field(default_factory=EngineOptions)
 
 

@@ -75,7 +75,8 @@ class Engine:
                                max(int(budget) - spec.weights_bytes, 0)))
         dtype = _DTYPES[spec.dtype]
         self.cache = PagedKVCache(self.layout, spec.num_layers, dtype, tail_slots=self.max_batch,
-                                  upcast=dtype == mx.float16, query_heads=spec.num_heads, options=opts)
+                                  upcast=dtype == mx.float16, query_heads=spec.num_heads, options=opts,
+                                  prefix_cache=settings.prefix_cache)
         self.scheduler = Scheduler(spec, self.memory, self.cache, self.max_batch, kv.page_size,
                                    cfg.max_prompt_tokens, settings.admission, self.prefill_tokens)
         self.output = OutputProcessor(tokenizer, spec, self.layout, self.cache, self.hooks, self._unschedule)
@@ -165,7 +166,8 @@ class Engine:
         `max_prompt` tokens (None: up to worst_tokens): see MemoryModel.plan."""
         plan = self.memory.plan(worst_tokens, max_prompt)
         plan.update(max_batch=self.max_batch, max_batch_why=self.max_batch_why,
-                    admission=self.cfg.engine.admission, prefill_tokens=self.prefill_tokens)
+                    admission=self.cfg.engine.admission, prefill_tokens=self.prefill_tokens,
+                    prefix_cache=self.cfg.engine.prefix_cache)
         return plan
 
     def plan_line(self, worst_tokens: int, max_prompt: int | None = None) -> str:
@@ -174,7 +176,7 @@ class Engine:
         return format_plan(self.plan(worst_tokens, max_prompt))
 
     def summary(self) -> dict:
-        c, t = self.cache, self.runner.times
+        c, t, sh = self.cache, self.runner.times, self.scheduler.sharing
         return {
             "kv_mode": self.cfg.kv.mode, "route": c.route, "page_size": self.cfg.kv.page_size,
             "kv_k_axis": getattr(c.store, "k_axis", None),
@@ -191,6 +193,9 @@ class Engine:
             "prefill_passes": t.prefill_passes, "prefill_rows_max": t.prefill_rows_max,
             "prefill_tokens_per_s": t.prefill_tokens / t.prefill_time if t.prefill_time else None,
             "decode_tokens_per_s": t.decode_tokens / t.decode_time if t.decode_time else None,
+            "prefix_cache": self.cfg.engine.prefix_cache, "prompt_tokens_cached": sh.cached_tokens,
+            "forks": sh.forks, "pages_shared": c.pool.shared, "pages_cached": c.pool.num_cached,
+            "pages_evictable": c.pool.num_evictable, "page_evictions": c.pool.evictions,
             "mlx_peak_memory_bytes": int(mx.get_peak_memory()),
             "rows_by_error_code": dict(self.output.results_by_code),
             "lookahead": self.lookahead, "options": asdict(self.cfg.engine.options),

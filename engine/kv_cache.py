@@ -5,6 +5,12 @@ One forward pass = `begin(rows, L)` (checks every row reserved room for L tokens
 route build the pass's metadata once for all layers) → the model runs, each layer writing and
 attending through its view (mlx_lm_bridge.PagedLayerCache) → `end()` advances the rows' lengths.
 The route (engine/routes/, chosen by routes/select.py) owns how pages are read and written.
+
+Pages are reference-counted (kv/pages.py): a row may hold pages other rows hold too, cached full
+pages of a prefix they share (`take_cached`, kv/prefix.py) or the prompt pages of the sample it
+was forked from (`fork`). A row only ever writes into pages it alone holds: the page it is
+filling is its own (copied on write at a fork), and `begin` refuses a pass that would write into
+a shared or cached page.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ import mlx.core as mx
 from kvbatch.engine.config import EngineOptions
 from kvbatch.engine.errors import INSUFFICIENT_MEMORY, RowError, UnreservedWriteError
 from kvbatch.engine.kv.pages import CacheRow, PagePool
+from kvbatch.engine.kv.prefix import cache_full_pages, computed_pages
 from kvbatch.engine.memory import KVLayout, available_memory
 from kvbatch.engine.mlx_lm_bridge import PagedLayerCache
 from kvbatch.engine.routes.select import select_route
@@ -36,8 +43,9 @@ class _Pass:
 
 class PagedKVCache:
     def __init__(self, layout: KVLayout, num_layers: int, dtype: mx.Dtype, tail_slots: int, upcast: bool,
-                 query_heads: int = 0, options: Optional[EngineOptions] = None):
+                 query_heads: int = 0, options: Optional[EngineOptions] = None, prefix_cache: bool = False):
         options = options or EngineOptions()
+        self.prefix_cache = prefix_cache
         self.layout, self.P = layout, layout.page_size
         self.num_layers = num_layers
         self.store, self.attention = select_route(layout, num_layers, dtype, tail_slots, upcast, query_heads, options)
@@ -90,21 +98,71 @@ class PagedKVCache:
             row.peak_pages = max(row.peak_pages, len(row.pages))
         row.reserved = max(row.reserved, need_tokens)
 
-    def release(self, row: CacheRow, scrub: bool = False) -> None:
-        """Give the row's pages (and tail) back. scrub: zero them first (a row that ended in
-        error may hold NaN/inf K/V; the next owner's masked slots must not carry it)."""
+    def release(self, row: CacheRow, scrub: bool = False, tokens: Optional[list[int]] = None) -> None:
+        """Give the row's pages (and tail) back. tokens: its token sequence; with prefix caching its
+        full pages of known tokens stay cached for later rows. scrub: zero the pages it alone held
+        first (a row that ended in error may hold NaN/inf K/V; the next owner's masked slots must not
+        carry it; pages others hold, or cached when its prompt gave finite logits, are left as they are)."""
         self.epoch += 1
         if scrub:
-            if row.pages:
-                self.store.clear_pages(row.pages)
+            own = [p for p in row.pages if self.pool.ref(p) == 1 and not self.pool.is_cached(p)]
+            if own:
+                self.store.clear_pages(own)
             if row.tail is not None:
                 self.store.clear_tail(row.tail)
+        elif tokens is not None:
+            self.cache_pages(row, tokens, min(row.length, len(tokens)))
         self.pool.free(row.pages)
         row.pages = []
         row.reserved = row.length = 0
         if row.tail is not None:
             self.free_tails.append(row.tail)
             row.tail = None
+
+    # ---- shared pages ----------------------------------------------------------------------
+    def computed(self, row: CacheRow, tokens: list[int], limit: int) -> list[int]:
+        """Cached pages that continue the row's table (page indices below `limit`), not yet taken."""
+        return computed_pages(self.pool, row, tokens, self.P, limit) if self.prefix_cache else []
+
+    def take_cached(self, row: CacheRow, pages: list[int]) -> None:
+        """The row continues with these cached pages (full, computed): held, not computed again."""
+        if not pages:
+            return
+        self.epoch += 1
+        self.pool.share(pages)
+        row.pages += pages
+        row.length = len(row.pages) * self.P
+        row.reserved = max(row.reserved, row.length)
+        row.peak_pages = max(row.peak_pages, len(row.pages))
+
+    def cache_pages(self, row: CacheRow, tokens: list[int], n_tokens: int) -> None:
+        """With prefix caching: the row's full pages among its first n_tokens (stored, finite) are cached."""
+        if self.prefix_cache:
+            cache_full_pages(self.pool, row, tokens, self.P, n_tokens // self.P)
+
+    def fork(self, src: CacheRow, dst: CacheRow, kv_limit_bytes: int, want_pages: int = 0) -> None:
+        """dst (admitted, holding nothing) continues from everything src stored: src's full pages
+        shared, the page src is filling copied into a page of dst's own (copy on write; q8/q4: the
+        tail page). Raises RowError (dst then holds nothing) when the copy's page cannot be had."""
+        P = self.P
+        full = src.length // P
+        self.epoch += 1
+        self.pool.share(src.pages[:full])
+        dst.pages, dst.length, dst.reserved = src.pages[:full], full * P, full * P
+        dst.hashes = list(src.hashes)
+        dst.peak_pages = max(dst.peak_pages, full)
+        rest = src.length - full * P
+        if rest:
+            try:
+                self.reserve(dst, rest, kv_limit_bytes, want_pages)
+            except Exception:
+                self.release(dst)
+                raise
+            if self.store.quantized:
+                self.store.copy_tail(src.tail, dst.tail)
+            else:
+                self.store.copy_pages([src.pages[full]], [dst.pages[full]])
+        dst.length = src.length
 
     def _grow(self, needed_pages: int, kv_limit_bytes: int, want_pages: int = 0) -> None:
         cap, pb = self.capacity_pages, self.layout.page_bytes
@@ -151,6 +209,10 @@ class PagedKVCache:
                     f"row {r.key}: forward of {n} tokens at {r.length} but only {r.reserved} reserved")
             if r.reserved > len(r.pages) * P:
                 raise UnreservedWriteError(f"row {r.key}: {r.reserved} tokens reserved in {len(r.pages)} pages")
+            for i in range(r.length // P, (r.length + n - 1) // P + 1):
+                if self.pool.ref(r.pages[i]) != 1 or self.pool.is_cached(r.pages[i]):
+                    raise UnreservedWriteError(f"row {r.key}: a write into page {r.pages[i]}, which is shared "
+                                               f"or cached (held {self.pool.ref(r.pages[i])}x)")
             pos.append(r.length)
         offset = pos[0] if len(rows) == 1 else mx.array(pos, dtype=mx.int32)
         self.plan = _Pass(rows, L, lens, offset, self.attention.plan(rows, L, pos, self.epoch, lens))

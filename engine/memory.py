@@ -150,11 +150,12 @@ class MemoryModel:
         activations = 16 * s.num_heads * s.head_dim * 4  # about 16 float32 hidden vectors a token
         return rows * (T * (stored + 2 * f32) + 2 * s.num_heads * L * T * 4 + L * activations + 2 * s.vocab_size * 4)
 
-    def bytes_for(self, worst_tokens: list[int], max_prompt: int | None = None) -> int:
-        """Weights + worst-case KV pages of these rows + the growth copy + workspace."""
+    def bytes_for(self, worst_tokens: list[int], max_prompt: int | None = None, shared_pages: int = 0) -> int:
+        """Weights + worst-case KV pages of these rows + the growth copy + workspace. shared_pages:
+        holds of a page beyond its first (pages several rows share are priced once)."""
         if not worst_tokens:
             return self.spec.weights_bytes
-        kv = sum(self.layout.pages_for(t) for t in worst_tokens) * self.layout.page_bytes
+        kv = (sum(self.layout.pages_for(t) for t in worst_tokens) - shared_pages) * self.layout.page_bytes
         return self._total(kv, len(worst_tokens), max(worst_tokens), max_prompt)
 
     def bytes_for_rows(self, n: int, worst_tokens: int, max_prompt: int | None = None) -> int:
@@ -171,8 +172,8 @@ class MemoryModel:
         """Pool growth copies one layer at a time: one layer's new buffers coexist with the old."""
         return -(-kv_bytes // max(self.layout.num_kv_layers, 1))
 
-    def fits(self, worst_tokens: list[int], max_prompt: int | None = None) -> bool:
-        return self.bytes_for(worst_tokens, max_prompt) <= self.budget
+    def fits(self, worst_tokens: list[int], max_prompt: int | None = None, shared_pages: int = 0) -> bool:
+        return self.bytes_for(worst_tokens, max_prompt, shared_pages) <= self.budget
 
     def rows_that_fit(self, worst_tokens: int, max_prompt: int | None = None) -> int:
         """How many rows of this worst case fit at once (for the start-up plan)."""
@@ -221,4 +222,6 @@ def format_plan(plan: dict) -> str:
             line += ", more while answers are shorter (admission optimistic: preempts when memory runs out)"
         else:
             line += " (admission reserve)"
+    if plan.get("prefix_cache"):
+        line += "; prefix cache on (cached pages held by no row use the pool's free pages, evicted oldest first)"
     return line

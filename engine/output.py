@@ -108,8 +108,8 @@ class OutputProcessor:
             peak_kv += self.layout.page_size * self.layout.dense_bytes_per_token
         if reason == "error":  # its K/V may be NaN/inf: zeroed before the pages are reused
             self.cache.release(row.kv, scrub=True)
-        else:
-            self.cache.release(row.kv)
+        else:  # its full pages stay cached (prefix caching)
+            self.cache.release(row.kv, tokens=row.seq)
         text = self.tokenizer.decode(row.out) if row.out else ""
         p = row.req.sampling
         if reason == "stop" and stop_reason in p.stop:  # cut where the stop string starts (after min_tokens)
@@ -123,7 +123,7 @@ class OutputProcessor:
         stats = RowStats(prompt_tokens=row.prompt_len, output_tokens=n,
                          ttft_s=(row.t_first - row.t_admit) if row.t_first and row.t_admit else None,
                          queue_s=(row.t_admit - row.t_submit) if row.t_admit else None,
-                         preemptions=row.preemptions,
+                         preemptions=row.preemptions, cached_tokens=row.cached_tokens,
                          decode_tps=decode_tps, wall_s=time.perf_counter() - row.t_submit,
                          peak_kv_bytes=peak_kv, route=self.cache.route)
         key = code or "ok"

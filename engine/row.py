@@ -23,6 +23,7 @@ class Row:
     t_first: Optional[float] = None
     t_last: Optional[float] = None
     preemptions: int = 0
+    cached_tokens: int = 0  # prompt tokens taken from shared pages, not computed (first admission)
     active: bool = False  # in the running batch
     ended: bool = False
     logprobs: Optional[Logprobs] = None  # recorded when the row asks for logprobs or prompt_logprobs
@@ -36,11 +37,16 @@ class Row:
         """Admitted, and its prompt (plus tokens kept from before a preemption) not all stored yet."""
         return self.kv.length < self.target
 
+    @property
+    def seq(self) -> list[int]:
+        """Its token sequence: the prompt, then the tokens it generated (a copy when there are any)."""
+        return self.req.prompt_tokens + self.out if self.out else self.req.prompt_tokens
+
     def prefill_tokens(self, n: int) -> list[int]:
-        """Its next n tokens to prefill."""
+        """Its next n tokens to prefill (a resumed row: its generated tokens follow the prompt)."""
         done = self.kv.length
         seq = self.req.prompt_tokens
-        if done + n > len(seq):  # a resumed row: its generated tokens follow the prompt
+        if done + n > len(seq):
             seq = seq + self.out
         return seq[done:done + n]
 

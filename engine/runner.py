@@ -95,9 +95,8 @@ class Runner:
                 done = [i for i, f in enumerate(last) if f]
                 if done:
                     logits = (logits if len(done) == len(rows) else logits[mx.array(done)]).astype(mx.float32)
-                    token = sample_batch(logits, [rows[i] for i in done], self.grammars)
                     finite = mx.isfinite(logits).all(axis=-1)
-                    mx.eval(*token.arrays(), finite, *[a for _, a in scores], self.cache.store.all_arrays())
+                    mx.eval(logits, finite, *[a for _, a in scores], self.cache.store.all_arrays())
                 else:
                     mx.eval(*[a for _, a in scores], self.cache.store.all_arrays())
             finally:
@@ -122,7 +121,26 @@ class Runner:
         self.times.prefill_rows_max = max(self.times.prefill_rows_max, len(rows))
         self.trim_cache()
         if done:
-            self.output.accept([rows[i] for i in done], logits, token, finite)
+            self._first_tokens([rows[i] for i in done], logits, finite)
+
+    def _first_tokens(self, rows: list[Row], logits: mx.array, finite: mx.array) -> None:
+        """Rows whose prompt a pass completed: their first tokens. A row with finite logits has its
+        full pages cached (prefix caching) and its waiting samples forked (they sample their first
+        token from the same logits, each with its own random stream)."""
+        ok, out, pick = finite.tolist(), list(rows), list(range(len(rows)))
+        for i, row in enumerate(rows):
+            if ok[i]:
+                forks = self.sched.sharing.prompt_done(row)
+                for f in forks:
+                    self.hooks.on_row_start(f.req.key)
+                out += forks
+                pick += [i] * len(forks)
+        if len(out) > len(rows):
+            at = mx.array(pick)
+            logits, finite = logits[at], finite[at]
+        token = sample_batch(logits, out, self.grammars)
+        mx.eval(*token.arrays())
+        self.output.accept(out, logits, token, finite)
 
     def _prompt_scores(self, batch: list[tuple[Row, int]], before: list[int], h: mx.array,
                        head) -> list[tuple[Row, mx.array]]:

@@ -8,7 +8,10 @@ Admission (`engine.admission`):
   fit, the rows admitted after it are preempted, most recent first (pages freed, generated
   tokens kept, back to the head of the queue); readmitted, they prefill prompt + generated
   tokens and continue. A row is refused (`insufficient_memory`) only when it cannot fit alone.
-Every growth is priced before anything is allocated, under both policies.
+Every growth is priced before anything is allocated, under both policies. A page several rows
+hold is priced once, and cached pages nobody holds are never priced: they live in the pool's
+free pages and are evicted before anything is refused or preempted (engine/sharing.py: which
+rows take cached pages, wait for a page another row is computing, or are forked as samples).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from kvbatch.engine.errors import RowError
 from kvbatch.engine.kv_cache import PagedKVCache
 from kvbatch.engine.memory import MemoryModel
 from kvbatch.engine.row import Row
+from kvbatch.engine.sharing import Sharing
 from kvbatch.engine.types import ModelSpec
 
 # optimistic: tokens of growth priced beyond what a running row holds now, in pages
@@ -40,6 +44,7 @@ class Scheduler:
         self.running: list[Row] = []  # in admission order
         self.peak_concurrency = 0
         self.preemptions = 0
+        self.sharing = Sharing(self, cache)
 
     def add(self, row: Row) -> None:
         self.waiting.append(row)
@@ -54,29 +59,45 @@ class Scheduler:
             return r.worst
         return min(r.worst, max(r.kv.reserved, r.target) + self.margin)
 
+    def fits(self, extra: list[Row], shared_pages: int = 0) -> bool:
+        """Whether the running rows and `extra` fit the budget together, the pages they share
+        (beyond those shared now) priced once."""
+        rows = self.running + extra
+        return self.memory.fits([self.priced(r) for r in rows], max(r.target for r in rows),
+                                self.cache.pool.shared + shared_pages)
+
     def next_admission(self) -> Optional[tuple[Row, Optional[tuple[str, str]]]]:
         """The next waiting row that can be decided now: (row, None) = admitted (its cache row
-        taken, it is running and must be prefilled); (row, (code, message)) = refused. None:
-        nothing more this step (no slot, or the head row must wait for memory)."""
+        taken, with the cached pages of its prefix: it is running and must be prefilled);
+        (row, (code, message)) = refused. None: nothing more this step (no slot, or the first
+        row must wait for memory). Samples waiting for their first sample's prompt are passed
+        over: they are forked from it (Sharing.fork)."""
         if not self.waiting or len(self.running) >= self.max_batch:
             return None
-        row = self.waiting[0]
+        row = self.sharing.first_admissible(self.waiting)
+        if row is None:
+            return None
         problem = self.refusal(row)
         if problem:
-            self.waiting.popleft()
+            self.waiting.remove(row)
             return row, problem
         row.target = row.prompt_len + len(row.out)
-        if not self.memory.fits([self.priced(r) for r in self.running] + [self.priced(row)],
-                                max(r.target for r in self.running + [row])):
+        hit = self.sharing.hit(row)
+        if not self.fits([row], sum(self.cache.pool.ref(p) > 0 for p in hit)):
             return None  # waits for running rows to finish
-        self.waiting.popleft()
+        self.waiting.remove(row)
+        self.start(row)
+        self.sharing.take(row, hit)
+        return row, None
+
+    def start(self, row: Row) -> None:
+        """The row joins the running batch (its tail slot taken)."""
         self.cache.admit(row.kv)
         self.running.append(row)
         row.active = True
         if row.t_admit is None:
             row.t_admit = time.perf_counter()
         self.peak_concurrency = max(self.peak_concurrency, len(self.running))
-        return row, None
 
     def refusal(self, row: Row) -> Optional[tuple[str, str]]:
         req, n = row.req, row.prompt_len
@@ -111,7 +132,9 @@ class Scheduler:
         within the workspace the memory model priced. Chosen longest chunks first, so a pass pads
         little; returned in admission order."""
         chunk = self.memory.prefill_chunk
-        cands = sorted((r for r in self.running if r.prefilling), key=lambda r: -min(r.target - r.kv.length, chunk))
+        waits = self.sharing.before_prefill()
+        cands = sorted((r for r in self.running if r.prefilling and id(r) not in waits),
+                       key=lambda r: -min(r.target - r.kv.length, chunk))
         if not cands:
             return []
         cap = self._step_workspace()
@@ -136,7 +159,7 @@ class Scheduler:
     def pool_want(self) -> int:
         """Pages the running rows can hold at most, together: where pool growth may stop."""
         P = self.page_size
-        return sum(-(-r.worst // P) for r in self.running)
+        return sum(-(-r.worst // P) for r in self.running) - self.cache.pool.shared
 
     def kv_limit(self) -> int:
         """KV bytes the budget leaves next to the weights and the running rows' workspace."""
@@ -180,7 +203,7 @@ class Scheduler:
     def preempt(self, row: Row) -> None:
         """Free a running row's pages and put it back at the head of the queue; its generated
         tokens are kept and prefilled again when it is readmitted."""
-        self.cache.release(row.kv)
+        self.cache.release(row.kv, tokens=row.seq)  # its full pages stay cached, for its readmission
         self.running.remove(row)
         row.active = False
         self.waiting.appendleft(row)

@@ -69,11 +69,14 @@ class SamplingParams:
 
 @dataclass
 class Request:
-    """One row to generate. `key` is the stable row key."""
+    """One row to generate. `key` is the stable row key. `group`: requests that are samples of one
+    prompt (same group, same prompt tokens) are prefilled once and forked (engine/sharing.py);
+    each still has its own key, seed and result (engine/samples.py makes them)."""
 
     key: str
     prompt_tokens: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    group: Optional[str] = None
 
 
 @dataclass
@@ -83,6 +86,7 @@ class RowStats:
     ttft_s: Optional[float] = None  # from admission to the first token
     queue_s: Optional[float] = None  # from add() to admission (waiting for a slot or memory)
     preemptions: int = 0
+    cached_tokens: int = 0  # prompt tokens taken from cached or shared pages instead of computed
     decode_tps: Optional[float] = None
     wall_s: float = 0.0
     peak_kv_bytes: int = 0

@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from kvbatch.engine.errors import INSUFFICIENT_MEMORY
 from kvbatch.engine.sizes import fmt_bytes
 
-from kvbatch.pipeline import durations, locate, passthrough, procs
+from kvbatch.pipeline import durations, locate, passthrough, procs, samples
 from kvbatch.pipeline import summary as summ
 from kvbatch.pipeline.config import Config, ConfigError, as_dict, config_hash, engine_config, parse_injection
 from kvbatch.pipeline.finalize import Finalized, finalize, reconcile, regenerate
@@ -110,7 +110,8 @@ def enqueue(job: Job) -> tuple[Queue, int, int]:
     """Read the input (ConfigError on file-level problems) and enqueue it; (queue, rows, new rows).
     Rows whose content changed since they were queued, and rows refused for memory when the memory
     settings changed, are generated again (their old results superseded, see Queue.regenerate)."""
-    rows = read_rows(job.input_path, job.cfg.job.format, job.cfg.job)
+    inputs = read_rows(job.input_path, job.cfg.job.format, job.cfg.job)
+    rows = samples.expand(inputs, job.cfg.sampling.n)  # one queue row per (input row, sample)
     try:
         job.out_dir.mkdir(parents=True, exist_ok=True)
         q = open_queue(job)
@@ -122,6 +123,7 @@ def enqueue(job: Job) -> tuple[Queue, int, int]:
     q.set_meta("input", str(job.input_path))
     q.set_meta("output_dir", str(job.out_dir))
     q.set_meta("config", OmegaConf.to_yaml(OmegaConf.structured(job.cfg)))  # status from a host without the folder
+    q.set_meta(samples.META, str(samples.SAMPLE_SLOTS))
     changed = q.changed(rows)
     added = q.enqueue(rows)
     carry_columns(job, rows)
@@ -137,8 +139,10 @@ def carry_columns(job: Job, rows: list) -> None:
     """The input's columns kvbatch does not use, for results.parquet (pipeline/passthrough.py)."""
     try:
         fmt = detect_format(job.input_path, job.cfg.job.format)
-        keys = [r.key for r in sorted(rows, key=lambda r: r.pos)]
-        passthrough.write(job.out_dir, job.input_path, fmt, job.cfg.job, keys)
+        by_pos: dict[int, list[str]] = {}
+        for r in sorted(rows, key=lambda r: r.pos):  # an input row's samples share its columns
+            by_pos.setdefault(r.pos // samples.SAMPLE_SLOTS, []).append(r.key)
+        passthrough.write(job.out_dir, job.input_path, fmt, job.cfg.job, list(by_pos.values()))
     except Exception as exc:  # noqa: BLE001 - the rows still run; say that their extra columns will be missing
         say(f"kvbatch: warning: the input's other columns cannot be carried to results.parquet "
             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")

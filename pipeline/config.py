@@ -67,7 +67,8 @@ class SamplingConfig:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
-    seed: int = 0
+    seed: int = 0  # a row without its own seed samples with one derived from this and its row key
+    n: int = 1  # samples per row: results get one row per (row, sample); the prompt is prefilled once
     min_p: float = 0.0  # 0 = off; drop tokens below min_p x the top token's probability
     repetition_penalty: float = 1.0  # 1 = off; > 1 discourages every token of the prompt and the output so far
     presence_penalty: float = 0.0  # [-2, 2]; subtracted once from each token already output
@@ -225,6 +226,7 @@ def validate(cfg: Config) -> None:
         response_format.resolve(job.response_format)
     except ValueError as exc:
         raise ConfigError(f"job.response_format={_short(job.response_format)}: {exc}") from None
+    _range("sampling.n", s.n, ranges.n_error)
     _need(cfg.output.progress in ("auto", "on", "off"), "output.progress", cfg.output.progress,
           "choose one of auto, on, off")
     try:
@@ -294,6 +296,8 @@ def run_identity(cfg: Config, input_path: str, include_kv: bool) -> str:
     if include_kv:
         keyed["kv"] = asdict(cfg.kv)
         keyed["engine_options"] = cfg.engine.options.identity()
+        if not cfg.engine.prefix_cache:  # it can change tokens (q8/q4: a cached prefix was read quantized)
+            keyed["prefix_cache"] = False
     blob = json.dumps(keyed, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 

@@ -1,4 +1,5 @@
-"""Finalize: results.parquet from the durable parts, each input row exactly once, in input order.
+"""Finalize: results.parquet from the durable parts, each input row (each of its samples) exactly once,
+in input order.
 
 The queue says which part holds each finished row; a row found in a part but not
 acknowledged (its worker died between the rename and the ack) is adopted, not run
@@ -17,7 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvbatch.pipeline import passthrough
+from kvbatch.pipeline import passthrough, samples
 from kvbatch.pipeline.parts import clean_temp, quarantine, scan, write_atomic
 from kvbatch.pipeline.results import SCHEMA, to_table
 from kvbatch.pipeline.queue import Queue
@@ -114,15 +115,17 @@ def finalize(out_dir: Path, q: Queue, metadata: dict[str, str]) -> Finalized:
     with q.exclusive():
         clean_temp(out_dir)
         done = _reconcile(out_dir, q)
-        table = passthrough.attach(_assemble(done.good, done.chosen), out_dir)
+        slots = samples.slots_of(q.get_meta(samples.META))
+        table = passthrough.attach(_assemble(done.good, done.chosen, slots), out_dir)
         table = table.replace_schema_metadata({k.encode(): v.encode() for k, v in metadata.items()})
         write_atomic(table, done.path)
     done.rows, done.table = table.num_rows, table
     return done
 
 
-def _assemble(good: dict[str, pa.Table], chosen: list[tuple[int, str, int]]) -> pa.Table:
-    """Take the chosen rows from their parts, set row_index to the input position, sort by it."""
+def _assemble(good: dict[str, pa.Table], chosen: list[tuple[int, str, int]], slots: int = 1) -> pa.Table:
+    """Take the chosen rows from their parts, set row_index to the input position (queue position //
+    slots: pipeline/samples.py), sort by it and the sample index."""
     if not chosen:
         return to_table([])
     by_part: dict[str, list[tuple[int, int]]] = {}
@@ -132,6 +135,6 @@ def _assemble(good: dict[str, pa.Table], chosen: list[tuple[int, str, int]]) -> 
     for name, rows in by_part.items():
         t = good[name].replace_schema_metadata(None).take(pa.array([i for _, i in rows], pa.int64()))
         pieces.append(t.set_column(t.column_names.index("row_index"), "row_index",
-                                   pa.array([p for p, _ in rows], pa.int64())))
+                                   pa.array([p // slots for p, _ in rows], pa.int64())))
     table = pa.concat_tables(pieces).cast(SCHEMA)
-    return table.take(pc.sort_indices(table, sort_keys=[("row_index", "ascending")]))
+    return table.take(pc.sort_indices(table, sort_keys=[("row_index", "ascending"), ("sample_index", "ascending")]))

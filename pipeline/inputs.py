@@ -222,6 +222,9 @@ def row_payload(row: dict, job: JobConfig) -> dict:
         if not _missing(row.get("top_k")):
             out["top_k"] = _int("top_k", row["top_k"], 0)
             _check("top_k", out["top_k"], ranges.top_k_error)
+        if not _missing(row.get("n")):
+            out["n"] = _int("n", row["n"], 1)
+            _check("n", out["n"], ranges.n_error)
         if not _missing(row.get("stop")):
             out["stop"] = _stop(row["stop"])
         _controls(row, out)

@@ -5,7 +5,7 @@ back next to each row's output instead of having to be joined again. At enqueue 
 read once more and every column except those kvbatch uses (the prompt/messages column, the id
 column: `row_key` holds it, and the per-row parameters whose effective values are results columns
 of their own: max_tokens, temperature, top_p, top_k, seed, and issue 24's controls, min_p ...
-response_format) is written, with the row keys, to
+response_format; and n) is written, with the row keys, to
 `passthrough.parquet` in the output folder; finalize appends those columns to results.parquet by
 row key. Types: a Parquet input's columns keep their Arrow types exactly; JSONL/CSV values get the
 types pyarrow infers (CSV cells are strings), and a JSONL column whose values mix types is carried
@@ -25,10 +25,10 @@ from kvbatch.pipeline.parts import write_atomic
 from kvbatch.pipeline.results import COLUMNS
 
 FILE = "passthrough.parquet"
-# results columns hold their values
+# used by kvbatch (results columns hold their values)
 ROW_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "min_p", "repetition_penalty",
               "presence_penalty", "frequency_penalty", "min_tokens", "stop_token_ids", "ignore_eos", "logprobs",
-              "prompt_logprobs", "response_format")
+              "prompt_logprobs", "response_format", "n")
 
 
 def carried_name(name: str) -> str:
@@ -73,15 +73,19 @@ def extra_columns(path: Path, fmt: str, job: JobConfig, n_rows: int) -> pa.Table
     return _from_records(records, used) if len(records) == n_rows else pa.table({})
 
 
-def write(out_dir: Path, path: Path, fmt: str, job: JobConfig, keys_by_pos: list[str]) -> None:
-    """passthrough.parquet for this input (removed when it has no carried columns)."""
+def write(out_dir: Path, path: Path, fmt: str, job: JobConfig, keys_by_pos: list[list[str]]) -> None:
+    """passthrough.parquet for this input (removed when it has no carried columns): keys_by_pos holds
+    the row keys of each input position (several: its samples, which all carry its columns)."""
     target = out_dir / FILE
     extra = extra_columns(path, fmt, job, len(keys_by_pos))
     if not extra.num_columns:
         target.unlink(missing_ok=True)
         return
     extra = extra.rename_columns([carried_name(c) for c in extra.column_names]).replace_schema_metadata(None)
-    write_atomic(extra.add_column(0, "row_key", pa.array(keys_by_pos, pa.string())), target)
+    if any(len(keys) != 1 for keys in keys_by_pos):
+        extra = extra.take(pa.array([pos for pos, keys in enumerate(keys_by_pos) for _ in keys], pa.int64()))
+    keys = [k for ks in keys_by_pos for k in ks]
+    write_atomic(extra.add_column(0, "row_key", pa.array(keys, pa.string())), target)
 
 
 def attach(table: pa.Table, out_dir: Path) -> pa.Table:

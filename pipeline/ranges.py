@@ -15,6 +15,7 @@ INT32_MAX = 2**31 - 1
 SEED_MAX = 2**63 - 1  # the results' seed column is int64 (MLX keys take up to 2**64 - 1)
 MIN_TEMPERATURE = 1e-3  # below this (and above 0) 1/T overflows on fp16 logits; use 0 for greedy
 MAX_TEMPERATURE = 1e3
+MAX_SAMPLES = 4096  # n: samples of one row (queue positions per input row, pipeline/samples.py)
 
 
 def max_tokens_error(v: int) -> str | None:
@@ -30,6 +31,12 @@ def seed_error(v: int) -> str | None:
         return "must be >= 0"
     if v > SEED_MAX:
         return f"must be <= {SEED_MAX} (2**63 - 1)"
+    return None
+
+
+def n_error(v: int) -> str | None:
+    if not 1 <= v <= MAX_SAMPLES:
+        return f"must be between 1 and {MAX_SAMPLES}"
     return None
 
 

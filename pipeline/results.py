@@ -24,12 +24,14 @@ def _col(arrow: pa.DataType, default=None):
 class ResultRecord:
     row_key: str = _col(pa.string())
     row_index: int = _col(pa.int64())  # the row's position in the input
+    sample_index: int = _col(pa.int32(), 0)  # which of the row's n samples (0 when n = 1)
     job: Optional[str] = _col(pa.string())
     run_id: Optional[str] = _col(pa.string())
     prompt: Optional[str] = _col(pa.string())
     output: Optional[str] = _col(pa.string())
     output_token_ids: list[int] = field(default_factory=list, metadata={"arrow": pa.list_(pa.int32())})
     prompt_tokens: Optional[int] = _col(pa.int32())
+    cached_tokens: Optional[int] = _col(pa.int32())  # prompt tokens taken from cached or shared pages
     output_tokens: int = _col(pa.int32(), 0)
     finish_reason: str = _col(pa.string(), "error")  # stop | length | error
     stop_reason: Optional[str] = _col(pa.string())  # the stop string, or the stop token's id; null: EOS etc.

@@ -53,6 +53,9 @@ def build(table: pa.Table, counts: dict[str, int], sessions: list[dict], this_ru
         "rows_by_error_code": by_code,
         "rows_remaining": counts.get("pending", 0) + counts.get("leased", 0),
         "prompt_tokens": col("prompt_tokens"),
+        # prefix caching and n samples: prompt tokens taken from cached or shared pages, and those computed
+        "prompt_tokens_cached": col("cached_tokens"),
+        "prompt_tokens_prefilled": col("prompt_tokens") - col("cached_tokens"),
         "output_tokens": col("output_tokens"),
         "preemptions": col("preemptions"),  # engine.admission=optimistic: rows' pages freed and recomputed
         "this_run": {"rows": run.get("rows", 0), "generated_tokens": run.get("tokens", 0),

@@ -47,7 +47,7 @@ from typing import Any, Callable, Optional
 
 from kvbatch.engine.errors import INTERNAL_ERROR, INVALID_INPUT
 from kvbatch.engine.types import Request, Result, SamplingParams
-from kvbatch.pipeline import debug, procs, response_format
+from kvbatch.pipeline import debug, procs, response_format, samples
 from kvbatch.pipeline.chat import transcript
 from kvbatch.pipeline.config import Config
 from kvbatch.pipeline.durations import deadline_at
@@ -134,18 +134,19 @@ class Worker:
         self.last_flush = time.monotonic()
         self.stats = WorkStats()
         self.alone: Optional[str] = None  # key of a row running alone (isolate_after crashes)
+        self.slots = samples.slots_of(queue.get_meta(samples.META))  # queue positions per input row
         self.seen_tokens = 0  # the current engine's generated tokens already reported to progress
         self.job_format = _UNSET  # job.response_format, resolved on first use
 
     # ---- records ---------------------------------------------------------------------------
-    def _sampling(self, payload: dict) -> SamplingParams:
-        c, s = self.cfg, self.cfg.sampling
+    def _sampling(self, row: Claimed) -> SamplingParams:
+        c, s, payload = self.cfg, self.cfg.sampling, row.payload
         fmt = self._format(payload)
         return SamplingParams(max_tokens=payload.get("max_tokens", c.job.max_tokens),
                               temperature=payload.get("temperature", s.temperature),
                               top_p=payload.get("top_p", s.top_p),
                               top_k=payload.get("top_k", s.top_k),
-                              seed=payload.get("seed", s.seed),
+                              seed=samples.seed_for(payload, row.key, s.seed),
                               stop=tuple(payload.get("stop", c.job.stop)),
                               stop_token_ids=tuple(payload.get("stop_token_ids", c.job.stop_token_ids)),
                               min_tokens=payload.get("min_tokens", c.job.min_tokens),
@@ -169,11 +170,12 @@ class Worker:
     def _record(self, c: Claimed, res: Optional[Result] = None, code: Optional[str] = None,
                 msg: Optional[str] = None) -> ResultRecord:
         """The row's result: from the engine's Result, or an error that never reached the engine."""
-        rec = ResultRecord(row_key=c.key, row_index=c.pos, job=self.cfg.job.name, run_id=self.id,
+        rec = ResultRecord(row_key=c.key, row_index=c.pos // self.slots, sample_index=c.payload.get("sample_index", 0),
+                           job=self.cfg.job.name, run_id=self.id,
                            prompt=c.payload.get("prompt"), model=self.rt.model_name, kv_mode=self.cfg.kv.mode,
                            attempt=c.attempt, worker=self.id, error_code=code, error_message=msg)
         if "error" not in c.payload:
-            p = self._sampling(c.payload)
+            p = self._sampling(c)
             rec.max_tokens, rec.temperature, rec.top_p, rec.top_k, rec.seed = (
                 p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed)
             rec.min_p, rec.repetition_penalty, rec.presence_penalty, rec.frequency_penalty = (
@@ -186,7 +188,7 @@ class Worker:
             rec.output, rec.output_token_ids, rec.output_tokens = res.text, list(res.tokens), len(res.tokens)
             rec.finish_reason, rec.error_code, rec.error_message = res.finish_reason, res.error_code, res.error_message
             rec.prompt_tokens, rec.ttft_s, rec.decode_tps = s.prompt_tokens, s.ttft_s, s.decode_tps
-            rec.queue_s, rec.preemptions = s.queue_s, s.preemptions
+            rec.queue_s, rec.preemptions, rec.cached_tokens = s.queue_s, s.preemptions, s.cached_tokens
             rec.wall_s, rec.peak_kv_bytes, rec.route = s.wall_s, s.peak_kv_bytes, s.route or None
             rec.stop_reason = res.stop_reason
             if res.error_code is None:
@@ -237,7 +239,8 @@ class Worker:
                     self.flush(force=True)
                     self.alone = c.key
                 try:
-                    self.eng.add(Request(key=c.key, prompt_tokens=ids, sampling=self._sampling(c.payload)))
+                    self.eng.add(Request(key=c.key, prompt_tokens=ids, sampling=self._sampling(c),
+                                         group=c.payload.get("group")))
                 except Exception as exc:  # noqa: BLE001 - the engine refused this one row
                     self.alone = None if self.alone == c.key else self.alone
                     self._add(self._record(c, code=INTERNAL_ERROR, msg=f"the engine refused this row: "

@@ -98,6 +98,14 @@ class DenseStore:
             self.v[i][idx] = 0
         mx.eval(self.k, self.v)
 
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        """Pages dst become copies of pages src, in every layer (copy on write of a forked row's
+        partly filled page)."""
+        s, d = mx.array(src, dtype=mx.int32), mx.array(dst, dtype=mx.int32)
+        for i in range(len(self.k)):
+            self.k[i][d] = self.k[i][s]
+            self.v[i][d] = self.v[i][s]
+
     def gather(self, layer: int, table: mx.array) -> tuple[mx.array, mx.array]:
         """table (B, max_pages) -> K, V as (B, kv_heads, max_pages*page_size, head_dim), contiguous."""
         return self._take(self.k[layer], table), self._take(self.v[layer], table)
@@ -217,6 +225,13 @@ class QuantizedStore:
             self.tk[i][tail] = 0
             self.tv[i][tail] = 0
         mx.eval(self.tk, self.tv)
+
+    def copy_tail(self, src: int, dst: int) -> None:
+        """Tail page dst becomes a copy of tail page src, in every layer (copy on write of a forked
+        row's partly filled page: in q8/q4 it is kept dense, in its tail)."""
+        for i in range(len(self.tk)):
+            self.tk[i][dst] = self.tk[i][src]
+            self.tv[i][dst] = self.tv[i][src]
 
     def write_tokens(self, layer: int, tail_rows: mx.array, k: mx.array, v: mx.array) -> None:
         """One new token per row into its tail page (decode). k, v: (B, kv_heads, head_dim);

@@ -103,9 +103,9 @@ def record_page_tables(cache_manager) -> dict[str, list[int]]:
     tables: dict[str, list[int]] = {}
     release = cache_manager.release
 
-    def keep(row):
+    def keep(row, *args, **kw):
         tables[row.key] = list(row.pages)
-        release(row)
+        release(row, *args, **kw)
 
     cache_manager.release = keep
     return tables

@@ -97,13 +97,13 @@ class PageSnapshots:
         self.src, self.rows = cache.store, {}
         release = cache.release
 
-        def keep(row):
+        def keep(row, *args, **kw):
             if row.pages:
                 pages = mx.array(row.pages)  # buffers are (pages, kv_heads, page_size, width)
                 q = [[a[pages] for a in layer] for layer in self.src.q]
                 mx.eval(q)
                 self.rows[row.key] = (q, row.length)
-            release(row)
+            release(row, *args, **kw)
 
         cache.release = keep
 

@@ -78,8 +78,12 @@ def test_preempted_greedy_rows_match_an_unpreempted_run(tiny_model, lookahead):
     got, eng = _run(m, "none", _budget(m, "none"), "optimistic", forced=False,
                     options=EngineOptions(lookahead=lookahead))
     assert eng.lookahead == (lookahead == "on")
-    assert eng.summary()["preemptions"] > 0
+    s = eng.summary()
+    assert s["preemptions"] > 0
     assert {r.key: r.tokens for r in got} == {r.key: r.tokens for r in ref}
+    # prefix caching: a preempted row's full pages (prompt and generated tokens) stay cached while the pool
+    # has room; readmitted, the row takes those that survived instead of computing them again
+    assert s["prompt_tokens_cached"] > 0 and s["page_evictions"] > 0
 
 
 def test_row_that_never_fits_alone_is_refused_under_optimistic(tiny_model):

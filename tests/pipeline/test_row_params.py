@@ -78,8 +78,9 @@ def test_unused_columns_are_carried_with_their_types(run_app, tmp_path):  # noqa
     assert got.column("output").to_pylist() != ["gold 1", "gold 2"]
     assert "id" not in got.column_names and got.column("row_key").to_pylist() == ["1", "2"]
 
-    jl = _jsonl(tmp_path, [{"prompt": "a", "category": "x", "n": 1}, {"prompt": "b", "n": "two"}], "mixed.jsonl")
+    jl = _jsonl(tmp_path, [{"prompt": "a", "category": "x", "level": 1}, {"prompt": "b", "level": "two"}],
+                "mixed.jsonl")
     path, _ = run_app(f"job.input={jl}", "job.max_tokens=2")
     rows = pq.read_table(path).to_pylist()
     assert [r["category"] for r in rows] == ["x", None]
-    assert [r["n"] for r in rows] == ["1", '"two"']  # mixed types: carried as JSON text
+    assert [r["level"] for r in rows] == ["1", '"two"']  # mixed types: carried as JSON text

@@ -1,0 +1,123 @@
+"""Which rows share pages instead of computing them (vLLM v1's prefix caching, and `n` samples
+of one prompt from one prefill), for the scheduler.
+
+- **Prefix hits.** A row takes the cached pages its token sequence begins with, at admission
+  and again before each prefill pass (a page another row finished meanwhile), and computes only
+  the rest. Its last token is always computed: its logits give the first output token.
+- **One computation of a shared page.** Before a pass, a row whose next page another running
+  row (admitted earlier) is computing waits for it instead of computing it too; when that row's
+  prompt is done, its pages are cached and the waiting row takes them. No cycle can form: a page
+  has one computing row, and the first row in admission order never waits.
+- **Forks.** Requests of one `group` (the samples of one prompt) are prefilled once: while the
+  first admitted is prefilling, the others wait; when its prompt is done, each that fits is
+  admitted as a fork: the full pages shared, the page being filled copied (kv_cache.fork), its
+  first token sampled from the same logits with its own random stream.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional
+
+from kvbatch.engine.errors import RowError
+from kvbatch.engine.kv.prefix import next_hash, prefix_hashes
+from kvbatch.engine.kv_cache import PagedKVCache
+from kvbatch.engine.row import Row
+
+
+class Sharing:
+    def __init__(self, sched: Any, cache: PagedKVCache):
+        """sched: the Scheduler that owns this (its rows, pricing and admission)."""
+        self.sched, self.cache, self.P = sched, cache, cache.P
+        self.cached_tokens = 0  # tokens rows took from shared pages instead of computing them
+        self.forks = 0
+
+    # ---- admission -------------------------------------------------------------------------
+    def _leaders(self) -> dict[str, Row]:
+        """group -> its running row whose prompt is being prefilled (the samples' first)."""
+        return {r.req.group: r for r in self.sched.running
+                if r.req.group is not None and not r.out and r.prefilling}
+
+    def first_admissible(self, waiting: Iterable[Row]) -> Optional[Row]:
+        """The first waiting row that is not a sample waiting to be forked from its group's first."""
+        leaders = self._leaders()
+        for r in waiting:
+            lead = leaders.get(r.req.group) if r.req.group is not None and not r.out else None
+            if lead is None or lead.req.prompt_tokens != r.req.prompt_tokens:
+                return r
+        return None
+
+    def _limit(self, row: Row) -> int:
+        """Pages a row may take: all full pages before its last token (computed for its logits); none
+        for a row that scores its prompt (prompt_logprobs needs every prompt position computed, as in vLLM)."""
+        if _scores_prompt(row):
+            return 0
+        return (row.target - 1) // self.P
+
+    def hit(self, row: Row) -> list[int]:
+        """Cached pages the row's sequence begins with (not taken yet)."""
+        return self.cache.computed(row.kv, row.seq, self._limit(row))
+
+    def take(self, row: Row, pages: list[int]) -> None:
+        if pages:
+            self.cache.take_cached(row.kv, pages)
+            self._count(row, len(pages) * self.P)
+
+    def _count(self, row: Row, n: int) -> None:
+        self.cached_tokens += n
+        if not row.preemptions:  # a row's own stat: its prompt, at its first admission
+            row.cached_tokens = min(row.cached_tokens + n, row.prompt_len)
+
+    # ---- prefill ---------------------------------------------------------------------------
+    def before_prefill(self) -> set[int]:
+        """Before a prefill pass: every prefilling row takes the cached pages that continue it;
+        returns the ids of rows that wait for a page an earlier row is computing."""
+        if not self.cache.prefix_cache:
+            return set()
+        owners: dict[bytes, Row] = {}
+        waits: set[int] = set()
+        for r in self.sched.running:  # admission order: the earlier row computes a shared page
+            if not r.prefilling:
+                continue
+            seq, limit = r.seq, self._limit(r)
+            self.take(r, self.cache.computed(r.kv, seq, limit))
+            h = next_hash(r.kv, seq, self.P, limit)
+            if h is not None and h in owners:
+                waits.add(id(r))
+                continue
+            for h in prefix_hashes(r.kv, seq, self.P, r.target // self.P):  # cached when its prompt is done
+                owners.setdefault(h, r)
+        return waits
+
+    def prompt_done(self, row: Row) -> list[Row]:
+        """The row's prefill is complete and gave finite logits: its full pages are cached, and the
+        waiting samples of its group that fit are forked from it (returned, running, prefilled)."""
+        self.cache.cache_pages(row.kv, row.seq, row.kv.length)
+        if row.req.group is None or row.out:
+            return []
+        s, forks = self.sched, []
+        for r in list(s.waiting):
+            if len(s.running) >= s.max_batch:
+                break
+            if r.req.group != row.req.group or r.out or r.req.prompt_tokens != row.req.prompt_tokens \
+                    or (_scores_prompt(r) and not _scores_prompt(row)) or s.refusal(r):
+                continue
+            r.target = r.prompt_len
+            if not s.fits([r], row.kv.length // self.P):
+                break
+            s.start(r)
+            try:
+                self.cache.fork(row.kv, r.kv, *s.limits())
+            except RowError:
+                s.running.remove(r)
+                r.active = False
+                break
+            s.waiting.remove(r)
+            if _scores_prompt(r):  # the same prompt: the same prompt log-probabilities
+                r.logprobs.prompt = list(row.logprobs.prompt)
+            self._count(r, r.prompt_len)
+            self.forks += 1
+            forks.append(r)
+        return forks
+
+
+def _scores_prompt(row: Row) -> bool:
+    return row.logprobs is not None and row.logprobs.prompt is not None
