@@ -130,7 +130,8 @@ class Scheduler:
         prefill_chunk tokens each and prefill_tokens in all (padded to the longest chunk; the
         first row always goes, so prefill_tokens=1 means one row a pass), and
         within the workspace the memory model priced. Chosen longest chunks first, so a pass pads
-        little; returned in admission order."""
+        little; returned in admission order. Before it, rows take the cached pages that continue
+        them, and rows whose next page an earlier row is computing are left out (Sharing)."""
         chunk = self.memory.prefill_chunk
         waits = self.sharing.before_prefill()
         cands = sorted((r for r in self.running if r.prefilling and id(r) not in waits),

@@ -197,3 +197,19 @@ def test_a_pass_never_writes_into_a_shared_page(tiny_model):
     c.reserve(b, 1, 1 << 30)
     with pytest.raises(UnreservedWriteError, match="shared"):
         c.begin([b], 1)
+
+
+def test_prompt_logprobs_rows_compute_their_prompt(tiny_model):
+    """A row that scores its prompt (prompt_logprobs) never takes cached pages (every prompt position must
+    be computed, as in vLLM); its samples forked from it copy its prompt's scores."""
+    m = tiny_model()
+    head = [(5 * j + 2) % 250 for j in range(50)]
+    plain = SamplingParams(max_tokens=3)
+    scored = SamplingParams(max_tokens=3, prompt_logprobs=True, temperature=1.0)
+    reqs = [Request("a", head + [1, 2, 3], plain), *samples(Request("b", head + [4, 5], scored), 2)]
+    res = _engine(m).generate(reqs)
+    alone = _engine(m, prefix_cache=False).generate([Request("b", head + [4, 5], scored)])[0]
+    assert [r.stats.cached_tokens for r in res] == [0, 0, 52]  # b#s0 computed all of it; b#s1 is its fork
+    for r in res[1:]:
+        assert len(r.logprobs.prompt) == 51
+        assert max(abs(x - y) for x, y in zip(r.logprobs.prompt, alone.logprobs.prompt)) <= 1e-4
