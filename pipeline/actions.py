@@ -272,6 +272,8 @@ def finish(job: Job, q: Queue, stats: Optional[WorkStats], t0: Optional[float] =
             "kvbatch.config_hash": job.config_hash,
             **{f"{k}.version": v for k, v in summ.versions().items()}}
     fin = finalize(job.out_dir, q, meta)
+    if job.cfg.output.openai_batch:
+        batch_output(job, fin.table)
     for why in fin.bad_parts.values():
         say(f"kvbatch: corrupt part moved to parts/corrupt/: {why}")
     if fin.requeued:
@@ -285,6 +287,22 @@ def finish(job: Job, q: Queue, stats: Optional[WorkStats], t0: Optional[float] =
     s = summ.build(fin.table, q.counts(), q.sessions(), run, extra)
     summ.write(job.out_dir / "summary.json", s)
     return fin, s
+
+
+def batch_output(job: Job, table) -> None:
+    """output.openai_batch: the OpenAI batch output JSONL beside results.parquet (token text for logprobs
+    from the model's tokenizer, loaded only when a row has logprobs)."""
+    from kvbatch.pipeline.formats import openai_batch
+
+    decode = str
+    if any(v is not None for v in table.column("output_logprobs").to_pylist()):
+        from kvbatch.pipeline.model_cache import load_model
+
+        tokenizer = load_model(job.cfg.model)[1]
+
+        def decode(tid: int) -> str:
+            return tokenizer.decode([tid])
+    openai_batch.write_output(job.out_dir / openai_batch.FILE, table, decode)
 
 
 def run(job: Job) -> Path:

@@ -29,7 +29,8 @@ from kvbatch.pipeline.escapes import unescape
 from kvbatch.pipeline.redact import redact
 
 ACTIONS = ("run", "enqueue", "work", "status", "finalize", "retry", "report")
-FORMATS = ("auto", "jsonl", "csv", "parquet")
+SHAPES = ("columns", "sharegpt", "alpaca")  # job.shape (pipeline/formats/shapes.py)
+FORMATS = ("auto", "jsonl", "csv", "parquet", "openai_batch")
 MODEL_SOURCES = ("smollm2", "local", "tiny")
 # apply_chat_template's own arguments: set by kvbatch, never by job.chat_template_kwargs
 RESERVED_KWARGS = ("conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
@@ -44,10 +45,15 @@ class ConfigError(KvbatchConfigError):
 class JobConfig:
     name: str = "sample"
     input: str = "jobs/sample_prompts.jsonl"  # relative: to the working dir, else to the project root
-    format: str = "auto"  # auto (from the suffix) | jsonl | csv | parquet
+    # auto (from the suffix; an OpenAI batch file from its first line) | jsonl | csv | parquet | openai_batch
+    format: str = "auto"
     prompt_column: str = "prompt"
     messages_column: str = "messages"
     id_column: str = "id"
+    shape: str = "columns"  # columns (prompt/messages) | sharegpt | alpaca: the dataset shapes mapped to them
+    sharegpt_column: str = "conversations"  # shape=sharegpt: the list of {from, value} turns
+    alpaca_instruction: str = "instruction"  # shape=alpaca: the instruction ...
+    alpaca_input: Optional[str] = "input"  # ... and the optional input after it (null: none)
     chat_template: bool = True  # wrap a prompt as one user message and apply the model's template
     system_prompt: Optional[str] = None  # prompt rows: a system turn before the user turn (chat_template=true)
     chat_template_kwargs: Optional[Any] = None  # passed to the template: {enable_thinking: false}
@@ -86,6 +92,7 @@ class OutputConfig:
     # exit 1 after writing the results when more than this share of the rows has an error code;
     # None: only when no row succeeded
     max_error_fraction: Optional[float] = None
+    openai_batch: bool = False  # also write batch_output.jsonl (the OpenAI Batch API's output) beside results.parquet
 
 
 @dataclass
@@ -196,6 +203,7 @@ def validate(cfg: Config) -> None:
           "use letters, digits, '_', '-', '.' (it names the output folder)")
     _need(bool(job.input), "job.input", job.input, "must name an input file")
     _need(job.format in FORMATS, "job.format", job.format, f"choose one of {', '.join(FORMATS)}")
+    _need(job.shape in SHAPES, "job.shape", job.shape, f"choose one of {', '.join(SHAPES)}")
     _range("job.max_tokens", job.max_tokens, ranges.max_tokens_error)
     _need(job.system_prompt is None or job.chat_template, "job.system_prompt", job.system_prompt,
           "needs job.chat_template=true (a system turn exists only in a chat template)")

@@ -23,6 +23,7 @@ from typing import Any, Iterator, Optional
 
 from kvbatch.pipeline import chat, paths, ranges, response_format
 from kvbatch.pipeline.config import ConfigError, JobConfig
+from kvbatch.pipeline.formats import openai_batch, shapes
 
 SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv",
             ".parquet": "parquet", ".pq": "parquet"}
@@ -47,9 +48,11 @@ def detect_format(path: Path, fmt: str) -> str:
     if fmt != "auto":
         return fmt
     found = SUFFIXES.get(path.suffix.lower())
+    if found == "jsonl" and openai_batch.sniff(path):
+        return "openai_batch"
     if found is None:
         raise ConfigError(f"job.input={str(path)!r}: cannot tell the format from the suffix "
-                          f"'{path.suffix}'; set job.format to jsonl, csv or parquet")
+                          f"'{path.suffix}'; set job.format to jsonl, csv, parquet or openai_batch")
     return found
 
 
@@ -272,8 +275,9 @@ def _unicode_safe(payload: dict) -> dict:
 
 def _row(pos: int, obj: dict, raw: Optional[str], job: JobConfig) -> tuple[Optional[str], str, dict]:
     """(the row's id or None, its content hash key, its payload) for one parsed row."""
-    if "__error__" in obj:
-        return None, _key(pos, raw or ""), _unicode_safe({"prompt": raw, "error": obj["__error__"]})
+    if "__error__" in obj:  # unreadable; an OpenAI batch request keeps its custom_id
+        rid = obj.get(job.id_column) if isinstance(obj.get(job.id_column), str) else None
+        return rid, _key(pos, raw or ""), _unicode_safe({"prompt": raw, "error": obj["__error__"]})
     payload = _unicode_safe(row_payload(obj, job))
     rid = obj.get(job.id_column)
     hashed = _key(pos, json.dumps(obj, sort_keys=True, default=str, ensure_ascii=False))
@@ -339,8 +343,11 @@ def read_rows(path: Path, fmt: str, job: JobConfig) -> list[InputRow]:
     _input_file(path)
     fmt = detect_format(path, fmt)
     try:
-        if fmt == "jsonl":
+        if fmt in ("jsonl", "openai_batch"):
             items = list(_jsonl(path))
+            if fmt == "openai_batch":  # requests mapped to kvbatch's columns (pipeline/formats/openai_batch.py)
+                items = [(o if "__error__" in o else openai_batch.to_row(o, job.id_column, job.messages_column),
+                          raw) for o, raw in items]
             parsed = [o for o, _ in items if "__error__" not in o]
             columns = set().union(*[o.keys() for o in parsed]) if parsed else None
             records = [(o, raw) for o, raw in items]
@@ -350,7 +357,11 @@ def read_rows(path: Path, fmt: str, job: JobConfig) -> list[InputRow]:
             records = [(r, None) for r in rows]
     except OSError as exc:
         raise ConfigError(f"job.input={str(path)!r}: cannot read ({exc.strerror or exc})") from None
-    if columns is not None and not ({job.prompt_column, job.messages_column} & columns):
+    if columns is not None and job.shape != "columns":  # ShareGPT / Alpaca (pipeline/formats/shapes.py)
+        shapes.check(job, columns, path.name)
+    if job.shape != "columns":
+        records = [(o if "__error__" in o else shapes.to_row(o, job), raw) for o, raw in records]
+    elif columns is not None and not ({job.prompt_column, job.messages_column} & columns):
         raise ConfigError(f"job.prompt_column={job.prompt_column!r}: no such column in {path.name} "
                           f"(nor job.messages_column={job.messages_column!r}); columns: {sorted(columns, key=str)}")
     return _unique_keys([_guarded_row(pos, obj, raw, job) for pos, (obj, raw) in enumerate(records)], job)

@@ -36,7 +36,9 @@ def carried_name(name: str) -> str:
 
 
 def _used(job: JobConfig) -> set[str]:
-    return {job.prompt_column, job.messages_column, job.id_column, *ROW_PARAMS}
+    from kvbatch.pipeline.formats import shapes
+
+    return {job.prompt_column, job.messages_column, job.id_column, *ROW_PARAMS, *shapes.used(job)}
 
 
 def _from_records(records: list[Optional[dict]], used: set[str]) -> pa.Table:
@@ -61,6 +63,8 @@ def extra_columns(path: Path, fmt: str, job: JobConfig, n_rows: int) -> pa.Table
     from kvbatch.pipeline import inputs
 
     used = _used(job)
+    if fmt == "openai_batch":  # a request's every field is mapped (or refused): nothing to carry
+        return pa.table({})
     if fmt == "parquet":
         table = pq.read_table(path)
         keep = [c for c in table.column_names if c not in used]

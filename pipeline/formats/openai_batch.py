@@ -1,0 +1,127 @@
+"""OpenAI Batch API files: requests in (job.format=openai_batch, detected from a .jsonl's first line), the
+batch output JSONL out (output.openai_batch=true), so a pipeline built on the OpenAI Batch API or vLLM's
+`run-batch` moves to kvbatch without changes.
+
+A request line (`custom_id`, `method`, `url`, `body`) becomes a row: custom_id the row key, the body's
+messages, max_tokens (or max_completion_tokens), temperature, top_p, seed, stop, presence_penalty,
+frequency_penalty, response_format, logprobs/top_logprobs as kvbatch's own per-row columns. A body key
+kvbatch cannot honour (tools, logit_bias, n > 1, ...) makes that request invalid_input naming the key:
+never accepted and ignored. `model` is not honoured either way: the job's model runs every request.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import pyarrow as pa
+
+FILE = "batch_output.jsonl"
+URLS = ("/v1/chat/completions", "/chat/completions")
+# body keys with the same name and meaning as kvbatch's per-row columns
+SAME = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty", "response_format")
+# body keys with no effect on the output (model: the job's model runs every request)
+INERT = ("model", "user", "metadata", "store", "service_tier")
+
+
+def sniff(path: Path) -> bool:
+    """Whether a JSONL file's first non-blank line is an OpenAI Batch request."""
+    try:
+        with open(path, encoding="utf-8-sig", errors="replace") as fh:
+            for line in fh:
+                if line.strip():
+                    obj = json.loads(line)
+                    return isinstance(obj, dict) and "custom_id" in obj and isinstance(obj.get("body"), dict)
+    except (OSError, ValueError, RecursionError):
+        return False
+    return False
+
+
+def _row(obj: dict, id_column: str, messages_column: str) -> dict:
+    if not isinstance(obj.get("custom_id"), str) or not obj["custom_id"]:
+        raise ValueError("custom_id must be a non-empty string")
+    url, body = obj.get("url", URLS[0]), obj.get("body")
+    if url not in URLS:
+        raise ValueError(f"url {url!r}: only /v1/chat/completions requests are supported")
+    if not isinstance(body, dict):
+        raise ValueError("body must be a JSON object")
+    row: dict[str, Any] = {id_column: obj["custom_id"], messages_column: body.get("messages")}
+    if body.get("messages") is None:
+        raise ValueError("body.messages is missing")
+    for name, value in body.items():
+        if name in ("messages", *INERT) or value is None:
+            continue
+        if name in SAME:
+            row[name] = value
+        elif name in ("max_tokens", "max_completion_tokens"):
+            row["max_tokens"] = value
+        elif name == "n":
+            if value != 1:
+                raise ValueError(f"body.n={value!r}: one completion per request only (n samples are not "
+                                 f"supported yet); send n=1 or repeat the request under other custom_ids")
+        elif name == "logprobs":
+            if not isinstance(value, bool):
+                raise ValueError(f"body.logprobs must be true or false, got {value!r}")
+        elif name == "top_logprobs":
+            if not body.get("logprobs"):
+                raise ValueError("body.top_logprobs needs body.logprobs=true")
+        elif name == "stream" and value is False:
+            continue
+        else:
+            raise ValueError(f"body.{name} is not supported by kvbatch (it would be ignored)")
+    if body.get("logprobs") is True:  # kvbatch's logprobs: the alternatives kept per token, on from 1
+        top = body.get("top_logprobs")
+        row["logprobs"] = 1 if top in (None, 0) else top  # a bad top_logprobs is refused as logprobs is
+    return row
+
+
+def to_row(obj: dict, id_column: str, messages_column: str) -> dict:
+    """One request line -> a row of kvbatch's columns, or {"__error__": why} (then invalid_input)."""
+    try:
+        return _row(obj, id_column, messages_column)
+    except ValueError as exc:
+        out = {"__error__": f"OpenAI batch request: {exc}"}
+        if isinstance(obj.get("custom_id"), str) and obj["custom_id"]:
+            out[id_column] = obj["custom_id"]  # its line still answers under its custom_id
+        return out
+
+
+def _logprobs(row: dict, decode: Callable[[int], str]) -> Optional[dict]:
+    if row.get("output_logprobs") is None:
+        return None
+
+    def tok(tid: int, lp: float) -> dict:
+        text = decode(tid)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    alts = row.get("top_logprobs") or [[] for _ in row["output_logprobs"]]
+    return {"content": [{**tok(tid, lp), "top_logprobs": [tok(a["token_id"], a["logprob"]) for a in alt]}
+                        for tid, lp, alt in zip(row["output_token_ids"], row["output_logprobs"], alts)],
+            "refusal": None}
+
+
+def output_line(row: dict, model: str, created: int, decode: Callable[[int], str]) -> dict:
+    """The batch output line of one results row: a chat.completion, or the row's error."""
+    rid = hashlib.sha256(f"{row['run_id']}\n{row['row_key']}".encode()).hexdigest()[:24]
+    line: dict[str, Any] = {"id": f"batch_req_{rid}", "custom_id": row["row_key"]}
+    if row["error_code"] is not None:
+        return {**line, "response": None, "error": {"code": row["error_code"], "message": row["error_message"]}}
+    prompt, completion = row["prompt_tokens"] or 0, row["output_tokens"] or 0
+    body = {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": row["output"], "refusal": None},
+                         "logprobs": _logprobs(row, decode), "finish_reason": row["finish_reason"]}],
+            "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}
+    return {**line, "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
+
+
+def write_output(path: Path, table: pa.Table, decode: Callable[[int], str]) -> None:
+    """The batch output JSONL (one line per request, input order) written atomically."""
+    created = int(time.time())
+    tmp = path.with_suffix(".jsonl.tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        for row in table.to_pylist():
+            fh.write(json.dumps(output_line(row, row["model"] or "", created, decode),
+                                ensure_ascii=False) + "\n")
+    tmp.replace(path)
