@@ -4,14 +4,17 @@ batch output JSONL out (output.openai_batch=true), so a pipeline built on the Op
 
 A request line (`custom_id`, `method`, `url`, `body`) becomes a row: custom_id the row key, the body's
 messages, max_tokens (or max_completion_tokens), temperature, top_p, seed, stop, presence_penalty,
-frequency_penalty, response_format, logprobs/top_logprobs as kvbatch's own per-row columns. A body key
-kvbatch cannot honour (tools, logit_bias, n > 1, ...) makes that request invalid_input naming the key:
+frequency_penalty, response_format, logprobs/top_logprobs, n as kvbatch's own per-row columns. A body
+key kvbatch cannot honour (tools, logit_bias, ...) makes that request invalid_input naming the key:
 never accepted and ignored. `model` is not honoured either way: the job's model runs every request.
+A request's n samples are results rows of one row_index (sample_index 0..n-1): one output line, its
+choices in sample order; a failed sample makes the line an error (the format has no partial answer).
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -57,10 +60,8 @@ def _row(obj: dict, id_column: str, messages_column: str) -> dict:
             row[name] = value
         elif name in ("max_tokens", "max_completion_tokens"):
             row["max_tokens"] = value
-        elif name == "n":
-            if value != 1:
-                raise ValueError(f"body.n={value!r}: one completion per request only (n samples are not "
-                                 f"supported yet); send n=1 or repeat the request under other custom_ids")
+        elif name == "n":  # n samples: one results row each, the choices of one output line
+            row["n"] = value
         elif name == "logprobs":
             if not isinstance(value, bool):
                 raise ValueError(f"body.logprobs must be true or false, got {value!r}")
@@ -102,16 +103,30 @@ def _logprobs(row: dict, decode: Callable[[int], str]) -> Optional[dict]:
             "refusal": None}
 
 
-def output_line(row: dict, model: str, created: int, decode: Callable[[int], str]) -> dict:
-    """The batch output line of one results row: a chat.completion, or the row's error."""
-    rid = hashlib.sha256(f"{row['run_id']}\n{row['row_key']}".encode()).hexdigest()[:24]
-    line: dict[str, Any] = {"id": f"batch_req_{rid}", "custom_id": row["row_key"]}
-    if row["error_code"] is not None:
-        return {**line, "response": None, "error": {"code": row["error_code"], "message": row["error_message"]}}
-    prompt, completion = row["prompt_tokens"] or 0, row["output_tokens"] or 0
+def _custom_id(rows: list[dict]) -> str:
+    """The request's id: the row key, or for n samples the key their sample keys were made from."""
+    if len(rows) == 1 and not rows[0].get("sample_index"):
+        return rows[0]["row_key"]
+    return re.sub(r"#s\d+#*$", "", rows[0]["row_key"])
+
+
+def output_line(rows: list[dict], model: str, created: int, decode: Callable[[int], str]) -> dict:
+    """The batch output line of one request (its results rows: one, or its n samples in order): a
+    chat.completion, or the first error among them."""
+    cid = _custom_id(rows)
+    rid = hashlib.sha256(f"{rows[0]['run_id']}\n{cid}".encode()).hexdigest()[:24]
+    line: dict[str, Any] = {"id": f"batch_req_{rid}", "custom_id": cid}
+    failed = [r for r in rows if r["error_code"] is not None]
+    if failed:
+        r = failed[0]
+        which = f"sample {r.get('sample_index') or 0}: " if len(rows) > 1 else ""
+        return {**line, "response": None, "error": {"code": r["error_code"], "message": which + r["error_message"]}}
+    prompt = rows[0]["prompt_tokens"] or 0
+    completion = sum(r["output_tokens"] or 0 for r in rows)
+    choices = [{"index": i, "message": {"role": "assistant", "content": r["output"], "refusal": None},
+                "logprobs": _logprobs(r, decode), "finish_reason": r["finish_reason"]} for i, r in enumerate(rows)]
     body = {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": row["output"], "refusal": None},
-                         "logprobs": _logprobs(row, decode), "finish_reason": row["finish_reason"]}],
+            "choices": choices,
             "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}
     return {**line, "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
 
@@ -119,9 +134,12 @@ def output_line(row: dict, model: str, created: int, decode: Callable[[int], str
 def write_output(path: Path, table: pa.Table, decode: Callable[[int], str]) -> None:
     """The batch output JSONL (one line per request, input order) written atomically."""
     created = int(time.time())
+    requests: dict[int, list[dict]] = {}
+    for row in table.to_pylist():  # in input order, a row's samples together
+        requests.setdefault(row["row_index"], []).append(row)
     tmp = path.with_suffix(".jsonl.tmp")
     with open(tmp, "w", encoding="utf-8") as fh:
-        for row in table.to_pylist():
-            fh.write(json.dumps(output_line(row, row["model"] or "", created, decode),
-                                ensure_ascii=False) + "\n")
+        for rows in requests.values():
+            rows.sort(key=lambda r: r.get("sample_index") or 0)
+            fh.write(json.dumps(output_line(rows, rows[0]["model"] or "", created, decode), ensure_ascii=False) + "\n")
     tmp.replace(path)
