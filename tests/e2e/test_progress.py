@@ -64,8 +64,10 @@ def test_bar_on_a_terminal_counts_tokens_before_the_first_row_finishes(tmp_path,
 def test_plain_progress_lines_when_stderr_is_not_a_terminal(tmp_path, model_cache_dir):
     log = tmp_path / "run.log"
     with open(log, "w") as fh:
-        p = subprocess.run(_args(tmp_path, model_cache_dir, "output.progress_every=1s"), stdout=fh, stderr=fh,
-                           cwd=tmp_path, env={**os.environ, "PYTHONWARNINGS": "ignore"}, timeout=240)
+        # 10 layers: the 1,500 tokens take several seconds on any host (2 layers took 2 s: one line before the end)
+        p = subprocess.run(_args(tmp_path, model_cache_dir, "output.progress_every=1s", "model.num_layers=10"),
+                           stdout=fh, stderr=fh, cwd=tmp_path, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+                           timeout=240)
     text = log.read_text()
     assert p.returncode == 0, text
     lines = re.findall(r"kvbatch: progress: (\d+)/1 rows, (\d+)/(\d+) tokens, ([\d.]+) tok/s, "
