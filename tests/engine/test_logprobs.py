@@ -5,6 +5,7 @@ import kvbatch.engine  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from kvbatch.engine import logprobs
 from kvbatch.engine.engine import Engine
 from kvbatch.engine.types import Request, SamplingParams
 from tests.conftest import engine_config
@@ -68,3 +69,16 @@ def test_rows_without_logprobs_record_none(tiny_model):
     assert res[0].logprobs is None
     assert res[1].logprobs.prompt is None and len(res[1].logprobs.tokens) == 4
     assert all(len(t) == 2 for t in res[1].logprobs.top)
+
+
+def test_top_k_over_a_large_vocabulary_equals_a_full_sort():
+    """The two-stage top-k (blocks first) against argsort, with the vocabulary a multiple of the block
+    size and not; and the log-sum-exp against MLX's."""
+    for V in (49152, 10007):
+        x = 4 * mx.random.normal((6, V), key=mx.random.key(V))
+        for k in (1, 5, 20):
+            ids, vals = logprobs.top_k(x, k)
+            want = mx.argsort(-x, axis=-1)[:, :k]
+            assert mx.array_equal(ids, want).item(), (V, k)
+            assert mx.array_equal(vals, mx.take_along_axis(x, want, axis=-1)).item()
+        assert mx.allclose(logprobs.logsumexp(x), mx.logsumexp(x, axis=-1, keepdims=True), atol=1e-5).item()
