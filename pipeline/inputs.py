@@ -124,18 +124,6 @@ def _int(name: str, v: Any, lo: int) -> int:
     return int(v)
 
 
-def _float(name: str, v: Any) -> float:
-    try:
-        if isinstance(v, bool):
-            raise ValueError
-        f = float(v.strip() if isinstance(v, str) else v)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number, got {v!r}") from None
-    if not math.isfinite(f) or f < 0:
-        raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
-    return f
-
-
 def _signed(name: str, v: Any) -> float:
     """A finite number of either sign (the penalties)."""
     try:
@@ -146,6 +134,14 @@ def _signed(name: str, v: Any) -> float:
         raise ValueError(f"{name} must be a number, got {v!r}") from None
     if not math.isfinite(f):
         raise ValueError(f"{name} must be a finite number, got {v!r}")
+    return f
+
+
+def _float(name: str, v: Any) -> float:
+    """A finite number >= 0."""
+    f = _signed(name, v)
+    if f < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
     return f
 
 
