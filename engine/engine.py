@@ -92,8 +92,9 @@ class Engine:
         self.runner.flush = self.stepper.flush
 
     # ---- public surface --------------------------------------------------------------------
-    def add(self, req: Request) -> None:
-        """Queue a row; it is admitted by a later step() when a slot and memory allow."""
+    def add(self, req: Request, score=None) -> None:
+        """Queue a row; it is admitted by a later step() when a slot and memory allow. score: a
+        TeacherForced scorer (engine/scoring.py, which adds such rows itself)."""
         p = req.sampling
         worst = min(len(req.prompt_tokens) + max(p.max_tokens, 0), self.spec.context_length)
         matcher, problem = None, None
@@ -103,7 +104,7 @@ class Engine:
             except RowError as e:
                 problem = (e.code, e.message)
         row = Row(req, CacheRow(req.key), RowSampler(p, req.prompt_tokens, self.output.eos_ids, matcher), worst,
-                  time.perf_counter(), forced=self.hooks.forced_tokens.get(req.key))
+                  time.perf_counter(), forced=self.hooks.forced_tokens.get(req.key), score=score)
         if p.logprobs or p.prompt_logprobs:
             row.logprobs = Logprobs(prompt=[] if p.prompt_logprobs else None)
         if problem:  # a grammar llguidance rejects: the row ends now, with its error

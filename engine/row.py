@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.sampling import RowSampler
@@ -27,6 +27,7 @@ class Row:
     active: bool = False  # in the running batch
     ended: bool = False
     logprobs: Optional[Logprobs] = None  # recorded when the row asks for logprobs or prompt_logprobs
+    score: Optional[Any] = None  # a teacher-forced scorer (engine/scoring.py): its text is scored, nothing sampled
 
     @property
     def prompt_len(self) -> int:

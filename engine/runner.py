@@ -91,14 +91,16 @@ class Runner:
             try:
                 h, head = forward_hidden(self.model, inputs, self.cache.views)
                 scores = self._prompt_scores(batch, before, h, head)
+                forced = [a for j, (row, n) in enumerate(batch) if row.score is not None
+                          for a in row.score.take(before[j], h[j, :n], head)]
                 logits = head(pick_last(h, None if L == min(lens) else mx.array(lens) - 1))[:, -1, :]
                 done = [i for i, f in enumerate(last) if f]
                 if done:
                     logits = (logits if len(done) == len(rows) else logits[mx.array(done)]).astype(mx.float32)
                     finite = mx.isfinite(logits).all(axis=-1)
-                    mx.eval(logits, finite, *[a for _, a in scores], self.cache.store.all_arrays())
+                    mx.eval(logits, finite, *[a for _, a in scores], *forced, self.cache.store.all_arrays())
                 else:
-                    mx.eval(*[a for _, a in scores], self.cache.store.all_arrays())
+                    mx.eval(*[a for _, a in scores], *forced, self.cache.store.all_arrays())
             finally:
                 self.cache.end()
         except Exception as e:

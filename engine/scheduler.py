@@ -135,14 +135,14 @@ class Scheduler:
         chunk = self.memory.prefill_chunk
         waits = self.sharing.before_prefill()
         cands = sorted((r for r in self.running if r.prefilling and id(r) not in waits),
-                       key=lambda r: -min(r.target - r.kv.length, chunk))
+                       key=lambda r: -self._chunk(r, chunk))
         if not cands:
             return []
         cap = self._step_workspace()
         batch: list[tuple[Row, int]] = []
         L = T = 0
         for r in cands:
-            n = min(r.target - r.kv.length, chunk)
+            n = self._chunk(r, chunk)
             L2, T2 = max(L, n), max(T, r.kv.length + n)
             if batch and ((len(batch) + 1) * L2 > self.prefill_tokens
                           or self.memory.prefill_pass(len(batch) + 1, L2, T2) > cap):
@@ -151,6 +151,11 @@ class Scheduler:
             L, T = L2, T2
         order = {id(r): i for i, r in enumerate(self.running)}
         return sorted(batch, key=lambda b: order[id(b[0])])
+
+    def _chunk(self, r: Row, chunk: int) -> int:
+        """A row's next prefill chunk (a scored text's chunks end at page boundaries: engine/scoring.py)."""
+        n = min(r.target - r.kv.length, chunk)
+        return n if r.score is None else r.score.chunk(r.kv.length, n, self.page_size)
 
     def _step_workspace(self) -> int:
         tokens = [self.priced(r) for r in self.running] or [1]

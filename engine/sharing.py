@@ -48,7 +48,7 @@ class Sharing:
     def _limit(self, row: Row) -> int:
         """Pages a row may take: all full pages before its last token (computed for its logits); none
         for a row that scores its prompt (prompt_logprobs needs every prompt position computed, as in vLLM)."""
-        if _scores_prompt(row):
+        if _scores_prompt(row) or row.score is not None:  # a scored text: every position computed here
             return 0
         return (row.target - 1) // self.P
 
