@@ -4,7 +4,7 @@
 Each case builds a QuantizedStore (keys per channel, page 64, group 64) holding B rows of T sealed
 tokens on scattered pages plus a half-full tail page, and times the two routes alternately (A, B, A,
 B, ...) so both see the same machine conditions; medians in ms. "split" is the number of CPU streams
-the engine's `qmm_split` gives the case (both routes use it); the 1-stream rows force one.
+the engine's `stream_split` gives the case (both routes use it); the 1-stream rows force one.
 
     flock /tmp/kvbatch-bench.lock .venv/bin/python benchmarks/cpu_quant_decode_attention.py --out …
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -25,6 +26,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from kvbatch.engine.routes import quant as att  # noqa: E402
+from kvbatch.engine.routes.cpu_streams import cpu_streams, stream_split  # noqa: E402
 from kvbatch.engine.kv.store import QuantizedStore  # noqa: E402
 
 
@@ -47,9 +49,9 @@ def case(B: int, T: int, bits: int, P: int = 64, group: int = 64, H: int = 3, Hq
     fill = P // 2
     q = mx.array(rng.standard_normal((B, Hq, 1, D)).astype(np.float32))
     scale = D ** -0.5
-    streams = att.qmm_streams()
+    streams = cpu_streams(min(os.cpu_count() or 1, 4))  # the CPU route's default
     most = min(len(streams), n) if streams_max is None else streams_max
-    split = att.qmm_split(B * H, T, D, most)
+    split = stream_split(B * H, T, D, most)
     cuts = [n * i // split for i in range(split + 1)]
     # the previous route's plan and inputs
     mask_q = mx.ones((B, 1, 1, T), mx.bool_)

@@ -31,9 +31,9 @@ import kvbatch.engine as engine  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
-from kvbatch.engine.routes import rope_cpu as rope
 from kvbatch.engine.config import EngineOptions
 from kvbatch.engine.engine import Engine
+from kvbatch.engine.mlx_lm_bridge import as_shipped
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.load import load_model
 from kvbatch.engine.types import Request, SamplingParams
@@ -62,7 +62,7 @@ def prompts_for(batch: int, length: int, vocab: int, seed: int = 1) -> list[list
 
 
 def run_mlx_lm(model, ps, new):
-    rope.uninstall(model)  # mlx-lm runs the model as it ships (kvbatch's Engine wraps its RoPE on the CPU)
+    as_shipped(model)  # mlx-lm runs the model as it ships (kvbatch's Engine wraps its RoPE and MLPs on the CPU)
     mx.clear_cache()
     mx.reset_peak_memory()
     gen = BatchGenerator(model, stop_tokens=[], completion_batch_size=len(ps), prefill_batch_size=len(ps))

@@ -46,6 +46,7 @@ import mlx_lm  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 
 from kvbatch.engine.routes import dense, quant as att  # noqa: E402
+from kvbatch.engine.routes.cpu_streams import cpu_streams, stream_split  # noqa: E402
 from kvbatch.engine.routes.softmax_cpu import masked_softmax  # noqa: E402
 from kvbatch.engine.config import EngineOptions  # noqa: E402
 from kvbatch.engine.engine import Engine  # noqa: E402
@@ -178,7 +179,7 @@ def attention_micro(spec, group, page) -> list[dict]:
     H, Hq, D, P = spec.num_kv_heads, spec.num_heads, spec.head_dim, page
     rep, scale = Hq // H, D ** -0.5
     k_axis = "channel" if P % group == 0 else "token"
-    streams = att.qmm_streams(min(os.cpu_count() or 1, 4))  # the CPU route's default
+    streams = cpu_streams(min(os.cpu_count() or 1, 4))  # the CPU route's default
     rows = []
     for T in (2048, 6144):
         for B in (1, 4):
@@ -222,7 +223,7 @@ def attention_micro(spec, group, page) -> list[dict]:
                                                           None, scale, group, bits, streams,
                                                           k_transposed=k_axis == "channel", mask=mask_all)
 
-                split = att.qmm_split(B * H, T, D, min(len(streams), n))
+                split = stream_split(B * H, T, D, min(len(streams), n))
                 r[f"q{bits}_attention_ms"] = _bench(lambda: quant(split))
                 r[f"q{bits}_streams"] = split
                 r[f"q{bits}_attention_1stream_ms"] = _bench(lambda: quant(1))
@@ -260,7 +261,7 @@ def main() -> None:
     text = long_text_tokens(tok)
     report = {"model": spec.name, "dtype": spec.dtype, "new_tokens": args.new, "group_size": args.group_size,
               "ab_option": args.ab_option,
-              "page_size": args.page_size, "qmm_streams": len(att.qmm_streams(min(os.cpu_count() or 1, 4))), "runs": []}
+              "page_size": args.page_size, "qmm_streams": len(cpu_streams(min(os.cpu_count() or 1, 4))), "runs": []}
 
     report["bytes_per_token_fresh_stores"] = live_bytes_per_token(spec, args.page_size, args.group_size)
     print("KV bytes/token (fresh stores):", json.dumps(report["bytes_per_token_fresh_stores"]), flush=True)

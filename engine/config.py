@@ -62,7 +62,7 @@ class CudaLaunch:
 
 # Options that never change a row's tokens (they change how fast, or what is printed): left out of
 # a run's identity (`identity()`), so they do not move results to another output folder.
-_SAME_OUTPUTS = frozenset({"lookahead", "step_reuse", "attention_trace", "qmm_threads"})
+_SAME_OUTPUTS = frozenset({"lookahead", "step_reuse", "attention_trace", "attention_threads"})
 _CHOICES = {"route": ("auto", "portable"), "lookahead": ("auto", "on", "off"),
             "attention_trace": ("off", "nonfinite", "all")}
 
@@ -81,8 +81,11 @@ class EngineOptions:
     in_place: bool = True  # CPU kv none decode reads float32 pages in place (gather_mm), else gathers
     q_in_place: bool = True  # CPU q8/q4 decode reads packed pages in place (gather_qmm), else gathers
     rope_table: bool = True  # CPU decode RoPE from one cos/sin table per step (else MLX's kernel per call)
+    cpu_swiglu: bool = True  # CPU SwiGLU MLPs take e^x by a compiled polynomial (else mlx-lm's swiglu: scalar exp)
     step_reuse: bool = True  # CUDA decode reuses the last step's page table while no row gains a page
-    qmm_threads: int = 0  # CPU quantized matmuls spread over this many streams; 0: min(cores, 4); 1: off
+    # CPU decode attention spreads over this many streams (kv none: groups of rows; q8/q4: runs of
+    # pages); 0: min(cores, 4); 1: off
+    attention_threads: int = 0
     attention_trace: str = "off"  # off | nonfinite (print bad attention calls) | all (print every call)
     cuda: CudaLaunch = field(default_factory=CudaLaunch)
 
@@ -168,7 +171,7 @@ def check_settings(s: EngineSettings) -> None:
     for name, choices in _CHOICES.items():
         _need(getattr(o, name) in choices, f"engine.options.{name}", getattr(o, name),
               f"choose one of {', '.join(choices)}")
-    _need(o.qmm_threads >= 0, "engine.options.qmm_threads", o.qmm_threads, "must be >= 0 (0 = auto)")
+    _need(o.attention_threads >= 0, "engine.options.attention_threads", o.attention_threads, "must be >= 0 (0 = auto)")
     c = o.cuda
     for f in fields(c):
         if f.type in ("int", int):

@@ -14,18 +14,28 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kvbatch.engine.config import EngineOptions
-from kvbatch.engine.routes import rope_cpu
+from kvbatch.engine.routes import rope_cpu, swiglu_cpu
 from kvbatch.engine.routes.select import cpu_route
 
 
 def prepare_model(model: nn.Module, options: EngineOptions) -> None:
-    """Route the model's attention to paged caches, and on the CPU route give its decode RoPE one
-    cos/sin table per step (`options.rope_table`; MLX's kernel per call elsewhere)."""
+    """Route the model's attention to paged caches; on the CPU route give its decode RoPE one
+    cos/sin table per step (`options.rope_table`) and its SwiGLU MLPs a polynomial e^x
+    (`options.cpu_swiglu`); MLX's and mlx-lm's own kernels elsewhere."""
     install(model)
-    if cpu_route(options) and options.rope_table:
-        rope_cpu.install(model)
-    else:
-        rope_cpu.uninstall(model)
+    cpu = cpu_route(options)
+    for wanted, kernel in ((options.rope_table, rope_cpu), (options.cpu_swiglu, swiglu_cpu)):
+        if cpu and wanted:
+            kernel.install(model)
+        else:
+            kernel.uninstall(model)
+
+
+def as_shipped(model: nn.Module) -> None:
+    """Undo `prepare_model`'s CPU kernels (benchmarks run mlx-lm on the model as it ships; the
+    attention hook only acts on kvbatch's own caches)."""
+    rope_cpu.uninstall(model)
+    swiglu_cpu.uninstall(model)
 
 
 def forward_last(model: nn.Module, tokens: mx.array, cache: list, last: Optional[mx.array] = None) -> mx.array:

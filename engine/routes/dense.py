@@ -9,6 +9,7 @@ scores can exceed fp16's range, and MLX's CPU fallback computes q·kᵀ in the i
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Optional
 
@@ -18,6 +19,7 @@ import numpy as np
 from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.kv.store import DenseStore, head_rows
 from kvbatch.engine.routes.base import Geometry, Route, flat_tokens, real_tokens
+from kvbatch.engine.routes.cpu_streams import stream_split
 from kvbatch.engine.routes.common import causal_mask, page_heads, page_table, token_slots
 from kvbatch.engine.routes.softmax_cpu import masked_softmax
 
@@ -106,20 +108,33 @@ def paged_grouped_decode(q: mx.array, k_pages: mx.array, v_pages: mx.array, page
 
 
 @dataclass(frozen=True)
+class InPlaceGroup:
+    """One group of a decode step's rows, read in place on its own CPU stream."""
+
+    start: int  # the group's rows are start:stop of the batch
+    stop: int
+    page_heads: mx.array  # (rows, Hkv, n) page * Hkv + head
+    query_of: mx.array  # (rows, Hkv, 1), numbered within the group
+    mask: mx.array  # (rows, 1, T, 1), key-major
+    stream: Optional[mx.Stream]  # None: the caller's stream
+
+
+@dataclass(frozen=True)
 class DenseStep:
     rows: mx.array  # head rows the pass's tokens are written to (kv.store.head_rows)
     table: mx.array  # (B, width) page table
-    mask: Optional[mx.array] = None  # (B, 1, L, T); in place: (B, 1, T, 1), key-major
-    page_heads: Optional[mx.array] = None  # in place: (B, Hkv, n) page * Hkv + head
-    query_of: Optional[mx.array] = None  # in place: (B, Hkv, 1)
+    mask: Optional[mx.array] = None  # (B, 1, L, T)
+    groups: tuple[InPlaceGroup, ...] = ()  # in place: the rows by stream
     take: Optional[mx.array] = None  # prefill: the real tokens of the padded pass (base.real_tokens)
 
 
 class DenseRoute(Route):
-    def __init__(self, store: DenseStore, geom: Geometry, upcast: bool, cpu: bool, in_place: bool):
-        """cpu: the CPU's decode (grouped matmul); in_place: also read float32 pages in place."""
+    def __init__(self, store: DenseStore, geom: Geometry, upcast: bool, cpu: bool, in_place: bool,
+                 streams: Optional[list] = None):
+        """cpu: the CPU's decode (grouped matmul); in_place: also read float32 pages in place;
+        streams: CPU streams that in-place decode spreads its rows over (cpu_streams.py)."""
         self.store, self.geom, self.upcast, self.grouped = store, geom, upcast, cpu
-        self.in_place = in_place
+        self.in_place, self.streams = in_place, streams or [None]
         self.composed = False  # multi-token passes through composed_attention (the CUDA route)
         self.name = ROUTE_DENSE_F32 if upcast else ROUTE_DENSE
 
@@ -148,8 +163,20 @@ class DenseRoute(Route):
         mask = mx.arange(width * P) < mx.array(new_len, dtype=mx.int32)[:, None]  # (B, T)
         if not self.in_place:
             return DenseStep(hrows, table, mask.reshape(B, 1, 1, width * P))
-        heads, query_of = page_heads(table, H)  # key-major scores (paged_grouped_decode)
-        return DenseStep(hrows, table, mask.reshape(B, 1, width * P, 1), heads, query_of)
+        return DenseStep(hrows, table, groups=self._groups(table, mask.reshape(B, 1, width * P, 1)))
+
+    def _groups(self, table: mx.array, mask: mx.array) -> tuple[InPlaceGroup, ...]:
+        """The step's rows in groups, one per stream: attention over one row reads only its own
+        pages, so the groups run side by side and each row's output is bit-identical to an
+        unsplit step's. A group is worth its hand-off from cpu_streams.MIN_WORK elements on."""
+        B, H = table.shape[0], self.geom.kv_heads
+        n = stream_split(B * H, table.shape[1] * self.geom.page_size, self.geom.head_dim, min(len(self.streams), B))
+        cuts = [B * i // n for i in range(n + 1)]
+        groups = []
+        for stream, a, z in zip(self.streams, cuts, cuts[1:]):
+            heads, query_of = page_heads(table[a:z], H)  # key-major scores (paged_grouped_decode)
+            groups.append(InPlaceGroup(a, z, heads, query_of, mask[a:z], stream))
+        return tuple(groups)
 
     def write(self, layer: int, meta: DenseStep, keys: mx.array, values: mx.array) -> None:
         k, v = flat_tokens(keys, values)
@@ -159,8 +186,12 @@ class DenseRoute(Route):
 
     def attend(self, layer: int, meta: DenseStep, queries: mx.array, scale: float) -> mx.array:
         st = self.store
-        if meta.page_heads is not None:
-            return paged_grouped_decode(queries, st.k[layer], st.v[layer], meta.page_heads, meta.query_of,
-                                        meta.mask, scale)
+        if meta.groups:
+            outs = []
+            for g in meta.groups:
+                with mx.stream(g.stream) if g.stream is not None else nullcontext():
+                    outs.append(paged_grouped_decode(queries[g.start:g.stop], st.k[layer], st.v[layer],
+                                                     g.page_heads, g.query_of, g.mask, scale))
+            return mx.concatenate(outs) if len(outs) > 1 else outs[0]
         k, v = st.gather(layer, meta.table)
         return dense_attention(queries, k, v, meta.mask, scale, self.upcast, self.grouped, self.composed)

@@ -2,7 +2,7 @@
 
 Decode scores the packed pages with `mx.quantized_matmul`, never dequantizing the prefix, plus a
 float32 matmul on the tail page; scores and softmax in float32 (on the CPU the quantized matmuls
-are spread over several streams, see `qmm_streams`). CPU decode over float32 stores reads the
+are spread over several streams, see `cpu_streams.py`). CPU decode over float32 stores reads the
 packed pages in place instead (`quantized_paged_decode`, `mx.gather_qmm`). Prefill attends in float32
 to what the pass wrote at full precision plus, dequantized once per chunk, the pages sealed before
 it. Rows whose chunk starts the prompt (nothing sealed, empty tail: most rows of most passes) are
@@ -21,34 +21,11 @@ from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.kv.store import QuantizedStore, dequantize, head_rows
 from kvbatch.engine.routes.base import Geometry, Route, flat_tokens
 from kvbatch.engine.routes.common import TailWrites, causal_mask, page_heads, page_table, tail_writes, token_slots
+from kvbatch.engine.routes.cpu_streams import stream_split
 from kvbatch.engine.routes.dense import dense_attention
 from kvbatch.engine.routes.softmax_cpu import masked_softmax
 
 ROUTE_QMM = "paged_qmm_f32"
-
-# Quantized matmuls on MLX's CPU backend run on one thread per stream; decode spreads them
-# over several CPU streams (one thread each; engine.options.qmm_threads, 0 = min(cores, 4)).
-# A stream is worth its hand-off from this many quantized K (or V) elements on (row, KV head,
-# token, channel): SmolLM2's layer at 2k tokens, batch 1 (393k) ran slower split in two,
-# at 6k batch 1 (1.2M) and 2k batch 4 (1.6M) 1.2-1.8x faster (benchmarks/RESULTS.md, issue 5).
-QMM_MIN_WORK = 1 << 19
-
-
-def qmm_split(rows_heads: int, tokens: int, head_dim: int, most: int) -> int:
-    """How many streams a quantized matmul over rows_heads x tokens x head_dim elements uses."""
-    return max(1, min(most, rows_heads * tokens * head_dim // QMM_MIN_WORK))
-
-
-_streams: dict[int, list] = {}
-
-
-def qmm_streams(n: int) -> list:
-    """n streams for the quantized matmuls of decode: None (the caller's default stream) first,
-    then n - 1 extra CPU streams (made once per process)."""
-    if n not in _streams:
-        _streams[n] = [None] + [mx.new_stream(mx.cpu) for _ in range(max(n, 1) - 1)]
-    return _streams[n]
-
 
 def _f32(a: mx.array) -> mx.array:
     return a if a.dtype == mx.float32 else a.astype(mx.float32)
@@ -102,7 +79,7 @@ def quantized_decode_attention(q: mx.array, qk: list[mx.array] | list[list[mx.ar
         w, s, b = (a.reshape(B * Hkv, *a.shape[2:]) for a in qv)
         s, b = _f32(s), _f32(b)
         pq = probs[..., :-P].reshape(B * Hkv, rep * L, -1)
-        n = qmm_split(B * Hkv, pq.shape[-1], D, min(len(streams), B * Hkv))
+        n = stream_split(B * Hkv, pq.shape[-1], D, min(len(streams), B * Hkv))
         cuts = [B * Hkv * i // n for i in range(n + 1)]
         pv = [mx.quantized_matmul(pq[a:z], w[a:z], s[a:z], b[a:z], transpose=False, group_size=group_size,
                                   bits=bits, stream=streams[i]) for i, (a, z) in enumerate(zip(cuts, cuts[1:]))]
@@ -163,7 +140,7 @@ def quantized_paged_plan(table: mx.array, n_before: list[int], fill: list[int], 
     table (B, n) the rows' sealed pages (padded with their first), n_before their sealed page
     counts and fill their tail's tokens before this step's."""
     B, width = table.shape
-    n = qmm_split(B * H, width * P, D, min(len(streams), width))
+    n = stream_split(B * H, width * P, D, min(len(streams), width))
     tail = mx.arange(P)[None] <= mx.array(fill)[:, None]  # (B, P): this step's token included
     pages = mx.arange(width)[None] < mx.array(n_before)[:, None]  # (B, width)
     mask = mx.concatenate([tail[:, None], mx.broadcast_to(pages[:, :, None], (B, width, P))], axis=1)
@@ -232,7 +209,7 @@ class QuantRoute(Route):
     name = ROUTE_QMM
 
     def __init__(self, store: QuantizedStore, geom: Geometry, streams: list, in_place: bool):
-        """streams: see qmm_streams; in_place: CPU decode reads the packed pages in place."""
+        """streams: see cpu_streams.py; in_place: CPU decode reads the packed pages in place."""
         self.store, self.geom, self.streams, self.in_place = store, geom, streams, in_place
         self.composed = False  # prefill attention through dense.composed_attention (the CUDA route)
         self._segment: dict[int, list[tuple[mx.array, mx.array]]] = {}  # prefill: each row's K/V as written
@@ -259,7 +236,7 @@ class QuantRoute(Route):
             Tq = width * P
             mask_q = (mx.arange(Tq)[None] < mx.array(n_before * P)[:, None]).reshape(len(rows), 1, 1, Tq)
             # key scores in runs of pages, one per stream (see quantized_decode_attention)
-            n = qmm_split(len(rows) * H, Tq, D, min(len(self.streams), width))
+            n = stream_split(len(rows) * H, Tq, D, min(len(self.streams), width))
             cuts = [width * i // n for i in range(n + 1)]
             runs_q = [table_q[:, a:z] for a, z in zip(cuts, cuts[1:])]
         mask_t = (mx.arange(P)[None] <= mx.array(fill)[:, None]).reshape(len(rows), 1, 1, P)

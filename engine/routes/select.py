@@ -24,8 +24,9 @@ from kvbatch.engine.memory import KVLayout
 from kvbatch.engine.routes import cuda_kernels
 from kvbatch.engine.routes.base import Geometry, Route
 from kvbatch.engine.routes.cuda import CudaDenseRoute, CudaQuantRoute
+from kvbatch.engine.routes.cpu_streams import cpu_streams
 from kvbatch.engine.routes.dense import IN_PLACE_MIN_PAGE, DenseRoute
-from kvbatch.engine.routes.quant import QuantRoute, qmm_streams
+from kvbatch.engine.routes.quant import QuantRoute
 
 
 def cpu_route(options: EngineOptions) -> bool:
@@ -60,9 +61,14 @@ def select_route(layout: KVLayout, num_layers: int, dtype: mx.Dtype, tail_slots:
                                layout.bits, layout.group_size, tail_slots, k_axis=k_quant_axis(layout, options))
         if fused:
             return store, CudaQuantRoute(store, geom, options.cuda, options.step_reuse)
-        n = (options.qmm_threads or min(os.cpu_count() or 1, 4)) if cpu else 1
-        return store, QuantRoute(store, geom, qmm_streams(n), in_place=cpu_pages and options.q_in_place)
+        return store, QuantRoute(store, geom, _streams(cpu, options), in_place=cpu_pages and options.q_in_place)
     store = DenseStore(num_layers, layout.num_kv_heads, layout.head_dim, layout.page_size, dtype)
     if fused:
         return store, CudaDenseRoute(store, geom, upcast, options.cuda, options.step_reuse)
-    return store, DenseRoute(store, geom, upcast, cpu=cpu, in_place=cpu_pages and not upcast and options.in_place)
+    return store, DenseRoute(store, geom, upcast, cpu=cpu, in_place=cpu_pages and not upcast and options.in_place,
+                             streams=_streams(cpu, options))
+
+
+def _streams(cpu: bool, options: EngineOptions) -> list:
+    """The CPU streams decode attention spreads over (engine.options.attention_threads)."""
+    return cpu_streams((options.attention_threads or min(os.cpu_count() or 1, 4)) if cpu else 1)

@@ -1,40 +1,28 @@
-"""The masked softmax of CPU decode attention: 2^x by a polynomial, in compiled kernels.
+"""The masked softmax of CPU decode attention, its exponential by 2^x in compiled kernels.
 
-On MLX's CPU backend `exp` is a scalar libm loop (~9 ns an element) and `power(2, x)`
-~7 ns: the softmax was 60% of SmolLM2's decode attention at 2k tokens, and ~200 us a
-layer for tiny-llama at batch 32. Here 2^x = 2^n * 2^f with n = round(x), f in
-[-1/2, 1/2]: 2^f by its degree-7 Taylor polynomial (relative error ~1.2e-7, float32's
-own rounding) and 2^n by writing n + 127 into a float32's exponent bits. Every step is
-plain arithmetic that MLX's shapeless `mx.compile` fuses into vectorized C++ loops
-(built once with the system compiler). The bit view splits the work into four small
-kernels around the two reductions. Masked keys get exactly 0 (x clamps to -127: a zero
-exponent field). Without a working compiler the same math runs uncompiled.
+MLX's CPU `exp` is a scalar loop: the softmax was 60% of SmolLM2's decode attention at 2k
+tokens, and ~200 us a layer for tiny-llama at batch 32. Here e^(s - max) = 2^((s - max) log2 e)
+by `exp2_cpu`'s polynomial, in small compiled kernels around the two reductions (MLX's
+shapeless `mx.compile`, vectorized C++ loops built once with the system compiler). Masked
+keys get exactly 0 (x clamps to -127). Without a working compiler the same math runs uncompiled.
 """
 from __future__ import annotations
 
-import math
 import sys
 from typing import Callable
 
 import mlx.core as mx
 
-_LOG2E = 1.0 / math.log(2.0)
-_TAYLOR = [math.log(2.0) ** k / math.factorial(k) for k in range(8)]  # 2^f = sum (f ln2)^k / k!
+from kvbatch.engine.routes.exp2_cpu import LOG2E, exp2_eager, exp2_fused
 
 
 def _masked(mask: mx.array, scores: mx.array, scale: float) -> mx.array:
     return mx.where(mask, scores.astype(mx.float32) * scale, -mx.inf)
 
 
-def _exp2_parts(s: mx.array, s_max: mx.array) -> tuple[mx.array, mx.array]:
-    """2^((s - max) log2 e) as (2^f, the int32 bits of 2^n)."""
-    x = mx.maximum((s - s_max) * _LOG2E, -127.0)
-    n = mx.round(x)
-    f = x - n
-    p = _TAYLOR[7]
-    for c in reversed(_TAYLOR[:7]):
-        p = p * f + c
-    return p, mx.left_shift(n.astype(mx.int32) + 127, 23)
+def _exponent(s: mx.array, s_max: mx.array) -> mx.array:
+    """(s - max) log2 e, clamped where 2^x is 0."""
+    return mx.maximum((s - s_max) * LOG2E, -127.0)
 
 
 def _times(p: mx.array, scale: mx.array) -> mx.array:
@@ -45,12 +33,12 @@ def _divide(e: mx.array, total: mx.array) -> mx.array:
     return e / total
 
 
-def _steps(fns: tuple[Callable, ...]) -> Callable:
-    masked, parts, times, divide = fns
+def _steps(fns: tuple[Callable, ...], exp2: Callable) -> Callable:
+    masked, exponent, times, divide = fns
 
     def softmax(scores: mx.array, mask: mx.array, axis=-1, scale: float = 1.0) -> mx.array:
         s = masked(mask, scores, scale)  # a constant to the compiled kernel (one trace per model)
-        p, bits = parts(s, s.max(axis=axis, keepdims=True))
+        p, bits = exp2(exponent(s, s.max(axis=axis, keepdims=True)))
         e = times(p, mx.view(bits, mx.float32))
         out = divide(e, e.sum(axis=axis, keepdims=True))
         return out if out.dtype == scores.dtype else out.astype(scores.dtype)
@@ -58,9 +46,9 @@ def _steps(fns: tuple[Callable, ...]) -> Callable:
     return softmax
 
 
-_EAGER = (_masked, _exp2_parts, _times, _divide)
-softmax_eager = _steps(_EAGER)
-softmax_fused = _steps(tuple(mx.compile(f, shapeless=True) for f in _EAGER))
+_EAGER = (_masked, _exponent, _times, _divide)
+softmax_eager = _steps(_EAGER, exp2_eager)
+softmax_fused = _steps(tuple(mx.compile(f, shapeless=True) for f in _EAGER), exp2_fused)
 _impl: Callable | None = None
 
 

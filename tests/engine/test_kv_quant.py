@@ -28,7 +28,7 @@ import mlx.core as mx
 import pytest
 
 from kvbatch.engine.config import CudaLaunch, EngineOptions
-from kvbatch.engine.routes import cuda, quant
+from kvbatch.engine.routes import cpu_streams, cuda, dense, quant
 from kvbatch.engine.engine import Engine
 from tests.conftest import engine_config
 from kvbatch.engine.errors import KvbatchConfigError
@@ -405,16 +405,15 @@ def test_decode_never_dequantizes(tiny_model, monkeypatch, in_place):
 
 
 @cpu_only
-@pytest.mark.parametrize("in_place", ["1", "0"])
-@pytest.mark.parametrize("mode", ["q8", "q4"])
-def test_qmm_split_over_cpu_streams_is_bit_identical(tiny_model, monkeypatch, mode, in_place):
-    """Decode's quantized matmuls spread over CPU streams (gathered: key scores by page runs,
-    value sums by row and KV head; in place: both by page runs) give exactly the logits of
-    one stream."""
+@pytest.mark.parametrize("mode,in_place", [("q8", "1"), ("q8", "0"), ("q4", "1"), ("q4", "0"), ("none", "1")])
+def test_attention_split_over_cpu_streams_is_bit_identical(tiny_model, monkeypatch, mode, in_place):
+    """Decode attention spread over CPU streams (q8/q4 gathered: key scores by page runs, value
+    sums by row and KV head; q8/q4 in place: both by page runs; kv none in place: groups of
+    rows) gives exactly the logits of one stream."""
     model, tok, spec = _model(tiny_model, "llama", 64)
     prompts, forced = _rows(seed=13, prompt_lens=(600, 420, 9, 333), steps=(40, 40, 40, 40))
     calls = []
-    real_qmm, real_gqmm = mx.quantized_matmul, mx.gather_qmm
+    real_qmm, real_gqmm, real_dense = mx.quantized_matmul, mx.gather_qmm, dense.paged_grouped_decode
 
     def qmm(*a, **kw):
         calls.append(kw.get("stream"))
@@ -424,14 +423,19 @@ def test_qmm_split_over_cpu_streams_is_bit_identical(tiny_model, monkeypatch, mo
         calls.append(kw.get("stream"))
         return real_gqmm(*a, **kw)
 
+    def in_place_dense(*a, **kw):
+        calls.append(mx.default_stream(mx.cpu))
+        return real_dense(*a, **kw)
+
     monkeypatch.setattr(mx, "quantized_matmul", qmm)
     monkeypatch.setattr(mx, "gather_qmm", gqmm)
-    monkeypatch.setattr(quant, "QMM_MIN_WORK", 1 << 12)  # split even this tiny model's work
+    monkeypatch.setattr(dense, "paged_grouped_decode", in_place_dense)
+    monkeypatch.setattr(cpu_streams, "MIN_WORK", 1 << 12)  # split even this tiny model's work
     logits = {}
     for n in (1, 3):
         del calls[:]
         eng = _engine(model, tok, spec, mode, 16, max_batch=4, chunk=256,
-                      options=EngineOptions(q_in_place=in_place == "1", qmm_threads=n))
+                      options=EngineOptions(q_in_place=in_place == "1", attention_threads=n))
         assert eng.cache.attention.in_place == (in_place == "1")
         eng.generate(_requests(eng, prompts, forced))
         logits[n] = eng.hooks.logits
