@@ -128,6 +128,7 @@ class DebugConfig:
 class ReportConfig:
     sweep_dirs: List[str] = field(default_factory=list)  # action=report: sweep folders (globs allowed)
     out: Optional[str] = None  # where sweep.parquet/report.md go; default: the one sweep folder
+    teacher_forced: bool = True  # the sweep report scores quantized jobs on their kv=none partner's outputs
 
 
 @dataclass

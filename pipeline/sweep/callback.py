@@ -29,13 +29,13 @@ def say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def build_report(sweep_dir: Path) -> dict:
+def build_report(sweep_dir: Path, teacher_forced: bool = True) -> dict:
     """sweep.parquet + report.md in the sweep folder; prints where they are. Returns what the
     exit code needs: {"jobs", "completed", "failed"} or {"error", "failed": 1}."""
     from kvbatch.pipeline.sweep.report.write import write_report
 
     try:
-        res = write_report([sweep_dir], sweep_dir)
+        res = write_report([sweep_dir], sweep_dir, teacher_forced)
     except Exception as exc:  # noqa: BLE001 - the jobs' results stand even if the report cannot be built
         traceback.print_exc()
         say(f"kvbatch: the sweep report could not be written: {type(exc).__name__}: {exc}")
@@ -86,7 +86,8 @@ class SweepCallback(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
         workers = config.get("action") == "work"
-        report = workers_outcome(sweep_dir) if workers else build_report(sweep_dir)
+        tf = bool(config.get("report", {}).get("teacher_forced", True))
+        report = workers_outcome(sweep_dir) if workers else build_report(sweep_dir, tf)
         self._record(sweep_dir=str(sweep_dir), report=report)
 
 

@@ -55,6 +55,14 @@ def basic_sweep(root, model_cache_dir):
 
 
 @pytest.fixture(scope="module")
+def sealed_sweep(root, model_cache_dir):
+    # pages of 16 tokens: every row seals a page, so q8/q4 read something quantized
+    p = kvbatch(*base_args(root, model_cache_dir, "sealed"), "kv=none,q8,q4", "kv.page_size=16", cwd=root)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return root / "sealed"
+
+
+@pytest.fixture(scope="module")
 def refused_sweep(root, model_cache_dir):
     # head size 32 is not validated for q8 (engine/gate.py); group size 32 so the gate's reason is that.
     p = kvbatch(*base_args(root, model_cache_dir, "refused"), "model.head_dim=64,32", "kv=none,q8",
@@ -121,6 +129,31 @@ def test_agreement_against_kv_none(basic_sweep):
         assert r["rows_identical"] == sum(base[k] == other[k] for k in base)
         if r["rows_identical"] < 3:
             assert 0 <= r["first_divergence_min"] <= r["first_divergence_median"] <= 12
+
+
+def test_teacher_forced_quality_against_kv_none(sealed_sweep):
+    """Issue 27: each quantized job scored on kv=none's outputs under its own cache: per row in the job's
+    teacher_forced.parquet, per job in sweep.parquet; q4 loses more than q8."""
+    sweep = sealed_sweep
+    by = {r["kv_mode"]: r for r in jobs(sweep)}
+    assert [by[m]["kv_label"] for m in ("none", "q8", "q4")] == ["none", "q8", "q4"]
+    assert by["none"]["tf_top1_agreement"] is None and not (Path(by["none"]["job_dir"]) / "teacher_forced.parquet").exists()
+    base = {r["row_key"]: r["output_token_ids"] for r in
+            pq.read_table(Path(by["none"]["job_dir"]) / "results.parquet").to_pylist() if r["error_code"] is None}
+    for m in ("q8", "q4"):
+        r = by[m]
+        rows = pq.read_table(Path(r["job_dir"]) / "teacher_forced.parquet").to_pylist()
+        assert {x["row_key"]: x["positions"] for x in rows} == {k: len(v) for k, v in base.items()}
+        assert all(x["error_code"] is None and 0 <= x["kl_mean"] <= x["kl_max"] for x in rows)
+        n = sum(len(v) for v in base.values())
+        assert r["tf_rows"] == 3 and r["tf_positions"] == n and r["tf_error"] is None
+        assert r["tf_kl_mean"] == pytest.approx(sum(x["kl_mean"] * x["positions"] for x in rows) / n)
+        assert r["tf_kl_max"] == max(x["kl_max"] for x in rows) and r["tf_kl_row_max"] <= r["tf_kl_max"]
+        assert 0.5 <= r["tf_top1_agreement"] <= 1 and r["tf_kl_mean"] < 0.05
+        assert r["tf_ppl"] == pytest.approx(np.exp(sum(x["nll"] * x["positions"] for x in rows) / n))
+    assert by["q8"]["tf_ppl_baseline"] == by["q4"]["tf_ppl_baseline"] > 1  # the same kv=none text and scores
+    assert by["q4"]["tf_kl_mean"] > by["q8"]["tf_kl_mean"] > 0
+    assert "top-1 vs kv=none (teacher-forced)" in (sweep / "report.md").read_text()
 
 
 def test_report_md_and_plots(basic_sweep):
@@ -224,7 +257,7 @@ def test_action_report_rebuilds_from_one_and_several_sweeps(root, basic_sweep, r
     again = root / "again"
     report_action(compose_config(["action=report", f"report.sweep_dirs=[{basic}]", f"report.out={again}"]))
     cols = ["job_num", "status", "kv_mode", "rows_ok", "decode_tokens_per_s", "peak_memory_bytes",
-            "token_agreement", "first_divergence_min"]
+            "token_agreement", "first_divergence_min", "tf_kl_mean", "tf_top1_agreement"]
     assert pq.read_table(again / "sweep.parquet", columns=cols).to_pylist() == \
         pq.read_table(basic / "sweep.parquet", columns=cols).to_pylist()
 

@@ -16,17 +16,21 @@ SCHEMA = pa.schema([
     ("sweep_dir", pa.string()), ("job_num", pa.int32()), ("job_dir", pa.string()),
     ("overrides", pa.list_(pa.string())), ("label", pa.string()), ("status", pa.string()),
     ("failure_reason", pa.string()), ("error_type", pa.string()), ("model", pa.string()),
-    ("kv_mode", pa.string()), ("memory_budget", pa.string()), ("job", pa.string()),
+    ("kv_mode", pa.string()), ("kv_label", pa.string()), ("memory_budget", pa.string()), ("job", pa.string()),
     ("config_hash", pa.string()), ("compare_key", pa.string()),
     ("rows", pa.int64()), ("rows_ok", pa.int64()), ("rows_remaining", pa.int64()),
     *[(f"rows_{c}", pa.int64()) for c in ERROR_CODES],
     ("output_tokens", pa.int64()), ("decode_tokens_per_s", pa.float64()), ("tokens_per_s", pa.float64()),
     ("peak_memory_bytes", pa.int64()), ("kv_bytes_per_token", pa.int64()), ("kv_peak_bytes", pa.int64()),
-    ("kv_budget_bytes", pa.int64()), ("kv_tokens_fit", pa.int64()), ("route", pa.string()),
+    ("kv_budget_bytes", pa.int64()), ("kv_tokens_fit", pa.int64()), ("kv_rows_fit", pa.int64()), ("route", pa.string()),
     ("wall_s", pa.float64()), ("pid", pa.int64()), ("model_loads", pa.int32()),
     ("baseline_job_dir", pa.string()), ("rows_compared", pa.int64()), ("rows_identical", pa.int64()),
     ("token_agreement", pa.float64()), ("first_divergence_min", pa.int64()),
-    ("first_divergence_median", pa.float64()), ("results", pa.string()),
+    ("first_divergence_median", pa.float64()),
+    ("tf_rows", pa.int64()), ("tf_positions", pa.int64()), ("tf_kl_mean", pa.float64()),
+    ("tf_kl_row_max", pa.float64()), ("tf_kl_max", pa.float64()), ("tf_top1_agreement", pa.float64()),
+    ("tf_ppl", pa.float64()), ("tf_ppl_baseline", pa.float64()), ("tf_error", pa.string()),
+    ("results", pa.string()),
 ])
 
 
@@ -69,7 +73,7 @@ def _job_record(status: dict, sweep_dir: Path) -> dict:
         "memory_budget": (cfg.get("memory") or {}).get("budget"), "job": (cfg.get("job") or {}).get("name"),
         "config_hash": status.get("config_hash"), "compare_key": status.get("compare_key"),
         "wall_s": status.get("wall_s"), "pid": status.get("pid"), "model_loads": status.get("model_loads"),
-        "results": None,
+        "results": None, "kv_config": cfg.get("kv") or {},
     }
     results = Path(status["job_dir"]) / "results.parquet"
     if results.exists() and state == "completed":
@@ -84,10 +88,21 @@ def _job_record(status: dict, sweep_dir: Path) -> dict:
                    decode_tokens_per_s=eng.get("decode_tokens_per_s"),
                    peak_memory_bytes=s.get("peak_memory_bytes"), kv_bytes_per_token=eng.get("kv_bytes_per_token"),
                    route=s.get("route"), model=s.get("model") or rec["model"],
-                   kv_mode=s.get("kv_mode") or rec["kv_mode"])
+                   kv_mode=s.get("kv_mode") or rec["kv_mode"], kv_label=eng.get("kv_label"))
         rec.update({f"rows_{c}": int(by_code.get(c, 0)) for c in ERROR_CODES})
         rec.update(kv_capacity(eng))
+        if rec.get("kv_tokens_fit") is not None and rec["results"]:
+            rec["kv_rows_fit"] = _rows_fit(rec["results"], rec["kv_tokens_fit"])
     return rec
+
+
+def _rows_fit(results: str, tokens_fit: int) -> Optional[int]:
+    """Rows of this job's mean length (prompt + output, finished rows) that the KV budget holds at once."""
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(results, columns=["prompt_tokens", "output_tokens", "error_code"]).to_pylist()
+    lens = [(r["prompt_tokens"] or 0) + (r["output_tokens"] or 0) for r in t if r["error_code"] is None]
+    return int(tokens_fit * len(lens) // sum(lens)) if lens and sum(lens) else None
 
 
 def kv_capacity(eng: dict) -> dict:
@@ -142,6 +157,22 @@ def add_labels(records: list[dict]) -> None:
         parts = [f"{k}={p[k]}" for k in varying if k in p]
         prefix = f"{Path(r['sweep_dir']).name}/#{r['job_num']}" if multi else f"#{r['job_num']}"
         r["label"] = " ".join([prefix, *parts])
+
+
+LAYOUT_KEYS = ("group_size", "page_size")  # kv settings a mode's label does not name
+
+
+def add_kv_labels(records: list[dict]) -> None:
+    """kv_label: the KV mode as the engine names it (summary.json's kv_label, else kv.mode), plus the
+    layout settings that differ between the sweep's jobs (q8 group_size=32): one plotted point per label."""
+    varying = [k for k in LAYOUT_KEYS if len({(r.get("kv_config") or {}).get(k) for r in records
+                                              if r.get("kv_config")}) > 1]
+    for r in records:
+        base = r.get("kv_label") or r.get("kv_mode")
+        if base is None:
+            continue
+        kv = r.get("kv_config") or {}
+        r["kv_label"] = " ".join([base, *[f"{k}={kv[k]}" for k in varying if k in kv]])
 
 
 def to_table(records: list[dict], metadata: dict[str, str]) -> pa.Table:

@@ -77,31 +77,67 @@ def kv_memory(records: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+PALETTE = ("#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C", "#CCB974", "#64B5CD")
+
+
+def label_color(label: str, labels: list[str]) -> str:
+    """A mode's colour: the fixed ones for none/q8/q4, others (kvmodes' new modes, layout variants) from a
+    palette in label order, so a sweep never needs a list of modes here."""
+    if label in KV_COLORS:
+        return KV_COLORS[label]
+    others = sorted(x for x in set(labels) if x not in KV_COLORS)
+    return PALETTE[others.index(label) % len(PALETTE)] if label in others else "#937860"
+
+
+QUALITY_PANELS = (  # (y field, y label, x field, x label, x scale)
+    ("tf_top1_agreement", "top-1 agreement with kv=none\n(teacher-forced)", "kv_bytes_per_token",
+     "KV bytes per token (KiB)", 1024),
+    ("tf_kl_mean", "mean KL(none || mode), nats\n(teacher-forced, log scale)", "kv_bytes_per_token",
+     "KV bytes per token (KiB)", 1024),
+    ("tf_top1_agreement", "top-1 agreement with kv=none\n(teacher-forced)", "kv_rows_fit",
+     "rows of this job that fit the KV budget at once", 1),
+)
+
+
 def quality_vs_memory(records: list[dict], path: Path, title: str) -> None:
-    """Token agreement with kv=none (kv=none itself at 1) against KV bytes per token, per model."""
-    done = [r for r in records if r.get("kv_bytes_per_token") and r.get("status") == "completed"]
-    points = [(r, 1.0 if r.get("kv_mode") == "none" else r.get("token_agreement")) for r in done]
-    points = [(r, a) for r, a in points if a is not None]
-    models = _models([r for r, _ in points]) or ["(no job to compare)"]
-    plt, fig, axes = _figure(len(models))
+    """Teacher-forced quality against KV bytes per token and against rows that fit, one point per job
+    (labelled by its KV mode), one column of panels per model; kv=none is the reference (top-1 1, KL 0)."""
+    done = [r for r in records if r.get("status") == "completed" and r.get("kv_bytes_per_token")]
+    points = [r for r in done if r.get("kv_mode") == "none" or r.get("tf_top1_agreement") is not None]
+    models = _models(points) or ["(no job to compare)"]
+    labels = [r.get("kv_label") or r.get("kv_mode") or "?" for r in points]
+    plt, fig, axes = _figure(len(models), len(QUALITY_PANELS))
     for col, model in enumerate(models):
-        ax = axes[0][col]
-        mine = [(r, a) for r, a in points if (r.get("model") or "?") == model]
-        for r, a in mine:
-            mode = r.get("kv_mode") or "?"
-            ax.scatter([r["kv_bytes_per_token"] / 1024], [a], s=60, color=KV_COLORS.get(mode, "#937860"),
-                       edgecolor="black", linewidth=0.5, zorder=3)
-            ax.annotate(f"kv={mode}", (r["kv_bytes_per_token"] / 1024, a), textcoords="offset points",
-                        xytext=(5, 4), fontsize=7)
-        ax.set_ylim(*agreement_limits([a for _, a in mine]))
-        xs = [r["kv_bytes_per_token"] / 1024 for r, _ in mine] or [1.0]
-        ax.set_xlim(0, max(xs) * 1.25)
-        ax.axhline(1.0, color=KV_COLORS["none"], linestyle="--", linewidth=0.8)
-        ax.set_xlabel("KV bytes per token (KiB)", fontsize=8)
-        ax.set_ylabel("token agreement with kv=none", fontsize=8)
-        ax.set_title(_short(model, 40), fontsize=9)
-        if not mine:
-            ax.text(0.5, 0.5, "no job with a kv=none baseline", transform=ax.transAxes, ha="center", fontsize=9)
+        mine = [r for r in points if (r.get("model") or "?") == model]
+        for row, (yf, ylabel, xf, xlabel, xscale) in enumerate(QUALITY_PANELS):
+            ax = axes[row][col]
+            log = yf == "tf_kl_mean"
+            pts = []
+            for r in mine:
+                y = (0.0 if log else 1.0) if r.get("kv_mode") == "none" else r.get(yf)
+                x = r.get(xf)
+                if x is None or y is None or (log and y <= 0):
+                    continue
+                lab = r.get("kv_label") or r.get("kv_mode") or "?"
+                pts.append((x / xscale, y))
+                ax.scatter([x / xscale], [y], s=60, color=label_color(lab, labels), edgecolor="black",
+                           linewidth=0.5, zorder=3)
+                ax.annotate(lab, (x / xscale, y), textcoords="offset points", xytext=(5, 4), fontsize=7)
+            if log:
+                ax.set_yscale("log")
+                ax.text(0.02, 0.02, "kv=none: KL 0 (not drawn on a log scale)", transform=ax.transAxes,
+                        fontsize=7, color=KV_COLORS["none"])
+            else:
+                ax.set_ylim(*agreement_limits([y for _, y in pts]))
+                ax.axhline(1.0, color=KV_COLORS["none"], linestyle="--", linewidth=0.8)
+            ax.set_xlim(0, max([x for x, _ in pts] + [1e-9]) * 1.3)
+            ax.set_xlabel(xlabel, fontsize=8)
+            ax.set_ylabel(ylabel, fontsize=8)
+            if row == 0:
+                ax.set_title(_short(model, 40), fontsize=9)
+            if not pts:
+                ax.text(0.5, 0.5, "no quantized job scored against a kv=none job", transform=ax.transAxes,
+                        ha="center", fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path)

@@ -29,6 +29,15 @@ def _errors(r: dict) -> str:
     return ", ".join(parts) or ("0" if r["status"] == "completed" else "–")
 
 
+def _quality(r: dict) -> list[str]:
+    """The teacher-forced cells: top-1, mean KL (worst row's mean), perplexity (kv=none's)."""
+    if r.get("tf_top1_agreement") is None:
+        why = r.get("tf_error")
+        return [f"– ({why[:60]})" if why else "–", "–", "–"]
+    return [f"{r['tf_top1_agreement']:.4f}", f"{r['tf_kl_mean']:.2e} ({r['tf_kl_row_max']:.2e})",
+            f"{r['tf_ppl']:.3f} ({r['tf_ppl_baseline']:.3f})"]
+
+
 def markdown(records: list[dict], sweep_dirs: list[Path], out: Path, plots: dict[str, Path],
              versions: dict[str, str]) -> str:
     done = [r for r in records if r["status"] == "completed"]
@@ -42,18 +51,19 @@ def markdown(records: list[dict], sweep_dirs: list[Path], out: Path, plots: dict
              f"One row per job in `{SWEEP_PARQUET}`.", "",
              "## Jobs", "",
              "| job | status | model | kv | rows ok | errors | decode tok/s | peak memory | KV bytes/token "
-             "| KV peak | tokens that fit | agreement vs kv=none | first divergence (min / median) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| KV peak | tokens that fit | top-1 vs kv=none (teacher-forced) | mean KL (worst row) "
+             "| perplexity (kv=none's) | free-running agreement | first divergence (min / median) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         div = "–" if r.get("first_divergence_min") is None else \
             f"{r['first_divergence_min']} / {r['first_divergence_median']:g}"
         if r.get("token_agreement") is not None and r.get("rows_identical") == r.get("rows_compared"):
             div = "identical"
         lines.append("| " + " | ".join([
-            f"`{r['label']}`", r["status"], _fmt(r.get("model")), _fmt(r.get("kv_mode")),
+            f"`{r['label']}`", r["status"], _fmt(r.get("model")), _fmt(r.get("kv_label") or r.get("kv_mode")),
             f"{_fmt(r.get('rows_ok'))} / {_fmt(r.get('rows'))}", _errors(r), _fmt(r.get("decode_tokens_per_s")),
             _fmt(r.get("peak_memory_bytes"), "bytes"), _fmt(r.get("kv_bytes_per_token"), "bytes"),
-            _fmt(r.get("kv_peak_bytes"), "bytes"), _fmt(r.get("kv_tokens_fit")),
+            _fmt(r.get("kv_peak_bytes"), "bytes"), _fmt(r.get("kv_tokens_fit")), *_quality(r),
             _fmt(r.get("token_agreement"), "ratio"), div]) + " |")
     if bad:
         lines += ["", "## Jobs that did not complete", ""]
@@ -74,11 +84,23 @@ def markdown(records: list[dict], sweep_dirs: list[Path], out: Path, plots: dict
               "context the budget holds next to the weights in that mode: rows x context, before workspace).",
               "- **KV bytes/token**: cache bytes per token over all layers, K and V, with the scales and "
               "biases of quantized modes.",
-              "- **agreement vs kv=none**: compared with the kv=none job of the same model, prompts and "
-              "sampling, over rows both finished without an error: the share of token positions where "
-              "both outputs hold the same token (positions up to the longer output; 1 = identical). "
-              "**first divergence**: the first token position where a row's output differs (min and "
-              "median over the rows that differ).",
+              "- **Quality: read the teacher-forced columns first.** Each quantized job is scored on the "
+              "outputs of the kv=none job of the same model, prompts and sampling: both caches are fed "
+              "those same tokens, and at every position their next-token distributions are compared. "
+              "**top-1 vs kv=none**: the share of positions where both put the same token first "
+              "(1 = never differs). **mean KL**: KL(kv=none || mode) in nats, the mean over positions, "
+              "and in brackets the worst row's mean (0 = the same distribution; q8 is around 1e-4 on "
+              "SmolLM2, q4 around 1e-2). **perplexity**: of the kv=none text under the mode's cache, "
+              "with kv=none's own in brackets (the mode's is higher by what it loses). Per row: "
+              "`teacher_forced.parquet` in the job's folder. The plot `quality_vs_memory.png` puts "
+              "these against KV bytes per token and against the rows of the job that fit the budget: "
+              "the best mode is up and to the left (top-1 near 1 at few bytes), or up and right in "
+              "rows that fit.",
+              "- **free-running agreement** (secondary): the share of token positions where the two jobs' "
+              "own outputs hold the same token (over rows both finished; positions up to the longer "
+              "output). One near-tie flip early in an answer makes the rest of it differ, so this "
+              "understates a mode that is almost always right; **first divergence**: the first token "
+              "position where a row's output differs (min and median over the rows that differ).",
               "- **errors**: rows per error code (see the README's error codes); a job that did not "
               "complete has no rows."]
     return "\n".join(lines) + "\n"

@@ -11,7 +11,7 @@ PLOTS = {
     "decode": ("decode_tokens_per_s.png", "Decode tokens/s by KV mode"),
     "kv_memory": ("kv_memory.png", "KV cache by mode: its peak bytes and the tokens the budget holds"),
     "agreement": ("agreement.png", "Token agreement with kv=none by KV mode"),
-    "quality": ("quality_vs_memory.png", "Agreement with kv=none against KV bytes per token"),
+    "quality": ("quality_vs_memory.png", "Teacher-forced quality against KV bytes per token and rows that fit"),
     "errors": ("rows_by_error_code.png", "Rows per error code"),
 }
 __all__ = ["KV_COLORS", "KV_ORDER", "PLOTS", "plot"]

@@ -10,8 +10,9 @@ from pathlib import Path
 from kvbatch.pipeline.config import ConfigError
 from kvbatch.pipeline.parts import write_atomic
 from kvbatch.pipeline.summary import versions as get_versions
-from kvbatch.pipeline.sweep.report.collect import SWEEP_PARQUET, add_labels, collect, to_table
+from kvbatch.pipeline.sweep.report.collect import SWEEP_PARQUET, add_kv_labels, add_labels, collect, to_table
 from kvbatch.pipeline.sweep.report.compare import add_agreement
+from kvbatch.pipeline.sweep.report.quality import add_quality
 from kvbatch.pipeline.sweep.report.markdown import markdown
 from kvbatch.pipeline.sweep.report.plots import plot
 from kvbatch.pipeline.sweep.status import STATUS_FILE
@@ -19,14 +20,18 @@ from kvbatch.pipeline.sweep.status import STATUS_FILE
 REPORT_MD = "report.md"
 
 
-def write_report(sweep_dirs: list[Path], out: Path) -> dict:
-    """Collect the jobs of these sweep folders; write sweep.parquet, the plots and report.md into `out`."""
+def write_report(sweep_dirs: list[Path], out: Path, teacher_forced: bool = True) -> dict:
+    """Collect the jobs of these sweep folders; write sweep.parquet, the plots and report.md into `out`.
+    teacher_forced: score each quantized job on its kv=none partner's outputs (quality.py; loads the model)."""
     dirs = [Path(d).resolve() for d in sweep_dirs]
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     records = [r for d in dirs for r in collect(d)]
     add_labels(records)
+    add_kv_labels(records)
     add_agreement(records)
+    if teacher_forced:
+        add_quality(records)
     versions = get_versions()
     meta = {"kvbatch.sweep_dirs": json.dumps([str(d) for d in dirs]), "kvbatch.generated_at": str(time.time()),
             **{f"{k}.version": v for k, v in versions.items()}}
@@ -71,7 +76,7 @@ def report_action(cfg) -> Path:
         out = dirs[0]
     else:
         raise ConfigError("report.out: several sweep folders need report.out=DIR (where the combined report goes)")
-    res = write_report(dirs, out)
+    res = write_report(dirs, out, cfg.report.teacher_forced)
     print(res["line"])
     print(res["parquet"])
     return res["parquet"]
