@@ -18,7 +18,7 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.models import llama, qwen3  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
-from kvbatch.engine.config import CudaLaunch, EngineOptions  # noqa: E402
+from kvbatch.engine.config import KV_BITS, CudaLaunch, EngineOptions  # noqa: E402
 from kvbatch.engine.engine import Engine  # noqa: E402
 from tests.configs import engine_config  # noqa: E402
 from kvbatch.engine.models.spec import model_spec  # noqa: E402
@@ -47,7 +47,7 @@ def build(family: str, head_dim: int, dtype):
 
 def check(family, head_dim, dtype, mode, page, tol, options: EngineOptions | None = None) -> bool:
     m, spec = build(family, head_dim, dtype)
-    bits = {"q8": 8, "q4": 4}.get(mode)
+    bits = {"q8": 8, "q4": 4, "k8v4": 8}.get(mode)
     chunk = 24
     eng = Engine(m, _Tok(), spec, engine_config(kv_mode=mode, page_size=page, max_batch=8, prefill_chunk=chunk,
                                                 memory_budget=2 << 30, allow_unvalidated=True, options=options))
@@ -109,10 +109,10 @@ def kernel_case(mode: str, dtype, D: int, rep: int, P: int, chunk, hkv: int = 2,
         rows_k = [K[t].transpose(1, 0, 2, 3).reshape(hkv, -1, D)[:, :n] for t, n in zip(tables, lengths)]
         rows_v = [V[t].transpose(1, 0, 2, 3).reshape(hkv, -1, D)[:, :n] for t, n in zip(tables, lengths)]
     else:
-        bits = 8 if mode == "q8" else 4
-        packed = list(mx.quantize(kp, group_size=group, bits=bits)) + list(mx.quantize(vp, group_size=group, bits=bits))
-        Kd = np.array(mx.dequantize(*packed[:3], group_size=group, bits=bits, stream=mx.cpu).astype(mx.float32))
-        Vd = np.array(mx.dequantize(*packed[3:], group_size=group, bits=bits, stream=mx.cpu).astype(mx.float32))
+        kb, vb = KV_BITS[mode]
+        packed = list(mx.quantize(kp, group_size=group, bits=kb)) + list(mx.quantize(vp, group_size=group, bits=vb))
+        Kd = np.array(mx.dequantize(*packed[:3], group_size=group, bits=kb, stream=mx.cpu).astype(mx.float32))
+        Vd = np.array(mx.dequantize(*packed[3:], group_size=group, bits=vb, stream=mx.cpu).astype(mx.float32))
         n_main = [((n - 1) // P) * P for n in lengths]  # sealed pages; the rest (1..P tokens) in the tail
         tk = mx.array(rng.standard_normal((B + 2, hkv, P, D)).astype(np.float32)).astype(dtype)
         tv = mx.array(rng.standard_normal((B + 2, hkv, P, D)).astype(np.float32)).astype(dtype)
@@ -121,7 +121,7 @@ def kernel_case(mode: str, dtype, D: int, rep: int, P: int, chunk, hkv: int = 2,
         width = max(1, max(len(t) for t in sealed))
         table = mx.array([t + [t[0] if t else 0] * (width - len(t)) for t in sealed], dtype=mx.int32)
         lens = mx.array([[m, n - m] for m, n in zip(n_main, lengths)], dtype=mx.int32)
-        out = ca.paged_decode_attention_quantized(q, ca.QuantPages(packed, tk, tv, bits, group),
+        out = ca.paged_decode_attention_quantized(q, ca.QuantPages(packed, tk, tv, kb, group, vb),
                                                   mx.array(tails, dtype=mx.int32), table, lens, scale, tune)
         TK, TV = np.array(tk.astype(mx.float32)), np.array(tv.astype(mx.float32))
         rows_k, rows_v = [], []
@@ -216,18 +216,19 @@ def kernel_bench(contexts=(8192,), batches=(1, 8, 64), geometries=((64, 8, 4), (
                     print(f"{head} gather+sdpa {t * 1e6:.0f}us", flush=True)
                 calls = {"none": (lambda tune: ca.paged_decode_attention(q, kp, vp, table, lengths, 0.1, tune),
                                   dense_bytes)}
-                for bits in (8, 4):
-                    packed = list(mx.quantize(kp, group_size=64, bits=bits)) + \
-                        list(mx.quantize(vp, group_size=64, bits=bits))
+                for name in ("q8", "q4", "k8v4"):
+                    kb, vb = KV_BITS[name]
+                    packed = list(mx.quantize(kp, group_size=64, bits=kb)) + \
+                        list(mx.quantize(vp, group_size=64, bits=vb))
                     mx.eval(packed)
                     tk, tv = kp[:B], vp[:B]
                     lens = mx.array([[ctx - P, P]] * B, dtype=mx.int32)
                     qbytes = sum(a.nbytes for a in packed) * B * ctx / (npg * P)
                     tails = mx.arange(B).astype(mx.int32)
-                    pages = ca.QuantPages(packed, tk, tv, bits, 64)
-                    calls[f"q{bits}"] = (lambda tune, pages=pages, lens=lens, tails=tails:
-                                         ca.paged_decode_attention_quantized(q, pages, tails, table[:, :-1], lens,
-                                                                             0.1, tune), qbytes)
+                    pages = ca.QuantPages(packed, tk, tv, kb, 64, vb)
+                    calls[name] = (lambda tune, pages=pages, lens=lens, tails=tails:
+                                   ca.paged_decode_attention_quantized(q, pages, tails, table[:, :-1], lens,
+                                                                       0.1, tune), qbytes)
                 ref = {}
                 for label, settings in variants:
                     line = f"{head} {label:>10s}:"

@@ -5,7 +5,7 @@ device time is spent. Needs nvcc on PATH; imports no MLX CUDA.
 
     python benchmarks/cuda_compile_check.py [--warps 4] [--unroll 1]
 
-Kernel names: dense_/quant_<D>_<rep>_<dtype>[_split][_store][_q8|_q4]. Registers above 128 a
+Kernel names: dense_/quant_<D>_<rep>_<dtype>[_split][_store][_q8|_q4|_k8v4]. Registers above 128 a
 thread leave one 256-thread block per SM instead of two.
 """
 from __future__ import annotations
@@ -59,12 +59,13 @@ def main() -> int:
                 dense_in = [("q", T), ("k", T), ("v", T), ("table", "int32_t"), ("lengths", "int32_t"),
                             ("meta", "int32_t"), ("scale", "float")]
                 src.append(wrap(f"dense_{i}", dense_in + store, outs, base, cs.kernel_source(False, split, new_kv)))
-                for bits in (8, 4):
+                for kbits, vbits in ((8, 8), (4, 4), (8, 4)):
                     qin = [("q", T), ("kw", "uint32_t"), ("ks", T), ("kb", T), ("vw", "uint32_t"), ("vs", T),
                            ("vb", T), ("tk", T), ("tv", T), ("tails", "int32_t")] + ints[:1] + \
                           [("lens", "int32_t")] + ints[1:]
-                    consts = dict(base, BITS=bits, GS=32 if D % 64 else 64)
-                    src.append(wrap(f"quant_{i}_q{bits}", qin + store, outs, consts,
+                    consts = dict(base, KBITS=kbits, VBITS=vbits, GS=32 if D % 64 else 64)
+                    tag = f"q{kbits}" if kbits == vbits else f"k{kbits}v{vbits}"
+                    src.append(wrap(f"quant_{i}_{tag}", qin + store, outs, consts,
                                     cs.kernel_source(True, split, new_kv)))
             for ql in (0, 1):
                 src.append(wrap(f"reduce_{D}_{rep}_{dt}_{ql}", [("pm", "float"), ("pl", "float"), ("pacc", "float"),

@@ -4,7 +4,7 @@
 # Installs MLX CUDA from the wheels that shared/tools/mlx-cuda-stage.sh staged (call 1 copies
 # .gpu/a to $HOME/kvbatch-stage; this script joins it with .gpu/b) once per machine. Each
 # stage writes its log (and JSON) under $OUT and is cut at SECONDS (default 300).
-#   kernels  kernel checks (float64 reference; modes $CHECK_MODES, default none,q8,q4) and the one-layer
+#   kernels  kernel checks (float64 reference; modes $CHECK_MODES, default none,q8,q4,k8v4) and the one-layer
 #            bench of the launch settings (VARIANTS below) at 128 tokens (unsplit: the per-call floor)
 #            and at 8k
 #   pytest   the engine's correctness tests on MLX CUDA
@@ -52,13 +52,13 @@ fi
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
 git log -1 --format='commit %h %s' 2>/dev/null; git status --short 2>/dev/null | head -20
 # the checks of one variant take ~2.5 min (60 cases, most of it compiling): check the default only
-CHECKS="default:" CHECK_MODES=${CHECK_MODES:-none,q8,q4}
+CHECKS="default:" CHECK_MODES=${CHECK_MODES:-none,q8,q4,k8v4}
 VARIANTS="default:;u4:KVBATCH_CUDA_UNROLL=4;c256:KVBATCH_CUDA_CHUNK=256:1024;c512:KVBATCH_CUDA_CHUNK=512:1024;w4u4:KVBATCH_CUDA_WARPS=4,KVBATCH_CUDA_UNROLL=4;c2048:KVBATCH_CUDA_CHUNK=2048:1024"
 C256=KVBATCH_CUDA_CHUNK=256:1024
 QVARIANT=${QVARIANT:-"w8u2:KVBATCH_CUDA_WARPS=8,KVBATCH_CUDA_UNROLL=2"} QENV=${QENV:-KVBATCH_CUDA_WARPS=8+KVBATCH_CUDA_UNROLL=2}
 MLXENVS=${MLXENVS:-"default:;ops200:MLX_MAX_OPS_PER_BUFFER=200;nograph:MLX_USE_CUDA_GRAPHS=0"}
 LONG="--batches '' --interleave 32 --long-new 448 --skip-mlx-lm-long"
-TESTS=${TESTS:-"tests/engine/test_cuda_kernel_write.py tests/engine/test_engine_paged.py tests/engine/test_kv_quant.py tests/engine/test_nonfinite.py tests/engine/test_memory.py tests/engine/test_lookahead.py"}
+TESTS=${TESTS:-"tests/engine/test_cuda_kernel_write.py tests/engine/test_engine_paged.py tests/engine/test_kv_quant.py tests/engine/test_kv_modes.py tests/engine/test_nonfinite.py tests/engine/test_memory.py tests/engine/test_lookahead.py"}
 for arg in "$@"; do
   stage=${arg%%:*} secs=${arg#*:}; [ "$secs" = "$arg" ] && secs=300
   echo "== stage $stage (${secs}s) $(date -u +%T) $(env | grep ^KVBATCH_ | tr '\n' ' ')"

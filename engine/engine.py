@@ -26,7 +26,7 @@ from kvbatch.engine.grammar import Grammars
 from kvbatch.engine.hooks import EngineHooks
 from kvbatch.engine.kv_cache import PagedKVCache
 from kvbatch.engine.kv.pages import CacheRow
-from kvbatch.engine.memory import MemoryModel, format_plan, kv_layout, resolve_budget
+from kvbatch.engine.memory import MemoryModel, format_plan, layout_for, resolve_budget
 from kvbatch.engine.output import OutputProcessor
 from kvbatch.engine.row import Row
 from kvbatch.engine.runner import LookaheadStepper, Runner, SyncStepper
@@ -56,7 +56,7 @@ class Engine:
         cfg = cfg or EngineConfig()
         cfg.check()
         kv, settings, opts = cfg.kv, cfg.engine, cfg.engine.options
-        check_kv_mode(spec, kv.mode, kv.group_size, kv.allow_unvalidated, opts)
+        check_kv_mode(spec, kv, opts)
         if not mlx_lm_bridge.model_supports_paging(model):
             raise KvbatchConfigError(f"model type '{spec.family}' does not route attention through mlx-lm's "
                                      "scaled_dot_product_attention; the paged cache cannot run it")
@@ -66,7 +66,7 @@ class Engine:
         budget = cfg.memory.budget_bytes
         if budget is None:
             budget = resolve_budget("auto", cfg.memory.fraction, cfg.memory.headroom, resident=spec.weights_bytes)
-        self.layout = kv_layout(spec, kv.mode, kv.page_size, kv.group_size)
+        self.layout = layout_for(spec, kv)
         self.max_batch, self.max_batch_why = resolve_max_batch(settings.max_batch)
         self.prefill_tokens = resolve_prefill_tokens(settings.prefill_tokens, settings.prefill_chunk)
         self.memory = MemoryModel(spec, self.layout, int(budget), settings.prefill_chunk, self.max_batch,
@@ -181,7 +181,9 @@ class Engine:
         return {
             "kv_mode": self.cfg.kv.mode, "route": c.route, "page_size": self.cfg.kv.page_size,
             "kv_k_axis": getattr(c.store, "k_axis", None),
-            "group_size": self.cfg.kv.group_size if self.layout.bits else None,
+            "group_size": self.cfg.kv.group_size if self.layout.quantized else None,
+            "kv_label": self.layout.label, "key_bits": self.layout.key_bits, "value_bits": self.layout.value_bits,
+            "rotate_keys": self.layout.rotate_keys, "full_precision_tokens": self.layout.full_precision_tokens,
             "kv_bytes_per_token": self.layout.bytes_per_token,
             "budget_bytes": self.memory.budget, "weights_bytes": self.spec.weights_bytes,
             "pool_capacity_pages": c.capacity_pages, "peak_capacity_pages": c.peak_capacity_pages,

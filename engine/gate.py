@@ -1,15 +1,19 @@
 """Which KV modes are validated for which model family and head size (fail closed).
 
-Every entry here is exercised by tests/engine/test_kv_quant.py (teacher-forced logits
-against a dequantize-and-attend reference, batched, at page sizes 16 and 64).
+Every entry here is exercised by tests/engine/test_kv_quant.py (q8/q4) and
+tests/engine/test_kv_modes.py (k8v4, rotated keys, full-precision first tokens): teacher-forced
+logits against a dequantize-and-attend reference, batched, at page sizes 16 and 64. A table
+entry names a mode (by its key/value bits: none, q8, q4, k8v4) or an option that changes what is
+stored (rotate_keys, full_precision_tokens).
 """
 from __future__ import annotations
 
 from typing import Optional
 
 from kvbatch.engine.backend import backend
-from kvbatch.engine.config import GROUP_SIZES, KV_BITS, KV_MODES, EngineOptions
+from kvbatch.engine.config import GROUP_SIZES, KV_MODES, EngineOptions, KVConfig, mode_name
 from kvbatch.engine.errors import KvbatchConfigError
+from kvbatch.engine.kv.rotation import rotation_fits
 from kvbatch.engine.routes.select import fused_kernels
 from kvbatch.engine.types import ModelSpec
 
@@ -17,30 +21,36 @@ from kvbatch.engine.types import ModelSpec
 # and reads cache.offset for RoPE: the paged cache runs them unchanged.
 PAGED_FAMILIES = frozenset({"llama", "qwen3", "qwen2", "mistral"})
 
+_QUANT = frozenset({"none", "q8", "q4"})
+_MODES = _QUANT | {"k8v4"}
 VALIDATED: dict[tuple[str, int], frozenset[str]] = {
-    ("llama", 64): frozenset({"none", "q8", "q4"}),
-    ("llama", 128): frozenset({"none", "q8", "q4"}),
-    ("llama", 256): frozenset({"none", "q8", "q4"}),
-    ("qwen3", 128): frozenset({"none", "q8", "q4"}),
+    ("llama", 64): _MODES,
+    ("llama", 128): _MODES,
+    ("llama", 256): _QUANT,
+    ("qwen3", 128): _MODES,
 }
 # Backends where the portable quantized route (mx.quantized_matmul) has been validated. On MLX
-# CUDA (H200, mlx 0.32.4) it is not (RESULTS.md, issue 9); there q8/q4 are validated only where
-# the fused kernel of routes/cuda_kernels.py runs decode (see `_cuda_quant_ok`).
+# CUDA (H200, mlx 0.32.4) it is not (RESULTS.md, issue 9); there quantized modes are validated only
+# where the fused kernel of routes/cuda_kernels.py runs decode (see `_cuda_quant_ok`).
 QUANT_VALIDATED_BACKENDS = frozenset({"cpu", "metal"})
 
 
-def _cuda_quant_ok(spec: ModelSpec, mode: str, group_size: int, options: EngineOptions) -> bool:
-    """On MLX CUDA, q8/q4 decode is validated through the fused kernel (benchmarks/backend_check.py)."""
+def _cuda_quant_ok(spec: ModelSpec, kv: KVConfig, options: EngineOptions) -> bool:
+    """On MLX CUDA, quantized decode is validated through the fused kernel (benchmarks/backend_check.py)."""
     rep = max(spec.num_heads // max(spec.num_kv_heads, 1), 1)
-    return backend().name == "cuda" and fused_kernels(spec.head_dim, rep, KV_BITS[mode], group_size, options)
+    return backend().name == "cuda" and fused_kernels(spec.head_dim, rep, kv.kv_bits, kv.group_size, options)
 
 
-def check_kv_mode(spec: ModelSpec, mode: str, group_size: int, allow_unvalidated: bool = False,
-                  options: Optional[EngineOptions] = None) -> None:
-    """Raise KvbatchConfigError (one line) unless this model may run this KV mode (with these
+def _unvalidated(kv: KVConfig, spec: ModelSpec, what: str) -> KvbatchConfigError:
+    return KvbatchConfigError(f"{what} is not validated for {spec.family} with head size {spec.head_dim} "
+                              f"(see the README's KV table); set kv.allow_unvalidated=true to run it anyway")
+
+
+def check_kv_mode(spec: ModelSpec, kv: KVConfig, options: Optional[EngineOptions] = None) -> None:
+    """Raise KvbatchConfigError (one line) unless this model may run this KV config (with these
     engine options: the portable route has no fused CUDA kernel)."""
     options = options or EngineOptions()
-    name = backend().name
+    name, mode = backend().name, kv.mode
     if spec.unsupported_reason:
         raise KvbatchConfigError(f"model type '{spec.family}' is not supported by the paged cache: "
                                  f"{spec.unsupported_reason}")
@@ -49,17 +59,23 @@ def check_kv_mode(spec: ModelSpec, mode: str, group_size: int, allow_unvalidated
                                  f"(supported: {', '.join(sorted(PAGED_FAMILIES))})")
     if mode not in KV_MODES:
         raise KvbatchConfigError(f"kv mode '{mode}' is unknown (choose one of {', '.join(KV_MODES)})")
-    if mode != "none":
-        if group_size not in GROUP_SIZES or spec.head_dim % group_size:
-            raise KvbatchConfigError(f"kv.group_size={group_size} does not fit head size {spec.head_dim} "
-                                     f"(use one of {GROUP_SIZES} that divides it)")
-    ok = mode in VALIDATED.get((spec.family, spec.head_dim), frozenset())
-    if mode == "none" and spec.family in PAGED_FAMILIES:
-        ok = True  # the dense route has no head-size specific code
-    if (ok and mode != "none" and name not in QUANT_VALIDATED_BACKENDS
-            and not _cuda_quant_ok(spec, mode, group_size, options) and not allow_unvalidated):
-        raise KvbatchConfigError(f"kv={mode} is not validated on the MLX {name} backend (see the README's "
+    if mode == "none":
+        return  # the dense route has no head-size specific code
+    if kv.group_size not in GROUP_SIZES or spec.head_dim % kv.group_size:
+        raise KvbatchConfigError(f"kv.group_size={kv.group_size} does not fit head size {spec.head_dim} "
+                                 f"(use one of {GROUP_SIZES} that divides it)")
+    if kv.rotate_keys and not rotation_fits(spec.head_dim):
+        raise KvbatchConfigError(f"kv.rotate_keys=true needs a head size that is a power of two (a Hadamard "
+                                 f"rotation); this model's is {spec.head_dim}")
+    label = mode_name(*kv.kv_bits)
+    table = VALIDATED.get((spec.family, spec.head_dim), frozenset())
+    if kv.allow_unvalidated:
+        return
+    if label not in table:
+        raise _unvalidated(kv, spec, f"kv={label}")
+    for key, on in (("rotate_keys", kv.rotate_keys), ("full_precision_tokens", kv.full_precision_tokens)):
+        if on and key not in table:
+            raise _unvalidated(kv, spec, f"kv.{key}={on!r}")
+    if name not in QUANT_VALIDATED_BACKENDS and not _cuda_quant_ok(spec, kv, options):
+        raise KvbatchConfigError(f"kv={kv.label} is not validated on the MLX {name} backend (see the README's "
                                  f"KV table); set kv.allow_unvalidated=true to run it anyway")
-    if not ok and not allow_unvalidated:
-        raise KvbatchConfigError(f"kv={mode} is not validated for {spec.family} with head size {spec.head_dim} "
-                                 f"(see the README's KV table); set kv.allow_unvalidated=true to run it anyway")

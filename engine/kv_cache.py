@@ -25,6 +25,7 @@ from kvbatch.engine.config import EngineOptions
 from kvbatch.engine.errors import INSUFFICIENT_MEMORY, RowError, UnreservedWriteError
 from kvbatch.engine.kv.pages import CacheRow, PagePool
 from kvbatch.engine.kv.prefix import cache_full_pages, computed_pages
+from kvbatch.engine.kv.rotation import KeyRotation
 from kvbatch.engine.memory import KVLayout, available_memory
 from kvbatch.engine.mlx_lm_bridge import PagedLayerCache
 from kvbatch.engine.routes.select import select_route
@@ -49,6 +50,8 @@ class PagedKVCache:
         self.layout, self.P = layout, layout.page_size
         self.num_layers = num_layers
         self.store, self.attention = select_route(layout, num_layers, dtype, tail_slots, upcast, query_heads, options)
+        # kv.rotate_keys: keys stored, and queries attending, in one rotated basis (kv/rotation.py)
+        self.rotation = KeyRotation(layout.head_dim) if layout.rotate_keys else None
         self.pool = PagePool()
         self.free_tails = list(range(tail_slots))[::-1]
         self.views = [PagedLayerCache(self, i) for i in range(num_layers)]
@@ -235,10 +238,14 @@ class PagedKVCache:
         if B != len(plan.rows) or L != plan.L:
             raise UnreservedWriteError(f"KV write of {B}x{L} tokens into a pass reserved for "
                                        f"{len(plan.rows)}x{plan.L}")
+        if self.rotation is not None:
+            keys = self.rotation(keys)
         self.attention.write(layer, plan.meta, keys, values)
 
     def attend(self, layer: int, queries: mx.array, scale: float) -> mx.array:
         plan = self.plan
+        if self.rotation is not None:
+            queries = self.rotation(queries)
         out = self.attention.attend(layer, plan.meta, queries, scale)
         if plan.poison is not None and layer == 0:  # testing-only fault injection
             out = mx.where(plan.poison[:, None, None, None], mx.array(mx.nan, out.dtype), out)

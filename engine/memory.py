@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import psutil
 
-from kvbatch.engine.config import KV_BITS
+from kvbatch.engine.config import KV_BITS, KVConfig, mode_name
 from kvbatch.engine.sizes import fmt_bytes, parse_size
 from kvbatch.engine.types import ModelSpec
 
@@ -65,21 +66,46 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     dtype_bytes: int
-    mode: str  # none | q8 | q4
+    mode: str  # none | q8 | q4 | k8v4
     group_size: int
     page_size: int
+    key_bits: Optional[int] = None  # None: the mode's (config.KV_BITS)
+    value_bits: Optional[int] = None
+    full_precision_tokens: int = 0  # each row's first tokens also kept in full precision (a slot per row)
+    rotate_keys: bool = False  # (costs no bytes; carried so the store and routes read one layout)
+
+    def __post_init__(self) -> None:
+        kb, vb = KV_BITS.get(self.mode, (None, None))
+        object.__setattr__(self, "key_bits", self.key_bits or kb)
+        object.__setattr__(self, "value_bits", self.value_bits or vb)
 
     @property
-    def bits(self) -> int | None:
-        return KV_BITS.get(self.mode)
+    def quantized(self) -> bool:
+        return self.key_bits is not None
+
+    @property
+    def label(self) -> str:
+        """The mode by what it stores: q8, q4, k8v4 (or k<K>v<V>), +rot, +fp<N> (config.KVConfig.label)."""
+        return mode_name(self.key_bits, self.value_bits) + ("+rot" if self.rotate_keys else "") + \
+            (f"+fp{self.full_precision_tokens}" if self.full_precision_tokens else "")
 
     @property
     def bytes_per_token(self) -> int:
-        """K and V, all KV layers; quantized modes include their scales and biases."""
-        per_head = self.head_dim * self.dtype_bytes
-        if self.bits:
-            per_head = self.head_dim * self.bits // 8 + 2 * (self.head_dim // self.group_size) * self.dtype_bytes
-        return 2 * self.num_kv_layers * self.num_kv_heads * per_head
+        """K and V, all KV layers; quantized modes include their scales and biases (one of each per
+        group, keys and values at their own bits)."""
+        if not self.quantized:
+            return self.dense_bytes_per_token
+        groups = 2 * (self.head_dim // self.group_size) * self.dtype_bytes
+        per_head = self.head_dim * (self.key_bits + self.value_bits) // 8 + 2 * groups
+        return self.num_kv_layers * self.num_kv_heads * per_head
+
+    @property
+    def slot_bytes(self) -> int:
+        """Full-precision bytes each batch slot holds beside the pool (quantized modes): the page it
+        is filling (its tail) and its first full_precision_tokens tokens."""
+        if not self.quantized:
+            return 0
+        return (self.page_size + self.full_precision_tokens) * self.dense_bytes_per_token
 
     @property
     def dense_bytes_per_token(self) -> int:
@@ -93,9 +119,17 @@ class KVLayout:
         return max(1, math.ceil(tokens / self.page_size))
 
 
-def kv_layout(spec: ModelSpec, mode: str, page_size: int, group_size: int) -> KVLayout:
+def kv_layout(spec: ModelSpec, mode: str, page_size: int, group_size: int, key_bits: Optional[int] = None,
+              value_bits: Optional[int] = None, full_precision_tokens: int = 0,
+              rotate_keys: bool = False) -> KVLayout:
     return KVLayout(len(spec.kv_layers), spec.num_kv_heads, spec.head_dim, DTYPE_BYTES[spec.dtype],
-                    mode, group_size, page_size)
+                    mode, group_size, page_size, key_bits, value_bits, full_precision_tokens, rotate_keys)
+
+
+def layout_for(spec: ModelSpec, kv: KVConfig) -> KVLayout:
+    """The layout a KV config stores."""
+    kb, vb = kv.kv_bits
+    return kv_layout(spec, kv.mode, kv.page_size, kv.group_size, kb, vb, kv.full_precision_tokens, kv.rotate_keys)
 
 
 @dataclass(frozen=True)
@@ -110,11 +144,10 @@ class MemoryModel:
     prefill_tokens: int = 0  # most tokens of one prefill pass (0: one chunk)
 
     def workspace(self, rows: int, max_tokens: int, max_prompt: int | None = None) -> int:
-        """Transient bytes of the largest pass (`step_workspace`), plus the q8/q4 tail pages:
-        the page each batch slot is filling, kept in full precision."""
-        lay = self.layout
-        tails = self.max_batch * lay.page_size * lay.dense_bytes_per_token if lay.bits else 0
-        return self.step_workspace(rows, max_tokens, max_prompt) + tails
+        """Transient bytes of the largest pass (`step_workspace`), plus the quantized modes'
+        full-precision slots: the page each batch slot is filling and its first
+        full_precision_tokens tokens (KVLayout.slot_bytes)."""
+        return self.step_workspace(rows, max_tokens, max_prompt) + self.max_batch * self.layout.slot_bytes
 
     def step_workspace(self, rows: int, max_tokens: int, max_prompt: int | None = None) -> int:
         """Transient bytes of the largest forward pass (passes run one after another, never together).
@@ -135,7 +168,7 @@ class MemoryModel:
         c = min(self.prefill_chunk, Tp)
         stored = lay.bytes_per_token // max(lay.num_kv_layers, 1)  # one token, one layer, K+V
         f32 = 2 * s.num_kv_heads * s.head_dim * 4
-        per_token = 2 * stored if lay.bits else stored + (f32 if lay.dtype_bytes < 4 else 0)
+        per_token = 2 * stored if lay.quantized else stored + (f32 if lay.dtype_bytes < 4 else 0)
         decode = rows * T * per_token + 2 * rows * s.num_heads * T * 4 + 2 * rows * s.vocab_size * 4
         batched = min(rows, max(1, self.prefill_tokens // c))
         return max(decode, self.prefill_pass(1, c, Tp), self.prefill_pass(batched, c, c))
@@ -194,7 +227,7 @@ class MemoryModel:
         n = self.rows_that_fit(worst_tokens, max_prompt)
         lay = self.layout
         return {
-            "kv_mode": lay.mode,
+            "kv_mode": lay.label,
             "budget_bytes": self.budget,
             "weights_bytes": self.spec.weights_bytes,
             "kv_bytes_per_token": lay.bytes_per_token,

@@ -104,8 +104,8 @@ class OutputProcessor:
                stop_reason: Optional[str] = None) -> None:
         row.ended = True
         peak_kv = row.kv.peak_pages * self.layout.page_bytes
-        if row.kv.tail is not None or (self.layout.bits and row.kv.peak_pages):
-            peak_kv += self.layout.page_size * self.layout.dense_bytes_per_token
+        if row.kv.tail is not None or (self.layout.quantized and row.kv.peak_pages):
+            peak_kv += self.layout.slot_bytes
         if reason == "error":  # its K/V may be NaN/inf: zeroed before the pages are reused
             self.cache.release(row.kv, scrub=True)
         else:  # its full pages stay cached (prefix caching)

@@ -7,13 +7,16 @@ from kvbatch.engine.config import EngineConfig, EngineOptions, EngineSettings, K
 def engine_config(kv_mode: str = "none", page_size: int = 64, group_size: int = 64, max_batch: int = 8,
                   prefill_chunk: int = 512, memory_budget=None, memory_fraction: float = 0.8,
                   memory_headroom: str = "1GiB", allow_unvalidated: bool = False,
-                  max_prompt_tokens=None, options=None, prefill_tokens="auto", admission: str = "reserve"):
-    """An EngineConfig from the few settings tests vary (memory_budget: bytes, None = auto)."""
+                  max_prompt_tokens=None, options=None, prefill_tokens="auto", admission: str = "reserve",
+                  prefix_cache: bool = True, kv=None):
+    """An EngineConfig from the few settings tests vary (memory_budget: bytes, None = auto; kv: more
+    KVConfig fields, e.g. {"rotate_keys": True})."""
     return EngineConfig(
-        kv=KVConfig(mode=kv_mode, page_size=page_size, group_size=group_size, allow_unvalidated=allow_unvalidated),
+        kv=KVConfig(mode=kv_mode, page_size=page_size, group_size=group_size, allow_unvalidated=allow_unvalidated,
+                    **(kv or {})),
         memory=MemoryConfig(budget="auto" if memory_budget is None else str(int(memory_budget)),
                             fraction=memory_fraction, headroom=memory_headroom),
         engine=EngineSettings(max_batch=max_batch, prefill_chunk=prefill_chunk, prefill_tokens=prefill_tokens,
-                              admission=admission, options=options or EngineOptions()),
+                              admission=admission, prefix_cache=prefix_cache, options=options or EngineOptions()),
         max_prompt_tokens=max_prompt_tokens)
 

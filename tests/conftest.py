@@ -24,6 +24,7 @@ import mlx.core as mx  # noqa: E402
 import pytest  # noqa: E402
 
 from kvbatch.engine.backend import backend  # noqa: E402
+from kvbatch.engine.config import KV_BITS  # noqa: E402
 from kvbatch.engine.routes import cuda_kernels  # noqa: E402
 from kvbatch.engine.routes.cuda import ROUTE_CUDA, ROUTE_CUDA_Q  # noqa: E402
 from kvbatch.engine.routes.dense import ROUTE_DENSE, ROUTE_DENSE_F32  # noqa: E402
@@ -42,7 +43,8 @@ def expected_route(spec, mode: str, group_size: int = 64, route: str = "auto") -
     MLX CUDA runs decode in the fused kernels of engine/routes/cuda_kernels.py wherever they handle
     the geometry (unless the options ask for the portable route); elsewhere SDPA over gathered pages
     (float32 SDPA for fp16 models) and quantized matmuls for q8/q4."""
-    bits = {"none": None, "q8": 8, "q4": 4}[mode]
+    bits = KV_BITS[mode] if mode in KV_BITS else None
+    bits = None if bits is None or bits[0] is None else bits
     rep = max(spec.num_heads // spec.num_kv_heads, 1)
     if route == "auto" and backend().cuda_kernels and \
             cuda_kernels.supports(spec.head_dim, rep, bits, group_size if bits else None):

@@ -7,9 +7,10 @@ in place. Callers address a token by slot (page * page_size + offset); writes go
 its head rows in the buffer seen as 2-D (`head_rows`, `scatter_rows`). Capacity is
 always read from the live buffers' shapes.
 
-Dense mode keeps K/V in the model dtype. Quantized modes (q8/q4) keep completed
-pages as mx.quantize triplets and the page each row is still filling in full
-precision, in a small fixed "tail" buffer with one page per batch slot.
+Dense mode keeps K/V in the model dtype. Quantized modes (q8/q4/k8v4: keys and values
+at their own bits) keep completed pages as mx.quantize triplets and the page each row
+is still filling in full precision, in a small fixed "tail" buffer with one page per
+batch slot.
 """
 from __future__ import annotations
 
@@ -135,33 +136,40 @@ class QuantizedStore:
     quantized = True
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, page_size: int, dtype: mx.Dtype,
-                 bits: int, group_size: int, tail_slots: int, k_axis: str = "token"):
+                 bits: int | tuple[int, int], group_size: int, tail_slots: int, k_axis: str = "token"):
+        """bits: of keys and values alike, or (key bits, value bits)."""
         if k_axis not in ("token", "channel"):
             raise ValueError(f"k_axis must be 'token' or 'channel', not {k_axis!r}")
         if k_axis == "channel" and page_size % group_size:
             raise ValueError(f"per-channel keys need page_size ({page_size}) to be a multiple of "
                              f"group_size ({group_size})")
         self.page_size, self.kv_heads, self.head_dim, self.dtype = page_size, kv_heads, head_dim, dtype
-        self.bits, self.group_size, self.k_axis = bits, group_size, k_axis
-        packed, groups = head_dim * bits // 32, head_dim // group_size
+        self.key_bits, self.value_bits = (bits, bits) if isinstance(bits, int) else tuple(bits)
+        self.group_size, self.k_axis = group_size, k_axis
+        groups = head_dim // group_size
 
         def empty(width, dt, rows=page_size):
             return mx.zeros((0, kv_heads, rows, width), dtype=dt)
 
         def k_empty():
+            kb = self.key_bits
             if k_axis == "token":
-                return [empty(packed, mx.uint32), empty(groups, dtype), empty(groups, dtype)]
-            tp, tg = page_size * bits // 32, page_size // group_size
+                return [empty(head_dim * kb // 32, mx.uint32), empty(groups, dtype), empty(groups, dtype)]
+            tp, tg = page_size * kb // 32, page_size // group_size
             return [empty(tp, mx.uint32, head_dim), empty(tg, dtype, head_dim), empty(tg, dtype, head_dim)]
 
+        v_packed = head_dim * self.value_bits // 32
         # per layer: [k_w, k_scales, k_biases, v_w, v_scales, v_biases]
-        self.q = [k_empty() + [empty(packed, mx.uint32), empty(groups, dtype), empty(groups, dtype)]
+        self.q = [k_empty() + [empty(v_packed, mx.uint32), empty(groups, dtype), empty(groups, dtype)]
                   for _ in range(num_layers)]
         tail_shape = (tail_slots, kv_heads, page_size, head_dim)
         self.tk = [mx.zeros(tail_shape, dtype=dtype) for _ in range(num_layers)]
         self.tv = [mx.zeros(tail_shape, dtype=dtype) for _ in range(num_layers)]
         self._heads = mx.arange(kv_heads)[None, :, None]
         mx.eval(self.tk, self.tv)
+
+    def _quantize(self, x: mx.array, keys: bool) -> list[mx.array]:
+        return mx.quantize(x, group_size=self.group_size, bits=self.key_bits if keys else self.value_bits)
 
     @property
     def capacity_pages(self) -> int:
@@ -192,17 +200,17 @@ class QuantizedStore:
         arrs = self.q[layer]
         P = self.page_size
         page, off = slots // P, slots % P
-        vq = mx.quantize(v, group_size=self.group_size, bits=self.bits)
+        vq = self._quantize(v, keys=False)
         for i, a in enumerate(vq):
             arrs[3 + i][page, :, off] = a.astype(arrs[3 + i].dtype)
         if self.k_axis == "token":
-            kq = mx.quantize(k, group_size=self.group_size, bits=self.bits)
+            kq = self._quantize(k, keys=True)
             for i, a in enumerate(kq):
                 arrs[i][page, :, off] = a.astype(arrs[i].dtype)
             return
         n = k.shape[0] // P
         kt = k.reshape(n, P, self.kv_heads, self.head_dim).transpose(0, 2, 3, 1)  # (n, H, D, P)
-        kq = mx.quantize(kt, group_size=self.group_size, bits=self.bits)
+        kq = self._quantize(kt, keys=True)
         pages = page.reshape(n, P)[:, 0]
         for i, a in enumerate(kq):
             arrs[i][pages] = a.astype(arrs[i].dtype)
@@ -251,7 +259,7 @@ class QuantizedStore:
         arrs = self.q[layer]
         for j, buf in ((0, self.tk[layer]), (3, self.tv[layer])):
             # (N, kv_heads, page_size, head_dim): quantize groups the last axis only
-            for i, a in enumerate(mx.quantize(buf[tails], group_size=self.group_size, bits=self.bits)):
+            for i, a in enumerate(self._quantize(buf[tails], keys=j == 0)):
                 arrs[j + i][pages] = a.astype(arrs[j + i].dtype)
 
     def write_run(self, layer: int, tail: int, fill: int, page_slots: mx.array | None,
@@ -296,8 +304,12 @@ class QuantizedStore:
 
     def dequantize_k(self, w: mx.array, s: mx.array, b: mx.array) -> mx.array:
         """Gathered K triplets -> (B, kv_heads, T, head_dim) in full precision."""
-        k = dequantize(w, s, b, self.group_size, self.bits)
+        k = dequantize(w, s, b, self.group_size, self.key_bits)
         return k.swapaxes(-1, -2) if self.k_axis == "channel" else k
+
+    def dequantize_v(self, w: mx.array, s: mx.array, b: mx.array) -> mx.array:
+        """Gathered V triplets -> (B, kv_heads, T, head_dim) in full precision."""
+        return dequantize(w, s, b, self.group_size, self.value_bits)
 
     def gather_tails(self, layer: int, tails: mx.array) -> tuple[mx.array, mx.array]:
         """Tail pages of the rows: (B, kv_heads, page_size, head_dim) each."""

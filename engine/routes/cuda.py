@@ -152,7 +152,7 @@ class CudaQuantRoute(QuantRoute):
         if not isinstance(meta, CudaQuantDecode):
             return super().attend(layer, meta, queries, scale)
         st = self.store
-        pages = QuantPages(st.q[layer], st.tk[layer], st.tv[layer], st.bits, st.group_size)
+        pages = QuantPages(st.q[layer], st.tk[layer], st.tv[layer], st.key_bits, st.group_size, st.value_bits)
         return paged_decode_attention_quantized(queries, pages, meta.tails, meta.table_q, meta.lens, scale,
                                                 self.launch, new_kv=self._new_kv.pop(layer, None))
 

@@ -80,12 +80,16 @@ def warps_for(head_dim: int, rep: int, most: int = 8) -> int:
     return 0
 
 
-def supports(head_dim: int, rep: int, bits: int | None = None, group_size: int | None = None) -> bool:
-    """Whether the kernels handle this geometry (and quantization)."""
+def supports(head_dim: int, rep: int, bits: int | tuple | None = None, group_size: int | None = None) -> bool:
+    """Whether the kernels handle this geometry (and quantization: bits of keys and values alike,
+    or (key bits, value bits); None: dense)."""
     if head_dim % NE or head_dim > 32 * NE or warps_for(head_dim, rep) == 0:
         return False
-    return not bits or (bits in (4, 8) and group_size is not None and group_size % NE == 0
-                        and head_dim % group_size == 0)
+    both = (bits, bits) if isinstance(bits, int) or bits is None else tuple(bits)
+    if both[0] is None:
+        return True
+    return (all(b in (4, 8) for b in both) and group_size is not None and group_size % NE == 0
+            and head_dim % group_size == 0)
 
 
 def splits_for(max_tokens: int, chunk: int, unsplit: int) -> tuple[int, int, int]:
@@ -122,7 +126,7 @@ class _Geometry:
     max_tokens: int  # the longest row's keys (its pages, and for q8/q4 its tail page)
     maxp: int  # page-table width
     scale: float
-    extra: tuple  # template constants of the kind (BITS, GS for q8/q4)
+    extra: tuple  # template constants of the kind (KBITS, VBITS, GS for quantized pages)
 
 
 class QuantPages(NamedTuple):
@@ -131,8 +135,9 @@ class QuantPages(NamedTuple):
     packed: list  # [k_w, k_scales, k_biases, v_w, v_scales, v_biases], each (pages, Hkv, P, width)
     tail_k: mx.array  # (slots, Hkv, P, D): the rows' dense tail pages
     tail_v: mx.array
-    bits: int
+    key_bits: int
     group_size: int
+    value_bits: int = 0  # 0: key_bits
 
 
 class _Launch(NamedTuple):
@@ -214,7 +219,8 @@ def paged_decode_attention_quantized(q: mx.array, pages: QuantPages, tails: mx.a
     _, Hkv, P, _ = pages.tail_k.shape
     maxp = table.shape[1]
     g = _Geometry(pages.tail_k.dtype, Hkv, P, maxp * P + P, maxp, scale,
-                  (("BITS", pages.bits), ("GS", pages.group_size)))
+                  (("KBITS", pages.key_bits), ("VBITS", pages.value_bits or pages.key_bits),
+                   ("GS", pages.group_size)))
     inputs = [*pages.packed, pages.tail_k, pages.tail_v, tails.astype(mx.int32), table.astype(mx.int32),
               lens.astype(mx.int32)]
     return _launch("quant", inputs, q, g, launch, new_kv)

@@ -3,7 +3,7 @@
 Kept apart from the launch code so the text can be read (and compiled by
 benchmarks/cuda_compile_check.py) on its own. `kernel_source` assembles one kernel body from
 the pieces below; MLX's `mx.fast.cuda_kernel` wraps it in the signature and the template
-constants (T, S, D, P, REP, HKV, NW, LPT, NE, U; BITS, GS for q8/q4).
+constants (T, S, D, P, REP, HKV, NW, LPT, NE, U; KBITS, VBITS, GS for quantized pages).
 
 Layout of a launch: one block per (row, KV head, split); 8 head elements per lane, LPT lanes
 per token, TPW = 32 / LPT tokens per warp and U of them per lane per loop step; the query group
@@ -219,26 +219,29 @@ _RAW_DENSE = dict(decl="V8 kr[U], vr[U];",
 _RAW_QUANT_LOAD = r"""
                     const int page = table[(size_t)b * maxp + t / P];
                     const size_t slot = ((size_t)page * HKV + hk) * P + (t % P);
-                    const size_t wo = slot * W + li * WPL, go = slot * G + (li * NE) / GS;
-                    kr[u] = *reinterpret_cast<const QW*>(kw + wo);
-                    vr[u] = *reinterpret_cast<const QW*>(vw + wo);
+                    const size_t go = slot * G + (li * NE) / GS;
+                    kr[u] = *reinterpret_cast<const QWK*>(kw + slot * WK + li * WPLK);
+                    vr[u] = *reinterpret_cast<const QWV*>(vw + slot * WV + li * WPLV);
                     ksc[u] = static_cast<float>(ks[go]);
                     kbi[u] = static_cast<float>(kb[go]);
                     vsc[u] = static_cast<float>(vs[go]);
                     vbi[u] = static_cast<float>(vb[go]);
 """
-# code e of a lane's packed word(s) -> float: 2^23 + code as bits, minus 2^23 (no I2F)
-_CODE = ("(__uint_as_float(BITS == 8 ? __byte_perm({w}.x[(e * BITS) / 32], 0x4B000000u, (e % 4) | 0x7440)"
-         " : ((({w}.x[(e * BITS) / 32] >> ((e * BITS) % 32)) & 0xFu) | 0x4B000000u)) - 8388608.f)")
-_RAW_QUANT = dict(decl="QW kr[U], vr[U]; float ksc[U], kbi[U], vsc[U], vbi[U];",
-                  zero="for (int w = 0; w < WPL; ++w) { kr[u].x[w] = 0u; vr[u].x[w] = 0u; }"
+# code e of a lane's packed word(s) -> float: 2^23 + code as bits, minus 2^23 (no I2F); {b}: KBITS or
+# VBITS (keys and values may be stored at different bits: k8v4)
+_CODE = ("(__uint_as_float({b} == 8 ? __byte_perm({w}.x[(e * {b}) / 32], 0x4B000000u, (e % 4) | 0x7440)"
+         " : ((({w}.x[(e * {b}) / 32] >> ((e * {b}) % 32)) & 0xFu) | 0x4B000000u)) - 8388608.f)")
+_RAW_QUANT = dict(decl="QWK kr[U]; QWV vr[U]; float ksc[U], kbi[U], vsc[U], vbi[U];",
+                  zero="for (int w = 0; w < WPLK; ++w) kr[u].x[w] = 0u; for (int w = 0; w < WPLV; ++w) vr[u].x[w] = 0u;"
                        " ksc[u] = 0.f; kbi[u] = 0.f; vsc[u] = 0.f; vbi[u] = 0.f;",
-                  kconv=_CODE.format(w="kr[u]"), vconv=_CODE.format(w="vr[u]"),
+                  kconv=_CODE.format(w="kr[u]", b="KBITS"), vconv=_CODE.format(w="vr[u]", b="VBITS"),
                   score="x[r][u] = x[r][u] * ksc[u] + kbi[u] * qs[r];", rescale="ab[r] *= corr;",
                   weight="ab[r] += p * vbi[u]; x[r][u] = p * vsc[u];")
 _QW = r"""
-    constexpr int WPL = NE * BITS / 32, W = D * BITS / 32, G = D / GS;
-    struct alignas(4 * WPL) QW { uint32_t x[WPL]; };
+    constexpr int WPLK = NE * KBITS / 32, WK = D * KBITS / 32, WPLV = NE * VBITS / 32, WV = D * VBITS / 32;
+    constexpr int G = D / GS;
+    struct alignas(4 * WPLK) QWK { uint32_t x[WPLK]; };
+    struct alignas(4 * WPLV) QWV { uint32_t x[WPLV]; };
 """
 
 

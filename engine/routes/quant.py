@@ -1,4 +1,4 @@
-"""q8/q4: attention over quantized pages (mx.quantize triplets) and each row's dense tail page.
+"""q8/q4/k8v4: attention over quantized pages (mx.quantize triplets) and each row's dense tail page.
 
 Decode scores the packed pages with `mx.quantized_matmul`, never dequantizing the prefix, plus a
 float32 matmul on the tail page; scores and softmax in float32 (on the CPU the quantized matmuls
@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvbatch.engine.kv.pages import CacheRow
-from kvbatch.engine.kv.store import QuantizedStore, dequantize, head_rows
+from kvbatch.engine.kv.store import QuantizedStore, head_rows
 from kvbatch.engine.routes.base import Geometry, Route, flat_tokens
 from kvbatch.engine.routes.common import TailWrites, causal_mask, page_heads, page_table, tail_writes, token_slots
 from kvbatch.engine.routes.cpu_streams import stream_split
@@ -31,12 +31,18 @@ def _f32(a: mx.array) -> mx.array:
     return a if a.dtype == mx.float32 else a.astype(mx.float32)
 
 
+def _split_bits(bits: int | tuple[int, int]) -> tuple[int, int]:
+    """(key bits, value bits) from one number for both or the pair."""
+    return (bits, bits) if isinstance(bits, int) else (bits[0], bits[1])
+
+
 def quantized_decode_attention(q: mx.array, qk: list[mx.array] | list[list[mx.array]] | None,
                                qv: list[mx.array], tk: mx.array, tv: mx.array, mask_q: mx.array,
-                               mask_t: mx.array, scale: float, group_size: int, bits: int,
+                               mask_t: mx.array, scale: float, group_size: int, bits: int | tuple[int, int],
                                streams: list | None = None, k_transposed: bool = False,
                                mask: mx.array | None = None) -> mx.array:
-    """q (B,Hq,L,D); qk/qv packed triplets (B,Hkv,Tq,·) or None; tail tk/tv (B,Hkv,P,D).
+    """q (B,Hq,L,D); qk/qv packed triplets (B,Hkv,Tq,·) or None; tail tk/tv (B,Hkv,P,D); bits: of
+    both, or (key bits, value bits).
 
     qk may also be a list of triplets, consecutive runs of pages that together make Tq
     (the key scores of run i are computed on streams[i]). mask_q (B,1,1,Tq) and mask_t
@@ -58,6 +64,7 @@ def quantized_decode_attention(q: mx.array, qk: list[mx.array] | list[list[mx.ar
     Hkv = tk.shape[1]
     rep = Hq // Hkv
     dtype = q.dtype
+    kbits, vbits = _split_bits(bits)
     streams = streams or [None]
     qf = (_f32(q) * scale).reshape(B, Hkv, rep * L, D)
     scores_t = qf @ _f32(tk).swapaxes(-1, -2)  # (B,Hkv,rep*L,P)
@@ -65,7 +72,7 @@ def quantized_decode_attention(q: mx.array, qk: list[mx.array] | list[list[mx.ar
     if qk is not None:
         runs = qk if isinstance(qk[0], (list, tuple)) else [qk]
         scores_q = [mx.quantized_matmul(qf, w, _f32(s), _f32(b), transpose=not k_transposed, group_size=group_size,
-                                        bits=bits, stream=streams[i % len(streams)])
+                                        bits=kbits, stream=streams[i % len(streams)])
                     for i, (w, s, b) in enumerate(runs)]
         parts[:0] = scores_q
         masks.insert(0, mask_q)
@@ -82,7 +89,7 @@ def quantized_decode_attention(q: mx.array, qk: list[mx.array] | list[list[mx.ar
         n = stream_split(B * Hkv, pq.shape[-1], D, min(len(streams), B * Hkv))
         cuts = [B * Hkv * i // n for i in range(n + 1)]
         pv = [mx.quantized_matmul(pq[a:z], w[a:z], s[a:z], b[a:z], transpose=False, group_size=group_size,
-                                  bits=bits, stream=streams[i]) for i, (a, z) in enumerate(zip(cuts, cuts[1:]))]
+                                  bits=vbits, stream=streams[i]) for i, (a, z) in enumerate(zip(cuts, cuts[1:]))]
         out = out + (mx.concatenate(pv) if n > 1 else pv[0]).reshape(B, Hkv, rep * L, D)
     out = out.reshape(B, Hq, L, D)
     return out if out.dtype == dtype else out.astype(dtype)
@@ -90,7 +97,7 @@ def quantized_decode_attention(q: mx.array, qk: list[mx.array] | list[list[mx.ar
 
 def quantized_paged_decode(q: mx.array, kq: list[mx.array], vq: list[mx.array], tk: mx.array, tv: mx.array,
                            page_heads: mx.array, query_of: mx.array, mask: mx.array, scale: float,
-                           group_size: int, bits: int, streams: list | None = None,
+                           group_size: int, bits: int | tuple[int, int], streams: list | None = None,
                            cuts: list[int] | None = None, k_transposed: bool = True) -> mx.array:
     """`quantized_decode_attention` read from the packed pages in place (CPU, float32 stores).
 
@@ -114,6 +121,7 @@ def quantized_paged_decode(q: mx.array, kq: list[mx.array], vq: list[mx.array], 
     B, Hq, _, D = q.shape
     Hkv = tk.shape[1]
     G, n = Hq // Hkv, page_heads.shape[-1]
+    kbits, vbits = _split_bits(bits)
     streams = streams or [None]
     runs = list(zip(cuts, cuts[1:])) if cuts else [(0, n)]
     qf = _f32(q).reshape(B * Hkv, G, D)
@@ -122,12 +130,12 @@ def quantized_paged_decode(q: mx.array, kq: list[mx.array], vq: list[mx.array], 
     parts = [(qf.reshape(B, Hkv, G, D) @ _f32(tk).swapaxes(-1, -2))[:, :, None]]  # the tail, (B,Hkv,1,G,P)
     parts += [mx.gather_qmm(qf, kw, ks, kb, lhs_indices=query_of, rhs_indices=page_heads[..., a:z],
                             transpose=not k_transposed,
-                            group_size=group_size, bits=bits, stream=streams[i % len(streams)])
+                            group_size=group_size, bits=kbits, stream=streams[i % len(streams)])
               for i, (a, z) in enumerate(runs)]  # (B, Hkv, z - a, G, P) each
     probs = masked_softmax(mx.concatenate(parts, axis=2), mask, axis=(2, 4), scale=scale)
     out = probs[:, :, 0] @ _f32(tv)  # (B, Hkv, G, D)
     pv = [mx.gather_qmm(probs[:, :, 1 + a:1 + z], vw, vs, vb, rhs_indices=page_heads[..., a:z], transpose=False,
-                        group_size=group_size, bits=bits, stream=streams[i % len(streams)])
+                        group_size=group_size, bits=vbits, stream=streams[i % len(streams)])
           for i, (a, z) in enumerate(runs)]  # (B, Hkv, z - a, G, D) each
     out = out + (mx.concatenate(pv, axis=2) if len(pv) > 1 else pv[0]).sum(axis=2)
     out = out.reshape(B, Hq, 1, D)
@@ -299,7 +307,7 @@ class QuantRoute(Route):
             tk, tv = st.gather_tails(layer, meta.tails)
             q = st.q[layer]
             return quantized_paged_decode(queries, q[:3], q[3:], tk, tv, meta.heads, meta.query_of, meta.mask_p,
-                                          scale, st.group_size, st.bits, self.streams, meta.cuts,
+                                          scale, st.group_size, (st.key_bits, st.value_bits), self.streams, meta.cuts,
                                           k_transposed=k_transposed)
         if isinstance(meta, QuantPrefill):
             return self._prefill_attend(layer, meta, queries, scale)
@@ -315,7 +323,8 @@ class QuantRoute(Route):
                         qk.append(st.gather_quantized(layer, run, "k"))
             qv = st.gather_quantized(layer, meta.table_q, "v")
         return quantized_decode_attention(queries, qk, qv, tk, tv, meta.mask_q, meta.mask_t, scale, st.group_size,
-                                          st.bits, self.streams, k_transposed=k_transposed, mask=meta.mask_all)
+                                          (st.key_bits, st.value_bits), self.streams, k_transposed=k_transposed,
+                                          mask=meta.mask_all)
 
     def _prefill_attend(self, layer: int, meta: QuantPrefill, queries: mx.array, scale: float) -> mx.array:
         """The fresh rows together, over their chunk as written; the others row by row, over their
@@ -332,7 +341,7 @@ class QuantRoute(Route):
             if run.table_q is not None:
                 qk = st.gather_quantized(layer, run.table_q)
                 sk = mx.concatenate([st.dequantize_k(*qk[:3]), sk], axis=2)
-                sv = mx.concatenate([dequantize(*qk[3:], st.group_size, st.bits), sv], axis=2)
+                sv = mx.concatenate([st.dequantize_v(*qk[3:]), sv], axis=2)
             q = queries[b:b + 1] if run.n == meta.L else queries[b:b + 1, :, :run.n]
             out = dense_attention(q, sk, sv, run.mask, scale, upcast=True, composed=self.composed)
             if run.n < meta.L:

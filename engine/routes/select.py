@@ -1,6 +1,6 @@
 """The one place an attention route is chosen: from the KV layout, the backend and the options.
 
-                     kv none                            q8 / q4
+                     kv none                            q8 / q4 / k8v4
   MLX CUDA           CudaDenseRoute (fused kernel)      CudaQuantRoute (fused kernel)
   CPU                DenseRoute, grouped decode,        QuantRoute, keys per channel when the
                      float32 pages read in place        page holds whole groups, packed pages
@@ -35,10 +35,12 @@ def cpu_route(options: EngineOptions) -> bool:
     return options.route == "auto" and backend().on_cpu
 
 
-def fused_kernels(head_dim: int, rep: int, bits: int | None, group_size: int, options: EngineOptions) -> bool:
-    """Whether decode runs the fused CUDA kernels for this geometry (rep: query heads per KV head)."""
+def fused_kernels(head_dim: int, rep: int, bits: tuple | None, group_size: int, options: EngineOptions) -> bool:
+    """Whether decode runs the fused CUDA kernels for this geometry (rep: query heads per KV head;
+    bits: (key bits, value bits), None or (None, None) for dense)."""
+    quantized = bits is not None and bits[0] is not None
     return (options.route == "auto" and backend().cuda_kernels
-            and cuda_kernels.supports(head_dim, rep, bits, group_size if bits else None))
+            and cuda_kernels.supports(head_dim, rep, bits if quantized else None, group_size if quantized else None))
 
 
 def k_quant_axis(layout: KVLayout, options: EngineOptions) -> str:
@@ -52,13 +54,14 @@ def select_route(layout: KVLayout, num_layers: int, dtype: mx.Dtype, tail_slots:
     """The cache's store and the route that reads and writes it."""
     geom = Geometry(layout.page_size, layout.num_kv_heads, layout.head_dim, query_heads)
     cpu = cpu_route(options)
-    fused = fused_kernels(layout.head_dim, max(query_heads // layout.num_kv_heads, 1), layout.bits,
+    bits = (layout.key_bits, layout.value_bits)
+    fused = fused_kernels(layout.head_dim, max(query_heads // layout.num_kv_heads, 1), bits,
                           layout.group_size, options)
     # CPU decode over float32 pages of IN_PLACE_MIN_PAGE+ tokens reads them where they lie
     cpu_pages = cpu and dtype == mx.float32 and layout.page_size >= IN_PLACE_MIN_PAGE
-    if layout.bits:
+    if layout.quantized:
         store = QuantizedStore(num_layers, layout.num_kv_heads, layout.head_dim, layout.page_size, dtype,
-                               layout.bits, layout.group_size, tail_slots, k_axis=k_quant_axis(layout, options))
+                               bits, layout.group_size, tail_slots, k_axis=k_quant_axis(layout, options))
         if fused:
             return store, CudaQuantRoute(store, geom, options.cuda, options.step_reuse)
         return store, QuantRoute(store, geom, _streams(cpu, options), in_place=cpu_pages and options.q_in_place)

@@ -66,7 +66,7 @@ def test_version_and_help(tmp_path):
     h = kvbatch("--help", cwd=tmp_path)
     assert h.returncode == 0, h.stderr
     for needle in ("== Actions (action=...) ==", "status", "retry", "== Inputs ==", "== Outputs ==",
-                   "== Examples ==", "kv: none, q4, q8", "max_error_fraction"):
+                   "== Examples ==", "kv: k8v4, none, q4, q8", "max_error_fraction"):
         assert needle in h.stdout, needle
     assert "Powered by Hydra" not in h.stdout
 

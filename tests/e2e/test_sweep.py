@@ -215,7 +215,7 @@ def test_bad_value_fails_alone_unknown_option_stops_the_sweep_first(root, model_
     # An option that does not exist: one line, before any job (no sweep folder at all).
     p = kvbatch(*base_args(root, model_cache_dir, "unknown"), "kv=none,q3", cwd=root)
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
-    assert p.returncode == 2 and lines == ["kvbatch: error: kv=q3: no such option (choose one of: none, q4, q8)"]
+    assert p.returncode == 2 and lines == ["kvbatch: error: kv=q3: no such option (choose one of: k8v4, none, q4, q8)"]
     assert not (root / "unknown").exists()
 
 

@@ -70,21 +70,30 @@ class StoredPagesRefCache(KVCache):
     (by the row's page table, with plain indexing) and dequantizes them; the rest
     it computes itself, in full precision. Paging and batching must then add no
     error at all beyond float rounding.
+
+    rotation: a (D, D) orthogonal matrix the engine turned keys by before storing them
+    (kv.rotate_keys): stored keys are turned back (k·H·Hᵀ = k) before attention.
+    full_precision: the engine's first tokens read in full precision (kv.full_precision_tokens):
+    the reference's own keys and values there instead of the stored pages.
     """
 
-    def __init__(self, store, layer: int, pages: list[int]):
+    def __init__(self, store, layer: int, pages: list[int], rotation=None, full_precision: int = 0):
         super().__init__()
         self.store, self.layer, self.pages = store, layer, pages
         self.P = store.page_size
+        self.rotation, self.full_precision = rotation, full_precision
 
     def _stored(self, which: int, n_pages: int, dtype) -> mx.array:
         pages = mx.array(self.pages[:n_pages])
         # buffers are (pages, kv_heads, page_size, width) (K by channel: (pages, kv_heads, D, ·))
         w, s, b = (self.store.q[self.layer][which + j][pages] for j in range(3))
-        deq = mx.dequantize(w, s, b, group_size=self.store.group_size, bits=self.store.bits)
+        bits = self.store.key_bits if which == 0 else self.store.value_bits
+        deq = mx.dequantize(w, s, b, group_size=self.store.group_size, bits=bits)
         if which == 0 and getattr(self.store, "k_axis", "token") == "channel":
             deq = deq.swapaxes(-1, -2)  # K pages are stored transposed: (pages, kv_heads, D, P)
         n, H, P, D = deq.shape
+        if which == 0 and self.rotation is not None:
+            deq = deq.astype(mx.float32) @ self.rotation.T
         return deq.transpose(1, 0, 2, 3).reshape(1, H, n * P, D).astype(dtype)  # (1, Hkv, n*P, D)
 
     def update_and_fetch(self, keys, values):
@@ -92,8 +101,9 @@ class StoredPagesRefCache(KVCache):
         k, v = super().update_and_fetch(keys, values)
         if n_pages:
             n = n_pages * self.P
-            k = mx.concatenate([self._stored(0, n_pages, k.dtype), k[:, :, n:]], axis=2)
-            v = mx.concatenate([self._stored(3, n_pages, v.dtype), v[:, :, n:]], axis=2)
+            f = min(self.full_precision, n)
+            k = mx.concatenate([k[:, :, :f], self._stored(0, n_pages, k.dtype)[:, :, f:], k[:, :, n:]], axis=2)
+            v = mx.concatenate([v[:, :, :f], self._stored(3, n_pages, v.dtype)[:, :, f:], v[:, :, n:]], axis=2)
         return k, v
 
 

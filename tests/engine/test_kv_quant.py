@@ -110,7 +110,8 @@ class PageSnapshots:
     def store(self, key: str):
         q, _ = self.rows[key]
         s = self.src
-        return SimpleNamespace(q=q, page_size=s.page_size, group_size=s.group_size, bits=s.bits, k_axis=s.k_axis)
+        return SimpleNamespace(q=q, page_size=s.page_size, group_size=s.group_size, key_bits=s.key_bits,
+                               value_bits=s.value_bits, k_axis=s.k_axis)
 
     def n_pages(self, key: str) -> int:
         return self.rows[key][0][0][0].shape[0]

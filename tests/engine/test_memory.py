@@ -159,7 +159,7 @@ def test_budget_for_two_rows_runs_eight_two_at_a_time(tiny_model):
 
 
 # ---- predicted KV bytes against the live buffers --------------------------------------------
-@pytest.mark.parametrize("mode", ["none", "q8", "q4"])
+@pytest.mark.parametrize("mode", ["none", "q8", "q4", "k8v4"])
 def test_predicted_kv_bytes_match_live_buffers(tiny_model, mode):
     m = tiny_model()
     spec = m[2]
@@ -179,7 +179,7 @@ def test_predicted_kv_bytes_match_live_buffers(tiny_model, mode):
     predicted = pages * lay.page_bytes  # == pages * P * bytes_per_token
     assert cache.store.nbytes == predicted  # the buffers' own nbytes: exact
     assert abs(kv_live - predicted) <= 0.10 * predicted, (kv_live, predicted)
-    if lay.bits:  # the full-precision tail pages: the workspace's tail term
+    if lay.quantized:  # the full-precision tail pages: the workspace's tail term
         predicted_tails = tail_slots * P * lay.dense_bytes_per_token
         assert cache.store.tail_nbytes == predicted_tails
         assert abs(tails - predicted_tails) <= 0.10 * predicted_tails

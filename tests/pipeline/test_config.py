@@ -21,12 +21,16 @@ def test_defaults_compose():
 
 def test_groups_compose():
     cfg = compose_config(["model=tiny", "kv=q4", "memory=fixed", "memory.budget=2GiB", "kv.page_size=4"])
-    assert (cfg.model.source, cfg.kv.mode, cfg.kv.bits, cfg.kv.page_size) == ("tiny", "q4", 4, 4)
+    assert (cfg.model.source, cfg.kv.mode, cfg.kv.kv_bits, cfg.kv.page_size) == ("tiny", "q4", (4, 4), 4)
     assert cfg.memory.budget == "2GiB"
 
 
 @pytest.mark.parametrize("override,needle", [
-    ("kv=q3", "kv=q3: no such option (choose one of: none, q4, q8)"),
+    ("kv=q3", "kv=q3: no such option (choose one of: k8v4, none, q4, q8)"),
+    ("kv.key_bits=3", "kv.key_bits=3: choose one of 4, 8 or null"),
+    ("kv.value_bits=4", "kv.value_bits=4: needs a quantized kv.mode"),  # kv=none by default
+    ("kv.rotate_keys=true", "kv.rotate_keys=True: needs a quantized kv.mode"),
+    ("kv.full_precision_tokens=-1", "kv.full_precision_tokens=-1: must be >= 0"),
     ("kv.mode=q3", "kv.mode='q3'"),
     ("memory.budget=lots", "memory.budget='lots'"),
     ("job.max_tokens=-1", "job.max_tokens=-1: must be >= 1"),

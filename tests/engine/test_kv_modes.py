@@ -1,0 +1,117 @@
+"""The mixed and rotated KV modes (issue 27): k8v4, kv.rotate_keys, kv.full_precision_tokens.
+
+What is proven here, for each mode on the llama (head 64) and qwen3 (head 128) test models, at page
+sizes 16 and 64, in batches of 8 rows of different lengths (the CPU route with keys per channel, and
+the portable route with keys per token; on MLX CUDA the fused kernel):
+- the stored pages are the mode's (keys and values at their own bits);
+- teacher-forced logits equal tests/engine/kv_reference.py's stored-pages reference within the q8/q4
+  tests' tolerance at every step: that reference turns the stored keys back by the rotation and
+  reads the first tokens in full precision, so a mode that skipped either would be far off;
+- the memory model prices each mode's bytes (the live buffers match it);
+- what a backend cannot run fails at start with one line.
+"""
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from kvbatch.engine.config import EngineOptions, KVConfig
+from kvbatch.engine.engine import Engine
+from kvbatch.engine.errors import KvbatchConfigError
+from kvbatch.engine.gate import VALIDATED
+from kvbatch.engine.kv.rotation import hadamard
+from kvbatch.engine.memory import kv_layout
+from kvbatch.engine.routes import quant
+from kvbatch.engine.types import Request, SamplingParams
+from tests.conftest import ON_CUDA, engine_config, expected_route
+from tests.engine.kv_reference import StoredPagesRefCache, teacher_forced_logits
+from tests.engine.test_kv_quant import BUDGET, CHUNK, TOL, PageSnapshots, _requests, _rows
+
+# name -> (kv.mode, more KVConfig fields, the gate's entry)
+MODES = {
+    "k8v4": ("k8v4", {}, "k8v4"),
+}
+GEOMS = (("llama", 64), ("qwen3", 128))
+CASES = [(name, fam, hd, page, "auto") for name in MODES for fam, hd in GEOMS for page in (16, 64)]
+CASES += [(name, "llama", 64, 16, "portable") for name in MODES]
+
+
+def _kv(name: str) -> dict:
+    mode, extra, _ = MODES[name]
+    return {"kv_mode": mode, "kv": extra}
+
+
+def _engine(model, tok, spec, name, page, route="auto", max_batch=8, **kw):
+    cfg = engine_config(page_size=page, group_size=64, max_batch=max_batch, prefill_chunk=CHUNK[page],
+                        memory_budget=BUDGET, options=EngineOptions(route=route), **_kv(name), **kw)
+    return Engine(model, tok, spec, cfg)
+
+
+@pytest.mark.parametrize("name,family,head_dim,page,route", CASES,
+                         ids=[f"{n}-{f}-h{h}-p{p}" + ("-portable" if r == "portable" else "")
+                              for n, f, h, p, r in CASES])
+def test_mode_matches_stored_pages_reference(tiny_model, name, family, head_dim, page, route):
+    model, tok, spec = tiny_model(family=family, head_dim=head_dim)
+    assert MODES[name][2] in VALIDATED[(family, head_dim)]
+    if route == "portable" and ON_CUDA:  # quantized_matmul is not validated on MLX CUDA: the gate refuses it
+        with pytest.raises(KvbatchConfigError, match="not validated on the MLX cuda backend"):
+            _engine(model, tok, spec, name, page, route)
+        return
+    prompts, forced = _rows(seed=head_dim + page + len(name))
+    eng = _engine(model, tok, spec, name, page, route)
+    lay, st = eng.layout, eng.cache.store
+    kb, vb = lay.key_bits, lay.value_bits
+    assert (st.key_bits, st.value_bits) == (kb, vb)
+    D = spec.head_dim
+    k_width = page * kb // 32 if st.k_axis == "channel" else D * kb // 32
+    snap = PageSnapshots(eng.cache)
+    results = eng.generate(_requests(eng, prompts, forced))
+    s = eng.summary()
+    want_route = expected_route(spec, MODES[name][0], 64, route)
+    assert s["peak_concurrency"] == 8 and s["route"] == want_route and s["kv_label"] == lay.label
+    assert (s["key_bits"], s["value_bits"]) == (kb, vb)
+    if route == "portable":
+        assert type(eng.cache.attention) is quant.QuantRoute and st.k_axis == "token"
+    # the pages hold keys and values at their own bits
+    assert st.q[0][0].shape[-1] == k_width and st.q[0][3].shape[-1] == D * vb // 32
+    rot = mx.array(hadamard(D).astype("float32")) if lay.rotate_keys else None
+    worst = 0.0
+    for res, p, f in zip(results, prompts, forced):
+        assert res.ok and res.finish_reason == "length", (res.error_code, res.error_message)
+        got = eng.hooks.logits[res.key]
+        store, n = snap.store(res.key), snap.n_pages(res.key)
+        ref = teacher_forced_logits(model, p, f, lambda: [
+            StoredPagesRefCache(store, i, list(range(n)), rot, lay.full_precision_tokens)
+            for i in range(len(model.layers))], CHUNK[page])
+        assert len(got) == len(ref) == len(f)
+        for step, (a, b) in enumerate(zip(got, ref)):
+            d = mx.abs(a - b).max().item()
+            worst = max(worst, d)
+            assert d <= TOL, f"{res.key} step {step}: stored-pages reference differs by {d:.2e}"
+    sealed = [(len(p) + len(f) - 1) // page for p, f in zip(prompts, forced)]
+    assert max(sealed) >= 4 and sum(x >= 2 for x in sealed) >= 4  # rows cross several page boundaries
+
+
+def test_bytes_per_token_priced_per_mode(tiny_model):
+    """k8v4 stores q8's keys and q4's values: its bytes per token are exactly half of each."""
+    *_, spec = tiny_model()
+    bpt = {m: kv_layout(spec, m, 64, 64).bytes_per_token for m in ("q8", "q4", "k8v4")}
+    assert 2 * bpt["k8v4"] == bpt["q8"] + bpt["q4"]
+    assert kv_layout(spec, "q8", 64, 64, value_bits=4).bytes_per_token == bpt["k8v4"]
+    assert KVConfig(mode="q8", value_bits=4).label == "k8v4" and KVConfig(mode="k8v4").kv_bits == (8, 4)
+
+
+def test_gate_refuses_what_is_not_validated(tiny_model):
+    """Keys at fewer bits than values (k4v8) are not in the table: refused in one line unless
+    kv.allow_unvalidated; kv=none with mode options is refused by the config check."""
+    model, tok, spec = tiny_model()
+    cfg = engine_config(kv_mode="q4", page_size=16, memory_budget=BUDGET, kv={"value_bits": 8})
+    with pytest.raises(KvbatchConfigError) as err:
+        Engine(model, tok, spec, cfg)
+    assert "\n" not in str(err.value) and "kv=k4v8 is not validated" in str(err.value)
+    cfg.kv.allow_unvalidated = True
+    eng = Engine(model, tok, spec, cfg)
+    (res,) = eng.generate([Request("a", list(range(60, 100)), SamplingParams(max_tokens=30))])
+    assert res.ok and (eng.cache.store.key_bits, eng.cache.store.value_bits) == (4, 8)
+    with pytest.raises(KvbatchConfigError, match="kv.value_bits=4: needs a quantized kv.mode"):
+        Engine(model, tok, spec, engine_config(kv_mode="none", kv={"value_bits": 4}))
