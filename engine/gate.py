@@ -67,6 +67,8 @@ def check_kv_mode(spec: ModelSpec, kv: KVConfig, options: Optional[EngineOptions
     if kv.rotate_keys and not rotation_fits(spec.head_dim):
         raise KvbatchConfigError(f"kv.rotate_keys=true needs a head size that is a power of two (a Hadamard "
                                  f"rotation); this model's is {spec.head_dim}")
+    if kv.full_precision_tokens:
+        raise KvbatchConfigError("kv.full_precision_tokens is not built yet on this commit; set it to 0")
     label = mode_name(*kv.kv_bits)
     table = VALIDATED.get((spec.family, spec.head_dim), frozenset())
     if kv.allow_unvalidated:
