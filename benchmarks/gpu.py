@@ -40,7 +40,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import llama
 
-from kvbatch.engine.config import EngineOptions
+from kvbatch.engine.config import KV_MODES, EngineOptions, KVConfig
 from kvbatch.engine.engine import Engine
 from kvbatch.engine.models.spec import model_spec
 from kvbatch.engine.types import Request, SamplingParams
@@ -240,9 +240,9 @@ def main() -> None:
     model, spec = build(a.geometry)
     bw = copy_bandwidth()
     budget = int(a.budget_gb * 1e9)
-    from kvbatch.engine.memory import kv_layout
+    from kvbatch.engine.memory import kv_layout, layout_for
     kv_dense = kv_layout(spec, "none", 64, 64).bytes_per_token
-    kv_bpt = {m: kv_layout(spec, m, 64, 64).bytes_per_token for m in ("none", "q8", "q4")}
+    kv_bpt = {m: layout_for(spec, KVConfig(mode=m, page_size=64, group_size=64)).bytes_per_token for m in KV_MODES}
     out = {"geometry": a.geometry, "device": str(mx.default_device()), "mlx": mx.__version__,
            "python": platform.python_version(), "copy_bw_gbs": bw / 1e9, "weights_gb": spec.weights_bytes / 1e9,
            "rows": []}
