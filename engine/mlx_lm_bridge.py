@@ -18,13 +18,16 @@ from kvbatch.engine.routes import rope_cpu, swiglu_cpu
 from kvbatch.engine.routes.select import cpu_route
 
 
+_CPU_KERNELS = (rope_cpu, swiglu_cpu)  # the modules prepare_model may wrap, in its options' order
+
+
 def prepare_model(model: nn.Module, options: EngineOptions) -> None:
     """Route the model's attention to paged caches; on the CPU route give its decode RoPE one
     cos/sin table per step (`options.rope_table`) and its SwiGLU MLPs a polynomial e^x
     (`options.cpu_swiglu`); MLX's and mlx-lm's own kernels elsewhere."""
     install(model)
     cpu = cpu_route(options)
-    for wanted, kernel in ((options.rope_table, rope_cpu), (options.cpu_swiglu, swiglu_cpu)):
+    for kernel, wanted in zip(_CPU_KERNELS, (options.rope_table, options.cpu_swiglu)):
         if cpu and wanted:
             kernel.install(model)
         else:
@@ -34,8 +37,8 @@ def prepare_model(model: nn.Module, options: EngineOptions) -> None:
 def as_shipped(model: nn.Module) -> None:
     """Undo `prepare_model`'s CPU kernels (benchmarks run mlx-lm on the model as it ships; the
     attention hook only acts on kvbatch's own caches)."""
-    rope_cpu.uninstall(model)
-    swiglu_cpu.uninstall(model)
+    for kernel in _CPU_KERNELS:
+        kernel.uninstall(model)
 
 
 def forward_last(model: nn.Module, tokens: mx.array, cache: list, last: Optional[mx.array] = None) -> mx.array:
