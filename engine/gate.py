@@ -4,7 +4,9 @@ Every entry here is exercised by tests/engine/test_kv_quant.py (q8/q4) and
 tests/engine/test_kv_modes.py (k8v4, rotated keys, full-precision first tokens): teacher-forced
 logits against a dequantize-and-attend reference, batched, at page sizes 16 and 64. A table
 entry names a mode (by its key/value bits: none, q8, q4, k8v4) or an option that changes what is
-stored (rotate_keys, full_precision_tokens).
+stored (rotate_keys, full_precision_tokens): `rotate_keys` there means q8, q4 and k8v4 with
+kv.rotate_keys=true are validated for that family and head size (the rotation sits at the cache's
+edge, kv_cache.py, so every route sees the same rotated keys and queries).
 """
 from __future__ import annotations
 
@@ -23,11 +25,12 @@ PAGED_FAMILIES = frozenset({"llama", "qwen3", "qwen2", "mistral"})
 
 _QUANT = frozenset({"none", "q8", "q4"})
 _MODES = _QUANT | {"k8v4"}
+_ROTATED = _MODES | {"rotate_keys"}  # q8, q4, k8v4 with kv.rotate_keys=true
 VALIDATED: dict[tuple[str, int], frozenset[str]] = {
-    ("llama", 64): _MODES,
-    ("llama", 128): _MODES,
+    ("llama", 64): _ROTATED,
+    ("llama", 128): _ROTATED,
     ("llama", 256): _QUANT,
-    ("qwen3", 128): _MODES,
+    ("qwen3", 128): _ROTATED,
 }
 # Backends where the portable quantized route (mx.quantized_matmul) has been validated. On MLX
 # CUDA (H200, mlx 0.32.4) it is not (RESULTS.md, issue 9); there quantized modes are validated only

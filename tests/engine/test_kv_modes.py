@@ -1,8 +1,9 @@
 """The mixed and rotated KV modes (issue 27): k8v4, kv.rotate_keys, kv.full_precision_tokens.
 
-What is proven here, for each mode on the llama (head 64) and qwen3 (head 128) test models, at page
-sizes 16 and 64, in batches of 8 rows of different lengths (the CPU route with keys per channel, and
-the portable route with keys per token; on MLX CUDA the fused kernel):
+What is proven here, for each mode on the llama (head 64; rotated keys also head 128) and qwen3
+(head 128) test models, at page sizes 16 and 64, in batches of 8 rows of different lengths (the CPU
+route with keys per channel, and the portable route with keys per token; on MLX CUDA the fused
+kernel):
 - the stored pages are the mode's (keys and values at their own bits);
 - teacher-forced logits equal tests/engine/kv_reference.py's stored-pages reference within the q8/q4
   tests' tolerance at every step: that reference turns the stored keys back by the rotation and
@@ -30,10 +31,14 @@ from tests.engine.test_kv_quant import BUDGET, CHUNK, TOL, PageSnapshots, _reque
 # name -> (kv.mode, more KVConfig fields, the gate's entry)
 MODES = {
     "k8v4": ("k8v4", {}, "k8v4"),
+    "q8+rot": ("q8", {"rotate_keys": True}, "rotate_keys"),
+    "q4+rot": ("q4", {"rotate_keys": True}, "rotate_keys"),
+    "k8v4+rot": ("k8v4", {"rotate_keys": True}, "rotate_keys"),
 }
 GEOMS = (("llama", 64), ("qwen3", 128))
 CASES = [(name, fam, hd, page, "auto") for name in MODES for fam, hd in GEOMS for page in (16, 64)]
 CASES += [(name, "llama", 64, 16, "portable") for name in MODES]
+CASES += [(name, "llama", 128, page, "auto") for name in MODES if name.endswith("+rot") for page in (16, 64)]
 
 
 def _kv(name: str) -> dict:
@@ -115,3 +120,17 @@ def test_gate_refuses_what_is_not_validated(tiny_model):
     assert res.ok and (eng.cache.store.key_bits, eng.cache.store.value_bits) == (4, 8)
     with pytest.raises(KvbatchConfigError, match="kv.value_bits=4: needs a quantized kv.mode"):
         Engine(model, tok, spec, engine_config(kv_mode="none", kv={"value_bits": 4}))
+
+
+def test_gate_refuses_rotation_where_not_validated(tiny_model):
+    """kv.rotate_keys is validated where test_mode_matches_stored_pages_reference runs it (llama 64
+    and 128, qwen3 128); on llama head 256 (q8/q4 validated, rotation not) it is refused in one line."""
+    model, tok, spec = tiny_model(family="llama", head_dim=256)
+    assert "q8" in VALIDATED[("llama", 256)] and "rotate_keys" not in VALIDATED[("llama", 256)]
+    cfg = engine_config(kv_mode="q8", page_size=16, memory_budget=BUDGET, kv={"rotate_keys": True})
+    with pytest.raises(KvbatchConfigError) as err:
+        Engine(model, tok, spec, cfg)
+    assert "\n" not in str(err.value) and "kv.rotate_keys=True is not validated for llama with head size 256" \
+        in str(err.value)
+    for fam, hd in GEOMS + (("llama", 128),):
+        assert "rotate_keys" in VALIDATED[(fam, hd)]
