@@ -7,8 +7,9 @@ mlx-lm's `batch_generate` on the same token ids (a process of its own: kvbatch.e
 first for OpenBLAS and kvbatch's model loader, the same weights).
 
 Part 2, n samples: --prompts prompts with `sampling.n=--n`, against the same prompts written as
-prompts x n duplicated rows (each its own id, so each its own derived seed), temperature 0.8, both
-with the default prefix cache. The same work (the same number of rows and max_tokens).
+prompts x n duplicated rows (each its own id, so each its own derived seed), temperature 0.8, the
+duplicated rows with the default prefix cache (which already shares their full prompt pages) and
+without it (every copy prefilled). The same work (the same number of rows and max_tokens).
 
 Every side is a whole process timed from start to exit; tok/s = generated tokens / wall. The order
 of the sides rotates every round; each round's ratios are reported, the median is the number.
@@ -125,7 +126,9 @@ def main() -> None:
                    "mlx_lm": lambda k: run_mlx_lm(a.python, shared, a.new)},
         "samples": {"n": lambda k: kv_side(a, once, tmp / f"n{k}", a.sample_new,
                                            extra + sampled + [f"sampling.n={a.n}"]),
-                    "duplicated": lambda k: kv_side(a, dup, tmp / f"dup{k}", a.sample_new, extra + sampled)},
+                    "duplicated": lambda k: kv_side(a, dup, tmp / f"dup{k}", a.sample_new, extra + sampled),
+                    "duplicated_no_cache": lambda k: kv_side(a, dup, tmp / f"dupoff{k}", a.sample_new,
+                                                             extra + sampled + ["engine.prefix_cache=false"])},
     }
     result = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "python": platform.python_version(),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "args": vars(a)}
@@ -142,14 +145,16 @@ def main() -> None:
                             same_outputs_on_off=sum(on["outputs"][key] == t for key, t in off["outputs"].items()),
                             same_outputs_mlx_lm=sum(on["outputs"].get(key) == t for key, t in ml["outputs"].items()))
             else:
-                n, d = got["n"], got["duplicated"]
+                n, d, d0 = got["n"], got["duplicated"], got["duplicated_no_cache"]
                 line.update(speedup=n["tok_s"] / d["tok_s"], prefilled_share=n["prefilled"] / d["prefilled"],
+                            speedup_vs_no_cache=n["tok_s"] / d0["tok_s"],
+                            prefilled_share_vs_no_cache=n["prefilled"] / d0["prefilled"],
                             distinct_outputs_n=len({tuple(t) for t in n["outputs"].values()}),
                             distinct_outputs_dup=len({tuple(t) for t in d["outputs"].values()}))
             print(json.dumps({part: line}), flush=True)
             rounds.append(line)
         keys = ("speedup_vs_off", "speedup_vs_mlx_lm", "prefilled_share") if part == "system" else \
-            ("speedup", "prefilled_share")
+            ("speedup", "prefilled_share", "speedup_vs_no_cache", "prefilled_share_vs_no_cache")
         result[part] = {"median": {k: statistics.median(r[k] for r in rounds) for k in keys}, "rounds": rounds}
         print(json.dumps({part: result[part]["median"]}), flush=True)
     if a.out:
