@@ -32,6 +32,9 @@
 #            (random bf16), 256 prompts, 512 new tokens; installs the wheels in .gpu/c (pyarrow, hydra-core,
 #            omegaconf, antlr4, tqdm: `pip download --only-binary ... --python-version 3.12`); JOB_PROFILE=1 first
 #            profiles one kvbatch run (job_profile.txt), JOB_ROUNDS (default 2)
+#   shared   benchmarks/shared_prompts.py (issue 21), Llama-1B geometry (random bf16, the job stage's): $SHARED_ROWS
+#            (default 512) rows behind one ~1,000-token system prompt, 128 new tokens each, prefix cache on / off /
+#            mlx-lm batch_generate; then n=8 samples of 64 prompts against 512 duplicated rows; SHARED_ROUNDS (2)
 #   profile  gpu_step_profile.py $PROFILE_ARGS (default: 1B batch 8 at 8k, none and q8, lookahead loop, with
 #            mlx-lm): host phases against the wait for the GPU, to tell a host-bound case from a GPU-bound one
 set -uo pipefail
@@ -58,6 +61,8 @@ C256=KVBATCH_CUDA_CHUNK=256:1024
 QVARIANT=${QVARIANT:-"w8u2:KVBATCH_CUDA_WARPS=8,KVBATCH_CUDA_UNROLL=2"} QENV=${QENV:-KVBATCH_CUDA_WARPS=8+KVBATCH_CUDA_UNROLL=2}
 MLXENVS=${MLXENVS:-"default:;ops200:MLX_MAX_OPS_PER_BUFFER=200;nograph:MLX_USE_CUDA_GRAPHS=0"}
 LONG="--batches '' --interleave 32 --long-new 448 --skip-mlx-lm-long"
+GEOM1B="family=llama num_layers=16 hidden_size=2048 num_heads=32 num_kv_heads=8 head_dim=64 intermediate_size=8192
+        vocab_size=128256 context_length=4096 dtype=bfloat16 cache_dir=$HOME/kvbatch-models"
 TESTS=${TESTS:-"tests/engine/test_cuda_kernel_write.py tests/engine/test_engine_paged.py tests/engine/test_kv_quant.py tests/engine/test_kv_modes.py tests/engine/test_nonfinite.py tests/engine/test_memory.py tests/engine/test_lookahead.py"}
 for arg in "$@"; do
   stage=${arg%%:*} secs=${arg#*:}; [ "$secs" = "$arg" ] && secs=300
@@ -99,11 +104,13 @@ for arg in "$@"; do
                --batches 8,64,256 --long-batches '' --modes none --repeats 2 --out $OUT/gpu_1b_throughput.json" 2>&1 |
         tee "$OUT/throughput.txt" | cut -c1-400 ;;
     job) python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .gpu/c/*.whl || exit 1
-      GEOM="family=llama num_layers=16 hidden_size=2048 num_heads=32 num_kv_heads=8 head_dim=64 intermediate_size=8192
-            vocab_size=128256 context_length=4096 dtype=bfloat16 cache_dir=$HOME/kvbatch-models"
-      timeout "$secs" python3 benchmarks/job_vs_mlx_lm.py --model tiny --model-args "$GEOM" --rows 256 --new 512 \
+      timeout "$secs" python3 benchmarks/job_vs_mlx_lm.py --model tiny --model-args "$GEOM1B" --rows 256 --new 512 \
         --max-words ${JOB_WORDS:-150} --rounds ${JOB_ROUNDS:-2} ${JOB_PROFILE:+--profile $OUT/job_profile.txt} --match --kvbatch-cmd "python3 -m kvbatch" --python python3 \
         --out "$OUT/job_1b.json" 2>&1 | tee "$OUT/job.txt" | cut -c1-1500 ;;
+    shared) python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .gpu/c/*.whl || exit 1
+      timeout "$secs" python3 benchmarks/shared_prompts.py --model tiny --model-args "$GEOM1B" --python python3 \
+        --rows ${SHARED_ROWS:-512} --prompts 64 --n 8 --rounds ${SHARED_ROUNDS:-2} --parts ${SHARED_PARTS:-system,samples} \
+        --out "$OUT/shared_1b.json" 2>&1 | tee "$OUT/shared.txt" | cut -c1-1500 ;;
     profile) timeout "$secs" python3 benchmarks/gpu_step_profile.py ${PROFILE_ARGS:---geometry 1b --batches 8 \
                --prompt 8192 --modes none,q8 --no-sync} 2>&1 | tee -a "$OUT/profile.txt" | cut -c1-1500 ;;
     prefill) for c in ${PREFILL_ENVS:-"default:" "nocudnn:MLX_CUDA_USE_CUDNN_SDPA=0"}; do

@@ -52,8 +52,8 @@ print(json.dumps({"outputs": {f"r{i}": list(map(int, t)) for i, t in enumerate(r
 """
 
 
-def run_mlx_lm(python: str, input_path: Path, new: int) -> dict:
-    arg = json.dumps({"input": str(input_path), "model": {}, "new": new})
+def run_mlx_lm(python: str, input_path: Path, model_cfg: dict, new: int) -> dict:
+    arg = json.dumps({"input": str(input_path), "model": model_cfg, "new": new})
     t0 = time.perf_counter()
     p = subprocess.run([python, "-c", MLX_LM, arg], capture_output=True, text=True, cwd=ROOT)
     wall = time.perf_counter() - t0
@@ -74,7 +74,7 @@ def write(path: Path, rows: list[dict]) -> Path:
 
 
 def kv_side(a, inp: Path, out: Path, new: int, extra: list[str]) -> dict:
-    r = run_kvbatch([a.python, "-m", "kvbatch"], inp, out, "smollm2", {}, new, extra)
+    r = run_kvbatch([a.python, "-m", "kvbatch"], inp, out, a.model, a.model_args, new, extra)
     e = r["engine"]
     summary = json.loads((out / "summary.json").read_text())
     return {"wall_s": r["wall_s"], "tokens": r["tokens"], "tok_s": r["tok_s"], "ok": r["ok"], "rows": r["rows"],
@@ -101,9 +101,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--parts", default="system,samples")
     ap.add_argument("--kvbatch-args", default="")
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--model-args", default="", help="model=tiny geometry for both sides: 'num_layers=16 ...'")
     ap.add_argument("--python", default=str(ROOT / ".venv/bin/python"))
     ap.add_argument("--out")
     a = ap.parse_args()
+    a.model_args = dict(kv.split("=", 1) for kv in shlex.split(a.model_args))
+    typed = {k: (int(v) if v.lstrip("-").isdigit() else v) for k, v in a.model_args.items()}
+    model_cfg = {} if a.model == "smollm2" else {"source": "tiny", "name": "tiny", **typed}
     tmp = Path(tempfile.mkdtemp(prefix="kvbatch-shared-"))
     extra = shlex.split(a.kvbatch_args)
     rnd = random.Random(21)
@@ -118,12 +123,13 @@ def main() -> None:
     dup = write(tmp / "dup.jsonl", [{"id": f"q{i}-{j}", "messages": [{"role": "user", "content": q}]}
                                     for i, q in enumerate(questions) for j in range(a.n)])
     sampled = ["sampling.temperature=0.8"]
-    run_mlx_lm(a.python, write(tmp / "warm.jsonl", [json.loads(shared.read_text().splitlines()[0])]), 1)  # model cache
+    warm = write(tmp / "warm.jsonl", [json.loads(shared.read_text().splitlines()[0])])
+    run_mlx_lm(a.python, warm, model_cfg, 1)  # untimed: builds or converts the model into its cache once
     sides = {
         "system": {"cache_on": lambda k: kv_side(a, shared, tmp / f"on{k}", a.new, extra),
                    "cache_off": lambda k: kv_side(a, shared, tmp / f"off{k}", a.new,
                                                   extra + ["engine.prefix_cache=false"]),
-                   "mlx_lm": lambda k: run_mlx_lm(a.python, shared, a.new)},
+                   "mlx_lm": lambda k: run_mlx_lm(a.python, shared, model_cfg, a.new)},
         "samples": {"n": lambda k: kv_side(a, once, tmp / f"n{k}", a.sample_new,
                                            extra + sampled + [f"sampling.n={a.n}"]),
                     "duplicated": lambda k: kv_side(a, dup, tmp / f"dup{k}", a.sample_new, extra + sampled),

@@ -208,8 +208,10 @@ class Scheduler:
 
     def preempt(self, row: Row) -> None:
         """Free a running row's pages and put it back at the head of the queue; its generated
-        tokens are kept and prefilled again when it is readmitted."""
-        self.cache.release(row.kv, tokens=row.seq)  # its full pages stay cached, for its readmission
+        tokens are kept and prefilled again when it is readmitted. Its full pages stay cached for
+        its readmission only once finite logits vouched for them: a row preempted mid-prefill holds
+        K/V no logits have checked yet (a NaN there would reach every row that took the page)."""
+        self.cache.release(row.kv, tokens=None if row.prefilling else row.seq)
         self.running.remove(row)
         row.active = False
         self.waiting.appendleft(row)

@@ -15,7 +15,8 @@ import mlx.core as mx
 import pytest
 
 from kvbatch.engine.engine import Engine
-from kvbatch.engine.errors import UnreservedWriteError
+from kvbatch.engine.errors import NON_FINITE_LOGITS, UnreservedWriteError
+from kvbatch.engine.hooks import EngineHooks
 from kvbatch.engine.kv.pages import CacheRow, PagePool
 from kvbatch.engine.samples import derive_seed, samples
 from kvbatch.engine.types import Request, SamplingParams
@@ -213,3 +214,27 @@ def test_prompt_logprobs_rows_compute_their_prompt(tiny_model):
     for r in res[1:]:
         assert len(r.logprobs.prompt) == 51
         assert max(abs(x - y) for x, y in zip(r.logprobs.prompt, alone.logprobs.prompt)) <= 1e-4
+
+
+@pytest.mark.parametrize("mode", ["none", "q8"])
+def test_a_row_preempted_mid_prefill_publishes_no_unchecked_page(tiny_model, mode):
+    """Row a's prefill is poisoned (NaN attention) and it is preempted after its first chunk: no logits
+    have checked that chunk's pages, so none may be cached. Row b, with the same prompt, then computes
+    its own pages and ends as it does alone; a, readmitted, ends with its error."""
+    m = tiny_model()
+    P = 16
+    prompt = [(7 * j + 3) % 250 for j in range(3 * P + 5)]
+    ref = _engine(m, mode, P).generate([Request("b", prompt, SamplingParams(max_tokens=6))])[0]
+    model, tok, spec = m
+    eng = Engine(model, tok, spec, engine_config(kv_mode=mode, page_size=P, prefill_chunk=P, prefill_tokens=P,
+                                                 memory_budget=2 << 30), EngineHooks(nonfinite=("a", 0)))
+    eng.add(Request("a", prompt, SamplingParams(max_tokens=6)))
+    eng.step()  # a's first chunk: one full page stored, its K/V NaN past layer 0
+    (a,) = eng.scheduler.running
+    assert a.prefilling and a.kv.length == P
+    eng.scheduler.preempt(a)
+    assert eng.cache.pool.num_cached == 0 and eng.cache.pool.in_use == 0
+    eng.add(Request("b", prompt, SamplingParams(max_tokens=6)))
+    res = {r.key: r for r in eng.run()}
+    assert res["b"].ok and res["b"].tokens == ref.tokens
+    assert res["a"].error_code == NON_FINITE_LOGITS and res["a"].tokens == []
