@@ -1,26 +1,28 @@
-"""KV quantization quality on SmolLM2-135M-Instruct (issue 5): q8 / q4 against kv=none.
+"""KV quantization quality (issues 5, 27): each KV mode against kv=none, teacher-forced first.
 
-For >= 32 varied chat prompts, greedy, up to 256 new tokens:
+For varied chat prompts (36 by default), greedy, up to 256 new tokens:
 
-1. kv=none generates (EOS ends a row, as in real use) and keeps every step's logits.
-2. kv=q8 and kv=q4 generate the same way. Token agreement with none over the first
-   256 positions, two ways:
-   - exact-match fraction: positions i < 256 where both outputs have a token and the
-     tokens are equal, over the positions where either output has one (a row that
-     stops early or runs on counts as mismatches for the missing tokens);
-   - first divergence: the first position where the outputs differ (a row that has
-     stopped differs from one that goes on), 256 if they never do; mean over prompts,
-     and how many prompts are identical throughout.
-3. kv=q8 and kv=q4 teacher-forced on none's output (EngineHooks.force:
-   teacher forcing and logit capture): mean KL(p_none || p_mode) of the next-token distributions over all
-   positions (and the max over rows of the per-row mean), plus the top-1 agreement of
-   the two distributions at every position.
-4. Calibration: the same agreement for kv=none run again at another batch size (same
-   math, other float rounding: the floor that greedy divergence alone produces), and
-   for mlx-lm's own single-stream kv_bits=8/4 path (quantized_kv_start=0) against its
-   own unquantized run, on the first --mlx-lm-prompts prompts.
+1. kv=none generates (EOS ends a row, as in real use); its outputs are the reference text.
+2. Teacher-forced (the primary measure): every mode of --modes scores none's outputs through its own
+   cache with engine.scoring.compare (the code the sweep report's tf_* columns run): mean KL(none ||
+   mode) over positions, the largest per-row mean KL, top-1 agreement of the two next-token
+   distributions, and the perplexity of the text under the mode over its perplexity under none.
+3. KV bytes per token of each mode from engine.memory's layout (all layers, K and V, scales and biases;
+   full_precision_tokens adds a dense slot per row, not per token), and its ratio to q8's.
+4. Free-running (secondary, --free-running): the mode generates the same way; token agreement with none
+   over the first 256 positions (exact-match fraction and first divergence). One near-tie flip early in
+   an answer makes the rest of it disagree, so this measures greedy chaos as much as the cache.
+5. Calibration (issue 5; off unless asked): none again at another batch size (--floor-batch), and
+   mlx-lm's own kv_bits=8/4 single-stream path (--mlx-lm-prompts).
 
-    flock /tmp/kvbatch-bench.lock .venv/bin/python benchmarks/kv_quality.py --out /tmp/kv_quality.json
+--modes: comma-separated, each a named mode (none, q8, q4, k8v4, or k<K>v<V>) plus "+rot"
+(kv.rotate_keys), "+fp<N>" (kv.full_precision_tokens=N) and "+g<N>" (kv.group_size=N instead of
+--group-size), e.g. q8,q4,k8v4,q4+rot,k8v4+rot,q4+rot+fp64.
+--model tiny128: a seeded random llama with head size 128 (random weights: a stress geometry for the
+quantizers, not a quality claim). --base FILE: reuse none's outputs from an earlier --out of the same
+model, prompts and settings (to split the modes over several calls).
+
+    flock /tmp/kvbatch-bench.lock .venv/bin/python benchmarks/kv_quality.py --modes q8,q4 --out /tmp/kv_quality.json
 """
 from __future__ import annotations
 
@@ -38,12 +40,15 @@ import kvbatch.engine  # noqa: E402,F401  (OpenBLAS before mlx)
 import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 
+from kvbatch.engine.config import KV_BITS  # noqa: E402
 from kvbatch.engine.engine import Engine  # noqa: E402
 from kvbatch.engine.hooks import EngineHooks  # noqa: E402
-from tests.configs import engine_config  # noqa: E402
+from kvbatch.engine.memory import layout_for  # noqa: E402
 from kvbatch.engine.models.config import ModelConfig  # noqa: E402
 from kvbatch.engine.models.load import load_model  # noqa: E402
+from kvbatch.engine.scoring import ForcedRow, compare, summarize  # noqa: E402
 from kvbatch.engine.types import Request, SamplingParams  # noqa: E402
+from tests.configs import engine_config  # noqa: E402
 
 PROMPTS = [
     "What is the capital of France?",
@@ -90,22 +95,61 @@ def chat_tokens(tok, text: str) -> list[int]:
                                    tokenize=True)
 
 
+MODELS = {
+    "smollm2": ModelConfig(source="smollm2"),
+    # head size 128 (Llama-8B's), random weights: a stress geometry, not a quality claim
+    "tiny128": ModelConfig(source="tiny", name="tiny-llama-h128", family="llama", num_layers=4, hidden_size=256,
+                           num_heads=4, num_kv_heads=2, head_dim=128, intermediate_size=512, vocab_size=300),
+}
+
+
+def parse_mode(text: str) -> dict:
+    """'q4+rot+fp16' -> KVConfig fields {mode: q4, rotate_keys: True, full_precision_tokens: 16};
+    'k4v8' -> {mode: q4, value_bits: 8}."""
+    name, *opts = text.strip().split("+")
+    fields: dict = {}
+    if name in KV_BITS:
+        fields["mode"] = name
+    elif len(name) == 4 and name[0] == "k" and name[2] == "v" and name[1] in "48" and name[3] in "48":
+        fields.update(mode=f"q{name[1]}", key_bits=int(name[1]), value_bits=int(name[3]))
+    else:
+        raise SystemExit(f"--modes: {text!r}: unknown mode {name!r} (one of {', '.join(KV_BITS)} or k<4|8>v<4|8>)")
+    for o in opts:
+        if o == "rot":
+            fields["rotate_keys"] = True
+        elif o.startswith("fp") and o[2:].isdigit():
+            fields["full_precision_tokens"] = int(o[2:])
+        elif o.startswith("g") and o[1:].isdigit():
+            fields["group_size"] = int(o[1:])
+        else:
+            raise SystemExit(f"--modes: {text!r}: unknown option {o!r} (rot, fp<N>, g<N>)")
+    return fields
+
+
+def mode_config(mode: str, args, **kw):
+    kv = parse_mode(mode)
+    return engine_config(kv_mode=kv.pop("mode"), page_size=args.page_size,
+                         group_size=kv.pop("group_size", args.group_size), kv=kv, **kw)
+
+
 def make_engine(model, tok, spec, mode: str, args) -> Engine:
-    cfg = engine_config(kv_mode=mode, page_size=args.page_size, group_size=args.group_size,
-                        max_batch=args.batch, prefill_chunk=512, memory_budget=args.budget << 30)
+    cfg = mode_config(mode, args, max_batch=args.batch, prefill_chunk=512, memory_budget=args.budget << 30)
     return Engine(model, tok, spec, cfg, EngineHooks())
 
 
-def generate(model, tok, spec, mode, prompts, args, capture=False):
+def bytes_per_token(spec, mode: str, args) -> int:
+    """KV bytes per token of this mode (engine.memory's layout of the engine's own config)."""
+    return layout_for(spec, mode_config(mode, args).kv).bytes_per_token
+
+
+def generate(model, tok, spec, mode, prompts, args):
     eng = make_engine(model, tok, spec, mode, args)
     reqs = [Request(f"p{i}", p, SamplingParams(max_tokens=args.new)) for i, p in enumerate(prompts)]
-    if capture:
-        eng.hooks.capture_logits.update(r.key for r in reqs)
     t0 = time.perf_counter()
     res = eng.generate(reqs)
     for r in res:
         assert r.ok, (mode, r.key, r.error_code, r.error_message)
-    return res, eng.hooks.logits, time.perf_counter() - t0, eng.summary()
+    return res, time.perf_counter() - t0, eng.summary()
 
 
 def agreement(ref: list[int], got: list[int], n: int) -> tuple[int, int, int]:
@@ -155,89 +199,84 @@ def mlx_lm_greedy(model, prompt: list[int], kv_bits, group: int, n: int, eos: se
     return out
 
 
-def log_softmax(x: mx.array) -> mx.array:
-    return x - mx.logsumexp(x, axis=-1, keepdims=True)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=sorted(MODELS), default="smollm2")
+    ap.add_argument("--modes", default="q8,q4,k8v4,q4+rot,k8v4+rot")
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--batch", type=int, default=12)
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--budget", type=int, default=8, help="GiB")
     ap.add_argument("--prompts", type=int, default=len(PROMPTS))
-    ap.add_argument("--floor-batch", type=int, default=5, help="batch of the second none run (noise floor)")
-    ap.add_argument("--mlx-lm-prompts", type=int, default=12, help="prompts for mlx-lm's own kv_bits path")
+    ap.add_argument("--free-running", action=argparse.BooleanOptionalAction, default=True,
+                    help="also generate with each mode and compare outputs (secondary)")
+    ap.add_argument("--base", default=None, help="reuse none's outputs from this earlier --out JSON")
+    ap.add_argument("--floor-batch", type=int, default=0, help="batch of a second none run (noise floor); 0: skip")
+    ap.add_argument("--mlx-lm-prompts", type=int, default=0, help="prompts for mlx-lm's own kv_bits path; 0: skip")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for m in modes:
+        parse_mode(m)
 
-    model, tok, spec = load_model(ModelConfig(source="smollm2"))
+    model, tok, spec = load_model(MODELS[args.model])
     prompts = [chat_tokens(tok, p) for p in PROMPTS[: args.prompts]]
-    report = {"model": spec.name, "dtype": spec.dtype, "prompts": len(prompts), "new_tokens": args.new,
-              "batch": args.batch, "page_size": args.page_size, "group_size": args.group_size,
-              "prompt_tokens": [len(p) for p in prompts], "modes": {}}
+    settings = {"model": spec.name, "dtype": spec.dtype, "head_dim": spec.head_dim, "prompts": len(prompts),
+                "new_tokens": args.new, "batch": args.batch, "page_size": args.page_size,
+                "group_size": args.group_size}
+    report = {**settings, "prompt_tokens": [len(p) for p in prompts], "modes": {}}
 
-    base, base_logits, t_base, _ = generate(model, tok, spec, "none", prompts, args, capture=True)
-    base_tokens = [r.tokens for r in base]
-    # log p_none at each position of the none output, float32, one (positions, vocab) array per row
-    base_logp = []
-    for r in base:
-        lp = log_softmax(mx.stack(base_logits[r.key][: len(r.tokens)])) if r.tokens else None
-        if lp is not None:
-            mx.eval(lp)
-        base_logp.append(lp)
-    del base, base_logits
-    report["none"] = {"seconds": t_base, "output_tokens": [len(t) for t in base_tokens],
-                      "stopped_early": sum(len(t) < args.new for t in base_tokens)}
-    print(f"none: {sum(map(len, base_tokens))} tokens in {t_base:.1f}s; "
-          f"{report['none']['stopped_early']} rows stopped before {args.new}", flush=True)
+    if args.base:
+        old = json.loads(Path(args.base).read_text())
+        if any(old.get(k) != v for k, v in settings.items()) or old["prompt_tokens"] != report["prompt_tokens"]:
+            raise SystemExit(f"--base {args.base}: another model, prompts or settings")
+        base_tokens, report["none"] = old["none_tokens"], {**old["none"], "from": args.base}
+    else:
+        base, t_base, _ = generate(model, tok, spec, "none", prompts, args)
+        base_tokens = [r.tokens for r in base]
+        report["none"] = {"seconds": t_base, "output_tokens": [len(t) for t in base_tokens],
+                          "stopped_early": sum(len(t) < args.new for t in base_tokens)}
+    report["none_tokens"] = base_tokens
+    print(f"{spec.name} none: {sum(map(len, base_tokens))} tokens; {report['none']['stopped_early']} rows "
+          f"stopped before {args.new}", flush=True)
 
-    # float-noise floor: none again at another batch size (other BLAS blockings, same math)
-    floor_args = argparse.Namespace(**{**vars(args), "batch": args.floor_batch})
-    res, _, t_floor, _ = generate(model, tok, spec, "none", prompts, floor_args)
-    report["none_floor"] = {**agreement_summary(base_tokens, [r.tokens for r in res], args.new),
-                            "batch": args.floor_batch, "seconds": t_floor}
-    print(f"none at batch {args.floor_batch} vs none at batch {args.batch} (float-noise floor): "
-          f"{fmt_agreement(report['none_floor'])}; {t_floor:.0f}s", flush=True)
+    if args.floor_batch:  # float-noise floor: none again at another batch size (other BLAS blockings, same math)
+        floor_args = argparse.Namespace(**{**vars(args), "batch": args.floor_batch})
+        res, t_floor, _ = generate(model, tok, spec, "none", prompts, floor_args)
+        report["none_floor"] = {**agreement_summary(base_tokens, [r.tokens for r in res], args.new),
+                                "batch": args.floor_batch, "seconds": t_floor}
+        print(f"none at batch {args.floor_batch} vs none at batch {args.batch} (float-noise floor): "
+              f"{fmt_agreement(report['none_floor'])}; {t_floor:.0f}s", flush=True)
 
+    # teacher-forced: none's outputs under every mode's cache (engine.scoring.compare, as the sweep report)
+    rows = [ForcedRow(f"p{i}", p, t) for i, (p, t) in enumerate(zip(prompts, base_tokens))]
+    t0 = time.perf_counter()
+    engines = {m: make_engine(model, tok, spec, m, args) for m in modes}
+    scored = compare(make_engine(model, tok, spec, "none", args), engines, rows)
+    t_tf = time.perf_counter() - t0
+    q8_bpt = bytes_per_token(spec, "q8", args)
     mode_tokens = {}
-    for mode in ("q8", "q4"):
-        res, _, t_gen, summ = generate(model, tok, spec, mode, prompts, args)
-        mode_tokens[mode] = [r.tokens for r in res]
-        # teacher-forced on none's output
-        eng = make_engine(model, tok, spec, mode, args)
-        reqs = [Request(f"p{i}", p, SamplingParams(max_tokens=len(t)))
-                for i, (p, t) in enumerate(zip(prompts, base_tokens)) if t]
-        for req in reqs:
-            eng.hooks.force(req.key, base_tokens[int(req.key[1:])])
-            eng.add(req)
-        t0 = time.perf_counter()
-        kl_sum = n_pos = top1 = 0
-        row_means = []
-        for r in eng.run():
-            i = int(r.key[1:])
-            logits = eng.hooks.logits.pop(r.key)
-            assert r.ok and len(logits) == len(base_tokens[i]), (r.key, r.error_code)
-            lp = base_logp[i]
-            lq = log_softmax(mx.stack(logits))
-            kl = (mx.exp(lp) * (lp - lq)).sum(axis=-1)  # (positions,)
-            same = (mx.argmax(lp, axis=-1) == mx.argmax(lq, axis=-1)).sum()
-            mx.eval(kl, same)
-            kl_sum += kl.sum().item()
-            n_pos += kl.size
-            top1 += same.item()
-            row_means.append(kl.mean().item())
-        t_tf = time.perf_counter() - t0
-        m = {**agreement_summary(base_tokens, [r.tokens for r in res], args.new),
-             "mean_kl_teacher_forced": kl_sum / n_pos, "max_row_mean_kl": max(row_means),
-             "teacher_forced_top1_agreement": top1 / n_pos, "teacher_forced_positions": n_pos,
-             "generate_seconds": t_gen, "teacher_forced_seconds": t_tf,
-             "kv_bytes_per_token": summ["kv_bytes_per_token"], "route": summ["route"]}
-        report["modes"][mode] = m
-        print(f"{mode}: {fmt_agreement(m)}; mean KL {m['mean_kl_teacher_forced']:.2e} nats "
-              f"(worst row {m['max_row_mean_kl']:.2e}); teacher-forced top-1 agreement "
-              f"{m['teacher_forced_top1_agreement']:.4f}; {t_gen:.0f}s + {t_tf:.0f}s", flush=True)
+    for m in modes:
+        tf = summarize(list(scored[m].values()))
+        bpt = bytes_per_token(spec, m, args)
+        summ = engines[m].summary()
+        entry = {"kv_label": summ["kv_label"], "route": summ["route"], "kv_k_axis": summ["kv_k_axis"],
+                 "kv_bytes_per_token": bpt, "bytes_vs_q8": bpt / q8_bpt,
+                 "full_precision_slot_bytes": layout_for(spec, engines[m].cfg.kv).slot_bytes, **tf,
+                 "tf_ppl_ratio": tf["tf_ppl"] / tf["tf_ppl_baseline"],
+                 "tf_rows_detail": {k: vars(v) for k, v in scored[m].items()}}
+        if args.free_running:
+            res, t_gen, _ = generate(model, tok, spec, m, prompts, args)
+            mode_tokens[m] = [r.tokens for r in res]
+            entry["free_running"] = {**agreement_summary(base_tokens, mode_tokens[m], args.new),
+                                     "seconds": t_gen}
+        report["modes"][m] = entry
+        fr = f"; free-running {fmt_agreement(entry['free_running'])}" if args.free_running else ""
+        print(f"{m}: {bpt} B/token ({entry['bytes_vs_q8']:.3f}x q8); teacher-forced mean KL {tf['tf_kl_mean']:.2e} "
+              f"(worst row {tf['tf_kl_row_max']:.2e}), top-1 {tf['tf_top1_agreement']:.4f}, ppl ratio "
+              f"{entry['tf_ppl_ratio']:.4f} over {tf['tf_positions']} positions{fr}", flush=True)
+    report["teacher_forced_seconds"] = t_tf
 
     # mlx-lm's own kv_bits path, single stream, on the first prompts: its agreement with itself
     if args.mlx_lm_prompts:
@@ -252,15 +291,16 @@ def main() -> None:
         for mode, bits in (("q8", 8), ("q4", 4)):
             out = [mlx_lm_greedy(model, p, bits, args.group_size, args.new, eos) for p in sub]
             report["mlx_lm"][mode] = agreement_summary(ref, out, args.new)
-            report["mlx_lm"][f"kvbatch_{mode}_same_prompts"] = agreement_summary(
-                base_tokens[: len(sub)], mode_tokens[mode][: len(sub)], args.new)
+            if mode in mode_tokens:
+                report["mlx_lm"][f"kvbatch_{mode}_same_prompts"] = agreement_summary(
+                    base_tokens[: len(sub)], mode_tokens[mode][: len(sub)], args.new)
             print(f"mlx-lm kv_bits={bits} vs mlx-lm none (first {len(sub)} prompts): "
-                  f"{fmt_agreement(report['mlx_lm'][mode])}  | kvbatch {mode} on the same prompts: "
-                  f"{fmt_agreement(report['mlx_lm'][f'kvbatch_{mode}_same_prompts'])}", flush=True)
+                  f"{fmt_agreement(report['mlx_lm'][mode])}", flush=True)
         report["mlx_lm"]["seconds"] = time.perf_counter() - t0
 
     report["env"] = {"python": platform.python_version(), "mlx": mx.__version__,
                      "mlx_lm": __import__("mlx_lm").__version__, "machine": platform.machine(),
+                     "date": time.strftime("%Y-%m-%d"),
                      "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                               text=True).stdout.strip()}
     if args.out:
