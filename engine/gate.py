@@ -6,7 +6,9 @@ logits against a dequantize-and-attend reference, batched, at page sizes 16 and 
 entry names a mode (by its key/value bits: none, q8, q4, k8v4) or an option that changes what is
 stored (rotate_keys, full_precision_tokens): `rotate_keys` there means q8, q4 and k8v4 with
 kv.rotate_keys=true are validated for that family and head size (the rotation sits at the cache's
-edge, kv_cache.py, so every route sees the same rotated keys and queries).
+edge, kv_cache.py, so every route sees the same rotated keys and queries); `full_precision_tokens`
+the same for keeping each row's first N tokens dense (the copy is written at the cache's edge, read
+by routes/quant.py; the fused CUDA decode kernel does not read it, so MLX CUDA refuses it).
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ PAGED_FAMILIES = frozenset({"llama", "qwen3", "qwen2", "mistral"})
 
 _QUANT = frozenset({"none", "q8", "q4"})
 _MODES = _QUANT | {"k8v4"}
-_ROTATED = _MODES | {"rotate_keys"}  # q8, q4, k8v4 with kv.rotate_keys=true
+# q8, q4, k8v4 with kv.rotate_keys=true and with kv.full_precision_tokens=N (not in the fused CUDA kernel)
+_ROTATED = _MODES | {"rotate_keys", "full_precision_tokens"}
 VALIDATED: dict[tuple[str, int], frozenset[str]] = {
     ("llama", 64): _ROTATED,
     ("llama", 128): _ROTATED,
@@ -38,10 +41,15 @@ VALIDATED: dict[tuple[str, int], frozenset[str]] = {
 QUANT_VALIDATED_BACKENDS = frozenset({"cpu", "metal"})
 
 
+def _fused(spec: ModelSpec, kv: KVConfig, options: EngineOptions) -> bool:
+    """Whether quantized decode runs the fused CUDA kernel here (routes/select.py)."""
+    rep = max(spec.num_heads // max(spec.num_kv_heads, 1), 1)
+    return fused_kernels(spec.head_dim, rep, kv.kv_bits, kv.group_size, options)
+
+
 def _cuda_quant_ok(spec: ModelSpec, kv: KVConfig, options: EngineOptions) -> bool:
     """On MLX CUDA, quantized decode is validated through the fused kernel (benchmarks/backend_check.py)."""
-    rep = max(spec.num_heads // max(spec.num_kv_heads, 1), 1)
-    return backend().name == "cuda" and fused_kernels(spec.head_dim, rep, kv.kv_bits, kv.group_size, options)
+    return backend().name == "cuda" and _fused(spec, kv, options)
 
 
 def _unvalidated(kv: KVConfig, spec: ModelSpec, what: str) -> KvbatchConfigError:
@@ -70,8 +78,9 @@ def check_kv_mode(spec: ModelSpec, kv: KVConfig, options: Optional[EngineOptions
     if kv.rotate_keys and not rotation_fits(spec.head_dim):
         raise KvbatchConfigError(f"kv.rotate_keys=true needs a head size that is a power of two (a Hadamard "
                                  f"rotation); this model's is {spec.head_dim}")
-    if kv.full_precision_tokens:
-        raise KvbatchConfigError("kv.full_precision_tokens is not built yet on this commit; set it to 0")
+    if kv.full_precision_tokens and _fused(spec, kv, options):
+        raise KvbatchConfigError("kv.full_precision_tokens is not built in the fused CUDA decode kernel "
+                                 "(paged_cuda_qkernel); set it to 0 on MLX CUDA")
     label = mode_name(*kv.kv_bits)
     table = VALIDATED.get((spec.family, spec.head_dim), frozenset())
     if kv.allow_unvalidated:

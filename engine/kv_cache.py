@@ -27,7 +27,9 @@ from kvbatch.engine.kv.pages import CacheRow, PagePool
 from kvbatch.engine.kv.prefix import cache_full_pages, computed_pages
 from kvbatch.engine.kv.rotation import KeyRotation
 from kvbatch.engine.memory import KVLayout, available_memory
+from kvbatch.engine.kv.store import head_rows
 from kvbatch.engine.mlx_lm_bridge import PagedLayerCache
+from kvbatch.engine.routes.base import flat_tokens
 from kvbatch.engine.routes.select import select_route
 from kvbatch.engine.sizes import fmt_bytes
 
@@ -40,13 +42,20 @@ class _Pass:
     offset: object
     meta: object  # the route's metadata of this pass
     poison: Optional[mx.array] = None
+    # kv.full_precision_tokens: the pass's tokens at positions < N (flat b * L + i) and the head rows
+    # of their places in the rows' dense first-token copies (QuantizedStore.write_first)
+    first: Optional[tuple[mx.array, mx.array]] = None
 
 
 class PagedKVCache:
     def __init__(self, layout: KVLayout, num_layers: int, dtype: mx.Dtype, tail_slots: int, upcast: bool,
                  query_heads: int = 0, options: Optional[EngineOptions] = None, prefix_cache: bool = False):
         options = options or EngineOptions()
-        self.prefix_cache = prefix_cache
+        # kv.full_precision_tokens: each row's first N tokens also copied dense here, at the cache's edge
+        # (after the rotation), for every route; the route reads them from the copy (routes/quant.py).
+        # No prefix caching then: a cached page's first tokens would have no dense copy left.
+        self.first = layout.full_precision_tokens if layout.quantized else 0
+        self.prefix_cache = prefix_cache and not self.first
         self.layout, self.P = layout, layout.page_size
         self.num_layers = num_layers
         self.store, self.attention = select_route(layout, num_layers, dtype, tail_slots, upcast, query_heads, options)
@@ -151,6 +160,8 @@ class PagedKVCache:
         full = src.length // P
         self.epoch += 1
         self.pool.share(src.pages[:full])
+        if self.first:
+            self.store.copy_first(src.tail, dst.tail)
         dst.pages, dst.length, dst.reserved = src.pages[:full], full * P, full * P
         dst.hashes = list(src.hashes)
         dst.peak_pages = max(dst.peak_pages, full)
@@ -218,10 +229,26 @@ class PagedKVCache:
                                                f"or cached (held {self.pool.ref(r.pages[i])}x)")
             pos.append(r.length)
         offset = pos[0] if len(rows) == 1 else mx.array(pos, dtype=mx.int32)
-        self.plan = _Pass(rows, L, lens, offset, self.attention.plan(rows, L, pos, self.epoch, lens))
+        self.plan = _Pass(rows, L, lens, offset, self.attention.plan(rows, L, pos, self.epoch, lens),
+                          first=self._first_writes(rows, L, pos, lens))
         if poison is not None and any(poison):
             self.plan.poison = mx.array(poison)
         self._reported = set()
+
+    def _first_writes(self, rows: list[CacheRow], L: int, pos: list[int], lens: list[int]):
+        """Where the pass's tokens at positions < kv.full_precision_tokens go in the dense copies."""
+        N = self.first
+        if not N or min(pos) >= N:
+            return None
+        tok, slots = [], []
+        for b, (r, p0, n) in enumerate(zip(rows, pos, lens)):
+            for i in range(min(n, max(N - p0, 0))):
+                tok.append(b * L + i)
+                slots.append(r.tail * N + p0 + i)
+        if not tok:
+            return None
+        return (mx.array(tok, dtype=mx.int32),
+                mx.array(head_rows(slots, N, self.layout.num_kv_heads), dtype=mx.int32))
 
     def end(self) -> None:
         for r, n in zip(self.plan.rows, self.plan.lens):
@@ -240,6 +267,9 @@ class PagedKVCache:
                                        f"{len(plan.rows)}x{plan.L}")
         if self.rotation is not None:
             keys = self.rotation(keys)
+        if plan.first is not None:
+            k, v = flat_tokens(keys, values)
+            self.store.write_first(layer, plan.first[1], k[plan.first[0]], v[plan.first[0]])
         self.attention.write(layer, plan.meta, keys, values)
 
     def attend(self, layer: int, queries: mx.array, scale: float) -> mx.array:

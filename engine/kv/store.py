@@ -10,7 +10,8 @@ always read from the live buffers' shapes.
 Dense mode keeps K/V in the model dtype. Quantized modes (q8/q4/k8v4: keys and values
 at their own bits) keep completed pages as mx.quantize triplets and the page each row
 is still filling in full precision, in a small fixed "tail" buffer with one page per
-batch slot.
+batch slot; with kv.full_precision_tokens=N also a dense copy of each slot's first N tokens
+(attention sinks: stored quantized as well, read from the copy).
 """
 from __future__ import annotations
 
@@ -136,8 +137,10 @@ class QuantizedStore:
     quantized = True
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, page_size: int, dtype: mx.Dtype,
-                 bits: int | tuple[int, int], group_size: int, tail_slots: int, k_axis: str = "token"):
-        """bits: of keys and values alike, or (key bits, value bits)."""
+                 bits: int | tuple[int, int], group_size: int, tail_slots: int, k_axis: str = "token",
+                 full_precision: int = 0):
+        """bits: of keys and values alike, or (key bits, value bits); full_precision: tokens at the start
+        of each row also kept dense, per tail slot (fk / fv: (slots, kv_heads, N, head_dim))."""
         if k_axis not in ("token", "channel"):
             raise ValueError(f"k_axis must be 'token' or 'channel', not {k_axis!r}")
         if k_axis == "channel" and page_size % group_size:
@@ -165,8 +168,12 @@ class QuantizedStore:
         tail_shape = (tail_slots, kv_heads, page_size, head_dim)
         self.tk = [mx.zeros(tail_shape, dtype=dtype) for _ in range(num_layers)]
         self.tv = [mx.zeros(tail_shape, dtype=dtype) for _ in range(num_layers)]
+        self.full_precision = full_precision
+        fp_shape = (tail_slots, kv_heads, full_precision, head_dim)
+        self.fk = [mx.zeros(fp_shape, dtype=dtype) for _ in range(num_layers)] if full_precision else []
+        self.fv = [mx.zeros(fp_shape, dtype=dtype) for _ in range(num_layers)] if full_precision else []
         self._heads = mx.arange(kv_heads)[None, :, None]
-        mx.eval(self.tk, self.tv)
+        mx.eval(self.tk, self.tv, self.fk, self.fv)
 
     def _quantize(self, x: mx.array, keys: bool) -> list[mx.array]:
         return mx.quantize(x, group_size=self.group_size, bits=self.key_bits if keys else self.value_bits)
@@ -179,7 +186,7 @@ class QuantizedStore:
         return self.q[layer] + [self.tk[layer], self.tv[layer]]
 
     def all_arrays(self) -> list[mx.array]:
-        return [a for arrs in self.q for a in arrs] + self.tk + self.tv
+        return [a for arrs in self.q for a in arrs] + self.tk + self.tv + self.fk + self.fv
 
     @property
     def nbytes(self) -> int:
@@ -187,7 +194,8 @@ class QuantizedStore:
 
     @property
     def tail_nbytes(self) -> int:
-        return sum(a.nbytes for a in self.tk + self.tv)
+        """The dense slots: tail pages and first-token copies (memory.KVLayout.slot_bytes per slot)."""
+        return sum(a.nbytes for a in self.tk + self.tv + self.fk + self.fv)
 
     def grow(self, new_pages: int) -> None:
         extra = new_pages - self.capacity_pages
@@ -228,11 +236,14 @@ class QuantizedStore:
         mx.eval([a for arrs in self.q for a in arrs])
 
     def clear_tail(self, tail: int) -> None:
-        """Zero one tail page in every layer."""
+        """Zero one tail page (and its first-token copy) in every layer."""
         for i in range(len(self.tk)):
             self.tk[i][tail] = 0
             self.tv[i][tail] = 0
-        mx.eval(self.tk, self.tv)
+            if self.full_precision:
+                self.fk[i][tail] = 0
+                self.fv[i][tail] = 0
+        mx.eval(self.tk, self.tv, self.fk, self.fv)
 
     def copy_tail(self, src: int, dst: int) -> None:
         """Tail page dst becomes a copy of tail page src, in every layer (copy on write of a forked
@@ -240,6 +251,22 @@ class QuantizedStore:
         for i in range(len(self.tk)):
             self.tk[i][dst] = self.tk[i][src]
             self.tv[i][dst] = self.tv[i][src]
+
+    def copy_first(self, src: int, dst: int) -> None:
+        """Slot dst's first-token copy becomes slot src's (a forked row continues from src's tokens)."""
+        for i in range(len(self.fk)):
+            self.fk[i][dst] = self.fk[i][src]
+            self.fv[i][dst] = self.fv[i][src]
+
+    def write_first(self, layer: int, rows: mx.array, k: mx.array, v: mx.array) -> None:
+        """Tokens at positions < full_precision into their slots' dense copy. k, v: (N, kv_heads,
+        head_dim); rows: head_rows of (tail * full_precision + position) with page size full_precision."""
+        self.fk[layer] = scatter_rows(self.fk[layer], rows, k.astype(self.dtype))
+        self.fv[layer] = scatter_rows(self.fv[layer], rows, v.astype(self.dtype))
+
+    def gather_first(self, layer: int, tails: mx.array) -> tuple[mx.array, mx.array]:
+        """The rows' first-token copies: (B, kv_heads, full_precision, head_dim) each."""
+        return self.fk[layer][tails], self.fv[layer][tails]
 
     def write_tokens(self, layer: int, tail_rows: mx.array, k: mx.array, v: mx.array) -> None:
         """One new token per row into its tail page (decode). k, v: (B, kv_heads, head_dim);

@@ -8,6 +8,12 @@ to what the pass wrote at full precision plus, dequantized once per chunk, the p
 it. Rows whose chunk starts the prompt (nothing sealed, empty tail: most rows of most passes) are
 written and attended all together; rows further in go row by row (each has its own sealed prefix
 and tail).
+
+kv.full_precision_tokens=N: each row's first N tokens are stored quantized like the rest and also
+copied dense (kv_cache.py writes the copy, QuantizedStore.fk/fv). Wherever they are sealed, attention
+reads them from the copy: decode masks them out of the quantized pages and attends to the copy as one
+more dense block (as it does the tail); prefill puts the copy in place of their dequantized keys and
+values. The scores and probabilities are then exactly those of dense first tokens.
 """
 from __future__ import annotations
 
@@ -40,7 +46,8 @@ def quantized_decode_attention(q: mx.array, qk: list[mx.array] | list[list[mx.ar
                                qv: list[mx.array], tk: mx.array, tv: mx.array, mask_q: mx.array,
                                mask_t: mx.array, scale: float, group_size: int, bits: int | tuple[int, int],
                                streams: list | None = None, k_transposed: bool = False,
-                               mask: mx.array | None = None) -> mx.array:
+                               mask: mx.array | None = None,
+                               first: tuple[mx.array, mx.array] | None = None) -> mx.array:
     """q (B,Hq,L,D); qk/qv packed triplets (B,Hkv,Tq,·) or None; tail tk/tv (B,Hkv,P,D); bits: of
     both, or (key bits, value bits).
 
@@ -55,6 +62,10 @@ def quantized_decode_attention(q: mx.array, qk: list[mx.array] | list[list[mx.ar
 
     k_transposed: qk holds K^T quantized per channel, (B,Hkv,D,·) (QuantizedStore
     k_axis="channel"): the scores run as an untransposed quantized_matmul.
+
+    first: the rows' dense first-token copies (fk, fv) (B,Hkv,N,D) (kv.full_precision_tokens), attended
+    before the sealed pages; then `mask` is required: the copy's valid keys (B,1,1,N), then mask_q
+    (which masks those tokens out of the sealed pages), then mask_t.
 
     With several streams the work splits so that no sum changes order: key scores by
     token runs (each score is its own dot product), value sums by (row, KV head). So a
@@ -76,16 +87,22 @@ def quantized_decode_attention(q: mx.array, qk: list[mx.array] | list[list[mx.ar
                     for i, (w, s, b) in enumerate(runs)]
         parts[:0] = scores_q
         masks.insert(0, mask_q)
+    F = 0
+    if first is not None:
+        F = first[0].shape[2]
+        parts.insert(0, qf @ _f32(first[0]).swapaxes(-1, -2))
     scores = mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
     if mask is None:
         mask = mx.concatenate(masks, axis=-1) if len(masks) > 1 else masks[0]
     probs = masked_softmax(scores, mask)
     P = tk.shape[2]
     out = probs[..., -P:] @ _f32(tv)
+    if F:
+        out = out + probs[..., :F] @ _f32(first[1])
     if qk is not None:
         w, s, b = (a.reshape(B * Hkv, *a.shape[2:]) for a in qv)
         s, b = _f32(s), _f32(b)
-        pq = probs[..., :-P].reshape(B * Hkv, rep * L, -1)
+        pq = probs[..., F:-P].reshape(B * Hkv, rep * L, -1)
         n = stream_split(B * Hkv, pq.shape[-1], D, min(len(streams), B * Hkv))
         cuts = [B * Hkv * i // n for i in range(n + 1)]
         pv = [mx.quantized_matmul(pq[a:z], w[a:z], s[a:z], b[a:z], transpose=False, group_size=group_size,
@@ -98,7 +115,8 @@ def quantized_decode_attention(q: mx.array, qk: list[mx.array] | list[list[mx.ar
 def quantized_paged_decode(q: mx.array, kq: list[mx.array], vq: list[mx.array], tk: mx.array, tv: mx.array,
                            page_heads: mx.array, query_of: mx.array, mask: mx.array, scale: float,
                            group_size: int, bits: int | tuple[int, int], streams: list | None = None,
-                           cuts: list[int] | None = None, k_transposed: bool = True) -> mx.array:
+                           cuts: list[int] | None = None, k_transposed: bool = True,
+                           first: tuple[mx.array, mx.array] | None = None) -> mx.array:
     """`quantized_decode_attention` read from the packed pages in place (CPU, float32 stores).
 
     q (B, Hq, 1, D); kq: the layer's K pool triplet, K^T pages (pages, Hkv, D, ·) quantized
@@ -117,6 +135,10 @@ def quantized_paged_decode(q: mx.array, kq: list[mx.array], vq: list[mx.array], 
     alike); every run's pages are concatenated before the one sum over pages, so a row's
     output is bit-identical however the work is split, and padded (masked) pages add
     exact zeros.
+
+    first: the rows' dense first-token copies (fk, fv) (B, Hkv, N, D) (kv.full_precision_tokens),
+    padded to m whole pages and attended after the tail; mask then has 1 + m + n pages (the copy's
+    valid keys after the tail's; those tokens masked out of the sealed pages).
     """
     B, Hq, _, D = q.shape
     Hkv = tk.shape[1]
@@ -128,13 +150,23 @@ def quantized_paged_decode(q: mx.array, kq: list[mx.array], vq: list[mx.array], 
     kw, ks, kb = (a.reshape(-1, *a.shape[2:]) for a in kq)
     vw, vs, vb = (a.reshape(-1, *a.shape[2:]) for a in vq)
     parts = [(qf.reshape(B, Hkv, G, D) @ _f32(tk).swapaxes(-1, -2))[:, :, None]]  # the tail, (B,Hkv,1,G,P)
+    P, m = tk.shape[2], 0
+    if first is not None:
+        m = -(-first[0].shape[2] // P)
+        pad = [(0, 0), (0, 0), (0, m * P - first[0].shape[2]), (0, 0)]
+        fk, fv = (mx.pad(_f32(a), pad) if pad[2][1] else _f32(a) for a in first)  # (B, Hkv, m*P, D)
+        sf = qf.reshape(B, Hkv, G, D) @ fk.swapaxes(-1, -2)  # (B, Hkv, G, m*P)
+        parts.append(sf.reshape(B, Hkv, G, m, P).transpose(0, 1, 3, 2, 4))
     parts += [mx.gather_qmm(qf, kw, ks, kb, lhs_indices=query_of, rhs_indices=page_heads[..., a:z],
                             transpose=not k_transposed,
                             group_size=group_size, bits=kbits, stream=streams[i % len(streams)])
               for i, (a, z) in enumerate(runs)]  # (B, Hkv, z - a, G, P) each
     probs = masked_softmax(mx.concatenate(parts, axis=2), mask, axis=(2, 4), scale=scale)
     out = probs[:, :, 0] @ _f32(tv)  # (B, Hkv, G, D)
-    pv = [mx.gather_qmm(probs[:, :, 1 + a:1 + z], vw, vs, vb, rhs_indices=page_heads[..., a:z], transpose=False,
+    if m:
+        out = out + probs[:, :, 1:1 + m].transpose(0, 1, 3, 2, 4).reshape(B, Hkv, G, m * P) @ fv
+    pv = [mx.gather_qmm(probs[:, :, 1 + m + a:1 + m + z], vw, vs, vb, rhs_indices=page_heads[..., a:z],
+                        transpose=False,
                         group_size=group_size, bits=vbits, stream=streams[i % len(streams)])
           for i, (a, z) in enumerate(runs)]  # (B, Hkv, z - a, G, D) each
     out = out + (mx.concatenate(pv, axis=2) if len(pv) > 1 else pv[0]).sum(axis=2)
@@ -143,18 +175,26 @@ def quantized_paged_decode(q: mx.array, kq: list[mx.array], vq: list[mx.array], 
 
 
 def quantized_paged_plan(table: mx.array, n_before: list[int], fill: list[int], P: int, H: int, D: int,
-                         streams: list) -> dict:
+                         streams: list, first: list[int] | None = None, N: int = 0) -> dict:
     """The per-step inputs of `attention.quantized_paged_decode`, built once for every layer:
     table (B, n) the rows' sealed pages (padded with their first), n_before their sealed page
-    counts and fill their tail's tokens before this step's."""
+    counts and fill their tail's tokens before this step's. first: each row's tokens read from its
+    dense copy of N first tokens (masked out of the sealed pages), None: none."""
     B, width = table.shape
     n = stream_split(B * H, width * P, D, min(len(streams), width))
     tail = mx.arange(P)[None] <= mx.array(fill)[:, None]  # (B, P): this step's token included
     pages = mx.arange(width)[None] < mx.array(n_before)[:, None]  # (B, width)
-    mask = mx.concatenate([tail[:, None], mx.broadcast_to(pages[:, :, None], (B, width, P))], axis=1)
+    pages = mx.broadcast_to(pages[:, :, None], (B, width, P))
+    blocks = [tail[:, None]]
+    if first is not None:
+        m = -(-N // P)
+        f = mx.array(first)[:, None]
+        blocks.append((mx.arange(m * P)[None] < f).reshape(B, m, P))  # the copy's valid keys
+        pages = pages & (mx.arange(width * P)[None] >= f).reshape(B, width, P)
+    mask = mx.concatenate(blocks + [pages], axis=1)
     heads, query_of = page_heads(table, H)
     return {"q_page_heads": heads, "query_of": query_of, "cuts": [width * i // n for i in range(n + 1)],
-            "mask_p": mask.reshape(B, 1, width + 1, 1, P)}
+            "mask_p": mask.reshape(B, 1, mask.shape[1], 1, P)}
 
 
 @dataclass(frozen=True)
@@ -168,6 +208,7 @@ class PrefillRun:
     slots: Optional[mx.array]  # pool slots of the pages the pass fills, or None
     table_q: Optional[mx.array]  # (1, n) its pages sealed before the pass
     mask: mx.array  # (1, 1, n, sealed + fill + n) causal
+    first: int = 0  # its sealed first tokens read from the dense copy (kv.full_precision_tokens)
 
 
 @dataclass(frozen=True)
@@ -198,7 +239,8 @@ class QuantDecode:
     mask_q: Optional[mx.array]  # (B, 1, 1, Tq) valid keys on sealed pages
     runs_q: Optional[list]  # the sealed pages' table in runs, one per stream
     mask_t: mx.array  # (B, 1, 1, P) valid keys in the tail
-    mask_all: mx.array  # mask_q and mask_t concatenated (built once per step, not per layer)
+    mask_all: mx.array  # [the first-token copy's,] mask_q and mask_t concatenated (once per step)
+    first: bool = False  # attend to the rows' dense first-token copies (kv.full_precision_tokens)
 
 
 @dataclass(frozen=True)
@@ -211,6 +253,7 @@ class QuantPagedDecode:
     query_of: mx.array
     cuts: list
     mask_p: mx.array
+    first: bool = False  # see QuantDecode
 
 
 class QuantRoute(Route):
@@ -235,21 +278,31 @@ class QuantRoute(Route):
         table_q = page_table(rows, n_before.tolist()) if n_before.max() > 0 else None
         fill = p % P  # decode: one token per row into its tail; rows that fill their page seal it
         writes = tail_writes(P, H, self.store.k_axis, rows, pos, tails, fill.tolist())
+        N = self.store.full_precision
+        first = np.minimum(N, n_before * P)  # sealed first tokens, read from the dense copies
+        use_first = table_q is not None and first.max() > 0
         if table_q is not None and self.in_place:
-            t = quantized_paged_plan(table_q, n_before.tolist(), fill.tolist(), P, H, D, self.streams)
-            return QuantPagedDecode(tails_a, writes, t["q_page_heads"], t["query_of"], t["cuts"], t["mask_p"])
-        mask_q = runs_q = None
+            t = quantized_paged_plan(table_q, n_before.tolist(), fill.tolist(), P, H, D, self.streams,
+                                     first.tolist() if use_first else None, N)
+            return QuantPagedDecode(tails_a, writes, t["q_page_heads"], t["query_of"], t["cuts"], t["mask_p"],
+                                    use_first)
+        mask_q = runs_q = mask_f = None
         if table_q is not None:
             width = table_q.shape[1]
             Tq = width * P
-            mask_q = (mx.arange(Tq)[None] < mx.array(n_before * P)[:, None]).reshape(len(rows), 1, 1, Tq)
+            mask_q = mx.arange(Tq)[None] < mx.array(n_before * P)[:, None]
+            if use_first:
+                f = mx.array(first)[:, None]
+                mask_q = mask_q & (mx.arange(Tq)[None] >= f)
+                mask_f = (mx.arange(N)[None] < f).reshape(len(rows), 1, 1, N)
+            mask_q = mask_q.reshape(len(rows), 1, 1, Tq)
             # key scores in runs of pages, one per stream (see quantized_decode_attention)
             n = stream_split(len(rows) * H, Tq, D, min(len(self.streams), width))
             cuts = [width * i // n for i in range(n + 1)]
             runs_q = [table_q[:, a:z] for a, z in zip(cuts, cuts[1:])]
         mask_t = (mx.arange(P)[None] <= mx.array(fill)[:, None]).reshape(len(rows), 1, 1, P)
-        mask_all = mx.concatenate([mask_q, mask_t], axis=-1) if mask_q is not None else mask_t
-        return QuantDecode(tails_a, table_q, writes, mask_q, runs_q, mask_t, mask_all)
+        mask_all = mx.concatenate([m for m in (mask_f, mask_q, mask_t) if m is not None], axis=-1)
+        return QuantDecode(tails_a, table_q, writes, mask_q, runs_q, mask_t, mask_all, use_first)
 
     def _prefill_plan(self, rows, L, p, lens) -> QuantPrefill:
         P, H, runs = self.geom.page_size, self.geom.kv_heads, []
@@ -262,7 +315,8 @@ class QuantRoute(Route):
             start = p0 - fill
             slots = mx.array(token_slots(r, P, start, start + done_pages * P).astype(np.int32)) if done_pages else None
             table_q = page_table([r], [p0 // P]) if p0 // P else None
-            runs.append(PrefillRun(b, n, r.tail, fill, slots, table_q, causal_mask(np.array([p0]), n, p0 + n, 1)))
+            runs.append(PrefillRun(b, n, r.tail, fill, slots, table_q, causal_mask(np.array([p0]), n, p0 + n, 1),
+                                   min(self.store.full_precision, (p0 // P) * P)))
         f = None
         if fresh:
             page_tok, page_slots, tail_tok, tail_slots = [], [], [], []
@@ -308,7 +362,8 @@ class QuantRoute(Route):
             q = st.q[layer]
             return quantized_paged_decode(queries, q[:3], q[3:], tk, tv, meta.heads, meta.query_of, meta.mask_p,
                                           scale, st.group_size, (st.key_bits, st.value_bits), self.streams, meta.cuts,
-                                          k_transposed=k_transposed)
+                                          k_transposed=k_transposed,
+                                          first=st.gather_first(layer, meta.tails) if meta.first else None)
         if isinstance(meta, QuantPrefill):
             return self._prefill_attend(layer, meta, queries, scale)
         tk, tv = st.gather_tails(layer, meta.tails)
@@ -324,7 +379,8 @@ class QuantRoute(Route):
             qv = st.gather_quantized(layer, meta.table_q, "v")
         return quantized_decode_attention(queries, qk, qv, tk, tv, meta.mask_q, meta.mask_t, scale, st.group_size,
                                           (st.key_bits, st.value_bits), self.streams, k_transposed=k_transposed,
-                                          mask=meta.mask_all)
+                                          mask=meta.mask_all,
+                                          first=st.gather_first(layer, meta.tails) if meta.first else None)
 
     def _prefill_attend(self, layer: int, meta: QuantPrefill, queries: mx.array, scale: float) -> mx.array:
         """The fresh rows together, over their chunk as written; the others row by row, over their
@@ -340,8 +396,15 @@ class QuantRoute(Route):
             sk, sv = sk.transpose(1, 0, 2)[None], sv.transpose(1, 0, 2)[None]
             if run.table_q is not None:
                 qk = st.gather_quantized(layer, run.table_q)
-                sk = mx.concatenate([st.dequantize_k(*qk[:3]), sk], axis=2)
-                sv = mx.concatenate([st.dequantize_v(*qk[3:]), sv], axis=2)
+                dk, dv = st.dequantize_k(*qk[:3]), st.dequantize_v(*qk[3:])
+                if run.first:  # the sealed first tokens from the dense copy, not dequantized
+                    f = run.first
+                    dk = mx.concatenate([st.fk[layer][run.tail:run.tail + 1, :, :f].astype(dk.dtype), dk[:, :, f:]],
+                                        axis=2)
+                    dv = mx.concatenate([st.fv[layer][run.tail:run.tail + 1, :, :f].astype(dv.dtype), dv[:, :, f:]],
+                                        axis=2)
+                sk = mx.concatenate([dk, sk], axis=2)
+                sv = mx.concatenate([dv, sv], axis=2)
             q = queries[b:b + 1] if run.n == meta.L else queries[b:b + 1, :, :run.n]
             out = dense_attention(q, sk, sv, run.mask, scale, upcast=True, composed=self.composed)
             if run.n < meta.L:

@@ -61,8 +61,11 @@ def select_route(layout: KVLayout, num_layers: int, dtype: mx.Dtype, tail_slots:
     cpu_pages = cpu and dtype == mx.float32 and layout.page_size >= IN_PLACE_MIN_PAGE
     if layout.quantized:
         store = QuantizedStore(num_layers, layout.num_kv_heads, layout.head_dim, layout.page_size, dtype,
-                               bits, layout.group_size, tail_slots, k_axis=k_quant_axis(layout, options))
+                               bits, layout.group_size, tail_slots, k_axis=k_quant_axis(layout, options),
+                               full_precision=layout.full_precision_tokens)
         if fused:
+            if layout.full_precision_tokens:  # engine/gate.py refuses it first, in one line
+                raise ValueError("kv.full_precision_tokens is not built in the fused CUDA kernel")
             return store, CudaQuantRoute(store, geom, options.cuda, options.step_reuse)
         return store, QuantRoute(store, geom, _streams(cpu, options), in_place=cpu_pages and options.q_in_place)
     store = DenseStore(num_layers, layout.num_kv_heads, layout.head_dim, layout.page_size, dtype)

@@ -34,11 +34,14 @@ MODES = {
     "q8+rot": ("q8", {"rotate_keys": True}, "rotate_keys"),
     "q4+rot": ("q4", {"rotate_keys": True}, "rotate_keys"),
     "k8v4+rot": ("k8v4", {"rotate_keys": True}, "rotate_keys"),
+    # first tokens dense: a part of a page at 64, several pages and a part at 16
+    "q4+fp40": ("q4", {"full_precision_tokens": 40}, "full_precision_tokens"),
+    "q4+rot+fp16": ("q4", {"rotate_keys": True, "full_precision_tokens": 16}, "full_precision_tokens"),
 }
 GEOMS = (("llama", 64), ("qwen3", 128))
 CASES = [(name, fam, hd, page, "auto") for name in MODES for fam, hd in GEOMS for page in (16, 64)]
 CASES += [(name, "llama", 64, 16, "portable") for name in MODES]
-CASES += [(name, "llama", 128, page, "auto") for name in MODES if name.endswith("+rot") for page in (16, 64)]
+CASES += [(name, "llama", 128, page, "auto") for name in MODES if "+" in name for page in (16, 64)]
 
 
 def _kv(name: str) -> dict:
@@ -104,6 +107,38 @@ def test_bytes_per_token_priced_per_mode(tiny_model):
     assert 2 * bpt["k8v4"] == bpt["q8"] + bpt["q4"]
     assert kv_layout(spec, "q8", 64, 64, value_bits=4).bytes_per_token == bpt["k8v4"]
     assert KVConfig(mode="q8", value_bits=4).label == "k8v4" and KVConfig(mode="k8v4").kv_bits == (8, 4)
+
+
+def test_first_tokens_priced_and_held_per_slot(tiny_model):
+    """kv.full_precision_tokens=N costs no bytes per token; each batch slot holds N dense tokens beside
+    its tail page (KVLayout.slot_bytes, what the memory model's workspace counts), in the live buffers."""
+    model, tok, spec = tiny_model()
+    eng = _engine(model, tok, spec, "q4+fp40", 16, max_batch=4)
+    lay, st = eng.layout, eng.cache.store
+    assert lay.bytes_per_token == kv_layout(spec, "q4", 16, 64).bytes_per_token and lay.label == "q4+fp40"
+    assert lay.slot_bytes == (16 + 40) * lay.dense_bytes_per_token
+    assert st.tail_nbytes == eng.max_batch * lay.slot_bytes and st.fk[0].shape[2] == 40
+
+
+def test_first_tokens_follow_a_fork(tiny_model):
+    """Samples of one prompt are forked from its first row (kv_cache.fork): each continues with the
+    first row's dense copy of the first tokens, so teacher-forced, every sample's logits equal a
+    lone row's (a fork that left its copy empty would attend to zeros there)."""
+    model, tok, spec = tiny_model()
+    prompts, forced = _rows(seed=7, prompt_lens=(70,), steps=(24,))
+    lone = _engine(model, tok, spec, "q4+fp40", 16)
+    (res,) = lone.generate(_requests(lone, prompts, forced))
+    want = lone.hooks.logits[res.key]
+    eng = _engine(model, tok, spec, "q4+fp40", 16)
+    for i in range(4):
+        eng.hooks.force(f"s{i}", forced[0])
+    results = eng.generate([Request(f"s{i}", prompts[0], SamplingParams(max_tokens=24), group="g")
+                            for i in range(4)])
+    assert eng.summary()["forks"] == 3 and not eng.cache.prefix_cache  # no prefix caching with first tokens
+    for r in results:
+        assert r.ok
+        for a, b in zip(eng.hooks.logits[r.key], want):
+            assert mx.abs(a - b).max().item() <= TOL
 
 
 def test_gate_refuses_what_is_not_validated(tiny_model):
