@@ -93,22 +93,30 @@ class Sharing:
         self.cache.cache_pages(row.kv, row.seq, row.kv.length)
         if row.req.group is None or row.out:
             return []
-        s, forks = self.sched, []
-        for r in list(s.waiting):
+        s, P = self.sched, self.P
+        full = row.kv.length // P
+        chosen: list[Row] = []
+        for r in s.waiting:
             if len(s.running) >= s.max_batch:
                 break
             if r.req.group != row.req.group or r.out or r.req.prompt_tokens != row.req.prompt_tokens \
                     or (_scores_prompt(r) and not _scores_prompt(row)) or s.refusal(r):
                 continue
             r.target = r.prompt_len
-            if not s.fits([r], row.kv.length // self.P):
+            if not s.fits([r], (len(chosen) + 1) * full):  # the pages each chosen fork will share
                 break
             s.start(r)
+            chosen.append(r)
+        limits = s.limits()  # every chosen fork counted: one pool growth makes room for all of them
+        forks = []
+        for i, r in enumerate(chosen):
             try:
-                self.cache.fork(row.kv, r.kv, *s.limits())
+                self.cache.fork(row.kv, r.kv, *limits)
             except RowError:
-                s.running.remove(r)
-                r.active = False
+                for x in chosen[i:]:  # back to waiting, where they still are
+                    s.running.remove(x)
+                    self.cache.release(x.kv)
+                    x.active = False
                 break
             s.waiting.remove(r)
             if _scores_prompt(r):  # the same prompt: the same prompt log-probabilities

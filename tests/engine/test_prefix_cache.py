@@ -41,12 +41,12 @@ def _prompts(P: int) -> list[list[int]]:
             base[:2 * P]]
 
 
-def _run(m, mode, page, prefix_cache):
+def _run(m, mode, page, prefix_cache, forced=True):
     quant = mode != "none"
     eng = _engine(m, mode, page, prefix_cache, prefill_chunk=page if quant else 512, max_batch=8,
                   prefill_tokens=1 if quant else "auto")
     prompts = _prompts(page)
-    for i in range(len(prompts)):
+    for i in range(len(prompts) if forced else 0):
         eng.hooks.force(f"r{i}", [(11 * i + 3 * j) % 256 for j in range(STEPS)])
     res = eng.generate([Request(f"r{i}", p, SamplingParams(max_tokens=STEPS)) for i, p in enumerate(prompts)])
     assert all(r.ok for r in res)
@@ -76,15 +76,15 @@ def test_prefix_cache_gives_the_same_logits(tiny_model, family, head_dim, mode, 
     assert eng_on.cache.pool.in_use == 0 and eng_on.cache.pool.num_cached > 0
 
 
-def test_greedy_tokens_identical_with_and_without_prefix_cache(tiny_model):
-    m = tiny_model(family="qwen3", head_dim=128)
-    prompts = _prompts(16)
-    out = []
-    for pc in (False, True):
-        eng = _engine(m, prefix_cache=pc)
-        out.append([r.tokens for r in eng.generate([Request(f"r{i}", p, SamplingParams(max_tokens=12))
-                                                    for i, p in enumerate(prompts)])])
-    assert out[0] == out[1] and all(out[0])
+@pytest.mark.parametrize("mode", ["none", "q8", "q4"])
+@pytest.mark.parametrize("page", [1, 16, 64])
+@pytest.mark.parametrize("family,head_dim", [("llama", 64), ("qwen3", 128)])
+def test_greedy_tokens_identical_with_and_without_prefix_cache(tiny_model, family, head_dim, mode, page):
+    m = tiny_model(family=family, head_dim=head_dim)
+    _, off, _ = _run(m, mode, page, prefix_cache=False, forced=False)
+    _, on, eng = _run(m, mode, page, prefix_cache=True, forced=False)
+    assert [r.tokens for r in on] == [r.tokens for r in off] and all(len(r.tokens) == STEPS for r in on)
+    assert eng.summary()["prompt_tokens_cached"] > 0
 
 
 def test_shared_system_prompt_is_prefilled_once(tiny_model):
