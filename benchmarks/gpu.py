@@ -40,12 +40,13 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import llama
 
-from kvbatch.engine.config import KV_MODES, EngineOptions, KVConfig
+from kvbatch.engine.config import EngineOptions, KVConfig
 from kvbatch.engine.engine import Engine
 from kvbatch.engine.models.spec import model_spec
 from kvbatch.engine.types import Request, SamplingParams
 from tests.configs import engine_config  # noqa: E402
 from interleave import Stepper, interleave, median_or_none, paired_ratios
+from kv_quality import parse_mode  # 'q4+rot' -> KVConfig fields: the one parser of a mode's name
 
 GEOMETRIES = {
     "1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192, num_attention_heads=32,
@@ -111,10 +112,11 @@ def run_mlx_lm(model, ps, new_tokens):
 
 
 def mode_options(mode: str) -> tuple[str, EngineOptions]:
-    """mode: none/q8/q4, optionally with engine options after '@', '+'-separated, dotted keys for
-    the CUDA launch settings: "none@cuda.kernel_writes=false", "q8@cuda.warps=8+cuda.unroll=2"
-    (an A/B of an engine option in the same process). -> (KV mode, options). Values take the
-    field's type (no omegaconf: the GPU machine has no network to install it)."""
+    """mode: a KV mode as kv_quality.parse_mode reads it (none, q8, q4, k8v4, q4+rot), optionally
+    with engine options after '@', '+'-separated, dotted keys for the CUDA launch settings:
+    "none@cuda.kernel_writes=false", "q8@cuda.warps=8+cuda.unroll=2" (an A/B of an engine option
+    in the same process). -> (KV mode text, options). Values take the field's type (no omegaconf:
+    the GPU machine has no network to install it)."""
     kv_mode, _, text = mode.partition("@")
     opts = EngineOptions()
     for item in filter(None, text.split("+")):
@@ -131,10 +133,12 @@ def mode_options(mode: str) -> tuple[str, EngineOptions]:
 
 
 def _engine(model, spec, batch: int, mode: str, budget: int) -> Engine:
-    kv_mode, opts = mode_options(mode)
+    kv_text, opts = mode_options(mode)
+    kv = parse_mode(kv_text)
     return Engine(model, _NullTokenizer(), spec,
-                  engine_config(kv_mode=kv_mode, page_size=64, max_batch=batch, prefill_chunk=2048,
-                                memory_budget=budget, allow_unvalidated=True, options=opts))
+                  engine_config(kv_mode=kv.pop("mode"), group_size=kv.pop("group_size", 64), kv=kv, page_size=64,
+                                max_batch=batch, prefill_chunk=2048, memory_budget=budget, allow_unvalidated=True,
+                                options=opts))
 
 
 def run_kvbatch(model, spec, ps, new_tokens, mode, budget):
@@ -242,7 +246,9 @@ def main() -> None:
     budget = int(a.budget_gb * 1e9)
     from kvbatch.engine.memory import kv_layout, layout_for
     kv_dense = kv_layout(spec, "none", 64, 64).bytes_per_token
-    kv_bpt = {m: layout_for(spec, KVConfig(mode=m, page_size=64, group_size=64)).bytes_per_token for m in KV_MODES}
+    def kv_bpt(mode: str) -> int:
+        return layout_for(spec, KVConfig(**{"page_size": 64, "group_size": 64,
+                                            **parse_mode(mode.partition("@")[0])})).bytes_per_token
     out = {"geometry": a.geometry, "device": str(mx.default_device()), "mlx": mx.__version__,
            "python": platform.python_version(), "copy_bw_gbs": bw / 1e9, "weights_gb": spec.weights_bytes / 1e9,
            "rows": []}
@@ -290,8 +296,7 @@ def main() -> None:
         if "mlx_lm_none" not in row:
             row["mlx_lm_none"] = {"error": "skipped (--skip-mlx-lm-long)"}
         for mode in modes:
-            row[f"kvbatch_{mode}"]["roofline_tps_mode"] = roofline(spec, kv_bpt[mode.partition("@")[0]], batch, ctx,
-                                                                   bw)
+            row[f"kvbatch_{mode}"]["roofline_tps_mode"] = roofline(spec, kv_bpt(mode), batch, ctx, bw)
         base = row["mlx_lm_none"].get("decode_tps")
         base_runs = row["mlx_lm_none"].get("decode_tps_runs", [])
         for k, v in list(row.items()):
