@@ -33,7 +33,7 @@
 #            omegaconf, antlr4, tqdm: `pip download --only-binary ... --python-version 3.12`); JOB_PROFILE=1 first
 #            profiles one kvbatch run (job_profile.txt), JOB_ROUNDS (default 2)
 #   shared   benchmarks/shared_prompts.py (issue 21), Llama-1B geometry (random bf16, the job stage's): $SHARED_ROWS
-#            (default 512) rows behind one ~1,000-token system prompt, 128 new tokens each, prefix cache on / off /
+#            (default 512) rows behind one ~1,000-token system prompt (180 words: the random model's tokenizer spends ~5.5 tokens a word), 128 new tokens each, prefix cache on / off /
 #            mlx-lm batch_generate; then n=8 samples of 64 prompts against 512 duplicated rows; SHARED_ROUNDS (2)
 #   profile  gpu_step_profile.py $PROFILE_ARGS (default: 1B batch 8 at 8k, none and q8, lookahead loop, with
 #            mlx-lm): host phases against the wait for the GPU, to tell a host-bound case from a GPU-bound one
@@ -109,7 +109,7 @@ for arg in "$@"; do
         --out "$OUT/job_1b.json" 2>&1 | tee "$OUT/job.txt" | cut -c1-1500 ;;
     shared) python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .gpu/c/*.whl || exit 1
       timeout "$secs" python3 benchmarks/shared_prompts.py --model tiny --model-args "$GEOM1B" --python python3 \
-        --rows ${SHARED_ROWS:-512} --prompts 64 --n 8 --rounds ${SHARED_ROUNDS:-2} --parts ${SHARED_PARTS:-system,samples} \
+        --rows ${SHARED_ROWS:-512} --system-words ${SHARED_WORDS:-180} --prompts 64 --n 8 --rounds ${SHARED_ROUNDS:-2} --parts ${SHARED_PARTS:-system,samples} \
         --out "$OUT/shared_1b.json" 2>&1 | tee "$OUT/shared.txt" | cut -c1-1500 ;;
     profile) timeout "$secs" python3 benchmarks/gpu_step_profile.py ${PROFILE_ARGS:---geometry 1b --batches 8 \
                --prompt 8192 --modes none,q8 --no-sync} 2>&1 | tee -a "$OUT/profile.txt" | cut -c1-1500 ;;
