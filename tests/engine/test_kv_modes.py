@@ -23,6 +23,7 @@ from kvbatch.engine.gate import VALIDATED
 from kvbatch.engine.kv.rotation import hadamard
 from kvbatch.engine.memory import kv_layout
 from kvbatch.engine.routes import quant
+from kvbatch.engine.routes.cuda import ROUTE_CUDA_Q
 from kvbatch.engine.types import Request, SamplingParams
 from tests.conftest import ON_CUDA, engine_config, expected_route
 from tests.engine.kv_reference import StoredPagesRefCache, teacher_forced_logits
@@ -39,6 +40,7 @@ MODES = {
     "q4+rot+fp16": ("q4", {"rotate_keys": True, "full_precision_tokens": 16}, "full_precision_tokens"),
 }
 GEOMS = (("llama", 64), ("qwen3", 128))
+FP_ON_CUDA = "kv.full_precision_tokens is refused on MLX CUDA (test_mode_matches_stored_pages_reference checks it)"
 CASES = [(name, fam, hd, page, "auto") for name in MODES for fam, hd in GEOMS for page in (16, 64)]
 CASES += [(name, "llama", 64, 16, "portable") for name in MODES]
 CASES += [(name, "llama", 128, page, "auto") for name in MODES if "+" in name for page in (16, 64)]
@@ -63,6 +65,11 @@ def test_mode_matches_stored_pages_reference(tiny_model, name, family, head_dim,
     assert MODES[name][2] in VALIDATED[(family, head_dim)]
     if route == "portable" and ON_CUDA:  # quantized_matmul is not validated on MLX CUDA: the gate refuses it
         with pytest.raises(KvbatchConfigError, match="not validated on the MLX cuda backend"):
+            _engine(model, tok, spec, name, page, route)
+        return
+    if MODES[name][1].get("full_precision_tokens") and expected_route(spec, MODES[name][0], 64, route) == ROUTE_CUDA_Q:
+        # the fused CUDA decode kernel does not read the dense first-token copy: refused, not ignored
+        with pytest.raises(KvbatchConfigError, match="kv.full_precision_tokens is not built in the fused CUDA"):
             _engine(model, tok, spec, name, page, route)
         return
     prompts, forced = _rows(seed=head_dim + page + len(name))
@@ -112,6 +119,8 @@ def test_bytes_per_token_priced_per_mode(tiny_model):
 def test_first_tokens_priced_and_held_per_slot(tiny_model):
     """kv.full_precision_tokens=N costs no bytes per token; each batch slot holds N dense tokens beside
     its tail page (KVLayout.slot_bytes, what the memory model's workspace counts), in the live buffers."""
+    if ON_CUDA:
+        pytest.skip(FP_ON_CUDA)
     model, tok, spec = tiny_model()
     eng = _engine(model, tok, spec, "q4+fp40", 16, max_batch=4)
     lay, st = eng.layout, eng.cache.store
@@ -124,6 +133,8 @@ def test_first_tokens_follow_a_fork(tiny_model):
     """Samples of one prompt are forked from its first row (kv_cache.fork): each continues with the
     first row's dense copy of the first tokens, so teacher-forced, every sample's logits equal a
     lone row's (a fork that left its copy empty would attend to zeros there)."""
+    if ON_CUDA:
+        pytest.skip(FP_ON_CUDA)
     model, tok, spec = tiny_model()
     prompts, forced = _rows(seed=7, prompt_lens=(70,), steps=(24,))
     lone = _engine(model, tok, spec, "q4+fp40", 16)
