@@ -32,9 +32,12 @@ class Sharing:
 
     # ---- admission -------------------------------------------------------------------------
     def _leaders(self) -> dict[str, Row]:
-        """group -> its running row whose prompt is being prefilled (the samples' first)."""
+        """group -> its running row whose prompt is being prefilled (the samples' first). Not a sample
+        admitted with all but its last page cached: it computes one page, so the others of its group
+        are admitted beside it (taking the same cached pages) rather than wait for it."""
         return {r.req.group: r for r in self.sched.running
-                if r.req.group is not None and not r.out and r.prefilling}
+                if r.req.group is not None and not r.out and r.prefilling
+                and not (r.cached_tokens and r.target - r.kv.length <= self.P)}
 
     def first_admissible(self, waiting: Iterable[Row]) -> Optional[Row]:
         """The first waiting row that is not a sample waiting to be forked from its group's first."""
