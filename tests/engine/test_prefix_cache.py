@@ -132,6 +132,19 @@ def test_n_samples_from_one_prefill(tiny_model, prefix_cache):
     assert all(r.tokens == one[0].tokens for r in greedy)
 
 
+def test_samples_admitted_after_their_first_take_its_cached_pages_side_by_side(tiny_model):
+    """Samples of a prompt admitted after its first has finished (no slot was free for a fork) find
+    its full pages cached: the first of them computes only its last page, and the others are admitted
+    beside it, taking the same cached pages, instead of waiting for it to fork them."""
+    eng = _engine(tiny_model(), max_batch=4)
+    prompt = [(3 * j + 1) % 250 for j in range(40)]  # 2 full pages and a part of a third
+    res = eng.generate(samples(Request("row", prompt, SamplingParams(max_tokens=8)), 6))
+    assert all(r.ok for r in res) and len({tuple(r.tokens) for r in res}) == 1  # greedy: one output
+    assert [r.stats.cached_tokens for r in res] == [0, 40, 40, 40, 32, 32]  # s4, s5: cached pages, own last page
+    s = eng.summary()
+    assert s["forks"] == 3 and s["prefill_tokens_total"] == 40 + 2 * 8
+
+
 def test_sample_seeds():
     req = Request("k", [1, 2], SamplingParams(seed=7))
     got = samples(req, 3)
