@@ -53,6 +53,10 @@ fi
 # the script's folder, pytest the rootdir, ahead of PYTHONPATH
 [ -d kvbatch ] && ls .gpu/kvbatch/*.whl >/dev/null 2>&1 && mv kvbatch .kvbatch-src
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
+# bytecode as an installed environment has it: the machine's site-packages hold none (and writing it there
+# is off), so every process would compile transformers, torch, sympy... again (~9 s a process, RESULTS.md);
+# written once under a prefix of our own, every later process reads it
+unset PYTHONDONTWRITEBYTECODE; export PYTHONPYCACHEPREFIX=$HOME/kvbatch-pycache
 git log -1 --format='commit %h %s' 2>/dev/null; git status --short 2>/dev/null | head -20
 # the checks of one variant take ~2.5 min (60 cases, most of it compiling): check the default only
 CHECKS="default:" CHECK_MODES=${CHECK_MODES:-none,q8,q4,k8v4}
