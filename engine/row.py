@@ -25,6 +25,7 @@ class Row:
     preemptions: int = 0
     cached_tokens: int = 0  # prompt tokens taken from shared pages, not computed (first admission)
     active: bool = False  # in the running batch
+    input_ok: bool = False  # its prompt and sampling passed the scheduler's input checks (done once)
     ended: bool = False
     logprobs: Optional[Logprobs] = None  # recorded when the row asks for logprobs or prompt_logprobs
     score: Optional[Any] = None  # a teacher-forced scorer (engine/scoring.py): its text is scored, nothing sampled

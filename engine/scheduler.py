@@ -100,6 +100,21 @@ class Scheduler:
         self.peak_concurrency = max(self.peak_concurrency, len(self.running))
 
     def refusal(self, row: Row) -> Optional[tuple[str, str]]:
+        """Why the row can never run here (its input, or its worst case over the whole budget); None: it can.
+        The input checks scan every token, so a row that passed them is not scanned again while it waits."""
+        n = row.prompt_len
+        if not row.input_ok:
+            problem = self._input_problem(row)
+            if problem:
+                return problem
+            row.input_ok = True
+        if not self.memory.fits([row.worst], n):
+            need = self.memory.bytes_for([row.worst], n)
+            return errors.INSUFFICIENT_MEMORY, (f"row needs {need} bytes at worst ({row.worst} tokens) "
+                                                f"but the budget is {self.memory.budget}")
+        return None
+
+    def _input_problem(self, row: Row) -> Optional[tuple[str, str]]:
         req, n = row.req, row.prompt_len
         p = req.sampling
         if n == 0:
@@ -118,10 +133,6 @@ class Scheduler:
         if n > limit:
             return errors.PROMPT_TOO_LONG, (f"prompt has {n} tokens; the limit is {limit} "
                                             f"(context {self.spec.context_length})")
-        if not self.memory.fits([row.worst], n):
-            need = self.memory.bytes_for([row.worst], n)
-            return errors.INSUFFICIENT_MEMORY, (f"row needs {need} bytes at worst ({row.worst} tokens) "
-                                                f"but the budget is {self.memory.budget}")
         return None
 
     # ---- prefill ---------------------------------------------------------------------------
