@@ -50,7 +50,7 @@ test: setup lint
 # that name: so the project is installed once more, plainly, into a scratch folder for it (build/
 # removed first: setuptools keeps files there that the source no longer has).
 lint: setup
-	$(VENV)/bin/ruff check engine pipeline kvbatch
+	$(VENV)/bin/ruff check engine pipeline kvbatch benchmarks
 	@rm -rf build && d=$$(mktemp -d) && $(PY) -m pip install -q --no-deps --target $$d . 2>/dev/null \
 	  && (cd $$d && PYTHONPATH=$$d $(CURDIR)/$(VENV)/bin/lint-imports $(CURDIR)/pyproject.toml); \
 	  rc=$$?; rm -rf $$d; exit $$rc

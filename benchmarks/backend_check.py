@@ -246,7 +246,7 @@ def kernel_bench(contexts=(8192,), batches=(1, 8, 64), geometries=((64, 8, 4), (
                         times[label][(D, ctx, B, mode)] = t
                         line += f" | {mode} {t * 1e6:5.0f}us {nbytes / t / 1e9:5.0f}GB/s d={diff:.1e}"
                     print(line, flush=True)
-                del kp, vp, calls, ref
+                kp = vp = calls = ref = None  # freed before the next geometry's pages
                 mx.clear_cache()
     return times
 

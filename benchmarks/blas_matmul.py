@@ -66,9 +66,7 @@ def worker_decode(batch: int, max_tokens: int) -> dict:
     for _ in stream_generate(model, tok, prompts[0], max_tokens=4):  # warm-up
         pass
     if batch == 1:
-        last = None
-        for last in stream_generate(model, tok, prompts[0], max_tokens=max_tokens):
-            pass
+        *_, last = stream_generate(model, tok, prompts[0], max_tokens=max_tokens)
         stats = {"prompt_tokens": last.prompt_tokens, "prompt_tps": last.prompt_tps,
                  "generation_tokens": last.generation_tokens, "generation_tps": last.generation_tps}
     else:
@@ -97,7 +95,8 @@ def _sh(cmd: list[str]) -> str:
 
 def machine() -> dict:
     cpu = re.search(r"Model name:\s*(.+)", _sh(["lscpu"]))
-    mem = re.search(r"MemTotal:\s*(\d+) kB", Path("/proc/meminfo").read_text()) if Path("/proc/meminfo").exists() else None
+    meminfo = Path("/proc/meminfo")
+    mem = re.search(r"MemTotal:\s*(\d+) kB", meminfo.read_text()) if meminfo.exists() else None
     import mlx.core as mx
     import mlx_lm
 

@@ -179,7 +179,8 @@ def run_interleaved(model, spec, ps, new_tokens, modes: list[str], budget: int, 
         out[mode] = {"decode_tps": len(ps) / med if med else None, "step_ms_runs": [x and x * 1e3 for x in r["step_s"]],
                      "ratio_vs_first_runs": ratios, "ratio_vs_first": median_or_none(ratios), "block": block,
                      "warm_steps": warm, "tokens": sum(len(x.tokens) for x in res), "route": s["route"],
-                     "errors": [x.error_code for x in res if x.error_code] + ([] if len(res) == len(ps) else ["missing"]),
+                     "errors": ([x.error_code for x in res if x.error_code]
+                                + ([] if len(res) == len(ps) else ["missing"])),
                      "kv_bytes_per_token": s["kv_bytes_per_token"], "peak_gb": mx.get_peak_memory() / 1e9}
     return out
 
@@ -228,7 +229,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=256)
-    ap.add_argument("--modes", default="none,q8,q4", help="also MODE@OPTION=VALUE+OPTION2=V2, EngineOptions keys (mode_options)")
+    ap.add_argument("--modes", default="none,q8,q4",
+                    help="also MODE@OPTION=VALUE+OPTION2=V2, EngineOptions keys (mode_options)")
     ap.add_argument("--long-modes", default="", help="modes at long context (default: --modes)")
     ap.add_argument("--long", type=int, default=8192)
     ap.add_argument("--long-batches", default="1,8")

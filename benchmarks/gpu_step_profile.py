@@ -99,7 +99,8 @@ def phases(model, spec, ps, new, mode, lookahead: bool, cprofile: int = 0) -> di
     if prof:  # the functions taking most of a step's host time, in us per step
         st = pstats.Stats(prof).stats
         top = sorted(st.items(), key=lambda kv: -kv[1][2])[:cprofile]
-        out["cprofile_us_per_step"] = {f"{Path(f).name}:{ln}:{fn}": [round(v[2] / n[0] * 1e6, 1), round(v[3] / n[0] * 1e6, 1)]
+        out["cprofile_us_per_step"] = {f"{Path(f).name}:{ln}:{fn}":
+                                       [round(v[2] / n[0] * 1e6, 1), round(v[3] / n[0] * 1e6, 1)]
                                        for (f, ln, fn), v in top}
     return out
 
@@ -114,7 +115,8 @@ def main() -> None:
     ap.add_argument("--modes", default="none", help="gpu.py modes, also MODE@OPTION=VALUE (e.g. q8@cuda.chunk=256)")
     ap.add_argument("--no-sync", action="store_true", help="lookahead loop only")
     ap.add_argument("--cprofile", type=int, default=0,
-                    help="also cProfile the lookahead steps: the N functions of most own time, [own, cumulative] us a step")
+                    help="also cProfile the lookahead steps: the N functions of most own time, "
+                         "[own, cumulative] us a step")
     a = ap.parse_args()
     model, spec = build(a.geometry)
     for batch in map(int, a.batches.split(",")):
@@ -130,8 +132,9 @@ def main() -> None:
             if not a.no_sync:
                 row[f"kvbatch_{mode}_sync"] = phases(model, spec, ps, a.new, mode, False)
             row[f"kvbatch_{mode}_lookahead"] = phases(model, spec, ps, a.new, mode, True, a.cprofile)
-        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else
-                              {kk: round(vv, 3) if isinstance(vv, float) else vv for kk, vv in v.items()} if isinstance(v, dict) else v)
+        def rounded(v):
+            return round(v, 3) if isinstance(v, float) else v
+        print(json.dumps({k: {kk: rounded(vv) for kk, vv in v.items()} if isinstance(v, dict) else rounded(v)
                           for k, v in row.items()}), flush=True)
         mx.clear_cache()
 

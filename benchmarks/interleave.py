@@ -42,7 +42,8 @@ class Stepper:
 def interleave(make: dict[str, Callable[[], Stepper]], block: int, warm: int = 1) -> dict[str, dict]:
     """make: mode -> a Stepper factory (engine built, requests submitted). Each is created and
     advanced `warm` steps (its rows' prefill and first decode steps, untimed: enough to compile
-    every kernel the run will use), in the given order; then rounds of `block` steps each, order reversed every other round, until every run ends.
+    every kernel the run will use), in the given order; then rounds of `block` steps each, order reversed every
+    other round, until every run ends.
     Returns per mode: step_s (each round's seconds a step), rows (the batch), results, and the
     Stepper; full blocks only (a block cut short by the run's end is dropped)."""
     steppers = {}

@@ -149,7 +149,8 @@ def long_run(model, tok, spec, rows: int, new: int, page_size: int, group_size: 
         if now - last >= every:
             c = eng.cache
             rate = (eng.output.generated_tokens - last_tok) / (now - last)
-            say(f"{now - t0:8.0f}s tokens={eng.output.generated_tokens} ({rate:.1f} tok/s now) running={len(eng.scheduler.running)} "
+            say(f"{now - t0:8.0f}s tokens={eng.output.generated_tokens} ({rate:.1f} tok/s now) "
+                f"running={len(eng.scheduler.running)} "
                 f"pool={c.capacity_pages}p/{fmt_bytes(c.capacity_bytes)} in_use={c.pool.in_use}p "
                 f"growths={len(c.growth_events)} rss={fmt_bytes(_rss())} mx_active={fmt_bytes(mx.get_active_memory())} "
                 f"mx_peak={fmt_bytes(mx.get_peak_memory())}")
@@ -160,7 +161,8 @@ def long_run(model, tok, spec, rows: int, new: int, page_size: int, group_size: 
     s = eng.summary()
     mx_peak = int(mx.get_peak_memory())
     out.update({
-        "wall_s": wall, "generated_tokens": eng.output.generated_tokens, "tok_per_s": eng.output.generated_tokens / wall,
+        "wall_s": wall, "generated_tokens": eng.output.generated_tokens,
+        "tok_per_s": eng.output.generated_tokens / wall,
         "finish": {r.key: (r.finish_reason, r.error_code, len(r.tokens)) for r in results},
         "all_finished_length": all(r.finish_reason == "length" and r.error_code is None and len(r.tokens) == new
                                    for r in results) and len(results) == rows,
