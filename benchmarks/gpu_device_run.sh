@@ -57,6 +57,14 @@ export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
 # is off), so every process would compile transformers, torch, sympy... again (~9 s a process, RESULTS.md);
 # written once under a prefix of our own, every later process reads it
 unset PYTHONDONTWRITEBYTECODE; export PYTHONPYCACHEPREFIX=$HOME/kvbatch-pycache
+# NO_TORCH=1: transformers leaves torch alone, as in a Python without it (the usual MLX install): a
+# distribution record "torch 0.0" ahead on the path makes transformers 5 judge torch too old to use (it has no
+# switch; transformers 4 reads USE_TORCH). What the process floor is without torch's import.
+if [ "${NO_TORCH:-0}" = 1 ]; then
+  mkdir -p "$HOME/kvbatch-notorch/torch-0.0.dist-info"
+  printf 'Metadata-Version: 2.1\nName: torch\nVersion: 0.0\n' > "$HOME/kvbatch-notorch/torch-0.0.dist-info/METADATA"
+  export PYTHONPATH=$HOME/kvbatch-notorch:$PYTHONPATH USE_TORCH=0
+fi
 git log -1 --format='commit %h %s' 2>/dev/null; git status --short 2>/dev/null | head -20
 # the checks of one variant take ~2.5 min (60 cases, most of it compiling): check the default only
 CHECKS="default:" CHECK_MODES=${CHECK_MODES:-none,q8,q4,k8v4}
