@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 # OpenBLAS makes MLX's CPU matmuls ~36x faster on Linux (benchmarks/RESULTS.md, issue 2); a C++ compiler lets
-# MLX build kvbatch's fused CPU softmax (engine/routes/softmax_cpu.py); PostgreSQL's server binaries let the
+# MLX build kvbatch's fused CPU softmax (engine/kv/routes/softmax_cpu.py); PostgreSQL's server binaries let the
 # tests start a real server for the shared queue (queue.url; tests/pg_server.py). Best effort: installed when
 # apt is there and we are root (or have sudo); otherwise kvbatch warns and runs slower, and the PostgreSQL
 # tests are skipped, saying why.
@@ -48,15 +48,11 @@ TEST_WORKERS ?= 2
 test: setup lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
-# Architecture (import-linter: contracts in pyproject.toml) and lint (ruff) of the source. import-linter
-# reads packages from disk, and the editable install maps kvbatch.engine/pipeline without a folder of
-# that name: so the project is installed once more, plainly, into a scratch folder for it (build/
-# removed first: setuptools keeps files there that the source no longer has).
+# Architecture (import-linter: contracts in pyproject.toml), lint (ruff, complexity included) and types (pyright).
 lint: setup
-	$(VENV)/bin/ruff check engine pipeline kvbatch benchmarks
-	@rm -rf build && d=$$(mktemp -d) && $(PY) -m pip install -q --no-deps --target $$d . 2>/dev/null \
-	  && (cd $$d && PYTHONPATH=$$d $(CURDIR)/$(VENV)/bin/lint-imports $(CURDIR)/pyproject.toml); \
-	  rc=$$?; rm -rf $$d; exit $$rc
+	$(VENV)/bin/ruff check src benchmarks tests
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/pyright src
 
 bench: setup
 	$(PY) benchmarks/engine_vs_mlx_lm.py

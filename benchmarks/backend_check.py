@@ -89,7 +89,7 @@ def kernel_case(mode: str, dtype, D: int, rep: int, P: int, chunk, hkv: int = 2,
     chunk: tokens per split (None: the default); launch: other CudaLaunch settings."""
     import numpy as np
 
-    from kvbatch.engine.routes import cuda_kernels as ca
+    from kvbatch.engine.kv.routes import cuda_kernels as ca
 
     settings = dict(launch or {}, **({} if chunk is None else {"chunk": chunk, "unsplit": chunk}))
     tune = CudaLaunch(**settings)
@@ -186,7 +186,7 @@ def kernel_bench(contexts=(8192,), batches=(1, 8, 64), geometries=((64, 8, 4), (
 
     import numpy as np
 
-    from kvbatch.engine.routes import cuda_kernels as ca
+    from kvbatch.engine.kv.routes import cuda_kernels as ca
 
     def timeit(fn):
         mx.eval(fn())

@@ -5,7 +5,7 @@ Per shape, four ways to attend one query per row over paged float32 K/V:
   (a composed fallback on the CPU: one GEMV per query head, K/V re-read per head);
 - `gathered`: pages gathered, then kvbatch's grouped form (`_grouped_decode`: each KV
   head's query group folded into one GEMM), with the old softmax (compiled `power(2, x)`);
-- `gathered_poly`: the same with kvbatch's polynomial-2^x softmax (engine/routes/softmax_cpu.py);
+- `gathered_poly`: the same with kvbatch's polynomial-2^x softmax (engine/kv/routes/softmax_cpu.py);
 - `in_place`: kvbatch's decode now (`paged_grouped_decode`: `gather_mm` on the pages where
   they lie, polynomial softmax).
 Every layer has its own page buffers (as in a model: the caches do not stay hot), pages
@@ -28,8 +28,8 @@ import kvbatch.engine  # noqa: E402,F401  (OpenBLAS before mlx)
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from kvbatch.engine.routes import dense as attention  # noqa: E402
-from kvbatch.engine.routes import softmax_cpu as softmax  # noqa: E402
+from kvbatch.engine.kv.routes import dense as attention  # noqa: E402
+from kvbatch.engine.kv.routes import softmax_cpu as softmax  # noqa: E402
 
 # (label, layers, batch, query heads, KV heads, head size, context, page size)
 SHAPES = [("tiny llama", 4, 8, 4, 2, 64, 200, 16), ("tiny llama", 4, 32, 4, 2, 64, 200, 16),
@@ -40,7 +40,7 @@ SHAPES = [("tiny llama", 4, 8, 4, 2, 64, 200, 16), ("tiny llama", 4, 32, 4, 2, 6
 
 
 def _old_softmax(scores: mx.array, mask: mx.array) -> mx.array:
-    """kvbatch's softmax before engine/routes/softmax_cpu.py: 2^x by mx.power, one compiled kernel."""
+    """kvbatch's softmax before engine/kv/routes/softmax_cpu.py: 2^x by mx.power, one compiled kernel."""
     s = mx.where(mask, scores.astype(mx.float32), -mx.inf)
     e = mx.power(2.0, (s - s.max(axis=-1, keepdims=True)) * (1.0 / math.log(2.0)))
     return (e / e.sum(axis=-1, keepdims=True)).astype(scores.dtype)

@@ -25,8 +25,8 @@ import kvbatch.engine  # noqa: E402,F401  (OpenBLAS before mlx)
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from kvbatch.engine.routes import quant as att  # noqa: E402
-from kvbatch.engine.routes.cpu_streams import cpu_streams, stream_split  # noqa: E402
+from kvbatch.engine.kv.routes import quant as att  # noqa: E402
+from kvbatch.engine.kv.routes.cpu_streams import cpu_streams, stream_split  # noqa: E402
 from kvbatch.engine.kv.store import QuantizedStore  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""Compile engine/routes/cuda_kernels.py's kernels with nvcc, as MLX would wrap them, without a GPU.
+"""Compile engine/kv/routes/cuda_kernels.py's kernels with nvcc, as MLX would wrap them, without a GPU.
 
 Catches syntax errors and prints registers / spills / shared memory (-Xptxas -v) before
 device time is spent. Needs nvcc on PATH; imports no MLX CUDA.
@@ -18,8 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvbatch.engine.routes import cuda_kernels as ca  # noqa: E402
-from kvbatch.engine.routes import cuda_source as cs  # noqa: E402
+from kvbatch.engine.kv.routes import cuda_kernels as ca  # noqa: E402
+from kvbatch.engine.kv.routes import cuda_source as cs  # noqa: E402
 
 STUB = """#include <cuda_bf16.h>
 #include <cuda_fp16.h>

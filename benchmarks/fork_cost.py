@@ -20,7 +20,7 @@ import kvbatch.engine as engine  # noqa: E402  (OpenBLAS before mlx)
 import mlx.core as mx  # noqa: E402
 
 from kvbatch.engine.engine import Engine  # noqa: E402
-from kvbatch.engine.kv_cache import PagedKVCache  # noqa: E402
+from kvbatch.engine.kv.cache import PagedKVCache  # noqa: E402
 from kvbatch.engine.models.config import ModelConfig  # noqa: E402
 from kvbatch.engine.samples import samples  # noqa: E402
 from kvbatch.engine.types import Request, SamplingParams  # noqa: E402

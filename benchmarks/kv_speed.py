@@ -45,9 +45,9 @@ import mlx.core as mx  # noqa: E402
 import mlx_lm  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 
-from kvbatch.engine.routes import dense, quant as att  # noqa: E402
-from kvbatch.engine.routes.cpu_streams import cpu_streams, stream_split  # noqa: E402
-from kvbatch.engine.routes.softmax_cpu import masked_softmax  # noqa: E402
+from kvbatch.engine.kv.routes import dense, quant as att  # noqa: E402
+from kvbatch.engine.kv.routes.cpu_streams import cpu_streams, stream_split  # noqa: E402
+from kvbatch.engine.kv.routes.softmax_cpu import masked_softmax  # noqa: E402
 from kvbatch.engine.config import EngineOptions  # noqa: E402
 from kvbatch.engine.engine import Engine  # noqa: E402
 from tests.configs import engine_config  # noqa: E402

@@ -25,10 +25,10 @@ import pytest  # noqa: E402
 
 from kvbatch.engine.backend import backend  # noqa: E402
 from kvbatch.engine.config import KV_BITS  # noqa: E402
-from kvbatch.engine.routes import cuda_kernels  # noqa: E402
-from kvbatch.engine.routes.cuda import ROUTE_CUDA, ROUTE_CUDA_Q  # noqa: E402
-from kvbatch.engine.routes.dense import ROUTE_DENSE, ROUTE_DENSE_F32  # noqa: E402
-from kvbatch.engine.routes.quant import ROUTE_QMM  # noqa: E402
+from kvbatch.engine.kv.routes import cuda_kernels  # noqa: E402
+from kvbatch.engine.kv.routes.cuda import ROUTE_CUDA, ROUTE_CUDA_Q  # noqa: E402
+from kvbatch.engine.kv.routes.dense import ROUTE_DENSE, ROUTE_DENSE_F32  # noqa: E402
+from kvbatch.engine.kv.routes.quant import ROUTE_QMM  # noqa: E402
 from kvbatch.engine.models.config import ModelConfig  # noqa: E402
 from kvbatch.engine.models.load import load_model  # noqa: E402
 from tests.configs import engine_config  # noqa: E402,F401  (tests import it from here)
@@ -40,7 +40,7 @@ cpu_only = pytest.mark.skipif(not ON_CPU, reason="tests a CPU-backend behaviour"
 
 def expected_route(spec, mode: str, group_size: int = 64, route: str = "auto") -> str:
     """The attention route the engine must report for this model and KV mode on this backend:
-    MLX CUDA runs decode in the fused kernels of engine/routes/cuda_kernels.py wherever they handle
+    MLX CUDA runs decode in the fused kernels of engine/kv/routes/cuda_kernels.py wherever they handle
     the geometry (unless the options ask for the portable route); elsewhere SDPA over gathered pages
     (float32 SDPA for fp16 models) and quantized matmuls for q8/q4."""
     bits = KV_BITS[mode] if mode in KV_BITS else None

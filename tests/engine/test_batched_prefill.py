@@ -79,8 +79,8 @@ def test_composed_prefill_attention_matches_fused(tiny_model, mode, family, head
 def test_composed_attention_equals_sdpa(dtype, tol):
     """Grouped query heads, ragged right-padded rows: the real queries' outputs equal fused SDPA's;
     padded queries that see no key stay finite."""
-    from kvbatch.engine.routes.common import causal_mask
-    from kvbatch.engine.routes.dense import composed_attention
+    from kvbatch.engine.kv.routes.common import causal_mask
+    from kvbatch.engine.kv.routes.dense import composed_attention
     import numpy as np
 
     B, Hq, Hkv, L, T, D = 3, 8, 2, 5, 12, 32

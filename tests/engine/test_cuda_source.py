@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from kvbatch.engine.config import CudaLaunch, EngineOptions
-from kvbatch.engine.routes import cuda_kernels as ca
-from kvbatch.engine.routes import cuda_source as cs
+from kvbatch.engine.kv.routes import cuda_kernels as ca
+from kvbatch.engine.kv.routes import cuda_source as cs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,10 +75,10 @@ def _cache_as_on_cuda(mode: str, P: int, H: int, kernel_writes: bool, step_reuse
     """A one-layer paged cache whose decode plans are built as on MLX CUDA (fused kernel)."""
     import mlx.core as mx
 
-    from kvbatch.engine.kv_cache import PagedKVCache
+    from kvbatch.engine.kv.cache import PagedKVCache
     from kvbatch.engine.memory import KVLayout
-    from kvbatch.engine.routes.base import Geometry
-    from kvbatch.engine.routes.cuda import CudaDenseRoute, CudaQuantRoute
+    from kvbatch.engine.kv.routes.base import Geometry
+    from kvbatch.engine.kv.routes.cuda import CudaDenseRoute, CudaQuantRoute
 
     lay = KVLayout(num_kv_layers=1, num_kv_heads=H, head_dim=64, dtype_bytes=4, mode=mode, group_size=64,
                    page_size=P)

@@ -16,11 +16,11 @@ from mlx_lm.models import llama, mamba
 
 from kvbatch.engine.backend import on_cpu
 from kvbatch.engine.config import EngineOptions
-from kvbatch.engine.routes.dense import DenseRoute
+from kvbatch.engine.kv.routes.dense import DenseRoute
 from kvbatch.engine.engine import Engine
 from tests.conftest import engine_config
 from kvbatch.engine.errors import INVALID_INPUT, PROMPT_TOO_LONG, KvbatchConfigError, UnreservedWriteError
-from kvbatch.engine.kv_cache import PagedKVCache
+from kvbatch.engine.kv.cache import PagedKVCache
 from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.memory import kv_layout
 from kvbatch.engine.models.spec import model_spec

@@ -99,7 +99,7 @@ def test_rope_table_option_decides_the_models_rope(tiny_model):
     import mlx.nn as nn
 
     from kvbatch.engine.backend import on_cpu
-    from kvbatch.engine.routes.rope_cpu import TableRoPE
+    from kvbatch.engine.kv.routes.rope_cpu import TableRoPE
 
     def ropes():
         return {type(m.rope) for _, m in tiny_model()[0].named_modules() if hasattr(m, "rope")}

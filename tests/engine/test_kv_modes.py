@@ -22,8 +22,8 @@ from kvbatch.engine.errors import KvbatchConfigError
 from kvbatch.engine.gate import VALIDATED
 from kvbatch.engine.kv.rotation import hadamard
 from kvbatch.engine.memory import kv_layout
-from kvbatch.engine.routes import quant
-from kvbatch.engine.routes.cuda import ROUTE_CUDA_Q
+from kvbatch.engine.kv.routes import quant
+from kvbatch.engine.kv.routes.cuda import ROUTE_CUDA_Q
 from kvbatch.engine.types import Request, SamplingParams
 from tests.conftest import ON_CUDA, engine_config, expected_route
 from tests.engine.kv_reference import StoredPagesRefCache, teacher_forced_logits
@@ -130,7 +130,7 @@ def test_first_tokens_priced_and_held_per_slot(tiny_model):
 
 
 def test_first_tokens_follow_a_fork(tiny_model):
-    """Samples of one prompt are forked from its first row (kv_cache.fork): each continues with the
+    """Samples of one prompt are forked from its first row (kv.cache.fork): each continues with the
     first row's dense copy of the first tokens, so teacher-forced, every sample's logits equal a
     lone row's (a fork that left its copy empty would attend to zeros there)."""
     if ON_CUDA:

@@ -28,7 +28,7 @@ import mlx.core as mx
 import pytest
 
 from kvbatch.engine.config import CudaLaunch, EngineOptions
-from kvbatch.engine.routes import cpu_streams, cuda, dense, quant
+from kvbatch.engine.kv.routes import cpu_streams, cuda, dense, quant
 from kvbatch.engine.engine import Engine
 from tests.conftest import engine_config
 from kvbatch.engine.errors import KvbatchConfigError
@@ -36,9 +36,9 @@ from kvbatch.engine.gate import VALIDATED
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.load import load_model
 from kvbatch.engine.types import Request, SamplingParams
-from kvbatch.engine.routes.cuda import ROUTE_CUDA, ROUTE_CUDA_Q
-from kvbatch.engine.routes.dense import ROUTE_DENSE, ROUTE_DENSE_F32
-from kvbatch.engine.routes.quant import ROUTE_QMM
+from kvbatch.engine.kv.routes.cuda import ROUTE_CUDA, ROUTE_CUDA_Q
+from kvbatch.engine.kv.routes.dense import ROUTE_DENSE, ROUTE_DENSE_F32
+from kvbatch.engine.kv.routes.quant import ROUTE_QMM
 from tests.conftest import ON_CPU, ON_CUDA, cpu_only, expected_route
 from tests.engine.kv_reference import QuantRefCache, StoredPagesRefCache, teacher_forced_logits
 

@@ -18,12 +18,12 @@ import mlx.core as mx
 import psutil
 import pytest
 
-import kvbatch.engine.kv_cache as kv_cache_mod
+import kvbatch.engine.kv.cache as kv_cache_mod
 import kvbatch.engine.memory as memory_mod
 from kvbatch.engine.engine import Engine
 from tests.conftest import engine_config
 from kvbatch.engine.errors import INSUFFICIENT_MEMORY, RowError
-from kvbatch.engine.kv_cache import PagedKVCache
+from kvbatch.engine.kv.cache import PagedKVCache
 from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.batch_limits import resolve_prefill_tokens
 from kvbatch.engine.memory import MemoryModel, format_plan, kv_layout, resolve_budget

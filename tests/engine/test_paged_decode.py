@@ -8,8 +8,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvbatch.engine.routes.dense import _grouped_decode, paged_grouped_decode
-from kvbatch.engine.routes.quant import quantized_decode_attention, quantized_paged_decode, quantized_paged_plan
+from kvbatch.engine.kv.routes.dense import _grouped_decode, paged_grouped_decode
+from kvbatch.engine.kv.routes.quant import quantized_decode_attention, quantized_paged_decode, quantized_paged_plan
 from kvbatch.engine.kv.store import QuantizedStore
 
 

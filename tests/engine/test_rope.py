@@ -1,4 +1,4 @@
-"""RoPE from a per-step table (engine/routes/rope_cpu.py) against MLX's fast.rope, and in the engine."""
+"""RoPE from a per-step table (engine/kv/routes/rope_cpu.py) against MLX's fast.rope, and in the engine."""
 from __future__ import annotations
 
 import kvbatch.engine  # noqa: F401  (OpenBLAS before mlx)
@@ -6,7 +6,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from kvbatch.engine.routes import rope_cpu as rope
+from kvbatch.engine.kv.routes import rope_cpu as rope
 from tests.conftest import cpu_only
 
 

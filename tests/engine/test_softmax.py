@@ -3,7 +3,7 @@ import mlx.core as mx
 import pytest
 
 from kvbatch.engine import backend
-from kvbatch.engine.routes import softmax_cpu as softmax
+from kvbatch.engine.kv.routes import softmax_cpu as softmax
 
 
 def _reference(scores: mx.array, mask: mx.array) -> mx.array:

@@ -1,4 +1,4 @@
-"""The CPU SwiGLU (engine/routes/swiglu_cpu.py) against mlx-lm's, and which MLPs it wraps."""
+"""The CPU SwiGLU (engine/kv/routes/swiglu_cpu.py) against mlx-lm's, and which MLPs it wraps."""
 from __future__ import annotations
 
 import kvbatch.engine  # noqa: F401  (OpenBLAS before mlx)
@@ -9,7 +9,7 @@ from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
 
 from kvbatch.engine.config import EngineOptions
 from kvbatch.engine.mlx_lm_bridge import as_shipped, prepare_model
-from kvbatch.engine.routes import swiglu_cpu
+from kvbatch.engine.kv.routes import swiglu_cpu
 from tests.conftest import cpu_only
 
 

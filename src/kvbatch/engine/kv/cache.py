@@ -4,7 +4,7 @@ pass at a time handed to its attention route.
 One forward pass = `begin(rows, L)` (checks every row reserved room for L tokens, and has the
 route build the pass's metadata once for all layers) → the model runs, each layer writing and
 attending through its view (mlx_lm_bridge.PagedLayerCache) → `end()` advances the rows' lengths.
-The route (engine/routes/, chosen by routes/select.py) owns how pages are read and written.
+The route (engine/kv/routes/, chosen by routes/select.py) owns how pages are read and written.
 
 Pages are reference-counted (kv/pages.py): a row may hold pages other rows hold too, cached full
 pages of a prefix they share (`take_cached`, kv/prefix.py) or the prompt pages of the sample it
@@ -28,9 +28,8 @@ from kvbatch.engine.kv.prefix import cache_full_pages, computed_pages
 from kvbatch.engine.kv.rotation import KeyRotation
 from kvbatch.engine.memory import KVLayout, available_memory
 from kvbatch.engine.kv.store import head_rows
-from kvbatch.engine.mlx_lm_bridge import PagedLayerCache
-from kvbatch.engine.routes.base import flat_tokens
-from kvbatch.engine.routes.select import select_route
+from kvbatch.engine.kv.routes.base import flat_tokens
+from kvbatch.engine.kv.routes.select import select_route
 from kvbatch.engine.sizes import fmt_bytes
 
 
@@ -45,6 +44,37 @@ class _Pass:
     # kv.full_precision_tokens: the pass's tokens at positions < N (flat b * L + i) and the head rows
     # of their places in the rows' dense first-token copies (QuantizedStore.write_first)
     first: Optional[tuple[mx.array, mx.array]] = None
+
+
+class PagedLayerCache:
+    """What one mlx-lm attention layer sees. Attention itself is routed via `paged_attend`."""
+
+    def __init__(self, mgr, layer: int):
+        """mgr: the PagedKVCache that holds every layer."""
+        self.mgr, self.layer = mgr, layer
+
+    @property
+    def offset(self):
+        return self.mgr.plan.offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self.mgr.write(self.layer, keys, values)
+        return keys, values  # attention reads the pages, not these
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
+        if window_size is not None:
+            raise NotImplementedError("sliding-window attention is not supported by the paged cache")
+        return None  # the paged attention builds its own padding+causal masks
+
+    def paged_attend(self, queries: mx.array, scale: float) -> mx.array:
+        return self.mgr.attend(self.layer, queries, scale)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.mgr.store.layer_arrays(self.layer))
+
+    def __repr__(self) -> str:
+        return f"PagedLayerCache(layer={self.layer}, mode={self.mgr.layout.mode}, page_size={self.mgr.P})"
 
 
 class PagedKVCache:

@@ -3,7 +3,8 @@ last-position logits, and the CPU RoPE table.
 
 mlx-lm models call `cache.update_and_fetch(keys, values)`, read `cache.offset` for RoPE (an array
 offset per row is allowed) and call their module's `scaled_dot_product_attention`; kvbatch
-routes that call to the paged cache (`install`) and hands each layer a `PagedLayerCache`.
+routes that call to the paged cache (`install`); each layer's cache object is a
+`kv.cache.PagedLayerCache`.
 """
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kvbatch.engine.config import EngineOptions
-from kvbatch.engine.routes import rope_cpu, swiglu_cpu
-from kvbatch.engine.routes.select import cpu_route
+from kvbatch.engine.kv.routes import rope_cpu, swiglu_cpu
+from kvbatch.engine.kv.routes.select import cpu_route
 
 
 _CPU_KERNELS = (rope_cpu, swiglu_cpu)  # the modules prepare_model may wrap, in its options' order
@@ -64,37 +65,6 @@ def pick_last(h: mx.array, last: Optional[mx.array]) -> mx.array:
     if last is None:
         return h[:, -1:, :]
     return mx.take_along_axis(h, last.reshape(-1, 1, 1), axis=1)
-
-
-class PagedLayerCache:
-    """What one mlx-lm attention layer sees. Attention itself is routed via `paged_attend`."""
-
-    def __init__(self, mgr, layer: int):
-        """mgr: the layer's PagedKVCache (kv_cache.py, which imports this module)."""
-        self.mgr, self.layer = mgr, layer
-
-    @property
-    def offset(self):
-        return self.mgr.plan.offset
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array):
-        self.mgr.write(self.layer, keys, values)
-        return keys, values  # attention reads the pages, not these
-
-    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
-        if window_size is not None:
-            raise NotImplementedError("sliding-window attention is not supported by the paged cache")
-        return None  # the paged attention builds its own padding+causal masks
-
-    def paged_attend(self, queries: mx.array, scale: float) -> mx.array:
-        return self.mgr.attend(self.layer, queries, scale)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.mgr.store.layer_arrays(self.layer))
-
-    def __repr__(self) -> str:
-        return f"PagedLayerCache(layer={self.layer}, mode={self.mgr.layout.mode}, page_size={self.mgr.P})"
 
 
 def install(model: nn.Module) -> None:

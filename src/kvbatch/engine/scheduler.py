@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 from kvbatch.engine import errors
 from kvbatch.engine.errors import RowError
-from kvbatch.engine.kv_cache import PagedKVCache
+from kvbatch.engine.kv.cache import PagedKVCache
 from kvbatch.engine.memory import MemoryModel
 from kvbatch.engine.row import Row
 from kvbatch.engine.sharing import Sharing

@@ -30,7 +30,7 @@ from typing import NamedTuple, Optional
 import mlx.core as mx
 
 from kvbatch.engine.config import CudaLaunch
-from kvbatch.engine.routes.cuda_source import _REDUCE, kernel_source
+from kvbatch.engine.kv.routes.cuda_source import _REDUCE, kernel_source
 
 NE = 8  # head elements per lane
 # Per kernel kind: tokens per lane per loop step and most warps per block (CudaLaunch.unroll /

@@ -24,7 +24,7 @@ from kvbatch.engine.errors import KvbatchConfigError, RowError
 from kvbatch.engine.gate import check_kv_mode
 from kvbatch.engine.grammar import Grammars
 from kvbatch.engine.hooks import EngineHooks
-from kvbatch.engine.kv_cache import PagedKVCache
+from kvbatch.engine.kv.cache import PagedKVCache
 from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.memory import MemoryModel, format_plan, layout_for, resolve_budget
 from kvbatch.engine.output import OutputProcessor

@@ -21,12 +21,12 @@ from kvbatch.engine.backend import backend
 from kvbatch.engine.config import EngineOptions
 from kvbatch.engine.kv.store import DenseStore, QuantizedStore
 from kvbatch.engine.memory import KVLayout
-from kvbatch.engine.routes import cuda_kernels
-from kvbatch.engine.routes.base import Geometry, Route
-from kvbatch.engine.routes.cuda import CudaDenseRoute, CudaQuantRoute
-from kvbatch.engine.routes.cpu_streams import cpu_streams
-from kvbatch.engine.routes.dense import IN_PLACE_MIN_PAGE, DenseRoute
-from kvbatch.engine.routes.quant import QuantRoute
+from kvbatch.engine.kv.routes import cuda_kernels
+from kvbatch.engine.kv.routes.base import Geometry, Route
+from kvbatch.engine.kv.routes.cuda import CudaDenseRoute, CudaQuantRoute
+from kvbatch.engine.kv.routes.cpu_streams import cpu_streams
+from kvbatch.engine.kv.routes.dense import IN_PLACE_MIN_PAGE, DenseRoute
+from kvbatch.engine.kv.routes.quant import QuantRoute
 
 
 def cpu_route(options: EngineOptions) -> bool:

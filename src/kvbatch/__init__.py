@@ -1,9 +1,10 @@
 """kvbatch: config-driven batch generation for local LLMs on MLX.
 
-The distribution installs this one import name. `kvbatch.engine` (everything that
-touches MLX) and `kvbatch.pipeline` (the Hydra app, queue, worker and Parquet
-results around it) live in the repository's top-level `engine/` and `pipeline/`
-folders, mapped here by the build backend (pyproject.toml, `package-dir`).
+The distribution installs this one import name: `kvbatch.engine` (everything that touches
+MLX) and `kvbatch.pipeline` (the Hydra app, queue, worker and Parquet results around it), with
+the Hydra configs in `kvbatch/conf` and the sample job in `kvbatch/jobs`. The code lives in
+`src/kvbatch/`; the repository's top-level `engine/`, `pipeline/`, `conf/` and `jobs/` are links
+to those folders.
 
 `kvbatch.generate(rows, model=..., kv=..., max_tokens=..., **options)` is the command from Python
 (pipeline/api.py); it is imported on first use, so `import kvbatch` stays cheap.

@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import activations
 
-from kvbatch.engine.routes.exp2_cpu import LOG2E, exp2_fused
+from kvbatch.engine.kv.routes.exp2_cpu import LOG2E, exp2_fused
 
 _SWIGLU_NAMES = frozenset({"down_proj", "swiglu", "gate_proj", "up_proj"})
 

@@ -13,7 +13,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from kvbatch.engine.routes.exp2_cpu import LOG2E, exp2_eager, exp2_fused
+from kvbatch.engine.kv.routes.exp2_cpu import LOG2E, exp2_eager, exp2_fused
 
 
 def _masked(mask: mx.array, scores: mx.array, scale: float) -> mx.array:

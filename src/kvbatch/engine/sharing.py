@@ -10,7 +10,7 @@ of one prompt from one prefill), for the scheduler.
   has one computing row, and the first row in admission order never waits.
 - **Forks.** Requests of one `group` (the samples of one prompt) are prefilled once: while the
   first admitted is prefilling, the others wait; when its prompt is done, each that fits is
-  admitted as a fork: the full pages shared, the page being filled copied (kv_cache.fork), its
+  admitted as a fork: the full pages shared, the page being filled copied (kv.cache.fork), its
   first token sampled from the same logits with its own random stream.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any, Iterable, Optional
 
 from kvbatch.engine.errors import RowError
 from kvbatch.engine.kv.prefix import next_hash, prefix_hashes
-from kvbatch.engine.kv_cache import PagedKVCache
+from kvbatch.engine.kv.cache import PagedKVCache
 from kvbatch.engine.row import Row
 
 

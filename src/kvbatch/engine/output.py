@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from kvbatch.engine import errors, grammar
 from kvbatch.engine.hooks import EngineHooks
-from kvbatch.engine.kv_cache import PagedKVCache
+from kvbatch.engine.kv.cache import PagedKVCache
 from kvbatch.engine.memory import KVLayout
 from kvbatch.engine.row import Row
 from kvbatch.engine.sampling import Sampled

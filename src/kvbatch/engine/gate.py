@@ -6,7 +6,7 @@ logits against a dequantize-and-attend reference, batched, at page sizes 16 and 
 entry names a mode (by its key/value bits: none, q8, q4, k8v4) or an option that changes what is
 stored (rotate_keys, full_precision_tokens): `rotate_keys` there means q8, q4 and k8v4 with
 kv.rotate_keys=true are validated for that family and head size (the rotation sits at the cache's
-edge, kv_cache.py, so every route sees the same rotated keys and queries); `full_precision_tokens`
+edge, kv/cache.py, so every route sees the same rotated keys and queries); `full_precision_tokens`
 the same for keeping each row's first N tokens dense (the copy is written at the cache's edge, read
 by routes/quant.py; the fused CUDA decode kernel does not read it, so MLX CUDA refuses it).
 """
@@ -18,7 +18,7 @@ from kvbatch.engine.backend import backend
 from kvbatch.engine.config import GROUP_SIZES, KV_MODES, EngineOptions, KVConfig, mode_name
 from kvbatch.engine.errors import KvbatchConfigError
 from kvbatch.engine.kv.rotation import rotation_fits
-from kvbatch.engine.routes.select import fused_kernels
+from kvbatch.engine.kv.routes.select import fused_kernels
 from kvbatch.engine.types import ModelSpec
 
 # Families whose mlx-lm module routes attention through base.scaled_dot_product_attention

@@ -18,10 +18,10 @@ import numpy as np
 
 from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.kv.store import DenseStore, head_rows
-from kvbatch.engine.routes.base import Geometry, Route, flat_tokens, real_tokens
-from kvbatch.engine.routes.cpu_streams import stream_split
-from kvbatch.engine.routes.common import causal_mask, page_heads, page_table, token_slots
-from kvbatch.engine.routes.softmax_cpu import masked_softmax
+from kvbatch.engine.kv.routes.base import Geometry, Route, flat_tokens, real_tokens
+from kvbatch.engine.kv.routes.cpu_streams import stream_split
+from kvbatch.engine.kv.routes.common import causal_mask, page_heads, page_table, token_slots
+from kvbatch.engine.kv.routes.softmax_cpu import masked_softmax
 
 ROUTE_DENSE = "paged_sdpa"
 ROUTE_DENSE_F32 = "paged_sdpa_f32"

@@ -10,7 +10,7 @@ written and attended all together; rows further in go row by row (each has its o
 and tail).
 
 kv.full_precision_tokens=N: each row's first N tokens are stored quantized like the rest and also
-copied dense (kv_cache.py writes the copy, QuantizedStore.fk/fv). Wherever they are sealed, attention
+copied dense (kv/cache.py writes the copy, QuantizedStore.fk/fv). Wherever they are sealed, attention
 reads them from the copy: decode masks them out of the quantized pages and attends to the copy as one
 more dense block (as it does the tail); prefill puts the copy in place of their dequantized keys and
 values. The scores and probabilities are then exactly those of dense first tokens.
@@ -25,11 +25,11 @@ import numpy as np
 
 from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.kv.store import QuantizedStore, head_rows
-from kvbatch.engine.routes.base import Geometry, Route, flat_tokens
-from kvbatch.engine.routes.common import TailWrites, causal_mask, page_heads, page_table, tail_writes, token_slots
-from kvbatch.engine.routes.cpu_streams import stream_split
-from kvbatch.engine.routes.dense import dense_attention
-from kvbatch.engine.routes.softmax_cpu import masked_softmax
+from kvbatch.engine.kv.routes.base import Geometry, Route, flat_tokens
+from kvbatch.engine.kv.routes.common import TailWrites, causal_mask, page_heads, page_table, tail_writes, token_slots
+from kvbatch.engine.kv.routes.cpu_streams import stream_split
+from kvbatch.engine.kv.routes.dense import dense_attention
+from kvbatch.engine.kv.routes.softmax_cpu import masked_softmax
 
 ROUTE_QMM = "paged_qmm_f32"
 

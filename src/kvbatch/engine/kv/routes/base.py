@@ -3,7 +3,7 @@
 A route owns how one forward pass reads and writes the paged K/V: `plan()` builds the pass's
 metadata once, before the layers run (page tables, slot maps, masks: a small frozen dataclass of
 the route's own), then each layer calls `write()` and `attend()` with it, so the per-layer work
-holds no Python loops over rows. Routes get rows and geometry, never the cache (engine/kv_cache.py
+holds no Python loops over rows. Routes get rows and geometry, never the cache (engine/kv/cache.py
 keeps admission, reservation, growth and release, and hands each pass to its route).
 """
 from __future__ import annotations

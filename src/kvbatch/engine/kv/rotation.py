@@ -5,7 +5,7 @@ others then get few of the 15 (q4) levels. A normalized Hadamard matrix H (H·H�
 ±1/√D) spreads every channel over all of them (QuaRot, arXiv:2404.00456). Keys are stored as
 k·H (quantized), queries meet them as q·H, and (q·H)·(k·H)ᵀ = q·kᵀ: the scores are unchanged in
 exact arithmetic, values are untouched, and nothing else about attention changes. The cache
-turns K and Q at its edge (kv_cache.PagedKVCache.write / attend), after RoPE, so every route and
+turns K and Q at its edge (kv.cache.PagedKVCache.write / attend), after RoPE, so every route and
 backend stores and reads rotated keys the same way.
 """
 from __future__ import annotations

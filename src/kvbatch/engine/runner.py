@@ -21,7 +21,7 @@ from kvbatch.engine import errors
 from kvbatch.engine.errors import RowError
 from kvbatch.engine.grammar import Grammars
 from kvbatch.engine.hooks import EngineHooks
-from kvbatch.engine.kv_cache import PagedKVCache
+from kvbatch.engine.kv.cache import PagedKVCache
 from kvbatch.engine.logprobs import prompt_tokens
 from kvbatch.engine.mlx_lm_bridge import pick_last, forward_hidden, forward_last
 from kvbatch.engine.output import OutputProcessor

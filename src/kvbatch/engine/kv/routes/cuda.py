@@ -16,11 +16,11 @@ import mlx.core as mx
 
 from kvbatch.engine.config import CudaLaunch
 from kvbatch.engine.kv.pages import CacheRow
-from kvbatch.engine.routes.base import Geometry, flat_tokens
-from kvbatch.engine.routes.common import TailWrites, page_table, tail_writes
-from kvbatch.engine.routes.cuda_kernels import QuantPages, paged_decode_attention, paged_decode_attention_quantized
-from kvbatch.engine.routes.dense import DenseRoute
-from kvbatch.engine.routes.quant import QuantRoute
+from kvbatch.engine.kv.routes.base import Geometry, flat_tokens
+from kvbatch.engine.kv.routes.common import TailWrites, page_table, tail_writes
+from kvbatch.engine.kv.routes.cuda_kernels import QuantPages, paged_decode_attention, paged_decode_attention_quantized
+from kvbatch.engine.kv.routes.dense import DenseRoute
+from kvbatch.engine.kv.routes.quant import QuantRoute
 from kvbatch.engine.kv.store import head_rows
 
 ROUTE_CUDA = "paged_cuda_kernel"
