@@ -52,7 +52,7 @@ test: setup lint
 lint: setup
 	$(VENV)/bin/ruff check src benchmarks tests
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/pyright src
+	$(VENV)/bin/pyright
 
 bench: setup
 	$(PY) benchmarks/engine_vs_mlx_lm.py
