@@ -14,11 +14,16 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from kvbatch.engine.types import SamplingParams
+from kvbatch.engine.params import SamplingParams
 
 
 def used(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
+
+
+def on_prompt(p: SamplingParams) -> bool:
+    """Whether the row's penalties reach its prompt's tokens too (the repetition penalty does)."""
+    return p.repetition_penalty != 1
 
 
 def _scatter(shape: tuple[int, int], entries: list[tuple[int, np.ndarray, np.ndarray]]) -> mx.array:

@@ -22,7 +22,7 @@ import numpy as np
 from mlx_lm.sample_utils import apply_top_p
 
 from kvbatch.engine import logprobs, penalties
-from kvbatch.engine.types import SamplingParams
+from kvbatch.engine.params import SamplingParams
 
 if TYPE_CHECKING:
     from kvbatch.engine.grammar import Grammars
@@ -32,7 +32,7 @@ _split = mx.vmap(mx.random.split)
 
 class RowSampler:
     """One row's sampling state: its key (sampled rows), its grammar matcher (constrained rows),
-    the tokens masked before min_tokens, the prompt's distinct tokens (repetition_penalty)."""
+    the tokens masked before min_tokens, the prompt's distinct tokens (the repetition penalty)."""
 
     def __init__(self, params: SamplingParams, prompt: list[int] = (), eos_ids: frozenset = frozenset(),
                  matcher: Any = None):
@@ -42,7 +42,7 @@ class RowSampler:
         self.matcher = matcher
         self.penalized = penalties.used(params)
         self.prompt_ids = np.unique(np.asarray(prompt, dtype=np.int64)) \
-            if params.repetition_penalty != 1 else None
+            if penalties.on_prompt(params) else None
         banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
         self.min_tokens_ban = np.array(sorted(banned), dtype=np.int64) if params.min_tokens and banned else None
         # the host must know the row's last token before its next step (grammar state, penalty counts)

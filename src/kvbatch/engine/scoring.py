@@ -25,7 +25,8 @@ import mlx.core as mx
 import numpy as np
 
 from kvbatch.engine.logprobs import PIECE, logsumexp
-from kvbatch.engine.types import Request, SamplingParams
+from kvbatch.engine.params import SamplingParams
+from kvbatch.engine.types import Request
 
 
 @dataclass(frozen=True)
