@@ -47,7 +47,8 @@ def apply(logits: mx.array, rows: list[tuple[int, SamplingParams, Optional[np.nd
     for i, p, prompt_ids, out in rows:
         ids, counts = np.unique(np.asarray(out, dtype=np.int64), return_counts=True)
         if p.repetition_penalty != 1:
-            seen = np.union1d(prompt_ids, ids) if len(ids) else prompt_ids
+            prompt = prompt_ids if prompt_ids is not None else np.zeros(0, dtype=np.int64)
+            seen = np.union1d(prompt, ids) if len(ids) else prompt
             seen = seen[seen < V]
             rep.append((i, seen, np.ones(len(seen), dtype=np.float32)))
             factor[i] = p.repetition_penalty

@@ -56,7 +56,7 @@ class RowStats:
 @dataclass
 class Logprobs:
     """What a row recorded with `logprobs` / `prompt_logprobs` (log-probabilities of the model's own
-    distribution: before temperature, penalties, filters and the grammar mask, as vLLM's default)."""
+    distribution: before the sampler's penalties, filters, grammar mask and scaling, as vLLM's default)."""
 
     tokens: list[float] = field(default_factory=list)  # one per output token
     top: list[list[tuple[int, float]]] = field(default_factory=list)  # per output token: (id, logprob), best first

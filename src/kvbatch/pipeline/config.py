@@ -16,7 +16,7 @@ import hashlib
 import json
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Any, List, Optional
+from typing import Any, List, Optional, cast
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
@@ -258,14 +258,14 @@ def to_config(node: Any) -> Config:
     if isinstance(node, Config):
         cfg = node
     else:
-        cfg = OmegaConf.to_object(node)
+        cfg = cast(Config, OmegaConf.to_object(node))  # the schema's node: a Config
         cfg.job.stop = [unescape(x) if isinstance(x, str) else x for x in cfg.job.stop]
     validate(cfg)
     return cfg
 
 
 def as_dict(cfg: Config) -> dict:
-    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    return cast(dict, OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
 
 
 # Sections that shape a row's result; memory/worker/output settings and engine sizes do not.

@@ -57,8 +57,8 @@ def detect_format(path: Path, fmt: str) -> str:
     return found
 
 
-def _jsonl(path: Path) -> Iterator[tuple[Optional[dict], str]]:
-    """(parsed object or None, raw text) per non-blank line."""
+def _jsonl(path: Path) -> Iterator[tuple[dict, str]]:
+    """(parsed object, or {"__error__": why} for a line that is not one, raw text) per non-blank line."""
     with open(path, encoding="utf-8-sig", errors="replace") as fh:
         for lineno, line in enumerate(fh, 1):
             raw = line.strip()

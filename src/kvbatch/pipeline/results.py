@@ -19,7 +19,7 @@ MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())])
 TOP = pa.struct([("token_id", pa.int32()), ("logprob", pa.float32())])
 
 
-def _col(arrow: pa.DataType, default=None):
+def _col(arrow: pa.DataType, default: Any = None) -> Any:
     return field(default=default, metadata={"arrow": arrow})
 
 

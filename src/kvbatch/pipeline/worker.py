@@ -316,16 +316,19 @@ class Worker:
         often). At the deadline, cancel it: the rows it hands back stay in `inflight` for
         _give_back, rows that had finished still come out of step(). Otherwise, when rows
         finished or every HEARTBEAT_S, top the batch up and flush (the queue is not asked every step)."""
+        eng = self.eng
+        if eng is None:
+            return
         cancelled = False
         last = time.monotonic()
-        while self._engine(self.eng.has_unfinished):
-            done = self._engine(self.eng.step)
+        while self._engine(eng.has_unfinished):
+            done = self._engine(eng.step)
             self._tick()
             self._finished_all(done)
             if cancelled:
                 continue
             if self._past_deadline():
-                self._engine(self.eng.cancel)
+                self._engine(eng.cancel)
                 cancelled = True
                 continue
             if done or time.monotonic() - last >= HEARTBEAT_S:
