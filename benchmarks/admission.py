@@ -32,7 +32,8 @@ import mlx.core as mx
 from kvbatch.engine.engine import Engine
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.load import load_model
-from kvbatch.engine.types import Request, SamplingParams
+from kvbatch.engine.params import SamplingParams
+from kvbatch.engine.types import Request
 from tests.configs import engine_config
 
 # 16 layers: KV bytes per token (16 KiB) as large as the activations the memory model prices per prefill token

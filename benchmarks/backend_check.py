@@ -22,7 +22,8 @@ from kvbatch.engine.config import KV_BITS, CudaLaunch, EngineOptions  # noqa: E4
 from kvbatch.engine.engine import Engine  # noqa: E402
 from tests.configs import engine_config  # noqa: E402
 from kvbatch.engine.models.spec import model_spec  # noqa: E402
-from kvbatch.engine.types import Request, SamplingParams  # noqa: E402
+from kvbatch.engine.params import SamplingParams  # noqa: E402
+from kvbatch.engine.types import Request  # noqa: E402
 from tests.engine.kv_reference import StoredPagesRefCache, record_page_tables, teacher_forced_logits  # noqa: E402
 
 

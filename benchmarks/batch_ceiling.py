@@ -26,7 +26,8 @@ import mlx.core as mx
 from kvbatch.engine.engine import Engine
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.load import load_model
-from kvbatch.engine.types import Request, SamplingParams
+from kvbatch.engine.params import SamplingParams
+from kvbatch.engine.types import Request
 from tests.configs import engine_config
 
 

@@ -26,7 +26,8 @@ from kvbatch.engine.engine import Engine  # noqa: E402
 from kvbatch.engine.grammar import Grammars, grammar_from_format  # noqa: E402
 from kvbatch.engine.models.config import ModelConfig  # noqa: E402
 from kvbatch.engine.models.load import load_model  # noqa: E402
-from kvbatch.engine.types import Request, SamplingParams  # noqa: E402
+from kvbatch.engine.params import SamplingParams  # noqa: E402
+from kvbatch.engine.types import Request  # noqa: E402
 from tests.configs import engine_config  # noqa: E402
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "country", "tags"],

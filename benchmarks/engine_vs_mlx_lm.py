@@ -36,7 +36,8 @@ from kvbatch.engine.engine import Engine
 from kvbatch.engine.mlx_lm_bridge import as_shipped
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.load import load_model
-from kvbatch.engine.types import Request, SamplingParams
+from kvbatch.engine.params import SamplingParams
+from kvbatch.engine.types import Request
 from tests.configs import engine_config
 
 # The FACTS "4M-parameter" random llama: 4 layers, hidden 256, 4 heads / 2 KV heads of 64.

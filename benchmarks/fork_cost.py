@@ -23,7 +23,8 @@ from kvbatch.engine.engine import Engine  # noqa: E402
 from kvbatch.engine.kv.cache import PagedKVCache  # noqa: E402
 from kvbatch.engine.models.config import ModelConfig  # noqa: E402
 from kvbatch.engine.samples import samples  # noqa: E402
-from kvbatch.engine.types import Request, SamplingParams  # noqa: E402
+from kvbatch.engine.params import SamplingParams  # noqa: E402
+from kvbatch.engine.types import Request  # noqa: E402
 from tests.configs import engine_config  # noqa: E402
 
 

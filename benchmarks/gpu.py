@@ -43,7 +43,8 @@ from mlx_lm.models import llama
 from kvbatch.engine.config import EngineOptions, KVConfig
 from kvbatch.engine.engine import Engine
 from kvbatch.engine.models.spec import model_spec
-from kvbatch.engine.types import Request, SamplingParams
+from kvbatch.engine.params import SamplingParams
+from kvbatch.engine.types import Request
 from tests.configs import engine_config  # noqa: E402
 from interleave import Stepper, interleave, median_or_none, paired_ratios
 from kv_quality import parse_mode  # 'q4+rot' -> KVConfig fields: the one parser of a mode's name

@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu import _engine, build, mode_options  # noqa: E402  (BLAS first, then mlx)
 import mlx.core as mx  # noqa: E402
 
-from kvbatch.engine.types import Request, SamplingParams  # noqa: E402
+from kvbatch.engine.params import SamplingParams  # noqa: E402
+from kvbatch.engine.types import Request  # noqa: E402
 
 
 def mixed_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:

@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu import _NullTokenizer, build, mode_options, prompts, run_mlx_lm, warm_tokens  # noqa: E402
 from kvbatch.engine.engine import Engine  # noqa: E402
 from tests.configs import engine_config  # noqa: E402
-from kvbatch.engine.types import Request, SamplingParams  # noqa: E402
+from kvbatch.engine.params import SamplingParams  # noqa: E402
+from kvbatch.engine.types import Request  # noqa: E402
 
 
 def _engine(model, spec, batch, mode, lookahead: bool):

@@ -47,7 +47,8 @@ from kvbatch.engine.memory import layout_for  # noqa: E402
 from kvbatch.engine.models.config import ModelConfig  # noqa: E402
 from kvbatch.engine.models.load import load_model  # noqa: E402
 from kvbatch.engine.scoring import ForcedRow, compare, summarize  # noqa: E402
-from kvbatch.engine.types import Request, SamplingParams  # noqa: E402
+from kvbatch.engine.params import SamplingParams  # noqa: E402
+from kvbatch.engine.types import Request  # noqa: E402
 from tests.configs import engine_config  # noqa: E402
 
 PROMPTS = [

@@ -55,7 +55,8 @@ from kvbatch.engine.kv.store import DenseStore, QuantizedStore  # noqa: E402
 from kvbatch.engine.memory import kv_layout  # noqa: E402
 from kvbatch.engine.models.config import ModelConfig  # noqa: E402
 from kvbatch.engine.models.load import load_model  # noqa: E402
-from kvbatch.engine.types import Request, SamplingParams  # noqa: E402
+from kvbatch.engine.params import SamplingParams  # noqa: E402
+from kvbatch.engine.types import Request  # noqa: E402
 
 TEXTS = ("GPL-3", "Apache-2.0", "GFDL-1.3", "LGPL-3", "MPL-2.0", "Artistic", "CC0-1.0", "GPL-2")
 BITS = {"none": None, "q8": 8, "q4": 4}

@@ -37,7 +37,8 @@ from kvbatch.engine.memory import MemoryModel, format_plan, kv_layout
 from kvbatch.engine.sizes import fmt_bytes, parse_size
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.load import load_model
-from kvbatch.engine.types import Request, SamplingParams
+from kvbatch.engine.params import SamplingParams
+from kvbatch.engine.types import Request
 from tests.configs import engine_config
 
 GiB = 1 << 30

@@ -7,7 +7,8 @@ import mlx.core as mx
 import pytest
 
 from kvbatch.engine.engine import Engine
-from kvbatch.engine.types import Request, SamplingParams
+from kvbatch.engine.params import SamplingParams
+from kvbatch.engine.types import Request
 from tests.conftest import engine_config
 from tests.engine.test_engine_paged import prompts_of
 

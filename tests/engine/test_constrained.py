@@ -17,7 +17,8 @@ from kvbatch.engine.config import EngineOptions
 from kvbatch.engine.engine import Engine
 from kvbatch.engine.errors import INVALID_INPUT
 from kvbatch.engine.grammar import grammar_from_format
-from kvbatch.engine.types import Request, SamplingParams
+from kvbatch.engine.params import SamplingParams
+from kvbatch.engine.types import Request
 from tests.conftest import engine_config
 
 REGEX = r"[ab]{3}-(yes|no)"

@@ -15,7 +15,8 @@ import pytest
 from kvbatch.engine.config import CudaLaunch, EngineOptions
 from kvbatch.engine.engine import Engine
 from tests.conftest import engine_config
-from kvbatch.engine.types import Request, SamplingParams
+from kvbatch.engine.params import SamplingParams
+from kvbatch.engine.types import Request
 from tests.conftest import ON_CUDA
 
 pytestmark = pytest.mark.skipif(not ON_CUDA, reason="the fused kernels run on MLX CUDA only")

@@ -24,7 +24,8 @@ from kvbatch.engine.kv.cache import PagedKVCache
 from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.memory import kv_layout
 from kvbatch.engine.models.spec import model_spec
-from kvbatch.engine.types import Request, SamplingParams
+from kvbatch.engine.params import SamplingParams
+from kvbatch.engine.types import Request
 
 BUDGET = 2 << 30
 EOS = 257  # the tiny model's <|im_end|>

@@ -9,7 +9,8 @@ from mlx_lm.generate import generate_step
 
 from kvbatch.engine.engine import Engine
 from tests.conftest import engine_config
-from kvbatch.engine.types import Request, SamplingParams
+from kvbatch.engine.params import SamplingParams
+from kvbatch.engine.types import Request
 
 pytestmark = pytest.mark.smollm2
 

@@ -11,7 +11,8 @@ import kvbatch.engine  # noqa: F401  (OpenBLAS before mlx)
 from kvbatch.engine.config import EngineOptions
 from kvbatch.engine.engine import Engine
 from kvbatch.engine.hooks import EngineHooks
-from kvbatch.engine.types import Request, SamplingParams
+from kvbatch.engine.params import SamplingParams
+from kvbatch.engine.types import Request
 from tests.conftest import engine_config
 
 

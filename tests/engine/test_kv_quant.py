@@ -35,7 +35,8 @@ from kvbatch.engine.errors import KvbatchConfigError
 from kvbatch.engine.gate import VALIDATED
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.load import load_model
-from kvbatch.engine.types import Request, SamplingParams
+from kvbatch.engine.params import SamplingParams
+from kvbatch.engine.types import Request
 from kvbatch.engine.kv.routes.cuda import ROUTE_CUDA, ROUTE_CUDA_Q
 from kvbatch.engine.kv.routes.dense import ROUTE_DENSE, ROUTE_DENSE_F32
 from kvbatch.engine.kv.routes.quant import ROUTE_QMM

@@ -7,7 +7,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from kvbatch.engine import logprobs
 from kvbatch.engine.engine import Engine
-from kvbatch.engine.types import Request, SamplingParams
+from kvbatch.engine.params import SamplingParams
+from kvbatch.engine.types import Request
 from tests.conftest import engine_config
 from tests.engine.kv_reference import teacher_forced_logits
 
@@ -77,7 +78,7 @@ def test_top_k_over_a_large_vocabulary_equals_a_full_sort():
     for V in (49152, 10007):
         x = 4 * mx.random.normal((6, V), key=mx.random.key(V))
         for k in (1, 5, 20):
-            ids, vals = logprobs.top_k(x, k)
+            ids, vals = logprobs.best_k(x, k)
             want = mx.argsort(-x, axis=-1)[:, :k]
             assert mx.array_equal(ids, want).item(), (V, k)
             assert mx.array_equal(vals, mx.take_along_axis(x, want, axis=-1)).item()

@@ -16,7 +16,8 @@ from kvbatch.engine.engine import Engine
 from kvbatch.engine.hooks import EngineHooks
 from tests.conftest import engine_config
 from kvbatch.engine.errors import NON_FINITE_LOGITS
-from kvbatch.engine.types import Request, SamplingParams
+from kvbatch.engine.params import SamplingParams
+from kvbatch.engine.types import Request
 
 EOS = 257
 

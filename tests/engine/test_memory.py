@@ -28,7 +28,8 @@ from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.batch_limits import resolve_prefill_tokens
 from kvbatch.engine.memory import MemoryModel, format_plan, kv_layout, resolve_budget
 from kvbatch.engine.sizes import parse_size
-from kvbatch.engine.types import Request, SamplingParams
+from kvbatch.engine.params import SamplingParams
+from kvbatch.engine.types import Request
 from tests.conftest import cpu_only
 
 BIG = 2 << 30

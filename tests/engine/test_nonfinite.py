@@ -17,7 +17,8 @@ from kvbatch.engine.config import EngineOptions
 from kvbatch.engine.hooks import EngineHooks
 from tests.conftest import engine_config
 from kvbatch.engine.errors import NON_FINITE_LOGITS
-from kvbatch.engine.types import Request, SamplingParams
+from kvbatch.engine.params import SamplingParams
+from kvbatch.engine.types import Request
 
 BUDGET = 2 << 30
 P = 4  # page size: small, so rows span many pages and the pool grows

@@ -9,7 +9,8 @@ import pytest
 from kvbatch.engine.config import EngineOptions
 from kvbatch.engine.engine import Engine
 from kvbatch.engine.errors import INSUFFICIENT_MEMORY
-from kvbatch.engine.types import Request, SamplingParams
+from kvbatch.engine.params import SamplingParams
+from kvbatch.engine.types import Request
 from tests.conftest import engine_config
 from tests.engine.test_engine_paged import prompts_of
 

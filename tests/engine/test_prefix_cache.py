@@ -19,7 +19,8 @@ from kvbatch.engine.errors import NON_FINITE_LOGITS, UnreservedWriteError
 from kvbatch.engine.hooks import EngineHooks
 from kvbatch.engine.kv.pages import CacheRow, PagePool
 from kvbatch.engine.samples import derive_seed, samples
-from kvbatch.engine.types import Request, SamplingParams
+from kvbatch.engine.params import SamplingParams
+from kvbatch.engine.types import Request
 from tests.conftest import engine_config
 
 STEPS = 4

@@ -16,7 +16,8 @@ from mlx_lm.sample_utils import (apply_min_p, apply_top_k, apply_top_p, make_fre
 from kvbatch.engine import penalties, sampling
 from kvbatch.engine.engine import Engine
 from kvbatch.engine.hooks import EngineHooks
-from kvbatch.engine.types import Request, SamplingParams
+from kvbatch.engine.params import SamplingParams
+from kvbatch.engine.types import Request
 from tests.conftest import engine_config
 
 V = 300

@@ -11,7 +11,8 @@ import pytest
 from kvbatch.engine.engine import Engine
 from kvbatch.engine.hooks import EngineHooks
 from kvbatch.engine.scoring import ForcedRow, compare, groups, score, summarize
-from kvbatch.engine.types import Request, SamplingParams
+from kvbatch.engine.params import SamplingParams
+from kvbatch.engine.types import Request
 from tests.conftest import engine_config
 
 PAGE = 16

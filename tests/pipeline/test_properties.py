@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvbatch.pipeline.actions as actions
+from kvbatch.engine import params
 from kvbatch.engine.errors import ERROR_CODES, INVALID_INPUT
-from kvbatch.pipeline import ranges
 from kvbatch.pipeline.compose import compose_config
 from kvbatch.pipeline.config import JobConfig
 from kvbatch.pipeline.inputs import read_rows
@@ -50,9 +50,9 @@ def _valid(payload: dict) -> bool:
     if not isinstance(payload.get("prompt"), str):
         return False
     mt, t, s = payload.get("max_tokens"), payload.get("temperature"), payload.get("seed")
-    return (mt is None or (isinstance(mt, int) and not ranges.max_tokens_error(mt))) and \
-        (s is None or (isinstance(s, int) and not ranges.seed_error(s))) and \
-        (t is None or (isinstance(t, float) and math.isfinite(t) and not ranges.temperature_error(t)))
+    return (mt is None or (isinstance(mt, int) and not params.max_tokens_error(mt))) and \
+        (s is None or (isinstance(s, int) and not params.seed_error(s))) and \
+        (t is None or (isinstance(t, float) and math.isfinite(t) and not params.temperature_error(t)))
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,

@@ -84,3 +84,72 @@ def test_unused_columns_are_carried_with_their_types(run_app, tmp_path):  # noqa
     rows = pq.read_table(path).to_pylist()
     assert [r["category"] for r in rows] == ["x", None]
     assert [r["level"] for r in rows] == ["1", '"two"']  # mixed types: carried as JSON text
+
+
+# A valid value and an out-of-range one of each kind, as a CSV cell holds them (text).
+_GOOD = {"int": ("3", 3), "float": ("0.5", 0.5), "bool": ("yes", True), "ids": ("[1, 2]", [1, 2]),
+         "strings": ('["a"]', ["a"]), "format": ("json_object", "json_object")}
+_BAD = {"int": "-1", "float": "inf", "bool": "maybe", "ids": "[-1]", "strings": '[""]', "format": "nonsense"}
+
+
+def test_the_table_is_carried_by_the_config_schema_results_schema_and_input_reader():
+    """engine/params.py's PARAMS is the one list of per-row parameters: every entry has its config key (with
+    the table's default), its results column (or says where results show it), and the input reader reads
+    and range-checks it; nothing else names a per-row parameter the table lacks."""
+    from dataclasses import fields
+
+    from kvbatch.engine.params import PARAMS, SamplingParams
+    from kvbatch.pipeline import api, passthrough
+    from kvbatch.pipeline.config import JobConfig, SamplingConfig
+    from kvbatch.pipeline.formats import openai_batch
+    from kvbatch.pipeline.inputs import row_payload
+    from kvbatch.pipeline.results import ARROW, SCHEMA
+
+    names = [p.name for p in PARAMS]
+    assert len(set(names)) == len(names) and {"temperature", "stop", "n", "response_format"} <= set(names)
+    # the config schema: sampling holds exactly the table's sampling entries, job holds its job entries
+    sections = {"sampling": SamplingConfig(), "job": JobConfig()}
+    assert {f.name for f in fields(SamplingConfig)} == {p.name for p in PARAMS if p.section == "sampling"}
+    for p in PARAMS:
+        value = getattr(sections[p.section], p.name)
+        assert (tuple(value) if isinstance(value, list) else value) == p.default, p.name
+        assert api._key(p.name) == f"{p.section}.{p.name}"
+    # the engine's parameters: every SamplingParams field but the grammar (made from response_format)
+    assert {f.name for f in fields(SamplingParams)} - {"grammar"} == {p.name for p in PARAMS if p.engine}
+    # the results schema: a column of the table's type, else shown otherwise
+    shown_otherwise = {"n": "sample_index", "prompt_logprobs": "prompt_logprobs"}
+    for p in PARAMS:
+        if p.column is not None:
+            assert SCHEMA.field(p.name).type == ARROW[p.column], p.name
+        elif p.carried:
+            assert p.name not in passthrough.ROW_PARAMS  # the input's column comes back as it was
+        else:
+            assert shown_otherwise[p.name] in SCHEMA.names, p.name
+    param_columns = [n for n in SCHEMA.names if n in names and n not in shown_otherwise.values()]
+    assert param_columns == [p.name for p in PARAMS if p.column is not None]  # in the table's order
+    assert set(openai_batch.SAME) <= set(names)
+    # the input reader: every entry read from text (CSV) and range-checked, with the one range check
+    job = JobConfig()
+    for p in PARAMS:
+        text, value = _GOOD[p.kind]
+        assert row_payload({"prompt": "x", p.name: text}, job)[p.name] == value, p.name
+        assert row_payload({"prompt": "x", p.name: None}, job) == {"prompt": "x"}  # null: the job's value
+        error = row_payload({"prompt": "x", p.name: _BAD[p.kind]}, job).get("error", "")
+        assert error.startswith(p.name) or p.kind == "format", (p.name, error)
+        assert "error" in row_payload({"prompt": "x", p.name: _BAD[p.kind]}, job), p.name
+
+
+def test_engine_and_pipeline_share_one_range_check():
+    """A value the input reader or the config refuses, the engine refuses too (and the other way round)."""
+    from kvbatch.engine.params import SamplingParams
+    from kvbatch.pipeline.inputs import row_payload
+    from kvbatch.pipeline.config import JobConfig
+
+    for name, bad in (("temperature", 1e-5), ("temperature", 2000.0), ("top_p", 0.0), ("top_k", -1),
+                      ("seed", 2**63), ("max_tokens", 2**31), ("min_p", 1.5), ("repetition_penalty", 0.0),
+                      ("presence_penalty", 3.0), ("logprobs", 21), ("stop", ("",)), ("stop_token_ids", (-1,))):
+        engine = SamplingParams(**{name: bad}).problem()
+        reader = row_payload({"prompt": "x", name: list(bad) if isinstance(bad, tuple) else bad}, JobConfig())
+        assert engine is not None and engine.startswith(name) and reader["error"].startswith(name), (name, engine)
+    assert SamplingParams(temperature=1e-3, top_k=5, seed=2**63 - 1).problem() is None
+    assert SamplingParams(max_tokens=4, min_tokens=5).problem() == "min_tokens must be in [0, max_tokens=4], got 5"

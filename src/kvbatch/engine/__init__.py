@@ -10,7 +10,8 @@ ensure_blas()
 from kvbatch.engine.errors import KvbatchConfigError  # noqa: E402
 from kvbatch.engine.models.config import ModelConfig  # noqa: E402
 from kvbatch.engine.models.load import load_model  # noqa: E402
-from kvbatch.engine.types import ModelSpec, Request, Result, RowStats, SamplingParams  # noqa: E402
+from kvbatch.engine.params import SamplingParams  # noqa: E402
+from kvbatch.engine.types import ModelSpec, Request, Result, RowStats  # noqa: E402
 
 _LAZY = {"Engine": "kvbatch.engine.engine", "EngineHooks": "kvbatch.engine.hooks",
          "samples": "kvbatch.engine.samples", "derive_seed": "kvbatch.engine.samples",

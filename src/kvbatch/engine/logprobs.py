@@ -1,5 +1,5 @@
-"""Log-probabilities of the model's own distribution (the raw float32 logits, before temperature,
-penalties, filters and grammar masks: vLLM's default), computed with the step's other device work.
+"""Log-probabilities of the model's own distribution (the raw float32 logits, before the sampler's
+penalties, filters, grammar masks and scaling: vLLM's default), computed with the step's other device work.
 
 Decode: each asking row's chosen token and its top K alternatives, from the logits the step already
 has. Prefill (`prompt_logprobs`): every prompt token after the first, from the hidden states of the
@@ -33,7 +33,7 @@ def logsumexp(x: mx.array) -> mx.array:
         return mx.array(m + np.log(np.exp(a - m).sum(axis=-1, keepdims=True)))
 
 
-def top_k(x: mx.array, k: int) -> tuple[mx.array, mx.array]:
+def best_k(x: mx.array, k: int) -> tuple[mx.array, mx.array]:
     """(ids, values) of each row's k largest entries, best first. A large vocabulary is ranked in two
     stages: the k blocks with the largest maxima hold every one of the k largest values (a block
     holding one of them has a maximum at least the k-th largest), so only k x BLOCK candidates are
@@ -69,7 +69,7 @@ def chosen_and_top(logits: mx.array, tokens: mx.array, rows: list[int], batch: i
         fed = np.array([f or 0 for f in forced], dtype=np.int64)
         chosen = mx.where(mx.array(use), mx.array(fed).astype(chosen.dtype), chosen)
     lp = mx.take_along_axis(x, chosen[:, None].astype(mx.int32), axis=-1) - lse
-    ids, vals = top_k(x, k)  # ranked on the logits: the same order as the log-probabilities
+    ids, vals = best_k(x, k)  # ranked on the logits: the same order as the log-probabilities
     return lp[:, 0], ids, vals - lse
 
 

@@ -14,11 +14,16 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from kvbatch.engine.types import SamplingParams
+from kvbatch.engine.params import SamplingParams
 
 
 def used(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
+
+
+def on_prompt(p: SamplingParams) -> bool:
+    """Whether the row's penalties reach its prompt's tokens too (the repetition penalty does)."""
+    return p.repetition_penalty != 1
 
 
 def _scatter(shape: tuple[int, int], entries: list[tuple[int, np.ndarray, np.ndarray]]) -> mx.array:
@@ -42,7 +47,8 @@ def apply(logits: mx.array, rows: list[tuple[int, SamplingParams, Optional[np.nd
     for i, p, prompt_ids, out in rows:
         ids, counts = np.unique(np.asarray(out, dtype=np.int64), return_counts=True)
         if p.repetition_penalty != 1:
-            seen = np.union1d(prompt_ids, ids) if len(ids) else prompt_ids
+            prompt = prompt_ids if prompt_ids is not None else np.zeros(0, dtype=np.int64)
+            seen = np.union1d(prompt, ids) if len(ids) else prompt
             seen = seen[seen < V]
             rep.append((i, seen, np.ones(len(seen), dtype=np.float32)))
             factor[i] = p.repetition_penalty

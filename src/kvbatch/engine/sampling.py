@@ -15,14 +15,14 @@ filters see the distribution before temperature.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import apply_top_p
 
 from kvbatch.engine import logprobs, penalties
-from kvbatch.engine.types import SamplingParams
+from kvbatch.engine.params import SamplingParams
 
 if TYPE_CHECKING:
     from kvbatch.engine.grammar import Grammars
@@ -32,9 +32,9 @@ _split = mx.vmap(mx.random.split)
 
 class RowSampler:
     """One row's sampling state: its key (sampled rows), its grammar matcher (constrained rows),
-    the tokens masked before min_tokens, the prompt's distinct tokens (repetition_penalty)."""
+    the tokens masked before min_tokens, the prompt's distinct tokens (the repetition penalty)."""
 
-    def __init__(self, params: SamplingParams, prompt: list[int] = (), eos_ids: frozenset = frozenset(),
+    def __init__(self, params: SamplingParams, prompt: Sequence[int] = (), eos_ids: frozenset = frozenset(),
                  matcher: Any = None):
         self.params = params
         self.greedy = params.temperature <= 0
@@ -42,7 +42,7 @@ class RowSampler:
         self.matcher = matcher
         self.penalized = penalties.used(params)
         self.prompt_ids = np.unique(np.asarray(prompt, dtype=np.int64)) \
-            if params.repetition_penalty != 1 else None
+            if penalties.on_prompt(params) else None
         banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
         self.min_tokens_ban = np.array(sorted(banned), dtype=np.int64) if params.min_tokens and banned else None
         # the host must know the row's last token before its next step (grammar state, penalty counts)
@@ -107,6 +107,7 @@ def allowed_mask(rows: list, masked: list[int], steps: list[int], grammars: Opti
     bits = np.full((len(rows), words), -1, dtype=np.int32)
     constrained = [(rows[i].sampler.matcher, i) for i in masked if rows[i].sampler.matcher is not None]
     if constrained:
+        assert grammars is not None, "constrained rows need the engine's grammars"
         grammars.fill(bits, constrained)
     flat = bits.view(np.uint32)
     for i in masked:
@@ -132,9 +133,12 @@ def _draw(x: mx.array, samplers: list[RowSampler]) -> mx.array:
         lp = min_p(lp, [p.min_p for p in ps])
     if any(0 < p.top_p < 1 for p in ps):
         use = mx.array([0 < p.top_p < 1 for p in ps])[:, None]
-        lp = mx.where(use, apply_top_p(lp, mx.array([p.top_p for p in ps], dtype=mx.float32)[:, None]), lp)
+        # mlx-lm annotates top_p as a float; a (Bs, 1) array broadcasts as one per row
+        top_ps = mx.array([p.top_p for p in ps], dtype=mx.float32)[:, None]
+        lp = mx.where(use, apply_top_p(lp, top_ps), lp)  # pyright: ignore[reportArgumentType]
     inv_t = mx.array([1 / p.temperature for p in ps], dtype=mx.float32)[:, None]
-    keys = _split(mx.stack([s.key for s in samplers]))  # (Bs, 2, 2): [next key, this step's key]
+    # (Bs, 2, 2): [next key, this step's key]; every sampled row holds a key
+    keys = _split(mx.stack([s.key for s in samplers if s.key is not None]))
     for j, s in enumerate(samplers):
         s.key = keys[j, 0]
     noise = mx.vmap(lambda k: mx.random.gumbel((V,), key=k))(keys[:, 1])

@@ -25,7 +25,8 @@ import mlx.core as mx
 import numpy as np
 
 from kvbatch.engine.logprobs import PIECE, logsumexp
-from kvbatch.engine.types import Request, SamplingParams
+from kvbatch.engine.params import SamplingParams
+from kvbatch.engine.types import Request
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ class TeacherForced:
                    "top": mx.argmax(lq, axis=-1)}
             if self.keep:
                 got["logp"] = lq
-            if self.reference is not None:
+            if self.reference is not None and self.reference.logp is not None:
                 lp = self.reference.logp[t0 + a:t0 + b]
                 got["kl"] = (mx.exp(lp) * (lp - lq)).sum(axis=-1)
             self.parts.append((t0 + a, got))

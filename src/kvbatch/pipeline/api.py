@@ -1,7 +1,7 @@
 """`kvbatch.generate`: the command's run (enqueue, work, finalize) from Python, on rows in memory or a file.
 
 The options are the config's keys, so a notebook and a job file say the same thing: a key by its own
-name where only one section has it (`temperature=0.7`, `system_prompt=...`), a section as a mapping
+name where only one section has it (`max_tokens=64`, `system_prompt=...`), a section as a mapping
 (`sampling={"seed": 3}`), or a dotted name (`**{"engine.max_batch": 8}`). In-memory rows are written to
 the output folder as the job's input file (JSONL for a list, Parquet for a DataFrame or Table, so
 column types carry through). With `output_dir` the run is the command's: durable parts, resume where
@@ -25,12 +25,14 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from kvbatch.engine.errors import KvbatchConfigError
+from kvbatch.engine.params import PARAMS
 from kvbatch.pipeline.compose import CONF_DIR, compose_nodes, describe, node_to_config
 from kvbatch.pipeline.config import Config, ConfigError
 from kvbatch.pipeline.finalize import RESULTS
 
-# keys two sections share, taken as the one a generation call means (model.seed, model.name: dotted)
-PREFERRED = {"seed": "sampling", "name": "job"}
+# keys two sections share, taken as the one a generation call means (a per-row parameter's section,
+# job.name; model.seed, model.name: dotted)
+PREFERRED = {**{p.name: p.section for p in PARAMS}, "name": "job"}
 Rows = Union[str, PathLike, list, pa.Table, Any]  # Any: a pandas DataFrame (pandas is not required)
 
 
@@ -53,7 +55,7 @@ def _key(name: str) -> str:
     if owners:
         raise ConfigError(f"{name}: several sections have this key ({', '.join(f'{s}.{name}' for s in owners)}); "
                           f"pass the one you mean as **{{'{owners[0]}.{name}': ...}} or {owners[0]}={{...}}")
-    raise ConfigError(f"{name}: unknown option (use a config key: max_tokens, temperature, sampling={{...}}, "
+    raise ConfigError(f"{name}: unknown option (use a config key: max_tokens, system_prompt, sampling={{...}}, "
                       f"'engine.max_batch', ...; README \"Job files\")")
 
 
@@ -111,7 +113,7 @@ def generate(rows: Rows, model: str = "smollm2", kv: str = "none", max_tokens: O
     carried through), a pandas DataFrame, a pyarrow Table, or a path to a JSONL/CSV/Parquet file.
     model: smollm2 | tiny | local (with model_path...) or an mlx-lm folder / Hugging Face repo id.
     kv: none | q8 | q4. output_dir: where the queue, parts and results live (run again to resume);
-    None: a temporary folder, removed on return. options: config keys (`temperature=0.7`,
+    None: a temporary folder, removed on return. options: config keys (`max_tokens=64`,
     `system_prompt="..."`, `sampling={"seed": 1}`, `**{"engine.max_batch": 8}`).
     A bad option or input raises ConfigError (one line); a run where no row succeeded warns
     (raises RowsFailed when `output={"max_error_fraction": ...}` is set, as the command exits 1).

@@ -16,7 +16,7 @@ import hashlib
 import json
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Any, List, Optional
+from typing import Any, List, Optional, cast
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 from kvbatch.engine.config import EngineConfig, EngineSettings, KVConfig, MemoryConfig
 from kvbatch.engine.errors import ERROR_CODES, KvbatchConfigError
 from kvbatch.engine.models.config import ModelConfig
-from kvbatch.pipeline import durations, ranges, response_format
+from kvbatch.pipeline import durations, response_format, row_params
 from kvbatch.pipeline.escapes import unescape
 from kvbatch.pipeline.redact import redact
 
@@ -163,12 +163,6 @@ def _need(ok: bool, key: str, value: Any, why: str) -> None:
         raise ConfigError(f"{key}={value!r}: {why}")
 
 
-def _range(key: str, value: Any, why) -> None:
-    problem = why(value)
-    if problem:
-        raise ConfigError(f"{key}={value!r}: {problem}")
-
-
 def _short(value: Any) -> str:
     text = repr(OmegaConf.to_container(value) if hasattr(value, "items") and not isinstance(value, dict) else value)
     return text if len(text) <= 80 else text[:77] + "..."
@@ -191,7 +185,7 @@ def engine_config(cfg: Config) -> EngineConfig:
 
 def validate(cfg: Config) -> None:
     """Check every value Hydra's types let through; raise ConfigError naming the first bad key."""
-    m, job, s, w = cfg.model, cfg.job, cfg.sampling, cfg.worker
+    m, job, w = cfg.model, cfg.job, cfg.worker
     _need(cfg.action in ACTIONS, "action", cfg.action, f"choose one of {', '.join(ACTIONS)}")
     _need(m.source in MODEL_SOURCES, "model.source", m.source, f"choose one of {', '.join(MODEL_SOURCES)}")
     _need(m.source != "local" or bool(m.path), "model.path", m.path,
@@ -205,7 +199,9 @@ def validate(cfg: Config) -> None:
     _need(bool(job.input), "job.input", job.input, "must name an input file")
     _need(job.format in FORMATS, "job.format", job.format, f"choose one of {', '.join(FORMATS)}")
     _need(job.shape in SHAPES, "job.shape", job.shape, f"choose one of {', '.join(SHAPES)}")
-    _range("job.max_tokens", job.max_tokens, ranges.max_tokens_error)
+    bad = row_params.config_problem(cfg)  # the per-row parameters' job values (engine/params.py)
+    if bad:
+        raise ConfigError(f"{bad[0]}={bad[1]!r}: {bad[2]}")
     _need(job.system_prompt is None or job.chat_template, "job.system_prompt", job.system_prompt,
           "needs job.chat_template=true (a system turn exists only in a chat template)")
     kw = job.chat_template_kwargs
@@ -217,25 +213,12 @@ def validate(cfg: Config) -> None:
           f"{', '.join(taken)} is set by kvbatch (use job.continue_final_message, job.chat_template)")
     _need(not job.continue_final_message or job.chat_template, "job.continue_final_message",
           job.continue_final_message, "needs job.chat_template=true")
-    _range("job.stop", job.stop, ranges.stop_error)
-    _range("sampling.temperature", s.temperature, ranges.temperature_error)
-    _range("sampling.top_p", s.top_p, ranges.top_p_error)
-    _range("sampling.top_k", s.top_k, ranges.top_k_error)
-    _range("sampling.seed", s.seed, ranges.seed_error)
-    _range("sampling.min_p", s.min_p, ranges.min_p_error)
-    _range("sampling.repetition_penalty", s.repetition_penalty, ranges.repetition_penalty_error)
-    _range("sampling.presence_penalty", s.presence_penalty, ranges.penalty_error)
-    _range("sampling.frequency_penalty", s.frequency_penalty, ranges.penalty_error)
-    _range("sampling.logprobs", s.logprobs, ranges.logprobs_error)
-    _range("job.stop_token_ids", job.stop_token_ids, ranges.stop_token_ids_error)
-    _range("job.min_tokens", job.min_tokens, ranges.min_tokens_error)
     _need(job.min_tokens <= job.max_tokens, "job.min_tokens", job.min_tokens,
           f"must be <= job.max_tokens ({job.max_tokens})")
     try:
         response_format.resolve(job.response_format)
     except ValueError as exc:
         raise ConfigError(f"job.response_format={_short(job.response_format)}: {exc}") from None
-    _range("sampling.n", s.n, ranges.n_error)
     _need(cfg.output.progress in ("auto", "on", "off"), "output.progress", cfg.output.progress,
           "choose one of auto, on, off")
     try:
@@ -275,14 +258,14 @@ def to_config(node: Any) -> Config:
     if isinstance(node, Config):
         cfg = node
     else:
-        cfg = OmegaConf.to_object(node)
+        cfg = cast(Config, OmegaConf.to_object(node))  # the schema's node: a Config
         cfg.job.stop = [unescape(x) if isinstance(x, str) else x for x in cfg.job.stop]
     validate(cfg)
     return cfg
 
 
 def as_dict(cfg: Config) -> dict:
-    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    return cast(dict, OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
 
 
 # Sections that shape a row's result; memory/worker/output settings and engine sizes do not.

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from kvbatch.pipeline import chat, paths, ranges, response_format
+from kvbatch.engine.params import INT32_MAX
+from kvbatch.pipeline import chat, paths, row_params
 from kvbatch.pipeline.config import ConfigError, JobConfig
 from kvbatch.pipeline.formats import openai_batch, shapes
 
@@ -56,8 +57,8 @@ def detect_format(path: Path, fmt: str) -> str:
     return found
 
 
-def _jsonl(path: Path) -> Iterator[tuple[Optional[dict], str]]:
-    """(parsed object or None, raw text) per non-blank line."""
+def _jsonl(path: Path) -> Iterator[tuple[dict, str]]:
+    """(parsed object, or {"__error__": why} for a line that is not one, raw text) per non-blank line."""
     with open(path, encoding="utf-8-sig", errors="replace") as fh:
         for lineno, line in enumerate(fh, 1):
             raw = line.strip()
@@ -78,7 +79,7 @@ def _jsonl(path: Path) -> Iterator[tuple[Optional[dict], str]]:
 
 
 def _csv(path: Path) -> tuple[list[str], list[dict]]:
-    csv.field_size_limit(ranges.INT32_MAX)  # the default (131,072 characters) would fail the whole file
+    csv.field_size_limit(INT32_MAX)  # the default (131,072 characters) would fail the whole file
     with open(path, newline="", encoding="utf-8-sig", errors="replace") as fh:
         reader = csv.DictReader(fh)
         try:
@@ -105,89 +106,8 @@ def _missing(v: Any) -> bool:
     return v is None
 
 
-def _check(name: str, v, why) -> None:
-    problem = why(v)
-    if problem:
-        raise ValueError(f"{name} {problem}, got {v!r}")
-
-
-def _int(name: str, v: Any, lo: int) -> int:
-    if isinstance(v, str):
-        try:
-            v = float(v.strip()) if "." in v or "e" in v.lower() else int(v.strip())
-        except ValueError:
-            raise ValueError(f"{name} must be an integer, got {v!r}") from None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
-        raise ValueError(f"{name} must be an integer, got {v!r}")
-    if v < lo:
-        raise ValueError(f"{name} must be >= {lo}, got {int(v)}")
-    return int(v)
-
-
-def _signed(name: str, v: Any) -> float:
-    """A finite number of either sign (the penalties)."""
-    try:
-        if isinstance(v, bool):
-            raise ValueError
-        f = float(v.strip() if isinstance(v, str) else v)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number, got {v!r}") from None
-    if not math.isfinite(f):
-        raise ValueError(f"{name} must be a finite number, got {v!r}")
-    return f
-
-
-def _float(name: str, v: Any) -> float:
-    """A finite number >= 0."""
-    f = _signed(name, v)
-    if f < 0:
-        raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
-    return f
-
-
-_TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
-
-
-def _bool(name: str, v: Any) -> bool:
-    """true/false (JSONL, Parquet), or in text (CSV): true/false, 1/0, yes/no."""
-    if isinstance(v, bool):
-        return v
-    if isinstance(v, int) and v in (0, 1):
-        return bool(v)
-    if isinstance(v, str) and v.strip().lower() in _TRUE + _FALSE:
-        return v.strip().lower() in _TRUE
-    raise ValueError(f"{name} must be true or false, got {v!r:.80}")
-
-
-def _token_ids(v: Any) -> list[int]:
-    """stop_token_ids: a list of ids (JSONL, Parquet), one id, or in text a JSON list such as [2, 50] (CSV)."""
-    if isinstance(v, str):
-        try:
-            v = json.loads(v)
-        except json.JSONDecodeError:
-            raise ValueError(f"stop_token_ids must be a list of token ids, got {v!r:.80}") from None
-    ids = [v] if isinstance(v, int) and not isinstance(v, bool) else v
-    if not isinstance(ids, (list, tuple)) or ranges.stop_token_ids_error(list(ids)):
-        raise ValueError(f"stop_token_ids must be a list of token ids (integers >= 0), got {v!r:.80}")
-    return list(ids)
-
-
 def _messages(v: Any) -> list:
     return chat.read_messages(v)  # {role, content} pairs; OpenAI content parts joined (pipeline/chat.py)
-
-
-def _stop(v: Any) -> list[str]:
-    """A row's stop strings: a list of strings (JSONL, Parquet), or a string: one stop string, or a
-    JSON list of them (CSV). Taken as the file holds them (its own escapes), not decoded again."""
-    if isinstance(v, str) and v.lstrip().startswith("["):
-        try:
-            v = json.loads(v)
-        except json.JSONDecodeError:
-            pass
-    stops = [v] if isinstance(v, str) else v
-    if not isinstance(stops, (list, tuple)) or ranges.stop_error(list(stops)):
-        raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {v!r:.80}")
-    return list(stops)
 
 
 def row_payload(row: dict, job: JobConfig) -> dict:
@@ -206,50 +126,10 @@ def row_payload(row: dict, job: JobConfig) -> dict:
             out["messages"] = _messages(msgs)
         else:
             raise ValueError(f"row has no {job.prompt_column!r} or {job.messages_column!r}")
-        if not _missing(row.get("max_tokens")):
-            out["max_tokens"] = _int("max_tokens", row["max_tokens"], 1)
-            _check("max_tokens", out["max_tokens"], ranges.max_tokens_error)
-        if not _missing(row.get("temperature")):
-            out["temperature"] = _float("temperature", row["temperature"])
-            _check("temperature", out["temperature"], ranges.temperature_error)
-        if not _missing(row.get("seed")):
-            out["seed"] = _int("seed", row["seed"], 0)
-            _check("seed", out["seed"], ranges.seed_error)
-        if not _missing(row.get("top_p")):
-            out["top_p"] = _float("top_p", row["top_p"])
-            _check("top_p", out["top_p"], ranges.top_p_error)
-        if not _missing(row.get("top_k")):
-            out["top_k"] = _int("top_k", row["top_k"], 0)
-            _check("top_k", out["top_k"], ranges.top_k_error)
-        if not _missing(row.get("n")):
-            out["n"] = _int("n", row["n"], 1)
-            _check("n", out["n"], ranges.n_error)
-        if not _missing(row.get("stop")):
-            out["stop"] = _stop(row["stop"])
-        _controls(row, out)
+        out.update(row_params.parse(row))
     except ValueError as exc:
         out["error"] = str(exc)
     return out
-
-
-def _controls(row: dict, out: dict) -> None:
-    """The per-row decoding controls of issue 24 (min_p ... response_format), checked as their config keys."""
-    for name, why in (("min_p", ranges.min_p_error), ("repetition_penalty", ranges.repetition_penalty_error),
-                      ("presence_penalty", ranges.penalty_error), ("frequency_penalty", ranges.penalty_error)):
-        if not _missing(row.get(name)):
-            out[name] = _signed(name, row[name])
-            _check(name, out[name], why)
-    for name, why in (("min_tokens", ranges.min_tokens_error), ("logprobs", ranges.logprobs_error)):
-        if not _missing(row.get(name)):
-            out[name] = _int(name, row[name], 0)
-            _check(name, out[name], why)
-    for name in ("ignore_eos", "prompt_logprobs"):
-        if not _missing(row.get(name)):
-            out[name] = _bool(name, row[name])
-    if not _missing(row.get("stop_token_ids")):
-        out["stop_token_ids"] = _token_ids(row["stop_token_ids"])
-    if not _missing(row.get("response_format")):
-        out["response_format"] = response_format.resolve(row["response_format"])
 
 
 def _key(pos: int, content: str) -> str:

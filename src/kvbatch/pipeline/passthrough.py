@@ -3,11 +3,10 @@
 Users build datasets from the results, so a `category` or `source` column of the input must come
 back next to each row's output instead of having to be joined again. At enqueue the job's input is
 read once more and every column except those kvbatch uses (the prompt/messages column, the id
-column: `row_key` holds it, and the per-row parameters whose effective values are results columns
-of their own: max_tokens, temperature, top_p, top_k, seed, and issue 24's controls, min_p ...
-response_format; and n) is written, with the row keys, to
-`passthrough.parquet` in the output folder; finalize appends those columns to results.parquet by
-row key. Types: a Parquet input's columns keep their Arrow types exactly; JSONL/CSV values get the
+column: `row_key` holds it, and the per-row parameters whose values results show otherwise: in columns
+of their own, or as sample_index; engine/params.py marks the one carried instead) is written, with
+the row keys, to `passthrough.parquet` in the output folder; finalize appends those columns to
+results.parquet by row key. Types: a Parquet input's columns keep their Arrow types exactly; JSONL/CSV values get the
 types pyarrow infers (CSV cells are strings), and a JSONL column whose values mix types is carried
 as JSON text. A column named like one of kvbatch's result columns is carried as `input_<name>`.
 """
@@ -20,15 +19,14 @@ from typing import Optional
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from kvbatch.engine.params import PARAMS
 from kvbatch.pipeline.config import JobConfig
 from kvbatch.pipeline.parts import write_atomic
 from kvbatch.pipeline.results import COLUMNS
 
 FILE = "passthrough.parquet"
-# used by kvbatch (results columns hold their values)
-ROW_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "min_p", "repetition_penalty",
-              "presence_penalty", "frequency_penalty", "min_tokens", "stop_token_ids", "ignore_eos", "logprobs",
-              "prompt_logprobs", "response_format", "n")
+# used by kvbatch (results show their values)
+ROW_PARAMS = tuple(p.name for p in PARAMS if not p.carried)
 
 
 def carried_name(name: str) -> str:

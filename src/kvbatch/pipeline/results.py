@@ -2,25 +2,49 @@
 
 The dataclass is the one definition: its field order is the column order and each
 field's `arrow` metadata its column type, so the worker (which builds records), the
-parts (which verify a file's schema) and finalize cannot drift apart.
+parts (which verify a file's schema) and finalize cannot drift apart. The columns of the
+per-row parameters (the values each row ran with) come from engine/params.py's table, after `kv_mode`.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import Optional
+from typing import Any, Optional
 
 import pyarrow as pa
+
+from kvbatch.engine.params import PARAMS
 
 
 MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 TOP = pa.struct([("token_id", pa.int32()), ("logprob", pa.float32())])
 
 
-def _col(arrow: pa.DataType, default=None):
+def _col(arrow: pa.DataType, default: Any = None) -> Any:
     return field(default=default, metadata={"arrow": arrow})
 
 
+# a row parameter's column type (engine/params.py names them) -> its Arrow type
+ARROW = {"int32": pa.int32(), "int64": pa.int64(), "float64": pa.float64(), "bool": pa.bool_(),
+         "string": pa.string(), "ids": pa.list_(pa.int32())}
+
+
+def _with_params(cls: type) -> type:
+    """The class with a field per row parameter that has a results column (null by default), inserted
+    after `kv_mode`, before the dataclass is made of it."""
+    annotations: dict[str, Any] = {}
+    for name, annotation in cls.__annotations__.items():
+        annotations[name] = annotation
+        if name == "kv_mode":
+            for p in PARAMS:
+                if p.column is not None:
+                    annotations[p.name] = "Optional[Any]"
+                    setattr(cls, p.name, _col(ARROW[p.column]))
+    cls.__annotations__ = annotations
+    return cls
+
+
 @dataclass
+@_with_params
 class ResultRecord:
     row_key: str = _col(pa.string())
     row_index: int = _col(pa.int64())  # the row's position in the input
@@ -41,20 +65,7 @@ class ResultRecord:
     messages: Optional[list] = _col(MESSAGES)
     model: Optional[str] = _col(pa.string())
     kv_mode: Optional[str] = _col(pa.string())
-    max_tokens: Optional[int] = _col(pa.int32())
-    temperature: Optional[float] = _col(pa.float64())
-    top_p: Optional[float] = _col(pa.float64())
-    top_k: Optional[int] = _col(pa.int32())
-    seed: Optional[int] = _col(pa.int64())
-    min_p: Optional[float] = _col(pa.float64())
-    repetition_penalty: Optional[float] = _col(pa.float64())
-    presence_penalty: Optional[float] = _col(pa.float64())
-    frequency_penalty: Optional[float] = _col(pa.float64())
-    min_tokens: Optional[int] = _col(pa.int32())
-    stop_token_ids: Optional[list[int]] = _col(pa.list_(pa.int32()))
-    ignore_eos: Optional[bool] = _col(pa.bool_())
-    logprobs: Optional[int] = _col(pa.int32())  # alternatives asked per token (0: off)
-    response_format: Optional[str] = _col(pa.string())  # the format the output was held to (JSON text)
+    # here: a column per row parameter (_with_params)
     # logprobs (sampling.logprobs > 0): per output token its log-probability and the top alternatives, best
     # first; their sum. prompt_logprobs: per prompt token after the first. Null when not asked.
     output_logprobs: Optional[list[float]] = _col(pa.list_(pa.float32()))

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from typing import Optional
 
+from kvbatch.engine.params import MAX_SAMPLES
 from kvbatch.engine.samples import derive_seed, sample_key
 from kvbatch.pipeline.inputs import InputRow
-from kvbatch.pipeline.ranges import MAX_SAMPLES
 
 SAMPLE_SLOTS = MAX_SAMPLES  # queue positions per input row
 META = "sample_slots"

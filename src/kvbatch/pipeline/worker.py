@@ -46,8 +46,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from kvbatch.engine.errors import INTERNAL_ERROR, INVALID_INPUT
-from kvbatch.engine.types import Request, Result, SamplingParams
-from kvbatch.pipeline import debug, procs, response_format, samples
+from kvbatch.engine.params import SamplingParams
+from kvbatch.engine.types import Request, Result
+from kvbatch.pipeline import debug, procs, response_format, row_params, samples
 from kvbatch.pipeline.chat import transcript
 from kvbatch.pipeline.config import Config
 from kvbatch.pipeline.durations import deadline_at
@@ -129,6 +130,7 @@ class Worker:
         self.deadline = deadline_at(cfg.worker.deadline)
         self.eng = None
         self.inflight: dict[str, Claimed] = {}
+        self.params: dict[str, SamplingParams] = {}  # of the rows in flight: their results columns come from these
         self.buffer: list[ResultRecord] = []
         self.seq = 0
         self.last_flush = time.monotonic()
@@ -140,24 +142,10 @@ class Worker:
 
     # ---- records ---------------------------------------------------------------------------
     def _sampling(self, row: Claimed) -> SamplingParams:
-        c, s, payload = self.cfg, self.cfg.sampling, row.payload
-        fmt = self._format(payload)
-        return SamplingParams(max_tokens=payload.get("max_tokens", c.job.max_tokens),
-                              temperature=payload.get("temperature", s.temperature),
-                              top_p=payload.get("top_p", s.top_p),
-                              top_k=payload.get("top_k", s.top_k),
-                              seed=samples.seed_for(payload, row.key, s.seed),
-                              stop=tuple(payload.get("stop", c.job.stop)),
-                              stop_token_ids=tuple(payload.get("stop_token_ids", c.job.stop_token_ids)),
-                              min_tokens=payload.get("min_tokens", c.job.min_tokens),
-                              ignore_eos=payload.get("ignore_eos", c.job.ignore_eos),
-                              min_p=payload.get("min_p", s.min_p),
-                              repetition_penalty=payload.get("repetition_penalty", s.repetition_penalty),
-                              presence_penalty=payload.get("presence_penalty", s.presence_penalty),
-                              frequency_penalty=payload.get("frequency_penalty", s.frequency_penalty),
-                              logprobs=payload.get("logprobs", s.logprobs),
-                              prompt_logprobs=payload.get("prompt_logprobs", s.prompt_logprobs),
-                              grammar=response_format.grammar(fmt))
+        """The parameters the row runs with (built once per row: the engine's Request keeps them)."""
+        payload = row.payload
+        return row_params.sampling(payload, self.cfg, seed=samples.seed_for(payload, row.key, self.cfg.sampling.seed),
+                                   grammar=response_format.grammar(self._format(payload)))
 
     def _format(self, payload: dict):
         """The row's response format (resolved): its own, else the job's."""
@@ -168,21 +156,18 @@ class Worker:
         return self.job_format
 
     def _record(self, c: Claimed, res: Optional[Result] = None, code: Optional[str] = None,
-                msg: Optional[str] = None) -> ResultRecord:
-        """The row's result: from the engine's Result, or an error that never reached the engine."""
+                msg: Optional[str] = None, params: Optional[SamplingParams] = None) -> ResultRecord:
+        """The row's result: from the engine's Result, or an error that never reached the engine.
+        `params`: those it ran with (else made here, for a row that never reached the engine)."""
         rec = ResultRecord(row_key=c.key, row_index=c.pos // self.slots, sample_index=c.payload.get("sample_index", 0),
                            job=self.cfg.job.name, run_id=self.id,
                            prompt=c.payload.get("prompt"), model=self.rt.model_name, kv_mode=self.cfg.kv.mode,
                            attempt=c.attempt, worker=self.id, error_code=code, error_message=msg)
         if "error" not in c.payload:
-            p = self._sampling(c)
-            rec.max_tokens, rec.temperature, rec.top_p, rec.top_k, rec.seed = (
-                p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed)
-            rec.min_p, rec.repetition_penalty, rec.presence_penalty, rec.frequency_penalty = (
-                p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
-            rec.min_tokens, rec.stop_token_ids, rec.ignore_eos = p.min_tokens, list(p.stop_token_ids), p.ignore_eos
-            rec.logprobs = p.logprobs
-            rec.response_format = response_format.canonical(self._format(c.payload)) if p.grammar else None
+            p = params or self._sampling(c)
+            fmt = response_format.canonical(self._format(c.payload)) if p.grammar else None
+            for name, value in row_params.columns(p, response_format=fmt).items():
+                setattr(rec, name, value)
         if res is not None:
             s = res.stats
             rec.output, rec.output_token_ids, rec.output_tokens = res.text, list(res.tokens), len(res.tokens)
@@ -230,23 +215,23 @@ class Worker:
             elif "error" in c.payload:
                 self._add(self._record(c, code=INVALID_INPUT, msg=c.payload["error"]))
             else:
+                p = self._sampling(c)
                 try:
                     ids = encode(self.rt.tokenizer, c.payload, self.cfg.job)
                 except ValueError as exc:
-                    self._add(self._record(c, code=INVALID_INPUT, msg=str(exc)))
+                    self._add(self._record(c, code=INVALID_INPUT, msg=str(exc), params=p))
                     continue
                 if c.crashes >= w.isolate_after:  # a suspect: what finished before it is written first
                     self.flush(force=True)
                     self.alone = c.key
                 try:
-                    self.eng.add(Request(key=c.key, prompt_tokens=ids, sampling=self._sampling(c),
-                                         group=c.payload.get("group")))
+                    self.eng.add(Request(key=c.key, prompt_tokens=ids, sampling=p, group=c.payload.get("group")))
                 except Exception as exc:  # noqa: BLE001 - the engine refused this one row
                     self.alone = None if self.alone == c.key else self.alone
-                    self._add(self._record(c, code=INTERNAL_ERROR, msg=f"the engine refused this row: "
-                                                                       f"{type(exc).__name__}: {exc}"))
+                    self._add(self._record(c, code=INTERNAL_ERROR, params=p, msg=f"the engine refused this row: "
+                                                                                 f"{type(exc).__name__}: {exc}"))
                     continue
-                self.inflight[c.key] = c
+                self.inflight[c.key], self.params[c.key] = c, p
                 started.append(c.key)
         self.q.mark_running(self.id, started, True)
         return len(claimed)
@@ -264,7 +249,7 @@ class Worker:
             self.flush(force=True)
 
     def _finished(self, res: Result) -> None:
-        c = self.inflight.pop(res.key)
+        c, p = self.inflight.pop(res.key), self.params.pop(res.key, None)
         if self.alone == res.key:
             self.alone = None
         self.stats.tokens += len(res.tokens)
@@ -272,12 +257,12 @@ class Worker:
             self.q.release(self.id, [c.key], "retry")
             self.stats.retried += 1
             return
-        self._add(self._record(c, res))
+        self._add(self._record(c, res, params=p))
 
     def _add(self, record: ResultRecord) -> None:
         self.buffer.append(fit(record))  # always writable: one bad value never fails a part
         if self.progress:
-            budget = record.max_tokens or 0  # set for every row that was meant to run
+            budget = getattr(record, "max_tokens", None) or 0  # set for every row that was meant to run
             self.progress.row_done(budget - (record.output_tokens or 0))
 
     def _tick(self) -> None:
@@ -311,8 +296,9 @@ class Worker:
                 self.q.release(self.id, [c.key], "retry")
                 self.stats.retried += 1
             else:
-                self._add(self._record(c, code=INTERNAL_ERROR, msg=msg))
+                self._add(self._record(c, code=INTERNAL_ERROR, msg=msg, params=self.params.get(c.key)))
         self.inflight.clear()
+        self.params.clear()
         self.alone = None
         self.eng = None
 
@@ -322,6 +308,7 @@ class Worker:
             self.q.release(self.id, list(self.inflight), outcome, count_attempt=False)
             self.stats.released += len(self.inflight)
             self.inflight.clear()
+            self.params.clear()
         self.alone = None
 
     def _drive(self) -> None:
@@ -329,16 +316,19 @@ class Worker:
         often). At the deadline, cancel it: the rows it hands back stay in `inflight` for
         _give_back, rows that had finished still come out of step(). Otherwise, when rows
         finished or every HEARTBEAT_S, top the batch up and flush (the queue is not asked every step)."""
+        eng = self.eng
+        if eng is None:
+            return
         cancelled = False
         last = time.monotonic()
-        while self._engine(self.eng.has_unfinished):
-            done = self._engine(self.eng.step)
+        while self._engine(eng.has_unfinished):
+            done = self._engine(eng.step)
             self._tick()
             self._finished_all(done)
             if cancelled:
                 continue
             if self._past_deadline():
-                self._engine(self.eng.cancel)
+                self._engine(eng.cancel)
                 cancelled = True
                 continue
             if done or time.monotonic() - last >= HEARTBEAT_S:

@@ -3,8 +3,8 @@ batch output JSONL out (output.openai_batch=true), so a pipeline built on the Op
 `run-batch` moves to kvbatch without changes.
 
 A request line (`custom_id`, `method`, `url`, `body`) becomes a row: custom_id the row key, the body's
-messages, max_tokens (or max_completion_tokens), temperature, top_p, seed, stop, presence_penalty,
-frequency_penalty, response_format, logprobs/top_logprobs, n as kvbatch's own per-row columns. A body
+messages, the body keys that kvbatch's per-row parameters share (engine/params.py marks them: `openai`),
+max_completion_tokens as max_tokens, logprobs/top_logprobs as kvbatch's own per-row columns. A body
 key kvbatch cannot honour (tools, logit_bias, ...) makes that request invalid_input naming the key:
 never accepted and ignored. `model` is not honoured either way: the job's model runs every request.
 A request's n samples are results rows of one row_index (sample_index 0..n-1): one output line, its
@@ -21,10 +21,13 @@ from typing import Any, Callable, Optional
 
 import pyarrow as pa
 
+from kvbatch.engine.params import PARAMS
+
 FILE = "batch_output.jsonl"
 URLS = ("/v1/chat/completions", "/chat/completions")
 # body keys with the same name and meaning as kvbatch's per-row columns
-SAME = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty", "response_format")
+SAME = tuple(p.name for p in PARAMS if p.openai)
+RENAMED = {"max_completion_tokens": "max_tokens"}  # body keys kvbatch names otherwise
 # body keys with no effect on the output (model: the job's model runs every request)
 INERT = ("model", "user", "metadata", "store", "service_tier")
 
@@ -54,28 +57,26 @@ def _row(obj: dict, id_column: str, messages_column: str) -> dict:
     if body.get("messages") is None:
         raise ValueError("body.messages is missing")
     for name, value in body.items():
-        if name in ("messages", *INERT) or value is None:
+        if name in ("messages", *INERT) or value is None or (name == "stream" and value is False):
             continue
-        if name in SAME:
-            row[name] = value
-        elif name in ("max_tokens", "max_completion_tokens"):
-            row["max_tokens"] = value
-        elif name == "n":  # n samples: one results row each, the choices of one output line
-            row["n"] = value
-        elif name == "logprobs":
-            if not isinstance(value, bool):
-                raise ValueError(f"body.logprobs must be true or false, got {value!r}")
-        elif name == "top_logprobs":
-            if not body.get("logprobs"):
-                raise ValueError("body.top_logprobs needs body.logprobs=true")
-        elif name == "stream" and value is False:
-            continue
-        else:
+        if RENAMED.get(name, name) in SAME:  # n: one results row per sample, the choices of one output line
+            row[RENAMED.get(name, name)] = value
+        elif name not in ("logprobs", "top_logprobs"):
             raise ValueError(f"body.{name} is not supported by kvbatch (it would be ignored)")
-    if body.get("logprobs") is True:  # kvbatch's logprobs: the alternatives kept per token, on from 1
+    _logprobs_of(body, row)
+    return row
+
+
+def _logprobs_of(body: dict, row: dict) -> None:
+    """body.logprobs (true/false) and body.top_logprobs as kvbatch's logprobs: the alternatives kept per
+    token, on from 1."""
+    if body.get("logprobs") is not None and not isinstance(body["logprobs"], bool):
+        raise ValueError(f"body.logprobs must be true or false, got {body['logprobs']!r}")
+    if body.get("top_logprobs") is not None and not body.get("logprobs"):
+        raise ValueError("body.top_logprobs needs body.logprobs=true")
+    if body.get("logprobs") is True:
         top = body.get("top_logprobs")
         row["logprobs"] = 1 if top in (None, 0) else top  # a bad top_logprobs is refused as logprobs is
-    return row
 
 
 def to_row(obj: dict, id_column: str, messages_column: str) -> dict:

@@ -1,0 +1,199 @@
+"""The per-row parameters, each defined once: SamplingParams' fields and the table `PARAMS` made from them.
+
+A field a row may set carries a `RowParam` in its metadata: how a row's value is read (its kind), its
+range check, the config section that holds the job's value, its results column. The engine's range
+check (`SamplingParams.problem`) and the pipeline's config check, input reader, results schema, API
+keywords and OpenAI Batch mapping all loop over `PARAMS` (pipeline/row_params.py), so a new per-row
+parameter is a field here plus the code that applies it.
+
+Why one range, refused where a value is read: a value accepted must fit the results schema (int32
+and int64 columns) and the sampler, which scales log-probabilities by 1/temperature: a temperature
+near zero overflows float32 and samples garbage without an error. The engine refuses what the config
+and the input reader refuse, with the same bounds.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Callable, Optional
+
+INT32_MAX = 2**31 - 1
+SEED_MAX = 2**63 - 1  # the results' seed column is int64 (MLX keys take up to 2**64 - 1)
+MIN_TEMPERATURE = 1e-3  # below this (and above 0) 1/T overflows on fp16 logits; use 0 for greedy
+MAX_TEMPERATURE = 1e3
+MAX_SAMPLES = 4096  # n: samples of one row (queue positions per input row, pipeline/samples.py)
+MAX_LOGPROBS = 20  # most alternatives a row records per token (vLLM's default max_logprobs)
+
+Check = Callable[[Any], Optional[str]]
+
+
+def max_tokens_error(v: int) -> str | None:
+    if v < 1:
+        return "must be >= 1"
+    if v > INT32_MAX:
+        return f"must be <= {INT32_MAX} (2**31 - 1)"
+    return None
+
+
+def seed_error(v: int) -> str | None:
+    if v < 0:
+        return "must be >= 0"
+    if v > SEED_MAX:
+        return f"must be <= {SEED_MAX} (2**63 - 1)"
+    return None
+
+
+def n_error(v: int) -> str | None:
+    if v < 1:
+        return "must be >= 1"
+    if v > MAX_SAMPLES:
+        return f"must be between 1 and {MAX_SAMPLES}"
+    return None
+
+
+def top_k_error(v: int) -> str | None:
+    if v < 0:
+        return "must be >= 0 (0 = off)"
+    if v > INT32_MAX:
+        return f"must be <= {INT32_MAX} (2**31 - 1)"
+    return None
+
+
+def top_p_error(v: float) -> str | None:
+    if not math.isfinite(v) or not 0 < v <= 1:
+        return "must be in (0, 1]"
+    return None
+
+
+def stop_error(v: Any) -> str | None:
+    if not all(isinstance(x, str) and x for x in v):
+        return "must be non-empty strings"
+    return None
+
+
+def temperature_error(v: float) -> str | None:
+    if not math.isfinite(v) or v < 0:
+        return "must be a finite number >= 0"
+    if 0 < v < MIN_TEMPERATURE or v > MAX_TEMPERATURE:
+        return f"must be 0 (greedy) or between {MIN_TEMPERATURE:g} and {MAX_TEMPERATURE:g}"
+    return None
+
+
+def min_p_error(v: float) -> str | None:
+    if not math.isfinite(v) or not 0 <= v <= 1:
+        return "must be in [0, 1] (0 = off)"
+    return None
+
+
+def repetition_penalty_error(v: float) -> str | None:
+    if not math.isfinite(v) or v <= 0:
+        return "must be a finite number > 0 (1 = off)"
+    return None
+
+
+def penalty_error(v: float) -> str | None:
+    if not math.isfinite(v) or not -2 <= v <= 2:
+        return "must be in [-2, 2] (0 = off)"
+    return None
+
+
+def min_tokens_error(v: int) -> str | None:
+    if v < 0:
+        return "must be >= 0"
+    if v > INT32_MAX:
+        return f"must be <= {INT32_MAX} (2**31 - 1)"
+    return None
+
+
+def logprobs_error(v: int) -> str | None:
+    if not 0 <= v <= MAX_LOGPROBS:
+        return f"must be in [0, {MAX_LOGPROBS}] (0 = off)"
+    return None
+
+
+def stop_token_ids_error(v: Any) -> str | None:
+    if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= INT32_MAX for x in v):
+        return "must be token ids (integers >= 0)"
+    return None
+
+
+@dataclass(frozen=True)
+class RowParam:
+    """How the pipeline treats one per-row parameter (an entry of PARAMS)."""
+
+    kind: str  # how a row's value is read: int | float | bool | ids | strings | format
+    section: str  # the config section holding the job's value: "job" | "sampling"
+    check: Optional[Check] = None  # why a value is out of range (None: it is in range)
+    column: Optional[str] = None  # its results column's type: int32 | int64 | float64 | bool | ids | string
+    openai: bool = False  # an OpenAI Batch request body key of the same name and meaning
+    carried: bool = False  # no column of its own: the input's column comes back in results unchanged
+    name: str = ""  # filled from the field
+    default: Any = None  # filled from the field: the value when neither the row nor the job sets one
+    engine: bool = True  # a SamplingParams field (else the pipeline turns it into what the engine takes)
+
+
+def _row(default: Any, kind: str, section: str, check: Optional[Check] = None, column: Optional[str] = None,
+         openai: bool = False, carried: bool = False) -> Any:
+    """A SamplingParams field that a row may set (the field's default is the parameter's)."""
+    return field(default=default, metadata={"row": RowParam(kind, section, check, column, openai, carried)})
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-row sampling, named as vLLM's SamplingParams. temperature 0 means greedy; every other
+    default is "off". engine/sampling.py says in which order the controls apply. The field order is
+    the order of the results columns."""
+
+    max_tokens: int = _row(256, "int", "job", max_tokens_error, "int32", openai=True)
+    temperature: float = _row(0.0, "float", "sampling", temperature_error, "float64", openai=True)
+    top_p: float = _row(1.0, "float", "sampling", top_p_error, "float64", openai=True)
+    top_k: int = _row(0, "int", "sampling", top_k_error, "int32")
+    seed: int = _row(0, "int", "sampling", seed_error, "int64", openai=True)
+    # no results column: the input's stop column comes back as it was
+    stop: tuple[str, ...] = _row((), "strings", "job", stop_error, openai=True, carried=True)
+    # drop tokens below min_p x the top token's probability
+    min_p: float = _row(0.0, "float", "sampling", min_p_error, "float64")
+    # tokens of the prompt and output: logit / p (positive) or x p (negative)
+    repetition_penalty: float = _row(1.0, "float", "sampling", repetition_penalty_error, "float64")
+    # subtracted once from the logit of every token already output
+    presence_penalty: float = _row(0.0, "float", "sampling", penalty_error, "float64", openai=True)
+    # subtracted once per time a token was output
+    frequency_penalty: float = _row(0.0, "float", "sampling", penalty_error, "float64", openai=True)
+    # EOS and stop_token_ids are masked (and stop strings not checked) before this many
+    min_tokens: int = _row(0, "int", "job", min_tokens_error, "int32")
+    # a row ends when it samples one (the token is not output)
+    stop_token_ids: tuple[int, ...] = _row((), "ids", "job", stop_token_ids_error, "ids")
+    ignore_eos: bool = _row(False, "bool", "job", column="bool")  # EOS is an ordinary token (output like any other)
+    # record each output token's log-probability and the top `logprobs` alternatives
+    logprobs: int = _row(0, "int", "sampling", logprobs_error, "int32")
+    # record the log-probability of every prompt token after the first (its results column holds them)
+    prompt_logprobs: bool = _row(False, "bool", "sampling")
+    grammar: Optional[str] = None  # llguidance grammar the output must match (made from a row's response_format)
+
+    def problem(self) -> Optional[str]:
+        """Why these parameters cannot run (None: they can): the ranges of PARAMS, the one range check."""
+        for p in PARAMS:
+            if p.engine and p.check is not None:
+                v = getattr(self, p.name)
+                why = p.check(v)
+                if why:
+                    return f"{p.name} {why}, got {v!r}"
+        if self.min_tokens > self.max_tokens:
+            return f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+        return None
+
+
+def _params() -> tuple[RowParam, ...]:
+    engine = tuple(replace(f.metadata["row"], name=f.name, default=f.default)
+                   for f in fields(SamplingParams) if "row" in f.metadata)
+    pipeline = (
+        # samples of the row: queue rows of their own (engine/samples.py), results' sample_index
+        RowParam("int", "sampling", n_error, openai=True, name="n", default=1, engine=False),
+        # the output's required shape: the pipeline makes SamplingParams.grammar from it
+        RowParam("format", "job", column="string", openai=True, name="response_format", default=None, engine=False),
+    )
+    return engine + pipeline
+
+
+# Every per-row parameter, in results column order.
+PARAMS: tuple[RowParam, ...] = _params()
