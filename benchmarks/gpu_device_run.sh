@@ -54,7 +54,8 @@ fi
 [ -d kvbatch ] && ls .gpu/kvbatch/*.whl >/dev/null 2>&1 && mv kvbatch .kvbatch-src
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
 # bytecode as an installed environment has it: the machine's site-packages hold none (and writing it there
-# is off), so every process would compile transformers, torch, sympy... again (~9 s a process, RESULTS.md);
+# is off), so every process would compile transformers, torch, sympy... again (~9 s a process,
+# benchmarks/notebook/README.md);
 # written once under a prefix of our own, every later process reads it
 unset PYTHONDONTWRITEBYTECODE; export PYTHONPYCACHEPREFIX=$HOME/kvbatch-pycache
 # NO_TORCH=1: transformers leaves torch alone, as in a Python without it (the usual MLX install): a

@@ -36,7 +36,7 @@ VALIDATED: dict[tuple[str, int], frozenset[str]] = {
     ("qwen3", 128): _ROTATED,
 }
 # Backends where the portable quantized route (mx.quantized_matmul) has been validated. On MLX
-# CUDA (H200, mlx 0.32.4) it is not (RESULTS.md, issue 9); there quantized modes are validated only
+# CUDA (H200, mlx 0.32.4) it is not (benchmarks/notebook/README.md, issue 9); there quantized modes are validated only
 # where the fused kernel of routes/cuda_kernels.py runs decode (see `_cuda_quant_ok`).
 QUANT_VALIDATED_BACKENDS = frozenset({"cpu", "metal"})
 
