@@ -42,6 +42,7 @@ def apply(logits: mx.array, rows: list[tuple[int, SamplingParams, Optional[np.nd
     for i, p, prompt_ids, out in rows:
         ids, counts = np.unique(np.asarray(out, dtype=np.int64), return_counts=True)
         if p.repetition_penalty != 1:
+            assert prompt_ids is not None  # kept whenever repetition_penalty != 1 (sampling.Sampler)
             seen = np.union1d(prompt_ids, ids) if len(ids) else prompt_ids
             seen = seen[seen < V]
             rep.append((i, seen, np.ones(len(seen), dtype=np.float32)))

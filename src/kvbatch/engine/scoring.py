@@ -93,6 +93,7 @@ class TeacherForced:
             if self.keep:
                 got["logp"] = lq
             if self.reference is not None:
+                assert self.reference.logp is not None  # the reference row was scored whole, kept
                 lp = self.reference.logp[t0 + a:t0 + b]
                 got["kl"] = (mx.exp(lp) * (lp - lq)).sum(axis=-1)
             self.parts.append((t0 + a, got))
