@@ -93,7 +93,8 @@ def _make_dispatch(original: Callable) -> Callable:
             return attend(queries, scale)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
-    scaled_dot_product_attention._kvbatch_paged = True  # pyright: ignore[reportFunctionMemberAccess]  # marker: install() wraps once
+    # a marker, so install() never wraps a dispatch again (pyright allows no attributes on a function)
+    scaled_dot_product_attention._kvbatch_paged = True  # pyright: ignore[reportFunctionMemberAccess]
     return scaled_dot_product_attention
 
 
