@@ -65,7 +65,6 @@ class QueueUnreachable(KvbatchConfigError):
     """queue.url names a server kvbatch cannot use (down, refused, wrong credentials, newer schema)."""
 
 
-@functools.lru_cache(maxsize=512)
 def _one(cur: psycopg.Cursor) -> Any:
     """The first value of the one row a SELECT of an aggregate or expression returns."""
     row = cur.fetchone()
@@ -73,6 +72,7 @@ def _one(cur: psycopg.Cursor) -> Any:
     return row[0]
 
 
+@functools.lru_cache(maxsize=512)
 def _pg(sql: str) -> str:
     """The queue's SQL is written with `?` placeholders (SQLite's); psycopg takes `%s`."""
     return sql.replace("%", "%%").replace("?", "%s")

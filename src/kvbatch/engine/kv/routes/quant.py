@@ -81,7 +81,7 @@ def quantized_decode_attention(q: mx.array, qk: list[mx.array] | list[list[mx.ar
     scores_t = qf @ _f32(tk).swapaxes(-1, -2)  # (B,Hkv,rep*L,P)
     parts, masks = [scores_t], [mask_t]
     if qk is not None:
-        runs = cast(list[list[mx.array]], qk) if isinstance(qk[0], (list, tuple)) else [cast(list[mx.array], qk)]
+        runs = cast("list[list[mx.array]]", qk) if isinstance(qk[0], (list, tuple)) else [cast("list[mx.array]", qk)]
         scores_q = [mx.quantized_matmul(qf, w, _f32(s), _f32(b), transpose=not k_transposed, group_size=group_size,
                                         bits=kbits, stream=streams[i % len(streams)])
                     for i, (w, s, b) in enumerate(runs)]
