@@ -12,6 +12,10 @@ to those folders.
 __version__ = "0.1.0"
 __all__ = ["generate", "__version__"]
 
+TYPE_CHECKING = False  # typing's constant, without importing typing (type checkers take it as True)
+if TYPE_CHECKING:
+    from kvbatch.pipeline.api import generate
+
 
 def __getattr__(name: str):  # PEP 562
     if name == "generate":

@@ -3,6 +3,8 @@
 `ensure_blas()` runs first, before anything imports mlx: on Linux CPU it loads
 OpenBLAS globally so MLX's matmuls use it (~36x the bundled reference BLAS).
 """
+from typing import TYPE_CHECKING
+
 from kvbatch.engine.blas import blas_in_use, ensure_blas
 
 ensure_blas()
@@ -17,6 +19,14 @@ _LAZY = {"Engine": "kvbatch.engine.engine", "EngineHooks": "kvbatch.engine.hooks
          "samples": "kvbatch.engine.samples", "derive_seed": "kvbatch.engine.samples",
          **{name: "kvbatch.engine.config" for name in ("EngineConfig", "EngineOptions", "EngineSettings", "KVConfig",
                                                        "MemoryConfig", "CudaLaunch")}}
+
+if TYPE_CHECKING:  # the names _LAZY imports on first use, typed for type checkers and editors (re-exported)
+    from kvbatch.engine.config import CudaLaunch as CudaLaunch, EngineConfig as EngineConfig
+    from kvbatch.engine.config import EngineOptions as EngineOptions, EngineSettings as EngineSettings
+    from kvbatch.engine.config import KVConfig as KVConfig, MemoryConfig as MemoryConfig
+    from kvbatch.engine.engine import Engine as Engine
+    from kvbatch.engine.hooks import EngineHooks as EngineHooks
+    from kvbatch.engine.samples import derive_seed as derive_seed, samples as samples
 
 
 def __getattr__(name: str):

@@ -128,6 +128,7 @@ class Grammars:
         """Write each (matcher, index) row's allowed tokens into bitmask[index] (int32, (B, words))."""
         from llguidance.numpy import fill_next_token_bitmask_par
 
+        assert self._executor is not None  # made with the tokenizer (_tok), before any matcher
         fill_next_token_bitmask_par(self._executor, rows, bitmask)
 
 

@@ -96,6 +96,7 @@ class KVLayout:
         if not self.quantized:
             return self.dense_bytes_per_token
         groups = 2 * (self.head_dim // self.group_size) * self.dtype_bytes
+        assert self.key_bits is not None and self.value_bits is not None  # quantized: both set (__post_init__)
         per_head = self.head_dim * (self.key_bits + self.value_bits) // 8 + 2 * groups
         return self.num_kv_layers * self.num_kv_heads * per_head
 

@@ -75,7 +75,7 @@ def install(model: nn.Module) -> None:
     with any other cache (or none) go to the original function unchanged.
     """
     for mod_name in {type(model).__module__, type(getattr(model, "model", model)).__module__}:
-        mod = sys.modules.get(mod_name)
+        mod: Any = sys.modules.get(mod_name)  # an mlx-lm model module
         if mod is None or not hasattr(mod, "scaled_dot_product_attention"):
             continue
         original = mod.scaled_dot_product_attention
@@ -93,7 +93,8 @@ def _make_dispatch(original: Callable) -> Callable:
             return attend(queries, scale)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
-    scaled_dot_product_attention._kvbatch_paged = True
+    # a marker, so install() never wraps a dispatch again (pyright allows no attributes on a function)
+    scaled_dot_product_attention._kvbatch_paged = True  # pyright: ignore[reportFunctionMemberAccess]
     return scaled_dot_product_attention
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -156,7 +156,7 @@ def groups(rows: list[ForcedRow], vocab_size: int, reference_bytes: int) -> list
     return out
 
 
-def compare(reference_engine, engines: dict[str, object], rows: list[ForcedRow],
+def compare(reference_engine, engines: Mapping[str, object], rows: list[ForcedRow],
             reference_bytes: int = 1 << 30) -> dict[str, dict[str, RowQuality]]:
     """Every row's text under each of `engines` against `reference_engine` (kv=none): name -> row key ->
     RowQuality. Rows without text are left out. Each group of rows is scored once on the reference."""

@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, cast
 
 from omegaconf import OmegaConf
 
@@ -300,7 +300,7 @@ def batch_output(job: Job, table) -> None:
 
         tokenizer = load_model(job.cfg.model)[1]
 
-        def decode(tid: int) -> str:
+        def decode(tid: int, /) -> str:
             return tokenizer.decode([tid])
     openai_batch.write_output(job.out_dir / openai_batch.FILE, table, decode)
 
@@ -367,7 +367,8 @@ def _found_in_database(job: Job) -> list[Job]:
                 text, out_dir, inp = other.get_meta("config"), other.get_meta("output_dir"), other.get_meta("input")
             finally:
                 other.close()
-            cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(text or "{}")))
+            node = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(text or "{}"))
+            cfg = cast(Config, OmegaConf.to_object(node))  # a structured Config node: a Config
             cfg.action, cfg.retry, cfg.queue, cfg.worker.host = job.cfg.action, job.cfg.retry, job.cfg.queue, \
                 job.cfg.worker.host
             found.append(Job(cfg, Path(inp) if inp else job.input_path, Path(out_dir or job.out_dir),

@@ -16,7 +16,7 @@ _ESCAPE = re.compile(r"\\(u[0-9a-fA-F]{4}|x[0-9a-fA-F]{2}|.)", re.DOTALL)
 def unescape(text: str) -> str:
     r"""'a\nb' (backslash, n) -> 'a' newline 'b'; '\\n' -> backslash, n; '\u00e9' -> 'é'."""
 
-    def one(m: re.Match) -> str:
+    def one(m: re.Match[str]) -> str:
         e = m.group(1)
         if e[0] in "ux" and len(e) > 1:
             return chr(int(e[1:], 16))

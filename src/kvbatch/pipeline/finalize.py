@@ -69,6 +69,7 @@ def _reconcile(out_dir: Path, q: Queue) -> Finalized:
     done = Finalized(out_dir / RESULTS, bad_parts=bad, chosen=chosen, good=good)
     for pos, key, state, part, _attempts in manifest:
         if state in ("done", "error"):
+            assert part is not None  # a finished row names the part that holds it (Queue.ack, adopt)
             if key in index.get(part, ()):
                 chosen.append((pos, part, index[part][key]))
             elif key in where:
@@ -137,4 +138,5 @@ def _assemble(good: dict[str, pa.Table], chosen: list[tuple[int, str, int]], slo
         pieces.append(t.set_column(t.column_names.index("row_index"), "row_index",
                                    pa.array([p // slots for p, _ in rows], pa.int64())))
     table = pa.concat_tables(pieces).cast(SCHEMA)
-    return table.take(pc.sort_indices(table, sort_keys=[("row_index", "ascending"), ("sample_index", "ascending")]))
+    # pyarrow.compute makes its functions at import (from globals()): no stub names them
+    return table.take(pc.sort_indices(table, sort_keys=[("row_index", "ascending"), ("sample_index", "ascending")]))  # pyright: ignore[reportAttributeAccessIssue]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import typing
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -53,7 +53,7 @@ def message(root: type, full_key: str) -> str:
 def unknown(root: type, node: Any, prefix: str = "") -> Optional[str]:
     """The first key of `node` (a composed DictConfig or a plain dict) the schema `root` lacks, as a
     dotted path; None when every key is known."""
-    data = OmegaConf.to_container(node, resolve=False) if isinstance(node, DictConfig) else node
+    data = cast(dict, OmegaConf.to_container(node, resolve=False)) if isinstance(node, DictConfig) else node
     fields = _nested(root)
     for key, value in data.items():
         if not prefix and key in IGNORED_TOP:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, cast
 
 from omegaconf import OmegaConf
 
@@ -45,7 +45,7 @@ def folder_config(path: Path) -> Optional[Config]:
     """The config a folder was made with (its config.yaml), or None when it does not fit this schema."""
     try:
         node = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path / "config.yaml"))
-        return OmegaConf.to_object(node)
+        return cast(Config, OmegaConf.to_object(node))  # a structured Config node: a Config
     except Exception:  # noqa: BLE001 - an older or edited file: the folder is still listed
         return None
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from typing import Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import psycopg
 from psycopg import errors as pg_errors
@@ -22,13 +22,16 @@ from psycopg import errors as pg_errors
 from kvbatch.engine.errors import KvbatchConfigError
 from kvbatch.pipeline.redact import redact
 
+if TYPE_CHECKING:
+    from typing_extensions import LiteralString
+
 VERSION = 1
 SCHEMA = "kvbatch"
 _LOCK_SPACE = 0x6B766200  # advisory-lock class id: 'kvb\0' (the job's hash is the object id)
 _MIGRATE_LOCK = 0
 
 # version -> the DDL that brings the schema from the version before to it
-MIGRATIONS = {
+MIGRATIONS: dict[int, LiteralString] = {
     1: """
 CREATE TABLE meta(job TEXT NOT NULL, k TEXT NOT NULL, v TEXT, PRIMARY KEY(job, k));
 CREATE TABLE rows(
@@ -62,6 +65,13 @@ class QueueUnreachable(KvbatchConfigError):
     """queue.url names a server kvbatch cannot use (down, refused, wrong credentials, newer schema)."""
 
 
+def _one(cur: psycopg.Cursor) -> Any:
+    """The first value of the one row a SELECT of an aggregate or expression returns."""
+    row = cur.fetchone()
+    assert row is not None  # such a SELECT always returns a row
+    return row[0]
+
+
 @functools.lru_cache(maxsize=512)
 def _pg(sql: str) -> str:
     """The queue's SQL is written with `?` placeholders (SQLite's); psycopg takes `%s`."""
@@ -87,7 +97,7 @@ class PostgresStore:
             raise QueueUnreachable(f"queue.url={redact(url)!r}: cannot connect ({why}); start the server or "
                                    f"fix the URL (postgresql://user@host:port/database)") from None
         t0 = time.time()
-        server = self.db.execute("SELECT extract(epoch from clock_timestamp())").fetchone()[0]
+        server = _one(self.db.execute("SELECT extract(epoch from clock_timestamp())"))
         self.offset = float(server) - (t0 + time.time()) / 2
         self._migrate()
         self.db.execute(f"SET search_path TO {SCHEMA}")
@@ -97,8 +107,7 @@ class PostgresStore:
             self.db.execute("SELECT pg_advisory_xact_lock(%s, %s)", (_LOCK_SPACE, _MIGRATE_LOCK))
             self.db.execute(f"CREATE SCHEMA IF NOT EXISTS {SCHEMA}")
             self.db.execute(f"CREATE TABLE IF NOT EXISTS {SCHEMA}.version(version INTEGER NOT NULL)")
-            row = self.db.execute(f"SELECT max(version) FROM {SCHEMA}.version").fetchone()
-            have = row[0] or 0
+            have = _one(self.db.execute(f"SELECT max(version) FROM {SCHEMA}.version")) or 0
             if have > VERSION:
                 raise QueueUnreachable(f"queue.url={redact(self.url)!r}: its kvbatch schema is version {have}, "
                                        f"written by a newer kvbatch (this one knows {VERSION}); upgrade kvbatch")
@@ -108,14 +117,15 @@ class PostgresStore:
                 self.db.execute(f"INSERT INTO {SCHEMA}.version(version) VALUES (%s)", (v,))
 
     def version(self) -> int:
-        return int(self.db.execute("SELECT max(version) FROM version").fetchone()[0])
+        return int(_one(self.db.execute("SELECT max(version) FROM version")))
 
+    # psycopg types a query as LiteralString (against injection): this is the queue's own SQL, with SCHEMA
     def execute(self, sql: str, args=()):
-        return self.db.execute(_pg(sql), args)
+        return self.db.execute(_pg(sql), args)  # pyright: ignore[reportArgumentType]
 
     def executemany(self, sql: str, rows) -> None:
         with self.db.cursor() as cur:
-            cur.executemany(_pg(sql), list(rows))
+            cur.executemany(_pg(sql), list(rows))  # pyright: ignore[reportArgumentType]
 
     @contextlib.contextmanager
     def tx(self) -> Iterator[None]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, cast
 
 import mlx.core as mx
 
@@ -27,7 +27,7 @@ from kvbatch.engine.kv.pages import CacheRow, PagePool
 from kvbatch.engine.kv.prefix import cache_full_pages, computed_pages
 from kvbatch.engine.kv.rotation import KeyRotation
 from kvbatch.engine.memory import KVLayout, available_memory
-from kvbatch.engine.kv.store import head_rows
+from kvbatch.engine.kv.store import QuantizedStore, head_rows
 from kvbatch.engine.kv.routes.base import flat_tokens
 from kvbatch.engine.kv.routes.select import select_route
 from kvbatch.engine.sizes import fmt_bytes
@@ -151,7 +151,7 @@ class PagedKVCache:
             if own:
                 self.store.clear_pages(own)
             if row.tail is not None:
-                self.store.clear_tail(row.tail)
+                self._quantized_store().clear_tail(row.tail)
         elif tokens is not None:
             self.cache_pages(row, tokens, min(row.length, len(tokens)))
         self.pool.free(row.pages)
@@ -191,7 +191,7 @@ class PagedKVCache:
         self.epoch += 1
         self.pool.share(src.pages[:full])
         if self.first:
-            self.store.copy_first(src.tail, dst.tail)
+            self._quantized_store().copy_first(src.tail_slot, dst.tail_slot)
         dst.pages, dst.length, dst.reserved = src.pages[:full], full * P, full * P
         dst.hashes = list(src.hashes)
         dst.peak_pages = max(dst.peak_pages, full)
@@ -202,10 +202,11 @@ class PagedKVCache:
             except Exception:
                 self.release(dst)
                 raise
-            if self.store.quantized:
-                self.store.copy_tail(src.tail, dst.tail)
+            store = self.store
+            if isinstance(store, QuantizedStore):
+                store.copy_tail(src.tail_slot, dst.tail_slot)
             else:
-                self.store.copy_pages([src.pages[full]], [dst.pages[full]])
+                store.copy_pages([src.pages[full]], [dst.pages[full]])
         dst.length = src.length
 
     def _grow(self, needed_pages: int, kv_limit_bytes: int, want_pages: int = 0) -> None:
@@ -235,6 +236,11 @@ class PagedKVCache:
         raise RowError(INSUFFICIENT_MEMORY,
                        f"KV pool growth to {needed_pages} pages ({fmt_bytes(needed_pages * pb)}) refused: "
                        f"KV budget {fmt_bytes(kv_limit_bytes)}, machine free {fmt_bytes(free_now)}")
+
+    def _quantized_store(self) -> QuantizedStore:
+        """The store where only a quantized one can be (tail pages, kv.full_precision_tokens copies)."""
+        assert isinstance(self.store, QuantizedStore)
+        return self.store
 
     # ---- one forward pass ------------------------------------------------------------------
     def begin(self, rows: list[CacheRow], L: int, poison: Optional[list[bool]] = None,
@@ -274,14 +280,16 @@ class PagedKVCache:
         for b, (r, p0, n) in enumerate(zip(rows, pos, lens)):
             for i in range(min(n, max(N - p0, 0))):
                 tok.append(b * L + i)
-                slots.append(r.tail * N + p0 + i)
+                slots.append(r.tail_slot * N + p0 + i)
         if not tok:
             return None
         return (mx.array(tok, dtype=mx.int32),
                 mx.array(head_rows(slots, N, self.layout.num_kv_heads), dtype=mx.int32))
 
     def end(self) -> None:
-        for r, n in zip(self.plan.rows, self.plan.lens):
+        plan = self.plan
+        assert plan is not None, "end() without begin()"
+        for r, n in zip(plan.rows, plan.lens):
             r.length += n
         self.plan = None
         self.attention.end()
@@ -299,11 +307,12 @@ class PagedKVCache:
             keys = self.rotation(keys)
         if plan.first is not None:
             k, v = flat_tokens(keys, values)
-            self.store.write_first(layer, plan.first[1], k[plan.first[0]], v[plan.first[0]])
+            self._quantized_store().write_first(layer, plan.first[1], k[plan.first[0]], v[plan.first[0]])
         self.attention.write(layer, plan.meta, keys, values)
 
     def attend(self, layer: int, queries: mx.array, scale: float) -> mx.array:
         plan = self.plan
+        assert plan is not None, "attention outside a forward pass"
         if self.rotation is not None:
             queries = self.rotation(queries)
         out = self.attention.attend(layer, plan.meta, queries, scale)
@@ -315,7 +324,8 @@ class PagedKVCache:
 
     def _trace(self, layer: int, out: mx.array) -> None:
         plan = self.plan
-        bad = (~mx.isfinite(out)).sum(axis=(1, 2, 3)).tolist()
+        assert plan is not None
+        bad = cast(list, (~mx.isfinite(out)).sum(axis=(1, 2, 3)).tolist())  # (B,): a list
         for r, n_bad in zip(plan.rows, bad):
             if self.trace == "nonfinite" and (not n_bad or r.key in self._reported):
                 continue

@@ -30,6 +30,12 @@ class CacheRow:
     peak_pages: int = 0
     hashes: list[PageHash] = field(default_factory=list)  # of its token sequence's full pages, as far as known
 
+    @property
+    def tail_slot(self) -> int:
+        """Its tail slot: every admitted row of a quantized cache has one (PagedKVCache.admit)."""
+        assert self.tail is not None, f"row {self.key} has no tail slot"
+        return self.tail
+
 
 class PagePool:
     def __init__(self) -> None:

@@ -175,7 +175,7 @@ class QuantizedStore:
         self._heads = mx.arange(kv_heads)[None, :, None]
         mx.eval(self.tk, self.tv, self.fk, self.fv)
 
-    def _quantize(self, x: mx.array, keys: bool) -> list[mx.array]:
+    def _quantize(self, x: mx.array, keys: bool) -> tuple[mx.array, mx.array, mx.array]:
         return mx.quantize(x, group_size=self.group_size, bits=self.key_bits if keys else self.value_bits)
 
     @property
@@ -304,6 +304,7 @@ class QuantizedStore:
             v = mx.concatenate([self.tv[layer][tail, :, :fill].swapaxes(0, 1), v.astype(self.dtype)])
         n_done = (k.shape[0] // P) * P
         if n_done:
+            assert page_slots is not None  # the run completes pages: the caller gave their slots
             self.store_pages(layer, page_slots, k[:n_done], v[:n_done])
         rest = k.shape[0] - n_done
         if rest:

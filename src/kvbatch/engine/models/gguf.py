@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -64,7 +64,8 @@ def _f32(x: float) -> float:
 def read_gguf(path: Path) -> tuple[dict[str, mx.array], dict]:
     """Load tensors and metadata; fail with one line on an unreadable/unsupported file."""
     try:
-        tensors, md = mx.load(str(path), return_metadata=True)
+        # mlx's stub gives load() one return type for every format and flag: a GGUF with metadata is this pair
+        tensors, md = cast(tuple[dict[str, mx.array], dict[str, Any]], mx.load(str(path), return_metadata=True))
     except Exception as exc:  # mlx raises ValueError/RuntimeError on bad files
         raise KvbatchConfigError(f"cannot read GGUF file {path}: {exc}") from exc
     arch = md.get("general.architecture")

@@ -45,7 +45,7 @@ def _locked(target: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def materialize(target: Path, build: Callable[[Path], None], info: Optional[dict] = None) -> Path:
+def materialize(target: Path, build: Callable[[Path], object], info: Optional[dict] = None) -> Path:
     """Return `target`, running `build(tmp_dir)` first unless a complete copy exists."""
     if is_complete(target):
         return target

@@ -8,7 +8,7 @@ window) and recurrent/array caches are flagged in `unsupported_reason`.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Optional
+from typing import Optional, Protocol, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -25,6 +25,12 @@ RECURRENT_FAMILIES = frozenset({
 _DTYPE_NAMES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
 
 
+class _LMModel(Protocol):
+    """What is read of an mlx-lm model beyond nn.Module (whose attributes mlx types as "Any | None")."""
+
+    layers: list
+
+
 def _text_config(config: dict) -> dict:
     return {**config, **config.get("text_config", {})}
 
@@ -39,9 +45,10 @@ def _model_dtype(params: list[tuple[str, mx.array]]) -> str:
 
 
 def _layer_caches(model: nn.Module) -> list:
-    if hasattr(model, "make_cache"):
-        return list(model.make_cache())
-    return [mlc.KVCache() for _ in model.layers]
+    make_cache = getattr(model, "make_cache", None)
+    if make_cache is not None:
+        return list(make_cache())
+    return [mlc.KVCache() for _ in cast(_LMModel, model).layers]
 
 
 def _unsupported(family: str, config: dict, caches: list) -> Optional[str]:
@@ -61,7 +68,7 @@ def model_spec(name: str, model: nn.Module, config: dict) -> ModelSpec:
     """Build the ModelSpec of a model loaded by mlx-lm with its config.json dict."""
     cfg = _text_config(config)
     family = str(cfg.get("model_type", config.get("model_type", "unknown")))
-    params = tree_flatten(model.parameters())
+    params = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))  # (no destination: a list)
     heads = int(cfg.get("num_attention_heads", 0))
     hidden = int(cfg.get("hidden_size", 0))
     head_dim = cfg.get("head_dim") or (hidden // heads if heads else 0)
@@ -71,7 +78,7 @@ def model_spec(name: str, model: nn.Module, config: dict) -> ModelSpec:
     return ModelSpec(
         name=name,
         family=family,
-        num_layers=len(model.layers),
+        num_layers=len(cast(_LMModel, model).layers),
         num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=int(head_dim),

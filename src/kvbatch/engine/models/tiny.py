@@ -12,6 +12,7 @@ import hashlib
 import importlib
 import json
 from pathlib import Path
+from typing import cast
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -83,7 +84,8 @@ def random_weights(config: dict, seed: int) -> dict[str, mx.array]:
     # mlx-lm's model modules (mlx_lm.models.<model_type>: Model, ModelArgs) are its public way to build a
     # model from a config.json; FAMILIES holds only types that have a module of their own
     arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
-    shapes = {k: v.shape for k, v in tree_flatten(arch.Model(arch.ModelArgs.from_dict(config)).parameters())}
+    params = cast(list[tuple[str, mx.array]], tree_flatten(arch.Model(arch.ModelArgs.from_dict(config)).parameters()))
+    shapes = {k: v.shape for k, v in params}
     names = sorted(shapes)
     keys = mx.random.split(mx.random.key(seed), len(names))
     dtype = getattr(mx, config["torch_dtype"])

@@ -151,6 +151,7 @@ def check_sweep(args: list[str]) -> None:
             continue  # Hydra checks its own settings (launcher, sweep dir) itself
         if o.is_sweep_override():
             if o.is_discrete_sweep():
+                assert values is not None  # parse_sweep lists a discrete sweep's values
                 swept.append([f"{key}={v}" for v in values])
         else:
             fixed.append(o.input_line)

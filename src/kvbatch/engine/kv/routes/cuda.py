@@ -125,7 +125,7 @@ class CudaQuantRoute(QuantRoute):
         if L > 1:
             return super().plan(rows, L, pos, epoch, lens)
         P = self.geom.page_size
-        tails = [r.tail for r in rows]
+        tails = [r.tail_slot for r in rows]
         n_before = [a // P for a in pos]  # pages sealed before this step
         fill = [a % P for a in pos]  # tokens in the tail before this one
 
@@ -137,7 +137,8 @@ class CudaQuantRoute(QuantRoute):
                                    _TAIL_STEP, build)
         if self.launch.kernel_writes and P - 1 not in fill:
             return CudaQuantDecode(*arrays)
-        return CudaQuantDecode(*arrays, tail_writes(P, self.geom.kv_heads, self.store.k_axis, rows, pos, tails, fill))
+        return CudaQuantDecode(*arrays, writes=tail_writes(P, self.geom.kv_heads, self.store.k_axis, rows, pos, tails,
+                                                           fill))
 
     def write(self, layer, meta, keys, values):
         if not isinstance(meta, CudaQuantDecode):

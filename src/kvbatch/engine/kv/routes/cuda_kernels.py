@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, cast
 
 import mlx.core as mx
 
@@ -43,10 +43,12 @@ WARPS = {"dense": 8, "quant": 4}
 _DENSE_INPUTS = ["q", "k", "v", "table", "lengths", "meta", "scale"]
 _QUANT_INPUTS = ["q", "kw", "ks", "kb", "vw", "vs", "vb", "tk", "tv", "tails", "table", "lens", "meta", "scale"]
 
-_kernels: dict = {}
+# mx.fast.cuda_kernel's object: called with inputs= and the launch's keywords, returns the outputs
+_Kernel = Callable[..., list[mx.array]]
+_kernels: dict[tuple, _Kernel] = {}
 
 
-def _kernel(kind: str, split: bool, new_kv: bool = False):
+def _kernel(kind: str, split: bool, new_kv: bool = False) -> _Kernel:
     """One compiled kernel per variant. The name carries a hash of the source: MLX caches
     compiled kernels on disk by name (/tmp/mlx/<version>/ptx), so a changed source must not
     reuse an old binary."""
@@ -60,8 +62,9 @@ def _kernel(kind: str, split: bool, new_kv: bool = False):
             inputs = (_QUANT_INPUTS if q else _DENSE_INPUTS) + (["kn", "vn"] if new_kv else [])
             outputs = ["pm", "pl", "pacc"] if split else ["out"]
         tag = hashlib.sha1(src.encode()).hexdigest()[:12]
-        _kernels[key] = mx.fast.cuda_kernel(name=f"kvbatch_{kind}{'_split' if split else ''}_{tag}",
-                                            input_names=inputs, output_names=outputs, source=src)
+        kernel = mx.fast.cuda_kernel(name=f"kvbatch_{kind}{'_split' if split else ''}_{tag}",
+                                     input_names=inputs, output_names=outputs, source=src)
+        _kernels[key] = cast(_Kernel, kernel)  # mlx's stub says `object`: it is the callable kernel
     return _kernels[key]
 
 
@@ -144,10 +147,10 @@ class _Launch(NamedTuple):
     """Everything a launch needs besides its arrays, worked out once per step shape (`_launch_for`)
     instead of once per layer: the host builds and launches each step while the GPU waits at small
     batches (benchmarks/notebook/README.md, issue 9)."""
-    kernel: object
+    kernel: _Kernel
     call: dict  # template, grid, threadgroup, output_shapes, output_dtypes
     consts: list  # [meta, scale]
-    reduce: object  # the merge kernel (split rows), or None
+    reduce: Optional[_Kernel]  # the merge kernel (split rows), or None
     reduce_call: dict
 
 

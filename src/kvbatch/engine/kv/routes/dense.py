@@ -138,7 +138,7 @@ class DenseRoute(Route):
         self.composed = False  # multi-token passes through composed_attention (the CUDA route)
         self.name = ROUTE_DENSE_F32 if upcast else ROUTE_DENSE
 
-    def plan(self, rows: list[CacheRow], L: int, pos: list[int], epoch: int, lens: list[int]) -> DenseStep:
+    def plan(self, rows: list[CacheRow], L: int, pos: list[int], epoch: int, lens: list[int]) -> object:
         return self.decode_plan(rows, pos) if L == 1 else self.prefill_plan(rows, L, pos, lens)
 
     def prefill_plan(self, rows: list[CacheRow], L: int, pos: list[int], lens: list[int]) -> DenseStep:
@@ -194,4 +194,5 @@ class DenseRoute(Route):
                                                      g.page_heads, g.query_of, g.mask, scale))
             return mx.concatenate(outs) if len(outs) > 1 else outs[0]
         k, v = st.gather(layer, meta.table)
+        assert meta.mask is not None  # a step not read in place has its mask
         return dense_attention(queries, k, v, meta.mask, scale, self.upcast, self.grouped, self.composed)

@@ -14,7 +14,7 @@ x must lie in [-127, 127]: -127 gives exactly 0 (a zero exponent field).
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, cast
 
 import mlx.core as mx
 
@@ -31,7 +31,7 @@ def _power_of_fraction(f: mx.array) -> mx.array:
     p = _TAYLOR[7]
     for c in reversed(_TAYLOR[:7]):
         p = p * f + c
-    return p
+    return cast(mx.array, p)  # a float times an array, and so on: an array
 
 
 def _exponent_bits(x: mx.array) -> mx.array:
@@ -47,4 +47,8 @@ def _split(fraction: Callable, power: Callable, bits: Callable) -> Callable[[mx.
 
 
 exp2_eager = _split(_fraction, _power_of_fraction, _exponent_bits)
-exp2_fused = _split(*(mx.compile(f, shapeless=True) for f in (_fraction, _power_of_fraction, _exponent_bits)))
+def _compiled(f: Callable[[mx.array], mx.array]) -> Callable[[mx.array], mx.array]:
+    return mx.compile(f, shapeless=True)
+
+
+exp2_fused = _split(*(_compiled(f) for f in (_fraction, _power_of_fraction, _exponent_bits)))

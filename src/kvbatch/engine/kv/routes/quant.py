@@ -18,7 +18,7 @@ values. The scores and probabilities are then exactly those of dense first token
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, cast
 
 import mlx.core as mx
 import numpy as np
@@ -43,7 +43,7 @@ def _split_bits(bits: int | tuple[int, int]) -> tuple[int, int]:
 
 
 def quantized_decode_attention(q: mx.array, qk: list[mx.array] | list[list[mx.array]] | None,
-                               qv: list[mx.array], tk: mx.array, tv: mx.array, mask_q: mx.array,
+                               qv: list[mx.array] | None, tk: mx.array, tv: mx.array, mask_q: mx.array,
                                mask_t: mx.array, scale: float, group_size: int, bits: int | tuple[int, int],
                                streams: list | None = None, k_transposed: bool = False,
                                mask: mx.array | None = None,
@@ -81,7 +81,7 @@ def quantized_decode_attention(q: mx.array, qk: list[mx.array] | list[list[mx.ar
     scores_t = qf @ _f32(tk).swapaxes(-1, -2)  # (B,Hkv,rep*L,P)
     parts, masks = [scores_t], [mask_t]
     if qk is not None:
-        runs = qk if isinstance(qk[0], (list, tuple)) else [qk]
+        runs = cast("list[list[mx.array]]", qk) if isinstance(qk[0], (list, tuple)) else [cast("list[mx.array]", qk)]
         scores_q = [mx.quantized_matmul(qf, w, _f32(s), _f32(b), transpose=not k_transposed, group_size=group_size,
                                         bits=kbits, stream=streams[i % len(streams)])
                     for i, (w, s, b) in enumerate(runs)]
@@ -98,8 +98,10 @@ def quantized_decode_attention(q: mx.array, qk: list[mx.array] | list[list[mx.ar
     P = tk.shape[2]
     out = probs[..., -P:] @ _f32(tv)
     if F:
+        assert first is not None
         out = out + probs[..., :F] @ _f32(first[1])
     if qk is not None:
+        assert qv is not None  # given with qk
         w, s, b = (a.reshape(B * Hkv, *a.shape[2:]) for a in qv)
         s, b = _f32(s), _f32(b)
         pq = probs[..., F:-P].reshape(B * Hkv, rep * L, -1)
@@ -150,7 +152,7 @@ def quantized_paged_decode(q: mx.array, kq: list[mx.array], vq: list[mx.array], 
     kw, ks, kb = (a.reshape(-1, *a.shape[2:]) for a in kq)
     vw, vs, vb = (a.reshape(-1, *a.shape[2:]) for a in vq)
     parts = [(qf.reshape(B, Hkv, G, D) @ _f32(tk).swapaxes(-1, -2))[:, :, None]]  # the tail, (B,Hkv,1,G,P)
-    P, m = tk.shape[2], 0
+    P, m, fv = tk.shape[2], 0, None
     if first is not None:
         m = -(-first[0].shape[2] // P)
         pad = [(0, 0), (0, 0), (0, m * P - first[0].shape[2]), (0, 0)]
@@ -164,6 +166,7 @@ def quantized_paged_decode(q: mx.array, kq: list[mx.array], vq: list[mx.array], 
     probs = masked_softmax(mx.concatenate(parts, axis=2), mask, axis=(2, 4), scale=scale)
     out = probs[:, :, 0] @ _f32(tv)  # (B, Hkv, G, D)
     if m:
+        assert fv is not None
         out = out + probs[:, :, 1:1 + m].transpose(0, 1, 3, 2, 4).reshape(B, Hkv, G, m * P) @ fv
     pv = [mx.gather_qmm(probs[:, :, 1 + m + a:1 + m + z], vw, vs, vb, rhs_indices=page_heads[..., a:z],
                         transpose=False,
@@ -265,7 +268,7 @@ class QuantRoute(Route):
         self.composed = False  # prefill attention through dense.composed_attention (the CUDA route)
         self._segment: dict[int, list[tuple[mx.array, mx.array]]] = {}  # prefill: each row's K/V as written
 
-    def plan(self, rows: list[CacheRow], L: int, pos: list[int], epoch: int, lens: list[int]):
+    def plan(self, rows: list[CacheRow], L: int, pos: list[int], epoch: int, lens: list[int]) -> object:
         """A pass attends to pages sealed before it (quantized) and to everything it wrote or that is
         still in a tail page (full precision), like mlx-lm's quantized cache."""
         P, H, D = self.geom.page_size, self.geom.kv_heads, self.geom.head_dim
@@ -273,7 +276,7 @@ class QuantRoute(Route):
         n_before = p // P  # pages sealed before this pass
         if L > 1:
             return self._prefill_plan(rows, L, p, lens)
-        tails = [r.tail for r in rows]
+        tails = [r.tail_slot for r in rows]
         tails_a = mx.array(tails, dtype=mx.int32)
         table_q = page_table(rows, n_before.tolist()) if n_before.max() > 0 else None
         fill = p % P  # decode: one token per row into its tail; rows that fill their page seal it
@@ -345,8 +348,10 @@ class QuantRoute(Route):
                                      v[run.b * L:run.b * L + run.n]) for run in meta.runs]
             if f is not None:
                 if f.page_tok is not None:
+                    assert f.page_slots is not None  # built with page_tok
                     st.store_pages(layer, f.page_slots, k[f.page_tok], v[f.page_tok])
                 if f.tail_tok is not None:
+                    assert f.tail_rows is not None  # built with tail_tok
                     st.write_tokens(layer, f.tail_rows, k[f.tail_tok], v[f.tail_tok])
                 whole = len(meta.runs) == 0
                 segments.insert(0, (keys if whole else keys[f.idx], values if whole else values[f.idx]))

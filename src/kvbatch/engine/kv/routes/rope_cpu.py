@@ -37,7 +37,9 @@ class _Tables:
                                           and offset == self._offset)
         if self.cs is None or not same:
             n = offset.size if isinstance(offset, mx.array) else 1
-            cs = self.rope(mx.broadcast_to(self.basis, (n, 1, 1, self.basis.size)), offset=offset)
+            # mlx's nn.RoPE annotates offset as int; the mx.fast.rope it calls takes (rows,) arrays too
+            cs = self.rope(mx.broadcast_to(self.basis, (n, 1, 1, self.basis.size)),
+                           offset=offset)  # pyright: ignore[reportArgumentType]
             h = self.rope.dims // 2
             self.cs = (cs[..., 0::2], cs[..., 1::2]) if self.rope.traditional else (cs[..., :h], cs[..., h:])
             self._offset = offset

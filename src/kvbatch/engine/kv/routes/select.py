@@ -60,8 +60,10 @@ def select_route(layout: KVLayout, num_layers: int, dtype: mx.Dtype, tail_slots:
     # CPU decode over float32 pages of IN_PLACE_MIN_PAGE+ tokens reads them where they lie
     cpu_pages = cpu and dtype == mx.float32 and layout.page_size >= IN_PLACE_MIN_PAGE
     if layout.quantized:
+        assert layout.key_bits is not None and layout.value_bits is not None  # quantized: both set
         store = QuantizedStore(num_layers, layout.num_kv_heads, layout.head_dim, layout.page_size, dtype,
-                               bits, layout.group_size, tail_slots, k_axis=k_quant_axis(layout, options),
+                               (layout.key_bits, layout.value_bits), layout.group_size, tail_slots,
+                               k_axis=k_quant_axis(layout, options),
                                full_precision=layout.full_precision_tokens)
         if fused:
             if layout.full_precision_tokens:  # engine/gate.py refuses it first, in one line

@@ -48,7 +48,11 @@ def _steps(fns: tuple[Callable, ...], exp2: Callable) -> Callable:
 
 _EAGER = (_masked, _exponent, _times, _divide)
 softmax_eager = _steps(_EAGER, exp2_eager)
-softmax_fused = _steps(tuple(mx.compile(f, shapeless=True) for f in _EAGER), exp2_fused)
+def _compiled(f: Callable[..., mx.array]) -> Callable[..., mx.array]:
+    return mx.compile(f, shapeless=True)
+
+
+softmax_fused = _steps(tuple(_compiled(f) for f in _EAGER), exp2_fused)
 _impl: Callable | None = None
 
 

@@ -10,6 +10,7 @@ their code uses and the `swiglu` it calls), in float32 on the CPU; anything else
 from __future__ import annotations
 
 from functools import partial
+from typing import Callable, Protocol, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -36,6 +37,14 @@ def swiglu(gate: mx.array, up: mx.array) -> mx.array:
     return _combine(gate, up, p, mx.view(bits, mx.float32))
 
 
+class _PlainMLP(Protocol):
+    """What `_plain_swiglu` recognizes: mlx-lm's SwiGLU MLP, by its three projections."""
+
+    gate_proj: Callable[[mx.array], mx.array]
+    up_proj: Callable[[mx.array], mx.array]
+    down_proj: Callable[[mx.array], mx.array]
+
+
 class SwiGLUMLP(nn.Module):
     """An mlx-lm SwiGLU MLP whose activation runs by `swiglu` above in float32 on the CPU."""
 
@@ -47,7 +56,8 @@ class SwiGLUMLP(nn.Module):
         m = self.inner
         if x.dtype != mx.float32 or mx.default_device().type != mx.DeviceType.cpu:
             return m(x)
-        return m.down_proj(swiglu(m.gate_proj(x), m.up_proj(x)))
+        p = cast(_PlainMLP, m)  # mlx types a Module's attributes (__getattr__) as "Any | None"
+        return p.down_proj(swiglu(p.gate_proj(x), p.up_proj(x)))
 
 
 def _plain_swiglu(module: nn.Module) -> bool:

@@ -98,7 +98,8 @@ def _error_plot(records: list[dict], path: Path) -> None:
     ax.set_title(PLOTS["errors"][1])
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    ax.yaxis.get_major_locator().set_params(integer=True)
+    # the y axis's locator is an AutoLocator (a MaxNLocator: it takes integer=); matplotlib's stub says Locator
+    ax.yaxis.get_major_locator().set_params(integer=True)  # pyright: ignore[reportCallIssue]
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
