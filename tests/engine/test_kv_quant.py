@@ -32,6 +32,7 @@ from kvbatch.engine.kv.routes import cpu_streams, cuda, dense, quant
 from kvbatch.engine.engine import Engine
 from tests.conftest import engine_config
 from kvbatch.engine.errors import KvbatchConfigError
+from kvbatch.engine.hooks import EngineHooks
 from kvbatch.engine.gate import VALIDATED
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.load import load_model
@@ -83,10 +84,10 @@ def _requests(eng, prompts, forced, prefix="r"):
     return [Request(f"{prefix}{i}", p, SamplingParams(max_tokens=len(f))) for i, (p, f) in enumerate(zip(prompts, forced))]
 
 
-def _engine(model, tok, spec, mode, page, group=64, max_batch=8, chunk=None, **kw):
+def _engine(model, tok, spec, mode, page, group=64, max_batch=8, chunk=None, hooks=None, **kw):
     cfg = engine_config(kv_mode=mode, page_size=page, group_size=group, max_batch=max_batch,
                        prefill_chunk=chunk or CHUNK.get(page, 40), memory_budget=BUDGET, **kw)
-    return Engine(model, tok, spec, cfg)
+    return Engine(model, tok, spec, cfg, hooks)
 
 
 class PageSnapshots:
@@ -333,11 +334,21 @@ def test_decode_never_dequantizes(tiny_model, monkeypatch, in_place):
     place (CPU, engine.options.q_in_place) or the fused kernel (MLX CUDA)."""
     model, tok, spec = _model(tiny_model, "llama", 64)
     prompts, _ = _rows(seed=11, prompt_lens=(300, 280, 260, 240, 220, 200, 180, 160))
-    eng = _engine(model, tok, spec, "q4", 16, options=EngineOptions(q_in_place=in_place == "1"))
+    per_step = []  # steps without a prefill pass: (decode rows, the calls of the step, pages in use)
+    calls: tuple[list, list, list, list] = ([], [], [], [])
+
+    class Counted(EngineHooks):
+        def on_step(self, plan, times):
+            if not plan.prefill:  # the first steps decode some rows while the others still prefill
+                per_step.append((len(plan.decode), *[list(c) for c in calls], eng.cache.pool.in_use))
+            for c in calls:
+                c.clear()
+
+    eng = _engine(model, tok, spec, "q4", 16, hooks=Counted(), options=EngineOptions(q_in_place=in_place == "1"))
     fused = isinstance(eng.cache.attention, cuda.CudaQuantRoute)
     assert fused == ON_CUDA
     assert eng.cache.attention.in_place == (ON_CPU and in_place == "1")
-    qmm_calls, sdpa_calls, raw_dequant, kernel_calls = [], [], [], []
+    qmm_calls, sdpa_calls, raw_dequant, kernel_calls = calls
     real_qmm, real_sdpa, real_dq = mx.quantized_matmul, mx.fast.scaled_dot_product_attention, mx.dequantize
     real_gqmm = mx.gather_qmm
     real_kernel = cuda.paged_decode_attention_quantized
@@ -369,25 +380,14 @@ def test_decode_never_dequantizes(tiny_model, monkeypatch, in_place):
     monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", sdpa)
     monkeypatch.setattr(mx, "dequantize", dq)  # every dequantize the engine makes goes through it
     monkeypatch.setattr(cuda, "paged_decode_attention_quantized", kernel)
-    per_step = []
-    decode = eng.stepper.step
-
-    def counted_step():
-        del qmm_calls[:], sdpa_calls[:], raw_dequant[:], kernel_calls[:]
-        in_use, n = eng.cache.pool.in_use, len(eng.scheduler.decoding())
-        decode()
-        if n == 8:  # steps of all 8 rows (the first ones decode while the others still prefill)
-            per_step.append((len(raw_dequant), len(sdpa_calls), list(qmm_calls), list(kernel_calls), in_use))
-
-    eng.stepper.step = counted_step
     eng.generate([Request(f"r{i}", p, SamplingParams(max_tokens=24)) for i, p in enumerate(prompts)])
-    if eng.lookahead:  # (GPU default) the last call only reads the in-flight step: every row ends with it
-        *per_step, last = per_step
-        assert not last[2] and not last[3]
-    assert len(per_step) >= 15
+    if eng.lookahead:  # (GPU default) the last step only reads the one in flight: every row ends with it
+        assert per_step[-1][0] == 0 and not per_step[-1][1] and not per_step[-1][3] and not per_step[-1][4]
+    full = [s[1:] for s in per_step if s[0] == 8]  # steps of all 8 rows
+    assert len(full) >= 15
     L = spec.num_layers
-    for raw, sdpa_n, qmm_sizes, kernels, in_use in per_step:
-        assert raw == 0 and sdpa_n == 0
+    for qmm_sizes, sdpa_n, raw, kernels, in_use in full:
+        assert not raw and not sdpa_n
         assert in_use >= 100  # many quantized pages held: 8 rows x 10+ pages
         if fused:  # one kernel call per layer, on the packed pages of all 8 rows (>= 160 sealed tokens each)
             assert not qmm_sizes and len(kernels) == L

@@ -23,6 +23,7 @@ import kvbatch.engine.memory as memory_mod
 from kvbatch.engine.engine import Engine
 from tests.conftest import engine_config
 from kvbatch.engine.errors import INSUFFICIENT_MEMORY, RowError
+from kvbatch.engine.hooks import EngineHooks
 from kvbatch.engine.kv.cache import PagedKVCache
 from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.batch_limits import resolve_prefill_tokens
@@ -60,9 +61,9 @@ def prompt(n: int, salt: int = 0) -> list[int]:
     return [(37 * salt + 13 * j + 5) % 256 for j in range(n)]
 
 
-def make_engine(m, budget, **cfg) -> Engine:
+def make_engine(m, budget, hooks=None, **cfg) -> Engine:
     model, tok, spec = m
-    return Engine(model, NoEos(tok), spec, engine_config(memory_budget=budget, **cfg))
+    return Engine(model, NoEos(tok), spec, engine_config(memory_budget=budget, **cfg), hooks)
 
 
 def memory_model(spec, mode="none", page_size=16, group_size=64, prefill_chunk=512, max_batch=8) -> MemoryModel:
@@ -138,16 +139,15 @@ def test_budget_for_two_rows_runs_eight_two_at_a_time(tiny_model):
     assert mm.bytes_for([worst] * 3, plen) > budget
     reqs = [Request(f"r{i}", prompt(plen, i), SamplingParams(max_tokens=new)) for i in range(8)]
 
-    eng = make_engine(m, budget, page_size=P, max_batch=8)
+    running = []  # rows in each decode step
+
+    class Watch(EngineHooks):
+        def on_step(self, plan, times):
+            if plan.decode:
+                running.append(len(plan.decode))
+
+    eng = make_engine(m, budget, Watch(), page_size=P, max_batch=8)
     assert eng.plan(worst, plen)["rows_fit"] == 2
-    running = []
-    step = eng.stepper.step
-
-    def watch():
-        running.append(len(eng.scheduler.running))
-        step()
-
-    eng.stepper.step = watch
     res = eng.generate(reqs)
     assert all(r.ok and r.finish_reason == "length" and len(r.tokens) == new for r in res)
     assert eng.summary()["peak_concurrency"] == 2 and max(running) == 2 and min(running) >= 1

@@ -9,6 +9,7 @@ import pytest
 from kvbatch.engine.config import EngineOptions
 from kvbatch.engine.engine import Engine
 from kvbatch.engine.errors import INSUFFICIENT_MEMORY
+from kvbatch.engine.hooks import EngineHooks
 from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.types import Request
 from tests.conftest import engine_config
@@ -22,10 +23,21 @@ LENGTHS = [20, 9, 31, 14, 25, 5]
 TOL = {"none": 1e-4, "q8": 10e-4, "q4": 170e-4}
 
 
+class Plans(EngineHooks):
+    """Keeps every step's plan."""
+
+    def __init__(self):
+        super().__init__()
+        self.plans = []
+
+    def on_step(self, plan, times):
+        self.plans.append(plan)
+
+
 def _engine(m, mode, budget, admission, **kw):
     model, tok, spec = m
     return Engine(model, tok, spec, engine_config(kv_mode=mode, page_size=P, max_batch=6, prefill_chunk=32,
-                                                 memory_budget=budget, admission=admission, **kw))
+                                                 memory_budget=budget, admission=admission, **kw), Plans())
 
 
 def _budget(m, mode) -> int:
@@ -58,6 +70,12 @@ def test_preempted_rows_finish_with_the_same_outputs(tiny_model, mode):
     assert all(r.ok and r.finish_reason == "length" and len(r.tokens) == STEPS for r in got)
     assert s["preemptions"] > 0 and sum(r.stats.preemptions for r in got) == s["preemptions"]
     assert ref_eng.summary()["preemptions"] == 0
+    # the steps' plans name every preemption, and each preempted row is admitted again by a later step
+    plans = eng.hooks.plans
+    assert sum(len(p.preempted) for p in plans) == s["preemptions"]
+    for i, p in enumerate(plans):
+        for row in p.preempted:
+            assert any(row in q.admitted for q in plans[i + 1:])
     assert s["peak_concurrency"] > 2  # more rows ran than their worst cases allow
     # the KV pool never outgrew the budget
     assert s["weights_bytes"] + s["peak_capacity_pages"] * eng.layout.page_bytes <= budget

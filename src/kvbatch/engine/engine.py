@@ -3,15 +3,20 @@
 `add(request)` queues a row; each `step()` admits what fits (and prefills it), runs one
 decode step and returns the rows that finished. A row that ends frees its pages at once and
 the next waiting row is admitted before the next step. The work is split as vLLM v1 splits
-it, at kvbatch's scale: the Scheduler decides which rows run (admission against the memory
-model, refusals), the Runner runs forward passes and sampling (a SyncStepper or a
-LookaheadStepper for decode), the OutputProcessor applies stop rules and builds results.
+it, at kvbatch's scale: a step is schedule -> run -> output. The Scheduler decides which rows
+run and reserves their pages (admission against the memory model, refusals, preemption) in a
+StepPlan (engine/plan.py); the Runner runs its forward passes and sampling (a SyncStepper or a
+LookaheadStepper for decode) and returns their tokens; the OutputProcessor applies stop rules,
+builds results and says which rows ended, which the engine takes out of the batch.
+
+Clients (the pipeline's worker, tests, benchmarks) use the public surface below and
+`EngineHooks` (engine/hooks.py), never the parts.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import asdict
-from typing import Iterator, Optional
+from typing import Iterator, Optional, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -20,7 +25,7 @@ from kvbatch.engine import mlx_lm_bridge
 from kvbatch.engine.backend import on_cpu
 from kvbatch.engine.batch_limits import resolve_max_batch, resolve_prefill_tokens
 from kvbatch.engine.config import EngineConfig
-from kvbatch.engine.errors import KvbatchConfigError, RowError
+from kvbatch.engine.errors import INTERNAL_ERROR, KvbatchConfigError, RowError
 from kvbatch.engine.gate import check_kv_mode
 from kvbatch.engine.grammar import Grammars
 from kvbatch.engine.hooks import EngineHooks
@@ -28,8 +33,9 @@ from kvbatch.engine.kv.cache import PagedKVCache
 from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.memory import MemoryModel, format_plan, layout_for, resolve_budget
 from kvbatch.engine.output import OutputProcessor
+from kvbatch.engine.plan import Chunk, StepPlan
 from kvbatch.engine.row import Row
-from kvbatch.engine.runner import LookaheadStepper, Runner, SyncStepper
+from kvbatch.engine.runner import LookaheadStepper, PrefillPass, Runner, SyncStepper, TokenPass
 from kvbatch.engine.sampling import RowSampler
 from kvbatch.engine.scheduler import Scheduler
 from kvbatch.engine.types import Logprobs, ModelSpec, Request, Result
@@ -77,19 +83,18 @@ class Engine:
         self.cache = PagedKVCache(self.layout, spec.num_layers, dtype, tail_slots=self.max_batch,
                                   upcast=dtype == mx.float16, query_heads=spec.num_heads, options=opts,
                                   prefix_cache=settings.prefix_cache)
-        self.scheduler = Scheduler(spec, self.memory, self.cache, self.max_batch, kv.page_size,
-                                   cfg.max_prompt_tokens, settings.admission, self.prefill_tokens)
-        self.output = OutputProcessor(tokenizer, spec, self.layout, self.cache, self.hooks, self._unschedule)
-        self.grammars = Grammars(tokenizer, spec.vocab_size, self.output.eos_ids)
-        self.runner = Runner(model, self.cache, self.scheduler, self.output, self.hooks, self.memory.budget,
-                             self.grammars)
+        self.output = OutputProcessor(tokenizer, spec, self.layout, self.cache, self.hooks)
+        self.grammars = Grammars(tokenizer, spec.vocab_size, set(self.output.eos_ids))
+        self.runner = Runner(model, self.cache, self.hooks, self.memory.budget, self.grammars)
         # lookahead overlaps the host's graph building with the device: GPU backends only by default
         # (the CPU does both); the attention trace reads every layer, so it never overlaps
         self.lookahead = (opts.lookahead == "on" or (opts.lookahead == "auto" and not on_cpu())) \
             and not self.cache.trace
         self.stepper = LookaheadStepper(self.runner, spec.context_length) if self.lookahead \
             else SyncStepper(self.runner)
-        self.runner.flush = self.stepper.flush
+        # a preemption first lands the decode step in flight: its rows still write the pages it frees
+        self.scheduler = Scheduler(spec, self.memory, self.cache, self.max_batch, kv.page_size,
+                                   cfg.max_prompt_tokens, settings.admission, self.prefill_tokens, self._flush)
 
     # ---- public surface --------------------------------------------------------------------
     def add(self, req: Request, score=None) -> None:
@@ -116,17 +121,13 @@ class Engine:
         """One scheduler iteration: admit what fits, run one prefill pass over the admitted rows'
         prompt chunks, then one decode step of the rows past their prompt; the rows that
         finished, in the order they finished."""
-        s = self.scheduler
-        while (decision := s.next_admission()) is not None:
-            row, problem = decision
-            if problem:
-                self.output.finish(row, "error", *problem)
-        batch = s.prefill_batch()
-        if batch:
-            self.runner.prefill(batch)
-        if self.stepper.inflight or any(not r.prefilling for r in s.running):
-            self.stepper.step()
-            self.hooks.on_decode_step()
+        plan = self.scheduler.schedule()
+        for r in plan.refused + plan.no_room:  # never ran, or taken out of the batch
+            self.output.finish(r.row, "error", r.code, r.message)
+        if plan.prefill:
+            self._prefill(plan.prefill)
+        plan = self._decode(plan)
+        self.hooks.on_step(plan, self.runner.times)
         done = list(self.output.done)
         self.output.done.clear()
         return done
@@ -176,7 +177,23 @@ class Engine:
         batch: up to M rows (why), admission ...")."""
         return format_plan(self.plan(worst_tokens, max_prompt))
 
-    def summary(self) -> dict:
+    def fits(self, worst_tokens: int, prompt_tokens: int) -> bool:
+        """Whether one row of `worst_tokens` (prompt + max_tokens) with a prompt of `prompt_tokens`
+        fits the memory budget alone (else every such row is refused)."""
+        return self.memory.fits([worst_tokens], prompt_tokens)
+
+    def compile_grammar(self, grammar: str) -> None:
+        """Compile a grammar against this model's tokenizer (as a row asking for it would); raises
+        RowError (invalid_input) when it cannot be used."""
+        self.grammars.matcher(grammar)
+
+    @property
+    def generated_tokens(self) -> int:
+        """Tokens generated so far (cheap: a worker reads it every step)."""
+        return self.output.generated_tokens
+
+    def stats(self) -> dict:
+        """The engine's configuration and counters so far (a worker's summary.json)."""
         c, t, sh = self.cache, self.runner.times, self.scheduler.sharing
         return {
             "kv_mode": self.cfg.kv.mode, "route": c.route, "page_size": self.cfg.kv.page_size,
@@ -204,8 +221,68 @@ class Engine:
             "lookahead": self.lookahead, "options": asdict(self.cfg.engine.options),
         }
 
+    summary = stats  # its earlier name (tests and benchmarks)
+
     # ---- internal --------------------------------------------------------------------------
-    def _unschedule(self, row: Row) -> None:
-        if row.active:  # a preempted row never ends while waiting: the step in flight lands first
-            self.scheduler.running.remove(row)
-            row.active = False
+    def _prefill(self, chunks: tuple[Chunk, ...]) -> None:
+        """Run the prefill pass; a row whose pass failed ends in error, a completed prompt gets its first token."""
+        for p in self.runner.prefill(chunks):
+            if p.error is not None:
+                self._end(p.chunks[0].row, "error", INTERNAL_ERROR, p.error)
+            elif p.done:
+                self._first_tokens(p)
+
+    def _first_tokens(self, p: PrefillPass) -> None:
+        """Rows whose prompt the pass completed: a row with finite logits has its full pages cached
+        and its waiting samples forked (they sample their first token from the same logits, each
+        with its own random stream); then every one samples its first token."""
+        assert p.logits is not None and p.finite is not None
+        rows = [p.chunks[i].row for i in p.done]
+        ok, out, pick = cast(list[bool], p.finite.tolist()), list(rows), list(range(len(rows)))
+        for i, row in enumerate(rows):
+            if ok[i]:
+                forks = self.scheduler.prompt_done(row)
+                for f in forks:
+                    self.hooks.on_row_start(f.req.key)
+                out += forks
+                pick += [i] * len(forks)
+        self._accept(self.runner.first_tokens(out, pick, p.logits, p.finite))
+
+    def _decode(self, plan: StepPlan) -> StepPlan:
+        """One decode step of the rows past their prompt (the plan completed with them)."""
+        s, st = self.scheduler, self.stepper
+        if not (st.inflight or any(not r.prefilling for r in s.running)):
+            return plan
+        if s.waiting and st.frees_slot():
+            self._flush()  # a slot frees with the step in flight: read it now, so the waiting row joins the next step
+        else:
+            n = len(plan.no_room)
+            plan = s.schedule_decode(plan, st.candidates(s.decoding()))
+            out = st.step(list(plan.decode))
+            for step in out.landed:
+                self.runner.land(step)
+                self._accept(step)
+            for r in plan.no_room[n:]:  # after the in-flight token it may still have
+                if not r.row.ended:
+                    self.output.finish(r.row, "error", r.code, r.message)
+            if out.failed:
+                for row in plan.decode:
+                    if not row.ended:
+                        self._end(row, "error", INTERNAL_ERROR, out.failed)
+        self.hooks.on_decode_step()
+        return plan
+
+    def _flush(self) -> None:
+        """Land the decode step in flight, if any (the Scheduler calls this before a preemption)."""
+        step = self.stepper.take()
+        if step is not None:
+            self.runner.land(step)
+            self._accept(step)
+
+    def _accept(self, p: TokenPass) -> None:
+        for row in self.output.accept(p.rows, p.logits, p.sampled, p.finite):
+            self.scheduler.unschedule(row)
+
+    def _end(self, row: Row, reason: str, code: str, message: str) -> None:
+        self.scheduler.unschedule(row)
+        self.output.finish(row, reason, code, message)

@@ -2,15 +2,19 @@
 
 One object carries every hook, so nothing monkeypatches the engine and no production type
 grows test-only fields: fault injection (NaN in one row's attention at one step), teacher
-forcing (feed given tokens instead of sampling), logit capture, and the points where a
-crash injector may act (pipeline/debug.py subclasses this).
+forcing (feed given tokens instead of sampling), logit capture, the points where a
+crash injector may act (pipeline/debug.py subclasses this), and each step's plan (for tests
+and profilers).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import mlx.core as mx
+
+if TYPE_CHECKING:
+    from kvbatch.engine.plan import StepPlan, StepTimes
 
 
 @dataclass
@@ -37,3 +41,7 @@ class EngineHooks:
 
     def on_decode_step(self) -> None:
         """A decode step's tokens were accepted."""
+
+    def on_step(self, plan: StepPlan, times: StepTimes) -> None:
+        """A step ran: its plan (admissions, refusals, preemptions, prefill chunks, decode rows)
+        and the engine's times so far (cumulative: a profiler takes differences). Read only."""

@@ -1,14 +1,15 @@
 """What a step's tokens do to their rows: stop rules, detokenizing, a row's result and stats.
 
-`accept` applies one step's sampled tokens (or the hooks' forced tokens) to its rows;
-`finish` ends a row: its pages go back to the pool (zeroed first after an error, whose K/V
-may be NaN), its text is decoded and cut at a stop string, and its Result is queued.
+`accept` applies one step's sampled tokens (or the hooks' forced tokens) to its rows and returns
+the rows that ended (the engine takes them out of the batch); `finish` ends a row: its pages go
+back to the pool (zeroed first after an error, whose K/V may be NaN), its text is decoded and
+cut at a stop string, and its Result is queued.
 """
 from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Callable, Optional
+from typing import Optional, cast
 
 import mlx.core as mx
 
@@ -22,27 +23,28 @@ from kvbatch.engine.types import ModelSpec, Result, RowStats
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, spec: ModelSpec, layout: KVLayout, cache: PagedKVCache, hooks: EngineHooks,
-                 unschedule: Callable[[Row], None]):
+    def __init__(self, tokenizer, spec: ModelSpec, layout: KVLayout, cache: PagedKVCache, hooks: EngineHooks):
         self.tokenizer, self.spec, self.layout, self.cache, self.hooks = tokenizer, spec, layout, cache, hooks
-        self.unschedule = unschedule  # takes a running row out of the batch
-        self.eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
+        self.eos_ids = frozenset(getattr(tokenizer, "eos_token_ids", None) or [])
         self.done: deque[Result] = deque()
         self.generated_tokens = 0
         self.results_by_code: dict[str, int] = {}
 
-    def accept(self, rows: list[Row], logits: mx.array, sampled: Sampled, finite: mx.array) -> None:
+    def accept(self, rows: list[Row], logits: mx.array, sampled: Sampled, finite: mx.array) -> list[Row]:
+        """Apply a pass's tokens to its rows (row i: token i, logits i); the rows that ended."""
+        ended: list[Row] = []
+        end = self._ender(ended)
         now = time.perf_counter()
-        toks, ok = sampled.tokens.tolist(), finite.tolist()
+        toks, ok = cast(list[int], sampled.tokens.tolist()), cast(list[bool], finite.tolist())
         lps = self._logprobs(sampled)
         capture = self.hooks.capture_logits
         for i, r in enumerate(rows):
             if r.ended:  # lookahead: the row stopped on its previous token; this step's output is dropped
                 continue
             if not ok[i]:
-                nan = int(mx.isnan(logits[i]).sum().item())
-                inf = int(mx.isinf(logits[i]).sum().item())
-                self.end(r, "error", errors.NON_FINITE_LOGITS,
+                nan = cast(int, mx.isnan(logits[i]).sum().item())
+                inf = cast(int, mx.isinf(logits[i]).sum().item())
+                end(r, "error", errors.NON_FINITE_LOGITS,
                          f"non-finite logits at output step {len(r.out)}: {nan} NaN, {inf} inf")
                 continue
             if capture and r.req.key in capture:
@@ -54,14 +56,14 @@ class OutputProcessor:
             r.t_last = now
             p = r.req.sampling
             if forced is None and tok in p.stop_token_ids:
-                self.end(r, "stop", stop_reason=str(tok))
+                end(r, "stop", stop_reason=str(tok))
                 continue
             if forced is None and tok in self.eos_ids and not p.ignore_eos:
-                self.end(r, "stop")
+                end(r, "stop")
                 continue
             r.out.append(tok)
             self.generated_tokens += 1
-            if i in lps:
+            if i in lps and r.logprobs is not None:
                 lp, top = lps[i]
                 r.logprobs.tokens.append(lp)
                 r.logprobs.top.append(top[:p.logprobs])
@@ -69,22 +71,33 @@ class OutputProcessor:
             if matcher is not None:
                 refused = grammar.advance(matcher, tok)
                 if refused:
-                    self.end(r, "error", errors.INVALID_INPUT, f"the response_format cannot go on: {refused}")
+                    end(r, "error", errors.INVALID_INPUT, f"the response_format cannot go on: {refused}")
                     continue
             hit = self._hit_stop_string(r) if p.stop and len(r.out) > p.min_tokens else None
             if hit is not None:
-                self.end(r, "stop", stop_reason=hit)
+                end(r, "stop", stop_reason=hit)
             elif matcher is not None and matcher.is_stopped():
-                self.end(r, "stop")  # the grammar is complete: only EOS could follow
+                end(r, "stop")  # the grammar is complete: only EOS could follow
             elif r.ends_after(len(r.out), self.spec.context_length):
-                self.end(r, "length")
+                end(r, "length")
+        return ended
+
+    def _ender(self, ended: list[Row]):
+        """finish(), noting each row it ends in `ended`."""
+        def end(row: Row, reason: str, code: Optional[str] = None, msg: Optional[str] = None,
+                stop_reason: Optional[str] = None) -> None:
+            ended.append(row)
+            self.finish(row, reason, code, msg, stop_reason)
+        return end
 
     @staticmethod
     def _logprobs(sampled: Sampled) -> dict[int, tuple[float, list[tuple[int, float]]]]:
         """{row index in the step: (chosen token's logprob, [(id, logprob)] best first)}."""
-        if not sampled.lp_rows:
+        if not sampled.lp_rows or sampled.lp is None or sampled.top_ids is None or sampled.top_lps is None:
             return {}
-        lp, ids, vals = sampled.lp.tolist(), sampled.top_ids.tolist(), sampled.top_lps.tolist()
+        lp = cast(list[float], sampled.lp.tolist())
+        ids = cast(list[list[int]], sampled.top_ids.tolist())
+        vals = cast(list[list[float]], sampled.top_lps.tolist())
         return {i: (lp[j], list(zip(ids[j], vals[j]))) for j, i in enumerate(sampled.lp_rows)}
 
     def _hit_stop_string(self, r: Row) -> Optional[str]:
@@ -94,14 +107,10 @@ class OutputProcessor:
         found = [s for s in r.req.sampling.stop if s in tail]
         return min(found, key=tail.index) if found else None
 
-    def end(self, row: Row, reason: str, code: Optional[str] = None, msg: Optional[str] = None,
-            stop_reason: Optional[str] = None) -> None:
-        """End a running row (or one never admitted)."""
-        self.unschedule(row)
-        self.finish(row, reason, code, msg, stop_reason)
-
     def finish(self, row: Row, reason: str, code: Optional[str] = None, msg: Optional[str] = None,
                stop_reason: Optional[str] = None) -> None:
+        """End a row: its result queued in `done`, its pages released (the caller takes a running
+        row out of the batch)."""
         row.ended = True
         peak_kv = row.kv.peak_pages * self.layout.page_bytes
         if row.kv.tail is not None or (self.layout.quantized and row.kv.peak_pages):

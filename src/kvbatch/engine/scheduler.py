@@ -12,17 +12,23 @@ Every growth is priced before anything is allocated, under both policies. A page
 hold is priced once, and cached pages nobody holds are never priced: they live in the pool's
 free pages and are evicted before anything is refused or preempted (engine/sharing.py: which
 rows take cached pages, wait for a page another row is computing, or are forked as samples).
+
+`schedule()` makes a step's plan (engine/plan.py): admissions and refusals, the prefill pass's
+chunks with their pages reserved, and the preemptions that made room; `schedule_decode()`
+completes it with the decode rows once the prefill pass has landed.
 """
 from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import replace
 from typing import Callable, Optional
 
 from kvbatch.engine import errors
 from kvbatch.engine.errors import RowError
 from kvbatch.engine.kv.cache import PagedKVCache
 from kvbatch.engine.memory import MemoryModel
+from kvbatch.engine.plan import Chunk, Refusal, StepPlan
 from kvbatch.engine.row import Row
 from kvbatch.engine.sharing import Sharing
 from kvbatch.engine.types import ModelSpec
@@ -34,8 +40,10 @@ MARGIN_PAGES = 2
 class Scheduler:
     def __init__(self, spec: ModelSpec, memory: MemoryModel, cache: PagedKVCache, max_batch: int,
                  page_size: int, max_prompt_tokens: Optional[int], admission: str = "reserve",
-                 prefill_tokens: int = 0):
-        self.spec, self.memory, self.cache = spec, memory, cache
+                 prefill_tokens: int = 0, flush: Callable[[], None] = lambda: None):
+        """flush: lands the decode step in flight, its rows that end leaving the batch (called
+        before the first preemption of a reservation: that step's rows still write their pages)."""
+        self.spec, self.memory, self.cache, self.flush = spec, memory, cache, flush
         self.max_batch, self.page_size, self.max_prompt_tokens = max_batch, page_size, max_prompt_tokens
         self.optimistic = admission == "optimistic"
         self.prefill_tokens = prefill_tokens
@@ -44,6 +52,7 @@ class Scheduler:
         self.running: list[Row] = []  # in admission order
         self.peak_concurrency = 0
         self.preemptions = 0
+        self._preempted: list[Row] = []  # since the last plan
         self.sharing = Sharing(self, cache)
 
     def add(self, row: Row) -> None:
@@ -51,6 +60,58 @@ class Scheduler:
 
     def decoding(self) -> list[Row]:
         return [r for r in self.running if not r.prefilling]
+
+    def unschedule(self, row: Row) -> None:
+        """The row leaves the running batch (it ended; its pages go with its result)."""
+        if row.active:  # a preempted row never ends while waiting: the step in flight lands first
+            self.running.remove(row)
+            row.active = False
+
+    # ---- the step's plan -------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        """Admit what fits, choose the prefill pass and reserve its chunks' pages: the step's plan
+        up to its decode rows (schedule_decode)."""
+        admitted, refused = [], []
+        while (decision := self.next_admission()) is not None:
+            row, problem = decision
+            if problem:
+                refused.append(Refusal(row, *problem))
+            else:
+                admitted.append(row)
+        ready, no_room = [], []
+        for row, n in self.prefill_batch():
+            if not row.active:  # preempted to make room for a row before it in this pass
+                continue
+            if self._room(row, n, None, no_room):
+                ready.append(Chunk(row, n))
+        return StepPlan(tuple(admitted), tuple(refused), tuple(no_room), self._take_preempted(),
+                        tuple(c for c in ready if c.row.active))
+
+    def schedule_decode(self, plan: StepPlan, rows: list[Row]) -> StepPlan:
+        """The plan completed with its decode rows: room for one more token in each of `rows`
+        (in admission order) that is still running."""
+        ok, no_room, limits = [], [], self.limits()
+        for r in rows:
+            if not r.active:  # preempted for an earlier row, or ended by a flush
+                continue
+            if self._room(r, 1, limits, no_room):
+                ok.append(r)
+        return replace(plan, no_room=plan.no_room + tuple(no_room),
+                       preempted=plan.preempted + self._take_preempted(),
+                       decode=tuple(r for r in ok if r.active))
+
+    def _room(self, row: Row, n: int, limits: Optional[list[int]], no_room: list[Refusal]) -> bool:
+        """make_room; a row that cannot fit alone leaves the batch and joins `no_room`."""
+        try:
+            return self.make_room(row, n, limits)
+        except RowError as e:
+            self.unschedule(row)
+            no_room.append(Refusal(row, e.code, e.message))
+            return False
+
+    def _take_preempted(self) -> tuple[Row, ...]:
+        out, self._preempted = tuple(self._preempted), []
+        return out
 
     # ---- admission -------------------------------------------------------------------------
     def priced(self, r: Row) -> int:
@@ -188,8 +249,7 @@ class Scheduler:
         """[kv_limit, pool_want] for make_room (they scan every running row: once per step)."""
         return [self.kv_limit(), self.pool_want()]
 
-    def make_room(self, row: Row, n_tokens: int, flush: Callable[[], None],
-                  limits: Optional[list[int]] = None) -> bool:
+    def make_room(self, row: Row, n_tokens: int, limits: Optional[list[int]] = None) -> bool:
         """Room for the row's next n_tokens (priced first). Under `optimistic`, when it cannot fit,
         the rows admitted after it are preempted, most recent first (flush() is called once
         before the first preemption: a decode step in flight must land first); when none is left,
@@ -205,7 +265,7 @@ class Scheduler:
                 if not self.optimistic or (self.running and self.running == [row]):
                     raise
             if not flushed:
-                flush()  # rows that end with the step in flight free their pages
+                self.flush()  # rows that end with the step in flight free their pages
                 flushed = True
                 if not row.active:
                     return False
@@ -228,18 +288,9 @@ class Scheduler:
         self.waiting.appendleft(row)
         row.preemptions += 1
         self.preemptions += 1
+        self._preempted.append(row)
 
-    def reserve_decode(self, rows: list[Row], refused: Callable[[Row, RowError], None],
-                       flush: Callable[[], None]) -> list[Row]:
-        """Room for one more token in each of `rows` (in admission order); the rows reserved and
-        still running. A row that cannot fit alone goes to `refused` at once."""
-        ok, limits = [], self.limits()
-        for r in rows:
-            if not r.active:  # preempted for an earlier row, or ended by a flush
-                continue
-            try:
-                if self.make_room(r, 1, flush, limits):
-                    ok.append(r)
-            except RowError as e:
-                refused(r, e)
-        return [r for r in ok if r.active]
+    def prompt_done(self, row: Row) -> list[Row]:
+        """The row's prompt is stored and gave finite logits: its full pages are cached, and the
+        waiting samples of its group that fit are forked from it (returned: running, prefilled)."""
+        return self.sharing.prompt_done(row)

@@ -122,7 +122,8 @@ class Sharing:
                     x.active = False
                 break
             s.waiting.remove(r)
-            if _scores_prompt(r):  # the same prompt: the same prompt log-probabilities
+            if r.logprobs is not None and r.logprobs.prompt is not None and row.logprobs is not None \
+                    and row.logprobs.prompt is not None:  # the same prompt: the same prompt log-probabilities
                 r.logprobs.prompt = list(row.logprobs.prompt)
             self._count(r, r.prompt_len)
             self.forks += 1

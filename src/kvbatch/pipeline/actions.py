@@ -191,12 +191,12 @@ def load_runtime(cfg: Config) -> Runtime:
     # the start-up plan (issue 6): prompt length is per row; price rows at max_tokens plus
     # max_prompt_tokens when set (the real admission prices each row's own prompt)
     say(first[0].plan_line(cfg.job.max_tokens + (cfg.job.max_prompt_tokens or 0)))
-    mem = first[0].memory  # a one-token prompt and one generated token: the smallest row there is
-    if not mem.fits([2], 1):  # every row would be refused: say so once, now
-        raise ConfigError(f"memory.budget={cfg.memory.budget!r}: the budget ({fmt_bytes(mem.budget)}) "
+    if not first[0].fits(2, 1):  # a one-token prompt and one generated token: every row would be refused
+        smallest = first[0].plan(2, 1)
+        raise ConfigError(f"memory.budget={cfg.memory.budget!r}: the budget ({fmt_bytes(smallest['budget_bytes'])}) "
                           f"leaves no room for even one row next to the weights "
-                          f"({fmt_bytes(first[0].spec.weights_bytes)}); the smallest row needs "
-                          f"{fmt_bytes(mem.bytes_for([2], 1))}: raise memory.budget (or memory.fraction)")
+                          f"({fmt_bytes(smallest['weights_bytes'])}); the smallest row needs "
+                          f"{fmt_bytes(smallest['predicted_peak_bytes'])}: raise memory.budget (or memory.fraction)")
 
     check_controls(cfg, first[0])
 
@@ -220,7 +220,7 @@ def check_controls(cfg: Config, eng) -> None:
     grammar = response_format.grammar(response_format.resolve(cfg.job.response_format))
     if grammar is not None:
         try:
-            eng.grammars.matcher(grammar)
+            eng.compile_grammar(grammar)
         except RowError as exc:
             raise ConfigError(f"job.response_format: {exc.message}") from None
 

@@ -200,7 +200,7 @@ class Worker:
         w = self.cfg.worker
         if self.eng is None:
             self.eng = self.rt.make_engine()
-            self.seen_tokens = self.eng.output.generated_tokens
+            self.seen_tokens = self.eng.generated_tokens
         want = self.eng.max_batch + w.prefetch - len(self.inflight)  # the resolved batch (auto: a number)
         claimed = self.q.claim(self.id, want, w.lease_s, idle=not self.inflight,
                                isolate_after=w.isolate_after, max_crashes=w.max_crashes)
@@ -268,7 +268,7 @@ class Worker:
     def _tick(self) -> None:
         """Progress on the engine's heartbeat: the tokens generated since the last step."""
         if self.progress and self.eng is not None:
-            n = self.eng.output.generated_tokens
+            n = self.eng.generated_tokens
             self.progress.tokens(n - self.seen_tokens)
             self.seen_tokens = n
 
@@ -391,7 +391,7 @@ class Worker:
             keeper.stop()
             self.stats.wall_s = time.perf_counter() - t0
             if self.eng is not None:
-                self.stats.engine_summary = self._best_effort(self.eng.summary) or {}
+                self.stats.engine_summary = self._best_effort(self.eng.stats) or {}
             # every exit path: what this worker still holds goes back, attempts not counted
             self.stats.released += len(self.inflight)
             self._best_effort(lambda: self.q.release_worker(self.id, stop if stop != "finished" else "released"))
