@@ -8,7 +8,7 @@ import pytest
 
 from kvbatch.engine.engine import Engine
 from kvbatch.engine.types import Request, SamplingParams
-from tests.conftest import engine_config
+from kvbatch.engine.testing import engine_config
 from tests.engine.test_engine_paged import prompts_of
 
 # kv none: float tolerance. q8/q4: a key computed in a differently shaped pass (a GEMM of other

@@ -8,7 +8,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from kvbatch.engine import logprobs
 from kvbatch.engine.engine import Engine
 from kvbatch.engine.types import Request, SamplingParams
-from tests.conftest import engine_config
+from kvbatch.engine.testing import engine_config
 from tests.engine.kv_reference import teacher_forced_logits
 
 K = 5

@@ -10,7 +10,7 @@ from kvbatch.engine.config import EngineOptions
 from kvbatch.engine.engine import Engine
 from kvbatch.engine.errors import INSUFFICIENT_MEMORY
 from kvbatch.engine.types import Request, SamplingParams
-from tests.conftest import engine_config
+from kvbatch.engine.testing import engine_config
 from tests.engine.test_engine_paged import prompts_of
 
 P, ROWS, STEPS = 16, 6, 300

@@ -20,7 +20,7 @@ from kvbatch.engine.hooks import EngineHooks
 from kvbatch.engine.kv.pages import CacheRow, PagePool
 from kvbatch.engine.samples import derive_seed, samples
 from kvbatch.engine.types import Request, SamplingParams
-from tests.conftest import engine_config
+from kvbatch.engine.testing import engine_config
 
 STEPS = 4
 

@@ -17,7 +17,7 @@ from kvbatch.engine import penalties, sampling
 from kvbatch.engine.engine import Engine
 from kvbatch.engine.hooks import EngineHooks
 from kvbatch.engine.types import Request, SamplingParams
-from tests.conftest import engine_config
+from kvbatch.engine.testing import engine_config
 
 V = 300
 

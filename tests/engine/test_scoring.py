@@ -12,7 +12,7 @@ from kvbatch.engine.engine import Engine
 from kvbatch.engine.hooks import EngineHooks
 from kvbatch.engine.scoring import ForcedRow, compare, groups, score, summarize
 from kvbatch.engine.types import Request, SamplingParams
-from tests.conftest import engine_config
+from kvbatch.engine.testing import engine_config
 
 PAGE = 16
 
