@@ -381,7 +381,7 @@ def kv_pool(eng: Engine) -> dict:
     """The KV pool now: capacity (pages, bytes), pages in use, growth events, dense tail bytes."""
     c = eng.cache
     return {"capacity_pages": c.capacity_pages, "capacity_bytes": c.capacity_bytes, "in_use": c.pool.in_use,
-            "growths": len(c.growth_events), "tail_bytes": c.store.tail_nbytes}
+            "growths": len(c.growth_events), "tail_bytes": getattr(c.store, "tail_nbytes", 0)}
 
 
 def grow_pool(eng: Engine, pages: int, budget: int) -> None:
@@ -514,3 +514,67 @@ def time_step_phases(eng: Engine, profiler=None) -> Iterator[dict]:
 def python_cmd() -> list[str]:
     """This interpreter (subprocesses of a benchmark run the same Python)."""
     return [sys.executable]
+
+
+# --- engines side by side (was benchmarks/interleave.py) --------------------------------------------------
+# Runs of one mode after another are moved by the machine's drift: on the shared H200 one mode's whole runs
+# differed by up to 1.5x minutes apart (RESULTS.md, issue 9), more than the few percent a KV mode can gain at
+# long context. Here every engine prefills its rows, then the engines take turns: a block of K decode steps
+# each, the order reversed every round, each block timed from its first step to the device finishing its
+# last (mx.synchronize, so a step left in flight by the engine's lookahead is not charged to the next
+# engine). A round's ratio between two modes shares the machine's conditions; read the median over rounds.
+
+class Stepper:
+    """One engine's run, advanced a given number of decode steps at a time."""
+
+    def __init__(self, eng: Engine, reqs: list[Request]):
+        self.eng, self.steps, self.results, self.done = eng, 0, [], False
+        for r in reqs:
+            eng.add(r)
+
+    def advance(self, n: int) -> int:
+        """Run until n more decode steps have run (or the run ends); returns how many ran."""
+        start = self.steps
+        while not self.done and self.steps < start + n:
+            if not self.eng.has_unfinished():
+                self.done = True
+                break
+            decoding = bool(running_rows(self.eng) or waiting_rows(self.eng))
+            self.results += self.eng.step()
+            self.steps += decoding
+        return self.steps - start
+
+
+def interleave(make: dict[str, Callable[[], Stepper]], block: int, warm: int = 1) -> dict[str, dict]:
+    """make: mode -> a Stepper factory (engine built, requests submitted). Each is created and advanced
+    `warm` steps (prefill and first decode steps, untimed: every kernel the run uses compiled), in order;
+    then rounds of `block` steps each, the order reversed every other round, until every run ends.
+    -> per mode: step_s (each round's seconds a step; None for a block cut short) and the Stepper."""
+    steppers = {}
+    for mode, f in make.items():
+        steppers[mode] = s = f()
+        s.advance(max(warm, 1))
+        mx.synchronize()
+    step_s: dict[str, list] = {m: [] for m in steppers}
+    modes, rnd = list(steppers), 0
+    while any(not s.done for s in steppers.values()):
+        for mode in (modes if rnd % 2 == 0 else modes[::-1]):
+            s = steppers[mode]
+            rows = running_rows(s.eng)
+            t = time.perf_counter()
+            n = s.advance(block)
+            mx.synchronize()
+            dt = time.perf_counter() - t
+            step_s[mode].append(dt / n if n == block and rows else None)
+        rnd += 1
+    return {m: {"step_s": step_s[m], "stepper": steppers[m]} for m in steppers}
+
+
+def paired_ratios(a: list, b: list) -> list[float]:
+    """Round-by-round speed of a over b (b's step time / a's), rounds where both ran a full block."""
+    return [y / x for x, y in zip(a, b) if x and y]
+
+
+def median_or_none(xs: list) -> float | None:
+    xs = [x for x in xs if x]
+    return statistics.median(xs) if xs else None

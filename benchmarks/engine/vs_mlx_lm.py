@@ -1,201 +1,232 @@
-"""kvbatch Engine vs mlx-lm's BatchGenerator: same model, prompts and machine, one run (issue 3).
+"""kvbatch's Engine against mlx-lm's BatchGenerator: same model, prompts and machine, one process (issues 3, 9).
 
-For each model (SmolLM2-135M float32, and a 4M-parameter random llama) and batch
-size (1, 8, 32), both generate exactly `new` tokens for the same random 128-token
-prompts (EOS ignored on both sides, greedy). Reported:
+Merged from engine_vs_mlx_lm.py (CPU: SmolLM2 and a 4M random llama), gpu.py (random bf16 1B/8B geometries,
+KV modes, roofline, 8k context) and cpu_decode_ab.py (an engine option off and on against mlx-lm).
 
-- decode tok/s: generated tokens / (wall time of the whole run - prefill time),
-  so per-step Python overhead counts on both sides; each library's own counter
-  is kept too (`own_decode_tps`).
-- peak memory: mx.get_peak_memory() of the run (reset before), and its ratio.
-- KV bytes held vs needed: needed = tokens actually stored (prompt + new - 1 per
-  row) x bytes per token. kvbatch: pages held by rows at peak (and the pool's
-  allocated capacity); mlx-lm: BatchKVCache allocated bytes at their peak.
-  Target: held <= needed + one page per row per layer.
+Per model (--models: harness MODELS names or random-<1b|8b|tiny>) and batch, both sides generate exactly
+--new tokens for the same random --prompt-token prompts (EOS off, greedy). The sides are mlx-lm and one
+kvbatch engine per --modes entry: a KV mode (none, q8, q4, k8v4, q4+rot...) with engine options after '@'
+('none@in_place=false', 'q8@cuda.warps=8+cuda.unroll=2'): an A/B of an engine option is two modes. Each side
+warms up first (kernels compiled for these shapes), then --rounds rounds, the order reversed every other
+round; per side the median decode tok/s (its own counter: `decode_tps`; by wall time less prefill:
+`decode_tps_wall`), every round's number, and against mlx-lm the ratio of medians and round-by-round ratios.
+Also: peak memory, KV bytes held at peak against the tokens stored (target: held <= needed + one page per
+row), whether the rows' tokens equal mlx-lm's, and (--roofline) the fraction of the memory-bandwidth roofline
+(weights + KV read per step / measured copy bandwidth).
 
-    flock /tmp/kvbatch-bench.lock .venv/bin/python benchmarks/engine_vs_mlx_lm.py --out /tmp/evm.json
+Long context (--long N --long-batches B): the same at N-token prompts (--long-new tokens); kvbatch runs
+before mlx-lm there (mlx-lm ran out of GPU memory first); --interleave K runs the kvbatch modes' engines at
+once, decoding in alternating blocks of K steps (harness.interleave): compare KV modes past the drift.
+
+    python -m benchmarks engine.vs_mlx_lm --models tiny-4m,smollm2 --batches 1,8,32 --out /tmp/evm.json
+    python -m benchmarks engine.vs_mlx_lm --models tiny-4m --batches 8,32 --modes none@in_place=false,none --rounds 3
+    python -m benchmarks engine.vs_mlx_lm --models random-1b --batches 1,8,64,256 --modes none,q8,q4 --roofline \\
+        --long 8192 --long-batches 1,8 --rounds 2
 """
 from __future__ import annotations
 
-import argparse
 import json
-import platform
-import sys
-import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.configs
-
-import kvbatch.engine as engine  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator
 
+from benchmarks import harness as h
 from kvbatch.engine.config import EngineOptions
-from kvbatch.engine.engine import Engine
-from kvbatch.engine.mlx_lm_bridge import as_shipped
-from kvbatch.engine.models.config import ModelConfig
-from kvbatch.engine.models.load import load_model
-from kvbatch.engine.types import Request, SamplingParams
-from tests.configs import engine_config
 
-# The FACTS "4M-parameter" random llama: 4 layers, hidden 256, 4 heads / 2 KV heads of 64.
-TINY = dict(source="tiny", name="tiny-4m", family="llama", num_layers=4, hidden_size=256, num_heads=4,
-            num_kv_heads=2, head_dim=64, intermediate_size=512, vocab_size=4096, context_length=4096)
+SMOKE = ["--models", "tiny", "--batches", "2", "--prompt", "8", "--new", "4", "--rounds", "2",
+         "--modes", "none,none@in_place=false", "--long", "24", "--long-batches", "2", "--long-new", "4",
+         "--interleave", "2", "--roofline", "--bw-mib", "8", "--kv-held"]
 
 
-class _NoEos:
-    """The model's tokenizer with EOS switched off, so both sides generate exactly `new` tokens."""
-
-    eos_token_ids: list[int] = []
-
-    def __init__(self, tok):
-        self._tok = tok
-
-    def decode(self, tokens):
-        return ""
-
-
-def prompts_for(batch: int, length: int, vocab: int, seed: int = 1) -> list[list[int]]:
-    key = mx.random.key(seed)
-    return mx.random.randint(3, min(vocab, 32000), (batch, length), key=key).tolist()
-
-
-def run_mlx_lm(model, ps, new):
-    as_shipped(model)  # mlx-lm runs the model as it ships (kvbatch's Engine wraps its RoPE and MLPs on the CPU)
-    mx.clear_cache()
-    mx.reset_peak_memory()
-    gen = BatchGenerator(model, stop_tokens=[], completion_batch_size=len(ps), prefill_batch_size=len(ps))
-    t0 = time.perf_counter()
-    uids = gen.insert(ps, [new] * len(ps))
-    out = {u: [] for u in uids}
-    kv_peak = 0
-    with gen.stats() as stats:
-        while responses := gen.next_generated():
-            kv_peak = max(kv_peak, sum(c.keys.nbytes + c.values.nbytes
-                                       for c in gen._generation_batch.prompt_cache if c.keys is not None))
-            for r in responses:
-                out[r.uid].append(r.token)
-    wall = time.perf_counter() - t0
-    gen.close()
-    n = sum(len(v) for v in out.values())
-    return {"tokens": n, "wall_s": wall, "prefill_s": stats.prompt_time,
-            "decode_tps": n / (wall - stats.prompt_time), "own_decode_tps": stats.generation_tps,
-            "peak_mem": int(mx.get_peak_memory()), "kv_held": kv_peak,
-            "outputs": [out[u] for u in uids]}
+def add_args(ap) -> None:
+    ap.add_argument("--models", default="tiny-4m,smollm2", help=f"comma-separated: {', '.join(h.MODEL_NAMES)}")
+    ap.add_argument("--batches", default="1,8,32", help="'' = none")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--modes", default="none", help="kvbatch sides: KV mode[@option=value+option=value]")
+    ap.add_argument("--rounds", type=int, default=2, help="measured rounds, order reversed every other")
+    ap.add_argument("--no-mlx-lm", action="store_true", help="kvbatch sides only")
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--prefill-chunk", type=int, default=512)
+    ap.add_argument("--budget-gb", type=float, default=0, help="engine memory budget (0: auto)")
+    ap.add_argument("--long", type=int, default=0, help="long-context prompt tokens (0: no long cases)")
+    ap.add_argument("--long-batches", default="1,8")
+    ap.add_argument("--long-new", type=int, default=64)
+    ap.add_argument("--long-modes", default="", help="modes at long context (default: --modes)")
+    ap.add_argument("--skip-mlx-lm-long", action="store_true")
+    ap.add_argument("--interleave", type=int, default=0,
+                    help="long context: kvbatch modes decode side by side in blocks of this many steps; 0 = off")
+    ap.add_argument("--roofline", action="store_true", help="measure copy bandwidth; report roofline fractions")
+    ap.add_argument("--bw-mib", type=int, default=2048, help="buffer of the copy-bandwidth measure")
+    ap.add_argument("--mlx-lm-prefill-batch", type=int, default=0, help="mlx-lm's prefill_batch_size (0: the batch)")
+    ap.add_argument("--kv-held", action="store_true",
+                    help="also mlx-lm's KV bytes at peak (read every step: a small cost on its side)")
+    ap.add_argument("--cache-limit-gib", type=float, default=2.0,
+                    help="CPU: MLX buffer-cache limit for both sides (MLX CPU's default is 32 MiB; the Engine "
+                         "raises it to its step workspace, so set it once for both); 0: leave it")
 
 
-def run_kvbatch(model, tok, spec, ps, new, page_size, options: EngineOptions | None = None):
-    mx.clear_cache()
-    mx.reset_peak_memory()
-    eng = Engine(model, _NoEos(tok), spec, engine_config(page_size=page_size, max_batch=len(ps), prefill_chunk=512,
-                                                         options=options))
-    t0 = time.perf_counter()
-    res = eng.generate([Request(str(i), p, SamplingParams(max_tokens=new)) for i, p in enumerate(ps)])
-    wall = time.perf_counter() - t0
-    s = eng.summary()
-    bad = [r.error_code for r in res if r.error_code]
-    if bad:
-        raise RuntimeError(f"kvbatch rows failed: {bad}")
-    n = sum(len(r.tokens) for r in res)
-    return {"tokens": n, "wall_s": wall, "prefill_s": s["prefill_s"],
-            "decode_tps": n / (wall - s["prefill_s"]), "own_decode_tps": s["decode_tokens_per_s"],
-            "peak_mem": int(mx.get_peak_memory()),
-            "kv_held": s["peak_pages_in_use"] * eng.layout.page_bytes,
-            "kv_rows_peak_sum": sum(r.stats.peak_kv_bytes for r in res),
-            "kv_pool": s["pool_bytes"], "growth_events": len(s["growth_events"]),
-            "page_bytes": eng.layout.page_bytes, "bytes_per_token": s["kv_bytes_per_token"],
-            "outputs": [r.tokens for r in res]}
+def copy_bandwidth(mib: int) -> float:
+    a = mx.random.uniform(shape=(mib << 18,), dtype=mx.float32)
+    mx.eval(a)
+    for _ in range(2):
+        mx.eval(a + 1)
+    t, n = time.perf_counter(), 10
+    for _ in range(n):
+        mx.eval(a + 1)
+    return 2 * a.nbytes * n / (time.perf_counter() - t)  # read + write
 
 
-def compare(name, model, tok, spec, batch, plen, new, page_size, repeats=1):
-    """Both sides on the same prompts, interleaved `repeats` times; the faster run of each is kept
-    (the machine is shared: the best run is the least disturbed one)."""
-    ps = prompts_for(batch, plen, spec.vocab_size)
-    runs_a, runs_b = [], []
-    for _ in range(repeats):
-        runs_a.append(run_mlx_lm(model, ps, new))
-        runs_b.append(run_kvbatch(model, tok, spec, ps, new, page_size))
-    a = max(runs_a, key=lambda r: r["decode_tps"])
-    b = max(runs_b, key=lambda r: r["decode_tps"])
-    a["all_decode_tps"] = [round(r["decode_tps"], 1) for r in runs_a]
-    b["all_decode_tps"] = [round(r["decode_tps"], 1) for r in runs_b]
-    needed = batch * (plen + new - 1) * b["bytes_per_token"]
-    allowed = needed + batch * b["page_bytes"]
-    same = sum(x == y for x, y in zip(a.pop("outputs"), b.pop("outputs")))
-    row = {"model": name, "batch": batch, "prompt": plen, "new": new, "page_size": page_size,
-           "decode_ratio": b["decode_tps"] / a["decode_tps"], "peak_mem_ratio": b["peak_mem"] / a["peak_mem"],
-           "kv_needed": needed, "kv_allowed": allowed, "kv_target_met": b["kv_held"] <= allowed,
-           "rows_same_tokens": f"{same}/{batch}", "mlx_lm": a, "kvbatch": b}
+def warm_tokens(plen: int, new: int, page: int = 64) -> int:
+    """New tokens a warm-up needs to seal a page in decode and, if the measured run reaches split-K (rows
+    longer than the CUDA kernels' default split: CudaLaunch), to reach it too."""
+    launch = EngineOptions().cuda
+    need = (plen // page + 1) * page - plen + 2  # the first page filled by decode, sealed, then read
+    split = max(launch.chunk, launch.unsplit)
+    if plen + new > split:
+        need = max(need, split + 2 - plen)
+    return max(8, min(new, need))
+
+
+class Case:
+    """One model and batch: its prompts and the engine settings of every kvbatch side."""
+
+    def __init__(self, m, a, batch: int, plen: int, new: int):
+        self.model, self.tok, self.spec = m
+        self.a, self.batch, self.plen, self.new = a, batch, plen, new
+        self.prompts = h.random_prompts(batch, plen, self.spec.vocab_size)
+
+    def engine(self, mode: str):
+        a = self.a
+        return h.engine(self.model, h.NoEos(), self.spec, mode, page_size=a.page_size, max_batch=self.batch,
+                        prefill_chunk=a.prefill_chunk, allow_unvalidated=True,
+                        memory_budget=int(a.budget_gb * 1e9) or None)
+
+    def kvbatch(self, mode: str, new: int) -> dict:
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        eng = self.engine(mode)
+        t0 = time.perf_counter()
+        res = eng.generate(h.requests(self.prompts, new))
+        wall = time.perf_counter() - t0
+        s = eng.summary()
+        n = sum(len(r.tokens) for r in res)
+        return {"tokens": n, "wall_s": wall, "prefill_s": s["prefill_s"], "decode_tps": s["decode_tokens_per_s"],
+                "decode_tps_wall": n / max(wall - s["prefill_s"], 1e-9), "e2e_tps": n / wall,
+                "prefill_tps": s["prefill_tokens_per_s"], "peak_gb": mx.get_peak_memory() / 1e9,
+                "route": s["route"], "errors": [r.error_code for r in res if r.error_code],
+                "kv_bytes_per_token": s["kv_bytes_per_token"], "page_bytes": h.page_bytes(eng),
+                "kv_held": s["peak_pages_in_use"] * h.page_bytes(eng), "kv_pool": s["pool_bytes"],
+                "growth_events": len(s["growth_events"]), "lookahead": eng.lookahead,
+                "outputs": [r.tokens for r in res]}
+
+    def mlx_lm(self, new: int) -> dict:
+        return h.run_mlx_lm(self.model, self.prompts, new, prefill_batch=min(self.batch, self.a.mlx_lm_prefill_batch
+                                                                              or self.batch), kv_held=self.a.kv_held)
+
+    def interleaved(self, modes: list[str]) -> dict:
+        """Every mode's engine alive at once, decoding in alternating blocks (harness.interleave)."""
+        def maker(mode):
+            return lambda: h.Stepper(self.engine(mode), h.requests(self.prompts, self.new))
+
+        mx.reset_peak_memory()
+        runs = h.interleave({m: maker(m) for m in modes}, self.a.interleave, warm_tokens(self.plen, self.new))
+        out, first = {}, runs[modes[0]]["step_s"]
+        for mode, r in runs.items():
+            st = r["stepper"]
+            res, s = st.results, st.eng.summary()
+            med = h.median_or_none(r["step_s"])
+            ratios = h.paired_ratios(r["step_s"], first)
+            out[mode] = {"decode_tps": self.batch / med if med else None,
+                         "step_ms_runs": [x and x * 1e3 for x in r["step_s"]], "ratio_vs_first_runs": ratios,
+                         "ratio_vs_first": h.median_or_none(ratios), "block": self.a.interleave,
+                         "tokens": sum(len(x.tokens) for x in res), "route": s["route"],
+                         "errors": ([x.error_code for x in res if x.error_code]
+                                    + ([] if len(res) == self.batch else ["missing"])),
+                         "kv_bytes_per_token": s["kv_bytes_per_token"], "peak_gb": mx.get_peak_memory() / 1e9}
+        return out
+
+
+def _sides(case: Case, modes: list[str], long: bool, with_mlx_lm: bool) -> dict:
+    kv = {f"kvbatch_{m}": (lambda m=m: case.kvbatch(m, case.new)) for m in modes}
+    if not with_mlx_lm:
+        return kv
+    ref = {"mlx_lm": lambda: case.mlx_lm(case.new)}
+    return {**kv, **ref} if long else {**ref, **kv}  # kvbatch first at long context
+
+
+def _compare(row: dict, case: Case, modes: list[str], bw: float | None) -> None:
+    """Ratios to mlx-lm, KV held against needed, same tokens, roofline: into row's kvbatch cells."""
+    base = row.get("mlx_lm", {})
+    ref_out = base.pop("outputs", None)
+    for m in modes:
+        v = row[f"kvbatch_{m}"]
+        out = v.pop("outputs", None)
+        if not v.get("decode_tps"):
+            continue
+        if base.get("decode_tps"):
+            v["ratio_vs_mlx_lm"] = v["decode_tps"] / base["decode_tps"]
+            runs_a, runs_b = v.get("decode_tps_runs", []), base.get("decode_tps_runs", [])
+            if len(runs_a) == len(runs_b) > 1:
+                v["ratio_runs"] = [x / y if x and y else None for x, y in zip(runs_a, runs_b)]
+        if ref_out is not None and out is not None:
+            v["rows_same_tokens"] = f"{sum(x == y for x, y in zip(out, ref_out))}/{case.batch}"
+        if "kv_held" in v:
+            needed = case.batch * (case.plen + case.new - 1) * v["kv_bytes_per_token"]
+            v.update(kv_needed=needed, kv_target_met=v["kv_held"] <= needed + case.batch * v["page_bytes"])
+        if bw:
+            ctx = case.plen + case.new // 2
+            dense = h.kv_bytes_per_token(case.spec, "none", case.a.page_size)
+            own = h.kv_bytes_per_token(case.spec, m, case.a.page_size)
+            row["roofline_tps"] = case.batch * bw / (case.spec.weights_bytes + case.batch * ctx * dense)
+            v["roofline_fraction"] = v["decode_tps"] / row["roofline_tps"]
+            v["roofline_fraction_mode"] = v["decode_tps"] * (case.spec.weights_bytes + case.batch * ctx * own) / (
+                case.batch * bw)
+
+
+def run_case(m, a, batch: int, plen: int, new: int, modes: list[str], long: bool, bw: float | None) -> dict:
+    case = Case(m, a, batch, plen, new)
+    with_mlx_lm = not a.no_mlx_lm and not (long and a.skip_mlx_lm_long)
+    interleaved = long and a.interleave > 0
+    warm = warm_tokens(plen, new, a.page_size)
+    row: dict = {"model": case.spec.name, "batch": batch, "prompt": plen, "new": new, "warmup_tokens": warm}
+    # warm-up, not measured: kvbatch past its first page sealed in decode and the first split-K launch, so no
+    # kernel variant compiles inside the measured runs (interleaved engines warm up inside their run)
+    for mode in ([] if interleaved else modes):
+        h.guarded(lambda: case.kvbatch(mode, warm))
+    if with_mlx_lm:
+        h.guarded(lambda: case.mlx_lm(warm))
+    sides = _sides(case, [] if interleaved else modes, long, with_mlx_lm)
+    if interleaved:
+        got = h.guarded(lambda: case.interleaved(modes))
+        for m in modes:  # a failed run: its error in every mode's cell
+            row[f"kvbatch_{m}"] = dict(got.get(m, got))
+    for side, runs in h.alternate(sides, a.rounds, after=mx.clear_cache).items():
+        row[side] = h.median_run(runs)
+        row[side]["decode_tps_wall_runs"] = [r.get("decode_tps_wall") for r in runs]
+    if with_mlx_lm is False and not a.no_mlx_lm:
+        row["mlx_lm"] = {"error": "skipped (--skip-mlx-lm-long)"}
+    _compare(row, case, modes, bw)
     print(json.dumps(row), flush=True)
     return row
 
 
-def step_breakdown(model, tok, spec, batch, plen, page_size, steps=24):
-    """Where kvbatch's decode step goes: ms per step as is (CPU: pages read in place) and with the
-    pages gathered into contiguous K/V first (`engine.options.in_place=false`, the path before
-    in-place decode)."""
-    out = {}
-    for name, opts in (("step_ms", EngineOptions()), ("step_ms_gathered", EngineOptions(in_place=False))):
-        eng = Engine(model, _NoEos(tok), spec, engine_config(page_size=page_size, max_batch=batch, prefill_chunk=512,
-                                                             options=opts))
-        for i, p in enumerate(prompts_for(batch, plen, spec.vocab_size)):
-            eng.add(Request(str(i), p, SamplingParams(max_tokens=10 ** 6)))
-        for _ in range(5):  # admission + prefill + first step, then warm steps
-            eng.step()
-        t = time.perf_counter()
-        for _ in range(steps):
-            eng.step()
-        out[name] = (time.perf_counter() - t) / steps * 1e3
-        out["in_place" if name == "step_ms" else "in_place_gathered"] = eng.cache.attention.in_place
-        out["context_at_end"] = eng.scheduler.running[0].kv.length
-        eng.cancel()
-    return out
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default="tiny,smollm2")
-    ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--prompt", type=int, default=128)
-    ap.add_argument("--new", type=int, default=256)
-    ap.add_argument("--new-smollm2-32", type=int, default=128, help="new tokens for SmolLM2 at batch 32")
-    ap.add_argument("--page-size", type=int, default=64)
-    ap.add_argument("--page-sizes", default="", help="extra kvbatch page sizes to try (e.g. 64,256)")
-    ap.add_argument("--repeats", type=int, default=2, help="interleaved runs per side; the best is kept")
-    ap.add_argument("--cache-dir", default=None)
-    ap.add_argument("--cache-limit-gib", type=float, default=2.0,
-                    help="MLX buffer-cache limit for both sides (MLX CPU's default is 32 MiB; kvbatch's "
-                         "Engine raises it to its priced step workspace, so set it once for both)")
-    ap.add_argument("--out", default="")
-    ap.add_argument("--profile-batches", default="8,32", help="batches for the decode-step breakdown ('' = none)")
-    a = ap.parse_args()
-    cache_dir = a.cache_dir or tempfile.mkdtemp(prefix="kvbatch-bench-")
-    default_cache_limit = mx.set_cache_limit(int(a.cache_limit_gib * (1 << 30)))
-    import mlx_lm
-    out = {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "python": platform.python_version(),
-           "device": str(mx.default_device()), "blas": engine.blas_in_use(), "argv": sys.argv[1:],
-           "mlx_cache_limit": int(a.cache_limit_gib * (1 << 30)), "mlx_default_cache_limit": default_cache_limit,
-           "rows": []}
-    print(json.dumps({k: v for k, v in out.items() if k != "rows"}), flush=True)
+def run(a) -> dict:
+    if a.cache_limit_gib and mx.default_device() == mx.cpu:
+        mx.set_cache_limit(int(a.cache_limit_gib * (1 << 30)))
+    bw = copy_bandwidth(a.bw_mib) if a.roofline else None
+    modes = [m for m in a.modes.split(",") if m]
+    long_modes = [m for m in (a.long_modes or a.modes).split(",") if m]
+    for m in set(modes + long_modes):
+        h.parse_mode(m)  # fail early on a bad mode
+    out: dict = {"copy_bw_gbs": bw and bw / 1e9, "rows": []}
     for name in a.models.split(","):
-        cfg = ModelConfig(**TINY, cache_dir=cache_dir) if name == "tiny" else \
-            ModelConfig(source="smollm2", cache_dir=cache_dir)
-        model, tok, spec = load_model(cfg)
-        compare(name, model, tok, spec, 2, 16, 8, a.page_size)  # warm-up, not recorded
-        for batch in map(int, a.batches.split(",")):
-            new = a.new_smollm2_32 if (name == "smollm2" and batch >= 32) else a.new
-            for page_size in [a.page_size] + [int(x) for x in a.page_sizes.split(",") if x]:
-                out["rows"].append(compare(name, model, tok, spec, batch, a.prompt, new, page_size, a.repeats))
-        for batch in [int(x) for x in a.profile_batches.split(",") if x]:
-            prof = {"model": name, "batch": batch, "page_size": a.page_size,
-                    **step_breakdown(model, tok, spec, batch, a.prompt, a.page_size)}
-            print(json.dumps(prof), flush=True)
-            out.setdefault("profile", []).append(prof)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=1)
-
-
-if __name__ == "__main__":
-    main()
+        m = h.load(name)
+        out.setdefault("weights_gb", {})[name] = m[2].weights_bytes / 1e9
+        cases = [(b, a.prompt, a.new, modes, False) for b in map(int, filter(None, a.batches.split(",")))]
+        cases += [(b, a.long, a.long_new, long_modes, True)
+                  for b in map(int, filter(None, a.long_batches.split(","))) if a.long]
+        for batch, plen, new, ms, long in cases:
+            out["rows"].append(run_case(m, a, batch, plen, new, ms, long, bw))
+            mx.clear_cache()
+    return out
