@@ -60,10 +60,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from benchmarks import harness  # (after the refusal: it imports the engine)
 
-    result = mod.run(args)
-    rec = harness.record(name, rest, {k: v for k, v in vars(args).items() if k != "out"}, result, smoke)
     out = args.out or f"/tmp/kvbatch-bench/{name}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}.json"
-    harness.write_record(rec, out)
+    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    harness._RUN.update(name=name, argv=rest, args=settings, out=out, smoke=smoke)
+    result = mod.run(args)
+    harness.write_record(harness.record(name, rest, settings, result, smoke), out)
     print(f"record: {out}", flush=True)
     return 1 if isinstance(result, dict) and result.get("failed") else 0
 

@@ -352,6 +352,17 @@ def write_record(rec: dict, out: str) -> None:
     Path(out).write_text(json.dumps(rec, indent=1, default=str) + "\n")
 
 
+_RUN: dict = {}  # this process's run (benchmarks/__main__.py): name, argv, args, out, smoke
+
+
+def checkpoint(partial) -> None:
+    """Write the record so far (`partial: true`), so a run cut short (a GPU stage's timeout) keeps what ran."""
+    if _RUN:
+        rec = record(_RUN["name"], _RUN["argv"], _RUN["args"], partial, _RUN["smoke"])
+        rec["partial"] = True
+        write_record(rec, _RUN["out"])
+
+
 # --- adapters: the engine's insides, each reached in one place --------------------------------------------
 # Repoint these when the engine's internals move (Engine.stats() / EngineHooks.on_step(plan, timings)).
 

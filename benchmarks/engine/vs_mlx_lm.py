@@ -228,5 +228,6 @@ def run(a) -> dict:
                   for b in map(int, filter(None, a.long_batches.split(","))) if a.long]
         for batch, plen, new, ms, long in cases:
             out["rows"].append(run_case(m, a, batch, plen, new, ms, long, bw))
+            h.checkpoint(out)  # after every case: a run cut short keeps what ran
             mx.clear_cache()
     return out
