@@ -55,7 +55,7 @@ lint: setup
 	$(VENV)/bin/pyright
 
 bench: setup
-	$(PY) benchmarks/engine_vs_mlx_lm.py
+	$(PY) -m benchmarks engine.vs_mlx_lm
 
 clean:
 	rm -rf $(VENV) outputs/*/

@@ -527,7 +527,7 @@ def python_cmd() -> list[str]:
     return [sys.executable]
 
 
-# --- engines side by side (was benchmarks/interleave.py) --------------------------------------------------
+# --- engines side by side (was interleave.py, deleted: merged here) ----------------------------------------
 # Runs of one mode after another are moved by the machine's drift: on the shared H200 one mode's whole runs
 # differed by up to 1.5x minutes apart (RESULTS.md, issue 9), more than the few percent a KV mode can gain at
 # long context. Here every engine prefills its rows, then the engines take turns: a block of K decode steps

@@ -35,7 +35,7 @@ from benchmarks.harness import ROOT
 from benchmarks.job.job_vs_mlx_lm import WORDS, run_kvbatch
 
 SMOKE = ["--model", "tiny", "--rows", "2", "--system-words", "5", "--new", "2", "--prompts", "1", "--n", "2",
-         "--sample-words", "3", "--sample-new", "2", "--rounds", "1", "--parts", "system", "--no-warm"]
+         "--sample-words", "3", "--sample-new", "2", "--rounds", "1", "--parts", "system", "--no-warm", "--no-floor"]
 
 MLX_LM = r"""
 import json, sys, time
@@ -106,6 +106,7 @@ def add_args(ap) -> None:
     ap.add_argument("--model-args", default="", help="model=tiny geometry for both sides: 'num_layers=16 ...'")
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--no-warm", action="store_true", help="no untimed first run (that builds or converts the model)")
+    ap.add_argument("--no-floor", action="store_true", help="no floor runs (the beyond-floor ratios then use 0 s)")
 
 
 def _line(part: str, got: dict, floor: float) -> dict:
@@ -170,7 +171,7 @@ def run(a) -> dict:
         for k in range(a.rounds):
             order = names[k % len(names):] + names[:k % len(names)]
             got = {name: sides[part][name](k) for name in order}
-            floor = kv_side(a, floor_in, tmp / f"floor{part}{k}", 1, extra)["wall_s"]
+            floor = 0.0 if a.no_floor else kv_side(a, floor_in, tmp / f"floor{part}{k}", 1, extra)["wall_s"]
             line = {"round": k, "order": order, "floor_s": floor, **{name: slim(r) for name, r in got.items()},
                     **_line(part, got, floor)}
             print(json.dumps({part: line}), flush=True)

@@ -31,6 +31,8 @@ def test_every_repository_path_named_in_the_text_exists():
                     continue  # a file the command on this line writes
                 if "deleted" in line:
                     continue  # history: a script that was removed, said so where it is named
+                if name == "benchmarks/RESULTS.md" and path.startswith("benchmarks/"):
+                    continue  # history: commands as they were run (the note at its top maps old script names)
                 if not (ROOT / path).exists():
                     missing.append(f"{name}:{lineno}: {path}")
     assert not missing, "\n".join(missing)
