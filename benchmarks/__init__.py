@@ -6,7 +6,11 @@ features), cpu/ (MLX CPU kernels and BLAS), gpu/ (where a GPU step's time goes, 
 GPU's stages in gpu/device_run.sh), quality/ (what KV quantization costs in quality and speed), job/ (the
 whole `kvbatch` command: against mlx-lm, shared prompts, many workers, kill -9). Results: RESULTS.md and
 results/ (history, as recorded).
+
+`import kvbatch.engine` comes first: it loads OpenBLAS before anything imports mlx (loading it later has no
+effect, see engine/blas.py), and every benchmark module imports mlx.
 """
+import kvbatch.engine  # noqa: F401  (OpenBLAS before mlx)
 
 # name -> what it answers (the module is benchmarks/<area>/<name>.py)
 BENCHMARKS = {

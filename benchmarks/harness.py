@@ -366,7 +366,7 @@ def checkpoint(partial) -> None:
 # --- adapters: the engine's insides, each reached in one place --------------------------------------------
 # Repoint these when the engine's internals move (Engine.stats() / EngineHooks.on_step(plan, timings)).
 
-ADAPTERS = ("page_bytes", "running_rows", "waiting_rows", "generated_tokens", "kv_pool", "grow_pool",
+ADAPTERS = ("page_bytes", "running_rows", "waiting_rows", "generated_tokens", "bytes_for", "kv_pool", "grow_pool",
             "attention_in_place", "kv_store", "time_forks", "time_grammar_masks", "time_prefill_passes",
             "time_step_phases")
 
@@ -388,6 +388,11 @@ def generated_tokens(eng: Engine) -> int:
     return eng.output.generated_tokens
 
 
+def bytes_for(eng: Engine, worst_tokens: list[int], max_prompt: int) -> int:
+    """The memory model's total bytes for rows of these worst-case lengths at once (weights, KV, workspace)."""
+    return eng.memory.bytes_for(worst_tokens, max_prompt)
+
+
 def kv_pool(eng: Engine) -> dict:
     """The KV pool now: capacity (pages, bytes), pages in use, growth events, dense tail bytes."""
     c = eng.cache
@@ -400,9 +405,9 @@ def grow_pool(eng: Engine, pages: int, budget: int) -> None:
     eng.cache._grow(pages, budget)
 
 
-def attention_in_place(eng: Engine) -> bool:
-    """Whether the engine's CPU decode reads pages in place."""
-    return eng.cache.attention.in_place
+def attention_in_place(eng: Engine) -> bool | None:
+    """Whether the engine's CPU decode reads pages in place (None: its route has no such choice)."""
+    return getattr(eng.cache.attention, "in_place", None)
 
 
 def kv_store(eng: Engine):

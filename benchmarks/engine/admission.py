@@ -96,7 +96,7 @@ def optimistic(a) -> dict:
     forced = {f"r{i}": [(11 * i + 5 * j) % vocab + 1 for j in range(n)] for i, n in enumerate(lengths)}
     reqs = h.requests(prompts, a.max_tokens, "r")
     probe = h.engine(m[0], m[1], m[2], a.kv, page_size=16, max_batch=a.max_batch, memory_budget=2 << 30)
-    budget = probe.memory.bytes_for([max(map(len, prompts)) + a.max_tokens] * a.fit, max(map(len, prompts)))
+    budget = h.bytes_for(probe, [max(map(len, prompts)) + a.max_tokens] * a.fit, max(map(len, prompts)))
     del probe
     sides = {name: (lambda name=name: _optimistic_run(m, name, budget, reqs, forced, a))
              for name in ("reserve", "optimistic")}
@@ -195,7 +195,7 @@ def long_run(a) -> dict:
     eng = h.engine(model, h.NoEos(tok), spec, "q8", page_size=a.page_size, group_size=a.group_size, max_batch=rows,
                    memory_budget=budget)
     plan = eng.plan(max(worst), max_prompt)
-    predicted_total = eng.memory.bytes_for(worst, max_prompt)
+    predicted_total = h.bytes_for(eng, worst, max_prompt)
     predicted_kv = sum(lay.pages_for(w) for w in worst) * lay.page_bytes
     out = {"rows": rows, "new": new, "prompt_tokens": [len(p) for p in prompts], "budget": budget,
            "weights": spec.weights_bytes, "plan": plan, "plan_line": format_plan(plan),

@@ -118,6 +118,7 @@ class Case:
                 "kv_bytes_per_token": s["kv_bytes_per_token"], "page_bytes": h.page_bytes(eng),
                 "kv_held": s["peak_pages_in_use"] * h.page_bytes(eng), "kv_pool": s["pool_bytes"],
                 "growth_events": len(s["growth_events"]), "lookahead": eng.lookahead,
+                "in_place": h.attention_in_place(eng),
                 "outputs": [r.tokens for r in res]}
 
     def mlx_lm(self, new: int) -> dict:

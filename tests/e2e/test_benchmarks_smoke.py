@@ -15,6 +15,7 @@ import mlx.core as mx
 import pytest
 
 from benchmarks import BENCHMARKS
+from kvbatch.engine import blas_in_use
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORD = {"benchmark", "command", "date", "commit", "versions", "machine", "args", "result", "smoke"}
@@ -66,6 +67,7 @@ def test_benchmark_smoke_run(name, tmp_path, bench_cache):
     assert rec["command"].startswith(f"python -m benchmarks {name} --smoke")
     assert {"kvbatch", "mlx", "mlx_lm", "python"} <= set(rec["versions"])
     assert {"cpu", "cores", "memory_gib", "platform"} <= set(rec["machine"])
+    assert rec["machine"]["blas"] == blas_in_use()  # OpenBLAS loaded before mlx, as in this process
     assert f"record: {out}" in r.stdout
 
 
