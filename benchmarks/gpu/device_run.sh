@@ -73,9 +73,8 @@ VARIANTS="default:;u4:unroll=4;c256:chunk=256,unsplit=1024;c512:chunk=512,unspli
 C256=cuda.chunk=256+cuda.unsplit=1024
 QVARIANT=${QVARIANT:-"w8u2:warps=8,unroll=2"} QENV=${QENV:-cuda.warps=8+cuda.unroll=2}
 # engine.vs_mlx_lm as the GPU runs it (what gpu.py did by default): roofline, 2k prefill chunks, 120 GB budget,
-# mlx-lm prefilling 8 rows at a time; VS GEOMETRY ARGS...
+# mlx-lm prefilling 8 rows at a time
 VS="python3 -m benchmarks engine.vs_mlx_lm --roofline --prefill-chunk 2048 --budget-gb 120 --mlx-lm-prefill-batch 8 --cache-limit-gib 0"
-vs() { g=$1; shift; $VS --models random-$g "$@"; }
 MLXENVS=${MLXENVS:-"default:;ops200:MLX_MAX_OPS_PER_BUFFER=200;nograph:MLX_USE_CUDA_GRAPHS=0"}
 LONG="--batches '' --long 8192 --interleave 32 --long-new 448 --skip-mlx-lm-long"
 GEOM1B="family=llama num_layers=16 hidden_size=2048 num_heads=32 num_kv_heads=8 head_dim=64 intermediate_size=8192
