@@ -88,3 +88,14 @@ def test_benchmarks_edit_no_sys_path_and_import_no_test_configs():
         text = p.read_text()
         assert "sys.path.insert" not in text and "sys.path.append" not in text, p
         assert "tests.configs" not in text, p
+
+
+def test_gpu_stages_name_registered_benchmarks_and_no_removed_variables():
+    """benchmarks/gpu/device_run.sh runs on the lent GPU: what it names must exist here first."""
+    import re
+
+    text = (ROOT / "benchmarks" / "gpu" / "device_run.sh").read_text()
+    named = set(re.findall(r"-m benchmarks ([a-z_]+\.[a-z_]+)", text))
+    assert named and named <= set(BENCHMARKS), named - set(BENCHMARKS)
+    assert "KVBATCH_CUDA_" not in text  # engine settings are modes (KV@cuda.key=value), not environment variables
+    assert not re.search(r"python3? benchmarks/\w+\.py", text)  # scripts run as python -m benchmarks NAME
