@@ -59,7 +59,7 @@ docs: setup
 	$(VENV)/bin/mkdocs build --strict
 
 bench: setup
-	$(PY) benchmarks/engine_vs_mlx_lm.py
+	$(PY) -m benchmarks engine.vs_mlx_lm
 
 clean:
 	rm -rf $(VENV) outputs/*/ site/

@@ -31,7 +31,7 @@ from kvbatch.engine.kv.routes.dense import ROUTE_DENSE, ROUTE_DENSE_F32  # noqa:
 from kvbatch.engine.kv.routes.quant import ROUTE_QMM  # noqa: E402
 from kvbatch.engine.models.config import ModelConfig  # noqa: E402
 from kvbatch.engine.models.load import load_model  # noqa: E402
-from tests.configs import engine_config  # noqa: E402,F401  (tests import it from here)
+from kvbatch.engine.testing import engine_config  # noqa: E402,F401  (also importable from here)
 
 ON_CPU = not mx.metal.is_available() and not mx.cuda.is_available()
 ON_CUDA = mx.cuda.is_available()

@@ -8,7 +8,7 @@ from kvbatch.engine.backend import backend
 from kvbatch.engine.batch_limits import BATCH_CEILING, PREFILL_TOKENS
 from kvbatch.engine.engine import Engine
 from kvbatch.engine.errors import KvbatchConfigError
-from tests.conftest import engine_config
+from kvbatch.engine.testing import engine_config
 
 
 def test_max_batch_auto_is_the_backend_ceiling_and_the_plan_says_so(tiny_model):

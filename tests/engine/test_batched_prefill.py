@@ -9,7 +9,7 @@ import pytest
 from kvbatch.engine.engine import Engine
 from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.types import Request
-from tests.conftest import engine_config
+from kvbatch.engine.testing import engine_config
 from tests.engine.test_engine_paged import prompts_of
 
 # kv none: float tolerance. q8/q4: a key computed in a differently shaped pass (a GEMM of other

@@ -19,7 +19,7 @@ from kvbatch.engine.errors import INVALID_INPUT
 from kvbatch.engine.grammar import grammar_from_format
 from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.types import Request
-from tests.conftest import engine_config
+from kvbatch.engine.testing import engine_config
 
 REGEX = r"[ab]{3}-(yes|no)"
 ENUM = {"enum": ["yes", "no", "maybe"]}

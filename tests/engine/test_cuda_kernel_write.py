@@ -14,7 +14,7 @@ import pytest
 
 from kvbatch.engine.config import CudaLaunch, EngineOptions
 from kvbatch.engine.engine import Engine
-from tests.conftest import engine_config
+from kvbatch.engine.testing import engine_config
 from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.types import Request
 from tests.conftest import ON_CUDA

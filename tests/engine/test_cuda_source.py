@@ -62,9 +62,9 @@ def test_kernel_variants_differ_where_they_should():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CUDA toolkit) to compile the kernels")
-def test_every_kernel_variant_compiles():
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cuda_compile_check.py")],
-                       capture_output=True, text=True, timeout=600)
+def test_every_kernel_variant_compiles(tmp_path):
+    cmd = [sys.executable, "-m", "benchmarks", "gpu.cuda_compile_check", "--out", str(tmp_path / "r.json")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "nvcc exit 0" in r.stdout
     # every kernel (dense and q8/q4/k8v4 for 4 head geometries x 2 dtypes x split/store, and the merges)

@@ -18,7 +18,7 @@ from kvbatch.engine.backend import on_cpu
 from kvbatch.engine.config import EngineOptions
 from kvbatch.engine.kv.routes.dense import DenseRoute
 from kvbatch.engine.engine import Engine
-from tests.conftest import engine_config
+from kvbatch.engine.testing import engine_config
 from kvbatch.engine.errors import INVALID_INPUT, PROMPT_TOO_LONG, KvbatchConfigError, UnreservedWriteError
 from kvbatch.engine.kv.cache import PagedKVCache
 from kvbatch.engine.kv.pages import CacheRow

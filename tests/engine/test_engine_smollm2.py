@@ -8,7 +8,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from kvbatch.engine.engine import Engine
-from tests.conftest import engine_config
+from kvbatch.engine.testing import engine_config
 from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.types import Request
 

@@ -26,7 +26,8 @@ from kvbatch.engine.kv.routes import quant
 from kvbatch.engine.kv.routes.cuda import ROUTE_CUDA_Q
 from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.types import Request
-from tests.conftest import ON_CUDA, engine_config, expected_route
+from kvbatch.engine.testing import engine_config
+from tests.conftest import ON_CUDA, expected_route
 from tests.engine.kv_reference import StoredPagesRefCache, teacher_forced_logits
 from tests.engine.test_kv_quant import BUDGET, CHUNK, TOL, PageSnapshots, _requests, _rows
 

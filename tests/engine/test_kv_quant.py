@@ -30,7 +30,7 @@ import pytest
 from kvbatch.engine.config import CudaLaunch, EngineOptions
 from kvbatch.engine.kv.routes import cpu_streams, cuda, dense, quant
 from kvbatch.engine.engine import Engine
-from tests.conftest import engine_config
+from kvbatch.engine.testing import engine_config
 from kvbatch.engine.errors import KvbatchConfigError
 from kvbatch.engine.hooks import EngineHooks
 from kvbatch.engine.gate import VALIDATED

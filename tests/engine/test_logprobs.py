@@ -9,7 +9,7 @@ from kvbatch.engine import logprobs
 from kvbatch.engine.engine import Engine
 from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.types import Request
-from tests.conftest import engine_config
+from kvbatch.engine.testing import engine_config
 from tests.engine.kv_reference import teacher_forced_logits
 
 K = 5

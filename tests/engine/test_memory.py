@@ -21,7 +21,7 @@ import pytest
 import kvbatch.engine.kv.cache as kv_cache_mod
 import kvbatch.engine.memory as memory_mod
 from kvbatch.engine.engine import Engine
-from tests.conftest import engine_config
+from kvbatch.engine.testing import engine_config
 from kvbatch.engine.errors import INSUFFICIENT_MEMORY, RowError
 from kvbatch.engine.hooks import EngineHooks
 from kvbatch.engine.kv.cache import PagedKVCache

@@ -15,7 +15,7 @@ import pytest
 from kvbatch.engine.engine import Engine
 from kvbatch.engine.config import EngineOptions
 from kvbatch.engine.hooks import EngineHooks
-from tests.conftest import engine_config
+from kvbatch.engine.testing import engine_config
 from kvbatch.engine.errors import NON_FINITE_LOGITS
 from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.types import Request

@@ -12,7 +12,7 @@ from kvbatch.engine.errors import INSUFFICIENT_MEMORY
 from kvbatch.engine.hooks import EngineHooks
 from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.types import Request
-from tests.conftest import engine_config
+from kvbatch.engine.testing import engine_config
 from tests.engine.test_engine_paged import prompts_of
 
 P, ROWS, STEPS = 16, 6, 300

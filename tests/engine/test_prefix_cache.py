@@ -21,7 +21,7 @@ from kvbatch.engine.kv.pages import CacheRow, PagePool
 from kvbatch.engine.samples import derive_seed, samples
 from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.types import Request
-from tests.conftest import engine_config
+from kvbatch.engine.testing import engine_config
 
 STEPS = 4
 

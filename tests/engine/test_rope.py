@@ -48,7 +48,7 @@ def test_layers_share_one_table_per_step():
 @cpu_only
 def test_engine_installs_it_on_the_cpu(tiny_model):
     from kvbatch.engine.engine import Engine
-    from tests.conftest import engine_config
+    from kvbatch.engine.testing import engine_config
 
     model, tok, spec = tiny_model(family="llama", head_dim=64)
     Engine(model, tok, spec, engine_config(memory_budget=1 << 30))

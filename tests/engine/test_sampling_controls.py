@@ -18,7 +18,7 @@ from kvbatch.engine.engine import Engine
 from kvbatch.engine.hooks import EngineHooks
 from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.types import Request
-from tests.conftest import engine_config
+from kvbatch.engine.testing import engine_config
 
 V = 300
 

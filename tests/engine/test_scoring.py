@@ -13,7 +13,7 @@ from kvbatch.engine.hooks import EngineHooks
 from kvbatch.engine.scoring import ForcedRow, compare, groups, score, summarize
 from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.types import Request
-from tests.conftest import engine_config
+from kvbatch.engine.testing import engine_config
 
 PAGE = 16
 

@@ -124,7 +124,7 @@ def test_empty_input_gives_an_empty_results_file(run_app, tmp_path):
 
 def test_raw_prompts_and_greedy_matches_the_engine(run_app, tmp_path, tiny_model):
     from kvbatch.engine import Engine, Request, SamplingParams
-    from tests.conftest import engine_config
+    from kvbatch.engine.testing import engine_config
 
     src = _write(tmp_path, [{"id": "a", "prompt": "The cat"}, {"id": "b", "prompt": "A dog"}])
     path, _ = run_app(f"job.input={src}", "job.chat_template=false", "job.max_tokens=8")

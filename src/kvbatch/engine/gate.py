@@ -48,7 +48,7 @@ def _fused(spec: ModelSpec, kv: KVConfig, options: EngineOptions) -> bool:
 
 
 def _cuda_quant_ok(spec: ModelSpec, kv: KVConfig, options: EngineOptions) -> bool:
-    """On MLX CUDA, quantized decode is validated through the fused kernel (benchmarks/backend_check.py)."""
+    """On MLX CUDA, quantized decode is validated through the fused kernel (benchmarks/gpu/backend_check.py)."""
     return backend().name == "cuda" and _fused(spec, kv, options)
 
 

@@ -19,7 +19,7 @@ ranges depend on the row's own length only, never on its batch mates: a row's ou
 is the same bits whichever rows share its batch. (An unsplit row gives the same bits
 through either kernel: its one partial is merged with weight exactly 1.) Decode only
 (one query per row); prefill keeps the portable route. Tested against a float64
-reference by benchmarks/backend_check.py.
+reference by benchmarks/gpu/backend_check.py.
 """
 from __future__ import annotations
 

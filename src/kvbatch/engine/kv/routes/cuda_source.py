@@ -1,7 +1,7 @@
 """CUDA source of the fused paged decode kernels (routes/cuda_kernels.py launches them).
 
 Kept apart from the launch code so the text can be read (and compiled by
-benchmarks/cuda_compile_check.py) on its own. `kernel_source` assembles one kernel body from
+benchmarks/gpu/cuda_compile_check.py) on its own. `kernel_source` assembles one kernel body from
 the pieces below; MLX's `mx.fast.cuda_kernel` wraps it in the signature and the template
 constants (T, S, D, P, REP, HKV, NW, LPT, NE, U; KBITS, VBITS, GS for quantized pages).
 

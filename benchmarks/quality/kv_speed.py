@@ -24,51 +24,34 @@
    alone (gathers, the quantized matmuls, float32 matmuls of the same shapes, the
    masked softmax against MLX's).
 
-    flock /tmp/kvbatch-bench.lock .venv/bin/python benchmarks/kv_speed.py --out /tmp/kv_speed.json
+    python -m benchmarks quality.kv_speed --out /tmp/kv_speed.json
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import mlx.core as mx
+from mlx_lm.generate import generate_step
 
-import kvbatch.engine  # noqa: E402,F401  (OpenBLAS before mlx)
-import mlx.core as mx  # noqa: E402
-import mlx_lm  # noqa: E402
-from mlx_lm.generate import generate_step  # noqa: E402
+from benchmarks import harness as h
+from kvbatch.engine.config import EngineOptions
+from kvbatch.engine.kv.routes import dense
+from kvbatch.engine.kv.routes import quant as att
+from kvbatch.engine.kv.routes.cpu_streams import cpu_streams, stream_split
+from kvbatch.engine.kv.routes.softmax_cpu import masked_softmax
+from kvbatch.engine.kv.store import DenseStore, QuantizedStore
+from kvbatch.engine.memory import kv_layout
+from kvbatch.engine.params import SamplingParams
+from kvbatch.engine.types import Request
 
-from kvbatch.engine.kv.routes import dense, quant as att  # noqa: E402
-from kvbatch.engine.kv.routes.cpu_streams import cpu_streams, stream_split  # noqa: E402
-from kvbatch.engine.kv.routes.softmax_cpu import masked_softmax  # noqa: E402
-from kvbatch.engine.config import EngineOptions  # noqa: E402
-from kvbatch.engine.engine import Engine  # noqa: E402
-from tests.configs import engine_config  # noqa: E402
-from kvbatch.engine.kv.store import DenseStore, QuantizedStore  # noqa: E402
-from kvbatch.engine.memory import kv_layout  # noqa: E402
-from kvbatch.engine.models.config import ModelConfig  # noqa: E402
-from kvbatch.engine.models.load import load_model  # noqa: E402
-from kvbatch.engine.params import SamplingParams  # noqa: E402
-from kvbatch.engine.types import Request  # noqa: E402
-
+SMOKE = ["--model", "tiny", "--contexts", "128", "--batch4-contexts", "128", "--new", "3", "--prefill-rounds", "2",
+         "--micro-contexts", "128", "--reps", "2", "--ab-option", "q_in_place"]
 TEXTS = ("GPL-3", "Apache-2.0", "GFDL-1.3", "LGPL-3", "MPL-2.0", "Artistic", "CC0-1.0", "GPL-2")
 BITS = {"none": None, "q8": 8, "q4": 4}
-
-
-class _NoEos:
-    """The tokenizer with EOS off, so every row decodes exactly `new` tokens."""
-
-    eos_token_ids: list[int] = []
-
-    def decode(self, tokens):
-        return ""
 
 
 def long_text_tokens(tok) -> list[int]:
@@ -90,9 +73,8 @@ def kvbatch_modes(model, spec, prompts, new, group, page, rounds: int = 1, ab_op
     for rnd in range(rounds):
         for mode in (modes if rnd % 2 == 0 else modes[::-1]):
             opts = EngineOptions(**({ab_option: not mode.endswith("@0")} if ab_option else {}))
-            cfg = engine_config(kv_mode=mode.split("@")[0], page_size=page, group_size=group, max_batch=len(prompts),
-                                prefill_chunk=512, memory_budget=16 << 30, options=opts)
-            eng = Engine(model, _NoEos(), spec, cfg)
+            eng = h.engine(model, h.NoEos(), spec, mode.split("@")[0], page_size=page, group_size=group,
+                           max_batch=len(prompts), prefill_chunk=512, memory_budget=16 << 30, options=opts)
             for i, p in enumerate(prompts):
                 eng.add(Request(f"r{i}", p, SamplingParams(max_tokens=new)))
             results = eng.step()  # admits: prefills every row, one decode step
@@ -147,8 +129,8 @@ def live_bytes_per_token(spec, page, group) -> dict:
         row = {}
         for mode in ("none", "q8", "q4"):
             lay = kv_layout(spec, mode, page, group)
-            if lay.bits:
-                st = QuantizedStore(spec.num_layers, spec.num_kv_heads, spec.head_dim, page, dtype, lay.bits,
+            if lay.quantized:
+                st = QuantizedStore(spec.num_layers, spec.num_kv_heads, spec.head_dim, page, dtype, lay.key_bits,
                                     group, tail_slots=1)
             else:
                 st = DenseStore(spec.num_layers, spec.num_kv_heads, spec.head_dim, page, dtype)
@@ -160,19 +142,7 @@ def live_bytes_per_token(spec, page, group) -> dict:
     return out
 
 
-def _bench(f, n=30) -> float:
-    """Median ms of n evaluations (after two warm-ups)."""
-    mx.eval(f())
-    mx.eval(f())
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        mx.eval(f())
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
-
-
-def attention_micro(spec, group, page) -> list[dict]:
+def attention_micro(spec, group, page, contexts=(2048, 6144), reps: int = 30) -> list[dict]:
     """One layer's decode attention (ms), SmolLM2 shapes, through kvbatch's own stores and
     functions (keys per channel when page % group == 0, as the engine does on the CPU), and
     its parts, each evaluated alone: gathers, the two quantized matmuls, the masked softmax;
@@ -182,7 +152,11 @@ def attention_micro(spec, group, page) -> list[dict]:
     k_axis = "channel" if P % group == 0 else "token"
     streams = cpu_streams(min(os.cpu_count() or 1, 4))  # the CPU route's default
     rows = []
-    for T in (2048, 6144):
+
+    def _bench(f):
+        return h.median_ms(f, n=reps, warm=2)
+
+    for T in contexts:
         for B in (1, 4):
             n = T // P
             table = mx.arange(n * B, dtype=mx.int32).reshape(B, n)
@@ -242,8 +216,8 @@ def attention_micro(spec, group, page) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_args(ap) -> None:
+    ap.add_argument("--model", default="smollm2", help=", ".join(h.MODEL_NAMES))
     ap.add_argument("--contexts", default="2048,6144")
     ap.add_argument("--new", type=int, default=40)
     ap.add_argument("--batch4-contexts", default="2048", help="contexts also run at batch 4 (kvbatch)")
@@ -251,14 +225,16 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--skip-mlx-lm", action="store_true")
     ap.add_argument("--skip-micro", action="store_true")
+    ap.add_argument("--micro-contexts", default="2048,6144", help="attention micro: contexts")
+    ap.add_argument("--reps", type=int, default=30, help="attention micro: timed evaluations per measure")
     ap.add_argument("--prefill-rounds", type=int, default=2, help="kvbatch batch-1 prefill rounds (best kept)")
     ap.add_argument("--ab-option", default="", help="also run q8/q4 with this boolean engine option off "
                     "(e.g. q_in_place), interleaved; labels q8@0, q4@0")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    t_start = time.perf_counter()
 
-    model, tok, spec = load_model(ModelConfig(source="smollm2"))
+
+def run(args) -> dict:
+    t_start = time.perf_counter()
+    model, tok, spec = h.load(args.model)
     text = long_text_tokens(tok)
     report = {"model": spec.name, "dtype": spec.dtype, "new_tokens": args.new, "group_size": args.group_size,
               "ab_option": args.ab_option,
@@ -267,7 +243,8 @@ def main() -> None:
     report["bytes_per_token_fresh_stores"] = live_bytes_per_token(spec, args.page_size, args.group_size)
     print("KV bytes/token (fresh stores):", json.dumps(report["bytes_per_token_fresh_stores"]), flush=True)
     if not args.skip_micro:
-        report["attention_micro"] = attention_micro(spec, args.group_size, args.page_size)
+        report["attention_micro"] = attention_micro(spec, args.group_size, args.page_size,
+                                                    tuple(map(int, args.micro_contexts.split(","))), args.reps)
 
     b4 = {int(c) for c in args.batch4_contexts.split(",") if c}
     for ctx in (int(c) for c in args.contexts.split(",")):
@@ -309,14 +286,5 @@ def main() -> None:
                       f"({r['decode_vs_none']:.2f}x)", flush=True)
 
     report["seconds"] = time.perf_counter() - t_start
-    report["env"] = {"python": platform.python_version(), "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
-                     "machine": platform.machine(), "cpus": os.cpu_count(),
-                     "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                              text=True).stdout.strip()}
     print(f"total {report['seconds']:.0f}s", flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1))
-
-
-if __name__ == "__main__":
-    main()
+    return report

@@ -1,4 +1,5 @@
-"""An EngineConfig from the few flat settings tests and benchmarks vary (no pytest here: benchmarks import it)."""
+"""An EngineConfig from the few flat settings tests and benchmarks vary (tests and benchmarks/ import it from
+here; no pytest in it)."""
 from __future__ import annotations
 
 from kvbatch.engine.config import EngineConfig, EngineOptions, EngineSettings, KVConfig, MemoryConfig

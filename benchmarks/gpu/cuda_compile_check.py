@@ -3,7 +3,7 @@
 Catches syntax errors and prints registers / spills / shared memory (-Xptxas -v) before
 device time is spent. Needs nvcc on PATH; imports no MLX CUDA.
 
-    python benchmarks/cuda_compile_check.py [--warps 4] [--unroll 1]
+    python -m benchmarks gpu.cuda_compile_check [--warps 4] [--unroll 1]
 
 Kernel names: dense_/quant_<D>_<rep>_<dtype>[_split][_store][_q8|_q4|_k8v4]. Registers above 128 a
 thread leave one 256-thread block per SM instead of two.
@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kvbatch.engine.kv.routes import cuda_kernels as ca
+from kvbatch.engine.kv.routes import cuda_source as cs
 
-from kvbatch.engine.kv.routes import cuda_kernels as ca  # noqa: E402
-from kvbatch.engine.kv.routes import cuda_source as cs  # noqa: E402
+NEEDS = "nvcc"
+SMOKE = ["--geometries", "64x4", "--dtypes", "float32", "--variants", "plain", "--bits", "8x8", "--frontend-only"]
 
 STUB = """#include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -38,28 +38,34 @@ def wrap(name: str, inputs: list[tuple[str, str]], outputs: list[tuple[str, str]
     return "\n".join(lines) + "\n" + body + "\n}\n"
 
 
-def main() -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--warps", type=int, default=8, help="most warps per block (KVBATCH_CUDA_WARPS)")
+def add_args(ap) -> None:
+    ap.add_argument("--warps", type=int, default=8, help="most warps per block (engine.options.cuda.warps)")
     ap.add_argument("--unroll", type=int, default=ca.UNROLL["dense"])
-    a = ap.parse_args()
+    ap.add_argument("--geometries", default="64x4,128x4,64x2,96x3", help="head size x query heads per KV head")
+    ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--variants", default="plain,split,store,split_store")
+    ap.add_argument("--bits", default="8x8,4x4,8x4", help="quantized kernels: key x value bits")
+    ap.add_argument("--frontend-only", action="store_true",
+                    help="nvcc -cuda: parse and type-check only (no ptxas: no registers, spills)")
+
+
+def sources(a) -> list[str]:
     src = [STUB]
-    for D, rep in ((64, 4), (128, 4), (64, 2), (96, 3)):
-        for dt in ("bfloat16", "float32"):
+    ints = [("table", "int32_t"), ("meta", "int32_t"), ("scale", "float")]
+    variants = {"plain": (False, False), "split": (True, False), "store": (False, True), "split_store": (True, True)}
+    for D, rep in (tuple(map(int, g.split("x"))) for g in a.geometries.split(",")):
+        for dt in a.dtypes.split(","):
             T = TYPES[dt]
             nw = ca.warps_for(D, rep, a.warps)
             base = dict(T=T, S=T, D=D, P=64, REP=rep, HKV=8, NW=nw, LPT=ca._lanes(D), NE=ca.NE, U=a.unroll)
-            ints = [("table", "int32_t"), ("meta", "int32_t"), ("scale", "float")]
-            for split, new_kv in ((False, False), (True, False), (False, True), (True, True)):
+            for split, new_kv in (variants[v] for v in a.variants.split(",")):
                 i = f"{D}_{rep}_{dt}{'_split' if split else ''}{'_store' if new_kv else ''}"
                 store = [("kn", T), ("vn", T)] if new_kv else []  # the kernel also stores the new token
                 outs = [("pm", "float"), ("pl", "float"), ("pacc", "float")] if split else [("out", T)]
                 dense_in = [("q", T), ("k", T), ("v", T), ("table", "int32_t"), ("lengths", "int32_t"),
                             ("meta", "int32_t"), ("scale", "float")]
                 src.append(wrap(f"dense_{i}", dense_in + store, outs, base, cs.kernel_source(False, split, new_kv)))
-                for kbits, vbits in ((8, 8), (4, 4), (8, 4)):
+                for kbits, vbits in (tuple(map(int, b.split("x"))) for b in a.bits.split(",")):
                     qin = [("q", T), ("kw", "uint32_t"), ("ks", T), ("kb", T), ("vw", "uint32_t"), ("vs", T),
                            ("vb", T), ("tk", T), ("tv", T), ("tails", "int32_t")] + ints[:1] + \
                           [("lens", "int32_t")] + ints[1:]
@@ -71,27 +77,30 @@ def main() -> int:
                 src.append(wrap(f"reduce_{D}_{rep}_{dt}_{ql}", [("pm", "float"), ("pl", "float"), ("pacc", "float"),
                                                      ("meta", "int32_t"), ("lens", "int32_t")], [("out", T)],
                                 dict(T=T, D=D, REP=rep, HKV=8, QL=ql), cs._REDUCE))
-    src.append("}\n")
+    return src + ["}\n"]
+
+
+def run(a) -> dict:
     with tempfile.TemporaryDirectory() as d:
         f = Path(d) / "k.cu"
-        f.write_text("\n".join(src))
-        r = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-c", "-Xptxas", "-v", "-o", str(Path(d) / "k.o"),
-                            str(f)], capture_output=True, text=True)
+        f.write_text("\n".join(sources(a)))
+        what = ["-cuda", "-o", str(Path(d) / "k.ii")] if a.frontend_only else \
+            ["-c", "-Xptxas", "-v", "-o", str(Path(d) / "k.o")]
+        r = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", *what, str(f)], capture_output=True, text=True)
     out = r.stdout + r.stderr
-    name = ""
+    name, kernels, problems = "", {}, []
     for line in out.splitlines():
         if "error" in line or "warning" in line:
             print(line)
+            problems.append(line)
         elif "Compiling entry function" in line:
             m = re.search(r"cu\d+((?:dense|quant|reduce)_\w+?)E", line)
             name = m.group(1) if m else line
         elif "spill" in line and "0 bytes spill stores, 0 bytes spill loads" not in line:
             print(f"{name}: {line.strip()}")
+            kernels.setdefault(name, {})["spills"] = line.strip()
         elif "Used" in line:
             print(f"{name}: {line.split('Used ')[1].split(',')[0]}")
+            kernels.setdefault(name, {})["registers"] = line.split("Used ")[1].split(",")[0]
     print("nvcc exit", r.returncode)
-    return r.returncode
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return {"nvcc_exit": r.returncode, "failed": r.returncode != 0, "problems": problems, "kernels": kernels}

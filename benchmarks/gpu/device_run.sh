@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Stages of one GPU session on the lent H200 (no network there), run from the repo root:
-#   bash benchmarks/gpu_device_run.sh STAGE[:SECONDS] ...
+#   bash benchmarks/gpu/device_run.sh STAGE[:SECONDS] ...
 # Installs MLX CUDA from the wheels that shared/tools/mlx-cuda-stage.sh staged (call 1 copies
 # .gpu/a to $HOME/kvbatch-stage; this script joins it with .gpu/b) once per machine. Each
 # stage writes its log (and JSON) under $OUT and is cut at SECONDS (default 300).
@@ -8,34 +8,33 @@
 #            bench of the launch settings (VARIANTS below) at 128 tokens (unsplit: the per-call floor)
 #            and at 8k
 #   pytest   the engine's correctness tests on MLX CUDA
-#   gpu8b / gpu1b  benchmarks/gpu.py, 2 order-alternating rounds (8B with 5 modes took ~120 s a
+#   gpu8b / gpu1b  engine.vs_mlx_lm on the random geometry, 2 order-alternating rounds (8B with 5 modes took ~120 s a
 #            case in the fifth session: give it 600 s for b1-b64, or fewer modes)
 #   long8b / long1b  8k context only, the kvbatch modes decoding side by side in alternating blocks
-#            of 32 steps (gpu.py --interleave, benchmarks/interleave.py): the q8/q4-vs-none target
+#            of 32 steps (engine.vs_mlx_lm --interleave, harness.interleave): the q8/q4-vs-none target
 #            of issue 9 measured past the machine's drift. Batch 1 also runs each mode with
 #            256-token splits (@c256), after batches 8 and 16 (8B) / 64 (1B) none/q8/q4.
 #   quantab  q8/q4 kernel launch settings side by side (ran in the seventh session with 4 warps x unroll 4,
 #            which then became the q8/q4 default): kernel checks under $QVARIANT, then 8k interleaved at 1B
 #            batch 64 and 8B batch 16, none/q8/q4 and q8/q4@$QENV
 #   mlxenv   MLX's CUDA graph settings (read once per process, so one process each, $MLXENVS): the step
-#            profile of 8B batch 1 at 8k (none, q8, and mlx-lm; $MLXENV_ARGS: other gpu_step_profile.py
+#            profile of 8B batch 1 at 8k (none, q8, and mlx-lm; $MLXENV_ARGS: other gpu.step_profile
 #            arguments); SECONDS is per process
-#   prefill  benchmarks/gpu_prefill_shapes.py $PREFILL_ARGS (default 1B, 256 mixed prompts, none and q8): each
+#   prefill  gpu.prefill_shapes $PREFILL_ARGS (default 1B, 256 mixed prompts, none and q8): each
 #            prefill pass's shape and seconds, cold / warm / new shapes, once per $PREFILL_ENVS process (default:
 #            MLX as it is, and with cuDNN's SDPA off); SECONDS is per process
-#   sidebyside  gpu.py at batches $SBS_BATCHES (default 8,64,256), kv none, 2 order-alternating rounds against mlx-lm,
-#            for this tree and for an older one in .gpu/old (`git archive OLD engine benchmarks/gpu.py
-#            benchmarks/interleave.py | tar -x -C .gpu/old`), 8B then 1B, new-old-old-new: a restructure's
-#            speed against the code before it, each side in the same run as mlx-lm
-#   throughput  gpu.py 8B batch 256 none/q8 and 1B batches 8/64/256 none (whole generate call, prefill included)
-#   job      the kvbatch command against mlx-lm batch_generate (benchmarks/job_vs_mlx_lm.py), Llama-1B geometry
+#   sidebyside  engine.vs_mlx_lm at batches $SBS_BATCHES (default 8,64,256), kv none, 2 order-alternating rounds against
+#            mlx-lm, for this tree and for an older one in .gpu/old (`git archive OLD src benchmarks | tar -x -C .gpu/old`,
+#            OLD a commit with benchmarks/ as a package), 8B then 1B, new-old-old-new: a restructure's speed against the code before it, each side in the same run as mlx-lm
+#   throughput  engine.vs_mlx_lm 8B batch 256 none/q8 and 1B batches 8/64/256 none (whole generate call, prefill included)
+#   job      the kvbatch command against mlx-lm batch_generate (job.job_vs_mlx_lm), Llama-1B geometry
 #            (random bf16), 256 prompts, 512 new tokens; installs the wheels in .gpu/c (pyarrow, hydra-core,
 #            omegaconf, antlr4, tqdm: `pip download --only-binary ... --python-version 3.12`); JOB_PROFILE=1 first
 #            profiles one kvbatch run (job_profile.txt), JOB_ROUNDS (default 2)
-#   shared   benchmarks/shared_prompts.py (issue 21), Llama-1B geometry (random bf16, the job stage's): $SHARED_ROWS
+#   shared   job.shared_prompts (issue 21), Llama-1B geometry (random bf16, the job stage's): $SHARED_ROWS
 #            (default 512) rows behind one ~1,000-token system prompt (180 words: the random model's tokenizer spends ~5.5 tokens a word), 128 new tokens each, prefix cache on / off /
 #            mlx-lm batch_generate; then n=8 samples of 64 prompts against 512 duplicated rows; SHARED_ROUNDS (2)
-#   profile  gpu_step_profile.py $PROFILE_ARGS (default: 1B batch 8 at 8k, none and q8, lookahead loop, with
+#   profile  gpu.step_profile $PROFILE_ARGS (default: 1B batch 8 at 8k, none and q8, lookahead loop, with
 #            mlx-lm): host phases against the wait for the GPU, to tell a host-bound case from a GPU-bound one
 set -uo pipefail
 S=$HOME/kvbatch-stage SITE=$HOME/kvbatch-site OUT=${OUT:-/tmp/out}
@@ -69,11 +68,16 @@ fi
 git log -1 --format='commit %h %s' 2>/dev/null; git status --short 2>/dev/null | head -20
 # the checks of one variant take ~2.5 min (60 cases, most of it compiling): check the default only
 CHECKS="default:" CHECK_MODES=${CHECK_MODES:-none,q8,q4,k8v4}
-VARIANTS="default:;u4:KVBATCH_CUDA_UNROLL=4;c256:KVBATCH_CUDA_CHUNK=256:1024;c512:KVBATCH_CUDA_CHUNK=512:1024;w4u4:KVBATCH_CUDA_WARPS=4,KVBATCH_CUDA_UNROLL=4;c2048:KVBATCH_CUDA_CHUNK=2048:1024"
-C256=KVBATCH_CUDA_CHUNK=256:1024
-QVARIANT=${QVARIANT:-"w8u2:KVBATCH_CUDA_WARPS=8,KVBATCH_CUDA_UNROLL=2"} QENV=${QENV:-KVBATCH_CUDA_WARPS=8+KVBATCH_CUDA_UNROLL=2}
+# launch settings (engine.options.cuda, CudaLaunch): backend_check variants are label:key=value,...; a
+# benchmark mode takes them after '@' as cuda.key=value+... (harness.parse_mode)
+VARIANTS="default:;u4:unroll=4;c256:chunk=256,unsplit=1024;c512:chunk=512,unsplit=1024;w4u4:warps=4,unroll=4;c2048:chunk=2048,unsplit=1024"
+C256=cuda.chunk=256+cuda.unsplit=1024
+QVARIANT=${QVARIANT:-"w8u2:warps=8,unroll=2"} QENV=${QENV:-cuda.warps=8+cuda.unroll=2}
+# engine.vs_mlx_lm as the GPU runs it (what gpu.py did by default): roofline, 2k prefill chunks, 120 GB budget,
+# mlx-lm prefilling 8 rows at a time
+VS="python3 -m benchmarks engine.vs_mlx_lm --roofline --prefill-chunk 2048 --budget-gb 120 --mlx-lm-prefill-batch 8 --cache-limit-gib 0"
 MLXENVS=${MLXENVS:-"default:;ops200:MLX_MAX_OPS_PER_BUFFER=200;nograph:MLX_USE_CUDA_GRAPHS=0"}
-LONG="--batches '' --interleave 32 --long-new 448 --skip-mlx-lm-long"
+LONG="--batches '' --long 8192 --interleave 32 --long-new 448 --skip-mlx-lm-long"
 GEOM1B="family=llama num_layers=16 hidden_size=2048 num_heads=32 num_kv_heads=8 head_dim=64 intermediate_size=8192
         vocab_size=128256 context_length=4096 dtype=bfloat16 cache_dir=$HOME/kvbatch-models"
 TESTS=${TESTS:-"tests/engine/test_cuda_kernel_write.py tests/engine/test_engine_paged.py tests/engine/test_kv_quant.py tests/engine/test_kv_modes.py tests/engine/test_nonfinite.py tests/engine/test_memory.py tests/engine/test_lookahead.py"}
@@ -81,54 +85,54 @@ for arg in "$@"; do
   stage=${arg%%:*} secs=${arg#*:}; [ "$secs" = "$arg" ] && secs=300
   echo "== stage $stage (${secs}s) $(date -u +%T) $(env | grep ^KVBATCH_ | tr '\n' ' ')"
   case $stage in
-    kernels) timeout "$secs" python3 benchmarks/backend_check.py --parts kernels,bench --kernel-dtypes bfloat16,float32 \
+    kernels) timeout "$secs" python3 -m benchmarks gpu.backend_check --parts kernels,bench --kernel-dtypes bfloat16,float32 \
                --kernel-modes "$CHECK_MODES" --kernel-chunks default,48 --check-variants "$CHECKS" \
                --variants "$VARIANTS" --bench-contexts 128,8192 2>&1 | tee "$OUT/kernels.txt" | grep -v "^ok   kernel" ;;
     pytest) timeout "$secs" python3 -m pytest -q -p no:cacheprovider -rs --durations=8 $TESTS 2>&1 | tee "$OUT/pytest.txt" ;;
-    gpu8b|gpu1b) g=${stage#gpu}; timeout "$secs" python3 benchmarks/gpu.py --geometry "$g" --repeats 2 \
-               --modes none,q8,q4,none@old,q8@old --out "$OUT/gpu_$g.json" 2>&1 | tee "$OUT/gpu_$g.txt" | cut -c1-400 ;;
+    gpu8b|gpu1b) g=${stage#gpu}; timeout "$secs" $VS --models "random-$g" --rounds 2 --batches 1,8,64,256 \
+               --long 8192 --long-batches 1,8 --modes none,q8,q4 --out "$OUT/gpu_$g.json" 2>&1 | tee "$OUT/gpu_$g.txt" | cut -c1-400 ;;
     long8b|long1b) g=${stage#long}; big=$([ "$g" = 8b ] && echo 16 || echo 64)
-      timeout "$secs" bash -c "python3 benchmarks/gpu.py --geometry $g $LONG --long-batches 8,$big --modes none,q8,q4 \
-               --out $OUT/gpu_${g}_long.json; python3 benchmarks/gpu.py --geometry $g $LONG --long-batches 1 \
+      timeout "$secs" bash -c "$VS --models random-$g $LONG --long-batches 8,$big --modes none,q8,q4 \
+               --out $OUT/gpu_${g}_long.json; $VS --models random-$g $LONG --long-batches 1 \
                --modes none,q8,q4,none@$C256,q8@$C256,q4@$C256 --out $OUT/gpu_${g}_long_b1.json" 2>&1 |
         tee "$OUT/gpu_${g}_long.txt" | cut -c1-300 ;;
-    quantab) timeout "$secs" bash -c "python3 benchmarks/backend_check.py --parts kernels --kernel-modes q8,q4 \
+    quantab) timeout "$secs" bash -c "python3 -m benchmarks gpu.backend_check --parts kernels --kernel-modes q8,q4 \
                --kernel-dtypes bfloat16,float32 --kernel-chunks default,48 \
                --check-variants '$QVARIANT' | grep -v '^ok   kernel';
-             python3 benchmarks/gpu.py --geometry 1b $LONG --long-batches 64 --modes none,q8,q4,q8@$QENV,q4@$QENV \
-               --out $OUT/gpu_1b_quantab.json; python3 benchmarks/gpu.py --geometry 8b $LONG --long-batches 16 \
+             $VS --models random-1b $LONG --long-batches 64 --modes none,q8,q4,q8@$QENV,q4@$QENV \
+               --out $OUT/gpu_1b_quantab.json; $VS --models random-8b $LONG --long-batches 16 \
                --modes none,q8,q4,q8@$QENV,q4@$QENV --out $OUT/gpu_8b_quantab.json" 2>&1 | tee "$OUT/quantab.txt" |
         cut -c1-300 ;;
     mlxenv) IFS=';' read -ra cfgs <<< "$MLXENVS"
       for c in "${cfgs[@]}"; do
         name=${c%%:*} vars=${c#*:}; echo "-- $name ${vars//,/ }" | tee -a "$OUT/mlxenv.txt"
-        timeout "$secs" env ${vars//,/ } python3 benchmarks/gpu_step_profile.py ${MLXENV_ARGS:---geometry 8b --batches 1 \
+        timeout "$secs" env ${vars//,/ } python3 -m benchmarks gpu.step_profile ${MLXENV_ARGS:---geometry 8b --batches 1 \
           --prompt 8192 --new 128 --modes none,q8 --no-sync} 2>&1 | tee -a "$OUT/mlxenv.txt" | cut -c1-1200
       done ;;
     sidebyside) for g in ${SBS_GEOMS:-8b 1b}; do for side in ${SBS_SIDES:-new old old new}; do
         tag=a; [ -e "$OUT/gpu_${g}_${side}_a.json" ] && tag=b
         if [ $side = new ]; then dir=.; pp=$SITE:$PWD; else dir=.gpu/old; pp=$SITE:$PWD/.gpu/old; fi
         echo "-- $g $side ($tag)"
-        (cd $dir && PYTHONPATH=$pp timeout "$secs" python3 benchmarks/gpu.py --geometry $g --batches ${SBS_BATCHES:-8,64,256} \
-           --long-batches '' --modes none --repeats 2 --out "$OUT/gpu_${g}_${side}_$tag.json") 2>&1 | cut -c1-300
+        (cd $dir && PYTHONPATH=$pp timeout "$secs" $VS --models random-$g --batches ${SBS_BATCHES:-8,64,256} \
+           --modes none --rounds 2 --out "$OUT/gpu_${g}_${side}_$tag.json") 2>&1 | cut -c1-300
       done; done ;;
-    throughput) timeout "$secs" bash -c "python3 benchmarks/gpu.py --geometry 8b --batches 256 --long-batches '' \
-               --modes none,q8 --repeats 2 --out $OUT/gpu_8b_throughput.json; python3 benchmarks/gpu.py --geometry 1b \
-               --batches 8,64,256 --long-batches '' --modes none --repeats 2 --out $OUT/gpu_1b_throughput.json" 2>&1 |
+    throughput) timeout "$secs" bash -c "$VS --models random-8b --batches 256 \
+               --modes none,q8 --rounds 2 --out $OUT/gpu_8b_throughput.json; $VS --models random-1b \
+               --batches 8,64,256 --modes none --rounds 2 --out $OUT/gpu_1b_throughput.json" 2>&1 |
         tee "$OUT/throughput.txt" | cut -c1-400 ;;
     job) python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .gpu/c/*.whl || exit 1
-      timeout "$secs" python3 benchmarks/job_vs_mlx_lm.py --model tiny --model-args "$GEOM1B" --rows 256 --new 512 \
+      timeout "$secs" python3 -m benchmarks job.job_vs_mlx_lm --model tiny --model-args "$GEOM1B" --rows 256 --new 512 \
         --max-words ${JOB_WORDS:-150} --rounds ${JOB_ROUNDS:-2} ${JOB_PROFILE:+--profile $OUT/job_profile.txt} --match --kvbatch-cmd "python3 -m kvbatch" --python python3 \
         --out "$OUT/job_1b.json" 2>&1 | tee "$OUT/job.txt" | cut -c1-1500 ;;
     shared) python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .gpu/c/*.whl || exit 1
-      timeout "$secs" python3 benchmarks/shared_prompts.py --model tiny --model-args "$GEOM1B" --python python3 \
+      timeout "$secs" python3 -m benchmarks job.shared_prompts --model tiny --model-args "$GEOM1B" --python python3 \
         --rows ${SHARED_ROWS:-512} --system-words ${SHARED_WORDS:-180} --prompts 64 --n 8 --rounds ${SHARED_ROUNDS:-2} --parts ${SHARED_PARTS:-system,samples} \
         --out "$OUT/shared_1b.json" 2>&1 | tee "$OUT/shared.txt" | cut -c1-1500 ;;
-    profile) timeout "$secs" python3 benchmarks/gpu_step_profile.py ${PROFILE_ARGS:---geometry 1b --batches 8 \
+    profile) timeout "$secs" python3 -m benchmarks gpu.step_profile ${PROFILE_ARGS:---geometry 1b --batches 8 \
                --prompt 8192 --modes none,q8 --no-sync} 2>&1 | tee -a "$OUT/profile.txt" | cut -c1-1500 ;;
     prefill) for c in ${PREFILL_ENVS:-"default:" "nocudnn:MLX_CUDA_USE_CUDNN_SDPA=0"}; do
         name=${c%%:*} vars=${c#*:}; echo "-- $name ${vars//,/ }" | tee -a "$OUT/prefill.txt"
-        timeout "$secs" env ${vars//,/ } python3 benchmarks/gpu_prefill_shapes.py ${PREFILL_ARGS:---geometry 1b --rows 256 \
+        timeout "$secs" env ${vars//,/ } python3 -m benchmarks gpu.prefill_shapes ${PREFILL_ARGS:---geometry 1b --rows 256 \
           --modes none,q8} --out "$OUT/prefill_$name.json" 2>&1 | tee -a "$OUT/prefill.txt" | cut -c1-900
       done ;;
     *) echo "unknown stage $stage"; exit 2 ;;

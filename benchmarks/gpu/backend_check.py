@@ -4,27 +4,32 @@ Teacher-forced logits of a batch through kvbatch vs mlx-lm single-stream referen
 (KVCache for kv=none, tests.engine.kv_reference.QuantRefCache for q8/q4), for float32,
 bfloat16 and float16 random llama/qwen3 models. Prints one line per case and exits
 non-zero on a mismatch. Used on the lent GPU, where the pytest suite's fixtures
-(SmolLM2 wheel, Hydra) are not installed.
+(SmolLM2 wheel, Hydra) are not installed. On CUDA also (--parts kernels,bench) the fused decode kernels
+against a float64 reference, and their speed under launch-setting variants.
+
+    python -m benchmarks gpu.backend_check --parts kernels,engine
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import argparse
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import mlx.core as mx
+from mlx_lm.models import llama, qwen3
+from mlx_lm.models.cache import KVCache
 
-import kvbatch.engine  # noqa: E402,F401
-import mlx.core as mx  # noqa: E402
-from mlx_lm.models import llama, qwen3  # noqa: E402
-from mlx_lm.models.cache import KVCache  # noqa: E402
+from benchmarks import harness as h
+from kvbatch.engine.config import KV_BITS, CudaLaunch, EngineOptions
+from kvbatch.engine.engine import Engine
+from kvbatch.engine.models.spec import model_spec
+from kvbatch.engine.testing import engine_config
+from kvbatch.engine.params import SamplingParams
+from kvbatch.engine.types import Request
+from tests.engine.kv_reference import StoredPagesRefCache, record_page_tables, teacher_forced_logits
 
-from kvbatch.engine.config import KV_BITS, CudaLaunch, EngineOptions  # noqa: E402
-from kvbatch.engine.engine import Engine  # noqa: E402
-from tests.configs import engine_config  # noqa: E402
-from kvbatch.engine.models.spec import model_spec  # noqa: E402
-from kvbatch.engine.params import SamplingParams  # noqa: E402
-from kvbatch.engine.types import Request  # noqa: E402
-from tests.engine.kv_reference import StoredPagesRefCache, record_page_tables, teacher_forced_logits  # noqa: E402
+SMOKE = ["--parts", "kernels,bench,engine", "--engine-families", "llama:64", "--engine-modes", "q8",
+         "--engine-pages", "16", "--no-engine-half", "--engine-rows", "2", "--engine-tokens", "6",
+         "--kernel-modes", "none", "--kernel-dtypes", "float32", "--kernel-chunks", "default",
+         "--bench-batches", "1", "--bench-dims", "64", "--bench-contexts", "128"]
 
 
 class _Tok:
@@ -46,25 +51,26 @@ def build(family: str, head_dim: int, dtype):
     return m, model_spec(f"{family}-{head_dim}", m, cfg)
 
 
-def check(family, head_dim, dtype, mode, page, tol, options: EngineOptions | None = None) -> bool:
+def check(family, head_dim, dtype, mode, page, tol, options: EngineOptions | None = None, rows: int = 8,
+          tokens: int = 40) -> bool:
     m, spec = build(family, head_dim, dtype)
     bits = {"q8": 8, "q4": 4, "k8v4": 8}.get(mode)
     chunk = 24
     eng = Engine(m, _Tok(), spec, engine_config(kv_mode=mode, page_size=page, max_batch=8, prefill_chunk=chunk,
                                                 memory_budget=2 << 30, allow_unvalidated=True, options=options))
-    prompts = [[(7 * i + j) % 500 + 1 for j in range(5 + 9 * i)] for i in range(8)]
-    cont = [[(3 * i + 5 * j) % 500 + 1 for j in range(40)] for i in range(8)]
-    tables = record_page_tables(eng.cache)
+    prompts = [[(7 * i + j) % 500 + 1 for j in range(5 + 9 * i)] for i in range(rows)]
+    cont = [[(3 * i + 5 * j) % 500 + 1 for j in range(tokens)] for i in range(rows)]
+    tables = record_page_tables(h.kv_store(eng))
     for i, c in enumerate(cont):
         eng.hooks.force(str(i), c)
-    res = eng.generate([Request(str(i), p, SamplingParams(max_tokens=40)) for i, p in enumerate(prompts)])
+    res = eng.generate([Request(str(i), p, SamplingParams(max_tokens=tokens)) for i, p in enumerate(prompts)])
     worst = 0.0
     for p, c, r in zip(prompts, cont, res):
         if r.error_code:
             print(f"FAIL {family} hd={head_dim} {dtype} {mode} page={page}: {r.error_code} {r.error_message}")
             return False
         mk = (lambda: [KVCache() for _ in m.layers]) if not bits else \
-            (lambda: [StoredPagesRefCache(eng.cache.store, i, tables[r.key]) for i in range(len(m.layers))])
+            (lambda: [StoredPagesRefCache(h.kv_store(eng).store, i, tables[r.key]) for i in range(len(m.layers))])
         ref = teacher_forced_logits(m, p, c, mk, chunk)
         worst = max(worst, max(float(mx.abs(a - b).max()) for a, b in zip(eng.hooks.logits[r.key], ref)))
     ok = worst <= tol
@@ -133,12 +139,12 @@ def kernel_case(mode: str, dtype, D: int, rep: int, P: int, chunk, hkv: int = 2,
     worst = 0.0
     got = np.array(out.astype(mx.float32))[:, :, 0]
     for b in range(B):
-        for h in range(hkv * rep):
-            kk, vv = rows_k[b][h // rep].astype(np.float64), rows_v[b][h // rep].astype(np.float64)
-            s = kk @ Q[b, h] * scale
+        for hq in range(hkv * rep):
+            kk, vv = rows_k[b][hq // rep].astype(np.float64), rows_v[b][hq // rep].astype(np.float64)
+            s = kk @ Q[b, hq] * scale
             p = np.exp(s - s.max())
             ref = (p / p.sum()) @ vv
-            worst = max(worst, float(np.abs(ref - got[b, h]).max()))
+            worst = max(worst, float(np.abs(ref - got[b, hq]).max()))
     return worst
 
 
@@ -268,11 +274,8 @@ def pick_variant(times: dict, checked: dict, batches=(8, 64)) -> str | None:
     return best
 
 
-def main() -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--parts", default="kernels,engine", help="kernels,engine,bench")
+def add_args(ap) -> None:
+    ap.add_argument("--parts", default="kernels,engine", help="kernels,engine,bench (kernels, bench: CUDA only)")
     ap.add_argument("--kernel-modes", default="none,q8,q4")
     ap.add_argument("--kernel-dtypes", default="float32,bfloat16,float16")
     ap.add_argument("--kernel-chunks", default="default,0,48,100", help="tokens per split; default = CHUNK")
@@ -284,47 +287,75 @@ def main() -> int:
     ap.add_argument("--bench-contexts", default="8192",
                     help="tokens per row (a short one, e.g. 64, runs unsplit: the per-call floor)")
     ap.add_argument("--portable", action="store_true", help="bench: also the portable gather + SDPA")
-    ap.add_argument("--pick-out", default="", help="write the fastest checked variant's settings as shell exports")
-    a = ap.parse_args()
-    parts = a.parts.split(",")
-    print("device:", mx.default_device(), "mlx", mx.__version__, flush=True)
+    ap.add_argument("--pick-out", default="", help="write the fastest checked variant's settings as config lines")
+    ap.add_argument("--engine-families", default="llama:64,llama:128,qwen3:128", help="engine: family:head size")
+    ap.add_argument("--engine-modes", default="none,q8,q4")
+    ap.add_argument("--engine-pages", default="16,64")
+    ap.add_argument("--engine-rows", type=int, default=8)
+    ap.add_argument("--engine-tokens", type=int, default=40, help="engine: forced tokens per row")
+    ap.add_argument("--engine-half", action=argparse.BooleanOptionalAction, default=True,
+                    help="engine: also bfloat16 and float16 (llama, head size 64, page 16)")
+
+
+def _kernels(a) -> dict:
+    chunks = tuple(None if c == "default" else int(c) for c in a.kernel_chunks.split(","))
+    checked = {}
+    for label, settings in parse_variants(a.check_variants):
+        print(f"kernel checks, variant {label} {settings}", flush=True)
+        checked[label] = kernel_checks(tuple(a.kernel_modes.split(",")), tuple(a.kernel_dtypes.split(",")), chunks,
+                                       settings)
+    return checked
+
+
+def _bench(a, checked: dict | None) -> str | None:
+    variants = parse_variants(a.variants)
+    times = kernel_bench(contexts=tuple(map(int, a.bench_contexts.split(","))),
+                         batches=tuple(map(int, a.bench_batches.split(","))),
+                         geometries=tuple((int(d), 8, 4) for d in a.bench_dims.split(",")),
+                         variants=variants, portable=a.portable)
+    if not a.pick_out:
+        return None
+    best = pick_variant(times, checked if checked is not None else {k: True for k, _ in variants})
+    settings = dict(variants)[best] if best else {}
+    print(f"picked: {best} {settings}", flush=True)
+    with open(a.pick_out, "w") as f:
+        f.write(f"# picked: {best}\n" + "".join(f"engine.options.cuda.{k}={v}\n" for k, v in settings.items()))
+    return best
+
+
+def _engine_checks(a) -> bool:
     ok = True
-    if "kernels" in parts and mx.cuda.is_available():
-        chunks = tuple(None if c == "default" else int(c) for c in a.kernel_chunks.split(","))
-        checked = {}
-        for label, settings in parse_variants(a.check_variants):
-            print(f"kernel checks, variant {label} {settings}", flush=True)
-            checked[label] = kernel_checks(tuple(a.kernel_modes.split(",")), tuple(a.kernel_dtypes.split(",")), chunks,
-                                           settings)
-            ok &= checked[label]
-    if "bench" in parts and mx.cuda.is_available():
-        variants = parse_variants(a.variants)
-        times = kernel_bench(contexts=tuple(map(int, a.bench_contexts.split(","))),
-                             batches=tuple(map(int, a.bench_batches.split(","))),
-                             geometries=tuple((int(d), 8, 4) for d in a.bench_dims.split(",")),
-                             variants=variants, portable=a.portable)
-        if a.pick_out:
-            best = pick_variant(times, checked if "kernels" in parts else {k: True for k, _ in variants})
-            settings = dict(variants)[best] if best else {}
-            print(f"picked: {best} {settings}", flush=True)
-            with open(a.pick_out, "w") as f:
-                f.write(f"# picked: {best}\n" + "".join(f"engine.options.cuda.{k}={v}\n" for k, v in settings.items()))
-    if "engine" not in parts:
-        return 0 if ok else 1
-    for family, hd in (("llama", 64), ("llama", 128), ("qwen3", 128)):
-        for mode in ("none", "q8", "q4"):
-            for page in (16, 64):
-                ok &= check(family, hd, mx.float32, mode, page, 1e-4 if mx.default_device() == mx.cpu else 1e-2)
-    for dtype in (mx.bfloat16, mx.float16):
-        for mode in ("none", "q8", "q4"):
-            ok &= check("llama", 64, dtype, mode, 16, 0.15)
+    tol = 1e-4 if mx.default_device() == mx.cpu else 1e-2
+    for family, hd in (f.split(":") for f in a.engine_families.split(",")):
+        for mode in a.engine_modes.split(","):
+            for page in map(int, a.engine_pages.split(",")):
+                ok &= check(family, int(hd), mx.float32, mode, page, tol, rows=a.engine_rows,
+                            tokens=a.engine_tokens)
+    for dtype in ((mx.bfloat16, mx.float16) if a.engine_half else ()):
+        for mode in a.engine_modes.split(","):
+            ok &= check("llama", 64, dtype, mode, 16, 0.15, rows=a.engine_rows, tokens=a.engine_tokens)
     if mx.cuda.is_available():  # the split-K path end to end (forced: these contexts are short)
         split16 = EngineOptions(cuda=CudaLaunch(chunk=16, unsplit=16))
-        for mode in ("none", "q8", "q4"):
+        for mode in a.engine_modes.split(","):
             print("engine.options.cuda.chunk=16:", end=" ")
-            ok &= check("llama", 128, mx.float32, mode, 16, 1e-2, split16)
-    return 0 if ok else 1
+            ok &= check("llama", 128, mx.float32, mode, 16, 1e-2, split16, a.engine_rows, a.engine_tokens)
+    return ok
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def run(a) -> dict:
+    parts = a.parts.split(",")
+    print("device:", mx.default_device(), "mlx", mx.__version__, flush=True)
+    out: dict = {"ok": True}
+    cuda = mx.cuda.is_available()
+    if ("kernels" in parts or "bench" in parts) and not cuda:
+        print("kernels, bench: skipped (MLX's CUDA backend is not here)", flush=True)
+    if "kernels" in parts and cuda:
+        out["kernel_checks"] = checked = _kernels(a)
+        out["ok"] &= all(checked.values())
+    if "bench" in parts and cuda:
+        out["picked"] = _bench(a, out.get("kernel_checks") if "kernels" in parts else None)
+    if "engine" in parts:
+        out["engine_ok"] = _engine_checks(a)
+        out["ok"] &= out["engine_ok"]
+    out["failed"] = not out["ok"]
+    return out

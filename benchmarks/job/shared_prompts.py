@@ -17,15 +17,11 @@ round also times the floor of a process: the same command on one row for one new
 model load, writing the results), and reports the ratios of tok/s past that floor (tokens / (wall -
 floor)) beside the whole-job ratios: what the engine's work decides.
 
-    flock /tmp/kvbatch-bench.lock .venv/bin/python benchmarks/shared_prompts.py --rounds 2 \
-        --out benchmarks/results/shared_prompts_cpu.json
+    python -m benchmarks job.shared_prompts --rounds 2 --out /tmp/shared_prompts_cpu.json
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import platform
 import random
 import shlex
 import statistics
@@ -35,8 +31,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from job_vs_mlx_lm import ROOT, WORDS, run_kvbatch  # noqa: E402
+from benchmarks.harness import ROOT
+from benchmarks.job.job_vs_mlx_lm import WORDS, run_kvbatch
+
+SMOKE = ["--model", "tiny", "--rows", "2", "--system-words", "5", "--new", "2", "--prompts", "1", "--n", "2",
+         "--sample-words", "3", "--sample-new", "2", "--rounds", "1", "--parts", "system", "--no-warm", "--no-floor"]
 
 MLX_LM = r"""
 import json, sys, time
@@ -92,8 +91,7 @@ def slim(r: dict) -> dict:
     return {k: v for k, v in r.items() if k != "outputs"}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def add_args(ap) -> None:
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--system-words", type=int, default=760, help="~1,000 SmolLM2 tokens")
     ap.add_argument("--new", type=int, default=128)
@@ -106,9 +104,35 @@ def main() -> None:
     ap.add_argument("--kvbatch-args", default="")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--model-args", default="", help="model=tiny geometry for both sides: 'num_layers=16 ...'")
-    ap.add_argument("--python", default=str(ROOT / ".venv/bin/python"))
-    ap.add_argument("--out")
-    a = ap.parse_args()
+    ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--no-warm", action="store_true", help="no untimed first run (that builds or converts the model)")
+    ap.add_argument("--no-floor", action="store_true", help="no floor runs (the beyond-floor ratios then use 0 s)")
+
+
+def _line(part: str, got: dict, floor: float) -> dict:
+    def beyond(x):  # tok/s past the floor
+        return x["tokens"] / (x["wall_s"] - floor)
+
+    if part == "system":
+        on, off, ml = got["cache_on"], got["cache_off"], got["mlx_lm"]
+        return dict(speedup_vs_off=on["tok_s"] / off["tok_s"], speedup_vs_mlx_lm=on["tok_s"] / ml["tok_s"],
+                    beyond_floor_vs_off=beyond(on) / beyond(off), prefilled_share=on["prefilled"] / off["prefilled"],
+                    same_outputs_on_off=sum(on["outputs"][key] == t for key, t in off["outputs"].items()),
+                    same_outputs_mlx_lm=sum(on["outputs"].get(key) == t for key, t in ml["outputs"].items()))
+    n, d, d0 = got["n"], got["duplicated"], got["duplicated_no_cache"]
+    return dict(speedup=n["tok_s"] / d["tok_s"], prefilled_share=n["prefilled"] / d["prefilled"],
+                speedup_vs_no_cache=n["tok_s"] / d0["tok_s"], beyond_floor_vs_no_cache=beyond(n) / beyond(d0),
+                prefilled_share_vs_no_cache=n["prefilled"] / d0["prefilled"],
+                distinct_outputs_n=len({tuple(t) for t in n["outputs"].values()}),
+                distinct_outputs_dup=len({tuple(t) for t in d["outputs"].values()}))
+
+
+KEYS = {"system": ("speedup_vs_off", "speedup_vs_mlx_lm", "prefilled_share", "beyond_floor_vs_off"),
+        "samples": ("speedup", "prefilled_share", "speedup_vs_no_cache", "prefilled_share_vs_no_cache",
+                    "beyond_floor_vs_no_cache")}
+
+
+def run(a) -> dict:
     a.model_args = dict(kv.split("=", 1) for kv in shlex.split(a.model_args))
     typed = {k: (int(v) if v.lstrip("-").isdigit() else v) for k, v in a.model_args.items()}
     model_cfg = {} if a.model == "smollm2" else {"source": "tiny", "name": "tiny", **typed}
@@ -127,7 +151,8 @@ def main() -> None:
                                     for i, q in enumerate(questions) for j in range(a.n)])
     sampled = ["sampling.temperature=0.8"]
     warm = write(tmp / "warm.jsonl", [json.loads(shared.read_text().splitlines()[0])])
-    run_mlx_lm(a.python, warm, model_cfg, 1)  # untimed: builds or converts the model into its cache once
+    if not a.no_warm:
+        run_mlx_lm(a.python, warm, model_cfg, 1)  # untimed: builds or converts the model into its cache once
     floor_in = write(tmp / "floor.jsonl", [json.loads(shared.read_text().splitlines()[0])])
     sides = {
         "system": {"cache_on": lambda k: kv_side(a, shared, tmp / f"on{k}", a.new, extra),
@@ -140,41 +165,17 @@ def main() -> None:
                     "duplicated_no_cache": lambda k: kv_side(a, dup, tmp / f"dupoff{k}", a.sample_new,
                                                              extra + sampled + ["engine.prefix_cache=false"])},
     }
-    result = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "python": platform.python_version(),
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "args": vars(a)}
+    result = {}
     for part in a.parts.split(","):
         names, rounds = list(sides[part]), []
         for k in range(a.rounds):
             order = names[k % len(names):] + names[:k % len(names)]
             got = {name: sides[part][name](k) for name in order}
-            floor = kv_side(a, floor_in, tmp / f"floor{part}{k}", 1, extra)["wall_s"]
-            beyond = lambda x: x["tokens"] / (x["wall_s"] - floor)  # noqa: E731  (tok/s past the floor)
-            line = {"round": k, "order": order, "floor_s": floor, **{name: slim(r) for name, r in got.items()}}
-            if part == "system":
-                on, off, ml = got["cache_on"], got["cache_off"], got["mlx_lm"]
-                line.update(speedup_vs_off=on["tok_s"] / off["tok_s"], speedup_vs_mlx_lm=on["tok_s"] / ml["tok_s"],
-                            beyond_floor_vs_off=beyond(on) / beyond(off),
-                            prefilled_share=on["prefilled"] / off["prefilled"],
-                            same_outputs_on_off=sum(on["outputs"][key] == t for key, t in off["outputs"].items()),
-                            same_outputs_mlx_lm=sum(on["outputs"].get(key) == t for key, t in ml["outputs"].items()))
-            else:
-                n, d, d0 = got["n"], got["duplicated"], got["duplicated_no_cache"]
-                line.update(speedup=n["tok_s"] / d["tok_s"], prefilled_share=n["prefilled"] / d["prefilled"],
-                            speedup_vs_no_cache=n["tok_s"] / d0["tok_s"],
-                            beyond_floor_vs_no_cache=beyond(n) / beyond(d0),
-                            prefilled_share_vs_no_cache=n["prefilled"] / d0["prefilled"],
-                            distinct_outputs_n=len({tuple(t) for t in n["outputs"].values()}),
-                            distinct_outputs_dup=len({tuple(t) for t in d["outputs"].values()}))
+            floor = 0.0 if a.no_floor else kv_side(a, floor_in, tmp / f"floor{part}{k}", 1, extra)["wall_s"]
+            line = {"round": k, "order": order, "floor_s": floor, **{name: slim(r) for name, r in got.items()},
+                    **_line(part, got, floor)}
             print(json.dumps({part: line}), flush=True)
             rounds.append(line)
-        keys = ("speedup_vs_off", "speedup_vs_mlx_lm", "prefilled_share", "beyond_floor_vs_off") if part == "system" \
-            else ("speedup", "prefilled_share", "speedup_vs_no_cache", "prefilled_share_vs_no_cache",
-                  "beyond_floor_vs_no_cache")
-        result[part] = {"median": {k: statistics.median(r[k] for r in rounds) for k in keys}, "rounds": rounds}
+        result[part] = {"median": {k: statistics.median(r[k] for r in rounds) for k in KEYS[part]}, "rounds": rounds}
         print(json.dumps({part: result[part]["median"]}), flush=True)
-    if a.out:
-        Path(a.out).write_text(json.dumps(result, indent=1))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return result

@@ -7,11 +7,10 @@ with the reference row by row. Prints one JSON object: rows, kills, and rows los
 changed (tokens differ), stranded (pending/leased after the final run), charged (an error code
 or attempt > 1), all expected 0.
 
-    .venv/bin/python benchmarks/kill_soak.py --rows 96 --rounds 20 --seed 1
+    python -m benchmarks job.kill_soak --rows 96 --rounds 20 --seed 1
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+SMOKE = ["--rows", "3", "--rounds", "1", "--max-wait", "0.1"]
 SETTINGS = ["model=tiny", "job.chat_template=false", "engine.max_batch=4", "engine.prefill_chunk=8",
             "worker.prefetch=2", "worker.flush_rows=2", "worker.flush_s=1000", "output.progress=off"]
 
@@ -34,13 +34,14 @@ def _cmd(args: list[str], out: Path) -> list[str]:
     return [sys.executable, "-m", "kvbatch", *args, f"output.dir={out}"]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def add_args(ap) -> None:
     ap.add_argument("--rows", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--max-wait", type=float, default=1.5, help="longest wait after model load before the kill")
-    a = ap.parse_args()
+
+
+def run(a) -> dict:
     rng = random.Random(a.seed)
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     with tempfile.TemporaryDirectory(prefix="kvbatch-soak-") as tmp:
@@ -77,7 +78,7 @@ def main() -> None:
         stranded = db.execute("SELECT COUNT(*) FROM rows WHERE state IN ('pending','leased')").fetchone()[0]
         crashes = db.execute("SELECT SUM(crashes), MAX(crashes) FROM rows").fetchone()
         stops = Counter(s for (s,) in db.execute("SELECT stop FROM workers"))
-        print(json.dumps({
+        result = {
             "rows": a.rows, "rounds": a.rounds, "seed": a.seed, "kills": killed,
             "rounds_finished_first": finished_early,
             "final_exit": final.returncode,
@@ -86,9 +87,8 @@ def main() -> None:
             "stranded": stranded,
             "charged": sum(1 for r in rows if r["error_code"] is not None or (r["attempt"] or 0) > 1),
             "crashes_total": crashes[0], "crashes_max_per_row": crashes[1], "worker_sessions": dict(stops),
-            "reference_run_s": round(ref_s, 1), "soak_s": round(soak_s, 1),
-        }))
-
-
-if __name__ == "__main__":
-    main()
+            "reference_run_s": round(ref_s, 1), "soak_s": round(soak_s, 1)}
+    print(json.dumps(result), flush=True)
+    result["failed"] = bool(final.returncode or result["lost"] or result["duplicated"] or result["changed"]
+                            or result["stranded"])
+    return result

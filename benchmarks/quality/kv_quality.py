@@ -22,34 +22,28 @@ For varied chat prompts (36 by default), greedy, up to 256 new tokens:
 quantizers, not a quality claim). --base FILE: reuse none's outputs from an earlier --out of the same
 model, prompts and settings (to split the modes over several calls).
 
-    flock /tmp/kvbatch-bench.lock .venv/bin/python benchmarks/kv_quality.py --modes q8,q4 --out /tmp/kv_quality.json
+    python -m benchmarks quality.kv_quality --modes q8,q4 --out /tmp/kv_quality.json
 """
 from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import mlx.core as mx
+from mlx_lm.generate import generate_step
 
-import kvbatch.engine  # noqa: E402,F401  (OpenBLAS before mlx)
-import mlx.core as mx  # noqa: E402
-from mlx_lm.generate import generate_step  # noqa: E402
+from benchmarks import harness as h
+from kvbatch.engine.engine import Engine
+from kvbatch.engine.hooks import EngineHooks
+from kvbatch.engine.memory import layout_for
+from kvbatch.engine.scoring import ForcedRow, compare, summarize
+from kvbatch.engine.params import SamplingParams
+from kvbatch.engine.types import Request
 
-from kvbatch.engine.config import KV_BITS  # noqa: E402
-from kvbatch.engine.engine import Engine  # noqa: E402
-from kvbatch.engine.hooks import EngineHooks  # noqa: E402
-from kvbatch.engine.memory import layout_for  # noqa: E402
-from kvbatch.engine.models.config import ModelConfig  # noqa: E402
-from kvbatch.engine.models.load import load_model  # noqa: E402
-from kvbatch.engine.scoring import ForcedRow, compare, summarize  # noqa: E402
-from kvbatch.engine.params import SamplingParams  # noqa: E402
-from kvbatch.engine.types import Request  # noqa: E402
-from tests.configs import engine_config  # noqa: E402
+SMOKE = ["--model", "tiny", "--modes", "q8,q4+rot", "--new", "4", "--batch", "2", "--prompts", "2",
+         "--floor-batch", "1", "--mlx-lm-prompts", "1"]
 
 PROMPTS = [
     "What is the capital of France?",
@@ -96,41 +90,8 @@ def chat_tokens(tok, text: str) -> list[int]:
                                    tokenize=True)
 
 
-MODELS = {
-    "smollm2": ModelConfig(source="smollm2"),
-    # head size 128 (Llama-8B's), random weights: a stress geometry, not a quality claim
-    "tiny128": ModelConfig(source="tiny", name="tiny-llama-h128", family="llama", num_layers=4, hidden_size=256,
-                           num_heads=4, num_kv_heads=2, head_dim=128, intermediate_size=512, vocab_size=300),
-}
-
-
-def parse_mode(text: str) -> dict:
-    """'q4+rot+fp16' -> KVConfig fields {mode: q4, rotate_keys: True, full_precision_tokens: 16};
-    'k4v8' -> {mode: q4, value_bits: 8}."""
-    name, *opts = text.strip().split("+")
-    fields: dict = {}
-    if name in KV_BITS:
-        fields["mode"] = name
-    elif len(name) == 4 and name[0] == "k" and name[2] == "v" and name[1] in "48" and name[3] in "48":
-        fields.update(mode=f"q{name[1]}", key_bits=int(name[1]), value_bits=int(name[3]))
-    else:
-        raise SystemExit(f"--modes: {text!r}: unknown mode {name!r} (one of {', '.join(KV_BITS)} or k<4|8>v<4|8>)")
-    for o in opts:
-        if o == "rot":
-            fields["rotate_keys"] = True
-        elif o.startswith("fp") and o[2:].isdigit():
-            fields["full_precision_tokens"] = int(o[2:])
-        elif o.startswith("g") and o[1:].isdigit():
-            fields["group_size"] = int(o[1:])
-        else:
-            raise SystemExit(f"--modes: {text!r}: unknown option {o!r} (rot, fp<N>, g<N>)")
-    return fields
-
-
 def mode_config(mode: str, args, **kw):
-    kv = parse_mode(mode)
-    return engine_config(kv_mode=kv.pop("mode"), page_size=args.page_size,
-                         group_size=kv.pop("group_size", args.group_size), kv=kv, **kw)
+    return h.mode_config(mode, page_size=args.page_size, group_size=args.group_size, **kw)
 
 
 def make_engine(model, tok, spec, mode: str, args) -> Engine:
@@ -200,9 +161,8 @@ def mlx_lm_greedy(model, prompt: list[int], kv_bits, group: int, n: int, eos: se
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", choices=sorted(MODELS), default="smollm2")
+def add_args(ap) -> None:
+    ap.add_argument("--model", default="smollm2", help=", ".join(h.MODEL_NAMES))
     ap.add_argument("--modes", default="q8,q4,k8v4,q4+rot,k8v4+rot")
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--batch", type=int, default=12)
@@ -215,13 +175,14 @@ def main() -> None:
     ap.add_argument("--base", default=None, help="reuse none's outputs from this earlier --out JSON")
     ap.add_argument("--floor-batch", type=int, default=0, help="batch of a second none run (noise floor); 0: skip")
     ap.add_argument("--mlx-lm-prompts", type=int, default=0, help="prompts for mlx-lm's own kv_bits path; 0: skip")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+
+
+def run(args) -> dict:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for m in modes:
-        parse_mode(m)
+        h.parse_kv(m)
 
-    model, tok, spec = load_model(MODELS[args.model])
+    model, tok, spec = h.load(args.model)
     prompts = [chat_tokens(tok, p) for p in PROMPTS[: args.prompts]]
     settings = {"model": spec.name, "dtype": spec.dtype, "head_dim": spec.head_dim, "prompts": len(prompts),
                 "new_tokens": args.new, "batch": args.batch, "page_size": args.page_size,
@@ -230,6 +191,7 @@ def main() -> None:
 
     if args.base:
         old = json.loads(Path(args.base).read_text())
+        old = old.get("result", old)  # a harness record, or an older bare report
         if any(old.get(k) != v for k, v in settings.items()) or old["prompt_tokens"] != report["prompt_tokens"]:
             raise SystemExit(f"--base {args.base}: another model, prompts or settings")
         base_tokens, report["none"] = old["none_tokens"], {**old["none"], "from": args.base}
@@ -264,7 +226,7 @@ def main() -> None:
         summ = engines[m].summary()
         entry = {"kv_label": summ["kv_label"], "route": summ["route"], "kv_k_axis": summ["kv_k_axis"],
                  "kv_bytes_per_token": bpt, "bytes_vs_q8": bpt / q8_bpt,
-                 "full_precision_slot_bytes": layout_for(spec, engines[m].cfg.kv).slot_bytes, **tf,
+                 "full_precision_slot_bytes": layout_for(spec, mode_config(m, args).kv).slot_bytes, **tf,
                  "tf_ppl_ratio": tf["tf_ppl"] / tf["tf_ppl_baseline"],
                  "tf_rows_detail": {k: vars(v) for k, v in scored[m].items()}}
         if args.free_running:
@@ -299,14 +261,4 @@ def main() -> None:
                   f"{fmt_agreement(report['mlx_lm'][mode])}", flush=True)
         report["mlx_lm"]["seconds"] = time.perf_counter() - t0
 
-    report["env"] = {"python": platform.python_version(), "mlx": mx.__version__,
-                     "mlx_lm": __import__("mlx_lm").__version__, "machine": platform.machine(),
-                     "date": time.strftime("%Y-%m-%d"),
-                     "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                              text=True).stdout.strip()}
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1))
-
-
-if __name__ == "__main__":
-    main()
+    return report

@@ -3,26 +3,23 @@
 Measures float32 512x576x1536 matmul GFLOP/s with and without the OpenBLAS
 step (each in its own subprocess: the step only works before mlx is first
 imported), and SmolLM2-135M-Instruct decode tokens/s at batch 1 and 8 with
-mlx-lm (float32 weights, greedy). Writes the "## Models / BLAS (issue 2)"
-section of benchmarks/RESULTS.md, leaving the other sections alone.
+mlx-lm (float32 weights, greedy). Prints the "## Models / BLAS (issue 2)" section
+of the notebook (benchmarks/notebook/README.md) as it was written (the record has it under `section`).
 
-    .venv/bin/python benchmarks/blas_matmul.py [--max-tokens 64] [--no-write]
+    python -m benchmarks cpu.blas_matmul [--max-tokens 64]
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import platform
-import re
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "RESULTS.md"
+from benchmarks import harness as h
+
+SMOKE = ["--model", "tiny", "--max-tokens", "4", "--seconds", "0.05", "--decode", ":2"]
 HEADING = "## Models / BLAS (issue 2)"
 M, K, N = 512, 576, 1536
 PROMPTS = [
@@ -37,7 +34,14 @@ PROMPTS = [
 ]
 
 
-def worker_matmul() -> dict:
+def add_args(ap) -> None:
+    ap.add_argument("--model", default="smollm2", help=", ".join(h.MODEL_NAMES))
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--seconds", type=float, default=2.0, help="matmul: timed for about this long")
+    ap.add_argument("--decode", default=":1,:8,none:1", help="decode runs, KVBATCH_BLAS:batch,...")
+
+
+def worker_matmul(seconds: float) -> dict:
     import kvbatch.engine as engine
     import mlx.core as mx
 
@@ -47,7 +51,7 @@ def worker_matmul() -> dict:
         mx.eval(a @ b)
     times: list[float] = []
     start = time.perf_counter()
-    while len(times) < 5 or (time.perf_counter() - start < 2.0 and len(times) < 200):
+    while len(times) < 5 or (time.perf_counter() - start < seconds and len(times) < 200):
         t = time.perf_counter()
         mx.eval(a @ b)
         times.append(time.perf_counter() - t)
@@ -55,12 +59,12 @@ def worker_matmul() -> dict:
             "runs": len(times)}
 
 
-def worker_decode(batch: int, max_tokens: int) -> dict:
+def worker_decode(model_name: str, batch: int, max_tokens: int) -> dict:
     import kvbatch.engine as engine
     import mlx.core as mx
     from mlx_lm import batch_generate, stream_generate
 
-    model, tok, spec = engine.load_model(engine.ModelConfig())
+    model, tok, spec = h.load(model_name)
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
                for p in PROMPTS[:batch]]
     for _ in stream_generate(model, tok, prompts[0], max_tokens=4):  # warm-up
@@ -78,36 +82,13 @@ def worker_decode(batch: int, max_tokens: int) -> dict:
 
 
 def run_worker(args: list[str], blas: str) -> dict:
+    """A worker in its own process (the OpenBLAS step only works before mlx is first imported)."""
     env = {**os.environ, "KVBATCH_BLAS": blas}
-    out = subprocess.run([sys.executable, __file__, "--worker", *args], capture_output=True, text=True,
-                         env=env, cwd=ROOT)
+    out = subprocess.run([sys.executable, "-m", "benchmarks.cpu.blas_matmul", *args], capture_output=True,
+                         text=True, env=env, cwd=h.ROOT)
     if out.returncode:
         raise SystemExit(f"worker {args} failed:\n{out.stderr}")
     return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def _sh(cmd: list[str]) -> str:
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    except OSError:
-        return ""
-
-
-def machine() -> dict:
-    cpu = re.search(r"Model name:\s*(.+)", _sh(["lscpu"]))
-    meminfo = Path("/proc/meminfo")
-    mem = re.search(r"MemTotal:\s*(\d+) kB", meminfo.read_text()) if meminfo.exists() else None
-    import mlx.core as mx
-    import mlx_lm
-
-    return {
-        "cpu": cpu.group(1).strip() if cpu else platform.processor(),
-        "cores": os.cpu_count(),
-        "ram_gib": round(int(mem.group(1)) / 2**20, 1) if mem else None,
-        "loadavg": os.getloadavg()[0],
-        "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d"), "commit": _sh(["git", "rev-parse", "--short", "HEAD"]),
-    }
 
 
 def render(info: dict, mm: dict, decode: list[dict], max_tokens: int) -> str:
@@ -117,7 +98,7 @@ def render(info: dict, mm: dict, decode: list[dict], max_tokens: int) -> str:
         f"Machine: {info['cpu']}, {info['cores']} cores, {info['ram_gib']} GiB RAM "
         f"(shared; 1-min load average {info['loadavg']:.1f} at start). "
         f"mlx {info['mlx']}, mlx-lm {info['mlx_lm']}, Python {info['python']}. "
-        f"{info['date']}, commit {info['commit']}. Command: `.venv/bin/python benchmarks/blas_matmul.py`.",
+        f"{info['date']}, commit {info['commit']}. Command: `python -m benchmarks cpu.blas_matmul`.",
         "",
         f"float32 {M}x{K}x{N} matmul (median of repeated runs, one subprocess per setting):", "",
         "| BLAS | GFLOP/s |", "|---|---|",
@@ -135,40 +116,24 @@ def render(info: dict, mm: dict, decode: list[dict], max_tokens: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_section(section: str) -> None:
-    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    pattern = re.compile(rf"^{re.escape(HEADING)}\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section + "\n", text)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    RESULTS.write_text(text)
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--no-write", action="store_true", help="print the section, do not edit RESULTS.md")
-    args = ap.parse_args()
-    sys.path.insert(0, str(ROOT))
-    if args.worker:
-        kind, *rest = args.worker
-        result = worker_matmul() if kind == "matmul" else worker_decode(int(rest[0]), int(rest[1]))
-        print(json.dumps(result))
-        return
-    info = machine()
-    mm = {"reference": run_worker(["matmul"], "none"), "openblas": run_worker(["matmul"], "")}
+def run(a) -> dict:
+    mm = {"reference": run_worker(["matmul", str(a.seconds)], "none"),
+          "openblas": run_worker(["matmul", str(a.seconds)], "")}
     print(json.dumps(mm))
     decode = []
-    for blas, batch in (("", 1), ("", 8), ("none", 1)):
-        decode.append(run_worker(["decode", str(batch), str(args.max_tokens)], blas))
+    for item in filter(None, a.decode.split(",")):
+        blas, _, batch = item.partition(":")
+        decode.append(run_worker(["decode", a.model, batch, str(a.max_tokens)], blas))
         print(json.dumps(decode[-1]))
-    section = render(info, mm, decode, args.max_tokens)
+    rec = h.record("cpu.blas_matmul", [], {}, None)
+    info = {**rec["machine"], **rec["versions"], "ram_gib": rec["machine"]["memory_gib"], "date": rec["date"][:10],
+            "commit": rec["commit"]}
+    section = render(info, mm, decode, a.max_tokens)
     print(section)
-    if not args.no_write:
-        write_section(section)
+    return {"matmul": mm, "decode": decode, "section": section}
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # a worker: python -m benchmarks.cpu.blas_matmul matmul SECONDS | decode MODEL BATCH N
+    kind, *rest = sys.argv[1:]
+    result = worker_matmul(float(rest[0])) if kind == "matmul" else worker_decode(rest[0], int(rest[1]), int(rest[2]))
+    print(json.dumps(result))

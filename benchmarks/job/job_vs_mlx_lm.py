@@ -10,15 +10,12 @@ ratio is reported and the median of those ratios is the number to read.
 mlx-lm runs at its defaults and, with --match, also with completion_batch_size set to the batch
 kvbatch ran at (read from its summary.json).
 
-    flock /tmp/kvbatch-bench.lock .venv/bin/python benchmarks/job_vs_mlx_lm.py --rows 64 --new 256 \
-        --rounds 2 --out benchmarks/results/job_cpu.json [--kvbatch-args "engine.max_batch=32"]
+    python -m benchmarks job.job_vs_mlx_lm --rows 64 --new 256 --rounds 2 --out /tmp/job_cpu.json \
+        [--kvbatch-args "engine.max_batch=32"]
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import platform
 import random
 import shlex
 import statistics
@@ -28,7 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.harness import ROOT
+
+SMOKE = ["--model", "tiny", "--rows", "2", "--new", "4", "--max-words", "5", "--rounds", "1", "--no-warm"]
 WORDS = ("the of and to in is that for it as with was on be by at this from or an which are have not can all "
          "water river mountain history science market engine garden music theory village storm letter window "
          "explain describe compare why how what summarize list write story poem plan steps reasons example").split()
@@ -112,8 +111,7 @@ def profile_kvbatch(a, inp: Path, tmp: Path, model_args: dict, extra: list[str])
     Path(a.profile).write_text(f"wall {r['wall_s']:.1f}s engine {json.dumps(r['engine'])[:2000]}\n" + buf.getvalue())
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def add_args(ap) -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--new", type=int, default=256)
@@ -121,12 +119,42 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--kvbatch-args", default="")
     ap.add_argument("--model-args", default="", help="model=tiny geometry for both sides: 'num_layers=16 ...'")
-    ap.add_argument("--kvbatch-cmd", default=str(ROOT / ".venv/bin/kvbatch"))
-    ap.add_argument("--python", default=str(ROOT / ".venv/bin/python"), help="runs the mlx-lm side")
+    ap.add_argument("--kvbatch-cmd", default=f"{sys.executable} -m kvbatch")
+    ap.add_argument("--python", default=sys.executable, help="runs the mlx-lm side")
     ap.add_argument("--match", action="store_true", help="also mlx-lm with completion_batch_size = kvbatch's batch")
     ap.add_argument("--profile", help="first one untimed kvbatch run under cProfile; its top functions to this file")
-    ap.add_argument("--out")
-    a = ap.parse_args()
+    ap.add_argument("--no-warm", action="store_true", help="no untimed first run (that builds or converts the model)")
+
+
+def _round(a, k: int, inp: Path, tmp: Path, model_cfg: dict, model_args: dict, extra: list[str]) -> dict:
+    order = ["kvbatch", "mlx_lm"] if k % 2 == 0 else ["mlx_lm", "kvbatch"]
+    rnd = {}
+    for side in order:
+        if side == "kvbatch":
+            rnd["kvbatch"] = run_kvbatch(shlex.split(a.kvbatch_cmd), inp, tmp / f"out{k}", a.model, model_args, a.new,
+                                         extra)
+        else:
+            rnd["mlx_lm"] = run_mlx_lm(a.python, inp, model_cfg, a.new, None)
+    if a.match:
+        rnd["mlx_lm_matched"] = run_mlx_lm(a.python, inp, model_cfg, a.new, rnd["kvbatch"]["engine"].get("max_batch"))
+    kv, ml = rnd["kvbatch"], rnd["mlx_lm"]
+    same = sum(kv["outputs"].get(key) == toks for key, toks in ml["outputs"].items())
+    line = {"round": k, "order": order, "kvbatch_tok_s": kv["tok_s"], "mlx_lm_tok_s": ml["tok_s"],
+            "ratio": kv["tok_s"] / ml["tok_s"], "kvbatch_wall_s": kv["wall_s"], "mlx_lm_wall_s": ml["wall_s"],
+            "kvbatch_tokens": kv["tokens"], "mlx_lm_tokens": ml["tokens"], "identical_rows": same,
+            "kvbatch_engine": {key: kv["engine"].get(key) for key in (
+                "max_batch", "peak_concurrency", "prefill_s", "decode_s", "prefill_tokens_per_s",
+                "decode_tokens_per_s", "prefill_passes", "prefill_rows_max", "preemptions")},
+            "mlx_lm_prompt_time": ml["prompt_time"], "mlx_lm_generation_time": ml["generation_time"],
+            "kvbatch_plan": kv["plan"]}
+    if a.match:
+        mm = rnd["mlx_lm_matched"]
+        line.update(mlx_lm_matched_tok_s=mm["tok_s"], ratio_matched=kv["tok_s"] / mm["tok_s"])
+    print(json.dumps(line), flush=True)
+    return line
+
+
+def run(a) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="kvbatch-job-"))
     inp = tmp / "prompts.jsonl"
     with open(inp, "w") as f:
@@ -135,48 +163,16 @@ def main() -> None:
     model_args = dict(kv.split("=", 1) for kv in shlex.split(a.model_args))
     typed = {k: (int(v) if v.lstrip("-").isdigit() else v) for k, v in model_args.items()}
     model_cfg = {} if a.model == "smollm2" else {"source": "tiny", "name": "tiny", **typed}
-    extra, kvbatch = shlex.split(a.kvbatch_args), shlex.split(a.kvbatch_cmd)
-    warm = tmp / "warm.jsonl"  # untimed: builds or converts the model into its cache once
-    warm.write_text(inp.read_text().splitlines()[0] + "\n")
-    run_mlx_lm(a.python, warm, model_cfg, 1, None)
+    extra = shlex.split(a.kvbatch_args)
+    if not a.no_warm:  # untimed: builds or converts the model into its cache once
+        warm = tmp / "warm.jsonl"
+        warm.write_text(inp.read_text().splitlines()[0] + "\n")
+        run_mlx_lm(a.python, warm, model_cfg, 1, None)
     if a.profile:
         profile_kvbatch(a, inp, tmp, model_args, extra)
-    rounds = []
-    for k in range(a.rounds):
-        order = ["kvbatch", "mlx_lm"] if k % 2 == 0 else ["mlx_lm", "kvbatch"]
-        rnd = {}
-        for side in order:
-            if side == "kvbatch":
-                rnd["kvbatch"] = run_kvbatch(kvbatch, inp, tmp / f"out{k}", a.model, model_args, a.new, extra)
-            else:
-                rnd["mlx_lm"] = run_mlx_lm(a.python, inp, model_cfg, a.new, None)
-        if a.match:
-            rnd["mlx_lm_matched"] = run_mlx_lm(a.python, inp, model_cfg, a.new,
-                                               rnd["kvbatch"]["engine"].get("max_batch"))
-        kv, ml = rnd["kvbatch"], rnd["mlx_lm"]
-        same = sum(kv["outputs"].get(key) == toks for key, toks in ml["outputs"].items())
-        line = {"round": k, "order": order, "kvbatch_tok_s": kv["tok_s"], "mlx_lm_tok_s": ml["tok_s"],
-                "ratio": kv["tok_s"] / ml["tok_s"], "kvbatch_wall_s": kv["wall_s"], "mlx_lm_wall_s": ml["wall_s"],
-                "kvbatch_tokens": kv["tokens"], "mlx_lm_tokens": ml["tokens"], "identical_rows": same,
-                "kvbatch_engine": {key: kv["engine"].get(key) for key in (
-                    "max_batch", "peak_concurrency", "prefill_s", "decode_s", "prefill_tokens_per_s",
-                    "decode_tokens_per_s", "prefill_passes", "prefill_rows_max", "preemptions")},
-                "mlx_lm_prompt_time": ml["prompt_time"], "mlx_lm_generation_time": ml["generation_time"],
-                "kvbatch_plan": kv["plan"]}
-        if a.match:
-            mm = rnd["mlx_lm_matched"]
-            line.update(mlx_lm_matched_tok_s=mm["tok_s"], ratio_matched=kv["tok_s"] / mm["tok_s"])
-        print(json.dumps(line), flush=True)
-        rounds.append(line)
-    result = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "python": platform.python_version(),
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "args": vars(a),
-              "median_ratio": statistics.median(r["ratio"] for r in rounds), "rounds": rounds}
+    rounds = [_round(a, k, inp, tmp, model_cfg, model_args, extra) for k in range(a.rounds)]
+    result = {"median_ratio": statistics.median(r["ratio"] for r in rounds), "rounds": rounds}
     if a.match:
         result["median_ratio_matched"] = statistics.median(r["ratio_matched"] for r in rounds)
     print(json.dumps({k: result[k] for k in result if k != "rounds"}))
-    if a.out:
-        Path(a.out).write_text(json.dumps(result, indent=1))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return result

@@ -11,15 +11,13 @@ Part 2, no model: 4 processes each loop claim(batch) -> mark running -> mark fin
 worker does per batch, over --queue-rows rows; rows/s and queue transactions/s, PostgreSQL and SQLite.
 Part 3: one claim's latency with --scan-rows rows queued, none done vs 95% done (the claim query's scan).
 
-    .venv/bin/python benchmarks/many_workers.py --rows 192 --max-tokens 96
+    python -m benchmarks job.many_workers --rows 192 --max-tokens 96
 """
 from __future__ import annotations
 
-import argparse
 import json
 import multiprocessing as mp
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -27,13 +25,11 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from kvbatch.pipeline.inputs import InputRow
+from kvbatch.pipeline.queue import Queue, open_store
+from tests.pg_server import PgServer, find_bindir
 
-import kvbatch.engine  # noqa: E402,F401  (OpenBLAS before mlx, as every kvbatch process)
-from kvbatch.pipeline.inputs import InputRow  # noqa: E402
-from kvbatch.pipeline.queue import Queue, open_store  # noqa: E402
-from tests.pg_server import PgServer, find_bindir  # noqa: E402
+SMOKE = ["--parts", "23", "--queue-rows", "40", "--scan-rows", "400", "--spins", "2"]
 
 # batches of 8 rows (+2 prefetched), so the rows spread over the workers instead of one claiming them all
 SETTINGS = ["model=tiny", "job.chat_template=false", "output.progress=off", "worker.flush_rows=8",
@@ -125,54 +121,63 @@ def _claim_latency(url: str, d: Path, n_rows: int) -> dict:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def add_args(ap) -> None:
     ap.add_argument("--rows", type=int, default=192)
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--workers", default="1,2,4,4,2,1", help="part 1: workers of each PostgreSQL round")
     ap.add_argument("--queue-rows", type=int, default=4000)
+    ap.add_argument("--spins", type=int, default=4, help="part 2: rounds (PostgreSQL and SQLite in turn)")
     ap.add_argument("--scan-rows", type=int, default=200_000)
     ap.add_argument("--parts", default="123", help="parts to run: 1 job rows/s, 2 queue cost, 3 claim latency")
-    a = ap.parse_args()
-    server = PgServer(find_bindir(), fsync=True).start()  # PostgreSQL's durable defaults
+
+
+def _jobs(d: Path, url: str, a) -> list[dict]:
+    src = d / "rows.jsonl"
+    src.write_text("".join(json.dumps({"id": f"r{i:04d}", "prompt": f"item{i} " * (2 + i % 6)}) + "\n"
+                           for i in range(a.rows)))
+    args = SETTINGS + [f"model.cache_dir={d / 'models'}", f"job.input={src}", f"job.max_tokens={a.max_tokens}"]
+    _job_round(d, "", 1, "warm", args)  # builds the tiny model once
+    rounds = []
+    for i, n in enumerate(map(int, a.workers.split(","))):
+        rounds.append(_job_round(d, url, n, f"pg{i}", args))
+        print(json.dumps(rounds[-1]), flush=True)
+    rounds.append(_job_round(d, "", 1, "sqlite", args))
+    print(json.dumps(rounds[-1]), flush=True)
+    return rounds
+
+
+def _summary(rounds: list[dict]) -> dict:
+    by: dict = {}
+    for r in rounds:
+        by.setdefault((r["queue"], r["workers"]), []).append(r)
+    one = statistics.mean(r["rows_per_s_steady"] for r in by.get(("postgresql", 1), rounds))
+    return {f"{q} x{n}": {"rows_per_s_steady": statistics.mean(r["rows_per_s_steady"] for r in rs),
+                          "rows_per_s_wall": statistics.mean(r["rows_per_s_wall"] for r in rs),
+                          "vs_1_pg_worker": statistics.mean(r["rows_per_s_steady"] for r in rs) / one}
+            for (q, n), rs in sorted(by.items())}
+
+
+def run(a) -> dict:
+    bindir = find_bindir()
+    if bindir is None:
+        raise SystemExit("job.many_workers needs PostgreSQL's server binaries (make system-deps installs them)")
+    server = PgServer(bindir, fsync=True).start()  # PostgreSQL's durable defaults
+    out: dict = {}
     try:
         url = server.create_database("bench")
         with tempfile.TemporaryDirectory(prefix="kvbatch-many-") as tmp:
             d = Path(tmp)
-            src = d / "rows.jsonl"
-            src.write_text("".join(json.dumps({"id": f"r{i:04d}", "prompt": f"item{i} " * (2 + i % 6)}) + "\n"
-                                   for i in range(a.rows)))
-            args = SETTINGS + [f"model.cache_dir={d / 'models'}", f"job.input={src}", f"job.max_tokens={a.max_tokens}"]
-            rounds = []
             if "1" in a.parts:
-                _job_round(d, "", 1, "warm", args)  # builds the tiny model once
-            for i, n in enumerate([1, 2, 4, 4, 2, 1] if "1" in a.parts else []):
-                rounds.append(_job_round(d, url, n, f"pg{i}", args))
-                print(json.dumps(rounds[-1]), flush=True)
-            if "1" in a.parts:
-                rounds.append(_job_round(d, "", 1, "sqlite", args))
-                print(json.dumps(rounds[-1]), flush=True)
-            spin = []
-            for i, u in enumerate([url, "", url, ""] if "2" in a.parts else []):
-                spin.append(_queue_round(d, u, a.queue_rows, f"{i}"))
-                print(json.dumps(spin[-1]), flush=True)
+                out["jobs"] = _jobs(d, url, a)
+                out["summary"] = _summary(out["jobs"])
+            if "2" in a.parts:
+                out["queue"] = []
+                for i in range(a.spins):
+                    out["queue"].append(_queue_round(d, url if i % 2 == 0 else "", a.queue_rows, f"{i}"))
+                    print(json.dumps(out["queue"][-1]), flush=True)
             if "3" in a.parts:
-                scan = _claim_latency(url, d, a.scan_rows)
-                print(json.dumps({"claim_latency": scan, "rows": a.scan_rows}), flush=True)
+                out["claim_latency"] = _claim_latency(url, d, a.scan_rows)
+                print(json.dumps({"claim_latency": out["claim_latency"], "rows": a.scan_rows}), flush=True)
     finally:
         server.stop()
-    if not rounds:
-        return
-    by = {}
-    for r in rounds:
-        by.setdefault((r["queue"], r["workers"]), []).append(r)
-    one = statistics.mean(r["rows_per_s_steady"] for r in by[("postgresql", 1)])
-    summary = {f"{q} x{n}": {"rows_per_s_steady": statistics.mean(r["rows_per_s_steady"] for r in rs),
-                             "rows_per_s_wall": statistics.mean(r["rows_per_s_wall"] for r in rs),
-                             "vs_1_pg_worker": statistics.mean(r["rows_per_s_steady"] for r in rs) / one}
-               for (q, n), rs in sorted(by.items())}
-    print(json.dumps({"summary": summary, "cpus": os.cpu_count(), "machine": platform.machine(),
-                      "python": platform.python_version()}, indent=1))
-
-
-if __name__ == "__main__":
-    main()
+    return out

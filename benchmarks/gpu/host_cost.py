@@ -1,6 +1,6 @@
 """Host costs of the pieces a decode step is built from, on MLX's CUDA backend.
 
-At 1B batch 8 with 8k context a kvbatch decode step is bound by the host (RESULTS.md, issue 9,
+At 1B batch 8 with 8k context a kvbatch decode step is bound by the host (benchmarks/notebook/README.md,
 eighth session: `cache.begin` 0.22 ms none / 0.58 ms q8, graph build 1.1 / 1.4 ms, async_eval
 3.5 / 4.0 ms of a 5.1 / 6.3 ms step). This measures, in one process, what each piece costs:
 - `array`: mx.array from Python lists of a step plan's sizes (lengths, lens, a page table),
@@ -8,16 +8,22 @@ eighth session: `cache.begin` 0.22 ms none / 0.58 ms q8, graph build 1.1 / 1.4 m
 - `kernel`: async_eval of a chain of custom-kernel calls taking 4, 9 or 16 inputs (the dense
   kernel takes 9, the q8/q4 one 16), per call.
 
-    python benchmarks/cuda_host_cost.py
+    python -m benchmarks gpu.host_cost
 """
 from __future__ import annotations
 
 import json
 import statistics
-import sys
 import time
 
 import mlx.core as mx
+
+NEEDS = "cuda"
+SMOKE = ["--reps", "20"]
+
+
+def add_args(ap) -> None:
+    ap.add_argument("--reps", type=int, default=400, help="mx.array calls per measure (kernels: half)")
 
 
 def _busy() -> mx.array:
@@ -70,16 +76,10 @@ def kernel_cost(n_inputs: int, calls: int = 16, reps: int = 200) -> float:
     return round(statistics.median(ts) / calls * 1e6, 2)
 
 
-def main() -> None:
-    if not mx.cuda.is_available():
-        sys.exit("cuda_host_cost.py needs MLX's CUDA backend")
-    row = {"device": str(mx.default_device()), "mlx": mx.__version__}
-    row.update(array_cost())
+def run(a) -> dict:
+    row = array_cost(a.reps)
     print(json.dumps(row), flush=True)
     for n in (4, 9, 16, 4, 9, 16):
-        row.setdefault(f"kernel_{n}_inputs_us_per_call", []).append(kernel_cost(n))
+        row.setdefault(f"kernel_{n}_inputs_us_per_call", []).append(kernel_cost(n, reps=max(a.reps // 2, 2)))
     print(json.dumps(row), flush=True)
-
-
-if __name__ == "__main__":
-    main()
+    return row

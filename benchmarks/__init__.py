@@ -1,0 +1,38 @@
+"""kvbatch's benchmarks, one package: `python -m benchmarks --list`, `python -m benchmarks NAME [--smoke]
+[--out FILE] [options]` from the repository root (benchmarks/__main__.py; the harness: benchmarks/harness.py).
+
+Subfolders by question: engine/ (the engine against mlx-lm, batch and admission limits, costs of its
+features), cpu/ (MLX CPU kernels and BLAS), gpu/ (where a GPU step's time goes, kernel checks; the lent
+GPU's stages in gpu/device_run.sh), quality/ (what KV quantization costs in quality and speed), job/ (the
+whole `kvbatch` command: against mlx-lm, shared prompts, many workers, kill -9). Results: notebook/README.md and
+results/ (history, as recorded).
+
+`import kvbatch.engine` comes first: it loads OpenBLAS before anything imports mlx (loading it later has no
+effect, see engine/blas.py), and every benchmark module imports mlx.
+"""
+import kvbatch.engine  # noqa: F401  (OpenBLAS before mlx)
+
+# name -> what it answers (the module is benchmarks/<area>/<name>.py)
+BENCHMARKS = {
+    "engine.vs_mlx_lm": "kvbatch's Engine against mlx-lm's BatchGenerator: decode tok/s, memory, KV held, "
+                        "modes and engine options A/B (mode@option=value), roofline, long context interleaved",
+    "engine.batch_ceiling": "where more rows stop adding decode tok/s (engine.max_batch: auto)",
+    "engine.admission": "admission under a memory budget: optimistic vs reserve, rows per KV mode, a long "
+                        "run that grows the pool",
+    "engine.fork_cost": "what a fork of n samples costs, at two pool sizes",
+    "engine.decoding_controls": "decode tok/s free, with logprobs, and held to a JSON schema",
+    "cpu.decode_attention": "one layer's CPU decode attention: dense routes (--kv none) and packed pages "
+                            "gathered vs in place (--kv q8,q4)",
+    "cpu.blas_matmul": "does loading OpenBLAS before mlx pay off on the Linux CPU",
+    "gpu.step_profile": "where a decode step's host time goes, next to mlx-lm's step",
+    "gpu.prefill_shapes": "a mixed-length prefill's passes, cold, warm and on new shapes",
+    "gpu.host_cost": "host costs of a CUDA decode step's pieces (mx.array, custom-kernel calls)",
+    "gpu.cuda_compile_check": "compile the CUDA decode kernels with nvcc, registers and spills, no GPU",
+    "gpu.backend_check": "correctness of the paged engine and the fused kernels on this MLX backend",
+    "quality.kv_quality": "each KV mode against kv=none, teacher-forced (KL, top-1, perplexity)",
+    "quality.kv_speed": "KV modes' speed and size at long context, against mlx-lm's kv_bits",
+    "job.job_vs_mlx_lm": "the whole `kvbatch` command against mlx-lm's batch_generate",
+    "job.shared_prompts": "a shared system prompt and n samples: prefix cache on/off against mlx-lm",
+    "job.many_workers": "many workers on one PostgreSQL queue: rows/s, queue cost, claim latency",
+    "job.kill_soak": "many random kill -9 of real workers, then a final run: nothing lost or changed",
+}

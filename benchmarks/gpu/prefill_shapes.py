@@ -1,0 +1,67 @@
+"""Where a mixed-length prefill's time goes on a GPU: each pass's shape and seconds, cold and warm.
+
+256 random prompts of 20-996 tokens (most short), prefilled by the engine (max_tokens=1) twice in
+one process with fresh engines, then other prompts of the same spread ("new_shapes"): when the second
+run is much faster than the first and the third is as slow as the first, passes pay for shapes met
+for the first time (kernel compilation, library plans), not for compute. Each
+pass is listed as (rows, padded length L, keys T, seconds). `--modes` A/Bs engine options as
+the harness's mode strings do ("none", "none@prefill_buckets=false", "q8").
+
+    python -m benchmarks gpu.prefill_shapes --geometry 1b --rows 256 --modes none,q8 --out prefill.json
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import mlx.core as mx
+
+from benchmarks import harness as h
+
+SMOKE = ["--geometry", "tiny", "--rows", "3", "--max-len", "40"]
+
+
+def add_args(ap) -> None:
+    ap.add_argument("--geometry", default="1b", help=", ".join(h.GEOMETRIES))
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--max-len", type=int, default=996, help="longest prompt (shortest: 20)")
+    ap.add_argument("--modes", default="none")
+    ap.add_argument("--new", type=int, default=1, help="new tokens per row (1: prefill only)")
+
+
+def mixed_prompts(n: int, vocab: int, longest: int, seed: int = 0) -> list[list[int]]:
+    rnd = random.Random(seed)
+    return [[rnd.randrange(vocab) for _ in range(20 + int((longest - 20) * rnd.random() ** 2))] for _ in range(n)]
+
+
+def one(model, spec, ps, mode: str, budget: int, new: int) -> dict:
+    eng = h.engine(model, h.NoEos(), spec, mode, page_size=64, max_batch=len(ps), prefill_chunk=2048,
+                   memory_budget=budget, allow_unvalidated=True)
+    passes = h.time_prefill_passes(eng)
+    t0 = time.perf_counter()
+    res = eng.generate(h.requests(ps, new))
+    wall = time.perf_counter() - t0
+    s = eng.summary()
+    return {"mode": mode, "wall_s": wall, "prefill_s": s["prefill_s"], "decode_s": s["decode_s"],
+            "prefill_tps": s["prefill_tokens_per_s"], "decode_tps": s["decode_tokens_per_s"],
+            "prompt_tokens": sum(map(len, ps)), "generated": sum(len(r.tokens) for r in res),
+            "errors": [r.error_code for r in res if r.error_code], "passes": passes}
+
+
+def run(a) -> dict:
+    model, spec = h.build_random(a.geometry)
+    ps = mixed_prompts(a.rows, spec.vocab_size, a.max_len)
+    budget = int(mx.device_info().get("memory_size", 80 << 30) * 0.8)
+    out = []
+    for mode in a.modes.split(","):
+        h.parse_mode(mode)  # fail early on a bad mode string
+        for attempt, prompts in (("cold", ps), ("warm", ps),
+                                 ("new_shapes", mixed_prompts(a.rows, spec.vocab_size, a.max_len, 1))):
+            r = one(model, spec, prompts, mode, budget, a.new)
+            r["attempt"] = attempt
+            out.append(r)
+            print(json.dumps({k: v for k, v in r.items() if k != "passes"}), flush=True)
+            print("  passes:", [(p["rows"], p["L"], p["s"]) for p in r["passes"]], flush=True)
+            h.checkpoint({"runs": out})
+    return {"runs": out}
