@@ -12,9 +12,10 @@ A benchmark module (benchmarks/<area>/<name>.py) defines:
 `python -m benchmarks NAME [--smoke] [--out FILE] [options]` runs it (benchmarks/__main__.py) and writes
 the record: {benchmark, command, date, commit, versions, machine, args, result} (`record`).
 
-Adapters (`ADAPTERS`): every reach into the engine past its public surface (Engine(...),
-add/step/run/generate/cancel/plan/summary, EngineHooks, kvbatch.engine.* public names) goes through one
-function here, so a change of the engine's insides is repointed in one place.
+Benchmarks read the engine through its public surface (Engine(...), add/step/run/generate/cancel/plan,
+stats(), generated_tokens, EngineHooks with on_step); the few reaches past it that a micro-benchmark
+needs (`INTERNALS`) each go through one function here, so a change of the engine's insides is repointed
+in one place.
 """
 from __future__ import annotations
 
@@ -36,10 +37,12 @@ import mlx.core as mx
 
 from kvbatch.engine.config import KV_BITS, EngineOptions, KVConfig
 from kvbatch.engine.engine import Engine
+from kvbatch.engine.hooks import EngineHooks
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.load import load_model
 from kvbatch.engine.testing import engine_config
 from kvbatch.engine.params import SamplingParams
+from kvbatch.engine.plan import StepPlan, StepTimes
 from kvbatch.engine.types import Request
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -209,9 +212,9 @@ def kv_bytes_per_token(spec, mode: str, page_size: int = 64, group_size: int = 6
     return layout_for(spec, KVConfig(**{"page_size": page_size, "group_size": group_size, **kv})).bytes_per_token
 
 
-def engine(model, tok, spec, mode: str = "none", **kw) -> Engine:
-    """An Engine for a benchmark mode (mode_config's settings)."""
-    return Engine(model, tok, spec, mode_config(mode, **kw))
+def engine(model, tok, spec, mode: str = "none", hooks: EngineHooks | None = None, **kw) -> Engine:
+    """An Engine for a benchmark mode (mode_config's settings); hooks: e.g. PrefillPasses, to watch each step."""
+    return Engine(model, tok, spec, mode_config(mode, **kw), hooks=hooks)
 
 
 # --- rounds ---------------------------------------------------------------------------------------------
@@ -364,41 +367,58 @@ def checkpoint(partial) -> None:
         write_record(rec, _RUN["out"])
 
 
-# --- adapters: the engine's insides, each reached in one place --------------------------------------------
-# Repoint these when the engine's internals move (Engine.stats() / EngineHooks.on_step(plan, timings)).
+# --- the engine's counters, and the few insides a micro-benchmark times ----------------------------------
+# Counters come from the public surface (Engine.stats(), Engine.generated_tokens, EngineHooks.on_step);
+# the INTERNALS below reach past it on purpose (a fork, a grammar mask or a step's host phases timed alone,
+# a pool grown before a run), each in one function, so a change of the engine's insides is repointed here.
 
-ADAPTERS = ("page_bytes", "running_rows", "waiting_rows", "generated_tokens", "bytes_for", "kv_pool", "grow_pool",
-            "attention_in_place", "kv_store", "time_forks", "time_grammar_masks", "time_prefill_passes",
-            "time_step_phases")
+INTERNALS = ("bytes_for", "grow_pool", "attention_in_place", "kv_store", "time_forks", "time_grammar_masks",
+             "time_step_phases")
 
 
 def page_bytes(eng: Engine) -> int:
     """Bytes of one KV page (all layers, K and V)."""
-    return eng.layout.page_bytes
+    return eng.stats()["page_bytes"]
 
 
 def running_rows(eng: Engine) -> int:
-    return len(eng.scheduler.running)
+    return eng.stats()["rows_running"]
 
 
 def waiting_rows(eng: Engine) -> int:
-    return len(eng.scheduler.waiting)
+    return eng.stats()["rows_waiting"]
 
 
 def generated_tokens(eng: Engine) -> int:
-    return eng.output.generated_tokens
+    return eng.generated_tokens
+
+
+def kv_pool(eng: Engine) -> dict:
+    """The KV pool now: capacity (pages, bytes), pages in use, growth events, dense tail bytes."""
+    s = eng.stats()
+    return {"capacity_pages": s["pool_capacity_pages"], "capacity_bytes": s["pool_bytes"], "in_use": s["pages_in_use"],
+            "growths": len(s["growth_events"]), "tail_bytes": s["kv_tail_bytes"]}
+
+
+class PrefillPasses(EngineHooks):
+    """Each prefill pass's shape and seconds, from the step's plan (`passes`: rows, L, tokens, s)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.passes: list[dict] = []
+        self._seen = 0.0
+
+    def on_step(self, plan: StepPlan, times: StepTimes) -> None:
+        if plan.prefill:
+            lens = [c.tokens for c in plan.prefill]
+            self.passes.append({"rows": len(lens), "L": max(lens), "tokens": sum(lens),
+                                "s": round(times.prefill_time - self._seen, 4)})
+        self._seen = times.prefill_time
 
 
 def bytes_for(eng: Engine, worst_tokens: list[int], max_prompt: int) -> int:
     """The memory model's total bytes for rows of these worst-case lengths at once (weights, KV, workspace)."""
     return eng.memory.bytes_for(worst_tokens, max_prompt)
-
-
-def kv_pool(eng: Engine) -> dict:
-    """The KV pool now: capacity (pages, bytes), pages in use, growth events, dense tail bytes."""
-    c = eng.cache
-    return {"capacity_pages": c.capacity_pages, "capacity_bytes": c.capacity_bytes, "in_use": c.pool.in_use,
-            "growths": len(c.growth_events), "tail_bytes": getattr(c.store, "tail_nbytes", 0)}
 
 
 def grow_pool(eng: Engine, pages: int, budget: int) -> None:
@@ -457,23 +477,6 @@ def time_grammar_masks(eng: Engine) -> dict:
     return acc
 
 
-def time_prefill_passes(eng: Engine) -> list[dict]:
-    """Each prefill pass's shape and wall seconds (synchronous: the pass ends with an eval), appended to the
-    returned list as the engine runs."""
-    passes: list[dict] = []
-    inner = eng.runner.prefill
-
-    def prefill(batch):
-        t0 = time.perf_counter()
-        inner(batch)
-        mx.synchronize()
-        passes.append({"rows": len(batch), "L": max(n for _, n in batch),
-                       "tokens": sum(n for _, n in batch), "s": round(time.perf_counter() - t0, 4)})
-
-    eng.runner.prefill = prefill
-    return passes
-
-
 @contextlib.contextmanager
 def time_step_phases(eng: Engine, profiler=None) -> Iterator[dict]:
     """Seconds of a decode step's host phases, summed over the steps run inside: reserve, begin (page tables
@@ -500,8 +503,7 @@ def time_step_phases(eng: Engine, profiler=None) -> Iterator[dict]:
     eng.cache.reserve = timed("reserve", eng.cache.reserve)
     eng.cache.begin = timed("begin", eng.cache.begin)
     eng.output.accept = timed("accept", eng.output.accept)
-    if hasattr(eng.stepper, "_accept"):
-        eng.stepper._accept = timed("accept_step", eng.stepper._accept)
+    eng.runner.land = timed("accept_step", eng.runner.land)
     real = (runner_mod.forward_last, runner_mod.sample_batch, mx.eval, mx.async_eval)
     runner_mod.forward_last = timed("graph_forward", real[0])
     runner_mod.sample_batch = timed("graph_sample", real[1])
@@ -509,17 +511,18 @@ def time_step_phases(eng: Engine, profiler=None) -> Iterator[dict]:
     mx.async_eval = timed("async_eval", real[3])
     step = eng.stepper.step
 
-    def counted():
+    def counted(*a, **kw):
         in_step[0] = True
         t = time.perf_counter()
         if profiler:
             profiler.enable()
-        step()
+        out = step(*a, **kw)
         if profiler:
             profiler.disable()
         acc["step"] = acc.get("step", 0.0) + time.perf_counter() - t
         in_step[0] = False
         acc["calls"] += 1
+        return out
 
     eng.stepper.step = counted
     try:

@@ -36,9 +36,9 @@ def mixed_prompts(n: int, vocab: int, longest: int, seed: int = 0) -> list[list[
 
 
 def one(model, spec, ps, mode: str, budget: int, new: int) -> dict:
-    eng = h.engine(model, h.NoEos(), spec, mode, page_size=64, max_batch=len(ps), prefill_chunk=2048,
+    passes = h.PrefillPasses()
+    eng = h.engine(model, h.NoEos(), spec, mode, hooks=passes, page_size=64, max_batch=len(ps), prefill_chunk=2048,
                    memory_budget=budget, allow_unvalidated=True)
-    passes = h.time_prefill_passes(eng)
     t0 = time.perf_counter()
     res = eng.generate(h.requests(ps, new))
     wall = time.perf_counter() - t0
@@ -46,7 +46,7 @@ def one(model, spec, ps, mode: str, budget: int, new: int) -> dict:
     return {"mode": mode, "wall_s": wall, "prefill_s": s["prefill_s"], "decode_s": s["decode_s"],
             "prefill_tps": s["prefill_tokens_per_s"], "decode_tps": s["decode_tokens_per_s"],
             "prompt_tokens": sum(map(len, ps)), "generated": sum(len(r.tokens) for r in res),
-            "errors": [r.error_code for r in res if r.error_code], "passes": passes}
+            "errors": [r.error_code for r in res if r.error_code], "passes": passes.passes}
 
 
 def run(a) -> dict:
