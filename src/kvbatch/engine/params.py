@@ -170,17 +170,26 @@ class SamplingParams:
     prompt_logprobs: bool = _row(False, "bool", "sampling")
     grammar: Optional[str] = None  # llguidance grammar the output must match (made from a row's response_format)
 
-    def problem(self) -> Optional[str]:
-        """Why these parameters cannot run (None: they can): the ranges of PARAMS, the one range check."""
+    def problem(self, vocab_size: Optional[int] = None) -> Optional[str]:
+        """Why these parameters cannot run (None: they can): the ranges of PARAMS, the one range check;
+        with vocab_size, also token ids outside the model's vocabulary."""
         for p in PARAMS:
             if p.engine and p.check is not None:
                 v = getattr(self, p.name)
                 why = p.check(v)
                 if why:
                     return f"{p.name} {why}, got {v!r}"
+            if vocab_size is not None and p.engine and p.kind == "ids" \
+                    and ids_outside(getattr(self, p.name), vocab_size):
+                return f"{p.name} outside the vocabulary (0 to {vocab_size - 1})"
         if self.min_tokens > self.max_tokens:
             return f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
         return None
+
+
+def ids_outside(ids, vocab_size: int) -> list:
+    """The token ids of `ids` that are not ids of a vocabulary of `vocab_size` tokens."""
+    return [t for t in ids if not isinstance(t, int) or t < 0 or t >= vocab_size]
 
 
 def _params() -> tuple[RowParam, ...]:

@@ -28,6 +28,7 @@ from kvbatch.engine import errors
 from kvbatch.engine.errors import RowError
 from kvbatch.engine.kv.cache import PagedKVCache
 from kvbatch.engine.memory import MemoryModel
+from kvbatch.engine.params import ids_outside
 from kvbatch.engine.plan import Chunk, Refusal, StepPlan
 from kvbatch.engine.row import Row
 from kvbatch.engine.sharing import Sharing
@@ -180,13 +181,11 @@ class Scheduler:
         p = req.sampling
         if n == 0:
             return errors.INVALID_INPUT, "empty prompt (0 tokens)"
-        bad = p.problem()
+        if ids_outside(req.prompt_tokens, self.spec.vocab_size):
+            return errors.INVALID_INPUT, "prompt has token ids outside the vocabulary"
+        bad = p.problem(self.spec.vocab_size)
         if bad:
             return errors.INVALID_INPUT, bad
-        if any((not isinstance(t, int)) or t < 0 or t >= self.spec.vocab_size for t in req.prompt_tokens):
-            return errors.INVALID_INPUT, "prompt has token ids outside the vocabulary"
-        if any((not isinstance(t, int)) or t < 0 or t >= self.spec.vocab_size for t in p.stop_token_ids):
-            return errors.INVALID_INPUT, f"stop_token_ids outside the vocabulary (0 to {self.spec.vocab_size - 1})"
         # the context must keep room for at least one generated token
         limit = self.spec.context_length - 1
         if self.max_prompt_tokens is not None:

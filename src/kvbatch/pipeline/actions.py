@@ -207,16 +207,19 @@ def load_runtime(cfg: Config) -> Runtime:
 
 
 def check_controls(cfg: Config, eng) -> None:
-    """What only the loaded model can tell: job.stop_token_ids inside its vocabulary, and
+    """What only the loaded model can tell: the job's token ids inside its vocabulary, and
     job.response_format compiled against its tokenizer (else every row would fail alike)."""
     from kvbatch.engine.errors import RowError
     from kvbatch.pipeline import response_format
 
+    from kvbatch.engine.params import PARAMS, ids_outside
+
     vocab = eng.spec.vocab_size
-    outside = [t for t in cfg.job.stop_token_ids if t >= vocab]
-    if outside:
-        raise ConfigError(f"job.stop_token_ids={list(cfg.job.stop_token_ids)}: {outside} outside the model's "
-                          f"vocabulary (0 to {vocab - 1})")
+    for p in PARAMS:
+        ids = list(getattr(getattr(cfg, p.section), p.name)) if p.kind == "ids" else []
+        if ids_outside(ids, vocab):
+            raise ConfigError(f"{p.section}.{p.name}={ids}: {ids_outside(ids, vocab)} outside the model's "
+                              f"vocabulary (0 to {vocab - 1})")
     grammar = response_format.grammar(response_format.resolve(cfg.job.response_format))
     if grammar is not None:
         try:
