@@ -34,5 +34,6 @@ BENCHMARKS = {
     "job.job_vs_mlx_lm": "the whole `kvbatch` command against mlx-lm's batch_generate",
     "job.shared_prompts": "a shared system prompt and n samples: prefix cache on/off against mlx-lm",
     "job.many_workers": "many workers on one PostgreSQL queue: rows/s, queue cost, claim latency",
+    "job.commits": "the whole `kvbatch` command at two commits side by side: speed ratio and identical rows",
     "job.kill_soak": "many random kill -9 of real workers, then a final run: nothing lost or changed",
 }
