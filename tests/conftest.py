@@ -119,11 +119,28 @@ def pg_url(pg_server) -> str:
     return pg_server.create_database("kvbatch_tests")
 
 
+class ManualClock:
+    """A clock for Queue(clock=...) that moves only when told: leases expire by `advance`, never by
+    sleeping, so a test of lease timing holds however loaded the machine is."""
+
+    def __init__(self, start: float | None = None):
+        import time
+
+        self.t = float(int(time.time())) if start is None else start  # whole seconds: exact sums
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
 def queue_backend(request, tmp_path):
-    """Factory: queue_backend(name="q") -> a new, empty Queue on this test's backend: a SQLite file
-    under tmp_path, or a job of its own in the session's PostgreSQL database (same name, same queue:
-    another connection to it). `.kind` is the backend's name."""
+    """Factory: queue_backend(name="q", clock=None) -> a new, empty Queue on this test's backend: a
+    SQLite file under tmp_path, or a job of its own in the session's PostgreSQL database (same name,
+    same queue: another connection to it). `clock` (a ManualClock) replaces the store's clock.
+    `.kind` is the backend's name."""
     import uuid
 
     from kvbatch.pipeline.queue import Queue, open_store
@@ -132,9 +149,9 @@ def queue_backend(request, tmp_path):
     run = uuid.uuid4().hex[:8]
     opened: list = []
 
-    def make(name: str = "q") -> Queue:
+    def make(name: str = "q", clock=None) -> Queue:
         folder = tmp_path / name
-        q = Queue(open_store(url, folder, f"{request.node.name}-{run}-{name}"))
+        q = Queue(open_store(url, folder, f"{request.node.name}-{run}-{name}"), clock)
         opened.append(q)
         return q
 
