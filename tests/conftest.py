@@ -16,8 +16,7 @@ import os
 
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
-import tempfile  # noqa: E402
-from pathlib import Path  # noqa: E402
+import shutil  # noqa: E402
 
 import kvbatch.engine  # noqa: E402,F401  (must precede any mlx import)
 import mlx.core as mx  # noqa: E402
@@ -54,11 +53,31 @@ def expected_route(spec, mode: str, group_size: int = 64, route: str = "auto") -
     return ROUTE_DENSE_F32 if spec.dtype == "float16" else ROUTE_DENSE
 
 
+MODEL_CACHE = "kvbatch-models"
+
+
+def _shared_root(basetemp):
+    """The run's temporary root: pytest-xdist gives each worker <root>/gwN (so the workers of one
+    run share <root>); a single process has its own basetemp."""
+    return basetemp.parent if os.environ.get("PYTEST_XDIST_WORKER") else basetemp
+
+
 @pytest.fixture(scope="session")
-def model_cache_dir():
-    """A session-wide model cache dir (converted/built models), deleted at the end."""
-    with tempfile.TemporaryDirectory(prefix="kvbatch-models-") as d:
-        yield Path(d)
+def model_cache_dir(tmp_path_factory):
+    """The run's model cache dir (converted/built models, built once per run: the xdist workers share
+    it, engine/models/materialize.py's file lock lets one build while the other waits), removed when
+    the run ends (pytest_sessionfinish below)."""
+    d = _shared_root(tmp_path_factory.getbasetemp()) / MODEL_CACHE
+    d.mkdir(exist_ok=True)
+    return d
+
+
+def pytest_sessionfinish(session):
+    """The run is over when the controller (or the single process) finishes: drop the model cache
+    (SmolLM2 alone is ~0.5 GB; pytest keeps its last basetemps)."""
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    if factory is not None and not os.environ.get("PYTEST_XDIST_WORKER"):
+        shutil.rmtree(_shared_root(factory.getbasetemp()) / MODEL_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
