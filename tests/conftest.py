@@ -16,8 +16,7 @@ import os
 
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
-import tempfile  # noqa: E402
-from pathlib import Path  # noqa: E402
+import shutil  # noqa: E402
 
 import kvbatch.engine  # noqa: E402,F401  (must precede any mlx import)
 import mlx.core as mx  # noqa: E402
@@ -54,11 +53,31 @@ def expected_route(spec, mode: str, group_size: int = 64, route: str = "auto") -
     return ROUTE_DENSE_F32 if spec.dtype == "float16" else ROUTE_DENSE
 
 
+MODEL_CACHE = "kvbatch-models"
+
+
+def _shared_root(basetemp):
+    """The run's temporary root: pytest-xdist gives each worker <root>/gwN (so the workers of one
+    run share <root>); a single process has its own basetemp."""
+    return basetemp.parent if os.environ.get("PYTEST_XDIST_WORKER") else basetemp
+
+
 @pytest.fixture(scope="session")
-def model_cache_dir():
-    """A session-wide model cache dir (converted/built models), deleted at the end."""
-    with tempfile.TemporaryDirectory(prefix="kvbatch-models-") as d:
-        yield Path(d)
+def model_cache_dir(tmp_path_factory):
+    """The run's model cache dir (converted/built models, built once per run: the xdist workers share
+    it, engine/models/materialize.py's file lock lets one build while the other waits), removed when
+    the run ends (pytest_sessionfinish below)."""
+    d = _shared_root(tmp_path_factory.getbasetemp()) / MODEL_CACHE
+    d.mkdir(exist_ok=True)
+    return d
+
+
+def pytest_sessionfinish(session):
+    """The run is over when the controller (or the single process) finishes: drop the model cache
+    (SmolLM2 alone is ~0.5 GB; pytest keeps its last basetemps)."""
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    if factory is not None and not os.environ.get("PYTEST_XDIST_WORKER"):
+        shutil.rmtree(_shared_root(factory.getbasetemp()) / MODEL_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -119,11 +138,28 @@ def pg_url(pg_server) -> str:
     return pg_server.create_database("kvbatch_tests")
 
 
+class ManualClock:
+    """A clock for Queue(clock=...) that moves only when told: leases expire by `advance`, never by
+    sleeping, so a test of lease timing holds however loaded the machine is."""
+
+    def __init__(self, start: float | None = None):
+        import time
+
+        self.t = float(int(time.time())) if start is None else start  # whole seconds: exact sums
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
 def queue_backend(request, tmp_path):
-    """Factory: queue_backend(name="q") -> a new, empty Queue on this test's backend: a SQLite file
-    under tmp_path, or a job of its own in the session's PostgreSQL database (same name, same queue:
-    another connection to it). `.kind` is the backend's name."""
+    """Factory: queue_backend(name="q", clock=None) -> a new, empty Queue on this test's backend: a
+    SQLite file under tmp_path, or a job of its own in the session's PostgreSQL database (same name,
+    same queue: another connection to it). `clock` (a ManualClock) replaces the store's clock.
+    `.kind` is the backend's name."""
     import uuid
 
     from kvbatch.pipeline.queue import Queue, open_store
@@ -132,9 +168,9 @@ def queue_backend(request, tmp_path):
     run = uuid.uuid4().hex[:8]
     opened: list = []
 
-    def make(name: str = "q") -> Queue:
+    def make(name: str = "q", clock=None) -> Queue:
         folder = tmp_path / name
-        q = Queue(open_store(url, folder, f"{request.node.name}-{run}-{name}"))
+        q = Queue(open_store(url, folder, f"{request.node.name}-{run}-{name}"), clock)
         opened.append(q)
         return q
 

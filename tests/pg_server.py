@@ -1,7 +1,8 @@
 """A real PostgreSQL server for the tests: initdb into a temporary folder, listening on a Unix socket
 only (no TCP port), run as an unprivileged user when the tests run as root (PostgreSQL refuses
-root), stopped and removed at the end of the session. fsync is off for the tests (PgServer(fsync=True) for benchmarks): a test server (no test cuts
-its power; durability of acknowledged rows is the server's, tested by PostgreSQL itself).
+root), stopped and removed at the end of the session. fsync is off for the tests (PgServer(fsync=True)
+for benchmarks): a test server (no test cuts its power; durability of acknowledged rows is the
+server's, tested by PostgreSQL itself).
 
 The server binaries come from Debian's `postgresql` package (`make system-deps` installs it):
 /usr/lib/postgresql/<version>/bin is not on PATH there, so it is searched as well.

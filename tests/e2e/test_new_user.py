@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from tests.e2e.test_pipeline_cli import kvbatch
+from tests.e2e.test_pipeline_cli import run_cli as kvbatch  # the entry point, in process
 
 
 def _tiny(tmp_path, model_cache_dir, *more):

@@ -1,8 +1,9 @@
 """The CUDA decode kernels' launch settings and source, checked without a GPU.
 
 The kernels themselves only run on MLX CUDA (tests/engine/test_cuda_kernel_write.py and the q8/q4 /
-paging tests cover them there). Here: the launch settings (engine.options.cuda) reach each launch, split ranges depend on a row's own length only, and the kernel text of every
-variant compiles with nvcc (as MLX's NVRTC would compile it), so a syntax error in a kernel
+paging tests cover them there). Here: the launch settings (engine.options.cuda) reach each launch,
+split ranges depend on a row's own length only, and the kernel text of every variant compiles with
+nvcc (as MLX's NVRTC would compile it), so a syntax error in a kernel
 fails CI instead of a device call.
 """
 from __future__ import annotations
@@ -267,8 +268,8 @@ def test_launch_settings_per_kernel_kind(monkeypatch):
         tune = CudaLaunch(chunk=0, unsplit=0, unroll=unroll, warps=warps)
         calls.clear()
         ca.paged_decode_attention(q, pool, pool, table, mx.array([40, 48], dtype=mx.int32), 0.5, tune)
-        ca.paged_decode_attention_quantized(q, ca.QuantPages(packed, pool, pool, 8, 32), mx.array([0, 1], dtype=mx.int32),
-                                            table, lens, 0.5, tune)
+        ca.paged_decode_attention_quantized(q, ca.QuantPages(packed, pool, pool, 8, 32),
+                                            mx.array([0, 1], dtype=mx.int32), table, lens, 0.5, tune)
         got = [(c["key"][0], dict(c["template"])["NW"], dict(c["template"])["U"], c["threadgroup"][0])
                for c in calls]
         want_d = (warps or 8, unroll or 2)

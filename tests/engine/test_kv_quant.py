@@ -81,7 +81,8 @@ def _requests(eng, prompts, forced, prefix="r"):
     """Teacher-forced requests (their logits kept in eng.hooks.logits)."""
     for i, f in enumerate(forced):
         eng.hooks.force(f"{prefix}{i}", f)
-    return [Request(f"{prefix}{i}", p, SamplingParams(max_tokens=len(f))) for i, (p, f) in enumerate(zip(prompts, forced))]
+    return [Request(f"{prefix}{i}", p, SamplingParams(max_tokens=len(f)))
+            for i, (p, f) in enumerate(zip(prompts, forced))]
 
 
 def _engine(model, tok, spec, mode, page, group=64, max_batch=8, chunk=None, hooks=None, **kw):
@@ -476,7 +477,8 @@ def test_fp16_huge_scores_stay_finite(tmp_path):
     prompts, _ = _rows(seed=5, prompt_lens=(40, 70, 23))
     # the scores really exceed fp16 range
     q, k, v, scale = _layer0_qk(model, prompts[1])
-    scores = (q.astype(mx.float32) * scale) @ mx.repeat(k.astype(mx.float32), q.shape[1] // k.shape[1], axis=1).swapaxes(-1, -2)
+    k_rep = mx.repeat(k.astype(mx.float32), q.shape[1] // k.shape[1], axis=1)
+    scores = (q.astype(mx.float32) * scale) @ k_rep.swapaxes(-1, -2)
     assert mx.abs(scores).max().item() > 2 * 65504
     if ON_CPU:  # the hazard is real there: MLX's CPU SDPA on these fp16 q/k overflows (its CUDA SDPA
         # kept this case finite on the H200; the engine must stay finite on every backend)

@@ -157,7 +157,8 @@ def test_blas_loaded_before_mlx():
 
 
 def test_blas_missing_warns_and_runs():
-    out = _python("import kvbatch.engine as engine, mlx.core as mx; print(engine.blas_in_use(), (mx.ones((2, 2)) @ mx.ones((2, 2))).sum().item())",
+    out = _python("import kvbatch.engine as engine, mlx.core as mx; "
+                  "print(engine.blas_in_use(), (mx.ones((2, 2)) @ mx.ones((2, 2))).sum().item())",
                   KVBATCH_BLAS="/nonexistent/libblas.so")
     assert out.stdout.split() == ["reference", "(bundled)", "8.0"], out.stderr
     assert "apt-get install libopenblas0-pthread" in out.stderr

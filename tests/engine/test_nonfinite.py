@@ -125,7 +125,7 @@ def test_nan_row_ends_alone_and_trace_names_it(tiny_model, clean_runs, monkeypat
     assert len(poisoned) == 1  # one prefill chunk (step 0) or one decode step
     lines = parse_trace(err)
     assert len(lines) == len(poisoned), err
-    for ln, (key, offset, L, cap) in zip(lines, poisoned):
+    for ln, (_key, offset, L, cap) in zip(lines, poisoned):
         assert ln["row"] == "r1"
         assert ln["layer"] == "0"
         assert ln["cache"] == f"PagedLayerCache(layer=0, mode={mode}, page_size={P})"

@@ -68,7 +68,8 @@ def test_groups_compose():
     ("job.response_format={type:foo}", "job.response_format={'type': 'foo'}: response_format rejected by "
                                        "llguidance: Invalid type: foo"),
     ("job.response_format='regex:a(b'", "unclosed group"),
-    ("+engine.options.cuda.chunks=8", "engine.options.cuda.chunks: unknown key (did you mean engine.options.cuda.chunk?)"),
+    ("+engine.options.cuda.chunks=8",
+     "engine.options.cuda.chunks: unknown key (did you mean engine.options.cuda.chunk?)"),
     ("+sampling.temprature=0.5", "sampling.temprature: unknown key (did you mean sampling.temperature?)"),
     ("job.max_tokenz=5", "job.max_tokenz: unknown key (did you mean job.max_tokens?)"),
     ("+modle=tiny", "modle: unknown key (did you mean model?)"),

@@ -122,17 +122,19 @@ def test_reconcile_and_finalize_take_one_lock_across_connections(queue_backend):
     import time
 
     a, b = queue_backend("o"), queue_backend("o")
-    got = []
+    got, trying = [], threading.Event()
 
     def second():
+        trying.set()
         with b.exclusive():
             got.append(time.monotonic())
 
     with a.exclusive():
         t = threading.Thread(target=second)
         t.start()
-        time.sleep(0.3)
+        assert trying.wait(timeout=60)
+        time.sleep(0.3)  # time for a broken lock to let it in (a slow machine can only hide a bug, not fail)
         assert got == []  # still waiting
         released = time.monotonic()
-    t.join(timeout=10)
+    t.join(timeout=60)
     assert got and got[0] >= released

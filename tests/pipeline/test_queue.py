@@ -3,10 +3,10 @@ enqueue, leases (claim, renew, expiry), ack, release, the attempts record, crash
 from __future__ import annotations
 
 import threading
-import time
 
 from kvbatch.pipeline.inputs import InputRow
 from kvbatch.pipeline.queue import Queue
+from tests.conftest import ManualClock
 
 
 def _rows(n, start=0):
@@ -42,11 +42,14 @@ def test_claim_in_order_ack_and_record(queue_backend):
 
 
 def test_expired_lease_returns_to_the_queue_as_a_crash_not_an_attempt(queue_backend):
-    q = queue_backend()
+    clock = ManualClock()
+    q = queue_backend(clock=clock)
     q.enqueue(_rows(2))
-    q.claim("dead", 2, lease_s=0.05)
+    q.claim("dead", 2, lease_s=5)
     q.mark_running("dead", ["k0", "k1"], True)  # handed to its engine
-    time.sleep(0.1)
+    clock.advance(4.9)
+    assert q.claim("alive", 5, lease_s=60) == []  # not yet
+    clock.advance(0.2)
     again = q.claim("alive", 5, lease_s=60)
     assert [c.key for c in again] == ["k0", "k1"]
     assert all(c.attempt == 1 and c.crashes == 1 for c in again)  # the holder died: not the row's fault
@@ -56,13 +59,16 @@ def test_expired_lease_returns_to_the_queue_as_a_crash_not_an_attempt(queue_back
 
 
 def test_renew_keeps_the_lease(queue_backend):
-    q = queue_backend()
+    clock = ManualClock()
+    q = queue_backend(clock=clock)
     q.enqueue(_rows(1))
-    q.claim("w1", 1, lease_s=0.3)
-    for _ in range(3):
-        time.sleep(0.15)
-        assert q.renew("w1", 0.3) == 1
+    q.claim("w1", 1, lease_s=5)
+    for _ in range(3):  # 12 s in all: past the first lease, held by renewing
+        clock.advance(4)
+        assert q.renew("w1", 5) == 1
     assert q.claim("w2", 1, lease_s=60) == []
+    clock.advance(5.1)  # no renewal: the lease runs out
+    assert [c.key for c in q.claim("w2", 1, lease_s=60)] == ["k0"]
 
 
 def test_release_and_retry_counts(queue_backend):
@@ -236,16 +242,20 @@ def test_jobs_sharing_a_database_never_see_each_other(queue_backend):
 def test_a_worker_on_another_host_is_judged_by_its_lease(queue_backend):
     """A PID means nothing on another host: its rows wait for their lease (leased_elsewhere says until
     when), then any claimer takes them as a crash; the same host's dead worker is freed at once."""
-    q = queue_backend()
+    clock = ManualClock()
+    q = queue_backend(clock=clock)
     q.enqueue(_rows(2))
     q.worker_started("far", 1, "h2")
-    q.claim("far", 1, lease_s=0.3)
+    q.claim("far", 1, lease_s=5)
     q.mark_running("far", ["k0"], True)
+    clock.advance(1)
     assert q.expire_dead_workers("h1", lambda pid, started: False) == 0  # not this host's to judge
     until = q.leased_elsewhere("h1")
-    assert until is not None and 0 < until - q.now() <= 0.3 and q.leased_elsewhere("h2") is None
+    assert until is not None and abs(until - q.now() - 4) < 1e-6 and q.leased_elsewhere("h2") is None
     assert [c.key for c in q.claim("near", 5, lease_s=60)] == ["k1"]
-    time.sleep(until - q.now() + 0.05)
+    clock.advance(until - q.now() - 0.01)
+    assert q.claim("near", 5, lease_s=60) == []  # its lease not run out yet
+    clock.advance(0.02)
     assert [(c.key, c.crashes) for c in q.claim("near", 5, lease_s=60)] == [("k0", 1)]
     assert q.leased_elsewhere("h1") is None
 

@@ -46,7 +46,7 @@ import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from kvbatch.pipeline.queue_sqlite import QueueUnreadable, SqliteStore
 
@@ -90,10 +90,13 @@ class Claimed:
 
 
 class Queue:
-    """The queue's operations over one store (a path: the SQLite file there)."""
+    """The queue's operations over one store (a path: the SQLite file there). `clock` replaces the
+    store's clock (every lease, expiry and timestamp is taken from `now()`): tests inject one to move
+    time by hand instead of sleeping past a lease."""
 
-    def __init__(self, store: Any):
+    def __init__(self, store: Any, clock: Optional[Callable[[], float]] = None):
         self.s = SqliteStore(store) if isinstance(store, (str, Path)) else store
+        self.clock = clock
         self.job = self.s.job
         self.db = self.s.db  # the store's own connection (tests read SQLite files through it)
 
@@ -116,14 +119,14 @@ class Queue:
 
     def reopen(self) -> "Queue":
         """Another connection to the same queue (the lease thread's own)."""
-        return Queue(self.s.reopen())
+        return Queue(self.s.reopen(), self.clock)
 
     def close(self) -> None:
         self.s.close()
 
     def now(self) -> float:
         """The time leases are judged by (PostgreSQL: the server's clock, so every host agrees)."""
-        return self.s.now()
+        return self.clock() if self.clock is not None else self.s.now()
 
     def exclusive(self):
         """The reconcile/finalize lock: the folder's lock file (SQLite), an advisory lock (PostgreSQL)."""
