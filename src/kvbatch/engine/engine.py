@@ -57,6 +57,9 @@ def _raise_cache_limit(step_bytes: int) -> None:
 
 
 class Engine:
+    """Continuous batching over the paged KV cache: `add` queues requests, each `step` runs one scheduling step and
+    returns the results that finished."""
+
     def __init__(self, model: nn.Module, tokenizer, spec: ModelSpec, cfg: Optional[EngineConfig] = None,
                  hooks: Optional[EngineHooks] = None):
         cfg = cfg or EngineConfig()
@@ -133,6 +136,7 @@ class Engine:
         return done
 
     def has_unfinished(self) -> bool:
+        """Whether any row is still waiting, running, or finished with its result not yet returned."""
         return bool(self.scheduler.waiting or self.scheduler.running or self.output.done)
 
     def cancel(self) -> list[Request]:

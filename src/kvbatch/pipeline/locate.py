@@ -23,6 +23,8 @@ QUEUE = "queue.sqlite"
 
 @dataclass
 class Folder:
+    """One output folder of a job: its config hash, input and config, as the read-only actions list it."""
+
     path: Path
     config_hash: Optional[str]
     input: Optional[str]
@@ -51,6 +53,7 @@ def folder_config(path: Path) -> Optional[Config]:
 
 
 def open_folder(path: Path) -> Folder:
+    """Read a job folder's queue metadata and config.yaml."""
     q = Queue(path / QUEUE)
     try:
         return Folder(path, q.get_meta("config_hash"), q.get_meta("input"), folder_config(path))

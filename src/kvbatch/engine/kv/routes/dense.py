@@ -121,6 +121,8 @@ class InPlaceGroup:
 
 @dataclass(frozen=True)
 class DenseStep:
+    """A dense pass's metadata: where its tokens are written, the page table, the mask and the in-place groups."""
+
     rows: mx.array  # head rows the pass's tokens are written to (kv.store.head_rows)
     table: mx.array  # (B, width) page table
     mask: Optional[mx.array] = None  # (B, 1, L, T)
@@ -129,6 +131,8 @@ class DenseStep:
 
 
 class DenseRoute(Route):
+    """kv none: attention over dense pages, gathered through the page table (or read in place on the CPU)."""
+
     def __init__(self, store: DenseStore, geom: Geometry, upcast: bool, cpu: bool, in_place: bool,
                  streams: Optional[list] = None):
         """cpu: the CPU's decode (grouped matmul); in_place: also read float32 pages in place;
@@ -139,6 +143,7 @@ class DenseRoute(Route):
         self.name = ROUTE_DENSE_F32 if upcast else ROUTE_DENSE
 
     def plan(self, rows: list[CacheRow], L: int, pos: list[int], epoch: int, lens: list[int]) -> object:
+        """A decode plan for one-token passes, a prefill plan otherwise."""
         return self.decode_plan(rows, pos) if L == 1 else self.prefill_plan(rows, L, pos, lens)
 
     def prefill_plan(self, rows: list[CacheRow], L: int, pos: list[int], lens: list[int]) -> DenseStep:
@@ -179,12 +184,14 @@ class DenseRoute(Route):
         return tuple(groups)
 
     def write(self, layer: int, meta: DenseStep, keys: mx.array, values: mx.array) -> None:
+        """Store the pass's real tokens' K/V in the head rows the plan chose."""
         k, v = flat_tokens(keys, values)
         if meta.take is not None:
             k, v = k[meta.take], v[meta.take]
         self.store.write(layer, meta.rows, k, v)
 
     def attend(self, layer: int, meta: DenseStep, queries: mx.array, scale: float) -> mx.array:
+        """The pass's queries attending to the rows' dense pages (grouped or in place on the CPU, SDPA otherwise)."""
         st = self.store
         if meta.groups:
             outs = []

@@ -71,6 +71,7 @@ class TableRoPE(nn.Module):
         self.dims, self.traditional = inner.dims, inner.traditional
 
     def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
+        """Rotate x by the step's table on one-token float32 CPU passes; by the wrapped RoPE otherwise."""
         if x.shape[2] != 1 or x.dtype != mx.float32 or mx.default_device().type != mx.DeviceType.cpu:
             return self.inner(x, offset=offset)
         cos, sin = self._tables.get(offset)

@@ -40,6 +40,7 @@ def _quality(r: dict) -> list[str]:
 
 def markdown(records: list[dict], sweep_dirs: list[Path], out: Path, plots: dict[str, Path],
              versions: dict[str, str]) -> str:
+    """The text of report.md: the jobs table, the jobs that did not complete, the plots and how to read them."""
     done = [r for r in records if r["status"] == "completed"]
     bad = [r for r in records if r["status"] != "completed"]
     lines = ["# kvbatch sweep report", "",
