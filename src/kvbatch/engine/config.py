@@ -86,7 +86,7 @@ class MemoryConfig:
 @dataclass
 class CudaLaunch:
     """Launch settings of the fused CUDA decode kernels (routes/cuda_kernels.py). The defaults are
-    the measured best (benchmarks/notebook/README.md, issue 9); the other values exist for A/B runs."""
+    the measured best (docs/performance.md); the other values exist for A/B runs."""
 
     chunk: int = 1024  # tokens per split of a long row (0: never split)
     unsplit: int = 1024  # rows up to this many tokens are not split

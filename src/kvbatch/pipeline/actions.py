@@ -193,7 +193,7 @@ def load_runtime(cfg: Config) -> Runtime:
         return Engine(model, tokenizer, spec, ecfg, hooks)
 
     first = [engine()]
-    # the start-up plan (issue 6): prompt length is per row; price rows at max_tokens plus
+    # the start-up plan: prompt length is per row; price rows at max_tokens plus
     # max_prompt_tokens when set (the real admission prices each row's own prompt)
     say(first[0].plan_line(cfg.job.max_tokens + (cfg.job.max_prompt_tokens or 0)))
     if not first[0].fits(2, 1):  # a one-token prompt and one generated token: every row would be refused

@@ -2,8 +2,8 @@
 (status, finalize, retry).
 
 A run's folder is <output.root>/<job.name>/<config hash>: the hash covers the options that shape
-the results, so asking for `action=status` with one option left out used to compute another hash
-and report "no queue yet" while the job ran. These actions look for the exact folder first, then
+the results, so `action=status` with one option left out computes another hash, whose folder
+does not exist while the job runs. These actions look for the exact folder first, then
 for every folder of the job's name: one is used (said on stderr), several are listed.
 """
 from __future__ import annotations

@@ -135,7 +135,7 @@ class QuantizedStore:
     channels, and per-channel groups keep them from inflating every token's scale
     (KIVI, arXiv:2402.02750); and the scores then run as `quantized_matmul(q, K^T,
     transpose=False)`, which MLX's CPU backend runs 2.5-4x faster than the
-    transposed form (benchmarks/notebook/README.md, issue 5). Tails (one dense page per
+    transposed form (docs/performance.md). Tails (one dense page per
     batch slot) are (slots, kv_heads, page_size, head_dim).
     """
 

@@ -2,8 +2,8 @@
 portable dense / quantized routes, with attention composed of matmuls (dense.composed_attention:
 no cuDNN graph per pass shape).
 
-A decode step's arrays come from host lists; in the H200's decode loop each such array cost the
-host 0.1-0.15 ms (benchmarks/notebook/README.md, issue 9), so while no row gains or loses a page (the cache's epoch
+A decode step's arrays come from host lists; in the H200's decode loop each such array costs the
+host 0.1-0.15 ms (docs/performance.md), so while no row gains or loses a page (the cache's epoch
 is unchanged) a step reuses the previous step's page table and advances its lengths on the
 device with one add (`options.step_reuse`).
 """

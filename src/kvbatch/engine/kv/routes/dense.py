@@ -51,7 +51,7 @@ def composed_attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array, sc
     On MLX CUDA, fused SDPA runs a multi-token 2-byte pass through cuDNN, which builds a graph for
     every new shape (~60 ms each) after a one-time set-up of ~17 s; batched prefill passes of mixed
     prompt lengths meet a new shape nearly every pass. cuBLAS matmuls need no per-shape set-up and
-    ran these passes as fast (benchmarks/notebook/README.md, issue 20). Masked keys get the dtype's lowest
+    run these passes as fast (docs/performance.md). Masked keys get the dtype's lowest
     value, not -inf, so a padded query that sees no key gets finite (unused) outputs."""
     B, Hq, L, D = q.shape
     Hkv, T = k.shape[1], k.shape[2]
@@ -69,7 +69,7 @@ def _grouped_decode(q: mx.array, k: mx.array, v: mx.array, mask: mx.array, scale
     MLX's CPU SDPA (a composed fallback) broadcasts K/V over the group: one GEMV per query
     head, reading each KV head's K and V once per query head. Folded, it is one small GEMM
     per (row, KV head) that reads them once: 30-37% less attention time at SmolLM2 and
-    tiny-llama shapes, bit-identical results (benchmarks/notebook/README.md, issue 3)."""
+    tiny-llama shapes, bit-identical results (docs/performance.md)."""
     B, Hq, _, D = q.shape
     Hkv = k.shape[1]
     qf = (q * mx.array(scale, q.dtype)).reshape(B, Hkv, Hq // Hkv, D)
@@ -94,7 +94,7 @@ def paged_grouped_decode(q: mx.array, k_pages: mx.array, v_pages: mx.array, page
     the softmax runs down the keys axis and neither product needs a transposed copy.
     On the CPU a page-table gather copies K and V at ~10 GB/s before attention can
     read them; in place, decode attention takes 0.35-0.8x the time at tiny-llama and
-    SmolLM2 shapes (benchmarks/notebook/README.md, issue 3). Same float32 softmax; the output
+    SmolLM2 shapes (docs/performance.md). Same float32 softmax; the output
     sums the pages' partial products (within 1e-6 of the gathered path)."""
     B, Hq, _, D = q.shape
     _, Hkv, P, _ = k_pages.shape

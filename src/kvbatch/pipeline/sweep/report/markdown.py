@@ -102,6 +102,6 @@ def markdown(records: list[dict], sweep_dirs: list[Path], out: Path, plots: dict
               "output). One near-tie flip early in an answer makes the rest of it differ, so this "
               "understates a mode that is almost always right; **first divergence**: the first token "
               "position where a row's output differs (min and median over the rows that differ).",
-              "- **errors**: rows per error code (see the README's error codes); a job that did not "
+              "- **errors**: rows per error code (see docs/errors.md); a job that did not "
               "complete has no rows."]
     return "\n".join(lines) + "\n"
