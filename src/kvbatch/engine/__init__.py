@@ -1,7 +1,7 @@
 """kvbatch engine: everything that touches MLX.
 
 `ensure_blas()` runs first, before anything imports mlx: on Linux CPU it loads
-OpenBLAS globally so MLX's matmuls use it (~36x the bundled reference BLAS).
+OpenBLAS globally so MLX's matmuls use it (31x the bundled reference BLAS, docs/performance.md).
 """
 from typing import TYPE_CHECKING
 

@@ -7,11 +7,14 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Backend:
+    """The MLX backend in use (cpu, cuda or metal), which picks the attention routes and kernels."""
+
     name: str  # "cpu" | "cuda" | "metal"
     cuda_kernels: bool  # MLX CUDA with custom kernels (mx.fast.cuda_kernel)
 
     @property
     def on_cpu(self) -> bool:
+        """Whether MLX runs on the CPU backend (the CPU routes' work-arounds apply)."""
         return self.name == "cpu"
 
 
@@ -29,4 +32,5 @@ def backend() -> Backend:
 
 
 def on_cpu() -> bool:
+    """Whether this process's MLX backend is the CPU."""
     return backend().on_cpu

@@ -11,7 +11,7 @@ from __future__ import annotations
 from kvbatch.engine.backend import backend
 
 # rows. MLX CUDA: on the H200 decode tok/s still grew from 64 to 256 rows (1B geometry 10.8k -> 29.6k,
-# benchmarks/notebook/README.md), 256 is the largest batch measured there.
+# docs/performance.md), 256 is the largest batch measured there.
 # CPU (python -m benchmarks engine.batch_ceiling, SmolLM2, 2 cores): 175 / 228 / 278 decode tok/s at 32 / 64 / 128 rows,
 # then 261 -> 269 from 128 to 256 (+3%): 128.
 # Metal: not measured (no Apple machine here).

@@ -3,7 +3,7 @@
 The `mlx-cpu` wheel bundles netlib's reference BLAS (~4-8 GFLOP/s for a float32
 512x576x1536 matmul). Loading OpenBLAS globally (RTLD_GLOBAL) *before* MLX is
 first imported makes MLX's matmuls bind to it instead (~150-240 GFLOP/s,
-benchmarks/notebook/README.md, issue 2). Loading it after `import mlx.core` has no effect, so `kvbatch.engine`
+docs/performance.md). Loading it after `import mlx.core` has no effect, so `kvbatch.engine`
 calls `ensure_blas()` first thing.
 
 Env: KVBATCH_BLAS=/path/to/libblas.so picks the library; KVBATCH_BLAS=none

@@ -48,6 +48,7 @@ class KVConfig:
 
     @property
     def quantized(self) -> bool:
+        """Whether the mode stores quantized pages (kv_bits set)."""
         return self.kv_bits[0] is not None
 
     @property
@@ -85,7 +86,7 @@ class MemoryConfig:
 @dataclass
 class CudaLaunch:
     """Launch settings of the fused CUDA decode kernels (routes/cuda_kernels.py). The defaults are
-    the measured best (benchmarks/notebook/README.md, issue 9); the other values exist for A/B runs."""
+    the measured best (docs/performance.md); the other values exist for A/B runs."""
 
     chunk: int = 1024  # tokens per split of a long row (0: never split)
     unsplit: int = 1024  # rows up to this many tokens are not split
@@ -159,6 +160,7 @@ class EngineConfig:
     max_prompt_tokens: Optional[int] = None  # a limit below the model's context (prompt_too_long above it)
 
     def check(self) -> None:
+        """Raise KvbatchConfigError naming the first setting out of range (kv, memory, engine, max_prompt_tokens)."""
         check_kv(self.kv)
         check_memory(self.memory)
         check_settings(self.engine)
@@ -182,6 +184,7 @@ def _size(key: str, value: Any, allow_auto: bool = False) -> None:
 
 
 def check_kv(kv: KVConfig) -> None:
+    """Raise KvbatchConfigError when a kv.* setting is out of range or does not go with kv.mode."""
     _need(kv.mode in KV_BITS, "kv.mode", kv.mode, f"choose one of {', '.join(KV_MODES)}")
     quant = f"needs a quantized kv.mode ({', '.join(m for m in KV_MODES if m != 'none')})"
     for key in ("key_bits", "value_bits"):
@@ -199,12 +202,14 @@ def check_kv(kv: KVConfig) -> None:
 
 
 def check_memory(mem: MemoryConfig) -> None:
+    """Raise KvbatchConfigError when a memory.* setting (budget, fraction, headroom) is out of range."""
     _size("memory.budget", mem.budget, allow_auto=True)
     _need(0 < mem.fraction <= 1, "memory.fraction", mem.fraction, "must be in (0, 1]")
     _size("memory.headroom", mem.headroom)
 
 
 def check_settings(s: EngineSettings) -> None:
+    """Raise KvbatchConfigError when an engine.* setting (batch sizes, prefill chunk, options) is out of range."""
     for key in ("max_batch", "prefill_tokens"):
         v = getattr(s, key)
         _need(v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1), f"engine.{key}", v,

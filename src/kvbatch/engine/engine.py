@@ -48,7 +48,7 @@ def _raise_cache_limit(step_bytes: int) -> None:
 
     MLX's CPU build caches at most 32 MiB of freed buffers. A decode step's temporaries
     (every layer's gathered K/V) exceed that from batch ~8 on, and then every step maps
-    fresh pages from the OS (benchmarks/notebook/README.md, issue 3). The memory model already
+    fresh pages from the OS (docs/performance.md). The memory model already
     prices this workspace inside the budget.
     """
     old = mx.set_cache_limit(step_bytes)
@@ -57,6 +57,9 @@ def _raise_cache_limit(step_bytes: int) -> None:
 
 
 class Engine:
+    """Continuous batching over the paged KV cache: `add` queues requests, each `step` runs one scheduling step and
+    returns the results that finished."""
+
     def __init__(self, model: nn.Module, tokenizer, spec: ModelSpec, cfg: Optional[EngineConfig] = None,
                  hooks: Optional[EngineHooks] = None):
         cfg = cfg or EngineConfig()
@@ -133,6 +136,7 @@ class Engine:
         return done
 
     def has_unfinished(self) -> bool:
+        """Whether any row is still waiting, running, or finished with its result not yet returned."""
         return bool(self.scheduler.waiting or self.scheduler.running or self.output.done)
 
     def cancel(self) -> list[Request]:
@@ -223,7 +227,7 @@ class Engine:
             "lookahead": self.lookahead, "options": asdict(self.cfg.engine.options),
         }
 
-    summary = stats  # its earlier name (tests and benchmarks)
+    summary = stats  # an alias of stats() (tests and benchmarks call it)
 
     # ---- internal --------------------------------------------------------------------------
     def _prefill(self, chunks: tuple[Chunk, ...]) -> None:

@@ -1,4 +1,4 @@
-"""Stable row-level error codes (the README's table) and the start-up error type.
+"""Stable row-level error codes (docs/errors.md) and the start-up error type.
 
 Row errors never raise out of the engine: they end one row. Config errors
 (`KvbatchConfigError`) are raised before any work starts, with one line that

@@ -36,7 +36,7 @@ VALIDATED: dict[tuple[str, int], frozenset[str]] = {
     ("qwen3", 128): _ROTATED,
 }
 # Backends where the portable quantized route (mx.quantized_matmul) has been validated. On MLX
-# CUDA (H200, mlx 0.32.4) it is not (benchmarks/notebook/README.md, issue 9); there quantized modes are validated only
+# CUDA (H200, mlx 0.32.4) it is not (docs/performance.md); there quantized modes are validated only
 # where the fused kernel of routes/cuda_kernels.py runs decode (see `_cuda_quant_ok`).
 QUANT_VALIDATED_BACKENDS = frozenset({"cpu", "metal"})
 
@@ -54,7 +54,7 @@ def _cuda_quant_ok(spec: ModelSpec, kv: KVConfig, options: EngineOptions) -> boo
 
 def _unvalidated(kv: KVConfig, spec: ModelSpec, what: str) -> KvbatchConfigError:
     return KvbatchConfigError(f"{what} is not validated for {spec.family} with head size {spec.head_dim} "
-                              f"(see the README's KV table); set kv.allow_unvalidated=true to run it anyway")
+                              f"(see the KV table in docs/kv-modes.md); set kv.allow_unvalidated=true to run it anyway")
 
 
 def check_kv_mode(spec: ModelSpec, kv: KVConfig, options: Optional[EngineOptions] = None) -> None:
@@ -91,5 +91,5 @@ def check_kv_mode(spec: ModelSpec, kv: KVConfig, options: Optional[EngineOptions
         if on and key not in table:
             raise _unvalidated(kv, spec, f"kv.{key}={on!r}")
     if name not in QUANT_VALIDATED_BACKENDS and not _cuda_quant_ok(spec, kv, options):
-        raise KvbatchConfigError(f"kv={kv.label} is not validated on the MLX {name} backend (see the README's "
-                                 f"KV table); set kv.allow_unvalidated=true to run it anyway")
+        raise KvbatchConfigError(f"kv={kv.label} is not validated on the MLX {name} backend (see the KV table "
+                                 f"in docs/kv-modes.md); set kv.allow_unvalidated=true to run it anyway")

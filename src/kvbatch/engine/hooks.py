@@ -19,6 +19,9 @@ if TYPE_CHECKING:
 
 @dataclass
 class EngineHooks:
+    """Test and debug hooks for one Engine: NaN injection, teacher forcing, logit capture and per-step callbacks
+    (production passes none)."""
+
     # (row key, output step): that row's attention output becomes NaN at that step
     nonfinite: Optional[tuple[str, int]] = None
     # row key -> tokens fed instead of sampled (teacher forcing); the row ends after the last one

@@ -81,6 +81,7 @@ class KVLayout:
 
     @property
     def quantized(self) -> bool:
+        """Whether pages are stored quantized (key_bits set)."""
         return self.key_bits is not None
 
     @property
@@ -110,19 +111,23 @@ class KVLayout:
 
     @property
     def dense_bytes_per_token(self) -> int:
+        """Bytes a token's K and V take at the model's dtype, over every KV layer."""
         return 2 * self.num_kv_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
     @property
     def page_bytes(self) -> int:
+        """Bytes one page takes over every KV layer."""
         return self.page_size * self.bytes_per_token
 
     def pages_for(self, tokens: int) -> int:
+        """Pages that hold `tokens` tokens (at least one)."""
         return max(1, math.ceil(tokens / self.page_size))
 
 
 def kv_layout(spec: ModelSpec, mode: str, page_size: int, group_size: int, key_bits: Optional[int] = None,
               value_bits: Optional[int] = None, full_precision_tokens: int = 0,
               rotate_keys: bool = False) -> KVLayout:
+    """The KV layout of `spec` in this mode: what a token, a page and a tail cost."""
     return KVLayout(len(spec.kv_layers), spec.num_kv_heads, spec.head_dim, DTYPE_BYTES[spec.dtype],
                     mode, group_size, page_size, key_bits, value_bits, full_precision_tokens, rotate_keys)
 
@@ -207,6 +212,7 @@ class MemoryModel:
         return -(-kv_bytes // max(self.layout.num_kv_layers, 1))
 
     def fits(self, worst_tokens: list[int], max_prompt: int | None = None, shared_pages: int = 0) -> bool:
+        """Whether these rows at their worst cases, with the weights and workspace, fit the memory budget."""
         return self.bytes_for(worst_tokens, max_prompt, shared_pages) <= self.budget
 
     def rows_that_fit(self, worst_tokens: int, max_prompt: int | None = None) -> int:

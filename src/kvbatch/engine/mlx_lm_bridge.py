@@ -99,5 +99,6 @@ def _make_dispatch(original: Callable) -> Callable:
 
 
 def model_supports_paging(model: nn.Module) -> bool:
+    """Whether the model's mlx-lm module calls scaled_dot_product_attention, the hook the paged cache needs."""
     mod = sys.modules.get(type(model).__module__)
     return mod is not None and hasattr(mod, "scaled_dot_product_attention")

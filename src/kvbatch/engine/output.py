@@ -23,6 +23,8 @@ from kvbatch.engine.types import ModelSpec, Result, RowStats
 
 
 class OutputProcessor:
+    """Applies each step's tokens to its rows (stop rules, detokenizing) and builds the results of the rows that end."""
+
     def __init__(self, tokenizer, spec: ModelSpec, layout: KVLayout, cache: PagedKVCache, hooks: EngineHooks):
         self.tokenizer, self.spec, self.layout, self.cache, self.hooks = tokenizer, spec, layout, cache, hooks
         self.eos_ids = frozenset(getattr(tokenizer, "eos_token_ids", None) or [])

@@ -28,6 +28,7 @@ Check = Callable[[Any], Optional[str]]
 
 
 def max_tokens_error(v: int) -> str | None:
+    """Why a max_tokens value is invalid, or None."""
     if v < 1:
         return "must be >= 1"
     if v > INT32_MAX:
@@ -36,6 +37,7 @@ def max_tokens_error(v: int) -> str | None:
 
 
 def seed_error(v: int) -> str | None:
+    """Why a seed is invalid, or None."""
     if v < 0:
         return "must be >= 0"
     if v > SEED_MAX:
@@ -44,6 +46,7 @@ def seed_error(v: int) -> str | None:
 
 
 def n_error(v: int) -> str | None:
+    """Why a sample count n is invalid, or None."""
     if v < 1:
         return "must be >= 1"
     if v > MAX_SAMPLES:
@@ -52,6 +55,7 @@ def n_error(v: int) -> str | None:
 
 
 def top_k_error(v: int) -> str | None:
+    """Why a top_k value is invalid, or None."""
     if v < 0:
         return "must be >= 0 (0 = off)"
     if v > INT32_MAX:
@@ -60,18 +64,21 @@ def top_k_error(v: int) -> str | None:
 
 
 def top_p_error(v: float) -> str | None:
+    """Why a top_p value is invalid, or None."""
     if not math.isfinite(v) or not 0 < v <= 1:
         return "must be in (0, 1]"
     return None
 
 
 def stop_error(v: Any) -> str | None:
+    """Why a list of stop strings is invalid, or None."""
     if not all(isinstance(x, str) and x for x in v):
         return "must be non-empty strings"
     return None
 
 
 def temperature_error(v: float) -> str | None:
+    """Why a temperature is invalid, or None."""
     if not math.isfinite(v) or v < 0:
         return "must be a finite number >= 0"
     if 0 < v < MIN_TEMPERATURE or v > MAX_TEMPERATURE:
@@ -80,24 +87,28 @@ def temperature_error(v: float) -> str | None:
 
 
 def min_p_error(v: float) -> str | None:
+    """Why a min_p value is invalid, or None."""
     if not math.isfinite(v) or not 0 <= v <= 1:
         return "must be in [0, 1] (0 = off)"
     return None
 
 
 def repetition_penalty_error(v: float) -> str | None:
+    """Why a repetition_penalty is invalid, or None."""
     if not math.isfinite(v) or v <= 0:
         return "must be a finite number > 0 (1 = off)"
     return None
 
 
 def penalty_error(v: float) -> str | None:
+    """Why a presence or frequency penalty is invalid, or None."""
     if not math.isfinite(v) or not -2 <= v <= 2:
         return "must be in [-2, 2] (0 = off)"
     return None
 
 
 def min_tokens_error(v: int) -> str | None:
+    """Why a min_tokens value is invalid, or None."""
     if v < 0:
         return "must be >= 0"
     if v > INT32_MAX:
@@ -106,12 +117,14 @@ def min_tokens_error(v: int) -> str | None:
 
 
 def logprobs_error(v: int) -> str | None:
+    """Why a logprobs count is invalid, or None."""
     if not 0 <= v <= MAX_LOGPROBS:
         return f"must be in [0, {MAX_LOGPROBS}] (0 = off)"
     return None
 
 
 def stop_token_ids_error(v: Any) -> str | None:
+    """Why a list of stop token ids is invalid, or None (the vocabulary is checked elsewhere)."""
     if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= INT32_MAX for x in v):
         return "must be token ids (integers >= 0)"
     return None

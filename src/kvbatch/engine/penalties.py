@@ -18,6 +18,7 @@ from kvbatch.engine.params import SamplingParams
 
 
 def used(p: SamplingParams) -> bool:
+    """Whether any of the row's repetition, presence or frequency penalties is on."""
     return p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
 
 

@@ -11,6 +11,8 @@ from kvbatch.engine.types import Logprobs, Request
 
 @dataclass(eq=False)
 class Row:
+    """One request's state in the engine from admission to its result: cache claim, sampler, tokens out and timings."""
+
     req: Request
     kv: CacheRow
     sampler: RowSampler
@@ -32,6 +34,7 @@ class Row:
 
     @property
     def prompt_len(self) -> int:
+        """Tokens in the request's prompt."""
         return len(self.req.prompt_tokens)
 
     @property

@@ -66,6 +66,8 @@ class Decoded:
 
 
 class Runner:
+    """Runs what the Scheduler planned: prefill passes and decode steps through the model, and their sampling."""
+
     def __init__(self, model: nn.Module, cache: PagedKVCache, hooks: EngineHooks, budget: int,
                  grammars: Optional[Grammars] = None):
         self.model, self.cache, self.hooks = model, cache, hooks
@@ -204,6 +206,7 @@ class SyncStepper:
 
     @property
     def inflight(self) -> bool:
+        """Whether a decode step is in flight (never, for this stepper)."""
         return False
 
     def frees_slot(self) -> bool:
@@ -252,9 +255,11 @@ class LookaheadStepper:
 
     @property
     def inflight(self) -> bool:
+        """Whether a decode step was dispatched and its tokens not yet read."""
         return self._step is not None
 
     def drop(self) -> None:
+        """Forget the step in flight (its rows are gone)."""
         self._step = None  # its tokens are dropped with the rows
 
     def take(self) -> Optional[TokenPass]:

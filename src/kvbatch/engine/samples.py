@@ -24,6 +24,7 @@ def derive_seed(base: int, key: str) -> int:
 
 
 def sample_key(key: str, i: int) -> str:
+    """The row key of sample i of row `key`."""
     return f"{key}#s{i}"
 
 

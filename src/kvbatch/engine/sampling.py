@@ -61,6 +61,7 @@ class Sampled:
     top_lps: Optional[mx.array] = None
 
     def arrays(self) -> list[mx.array]:
+        """The step's arrays to evaluate (tokens, and logprobs where asked)."""
         return [a for a in (self.tokens, self.lp, self.top_ids, self.top_lps) if a is not None]
 
 

@@ -39,6 +39,9 @@ MARGIN_PAGES = 2
 
 
 class Scheduler:
+    """Decides which rows run each step: the waiting queue, admission against the memory model, preemption, and prefill
+    chunks."""
+
     def __init__(self, spec: ModelSpec, memory: MemoryModel, cache: PagedKVCache, max_batch: int,
                  page_size: int, max_prompt_tokens: Optional[int], admission: str = "reserve",
                  prefill_tokens: int = 0, flush: Callable[[], None] = lambda: None):
@@ -57,9 +60,11 @@ class Scheduler:
         self.sharing = Sharing(self, cache)
 
     def add(self, row: Row) -> None:
+        """Queue a row at the end of the waiting queue."""
         self.waiting.append(row)
 
     def decoding(self) -> list[Row]:
+        """The running rows past their prefill."""
         return [r for r in self.running if not r.prefilling]
 
     def unschedule(self, row: Row) -> None:

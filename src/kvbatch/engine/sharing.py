@@ -24,6 +24,9 @@ from kvbatch.engine.row import Row
 
 
 class Sharing:
+    """The scheduler's page sharing: prefix-cache hits, one computation of a shared page, and forks of a group's
+    samples."""
+
     def __init__(self, sched: Any, cache: PagedKVCache):
         """sched: the Scheduler that owns this (its rows, pricing and admission)."""
         self.sched, self.cache, self.P = sched, cache, cache.P
@@ -60,6 +63,7 @@ class Sharing:
         return self.cache.computed(row.kv, row.seq, self._limit(row))
 
     def take(self, row: Row, pages: list[int]) -> None:
+        """Give `row` the cached pages `pages` and count their tokens as cached."""
         if pages:
             self.cache.take_cached(row.kv, pages)
             self._count(row, len(pages) * self.P)

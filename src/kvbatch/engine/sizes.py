@@ -20,6 +20,7 @@ def parse_size(text: str | int | float) -> int:
 
 
 def fmt_bytes(n: float) -> str:
+    """A byte count in binary units (B, KiB ... TiB), for messages."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.1f}{unit}" if unit != "B" else f"{int(n)}B"

@@ -41,6 +41,8 @@ class Request:
 
 @dataclass
 class RowStats:
+    """A finished row's counters and timings (results.parquet's stats columns)."""
+
     prompt_tokens: int = 0
     output_tokens: int = 0
     ttft_s: Optional[float] = None  # from admission to the first token
@@ -70,6 +72,8 @@ class Logprobs:
 
 @dataclass
 class Result:
+    """What the engine returns for one row: its tokens and text, why it ended, and its stats."""
+
     key: str
     tokens: list[int]
     text: str
@@ -84,4 +88,5 @@ class Result:
 
     @property
     def ok(self) -> bool:
+        """Whether the row ended without an error code."""
         return self.error_code is None

@@ -34,6 +34,8 @@ QUEUE = locate.QUEUE
 
 @dataclass
 class Job:
+    """One job as the actions see it: its config, input file, output folder and config hash."""
+
     cfg: Config
     input_path: Path
     out_dir: Path
@@ -51,6 +53,7 @@ class Job:
 
     @property
     def host(self) -> str:
+        """This machine's name in the job's queue."""
         return host_name(self.cfg)
 
 
@@ -76,6 +79,7 @@ class RowsFailed(Exception):
 
 
 def check_rows(cfg: Config, s: dict) -> None:
+    """Raise RowsFailed when too many rows ended with an error code (output.max_error_fraction)."""
     why = summ.failure(s, cfg.output.max_error_fraction)
     if why:
         raise RowsFailed(why)
@@ -90,6 +94,7 @@ def job_for(cfg: Config) -> Job:
 
 
 def say(msg: str) -> None:
+    """Print a message on stderr at once."""
     print(msg, file=sys.stderr, flush=True)
 
 
@@ -188,7 +193,7 @@ def load_runtime(cfg: Config) -> Runtime:
         return Engine(model, tokenizer, spec, ecfg, hooks)
 
     first = [engine()]
-    # the start-up plan (issue 6): prompt length is per row; price rows at max_tokens plus
+    # the start-up plan: prompt length is per row; price rows at max_tokens plus
     # max_prompt_tokens when set (the real admission prices each row's own prompt)
     say(first[0].plan_line(cfg.job.max_tokens + (cfg.job.max_prompt_tokens or 0)))
     if not first[0].fits(2, 1):  # a one-token prompt and one generated token: every row would be refused
@@ -269,6 +274,7 @@ def work(job: Job, q: Queue) -> Optional[WorkStats]:
 
 
 def finish(job: Job, q: Queue, stats: Optional[WorkStats], t0: Optional[float] = None) -> tuple[Finalized, dict]:
+    """Write results.parquet (and the OpenAI batch output when asked) and summary.json from the queue and the parts."""
     from kvbatch.engine.blas import blas_in_use
 
     meta = {"kvbatch.config": json.dumps(as_dict(job.cfg), default=str),
@@ -309,6 +315,7 @@ def batch_output(job: Job, table) -> None:
 
 
 def run(job: Job) -> Path:
+    """action=run: enqueue the input, generate every row, finalize; the path of results.parquet."""
     t_start = time.perf_counter()
     q, n_rows, added = enqueue(job)
     if n_rows == 0:
@@ -389,6 +396,7 @@ def _found_in_database(job: Job) -> list[Job]:
 
 
 def status(job: Job) -> None:
+    """action=status: print how far the job is (or the folders and jobs of its name to choose from)."""
     found = found_jobs(job)
     if not found and job.cfg.queue.url:
         print(f"kvbatch: no job {job.queue_job} in {redact(job.cfg.queue.url)} yet, nor any job named "

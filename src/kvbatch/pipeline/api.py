@@ -56,7 +56,7 @@ def _key(name: str) -> str:
         raise ConfigError(f"{name}: several sections have this key ({', '.join(f'{s}.{name}' for s in owners)}); "
                           f"pass the one you mean as **{{'{owners[0]}.{name}': ...}} or {owners[0]}={{...}}")
     raise ConfigError(f"{name}: unknown option (use a config key: max_tokens, system_prompt, sampling={{...}}, "
-                      f"'engine.max_batch', ...; README \"Job files\")")
+                      f"'engine.max_batch', ...; docs/jobs.md, \"Job files\")")
 
 
 def _model_option(model: str) -> list[str]:

@@ -30,6 +30,7 @@ _MULTIRUN = ("-m", "--multirun")
 
 
 def die(msg: str, code: int = 2) -> None:
+    """Print `kvbatch: error: msg` on stderr and exit with `code`."""
     print(f"kvbatch: error: {msg}", file=sys.stderr, flush=True)
     sys.exit(code)
 
@@ -57,6 +58,7 @@ def _hydra_app(node: DictConfig):
 
 
 def version_line() -> str:
+    """The `kvbatch --version` line: kvbatch, mlx, mlx-lm and Python versions."""
     from kvbatch.pipeline.summary import versions
 
     v = versions()
@@ -64,6 +66,7 @@ def version_line() -> str:
 
 
 def main() -> None:
+    """The `kvbatch` command: --version, else a Hydra run or multirun of the config and its overrides."""
     args = sys.argv[1:]
     if "--version" in args or "-V" in args:  # Hydra has no such flag (it would try to parse it as an override)
         print(version_line())

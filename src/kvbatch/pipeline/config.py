@@ -43,6 +43,9 @@ class ConfigError(KvbatchConfigError):
 
 @dataclass
 class JobConfig:
+    """The job's input: its file and format, which columns hold the prompt, messages and row id, and the prompt's
+    limits."""
+
     name: str = "sample"
     input: str = "jobs/sample_prompts.jsonl"  # relative: to the working dir, else to the project root
     # auto (from the suffix; an OpenAI batch file from its first line) | jsonl | csv | parquet | openai_batch
@@ -70,6 +73,8 @@ class JobConfig:
 
 @dataclass
 class SamplingConfig:
+    """The job's default sampling parameters (a row may override them in its own columns)."""
+
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
@@ -85,6 +90,8 @@ class SamplingConfig:
 
 @dataclass
 class OutputConfig:
+    """Where results go and how the run reports progress and failure."""
+
     root: str = "outputs"
     dir: Optional[str] = None  # None: <root>/<job.name>/<config hash>
     progress: str = "auto"  # auto (a bar on a terminal, else plain lines) | on (a bar) | off
@@ -97,6 +104,8 @@ class OutputConfig:
 
 @dataclass
 class WorkerConfig:
+    """How a worker claims, leases, retries and writes rows, and when it stops."""
+
     id: Optional[str] = None  # None: <host>-<pid>-<random>
     lease_s: float = 600.0  # a claimed row returns to the queue this long after its last renewal
     max_attempts: int = 3  # internal_error rows are retried up to this many attempts
@@ -114,6 +123,8 @@ class WorkerConfig:
 
 @dataclass
 class QueueConfig:
+    """Which queue the job's rows go through: SQLite in the output folder, or a shared PostgreSQL database."""
+
     # "" (default): queue.sqlite in the output folder (one machine); postgresql://user@host:port/db: a
     # PostgreSQL queue that workers on many hosts share (the output folder then on a shared file system)
     url: str = ""
@@ -121,11 +132,15 @@ class QueueConfig:
 
 @dataclass
 class DebugConfig:
+    """Test-only fault injection."""
+
     inject_nonfinite: Optional[str] = None  # "ROW_KEY:STEP": poison that row's logits at that step (tests)
 
 
 @dataclass
 class ReportConfig:
+    """action=report: which sweep folders to report on and where the report goes."""
+
     sweep_dirs: List[str] = field(default_factory=list)  # action=report: sweep folders (globs allowed)
     out: Optional[str] = None  # where sweep.parquet/report.md go; default: the one sweep folder
     teacher_forced: bool = True  # the sweep report scores quantized jobs on their kv=none partner's outputs
@@ -133,11 +148,15 @@ class ReportConfig:
 
 @dataclass
 class RetryConfig:
+    """action=retry: which error rows go back to the queue."""
+
     codes: List[str] = field(default_factory=list)  # action=retry: requeue error rows with these codes; []: every code
 
 
 @dataclass
 class Config:
+    """The whole kvbatch config (Hydra's schema): every section and the action to run."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     kv: KVConfig = field(default_factory=KVConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
@@ -265,6 +284,7 @@ def to_config(node: Any) -> Config:
 
 
 def as_dict(cfg: Config) -> dict:
+    """The config as plain containers, interpolations resolved (for config.yaml, the hash and results' metadata)."""
     return cast(dict, OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
 
 

@@ -33,6 +33,8 @@ POINTS = ("prefill", "decode", "part_tmp", "after_part_write", "after_ack")
 
 @dataclass(frozen=True)
 class Spec:
+    """One parsed crash point: where, which arrival, kill or pause, and the row for row:KEY."""
+
     point: str
     n: int = 0  # the n-th time (1-based); 0 for row:KEY
     pause: bool = False
@@ -40,6 +42,7 @@ class Spec:
 
 
 def parse(text: Optional[str]) -> list[Spec]:
+    """Parse KVBATCH_DEBUG_CRASH_AT's comma-separated specs (ValueError on a malformed one)."""
     out = []
     for item in (text or "").split(","):
         item = item.strip()
@@ -61,6 +64,7 @@ _seen: dict[str, int] = {}
 
 
 def active() -> bool:
+    """Whether any crash point is set in this process."""
     return bool(_specs)
 
 
@@ -84,6 +88,7 @@ def point(name: str) -> None:
 
 
 def row_starts(key: str) -> None:
+    """Die (or pause) if a row:KEY spec names the row starting now."""
     for s in _specs:
         if s.point == "row" and s.row == key:
             _die(f"row {key}", s.pause)
@@ -93,13 +98,16 @@ class CrashHooks(EngineHooks):
     """The engine's crash points: a row's start, a prefill chunk with more to go, a decode step."""
 
     def on_row_start(self, key: str) -> None:
+        """The row:KEY crash point."""
         row_starts(key)
 
     def on_prefill_chunk(self, key: str, done: int, total: int) -> None:
+        """The `prefill` crash point, after a chunk with more of its prompt to go."""
         if done < total:
             point("prefill")
 
     def on_decode_step(self) -> None:
+        """The `decode` crash point."""
         point("decode")
 
 

@@ -28,6 +28,9 @@ RESULTS = "results.parquet"
 
 @dataclass
 class Finalized:
+    """What reconcile and finalize found and did: rows written and remaining, parts adopted, rows requeued, corrupt
+    parts."""
+
     path: Path
     rows: int = 0  # rows written
     remaining: int = 0  # manifest rows with no result yet (pending / leased)

@@ -32,6 +32,8 @@ SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "cs
 
 @dataclass
 class InputRow:
+    """One input row as queued: its position, stable key and JSON payload."""
+
     pos: int  # 0-based position in the input (input order of results.parquet)
     key: str  # stable row key: the id column, else a hash of position + content
     payload: dict  # prompt|messages, overrides, or error; JSON-serialisable (stored in the queue)
@@ -46,6 +48,7 @@ def resolve_input(path: str) -> Path:
 
 
 def detect_format(path: Path, fmt: str) -> str:
+    """The input's format: job.format, or when auto the file's suffix (an OpenAI batch file by its first line)."""
     if fmt != "auto":
         return fmt
     found = SUFFIXES.get(path.suffix.lower())

@@ -2,8 +2,8 @@
 (status, finalize, retry).
 
 A run's folder is <output.root>/<job.name>/<config hash>: the hash covers the options that shape
-the results, so asking for `action=status` with one option left out used to compute another hash
-and report "no queue yet" while the job ran. These actions look for the exact folder first, then
+the results, so `action=status` with one option left out computes another hash, whose folder
+does not exist while the job runs. These actions look for the exact folder first, then
 for every folder of the job's name: one is used (said on stderr), several are listed.
 """
 from __future__ import annotations
@@ -23,6 +23,8 @@ QUEUE = "queue.sqlite"
 
 @dataclass
 class Folder:
+    """One output folder of a job: its config hash, input and config, as the read-only actions list it."""
+
     path: Path
     config_hash: Optional[str]
     input: Optional[str]
@@ -51,6 +53,7 @@ def folder_config(path: Path) -> Optional[Config]:
 
 
 def open_folder(path: Path) -> Folder:
+    """Read a job folder's queue metadata and config.yaml."""
     q = Queue(path / QUEUE)
     try:
         return Folder(path, q.get_meta("config_hash"), q.get_meta("input"), folder_config(path))

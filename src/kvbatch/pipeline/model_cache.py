@@ -36,10 +36,12 @@ def enable(on: bool = True, max_bytes: Optional[int] = None) -> None:
 
 
 def enabled() -> bool:
+    """Whether the model cache is on (sweep jobs turn it on)."""
     return _enabled
 
 
 def key_of(cfg: ModelConfig) -> str:
+    """The cache key of a model config: every field, as sorted JSON."""
     d = asdict(cfg) if not isinstance(cfg, dict) else dict(cfg)
     return json.dumps(d, sort_keys=True, default=str)
 
@@ -91,10 +93,12 @@ def _reset_peak() -> None:
 
 
 def cached_keys() -> list[str]:
+    """The keys of the models cached now, least recently used first."""
     return list(_cache)
 
 
 def clear() -> None:
+    """Drop every cached model and hand their memory back."""
     _cache.clear()
     release()
 

@@ -32,10 +32,12 @@ class PartError(Exception):
 
 
 def keys_digest(keys: list[str]) -> str:
+    """A digest of a part's row keys in order, to check a part against the queue's record."""
     return hashlib.sha256("\n".join(keys).encode()).hexdigest()
 
 
 def fsync_dir(path: Path) -> None:
+    """fsync a directory so a rename in it is durable (a no-op where directories cannot be opened)."""
     try:
         fd = os.open(str(path), os.O_RDONLY)
     except OSError:
@@ -70,6 +72,7 @@ def write_atomic(table: pa.Table, path: Path, before_rename: Optional[Callable[[
 
 
 def part_name(worker: str, seq: int) -> str:
+    """A part's file name: the worker id made file-safe and its sequence number."""
     return f"part-{re.sub(r'[^A-Za-z0-9_.-]', '_', worker)}-{seq:05d}.parquet"
 
 

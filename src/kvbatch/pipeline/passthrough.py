@@ -30,6 +30,7 @@ ROW_PARAMS = tuple(p.name for p in PARAMS if not p.carried)
 
 
 def carried_name(name: str) -> str:
+    """The name a carried input column gets in results.parquet (input_<name> when it clashes with a result column)."""
     return f"input_{name}" if name in COLUMNS else name
 
 

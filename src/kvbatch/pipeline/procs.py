@@ -33,4 +33,5 @@ def alive(pid: Optional[int], started_at: Optional[float] = None, host: Optional
 
 
 def is_me(pid: Optional[int]) -> bool:
+    """Whether `pid` is this process."""
     return pid == os.getpid()

@@ -19,6 +19,7 @@ from kvbatch.engine.sizes import fmt_bytes
 
 
 def rss_bytes() -> int:
+    """This process's resident memory now."""
     return psutil.Process().memory_info().rss
 
 
@@ -28,6 +29,7 @@ def row_budget(payload: dict, default_max_tokens: int) -> int:
 
 
 def fmt_duration(s: float) -> str:
+    """A duration for people: 1h02m, 3m05s or 42s."""
     s = int(round(s))
     h, rem = divmod(s, 3600)
     m, sec = divmod(rem, 60)
@@ -35,6 +37,8 @@ def fmt_duration(s: float) -> str:
 
 
 class Progress:
+    """The run's progress in tokens: a tqdm bar on a terminal, else a plain line every output.progress_every."""
+
     def __init__(self, rows: int, token_budget: int, mode: str = "auto", every_s: float = 300.0,
                  stream: Optional[TextIO] = None):
         self.stream = stream or sys.stderr
@@ -76,6 +80,7 @@ class Progress:
         self._maybe_line()
 
     def line(self) -> str:
+        """The plain progress line: rows, tokens, rate, ETA and memory."""
         elapsed = max(time.perf_counter() - self.t0, 1e-9)
         rate = self.done_tokens / elapsed
         left = max(self.total - self.done_tokens, 0)
@@ -90,6 +95,7 @@ class Progress:
             print(self.line(), file=self.stream, flush=True)
 
     def close(self) -> None:
+        """End the progress display (a last plain line when lines are on)."""
         if self.lines_on and self.rows:
             print(self.line(), file=self.stream, flush=True)
             self.lines_on = False  # close() runs twice on Ctrl-C paths: one last line

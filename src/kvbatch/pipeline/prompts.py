@@ -39,4 +39,5 @@ def render(tokenizer: Any, payload: dict, job: JobConfig, tokenize: bool = True)
 
 
 def encode(tokenizer: Any, payload: dict, job: JobConfig) -> list[int]:
+    """A row's prompt token ids (its prompt or messages rendered through the chat template when it has one)."""
     return render(tokenizer, payload, job)

@@ -81,6 +81,8 @@ def _retrying(method):
 
 @dataclass
 class Claimed:
+    """A row a worker claimed: its key, input position, payload, attempt and crash counts."""
+
     key: str
     pos: int
     payload: dict
@@ -102,6 +104,7 @@ class Queue:
 
     @property
     def path(self) -> Optional[Path]:
+        """The SQLite file (None for PostgreSQL)."""
         return getattr(self.s, "path", None)
 
     @property
@@ -111,10 +114,12 @@ class Queue:
 
     @property
     def kind(self) -> str:
+        """The store's kind: sqlite or postgresql."""
         return self.s.kind
 
     @property
     def storage_errors(self) -> tuple[type[BaseException], ...]:
+        """The store's exception types: a failure of the queue's storage, never a row's."""
         return self.s.errors
 
     def reopen(self) -> "Queue":
@@ -122,6 +127,7 @@ class Queue:
         return Queue(self.s.reopen(), self.clock)
 
     def close(self) -> None:
+        """Close the store's connection."""
         self.s.close()
 
     def now(self) -> float:
@@ -164,6 +170,7 @@ class Queue:
         return [r.key for r in rows if r.key in stored and json.loads(stored[r.key]) != r.payload]
 
     def keys_with_error(self, code: str) -> list[str]:
+        """Keys of the manifest rows that ended with error `code`."""
         return [k for (k,) in self._x("SELECT r.key FROM rows r JOIN manifest m ON m.job=r.job AND m.key=r.key "
                                       "WHERE r.job=? AND r.state='error' AND r.error_code=?", (self.job, code))]
 
@@ -388,6 +395,7 @@ class Queue:
     # ---- workers ---------------------------------------------------------------------------
     @_retrying
     def worker_started(self, worker: str, pid: int, host: str) -> None:
+        """Register this worker (pid, host, heartbeat), replacing any earlier record of its id."""
         now, j = self.now(), self.job
         with self._tx():
             self._x("DELETE FROM workers WHERE job=? AND id=?", (j, worker))
@@ -467,6 +475,7 @@ class Queue:
         return out
 
     def error_counts(self) -> dict[str, int]:
+        """Finished error rows of the manifest by error code."""
         return {c: int(n) for c, n in self._x(
             "SELECT r.error_code, COUNT(*) FROM rows r JOIN manifest m ON m.job=r.job AND m.key=r.key "
             "WHERE r.job=? AND r.state='error' GROUP BY r.error_code ORDER BY 1", (self.job,))}
@@ -505,10 +514,12 @@ class Queue:
                                           (self.job, key) if key else (self.job,)).fetchall()]
 
     def get_meta(self, k: str) -> Optional[str]:
+        """The job's metadata value `k`, or None."""
         row = self._x("SELECT v FROM meta WHERE job=? AND k=?", (self.job, k)).fetchone()
         return row[0] if row else None
 
     def set_meta(self, k: str, v: str) -> None:
+        """Set the job's metadata value `k`."""
         self._x(f"INSERT INTO meta(job, k, v) VALUES (?,?,?) ON CONFLICT {self.s.conflict['meta']} "
                 "DO UPDATE SET v=excluded.v", (self.job, k, v))
 

@@ -79,6 +79,8 @@ def _pg(sql: str) -> str:
 
 
 class PostgresStore:
+    """The queue's store in a PostgreSQL database: rows of many jobs and hosts, row locks, the server's clock."""
+
     kind = "postgresql"
     errors: tuple[type[BaseException], ...] = (psycopg.Error,)
     # a transaction that lost a deadlock or a serialization check is rolled back: run it again
@@ -117,22 +119,27 @@ class PostgresStore:
                 self.db.execute(f"INSERT INTO {SCHEMA}.version(version) VALUES (%s)", (v,))
 
     def version(self) -> int:
+        """The schema version of the database's kvbatch tables."""
         return int(_one(self.db.execute("SELECT max(version) FROM version")))
 
     # psycopg types a query as LiteralString (against injection): this is the queue's own SQL, with SCHEMA
     def execute(self, sql: str, args=()):
+        """Run one statement of the queue's SQL (? placeholders) and return its cursor."""
         return self.db.execute(_pg(sql), args)  # pyright: ignore[reportArgumentType]
 
     def executemany(self, sql: str, rows) -> None:
+        """Run one statement of the queue's SQL for each of `rows`."""
         with self.db.cursor() as cur:
             cur.executemany(_pg(sql), list(rows))  # pyright: ignore[reportArgumentType]
 
     @contextlib.contextmanager
     def tx(self) -> Iterator[None]:
+        """A transaction: committed when the block ends, rolled back on an exception."""
         with self.db.transaction():
             yield
 
     def now(self) -> float:
+        """The database server's clock, in seconds since the epoch (estimated from the offset measured at connect)."""
         return time.time() + self.offset
 
     @contextlib.contextmanager
@@ -145,7 +152,9 @@ class PostgresStore:
             self.db.execute("SELECT pg_advisory_unlock(%s, hashtext(%s))", (_LOCK_SPACE, self.job))
 
     def reopen(self) -> "PostgresStore":
+        """A new connection to the same database and job."""
         return PostgresStore(self.url, self.job, self.connect_timeout_s)
 
     def close(self) -> None:
+        """Close the connection."""
         self.db.close()

@@ -102,12 +102,15 @@ class SqliteStore:
             self.db.execute(f"PRAGMA user_version={VERSION}")
 
     def version(self) -> int:
+        """The file's schema version (PRAGMA user_version)."""
         return int(self.db.execute("PRAGMA user_version").fetchone()[0])
 
     def execute(self, sql: str, args=()):
+        """Run one SQL statement and return its cursor."""
         return self.db.execute(sql, args)
 
     def executemany(self, sql: str, rows) -> None:
+        """Run one SQL statement for each of `rows`."""
         self.db.executemany(sql, rows)
 
     @contextlib.contextmanager
@@ -122,6 +125,7 @@ class SqliteStore:
         self.db.execute("COMMIT")
 
     def now(self) -> float:
+        """This machine's clock, in seconds since the epoch."""
         return time.time()
 
     @contextlib.contextmanager
@@ -135,7 +139,9 @@ class SqliteStore:
                 fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
     def reopen(self) -> "SqliteStore":
+        """A new connection to the same file."""
         return SqliteStore(self.path, self.timeout_s)
 
     def close(self) -> None:
+        """Close the connection."""
         self.db.close()

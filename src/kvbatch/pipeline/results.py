@@ -46,6 +46,8 @@ def _with_params(cls: type) -> type:
 @dataclass
 @_with_params
 class ResultRecord:
+    """One row of a part and of results.parquet; its fields define the Arrow schema (SCHEMA)."""
+
     row_key: str = _col(pa.string())
     row_index: int = _col(pa.int64())  # the row's position in the input
     sample_index: int = _col(pa.int32(), 0)  # which of the row's n samples (0 when n = 1)
@@ -112,6 +114,7 @@ def fit(record: ResultRecord) -> ResultRecord:
 
 
 def to_table(records: list[ResultRecord], metadata: Optional[dict[str, str]] = None) -> pa.Table:
+    """An Arrow table of these records in the results schema, with `metadata` on the schema."""
     table = pa.Table.from_pylist([asdict(r) for r in records], schema=SCHEMA)
     if metadata:
         table = table.replace_schema_metadata({k.encode(): v.encode() for k, v in metadata.items()})

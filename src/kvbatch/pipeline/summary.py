@@ -16,6 +16,7 @@ from kvbatch.pipeline.parts import fsync_dir, temp_path
 
 
 def versions() -> dict[str, str]:
+    """Installed versions of kvbatch, mlx and mlx-lm ("unknown" when not installed)."""
     out = {}
     for dist in ("kvbatch", "mlx", "mlx-lm"):
         try:
@@ -74,6 +75,7 @@ def build(table: pa.Table, counts: dict[str, int], sessions: list[dict], this_ru
 
 
 def write(path: Path, summary: dict) -> None:
+    """Write summary.json atomically and durably (a temporary file, fsynced, then renamed)."""
     tmp = temp_path(path)
     with open(tmp, "w") as fh:
         json.dump(summary, fh, indent=1, default=str)
@@ -101,6 +103,7 @@ def failure(s: dict, max_error_fraction: Optional[float]) -> Optional[str]:
 
 
 def one_line(s: dict) -> str:
+    """The summary in one line for the terminal: rows, tokens, speed, KV mode, route, peak memory, BLAS."""
     errs = ", ".join(f"{n} {c}" for c, n in sorted(s["rows_by_error_code"].items()))
     run = s["this_run"]
     speed = f"{run['tokens_per_s']:.1f} tok/s" if run["tokens_per_s"] else "nothing generated this run"

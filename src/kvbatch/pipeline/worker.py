@@ -73,6 +73,7 @@ class EngineFailure(Exception):
 
 
 def new_worker_id(host: Optional[str] = None, replica: int = 0) -> str:
+    """A worker id unique across hosts and processes: <host>-[r<replica>-]<pid>-<random>."""
     rep = f"r{replica}-" if replica else ""
     return f"{host or socket.gethostname()}-{rep}{os.getpid()}-{secrets.token_hex(2)}"
 
@@ -86,6 +87,7 @@ class LeaseKeeper(threading.Thread):
         self.stop_event = threading.Event()
 
     def run(self) -> None:
+        """Renew the leases every lease_s/3 until stopped."""
         q = self.queue.reopen()  # SQLite connections belong to their thread; one connection each anyway
         try:
             while not self.stop_event.wait(max(self.lease_s / 3, 0.5)):
@@ -94,6 +96,7 @@ class LeaseKeeper(threading.Thread):
             q.close()
 
     def stop(self) -> None:
+        """Stop renewing and wait for the thread to end."""
         self.stop_event.set()
         self.join(timeout=10)
 
@@ -109,6 +112,8 @@ class Runtime:
 
 @dataclass
 class WorkStats:
+    """What one worker run did: rows, tokens, wall time, retries, released rows and whether the deadline stopped it."""
+
     rows: int = 0
     tokens: int = 0
     wall_s: float = 0.0
@@ -120,6 +125,8 @@ class WorkStats:
 
 
 class Worker:
+    """Claims rows from the queue, runs them through one engine, writes finished rows as parts and acknowledges them."""
+
     def __init__(self, cfg: Config, queue: Queue, parts_dir: Path, runtime: Runtime,
                  worker_id: Optional[str] = None, progress: Optional[Progress] = None):
         self.cfg, self.q, self.parts_dir, self.rt = cfg, queue, parts_dir, runtime

@@ -55,22 +55,27 @@ class PagedLayerCache:
 
     @property
     def offset(self):
+        """Each row's position of the pass's first token (mlx-lm's cache protocol: the RoPE offset)."""
         return self.mgr.plan.offset
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """Write this pass's K/V into the rows' pages (mlx-lm's cache protocol); attention reads the pages."""
         self.mgr.write(self.layer, keys, values)
         return keys, values  # attention reads the pages, not these
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
+        """No mask for mlx-lm: the route builds the pass's padding and causal masks itself."""
         if window_size is not None:
             raise NotImplementedError("sliding-window attention is not supported by the paged cache")
         return None  # the paged attention builds its own padding+causal masks
 
     def paged_attend(self, queries: mx.array, scale: float) -> mx.array:
+        """This layer's attention over the pages (called by the patched scaled_dot_product_attention)."""
         return self.mgr.attend(self.layer, queries, scale)
 
     @property
     def nbytes(self) -> int:
+        """Bytes of this layer's page arrays."""
         return sum(a.nbytes for a in self.mgr.store.layer_arrays(self.layer))
 
     def __repr__(self) -> str:
@@ -78,6 +83,8 @@ class PagedLayerCache:
 
 
 class PagedKVCache:
+    """One engine's paged KV cache: page pool, stores and route, row reservations, and one forward pass at a time."""
+
     def __init__(self, layout: KVLayout, num_layers: int, dtype: mx.Dtype, tail_slots: int, upcast: bool,
                  query_heads: int = 0, options: Optional[EngineOptions] = None, prefix_cache: bool = False):
         options = options or EngineOptions()
@@ -111,14 +118,17 @@ class PagedKVCache:
     # ---- capacity (always from the live buffers) -------------------------------------------
     @property
     def capacity_pages(self) -> int:
+        """Pages the pool holds now (it grows on demand up to the memory budget)."""
         return self.store.capacity_pages
 
     @property
     def capacity_bytes(self) -> int:
+        """Bytes of the pool's packed or dense pages at its current capacity."""
         return self.store.nbytes
 
     # ---- reservation -----------------------------------------------------------------------
     def admit(self, row: CacheRow) -> None:
+        """Give a newly admitted row its claim on the cache (and, for quantized modes, a tail page)."""
         self.epoch += 1
         if self.store.quantized:
             if not self.free_tails:
@@ -287,6 +297,7 @@ class PagedKVCache:
                 mx.array(head_rows(slots, N, self.layout.num_kv_heads), dtype=mx.int32))
 
     def end(self) -> None:
+        """Close the forward pass begun by `begin`: each row's stored length advances by its tokens."""
         plan = self.plan
         assert plan is not None, "end() without begin()"
         for r, n in zip(plan.rows, plan.lens):
@@ -296,6 +307,7 @@ class PagedKVCache:
 
     # ---- called by the model, layer by layer -----------------------------------------------
     def write(self, layer: int, keys: mx.array, values: mx.array) -> None:
+        """Store one layer's K/V of the pass in the rows' reserved pages (through the route)."""
         plan = self.plan
         if plan is None:
             raise UnreservedWriteError("KV write outside a reserved forward pass")
@@ -311,6 +323,7 @@ class PagedKVCache:
         self.attention.write(layer, plan.meta, keys, values)
 
     def attend(self, layer: int, queries: mx.array, scale: float) -> mx.array:
+        """One layer's attention of the pass's queries over the rows' pages (keys rotated first when kv.rotate_keys)."""
         plan = self.plan
         assert plan is not None, "attention outside a forward pass"
         if self.rotation is not None:

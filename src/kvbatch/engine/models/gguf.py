@@ -6,7 +6,7 @@ llama.cpp's tensors to mlx-lm's llama names, write config.json (with
 `rope_traditional: true`, since llama.cpp permutes the Q/K rows) and rebuild
 the tokenizer from the metadata. Variant "quantized" keeps the packed weights
 (fast on a GPU); "float32"/"float16"/"bfloat16" dequantize (float32 is ~7x
-faster on the CPU backend with OpenBLAS: the README, "Your own model").
+faster on the CPU backend with OpenBLAS: docs/getting-started.md, "Your own model").
 """
 from __future__ import annotations
 

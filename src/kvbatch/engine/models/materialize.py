@@ -32,6 +32,7 @@ def cache_root(cache_dir: Optional[str] = None) -> Path:
 
 
 def is_complete(target: Path) -> bool:
+    """Whether a built model directory has its completion marker (a finished build)."""
     return (target / MARKER).is_file()
 
 

@@ -31,6 +31,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"
 
 
 def on_gpu() -> bool:
+    """Whether MLX's default device is a GPU."""
     return mx.default_device().type == mx.gpu
 
 
@@ -54,6 +55,7 @@ def smollm2_gguf() -> Path:
 
 
 def gguf_dir(gguf: Path, cfg: ModelConfig, dirname: str) -> Path:
+    """The mlx-lm directory converted from a .gguf file, built once in the model cache."""
     variant = gguf_variant(cfg.dtype)
     target = cache_root(cfg.cache_dir) / f"{dirname}-{variant}"
     return materialize(target, lambda tmp: convert_gguf(gguf, tmp, variant),
@@ -61,6 +63,7 @@ def gguf_dir(gguf: Path, cfg: ModelConfig, dirname: str) -> Path:
 
 
 def tiny_dir(cfg: ModelConfig) -> Path:
+    """The seeded random model's directory, built once in the model cache."""
     config = tiny_config(cfg)
     target = cache_root(cfg.cache_dir) / tiny_key(config)
     return materialize(target, lambda tmp: build_tiny(config, cfg.seed, tmp), info={"source": "tiny"})
@@ -110,6 +113,7 @@ def hf_repo_dir(repo: str) -> Path:
 
 
 def local_dir(cfg: ModelConfig) -> Path:
+    """The mlx-lm directory model.path names: a directory, a .gguf file (converted once) or a Hugging Face repo id."""
     if not cfg.path:
         raise KvbatchConfigError("model=local needs model.path: an mlx-lm model directory, a .gguf file "
                                  "or a Hugging Face repo id")

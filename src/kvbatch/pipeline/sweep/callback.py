@@ -26,6 +26,7 @@ OUTCOME_KEY = "hydra.callbacks.sweep_report.outcome"
 
 
 def say(msg: str) -> None:
+    """Print a message on stderr at once."""
     print(msg, file=sys.stderr, flush=True)
 
 
@@ -64,6 +65,7 @@ def _write(path: Path, outcome: dict) -> None:
 
 
 def read_outcome(path: Path) -> dict:
+    """The outcome file the callback wrote ({} when it is missing or unreadable)."""
     try:
         return json.loads(path.read_text() or "{}")
     except (OSError, ValueError):
@@ -81,9 +83,11 @@ class SweepCallback(Callback):
             _write(self.outcome, outcome)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        """Record the sweep folder before any job runs."""
         self._record(sweep_dir=str(Path(str(config.hydra.sweep.dir)).resolve()), report=None)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        """Write the sweep report (or, for a sweep of workers, their outcome) and record it."""
         sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
         workers = config.get("action") == "work"
         tf = bool(config.get("report", {}).get("teacher_forced", True))

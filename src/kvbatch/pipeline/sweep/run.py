@@ -25,6 +25,7 @@ from kvbatch.pipeline.sweep.status import write_status
 
 
 def say(msg: str) -> None:
+    """Print a message on stderr at once."""
     print(msg, file=sys.stderr, flush=True)
 
 

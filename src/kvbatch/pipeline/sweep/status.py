@@ -19,6 +19,7 @@ def write_status(job_dir: Path, status: dict) -> None:
 
 
 def read_status(job_dir: Path) -> Optional[dict]:
+    """A sweep job's job_status.json, or None when it is missing or unreadable."""
     try:
         return json.loads((job_dir / STATUS_FILE).read_text())
     except (OSError, ValueError):

@@ -17,6 +17,8 @@ from kvbatch.engine.kv.pages import CacheRow
 
 @dataclass(frozen=True)
 class Geometry:
+    """The K/V shape a route is built for: tokens per page, KV heads, head size and query heads."""
+
     page_size: int
     kv_heads: int
     head_dim: int
@@ -24,6 +26,8 @@ class Geometry:
 
 
 class Route:
+    """How a forward pass reads and writes the paged K/V: `plan` once per pass, then `write` and `attend` per layer."""
+
     name: str = ""
 
     def plan(self, rows: list[CacheRow], L: int, pos: list[int], epoch: int, lens: list[int]) -> object:

@@ -57,6 +57,7 @@ class TailWrites:
     seal_to: Optional[mx.array] = None
 
     def apply(self, store, layer: int, k: mx.array, v: mx.array) -> None:
+        """Write the new tokens into their tails, then seal the tails that filled."""
         store.write_tokens(layer, self.tail_write, k, v)  # a step that seals writes first (the seal reads it)
         if self.seal_pages is not None:
             store.seal_tail_pages(layer, *self.seal_pages)

@@ -6,7 +6,7 @@ several CPU streams (engine.options.attention_threads, 0 = min(cores, 4)) they r
 A stream is worth its hand-off from MIN_WORK K (or V) elements on (row, KV head, token,
 channel): SmolLM2's q8 layer at 2k tokens, batch 1 (393k) ran slower split in two, at 6k batch 1
 (1.2M) and 2k batch 4 (1.6M) 1.2-1.8x faster; kv none at batch 64, 300 tokens (3.7M), 1.8x
-(benchmarks/notebook/README.md, issues 5 and 20).
+(docs/performance.md).
 """
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 portable dense / quantized routes, with attention composed of matmuls (dense.composed_attention:
 no cuDNN graph per pass shape).
 
-A decode step's arrays come from host lists; in the H200's decode loop each such array cost the
-host 0.1-0.15 ms (benchmarks/notebook/README.md, issue 9), so while no row gains or loses a page (the cache's epoch
+A decode step's arrays come from host lists; in the H200's decode loop each such array costs the
+host 0.1-0.15 ms (docs/performance.md), so while no row gains or loses a page (the cache's epoch
 is unchanged) a step reuses the previous step's page table and advances its lengths on the
 device with one add (`options.step_reuse`).
 """
@@ -56,12 +56,16 @@ class StepReuse:
 
 @dataclass(frozen=True)
 class CudaDecode:
+    """A CUDA dense decode step's metadata: page table and key counts the fused kernel reads."""
+
     table: mx.array
     lengths: mx.array  # (B,) keys stored, the new token included
     rows: Optional[mx.array] = None  # head rows of the new token, when it is scattered before the kernel
 
 
 class CudaDenseRoute(DenseRoute):
+    """kv none on MLX CUDA: decode by the fused paged kernel, prefill as the dense route with composed attention."""
+
     def __init__(self, store, geom: Geometry, upcast: bool, launch: CudaLaunch, step_reuse: bool):
         super().__init__(store, geom, upcast, cpu=False, in_place=False)
         self.name, self.launch, self.reuse = ROUTE_CUDA, launch, StepReuse(step_reuse)  # not DenseRoute's name
@@ -69,6 +73,8 @@ class CudaDenseRoute(DenseRoute):
         self._new_kv: dict[int, tuple[mx.array, mx.array]] = {}  # decode K/V the kernel stores
 
     def plan(self, rows, L, pos, epoch, lens):
+        """Decode: a page table and lengths for the kernel (reused from the previous step while no row gains a page);
+        prefill: the dense route's plan."""
         if L > 1:
             return self.prefill_plan(rows, L, pos, lens)
         P = self.geom.page_size
@@ -84,6 +90,7 @@ class CudaDenseRoute(DenseRoute):
         return CudaDecode(table, mx.array(new_len, dtype=mx.int32), hrows)
 
     def write(self, layer, meta, keys, values):
+        """Decode: keep the new K/V for the kernel to store (or scatter them first); prefill: as the dense route."""
         if not isinstance(meta, CudaDecode):
             return super().write(layer, meta, keys, values)
         if meta.rows is None:
@@ -93,6 +100,7 @@ class CudaDenseRoute(DenseRoute):
         self.store.write(layer, meta.rows, k, v)
 
     def attend(self, layer, meta, queries, scale):
+        """Decode: the fused paged kernel over the rows' pages; prefill: the dense route's attention."""
         if not isinstance(meta, CudaDecode):
             return super().attend(layer, meta, queries, scale)
         st = self.store
@@ -100,11 +108,14 @@ class CudaDenseRoute(DenseRoute):
                                       self.launch, new_kv=self._new_kv.pop(layer, None))
 
     def end(self):
+        """Drop the decode K/V held for the kernel at the end of the pass."""
         self._new_kv.clear()
 
 
 @dataclass(frozen=True)
 class CudaQuantDecode:
+    """A CUDA quantized decode step's metadata: tails, sealed-page table and lengths the fused kernel reads."""
+
     tails: mx.array
     table_q: mx.array  # (B, n) sealed pages
     lens: mx.array  # (B, 2) tokens on sealed pages and in the tail, the new one included
@@ -112,6 +123,8 @@ class CudaQuantDecode:
 
 
 class CudaQuantRoute(QuantRoute):
+    """q8/q4/k8v4 on MLX CUDA: decode through the fused quantized paged kernel, prefill as the quantized route."""
+
     name = ROUTE_CUDA_Q
 
     def __init__(self, store, geom: Geometry, launch: CudaLaunch, step_reuse: bool):
@@ -141,6 +154,8 @@ class CudaQuantRoute(QuantRoute):
                                                            fill))
 
     def write(self, layer, meta, keys, values):
+        """Decode: keep the new K/V for the kernel to store in the tails (or write them first); prefill: the quantized
+        route's write."""
         if not isinstance(meta, CudaQuantDecode):
             return super().write(layer, meta, keys, values)
         if meta.writes is None:
@@ -150,6 +165,7 @@ class CudaQuantRoute(QuantRoute):
         meta.writes.apply(self.store, layer, k, v)
 
     def attend(self, layer, meta, queries, scale):
+        """Decode: the fused quantized kernel over sealed pages and tails; prefill: the quantized route's attention."""
         if not isinstance(meta, CudaQuantDecode):
             return super().attend(layer, meta, queries, scale)
         st = self.store
@@ -158,5 +174,6 @@ class CudaQuantRoute(QuantRoute):
                                                 self.launch, new_kv=self._new_kv.pop(layer, None))
 
     def end(self):
+        """Drop the pass's state, the decode K/V held for the kernel included."""
         super().end()
         self._new_kv.clear()

@@ -36,7 +36,7 @@ NE = 8  # head elements per lane
 # Per kernel kind: tokens per lane per loop step and most warps per block (CudaLaunch.unroll /
 # warps override both kinds). q8/q4 take 4 warps x 4 tokens: their per-token loads are small (8 or
 # 4 bytes a lane), so more tokens in flight per lane pays, and half the warps halve the block's
-# merge; dense stays at 8 x 2 (measured side by side on the H200: benchmarks/notebook/README.md, issue 9).
+# merge; dense stays at 8 x 2 (measured side by side on the H200: docs/performance.md).
 UNROLL = {"dense": 2, "quant": 4}
 WARPS = {"dense": 8, "quant": 4}
 
@@ -146,7 +146,7 @@ class QuantPages(NamedTuple):
 class _Launch(NamedTuple):
     """Everything a launch needs besides its arrays, worked out once per step shape (`_launch_for`)
     instead of once per layer: the host builds and launches each step while the GPU waits at small
-    batches (benchmarks/notebook/README.md, issue 9)."""
+    batches (docs/performance.md)."""
     kernel: _Kernel
     call: dict  # template, grid, threadgroup, output_shapes, output_dtypes
     consts: list  # [meta, scale]

@@ -146,7 +146,7 @@ _FOLD_END = r"""
 # The loop: each lane keeps its tokens' K/V as loaded (bf16 pairs or packed codes: 4 registers a
 # token for bf16 K, 2 for q8, 1 for q4, against 8 floats) and converts element e inside the score
 # and value loops, where all REP query heads use it at once: the q8/q4 kernels fit in 128
-# registers a thread, so two 256-thread blocks share an SM (nvcc -Xptxas -v; benchmarks/notebook/README.md, issue 9).
+# registers a thread, so two 256-thread blocks share an SM (nvcc -Xptxas -v; docs/performance.md).
 _RAW_LOOP = r"""
     {{
         const int ta = {start}, tz = {stop};

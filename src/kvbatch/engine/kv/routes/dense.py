@@ -51,7 +51,7 @@ def composed_attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array, sc
     On MLX CUDA, fused SDPA runs a multi-token 2-byte pass through cuDNN, which builds a graph for
     every new shape (~60 ms each) after a one-time set-up of ~17 s; batched prefill passes of mixed
     prompt lengths meet a new shape nearly every pass. cuBLAS matmuls need no per-shape set-up and
-    ran these passes as fast (benchmarks/notebook/README.md, issue 20). Masked keys get the dtype's lowest
+    run these passes as fast (docs/performance.md). Masked keys get the dtype's lowest
     value, not -inf, so a padded query that sees no key gets finite (unused) outputs."""
     B, Hq, L, D = q.shape
     Hkv, T = k.shape[1], k.shape[2]
@@ -69,7 +69,7 @@ def _grouped_decode(q: mx.array, k: mx.array, v: mx.array, mask: mx.array, scale
     MLX's CPU SDPA (a composed fallback) broadcasts K/V over the group: one GEMV per query
     head, reading each KV head's K and V once per query head. Folded, it is one small GEMM
     per (row, KV head) that reads them once: 30-37% less attention time at SmolLM2 and
-    tiny-llama shapes, bit-identical results (benchmarks/notebook/README.md, issue 3)."""
+    tiny-llama shapes, bit-identical results (docs/performance.md)."""
     B, Hq, _, D = q.shape
     Hkv = k.shape[1]
     qf = (q * mx.array(scale, q.dtype)).reshape(B, Hkv, Hq // Hkv, D)
@@ -94,7 +94,7 @@ def paged_grouped_decode(q: mx.array, k_pages: mx.array, v_pages: mx.array, page
     the softmax runs down the keys axis and neither product needs a transposed copy.
     On the CPU a page-table gather copies K and V at ~10 GB/s before attention can
     read them; in place, decode attention takes 0.35-0.8x the time at tiny-llama and
-    SmolLM2 shapes (benchmarks/notebook/README.md, issue 3). Same float32 softmax; the output
+    SmolLM2 shapes (docs/performance.md). Same float32 softmax; the output
     sums the pages' partial products (within 1e-6 of the gathered path)."""
     B, Hq, _, D = q.shape
     _, Hkv, P, _ = k_pages.shape
@@ -121,6 +121,8 @@ class InPlaceGroup:
 
 @dataclass(frozen=True)
 class DenseStep:
+    """A dense pass's metadata: where its tokens are written, the page table, the mask and the in-place groups."""
+
     rows: mx.array  # head rows the pass's tokens are written to (kv.store.head_rows)
     table: mx.array  # (B, width) page table
     mask: Optional[mx.array] = None  # (B, 1, L, T)
@@ -129,6 +131,8 @@ class DenseStep:
 
 
 class DenseRoute(Route):
+    """kv none: attention over dense pages, gathered through the page table (or read in place on the CPU)."""
+
     def __init__(self, store: DenseStore, geom: Geometry, upcast: bool, cpu: bool, in_place: bool,
                  streams: Optional[list] = None):
         """cpu: the CPU's decode (grouped matmul); in_place: also read float32 pages in place;
@@ -139,6 +143,7 @@ class DenseRoute(Route):
         self.name = ROUTE_DENSE_F32 if upcast else ROUTE_DENSE
 
     def plan(self, rows: list[CacheRow], L: int, pos: list[int], epoch: int, lens: list[int]) -> object:
+        """A decode plan for one-token passes, a prefill plan otherwise."""
         return self.decode_plan(rows, pos) if L == 1 else self.prefill_plan(rows, L, pos, lens)
 
     def prefill_plan(self, rows: list[CacheRow], L: int, pos: list[int], lens: list[int]) -> DenseStep:
@@ -179,12 +184,14 @@ class DenseRoute(Route):
         return tuple(groups)
 
     def write(self, layer: int, meta: DenseStep, keys: mx.array, values: mx.array) -> None:
+        """Store the pass's real tokens' K/V in the head rows the plan chose."""
         k, v = flat_tokens(keys, values)
         if meta.take is not None:
             k, v = k[meta.take], v[meta.take]
         self.store.write(layer, meta.rows, k, v)
 
     def attend(self, layer: int, meta: DenseStep, queries: mx.array, scale: float) -> mx.array:
+        """The pass's queries attending to the rows' dense pages (grouped or in place on the CPU, SDPA otherwise)."""
         st = self.store
         if meta.groups:
             outs = []

@@ -228,6 +228,9 @@ class FreshPrefill:
 
 @dataclass(frozen=True)
 class QuantPrefill:
+    """A quantized prefill pass's metadata: rows continuing a prompt (runs), rows starting one (fresh), and the output
+    order."""
+
     L: int
     runs: tuple[PrefillRun, ...]
     fresh: Optional[FreshPrefill]
@@ -236,6 +239,8 @@ class QuantPrefill:
 
 @dataclass(frozen=True)
 class QuantDecode:
+    """A quantized decode step's metadata: tails, sealed-page table, tail writes and masks."""
+
     tails: mx.array
     table_q: Optional[mx.array]
     writes: TailWrites
@@ -260,6 +265,8 @@ class QuantPagedDecode:
 
 
 class QuantRoute(Route):
+    """q8/q4/k8v4: attention over quantized sealed pages plus each row's dense tail page."""
+
     name = ROUTE_QMM
 
     def __init__(self, store: QuantizedStore, geom: Geometry, streams: list, in_place: bool):
@@ -341,6 +348,8 @@ class QuantRoute(Route):
         return QuantPrefill(L, tuple(runs), f, order)
 
     def write(self, layer: int, meta, keys: mx.array, values: mx.array) -> None:
+        """Store the pass's K/V: prefill runs into tails and sealed pages, decode tokens into tails (sealing the full
+        ones)."""
         k, v = flat_tokens(keys, values)
         if isinstance(meta, QuantPrefill):
             L, f, st = meta.L, meta.fresh, self.store
@@ -360,6 +369,7 @@ class QuantRoute(Route):
             meta.writes.apply(self.store, layer, k, v)
 
     def attend(self, layer: int, meta, queries: mx.array, scale: float) -> mx.array:
+        """Attention of the pass's queries over the rows' quantized pages and tails (and first-token copies)."""
         st = self.store
         k_transposed = st.k_axis == "channel"
         if isinstance(meta, QuantPagedDecode):
@@ -419,4 +429,5 @@ class QuantRoute(Route):
         return out if meta.order is None else out[meta.order]
 
     def end(self) -> None:
+        """Drop the prefill K/V kept for the pass's attention."""
         self._segment.clear()

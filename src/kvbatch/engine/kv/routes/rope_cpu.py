@@ -7,7 +7,7 @@ so `TableRoPE` gets them once per step, exactly: it runs the model's own RoPE on
 basis vector (1 in each pair's first element, 0 in the second), whose output is the
 (cos, sin) of every pair at every row's position. Each layer then rotates with a
 compiled elementwise kernel: bit-identical to `fast.rope` (tests/engine/test_rope.py), 2.5-4.5x
-faster a call (benchmarks/notebook/README.md, issue 3). Only plain `nn.RoPE` modules are
+faster a call (docs/performance.md). Only plain `nn.RoPE` modules are
 wrapped (scaled variants keep MLX's kernel); only one-token passes (decode) use the
 table; other backends keep their fused kernel.
 """
@@ -71,6 +71,7 @@ class TableRoPE(nn.Module):
         self.dims, self.traditional = inner.dims, inner.traditional
 
     def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
+        """Rotate x by the step's table on one-token float32 CPU passes; by the wrapped RoPE otherwise."""
         if x.shape[2] != 1 or x.dtype != mx.float32 or mx.default_device().type != mx.DeviceType.cpu:
             return self.inner(x, offset=offset)
         cos, sin = self._tables.get(offset)

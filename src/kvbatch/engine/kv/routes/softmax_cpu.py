@@ -61,8 +61,8 @@ def masked_softmax(scores: mx.array, mask: mx.array, axis: int | tuple[int, ...]
     """softmax(where(mask, scores * scale, -inf)) along `axis` (an int or a tuple of axes), in
     float32, output in scores' dtype.
 
-    CPU: within 1e-7 of MLX's precise softmax, 1.5-2.5x faster than the compiled 2^x of
-    before and ~4x faster than MLX's (benchmarks/notebook/README.md, issue 3). A single key (never
+    CPU: within 1e-7 of MLX's precise softmax, 1.5-2.5x faster than a compiled 2^x
+    and ~4x faster than MLX's (docs/performance.md). A single key (never
     in decode, where a row sees its prompt too) takes the eager path: a shapeless kernel
     crashes MLX 0.32 when the softmax axis has length 1. Other backends: MLX's softmax."""
     if mx.default_device().type != mx.DeviceType.cpu:

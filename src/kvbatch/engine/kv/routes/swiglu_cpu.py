@@ -53,6 +53,7 @@ class SwiGLUMLP(nn.Module):
         self.inner = inner
 
     def __call__(self, x: mx.array) -> mx.array:
+        """The MLP with the float32 CPU SwiGLU; the wrapped MLP on other dtypes and devices."""
         m = self.inner
         if x.dtype != mx.float32 or mx.default_device().type != mx.DeviceType.cpu:
             return m(x)

@@ -176,6 +176,7 @@ def add_kv_labels(records: list[dict]) -> None:
 
 
 def to_table(records: list[dict], metadata: dict[str, str]) -> pa.Table:
+    """The sweep records as an Arrow table in the sweep.parquet schema, with `metadata` on the schema."""
     rows = [{c: r.get(c) for c in SCHEMA.names} for r in records]
     t = pa.Table.from_pylist(rows, schema=SCHEMA)
     return t.replace_schema_metadata({k.encode(): v.encode() for k, v in metadata.items()})

@@ -145,4 +145,5 @@ def quality_vs_memory(records: list[dict], path: Path, title: str) -> None:
 
 
 def zoomed(values: list[Optional[float]]) -> tuple[float, float]:
+    """agreement_limits over the values that exist."""
     return agreement_limits([v for v in values if v is not None])

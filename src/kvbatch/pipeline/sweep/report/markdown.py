@@ -40,6 +40,7 @@ def _quality(r: dict) -> list[str]:
 
 def markdown(records: list[dict], sweep_dirs: list[Path], out: Path, plots: dict[str, Path],
              versions: dict[str, str]) -> str:
+    """The text of report.md: the jobs table, the jobs that did not complete, the plots and how to read them."""
     done = [r for r in records if r["status"] == "completed"]
     bad = [r for r in records if r["status"] != "completed"]
     lines = ["# kvbatch sweep report", "",
@@ -101,6 +102,6 @@ def markdown(records: list[dict], sweep_dirs: list[Path], out: Path, plots: dict
               "output). One near-tie flip early in an answer makes the rest of it differ, so this "
               "understates a mode that is almost always right; **first divergence**: the first token "
               "position where a row's output differs (min and median over the rows that differ).",
-              "- **errors**: rows per error code (see the README's error codes); a job that did not "
+              "- **errors**: rows per error code (see docs/errors.md); a job that did not "
               "complete has no rows."]
     return "\n".join(lines) + "\n"

@@ -106,6 +106,7 @@ def _error_plot(records: list[dict], path: Path) -> None:
 
 
 def plot(records: list[dict], out: Path) -> dict[str, Path]:
+    """Draw the report's PNG charts into `out`; their paths by name."""
     paths = {k: out / name for k, (name, _) in PLOTS.items()}
     _bars(records, "decode_tokens_per_s", PLOTS["decode"][1], "decode tokens/s", paths["decode"])
     kv_memory(records, paths["kv_memory"], PLOTS["kv_memory"][1])

@@ -1,4 +1,4 @@
-"""Teacher-forced quality of each quantized sweep job against its kv=none partner (issue 27).
+"""Teacher-forced quality of each quantized sweep job against its kv=none partner.
 
 The partner's outputs (same model, prompts and sampling: compare.py found it) are scored under the
 quantized job's cache and under the partner's own (engine/scoring.py): per row KL(none || mode) mean
