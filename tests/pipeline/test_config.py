@@ -48,6 +48,7 @@ def test_groups_compose():
     ("model=local", "model.path"),
     ("worker.deadline=7pm", "worker.deadline='7pm'"),
     ("debug.inject_nonfinite=row", "debug.inject_nonfinite='row'"),
+    ("debug.deadline_after_rows=0", "debug.deadline_after_rows=0: must be >= 1"),
     ("action=explode", "action='explode'"),
     # issue 22: keys added with `+` at any depth are refused too (OmegaConf would drop them silently),
     # including sampling options kvbatch does not have (typical_p, best_of, mirostat)
@@ -88,7 +89,7 @@ def test_validation_error_type():
 def test_config_hash_ignores_runtime_settings():
     base = compose_config(["model=tiny"])
     same = compose_config(["model=tiny", "engine.max_batch=3", "memory.budget=4GiB", "worker.lease_s=5",
-                           "output.root=/elsewhere", "model.cache_dir=/tmp/x"])
+                           "output.root=/elsewhere", "model.cache_dir=/tmp/x", "debug.deadline_after_rows=4"])
     other = compose_config(["model=tiny", "kv=q8"])
     assert config_hash(base, "/in.jsonl") == config_hash(same, "/in.jsonl")
     assert config_hash(base, "/in.jsonl") != config_hash(other, "/in.jsonl")

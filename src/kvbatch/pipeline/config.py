@@ -135,6 +135,9 @@ class DebugConfig:
     """Test-only fault injection."""
 
     inject_nonfinite: Optional[str] = None  # "ROW_KEY:STEP": poison that row's logits at that step (tests)
+    # N: worker.deadline counts as reached once N rows have a result in this run (tests: a deadline
+    # at an exact place, whatever the machine's speed)
+    deadline_after_rows: Optional[int] = None
 
 
 @dataclass
@@ -266,6 +269,8 @@ def validate(cfg: Config) -> None:
     _need(not url or bool(re.match(r"postgres(ql)?://", url)), "queue.url", redact(url),
           "use postgresql://user@host:port/database, or leave it empty for queue.sqlite in the output folder")
     parse_injection(cfg.debug.inject_nonfinite)
+    after = cfg.debug.deadline_after_rows
+    _need(after is None or after >= 1, "debug.deadline_after_rows", after, "must be >= 1 (or null)")
     _need(all(c in ERROR_CODES for c in cfg.retry.codes), "retry.codes", cfg.retry.codes,
           f"choose among {', '.join(ERROR_CODES)} ([] = every code)")
     _need(cfg.action != "report" or bool(cfg.report.sweep_dirs), "report.sweep_dirs", cfg.report.sweep_dirs,
@@ -302,6 +307,7 @@ def run_identity(cfg: Config, input_path: str, include_kv: bool) -> str:
     d = as_dict(cfg)
     keyed = {k: d[k] for k in _SHAPES_OUTPUTS}
     keyed["model"].pop("cache_dir", None)
+    keyed["debug"].pop("deadline_after_rows", None)  # where a run stops, not what its rows hold
     keyed["job"] = {**keyed["job"], "input": str(input_path), "name": None}
     if cfg.job.response_format is not None:  # a schema file by its content, not its path
         keyed["job"]["response_format"] = response_format.canonical(response_format.resolve(cfg.job.response_format))

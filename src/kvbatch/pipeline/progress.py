@@ -5,12 +5,16 @@ The worker reports every engine step's generated tokens (`tokens`), and each row
 (`row_done`). The bar counts tokens against the job's token budget (each queued row's max_tokens),
 so its rate and ETA are in tokens; a row that stops early takes its unused budget off the total, so
 the ETA tightens as rows finish. Rows done/total, tokens/s and memory ride along.
+
+Time comes from the constructor: `clock` (seconds, default time.monotonic) times the plain lines and
+their rate, `redraw_s` is the bar's least interval between redraws (tqdm's mininterval; 0 redraws on
+every update), so a test times the lines with a manual clock and sees every redraw, without sleeping.
 """
 from __future__ import annotations
 
 import sys
 import time
-from typing import Optional, TextIO
+from typing import Callable, Optional, TextIO
 
 import psutil
 from tqdm import tqdm
@@ -40,7 +44,8 @@ class Progress:
     """The run's progress in tokens: a tqdm bar on a terminal, else a plain line every output.progress_every."""
 
     def __init__(self, rows: int, token_budget: int, mode: str = "auto", every_s: float = 300.0,
-                 stream: Optional[TextIO] = None):
+                 stream: Optional[TextIO] = None, clock: Callable[[], float] = time.monotonic,
+                 redraw_s: float = 0.5):
         self.stream = stream or sys.stderr
         tty = self.stream.isatty()
         self.bar_on = mode == "on" or (mode == "auto" and tty)
@@ -48,16 +53,20 @@ class Progress:
         self.rows_total, self.rows = rows, 0
         self.total, self.done_tokens = max(token_budget, 0), 0
         self.every_s = every_s
-        self.t0 = time.perf_counter()
+        self.clock = clock
+        self.t0 = clock()
         self.last_line = self.t0
+        # the first draw already carries rows and memory
         self.bar = tqdm(total=self.total, desc="tokens", unit="tok", unit_scale=True, file=self.stream,
-                        disable=not self.bar_on, dynamic_ncols=True, leave=True, mininterval=0.5)
-        self._postfix()
+                        disable=not self.bar_on, dynamic_ncols=True, leave=True, mininterval=redraw_s,
+                        postfix=self._postfix_text() if self.bar_on else None)
+
+    def _postfix_text(self) -> str:
+        return f"rows {self.rows}/{self.rows_total}, mem {fmt_bytes(rss_bytes())}"
 
     def _postfix(self) -> None:
         if self.bar_on:
-            self.bar.set_postfix_str(f"rows {self.rows}/{self.rows_total}, mem {fmt_bytes(rss_bytes())}",
-                                     refresh=False)
+            self.bar.set_postfix_str(self._postfix_text(), refresh=False)
 
     def tokens(self, n: int) -> None:
         """`n` more tokens generated (called every engine step)."""
@@ -81,7 +90,7 @@ class Progress:
 
     def line(self) -> str:
         """The plain progress line: rows, tokens, rate, ETA and memory."""
-        elapsed = max(time.perf_counter() - self.t0, 1e-9)
+        elapsed = max(self.clock() - self.t0, 1e-9)
         rate = self.done_tokens / elapsed
         left = max(self.total - self.done_tokens, 0)
         eta = fmt_duration(left / rate) if rate > 0 else "unknown"
@@ -89,7 +98,7 @@ class Progress:
                 f"{rate:.1f} tok/s, elapsed {fmt_duration(elapsed)}, ETA {eta}, mem {fmt_bytes(rss_bytes())}")
 
     def _maybe_line(self) -> None:
-        now = time.perf_counter()
+        now = self.clock()
         if self.lines_on and now - self.last_line >= self.every_s:
             self.last_line = now
             print(self.line(), file=self.stream, flush=True)

@@ -30,8 +30,9 @@ stranded.
 `worker.deadline`: the worker looks between engine steps at least every HEARTBEAT_S, so
 the deadline is seen mid-batch: the worker claims nothing more, cancels the engine
 (in-flight rows go back to the queue, their attempt not counted: they start over
-next run), writes the rows already finished, and returns. SIGTERM is handled like
-Ctrl-C: finished rows are written, in-flight rows handed back.
+next run), writes the rows already finished, and returns. `debug.deadline_after_rows=N`
+(tests) reaches the deadline once N rows have a result in this run, the same place on any
+machine. SIGTERM is handled like Ctrl-C: finished rows are written, in-flight rows handed back.
 """
 from __future__ import annotations
 
@@ -145,6 +146,7 @@ class Worker:
         self.alone: Optional[str] = None  # key of a row running alone (isolate_after crashes)
         self.slots = samples.slots_of(queue.get_meta(samples.META))  # queue positions per input row
         self.seen_tokens = 0  # the current engine's generated tokens already reported to progress
+        self.results = 0  # rows given a result in this run (debug.deadline_after_rows)
         self.job_format = _UNSET  # job.response_format, resolved on first use
 
     # ---- records ---------------------------------------------------------------------------
@@ -195,7 +197,9 @@ class Worker:
 
     # ---- flow ------------------------------------------------------------------------------
     def _past_deadline(self) -> bool:
-        if self.deadline is not None and time.time() >= self.deadline:
+        after = self.cfg.debug.deadline_after_rows
+        if (self.deadline is not None and time.time() >= self.deadline) or \
+                (after is not None and self.results >= after):
             self.stats.stopped_by_deadline = True
             return True
         return False
@@ -268,6 +272,7 @@ class Worker:
 
     def _add(self, record: ResultRecord) -> None:
         self.buffer.append(fit(record))  # always writable: one bad value never fails a part
+        self.results += 1
         if self.progress:
             budget = getattr(record, "max_tokens", None) or 0  # set for every row that was meant to run
             self.progress.row_done(budget - (record.output_tokens or 0))
