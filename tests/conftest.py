@@ -53,6 +53,12 @@ def expected_route(spec, mode: str, group_size: int = 64, route: str = "auto") -
     return ROUTE_DENSE_F32 if spec.dtype == "float16" else ROUTE_DENSE
 
 
+def kv_cache(eng):
+    """The engine's paged KV cache, for the tests of the cache itself (its store's pages and buffers, its
+    attention route, its pass checks): the one place a test reaches past Engine.stats() and EngineHooks."""
+    return eng.cache
+
+
 MODEL_CACHE = "kvbatch-models"
 
 

@@ -8,14 +8,20 @@ from kvbatch.engine.backend import backend
 from kvbatch.engine.batch_limits import BATCH_CEILING, PREFILL_TOKENS
 from kvbatch.engine.engine import Engine
 from kvbatch.engine.errors import KvbatchConfigError
+from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.testing import engine_config
+from kvbatch.engine.types import Request
 
 
 def test_max_batch_auto_is_the_backend_ceiling_and_the_plan_says_so(tiny_model):
     model, tok, spec = tiny_model()
     eng = Engine(model, tok, spec, engine_config(max_batch="auto", memory_budget=1 << 30))
     name = backend().name
-    assert eng.max_batch == BATCH_CEILING[name] and eng.scheduler.max_batch == eng.max_batch
+    assert eng.max_batch == BATCH_CEILING[name]
+    # the scheduler runs that many rows at once, never more: one row more than the ceiling, two steps
+    res = eng.generate([Request(f"r{i}", [1 + i % 250, 1 + i // 250], SamplingParams(max_tokens=1))
+                        for i in range(eng.max_batch + 1)])
+    assert all(r.ok for r in res) and eng.summary()["peak_concurrency"] == eng.max_batch
     assert eng.prefill_tokens == max(PREFILL_TOKENS[name], 512)
     s = eng.summary()
     assert (s["max_batch"], s["admission"], s["prefill_tokens"]) == (eng.max_batch, "reserve", eng.prefill_tokens)

@@ -10,6 +10,7 @@ from kvbatch.engine.engine import Engine
 from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.types import Request
 from kvbatch.engine.testing import engine_config
+from tests.conftest import kv_cache
 from tests.engine.test_engine_paged import prompts_of
 
 # kv none: float tolerance. q8/q4: a key computed in a differently shaped pass (a GEMM of other
@@ -26,7 +27,7 @@ def _run(m, mode: str, page: int, prefill_tokens, max_batch: int = 8, lengths=tu
     eng = Engine(model, tok, spec, engine_config(kv_mode=mode, page_size=page, max_batch=max_batch, prefill_chunk=16,
                                                 memory_budget=2 << 30, prefill_tokens=prefill_tokens))
     if composed is not None:  # the CUDA routes' prefill attention, on any backend
-        eng.cache.attention.composed = composed
+        kv_cache(eng).attention.composed = composed  # the route's own switch (no option sets it)
     prompts = prompts_of(list(lengths), salt=5)
     forced = [[(11 * i + 3 * j) % 256 for j in range(STEPS)] for i in range(len(prompts))]
     for i, f in enumerate(forced):

@@ -17,7 +17,7 @@ from kvbatch.engine.engine import Engine
 from kvbatch.engine.testing import engine_config
 from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.types import Request
-from tests.conftest import ON_CUDA
+from tests.conftest import ON_CUDA, kv_cache
 
 pytestmark = pytest.mark.skipif(not ON_CUDA, reason="the fused kernels run on MLX CUDA only")
 
@@ -28,7 +28,8 @@ def _run(tiny_model, mode: str, page: int, write: str, chunk: str, monkeypatch):
     cfg = engine_config(kv_mode=mode, page_size=page, group_size=64, max_batch=4, prefill_chunk=100,
                         memory_budget=4 << 30, options=EngineOptions(cuda=launch))
     eng = Engine(model, tok, spec, cfg)
-    assert eng.cache.attention.launch.kernel_writes == (write == "1")
+    cache = kv_cache(eng)  # the route under test and the buffers it writes
+    assert cache.attention.launch.kernel_writes == (write == "1")
     rng = random.Random(5)
     reqs = []
     for i, n in enumerate((3, 17, 64, 70, 111, 40)):
@@ -39,7 +40,7 @@ def _run(tiny_model, mode: str, page: int, write: str, chunk: str, monkeypatch):
     reqs.append(Request("g", [9, 8, 7], SamplingParams(max_tokens=90)))
     res = {r.key: r for r in eng.generate(reqs)}
     assert not [r.error_code for r in res.values() if r.error_code]
-    return res, eng.hooks.logits, eng.cache.store.all_arrays()  # pools (and q8/q4 tails) of every layer
+    return res, eng.hooks.logits, cache.store.all_arrays()  # pools (and q8/q4 tails) of every layer
 
 
 @pytest.mark.parametrize("chunk", ["", "24"], ids=["default", "split24"])

@@ -17,15 +17,18 @@ from mlx_lm.models import llama, mamba
 from kvbatch.engine.backend import on_cpu
 from kvbatch.engine.config import EngineOptions
 from kvbatch.engine.kv.routes.dense import DenseRoute
+from kvbatch.engine.kv.routes.select import select_route
 from kvbatch.engine.engine import Engine
 from kvbatch.engine.testing import engine_config
 from kvbatch.engine.errors import INVALID_INPUT, PROMPT_TOO_LONG, KvbatchConfigError, UnreservedWriteError
+from kvbatch.engine.hooks import EngineHooks
 from kvbatch.engine.kv.cache import PagedKVCache
 from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.memory import kv_layout
 from kvbatch.engine.models.spec import model_spec
 from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.types import Request
+from tests.conftest import expected_route
 
 BUDGET = 2 << 30
 EOS = 257  # the tiny model's <|im_end|>
@@ -63,10 +66,9 @@ def make_engine(m, **cfg) -> Engine:
 
 
 def pool_is_empty(eng: Engine) -> None:
-    pool = eng.cache.pool
-    assert pool.in_use == 0
-    assert pool.num_free == pool.capacity == eng.cache.capacity_pages
-    assert eng.summary()["pages_in_use"] == 0
+    s = eng.summary()
+    assert s["pages_in_use"] == 0
+    assert s["pages_free"] == s["pool_capacity_pages"]
 
 
 # ---- (a) teacher-forced logits against mlx-lm, batch of 8, small pages, pool growth ---------
@@ -84,14 +86,21 @@ def test_teacher_forced_logits_match_mlx_lm(tiny_model, geometry, P, route):
     prompts = prompts_of(lengths)
     refs = [mlx_lm_reference(model, p, steps) for p in prompts]
 
-    eng = make_engine(m, page_size=P, max_batch=8, prefill_chunk=5, options=EngineOptions(route=route))
-    assert eng.cache.attention.in_place == (P >= 16 and on_cpu() and route == "auto")
+    opts = EngineOptions(route=route)
+    eng = make_engine(m, page_size=P, max_batch=8, prefill_chunk=5, options=opts)
+    assert spec.dtype == "float32" and eng.summary()["route"] == expected_route(spec, "none", route=route)
+    # the route the engine's cache selects (kv/routes/select.py, its one place), for this layout and options
+    _, attention = select_route(kv_layout(spec, "none", P, 64), spec.num_layers, mx.float32, 8, False,
+                                spec.num_heads, opts)
+    assert attention.in_place == (P >= 16 and on_cpu() and route == "auto")
     if route == "portable":
-        assert type(eng.cache.attention) is DenseRoute and not eng.cache.attention.grouped
+        assert type(attention) is DenseRoute and not attention.grouped
         assert eng.summary()["route"] == "paged_sdpa"
     for i in range(len(prompts)):
         eng.hooks.force(f"r{i}", refs[i][0])
     results = eng.generate([Request(f"r{i}", p, SamplingParams(max_tokens=steps)) for i, p in enumerate(prompts)])
+    page_bytes = eng.summary()["page_bytes"]
+    assert page_bytes == kv_layout(spec, "none", P, 64).page_bytes
 
     for res, p, (ref_tokens, ref_logits) in zip(results, prompts, refs):
         assert res.ok and res.finish_reason == "length", (res.key, res.error_code, res.error_message)
@@ -102,7 +111,7 @@ def test_teacher_forced_logits_match_mlx_lm(tiny_model, geometry, P, route):
         assert max(diffs) <= 1e-4, (res.key, max(diffs), diffs.index(max(diffs)))
         # the row held whole pages for what it stored (prompt + every output token but the last)
         stored = len(p) + steps - 1
-        assert res.stats.peak_kv_bytes == math.ceil(stored / P) * eng.layout.page_bytes
+        assert res.stats.peak_kv_bytes == math.ceil(stored / P) * page_bytes
         assert res.stats.prompt_tokens == len(p) and res.stats.output_tokens == steps
 
     s = eng.summary()
@@ -137,20 +146,43 @@ def test_continuous_batching_refills_finished_slots(tiny_model):
     prompts = prompts_of([4 + (5 * i) % 19 for i in range(len(max_tokens))], salt=11)
     expected = [until_eos(mlx_lm_reference(model, p, n)[0]) for p, n in zip(prompts, max_tokens)]
 
-    eng = make_engine(m, page_size=8, max_batch=4, prefill_chunk=16)
+    class Rows(EngineHooks):
+        """Which rows run (started, not yet finished), which are past their prompt, each step's plan."""
+
+        def __init__(self):
+            super().__init__()
+            self.started, self.prompt_done, self.plan = set(), set(), None
+
+        def on_row_start(self, key):
+            self.started.add(key)
+
+        def on_prefill_chunk(self, key, done, total):
+            if done == total:
+                self.prompt_done.add(key)
+
+        def on_step(self, plan, times):
+            self.plan = plan
+
+    hooks = Rows()
+    eng = Engine(m[0], m[1], m[2], engine_config(memory_budget=BUDGET, page_size=8, max_batch=4, prefill_chunk=16),
+                 hooks)
     passes = []  # (rows in the decode pass, rows running, rows still prefilling, rows still waiting)
-    begin = eng.cache.begin
-
-    def record(rows, L, poison=None, lens=None):
-        if L == 1:
-            s = eng.scheduler
-            passes.append((len(rows), len(s.running), sum(r.prefilling for r in s.running), len(s.waiting)))
-        return begin(rows, L, poison, lens)
-
-    eng.cache.begin = record
     for i, (p, n) in enumerate(zip(prompts, max_tokens)):
         eng.add(Request(f"r{i}", p, SamplingParams(max_tokens=n)))
-    order = [r for r in eng.run()]
+    order, finished = [], set()
+    while eng.has_unfinished():
+        done = eng.step()
+        order += done
+        decoded = {r.req.key for r in hooks.plan.decode}
+        # the rows running when the decode pass ran: those still running now, and those it ended
+        ended = {r.key for r in done}
+        running = hooks.started - finished - (ended - decoded)
+        finished |= ended
+        s = eng.stats()
+        assert s["rows_running"] == len(hooks.started - finished)
+        if decoded:
+            passes.append((len(decoded), len(running), len(running - hooks.prompt_done), s["rows_waiting"]))
+            assert decoded <= running & hooks.prompt_done  # only rows past their prompt decode
 
     by_key = {r.key: r for r in order}
     assert len(by_key) == len(prompts)
@@ -248,7 +280,7 @@ def test_pool_reuses_freed_pages_without_growing(tiny_model):
     caps = []
     for res in eng.run():
         assert res.ok
-        caps.append(eng.cache.capacity_pages)
+        caps.append(eng.summary()["pool_capacity_pages"])
         pool_is_empty(eng)  # the finished row gave back every page at once
     s = eng.summary()
     assert len(caps) == 5 and len(set(caps)) == 1  # capacity never moved after the first row
@@ -271,14 +303,18 @@ def test_summary_reports_growth_and_peak_capacity(tiny_model):
     assert ev[0]["from_pages"] == 0
     for a, b in zip(ev, ev[1:]):
         assert b["from_pages"] == a["to_pages"] > a["from_pages"]
-    assert all(e["bytes"] == e["to_pages"] * eng.layout.page_bytes for e in ev)
+    assert s["page_bytes"] == kv_layout(m[2], "none", P, 64).page_bytes
+    assert all(e["bytes"] == e["to_pages"] * s["page_bytes"] for e in ev)
     assert s["pool_capacity_pages"] == s["peak_capacity_pages"] == ev[-1]["to_pages"]
-    assert s["pool_bytes"] == s["pool_capacity_pages"] * eng.layout.page_bytes
+    assert s["pool_bytes"] == s["pool_capacity_pages"] * s["page_bytes"]
     assert s["peak_pages_in_use"] <= s["peak_capacity_pages"]
     # growth stops at the rows' worst case (prompt + max_tokens each), never doubling past it
     assert s["peak_capacity_pages"] <= sum(math.ceil((n + 64) / P) for n in [10, 70, 30, 5, 50, 20])
-    # the live buffers agree with what summary says
-    assert eng.cache.store.k[0].size == s["pool_capacity_pages"] * P * m[2].num_kv_heads * m[2].head_dim
+    # the live buffers (pool_bytes: their own nbytes) agree with what summary says: K and V of every layer
+    spec = m[2]
+    assert spec.dtype == "float32"
+    per_page = 2 * len(spec.kv_layers) * P * spec.num_kv_heads * spec.head_dim * 4
+    assert s["pool_bytes"] == s["pool_capacity_pages"] * per_page
     pool_is_empty(eng)
 
 

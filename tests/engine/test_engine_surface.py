@@ -61,7 +61,7 @@ def test_step_returns_each_row_once_as_it_finishes(tiny_model):
     s = eng.summary()
     assert s["rows_by_error_code"] == {"ok": 4} and s["peak_concurrency"] == 2
     assert s["options"]["lookahead"] == "auto" and s["options"]["cuda"]["chunk"] == 1024
-    assert eng.cache.pool.in_use == 0
+    assert s["pages_in_use"] == 0 and s["pages_free"] == s["pool_capacity_pages"] > 0
     # hooks: every row started once; a 6-token prompt in chunks of 4 reports 4/6 then 6/6
     assert [e[1] for e in hooks.events if e[0] == "start"] == list(lengths)
     assert [e[2:] for e in hooks.events if e[0] == "chunk" and e[1] == "a"] == [(4, 6), (6, 6)]
@@ -75,10 +75,13 @@ def test_cancel_hands_back_unfinished_rows_and_frees_pages(tiny_model):
         eng.add(_req(k, 20, 50))
     eng.step()
     eng.step()
-    assert len(eng.scheduler.running) == 2 and eng.cache.pool.in_use > 0
+    s = eng.stats()
+    assert (s["rows_running"], s["rows_waiting"]) == (2, 1) and s["pages_in_use"] > 0
     back = eng.cancel()
     assert sorted(r.key for r in back) == ["a", "b", "c"]
-    assert eng.cache.pool.in_use == 0 and not eng.has_unfinished() and not eng.stepper.inflight
+    s = eng.stats()
+    assert s["pages_in_use"] == 0 and not eng.has_unfinished() and not s["decode_in_flight"]
+    assert (s["rows_running"], s["rows_waiting"]) == (0, 0)
     # the engine goes on after a cancel
     res = eng.generate([_req("x", 5, 4)])
     assert res[0].ok and len(res[0].tokens) == 4

@@ -21,13 +21,13 @@ from kvbatch.engine.engine import Engine
 from kvbatch.engine.errors import KvbatchConfigError
 from kvbatch.engine.gate import VALIDATED
 from kvbatch.engine.kv.rotation import hadamard
-from kvbatch.engine.memory import kv_layout
+from kvbatch.engine.memory import kv_layout, layout_for
 from kvbatch.engine.kv.routes import quant
 from kvbatch.engine.kv.routes.cuda import ROUTE_CUDA_Q
 from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.types import Request
 from kvbatch.engine.testing import engine_config
-from tests.conftest import ON_CUDA, expected_route
+from tests.conftest import ON_CUDA, expected_route, kv_cache
 from tests.engine.kv_reference import StoredPagesRefCache, teacher_forced_logits
 from tests.engine.test_kv_quant import BUDGET, CHUNK, TOL, PageSnapshots, _requests, _rows
 
@@ -53,6 +53,12 @@ def _kv(name: str) -> dict:
     return {"kv_mode": mode, "kv": extra}
 
 
+def _layout(spec, name, page):
+    """The layout the engine must store for this mode (worked out apart from any engine)."""
+    mode, extra, _ = MODES[name]
+    return layout_for(spec, KVConfig(mode=mode, page_size=page, group_size=64, **extra))
+
+
 def _engine(model, tok, spec, name, page, route="auto", max_batch=8, **kw):
     cfg = engine_config(page_size=page, group_size=64, max_batch=max_batch, prefill_chunk=CHUNK[page],
                         memory_budget=BUDGET, options=EngineOptions(route=route), **_kv(name), **kw)
@@ -76,19 +82,21 @@ def test_mode_matches_stored_pages_reference(tiny_model, name, family, head_dim,
         return
     prompts, forced = _rows(seed=head_dim + page + len(name))
     eng = _engine(model, tok, spec, name, page, route)
-    lay, st = eng.layout, eng.cache.store
+    cache = kv_cache(eng)  # the store under test: the pages it holds
+    lay, st = _layout(spec, name, page), cache.store
     kb, vb = lay.key_bits, lay.value_bits
     assert (st.key_bits, st.value_bits) == (kb, vb)
     D = spec.head_dim
     k_width = page * kb // 32 if st.k_axis == "channel" else D * kb // 32
-    snap = PageSnapshots(eng.cache)
+    snap = PageSnapshots(cache)
     results = eng.generate(_requests(eng, prompts, forced))
     s = eng.summary()
     want_route = expected_route(spec, MODES[name][0], 64, route)
     assert s["peak_concurrency"] == 8 and s["route"] == want_route and s["kv_label"] == lay.label
-    assert (s["key_bits"], s["value_bits"]) == (kb, vb)
+    assert (s["key_bits"], s["value_bits"], s["kv_k_axis"]) == (kb, vb, st.k_axis)
+    assert (s["rotate_keys"], s["full_precision_tokens"]) == (lay.rotate_keys, lay.full_precision_tokens)
     if route == "portable":
-        assert type(eng.cache.attention) is quant.QuantRoute and st.k_axis == "token"
+        assert type(cache.attention) is quant.QuantRoute and st.k_axis == "token"
     # the pages hold keys and values at their own bits
     assert st.q[0][0].shape[-1] == k_width and st.q[0][3].shape[-1] == D * vb // 32
     rot = mx.array(hadamard(D).astype("float32")) if lay.rotate_keys else None
@@ -125,10 +133,12 @@ def test_first_tokens_priced_and_held_per_slot(tiny_model):
         pytest.skip(FP_ON_CUDA)
     model, tok, spec = tiny_model()
     eng = _engine(model, tok, spec, "q4+fp40", 16, max_batch=4)
-    lay, st = eng.layout, eng.cache.store
-    assert lay.bytes_per_token == kv_layout(spec, "q4", 16, 64).bytes_per_token and lay.label == "q4+fp40"
+    lay, s = _layout(spec, "q4+fp40", 16), eng.stats()
+    assert s["kv_bytes_per_token"] == lay.bytes_per_token == kv_layout(spec, "q4", 16, 64).bytes_per_token
+    assert s["kv_label"] == lay.label == "q4+fp40" and s["full_precision_tokens"] == 40
     assert lay.slot_bytes == (16 + 40) * lay.dense_bytes_per_token
-    assert st.tail_nbytes == eng.max_batch * lay.slot_bytes and st.fk[0].shape[2] == 40
+    # the live buffers: tail pages and first-token copies, N tokens each
+    assert s["kv_tail_bytes"] == s["max_batch"] * lay.slot_bytes and kv_cache(eng).store.fk[0].shape[2] == 40
 
 
 def test_first_tokens_follow_a_fork(tiny_model):
@@ -147,7 +157,9 @@ def test_first_tokens_follow_a_fork(tiny_model):
         eng.hooks.force(f"s{i}", forced[0])
     results = eng.generate([Request(f"s{i}", prompts[0], SamplingParams(max_tokens=24), group="g")
                             for i in range(4)])
-    assert eng.summary()["forks"] == 3 and not eng.cache.prefix_cache  # no prefix caching with first tokens
+    s = eng.summary()
+    assert s["forks"] == 3 and s["prefix_cache"]  # asked for, yet none: no prefix caching with first tokens
+    assert s["pages_cached"] == 0  # (a cached prompt would leave its 4 full pages cached)
     for r in results:
         assert r.ok
         for a, b in zip(eng.hooks.logits[r.key], want):
@@ -165,7 +177,7 @@ def test_gate_refuses_what_is_not_validated(tiny_model):
     cfg.kv.allow_unvalidated = True
     eng = Engine(model, tok, spec, cfg)
     (res,) = eng.generate([Request("a", list(range(60, 100)), SamplingParams(max_tokens=30))])
-    assert res.ok and (eng.cache.store.key_bits, eng.cache.store.value_bits) == (4, 8)
+    assert res.ok and (eng.stats()["key_bits"], eng.stats()["value_bits"]) == (4, 8)
     with pytest.raises(KvbatchConfigError, match="kv.value_bits=4: needs a quantized kv.mode"):
         Engine(model, tok, spec, engine_config(kv_mode="none", kv={"value_bits": 4}))
 

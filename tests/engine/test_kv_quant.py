@@ -41,7 +41,7 @@ from kvbatch.engine.types import Request
 from kvbatch.engine.kv.routes.cuda import ROUTE_CUDA, ROUTE_CUDA_Q
 from kvbatch.engine.kv.routes.dense import ROUTE_DENSE, ROUTE_DENSE_F32
 from kvbatch.engine.kv.routes.quant import ROUTE_QMM
-from tests.conftest import ON_CPU, ON_CUDA, cpu_only, expected_route
+from tests.conftest import ON_CPU, ON_CUDA, cpu_only, expected_route, kv_cache
 from tests.engine.kv_reference import QuantRefCache, StoredPagesRefCache, teacher_forced_logits
 
 TOL = 1e-4
@@ -231,11 +231,12 @@ def test_batched_logits_match_reference(tiny_model, family, head_dim, mode, page
             _engine(model, tok, spec, mode, page, group, options=EngineOptions(route=route))
         return
     eng = _engine(model, tok, spec, mode, page, group, options=EngineOptions(route=route))
+    cache = kv_cache(eng)  # the route under test and the pages it stores
     if route == "portable":  # no CPU-only reads, no CUDA kernel, keys per token, one stream
-        a = eng.cache.attention
+        a = cache.attention
         assert type(a) is quant.QuantRoute and not a.in_place and a.streams == [None]
-        assert eng.cache.store.k_axis == "token"
-    snap = PageSnapshots(eng.cache)
+        assert eng.stats()["kv_k_axis"] == "token"
+    snap = PageSnapshots(cache)
     results = eng.generate(_requests(eng, prompts, forced))
     s = eng.summary()
     route = expected_route(spec, mode, group, route)
@@ -265,7 +266,7 @@ def test_continuous_batching_reuses_pages(tiny_model, mode):
     steps = (40, 70, 44, 52, 66, 48, 75, 41, 59, 63, 45, 50)
     prompts, forced = _rows(seed=7, prompt_lens=lens, steps=steps)
     eng = _engine(model, tok, spec, mode, 16, max_batch=3)
-    snap = PageSnapshots(eng.cache)
+    snap = PageSnapshots(kv_cache(eng))  # the pages each row stored
     order = []
     for req in _requests(eng, prompts, forced):
         eng.add(req)
@@ -341,14 +342,15 @@ def test_decode_never_dequantizes(tiny_model, monkeypatch, in_place):
     class Counted(EngineHooks):
         def on_step(self, plan, times):
             if not plan.prefill:  # the first steps decode some rows while the others still prefill
-                per_step.append((len(plan.decode), *[list(c) for c in calls], eng.cache.pool.in_use))
+                per_step.append((len(plan.decode), *[list(c) for c in calls], eng.stats()["pages_in_use"]))
             for c in calls:
                 c.clear()
 
     eng = _engine(model, tok, spec, "q4", 16, hooks=Counted(), options=EngineOptions(q_in_place=in_place == "1"))
-    fused = isinstance(eng.cache.attention, cuda.CudaQuantRoute)
-    assert fused == ON_CUDA
-    assert eng.cache.attention.in_place == (ON_CPU and in_place == "1")
+    route = kv_cache(eng).attention  # the route under test
+    fused = isinstance(route, cuda.CudaQuantRoute)
+    assert fused == ON_CUDA and fused == (eng.stats()["route"] == ROUTE_CUDA_Q)
+    assert route.in_place == (ON_CPU and in_place == "1")
     qmm_calls, sdpa_calls, raw_dequant, kernel_calls = calls
     real_qmm, real_sdpa, real_dq = mx.quantized_matmul, mx.fast.scaled_dot_product_attention, mx.dequantize
     real_gqmm = mx.gather_qmm
@@ -360,7 +362,7 @@ def test_decode_never_dequantizes(tiny_model, monkeypatch, in_place):
 
     def gqmm(x, w, *a, **kw):  # in place: the packed elements of the pages its indices pick
         qmm_calls.append((kw["transpose"], kw["rhs_indices"].size * w.shape[-2] * w.shape[-1]))
-        assert w.ndim == 3 and w.shape[0] == eng.cache.capacity_pages * spec.num_kv_heads  # the pool itself
+        assert w.ndim == 3 and w.shape[0] == eng.stats()["pool_capacity_pages"] * spec.num_kv_heads  # the pool
         return real_gqmm(x, w, *a, **kw)
 
     def sdpa(*a, **kw):
@@ -402,7 +404,7 @@ def test_decode_never_dequantizes(tiny_model, monkeypatch, in_place):
         keys = sum(n for tr, n in qmm_sizes if tr)
         vals = sum(n for tr, n in qmm_sizes if not tr)
         assert keys == vals >= L * 8 * spec.num_kv_heads * 160 * spec.head_dim * 4 // 32
-        assert L * 2 <= len(qmm_sizes) <= L * 2 * len(eng.cache.attention.streams)
+        assert L * 2 <= len(qmm_sizes) <= L * 2 * len(route.streams)
     # prefill (before the first decode step) did dequantize the sealed pages, once per chunk
     assert eng.summary()["route"] == expected_route(spec, "q4")
 
@@ -439,7 +441,7 @@ def test_attention_split_over_cpu_streams_is_bit_identical(tiny_model, monkeypat
         del calls[:]
         eng = _engine(model, tok, spec, mode, 16, max_batch=4, chunk=256,
                       options=EngineOptions(q_in_place=in_place == "1", attention_threads=n))
-        assert eng.cache.attention.in_place == (in_place == "1")
+        assert kv_cache(eng).attention.in_place == (in_place == "1")  # the route under test
         eng.generate(_requests(eng, prompts, forced))
         logits[n] = eng.hooks.logits
         assert len({str(s) for s in calls}) == n  # the work really ran on n streams

@@ -91,8 +91,9 @@ def _run(m, monkeypatch, lookahead: str, mode: str, stops):
         res = eng.generate(_requests(stops, hooks))
     finally:
         monkeypatch.setattr(mx, "async_eval", real)
-    assert eng.cache.pool.in_use == 0 and not eng.stepper.inflight
-    return res, hooks.logits, eng.summary(), len(async_calls)
+    s = eng.summary()
+    assert s["pages_in_use"] == 0 and not s["decode_in_flight"]
+    return res, hooks.logits, s, len(async_calls)
 
 
 @pytest.mark.parametrize("mode", ["none", "q8"])

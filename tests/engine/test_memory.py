@@ -72,26 +72,25 @@ def memory_model(spec, mode="none", page_size=16, group_size=64, prefill_chunk=5
                        resolve_prefill_tokens("auto", prefill_chunk))
 
 
-def spy_cache(eng) -> dict:
-    """Record which row keys were admitted to the cache and reserved pages."""
-    seen = {"admit": [], "reserve": []}
-    admit, reserve = eng.cache.admit, eng.cache.reserve
+class Plans(EngineHooks):
+    """Every step's plan (admitted, refused, prefill chunks, decode rows)."""
 
-    def admit_spy(row):
-        seen["admit"].append(row.key)
-        return admit(row)
+    def __init__(self):
+        super().__init__()
+        self.plans = []
 
-    def reserve_spy(row, n, limit, *rest):
-        seen["reserve"].append(row.key)
-        return reserve(row, n, limit, *rest)
+    def on_step(self, plan, times):
+        self.plans.append(plan)
 
-    eng.cache.admit, eng.cache.reserve = admit_spy, reserve_spy
-    return seen
+    def keys(self, kind: str) -> list[str]:
+        """The row keys of every step's `kind` (admitted, refused, prefill or decode), in order."""
+        rows = [getattr(x, "row", x) for p in self.plans for x in getattr(p, kind)]
+        return [r.req.key for r in rows]
 
 
 def all_pages_free(eng) -> None:
-    pool = eng.cache.pool
-    assert pool.in_use == 0 and pool.num_free == pool.capacity == eng.cache.capacity_pages
+    s = eng.stats()
+    assert s["pages_in_use"] == 0 and s["pages_free"] == s["pool_capacity_pages"]
 
 
 # ---- a row too big for the budget ---------------------------------------------------------
@@ -104,21 +103,23 @@ def test_row_that_can_never_fit_is_refused_before_any_page(tiny_model, mode):
     budget = mm.bytes_for([10 + small] * 3, 10)  # three small rows at once, no more
     assert mm.bytes_for([10 + big_max], 10) > budget  # the big row cannot fit even alone
 
-    eng = make_engine(m, budget, kv_mode=mode, page_size=P, max_batch=4)
-    seen = spy_cache(eng)
+    hooks = Plans()
+    eng = make_engine(m, budget, hooks, kv_mode=mode, page_size=P, max_batch=4)
     keys = ["a", "big", "b", "c"]
     for i, k in enumerate(keys):
         eng.add(Request(k, prompt(10, i), SamplingParams(max_tokens=big_max if k == "big" else small)))
-    big_kv = next(r.kv for r in eng.scheduler.waiting if r.req.key == "big")
     res = {r.key: r for r in eng.run()}
+    assert hooks.keys("refused") == ["big"]
+    big_kv = next(r.row.kv for p in hooks.plans for r in p.refused)
 
     bad = res["big"]
     assert (bad.finish_reason, bad.error_code) == ("error", INSUFFICIENT_MEMORY)
     assert re.search(r"needs \d+ bytes .* budget is \d+", bad.error_message)
     assert bad.tokens == [] and bad.stats.peak_kv_bytes == 0
-    # no page, no tail, no reservation, never admitted to the cache
-    assert big_kv.peak_pages == 0 and big_kv.pages == [] and big_kv.tail is None
-    assert "big" not in seen["admit"] and "big" not in seen["reserve"]
+    # no page, no tail, no reservation, never admitted, prefilled or decoded
+    assert big_kv.peak_pages == 0 and big_kv.pages == [] and big_kv.tail is None and big_kv.reserved == 0
+    assert not {"big"} & {*hooks.keys("admitted"), *hooks.keys("prefill"), *hooks.keys("decode")}
+    assert sorted(hooks.keys("admitted")) == ["a", "b", "c"]
     for k in ("a", "b", "c"):
         assert res[k].ok and res[k].finish_reason == "length" and len(res[k].tokens) == small
     s = eng.summary()
@@ -195,14 +196,15 @@ def test_predicted_kv_bytes_match_live_buffers(tiny_model, mode):
     (res,) = eng.generate([Request("r", prompt(plen), SamplingParams(max_tokens=new))])
     assert res.ok and len(res.tokens) == new
     stored = plen + new - 1  # the last sampled token is never written
-    lay = eng.layout
-    by_tokens = stored * lay.bytes_per_token
-    assert abs(res.stats.peak_kv_bytes - by_tokens) <= 0.10 * by_tokens, (res.stats.peak_kv_bytes, by_tokens)
     s = eng.summary()
-    held = s["peak_pages_in_use"] * lay.page_bytes
+    lay = kv_layout(spec, mode, P, 64)  # the engine's layout
+    assert (s["kv_bytes_per_token"], s["page_bytes"]) == (lay.bytes_per_token, lay.page_bytes)
+    by_tokens = stored * s["kv_bytes_per_token"]
+    assert abs(res.stats.peak_kv_bytes - by_tokens) <= 0.10 * by_tokens, (res.stats.peak_kv_bytes, by_tokens)
+    held = s["peak_pages_in_use"] * s["page_bytes"]
     planned = eng.plan(plen + new, plen)["predicted_kv_bytes_per_row"]
     assert abs(held - planned) <= 0.10 * planned and held <= planned
-    assert eng.cache.store.nbytes == s["pool_capacity_pages"] * lay.page_bytes
+    assert s["pool_bytes"] == s["pool_capacity_pages"] * s["page_bytes"]  # the live buffers' nbytes
 
 
 # ---- sizes, budgets, plan ------------------------------------------------------------------
@@ -243,7 +245,7 @@ def test_auto_budget_on_cpu_is_available_ram_times_fraction_minus_headroom(tiny_
     m = tiny_model()
     eng = Engine(m[0], NoEos(m[1]), m[2], engine_config(memory_budget=None, memory_fraction=0.5,
                                                        memory_headroom="1GiB"))
-    assert eng.memory.budget == m[2].weights_bytes + (3 << 30) and m[2].weights_bytes > 0
+    assert eng.stats()["budget_bytes"] == m[2].weights_bytes + (3 << 30) and m[2].weights_bytes > 0
 
 
 def test_available_memory_gpu_branches_use_mlx_032_device_info_keys(monkeypatch):
@@ -271,11 +273,12 @@ def test_plan_line(tiny_model):
     eng = make_engine(m, budget, kv_mode="q4", page_size=16, max_batch=4)
     plan = eng.plan(1000, 100)
     assert plan["rows_fit"] == 5 and plan["budget_bytes"] == budget
-    assert plan["kv_bytes_per_token"] == eng.layout.bytes_per_token
+    bpt = kv_layout(spec, "q4", 16, 64).bytes_per_token
+    assert plan["kv_bytes_per_token"] == eng.stats()["kv_bytes_per_token"] == bpt
     assert plan["predicted_peak_bytes"] == budget
     line = eng.plan_line(1000, 100)
     assert line == format_plan(plan) and "\n" not in line
-    assert f"{eng.layout.bytes_per_token} B/token" in line and "5 rows of 1000 tokens fit at once" in line
+    assert f"{bpt} B/token" in line and "5 rows of 1000 tokens fit at once" in line
     assert line.startswith("memory plan: budget ") and "weights " in line and "KV (q4)" in line
 
 
@@ -285,7 +288,7 @@ def test_growth_refused_by_live_free_memory(tiny_model, monkeypatch):
     P = 4
     eng = make_engine(m, BIG, page_size=P, max_batch=3)
     (warm,) = eng.generate([Request("warm", prompt(8, 9), SamplingParams(max_tokens=56))])
-    assert warm.ok and eng.cache.capacity_pages == 16  # 63 tokens stored: 16 pages
+    assert warm.ok and eng.stats()["pool_capacity_pages"] == 16  # 63 tokens stored: 16 pages
     growths = len(eng.summary()["growth_events"])
 
     monkeypatch.setattr(kv_cache_mod, "available_memory", lambda: 0)  # the machine has nothing left
@@ -301,7 +304,7 @@ def test_growth_refused_by_live_free_memory(tiny_model, monkeypatch):
     assert "refused" in bad.error_message and "machine free 0B" in bad.error_message
     assert len(bad.tokens) == 16 * P - 8 + 1  # it ran until it needed a 17th page
     s = eng.summary()
-    assert eng.cache.capacity_pages == 16 and len(s["growth_events"]) == growths  # nothing grew
+    assert s["pool_capacity_pages"] == 16 and len(s["growth_events"]) == growths  # nothing grew
     all_pages_free(eng)
 
     # what it produced before the refusal is what an unconstrained run produces

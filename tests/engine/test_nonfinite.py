@@ -19,6 +19,7 @@ from kvbatch.engine.testing import engine_config
 from kvbatch.engine.errors import NON_FINITE_LOGITS
 from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.types import Request
+from tests.conftest import kv_cache
 
 BUDGET = 2 << 30
 P = 4  # page size: small, so rows span many pages and the pool grows
@@ -59,25 +60,27 @@ def make_engine(m, mode="none", inject=None, chunk=32, trace="off"):
 
 
 def spy_passes(eng):
-    """Record every forward pass: (row keys, their offsets, L, capacity in tokens, poison flags)."""
+    """Record every forward pass the cache is given, as the cache sees it (the poison flags are where the
+    injection reaches it): (row keys, their offsets, L, capacity in tokens, poison flags)."""
     passes = []
-    begin = eng.cache.begin
+    cache = kv_cache(eng)
+    begin = cache.begin
 
     def recording_begin(rows, L, poison=None, lens=None):
         passes.append(([r.key for r in rows], [r.length for r in rows], L,
-                       eng.cache.capacity_pages * eng.cache.P, list(poison) if poison else [False] * len(rows)))
+                       cache.capacity_pages * cache.P, list(poison) if poison else [False] * len(rows)))
         return begin(rows, L, poison, lens)
 
-    eng.cache.begin = recording_begin
+    cache.begin = recording_begin
     return passes
 
 
 def all_pages_free(eng):
-    pool = eng.cache.pool
-    assert pool.in_use == 0
-    assert pool.num_free == pool.capacity == eng.cache.capacity_pages
-    if eng.cache.store.quantized:
-        assert sorted(eng.cache.free_tails) == list(range(eng.cfg.engine.max_batch))
+    s = eng.stats()
+    assert s["pages_in_use"] == 0
+    assert s["pages_free"] == s["pool_capacity_pages"]
+    if s["kv_mode"] != "none":  # every tail slot given back (the cache's own slots: no stats key)
+        assert sorted(kv_cache(eng).free_tails) == list(range(s["max_batch"]))
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +132,7 @@ def test_nan_row_ends_alone_and_trace_names_it(tiny_model, clean_runs, monkeypat
         assert ln["row"] == "r1"
         assert ln["layer"] == "0"
         assert ln["cache"] == f"PagedLayerCache(layer=0, mode={mode}, page_size={P})"
-        assert ln["route"] == eng.cache.route
+        assert ln["route"] == eng.stats()["route"]
         assert int(ln["offset"]) == offset == (0 if step == 0 else len(PROMPTS[1]) + step - 1)
         assert int(ln["L"]) == L == (len(PROMPTS[1]) if step == 0 else 1)
         assert int(ln["capacity"]) == cap >= offset + L
@@ -155,7 +158,7 @@ def test_prefill_injection_over_several_chunks(tiny_model, clean_runs, monkeypat
 
 def test_trace_off_prints_nothing(tiny_model, monkeypatch, capfd):
     eng = make_engine(tiny_model(), "none", inject=("r2", 3))
-    assert eng.cache.trace == ""
+    assert eng.stats()["options"]["attention_trace"] == "off"
     capfd.readouterr()
     res = {r.key: r for r in eng.generate(requests())}
     assert res["r2"].error_code == NON_FINITE_LOGITS
@@ -197,13 +200,14 @@ def test_nan_written_in_a_shared_pass_does_not_reach_batch_mates(tiny_model, mod
     clean = {r.key: r.tokens for r in make_engine(m, mode).generate(reqs)}
     eng = make_engine(m, mode, inject=("r0", 1))
     owners = {}
-    reserve = eng.cache.reserve
+    cache = kv_cache(eng)  # which pages each row got first: r0's must be page 0
+    reserve = cache.reserve
 
     def spy(row, n, limit, *rest):
         reserve(row, n, limit, *rest)
         owners.setdefault(row.key, list(row.pages))
 
-    eng.cache.reserve = spy
+    cache.reserve = spy
     res = {r.key: r for r in eng.generate(reqs)}
     assert 0 in owners["r0"]
     assert res["r0"].error_code == NON_FINITE_LOGITS and len(res["r0"].tokens) == 1

@@ -78,8 +78,8 @@ def test_preempted_rows_finish_with_the_same_outputs(tiny_model, mode):
             assert any(row in q.admitted for q in plans[i + 1:])
     assert s["peak_concurrency"] > 2  # more rows ran than their worst cases allow
     # the KV pool never outgrew the budget
-    assert s["weights_bytes"] + s["peak_capacity_pages"] * eng.layout.page_bytes <= budget
-    assert eng.cache.pool.in_use == 0
+    assert s["weights_bytes"] + s["peak_capacity_pages"] * s["page_bytes"] <= budget
+    assert s["pages_in_use"] == 0
     by_key = {r.key: r for r in ref}
     worst = 0.0
     for r in got:

@@ -22,6 +22,7 @@ from kvbatch.engine.samples import derive_seed, samples
 from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.types import Request
 from kvbatch.engine.testing import engine_config
+from tests.conftest import kv_cache
 
 STEPS = 4
 
@@ -31,6 +32,11 @@ def _engine(m, mode="none", page=16, prefix_cache=True, **kw):
     cfg = engine_config(kv_mode=mode, page_size=page, **{"memory_budget": 2 << 30, **kw})
     cfg.engine.prefix_cache = prefix_cache
     return Engine(model, tok, spec, cfg)
+
+
+def scheduler_under_test(eng):
+    """The engine's scheduler, for the test that preempts a row at a chosen point (mid-prefill)."""
+    return eng.scheduler
 
 
 def _prompts(P: int) -> list[list[int]]:
@@ -172,7 +178,7 @@ def test_pool_under_pressure_evicts_cached_pages_first(tiny_model, admission):
     s = eng.summary()
     assert all(r.ok for r in res) and [r.tokens for r in res] == ref
     assert s["page_evictions"] > 0 and s["preemptions"] == 0
-    assert s["weights_bytes"] + s["peak_capacity_pages"] * eng.layout.page_bytes <= budget
+    assert s["weights_bytes"] + s["peak_capacity_pages"] * s["page_bytes"] <= budget
     assert s["pages_evictable"] > 0  # the last rows' pages, still cached
 
 
@@ -201,7 +207,7 @@ def test_page_pool_refcounts_and_lru():
 
 def test_a_pass_never_writes_into_a_shared_page(tiny_model):
     eng = _engine(tiny_model(), page=16)
-    c = eng.cache
+    c = kv_cache(eng)  # the cache's own pass check, driven directly
     a, b = CacheRow("a"), CacheRow("b")
     c.reserve(a, 20, 1 << 30)
     c.begin([a], 20)
@@ -240,14 +246,22 @@ def test_a_row_preempted_mid_prefill_publishes_no_unchecked_page(tiny_model, mod
     prompt = [(7 * j + 3) % 250 for j in range(3 * P + 5)]
     ref = _engine(m, mode, P).generate([Request("b", prompt, SamplingParams(max_tokens=6))])[0]
     model, tok, spec = m
+    plans = []
+
+    class Plans(EngineHooks):
+        def on_step(self, plan, times):
+            plans.append(plan)
+
     eng = Engine(model, tok, spec, engine_config(kv_mode=mode, page_size=P, prefill_chunk=P, prefill_tokens=P,
-                                                 memory_budget=2 << 30), EngineHooks(nonfinite=("a", 0)))
+                                                 memory_budget=2 << 30), Plans(nonfinite=("a", 0)))
     eng.add(Request("a", prompt, SamplingParams(max_tokens=6)))
     eng.step()  # a's first chunk: one full page stored, its K/V NaN past layer 0
-    (a,) = eng.scheduler.running
-    assert a.prefilling and a.kv.length == P
-    eng.scheduler.preempt(a)
-    assert eng.cache.pool.num_cached == 0 and eng.cache.pool.in_use == 0
+    ((a, n),) = plans[0].prefill
+    assert a.req.key == "a" and n == P and a.prefilling and a.kv.length == P
+    assert (eng.stats()["rows_running"], eng.stats()["pages_in_use"]) == (1, 1)
+    scheduler_under_test(eng).preempt(a)
+    s = eng.stats()
+    assert s["pages_cached"] == 0 and s["pages_in_use"] == 0 and s["rows_waiting"] == 1
     eng.add(Request("b", prompt, SamplingParams(max_tokens=6)))
     res = {r.key: r for r in eng.run()}
     assert res["b"].ok and res["b"].tokens == ref.tokens

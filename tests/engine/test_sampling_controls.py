@@ -138,6 +138,16 @@ def test_engine_filter_samples_only_tokens_mlx_lm_keeps(tiny_model, name, value,
     assert not all(runs[False])
 
 
+class EosIs:
+    """The tiny tokenizer with another token as its EOS (the engine reads `eos_token_ids`)."""
+
+    def __init__(self, tok, eos: int):
+        self._tok, self.eos_token_ids = tok, [eos]
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+
 def test_engine_min_tokens_ignore_eos_stop_reason(tiny_model):
     """stop_token_ids end a row at that token (stop_reason = its id); min_tokens masks it until that many
     tokens; ignore_eos makes EOS an ordinary token. Tiny model: 'EOS' is made the stop token here."""
@@ -146,8 +156,8 @@ def test_engine_min_tokens_ignore_eos_stop_reason(tiny_model):
     j = next(j for j in range(2, 40) if greedy[j] not in greedy[:j])
     stop = greedy[j]
     hooks = EngineHooks(capture_logits={"min"})
-    eng = Engine(*m, engine_config(memory_budget=2 << 30, page_size=8), hooks=hooks)
-    eng.output.eos_ids = {stop}  # treat it as the model's EOS for this engine
+    model, tok, spec = m
+    eng = Engine(model, EosIs(tok, stop), spec, engine_config(memory_budget=2 << 30, page_size=8), hooks=hooks)
     by = {r.key: r for r in eng.generate([
         Request("eos", PROMPT, SamplingParams(max_tokens=40)),
         Request("ids", PROMPT, SamplingParams(max_tokens=40, stop_token_ids=(stop,))),

@@ -14,6 +14,7 @@ from kvbatch.engine.scoring import ForcedRow, compare, groups, score, summarize
 from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.types import Request
 from kvbatch.engine.testing import engine_config
+from tests.conftest import kv_cache
 
 PAGE = 16
 
@@ -54,7 +55,7 @@ class CorruptPages(EngineHooks):
     engine = None
 
     def on_prefill_chunk(self, key, done, total):
-        st = self.engine.cache.store
+        st = kv_cache(self.engine).store
         for i in range(len(st.k)):
             st.k[i] = mx.random.normal(st.k[i].shape, key=mx.random.key(i)).astype(st.k[i].dtype) * 4
             st.v[i] = mx.random.normal(st.v[i].shape, key=mx.random.key(99 + i)).astype(st.v[i].dtype) * 4

@@ -210,7 +210,7 @@ class Engine:
             "budget_bytes": self.memory.budget, "weights_bytes": self.spec.weights_bytes,
             "pool_capacity_pages": c.capacity_pages, "peak_capacity_pages": c.peak_capacity_pages,
             "pool_bytes": c.capacity_bytes, "peak_pages_in_use": c.pool.peak_in_use,
-            "pages_in_use": c.pool.in_use, "growth_events": list(c.growth_events),
+            "pages_in_use": c.pool.in_use, "pages_free": c.pool.num_free, "growth_events": list(c.growth_events),
             "max_batch": self.max_batch, "max_batch_why": self.max_batch_why, "prefill_tokens": self.prefill_tokens,
             "admission": self.cfg.engine.admission, "preemptions": self.scheduler.preemptions,
             "rows_running": len(self.scheduler.running), "rows_waiting": len(self.scheduler.waiting),
@@ -224,7 +224,8 @@ class Engine:
             "pages_evictable": c.pool.num_evictable, "page_evictions": c.pool.evictions,
             "mlx_peak_memory_bytes": int(mx.get_peak_memory()),
             "rows_by_error_code": dict(self.output.results_by_code),
-            "lookahead": self.lookahead, "options": asdict(self.cfg.engine.options),
+            "lookahead": self.lookahead, "decode_in_flight": self.stepper.inflight,
+            "options": asdict(self.cfg.engine.options),
         }
 
     summary = stats  # an alias of stats() (tests and benchmarks call it)
