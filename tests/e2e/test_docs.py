@@ -177,7 +177,8 @@ def test_performance_page_is_the_one_current_place():
     # every figure is traceable: each section names a command and a source (a raw file or the notebook)
     for section in re.split(r"^### ", page, flags=re.M)[1:]:
         title = section.splitlines()[0]
-        assert "benchmarks/" in section, f"performance.md, {title}: no command or raw file named"
+        assert "python -m benchmarks" in section or "device_run.sh" in section, f"performance.md, {title}: no command"
+        assert "benchmarks/results/" in section or "notebook" in section, f"performance.md, {title}: no source"
     assert not (ROOT / "benchmarks" / "RESULTS.md").exists(), "the notebook lives in benchmarks/notebook/"
 
 
