@@ -24,6 +24,7 @@ import pytest  # noqa: E402
 
 from kvbatch.engine.backend import backend  # noqa: E402
 from kvbatch.engine.config import KV_BITS  # noqa: E402
+from kvbatch.engine.hooks import EngineHooks  # noqa: E402
 from kvbatch.engine.kv.routes import cuda_kernels  # noqa: E402
 from kvbatch.engine.kv.routes.cuda import ROUTE_CUDA, ROUTE_CUDA_Q  # noqa: E402
 from kvbatch.engine.kv.routes.dense import ROUTE_DENSE, ROUTE_DENSE_F32  # noqa: E402
@@ -142,6 +143,22 @@ def pg_server():
 def pg_url(pg_server) -> str:
     """queue.url of a database for the tests' jobs (each test uses its own job ids in it)."""
     return pg_server.create_database("kvbatch_tests")
+
+
+class PlanRecorder(EngineHooks):
+    """Keeps every step's plan (admitted, refused, preempted, prefill chunks, decode rows)."""
+
+    def __init__(self):
+        super().__init__()
+        self.plans = []
+
+    def on_step(self, plan, times):
+        self.plans.append(plan)
+
+    def keys(self, kind: str) -> list[str]:
+        """The row keys of every step's `kind` (admitted, refused, prefill or decode), in order."""
+        rows = [getattr(x, "row", x) for p in self.plans for x in getattr(p, kind)]
+        return [r.req.key for r in rows]
 
 
 class ManualClock:

@@ -84,16 +84,21 @@ print(json.dumps({"outputs": {f"r{i}": list(map(int, t)) for i, t in enumerate(r
 """
 
 
-def run_mlx_lm(python: str, input_path: Path, model_cfg: dict, new: int, batch: int | None) -> dict:
-    arg = json.dumps({"input": str(input_path), "model": model_cfg, "new": new, "batch": batch})
+def run_mlx_lm_script(python: str, script: str, cfg: dict) -> dict:
+    """An mlx-lm side as a whole process: `script` run with `cfg` (JSON), timed from start to exit; the
+    JSON it prints last, with wall seconds, generated tokens and tok/s."""
     t0 = time.perf_counter()
-    p = subprocess.run([python, "-c", MLX_LM, arg], capture_output=True, text=True, cwd=ROOT)
+    p = subprocess.run([python, "-c", script, json.dumps(cfg)], capture_output=True, text=True, cwd=ROOT)
     wall = time.perf_counter() - t0
     if p.returncode:
         raise SystemExit(f"mlx-lm failed ({p.returncode}):\n{p.stderr[-3000:]}")
     res = json.loads(p.stdout.strip().splitlines()[-1])
     tokens = sum(len(t) for t in res["outputs"].values())
     return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, **res}
+
+
+def run_mlx_lm(python: str, input_path: Path, model_cfg: dict, new: int, batch: int | None) -> dict:
+    return run_mlx_lm_script(python, MLX_LM, {"input": str(input_path), "model": model_cfg, "new": new, "batch": batch})
 
 
 def profile_kvbatch(a, inp: Path, tmp: Path, model_args: dict, extra: list[str]) -> None:

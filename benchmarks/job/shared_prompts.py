@@ -25,14 +25,11 @@ import json
 import random
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from benchmarks.harness import ROOT
-from benchmarks.job.job_vs_mlx_lm import WORDS, run_kvbatch
+from benchmarks.job.job_vs_mlx_lm import WORDS, run_kvbatch, run_mlx_lm_script
 
 SMOKE = ["--model", "tiny", "--rows", "2", "--system-words", "5", "--new", "2", "--prompts", "1", "--n", "2",
          "--sample-words", "3", "--sample-new", "2", "--rounds", "1", "--parts", "system", "--no-warm", "--no-floor"]
@@ -55,15 +52,7 @@ print(json.dumps({"outputs": {f"r{i}": list(map(int, t)) for i, t in enumerate(r
 
 
 def run_mlx_lm(python: str, input_path: Path, model_cfg: dict, new: int) -> dict:
-    arg = json.dumps({"input": str(input_path), "model": model_cfg, "new": new})
-    t0 = time.perf_counter()
-    p = subprocess.run([python, "-c", MLX_LM, arg], capture_output=True, text=True, cwd=ROOT)
-    wall = time.perf_counter() - t0
-    if p.returncode:
-        raise SystemExit(f"mlx-lm failed ({p.returncode}):\n{p.stderr[-3000:]}")
-    res = json.loads(p.stdout.strip().splitlines()[-1])
-    tokens = sum(len(t) for t in res["outputs"].values())
-    return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, **res}
+    return run_mlx_lm_script(python, MLX_LM, {"input": str(input_path), "model": model_cfg, "new": new})
 
 
 def text(rnd: random.Random, words: int) -> str:

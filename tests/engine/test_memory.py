@@ -31,7 +31,7 @@ from kvbatch.engine.memory import MemoryModel, format_plan, kv_layout, resolve_b
 from kvbatch.engine.sizes import parse_size
 from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.types import Request
-from tests.conftest import cpu_only
+from tests.conftest import PlanRecorder, cpu_only
 
 BIG = 2 << 30
 
@@ -72,22 +72,6 @@ def memory_model(spec, mode="none", page_size=16, group_size=64, prefill_chunk=5
                        resolve_prefill_tokens("auto", prefill_chunk))
 
 
-class Plans(EngineHooks):
-    """Every step's plan (admitted, refused, prefill chunks, decode rows)."""
-
-    def __init__(self):
-        super().__init__()
-        self.plans = []
-
-    def on_step(self, plan, times):
-        self.plans.append(plan)
-
-    def keys(self, kind: str) -> list[str]:
-        """The row keys of every step's `kind` (admitted, refused, prefill or decode), in order."""
-        rows = [getattr(x, "row", x) for p in self.plans for x in getattr(p, kind)]
-        return [r.req.key for r in rows]
-
-
 def all_pages_free(eng) -> None:
     s = eng.stats()
     assert s["pages_in_use"] == 0 and s["pages_free"] == s["pool_capacity_pages"]
@@ -103,7 +87,7 @@ def test_row_that_can_never_fit_is_refused_before_any_page(tiny_model, mode):
     budget = mm.bytes_for([10 + small] * 3, 10)  # three small rows at once, no more
     assert mm.bytes_for([10 + big_max], 10) > budget  # the big row cannot fit even alone
 
-    hooks = Plans()
+    hooks = PlanRecorder()
     eng = make_engine(m, budget, hooks, kv_mode=mode, page_size=P, max_batch=4)
     keys = ["a", "big", "b", "c"]
     for i, k in enumerate(keys):

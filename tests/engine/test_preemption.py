@@ -9,7 +9,7 @@ import pytest
 from kvbatch.engine.config import EngineOptions
 from kvbatch.engine.engine import Engine
 from kvbatch.engine.errors import INSUFFICIENT_MEMORY
-from kvbatch.engine.hooks import EngineHooks
+from tests.conftest import PlanRecorder
 from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.types import Request
 from kvbatch.engine.testing import engine_config
@@ -23,21 +23,10 @@ LENGTHS = [20, 9, 31, 14, 25, 5]
 TOL = {"none": 1e-4, "q8": 10e-4, "q4": 170e-4}
 
 
-class Plans(EngineHooks):
-    """Keeps every step's plan."""
-
-    def __init__(self):
-        super().__init__()
-        self.plans = []
-
-    def on_step(self, plan, times):
-        self.plans.append(plan)
-
-
 def _engine(m, mode, budget, admission, **kw):
     model, tok, spec = m
     return Engine(model, tok, spec, engine_config(kv_mode=mode, page_size=P, max_batch=6, prefill_chunk=32,
-                                                 memory_budget=budget, admission=admission, **kw), Plans())
+                                                 memory_budget=budget, admission=admission, **kw), PlanRecorder())
 
 
 def _budget(m, mode) -> int:
