@@ -43,15 +43,9 @@ if [ ! -d "$SITE/mlx" ]; then
   cat "$S"/mlxcuda.part.aa .gpu/b/mlxcuda.part.ab > "$S"/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl &&
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$S"/*.whl || exit 1
 fi
-# the project itself: a wheel built here (`pip wheel --no-deps -w .gpu/kvbatch .`), as the import name
-# kvbatch maps engine/ and pipeline/ only when installed
-if ls .gpu/kvbatch/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" .gpu/kvbatch/*.whl || exit 1
-fi
-# the checkout's kvbatch/ (only __init__ and __main__) would shadow the installed package: python puts
-# the script's folder, pytest the rootdir, ahead of PYTHONPATH
-[ -d kvbatch ] && ls .gpu/kvbatch/*.whl >/dev/null 2>&1 && mv kvbatch .kvbatch-src
-export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
+# the project itself from the checkout's src/ (every module has its real path there), the checkout's root
+# for `benchmarks` and `tests`
+export PYTHONPATH=$SITE:$PWD/src:$PWD PYTHONUNBUFFERED=1
 # bytecode as an installed environment has it: the machine's site-packages hold none (and writing it there
 # is off), so every process would compile transformers, torch, sympy... again (~9 s a process,
 # benchmarks/notebook/README.md);
