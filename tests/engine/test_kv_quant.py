@@ -505,11 +505,12 @@ def test_route_reported_is_route_that_ran(tiny_model, tmp_path, monkeypatch):
     paged_sdpa_f32 (SDPA on upcast q/k/v); q8 -> paged_qmm_f32 (quantized_matmul in decode).
     On MLX CUDA decode runs the fused kernels instead (paged_cuda_kernel for none,
     paged_cuda_qkernel for q8/q4, queries in the model dtype, float32 inside); prefill is
-    the same SDPA in float32."""
+    attention composed of matmuls (dense.composed_attention, no cuDNN graph per pass shape), in float32."""
     seen = []
     real_qmm, real_sdpa = mx.quantized_matmul, mx.fast.scaled_dot_product_attention
     real_gqmm = mx.gather_qmm
     real_k, real_qk = cuda.paged_decode_attention, cuda.paged_decode_attention_quantized
+    real_composed = dense.composed_attention
 
     def qmm(x, *a, **kw):
         seen.append(("qmm", x.dtype))
@@ -527,6 +528,10 @@ def test_route_reported_is_route_that_ran(tiny_model, tmp_path, monkeypatch):
         seen.append(("kernel", q.dtype))
         return real_k(q, *a, **kw)
 
+    def composed(q, *a, **kw):
+        seen.append(("composed", q.dtype))
+        return real_composed(q, *a, **kw)
+
     def qkernel(q, *a, **kw):
         seen.append(("qkernel", q.dtype))
         return real_qk(q, *a, **kw)
@@ -536,10 +541,11 @@ def test_route_reported_is_route_that_ran(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", sdpa)
     monkeypatch.setattr(cuda, "paged_decode_attention", kernel)
     monkeypatch.setattr(cuda, "paged_decode_attention_quantized", qkernel)
+    monkeypatch.setattr(dense, "composed_attention", composed)
     f32 = _model(tiny_model, "llama", 64)
     f16 = _scaled_fp16_model(tmp_path, 1.0)
     prompt = list(range(40, 90))
-    pre = ("sdpa", mx.float32)
+    pre = ("composed" if ON_CUDA else "sdpa", mx.float32)
     if ON_CUDA:
         cases = ((f32, "none", ROUTE_CUDA, {pre, ("kernel", mx.float32)}),
                  (f16, "none", ROUTE_CUDA, {pre, ("kernel", mx.float16)}),
