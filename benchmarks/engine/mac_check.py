@@ -110,7 +110,8 @@ def long_answer(a) -> dict:
 def ceiling(a) -> dict:
     """The ceiling part: engine.batch_ceiling on the portable route, and the ceiling kvbatch uses now."""
     sub = _sub(batch_ceiling.add_args, ["--model", a.model, "--batches", a.ceiling_batches, "--prompt",
-                                        str(a.ceiling_prompt), "--new", str(a.ceiling_new), "--kv", "none@route=portable", "--rounds", str(a.rounds)])
+                                        str(a.ceiling_prompt), "--new", str(a.ceiling_new),
+                                        "--kv", "none@route=portable", "--rounds", str(a.rounds)])
     return {"measured": batch_ceiling.run(sub), "batch_ceiling_now": BATCH_CEILING[backend().name]}
 
 

@@ -22,7 +22,7 @@ from kvbatch.engine.errors import KvbatchConfigError
 from kvbatch.engine.gate import VALIDATED
 from kvbatch.engine.kv.rotation import hadamard
 from kvbatch.engine.memory import kv_layout, layout_for
-from kvbatch.engine.kv.routes import portable, quant
+from kvbatch.engine.kv.routes import portable
 from kvbatch.engine.kv.routes.cuda import ROUTE_CUDA_Q
 from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.types import Request

@@ -28,7 +28,7 @@ import mlx.core as mx
 import pytest
 
 from kvbatch.engine.config import CudaLaunch, EngineOptions
-from kvbatch.engine.kv.routes import cpu_streams, cuda, dense, portable, quant
+from kvbatch.engine.kv.routes import cpu_streams, cuda, dense, portable
 from kvbatch.engine.engine import Engine
 from kvbatch.engine.testing import engine_config
 from kvbatch.engine.errors import KvbatchConfigError
@@ -215,7 +215,8 @@ def _check_row(model, res, logits, prompt, forced, snap, page, bits, group, chun
 
 
 # The portable route (engine.options.route=portable: what Apple's Metal backend runs: decode reads
-# packed pages in place with gather_qmm, prefill as QuantRoute, keys per token, one stream) against the same references, on every backend.
+# packed pages in place with gather_qmm, prefill as QuantRoute, keys per token, one stream) against the
+# same references, on every backend.
 PORTABLE = [("llama", 64, "q8", 16, 64), ("llama", 64, "q4", 64, 64), ("qwen3", 128, "q8", 64, 64)]
 ALL_CASES = [c + ("auto",) for c in CASES] + [c + ("portable",) for c in PORTABLE]
 

@@ -15,7 +15,7 @@ fastest attention.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, cast
 
 import mlx.core as mx
 
@@ -158,13 +158,13 @@ class PortableDenseRoute(DenseRoute):
         cuts = value_cuts(width, G * self.geom.head_dim * st.dtype.size, _page_bytes([st.k[0], st.v[0]]))
         return PortableStep(hrows, heads, query_of, mask, cuts)
 
-    def attend(self, layer: int, meta, queries: mx.array, scale: float) -> mx.array:
+    def attend(self, layer: int, meta: object, queries: mx.array, scale: float) -> mx.array:
         """Decode in place; other passes as DenseRoute attends them."""
         if isinstance(meta, PortableStep):
             st = self.store
             return portable_paged_decode(queries, st.k[layer], st.v[layer], meta.heads, meta.query_of, meta.mask,
                                          scale, meta.cuts)
-        return super().attend(layer, meta, queries, scale)
+        return super().attend(layer, cast(DenseStep, meta), queries, scale)
 
 
 @dataclass(frozen=True)
