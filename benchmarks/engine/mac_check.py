@@ -4,12 +4,14 @@ No machine here is a Mac, so kvbatch's Metal figures come from Mac users. This r
 JSON record (paste it into an issue, docs/performance.md says how):
 
 1. tests: the engine's tests on this backend (`pytest tests/engine`): pass/fail counts and the failures;
-2. speed: kvbatch on the portable route (what Metal runs: kv none, q8, q4) against mlx-lm's BatchGenerator at
+2. workspace: one decode step of the portable route, pages read in place against gathered, at 4k and 16k
+   context, batch 8 (engine.portable_decode: ms and workspace as a share of the KV);
+3. speed: kvbatch on the portable route (what Metal runs: kv none, q8, q4) against mlx-lm's BatchGenerator at
    1k, 8k and 16k context, batch 1, 8 and 32 (engine.vs_mlx_lm's cases: decode tok/s, peak memory, same tokens);
-3. long: one 30,000-token greedy answer on the portable route: whether it completes (Metal counts buffers, and a
+4. long: one 30,000-token greedy answer on the portable route: whether it completes (Metal counts buffers, and a
    lazy graph that grows with the answer fails at ~10k tokens with `[metal::malloc] Resource limit`), its
    decode tok/s, and every 1,000 tokens the live mx.arrays and MLX's active memory less the KV pages;
-4. ceiling: decode tok/s as the batch grows (engine.batch_ceiling): where `engine.max_batch: auto` should stop
+5. ceiling: decode tok/s as the batch grows (engine.batch_ceiling): where `engine.max_batch: auto` should stop
    on this backend (engine/batch_limits.py BATCH_CEILING, the ceiling it uses now, is in the record).
 
     python -m benchmarks mac_check --out mac_check.json       # ~1 h on an M-series Mac with 32 GB or more
@@ -30,22 +32,23 @@ import time
 import mlx.core as mx
 
 from benchmarks import harness as h
-from benchmarks.engine import batch_ceiling, vs_mlx_lm
+from benchmarks.engine import batch_ceiling, portable_decode, vs_mlx_lm
 from kvbatch.engine.backend import backend
 from kvbatch.engine.batch_limits import BATCH_CEILING
 
-PARTS = ("tests", "speed", "long", "ceiling")
+PARTS = ("tests", "workspace", "speed", "long", "ceiling")
 MODES = "none@route=portable,q8@route=portable,q4@route=portable"
-SMOKE = ["--model", "tiny", "--contexts", "24,40", "--batches", "1,2", "--new", "4", "--rounds", "1",
-         "--answer", "300", "--probe-every", "100", "--ceiling-batches", "1,2", "--ceiling-prompt", "8",
-         "--ceiling-new", "3",
-         "--tests", "tests/engine/test_paged_decode.py -k 'test_in_place_decode_equals_gathered and 1-1-1'"]
+SMOKE = ["--model", "tiny", "--workspace-contexts", "128", "--contexts", "24", "--batches", "2", "--new", "4",
+         "--modes", "none@route=portable,q8@route=portable", "--rounds", "1", "--answer", "300",
+         "--probe-every", "100", "--ceiling-batches", "1,2", "--ceiling-prompt", "8", "--ceiling-new", "3",
+         "--tests=--collect-only tests/engine/test_paged_decode.py"]
 
 
 def add_args(ap) -> None:
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated: {', '.join(PARTS)}")
     ap.add_argument("--model", default="random-1b", help=f"speed, long and ceiling: {', '.join(h.MODEL_NAMES)}")
     ap.add_argument("--tests", default="tests/engine", help="pytest arguments of the tests part")
+    ap.add_argument("--workspace-contexts", default="4096,16384", help="workspace: stored tokens per row")
     ap.add_argument("--contexts", default="1024,8192,16384", help="speed: prompt tokens")
     ap.add_argument("--batches", default="1,8,32", help="speed: rows")
     ap.add_argument("--modes", default=MODES, help="speed: kvbatch sides (engine.vs_mlx_lm --modes)")
@@ -75,6 +78,13 @@ def tests(a) -> dict:
         if lines else {}
     return {"returncode": r.returncode, "counts": counts, "seconds": time.perf_counter() - t0,
             "failures": [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))][:50], "tail": lines[-5:]}
+
+
+def workspace(a) -> dict:
+    """The workspace part: engine.portable_decode, batch 8."""
+    sub = _sub(portable_decode.add_args, ["--contexts", a.workspace_contexts, "--batch", "8", "--reps", "5"])
+    sub.smoke = a.smoke
+    return portable_decode.run(sub)
 
 
 def speed(a) -> dict:
@@ -123,7 +133,8 @@ def run(a) -> dict:
     out: dict = {"backend": backend().name, "metal": mx.metal.is_available()}
     if out["metal"]:
         out["device"] = mx.metal.device_info()
-    for name, fn in (("tests", tests), ("speed", speed), ("long", long_answer), ("ceiling", ceiling)):
+    for name, fn in (("tests", tests), ("workspace", workspace), ("speed", speed), ("long", long_answer),
+                     ("ceiling", ceiling)):
         if name in parts:
             print(f"mac_check: {name}", flush=True)
             out[name] = h.guarded(lambda: fn(a))
