@@ -21,7 +21,7 @@ import mlx.core as mx
 
 from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.kv.store import DenseStore, QuantizedStore, head_rows
-from kvbatch.engine.kv.routes.base import Geometry
+from kvbatch.engine.kv.routes.base import Geometry, flat_tokens
 from kvbatch.engine.kv.routes.common import TailWrites, page_heads, page_table, tail_writes
 from kvbatch.engine.kv.routes.dense import DenseRoute, DenseStep
 from kvbatch.engine.kv.routes.quant import QuantRoute, quantized_paged_plan
@@ -35,7 +35,7 @@ MAX_VALUE_BLOCKS = 16
 def value_cuts(n_pages: int, product_bytes: int, page_bytes: int) -> list[int]:
     """Page boundaries of the value blocks of a step over n_pages pages a row: product_bytes, one
     page's products per KV head (G x D); page_bytes, what a page holds per KV head (K and V)."""
-    k = min(max(n_pages, 1), MAX_VALUE_BLOCKS, max(1, -(-product_bytes // int(VALUE_SHARE * page_bytes))))
+    k = min(max(n_pages, 1), MAX_VALUE_BLOCKS, max(1, -(-product_bytes // max(1, int(VALUE_SHARE * page_bytes)))))
     return [n_pages * i // k for i in range(k + 1)]
 
 
@@ -210,9 +210,7 @@ class PortableQuantRoute(QuantRoute):
     def write(self, layer: int, meta, keys: mx.array, values: mx.array) -> None:
         """A step read in place writes into the rows' tails (sealing full ones); others as QuantRoute."""
         if isinstance(meta, PortableQuantStep):
-            k, v = keys.reshape(keys.shape[0], keys.shape[1], keys.shape[3]), \
-                values.reshape(values.shape[0], values.shape[1], values.shape[3])
-            meta.writes.apply(self.store, layer, k, v)
+            meta.writes.apply(self.store, layer, *flat_tokens(keys, values))
             return
         super().write(layer, meta, keys, values)
 
