@@ -182,7 +182,8 @@ class PortableQuantStep:
 
 class PortableQuantRoute(QuantRoute):
     """q8/q4/k8v4 on the portable route (keys per token): decode over sealed pages reads them in
-    place (`portable_quantized_decode`); steps with no sealed page, and prefill, as QuantRoute."""
+    place (`portable_quantized_decode`); steps with no sealed page, prefill, and fp16 models (whose
+    scores are taken in float32) as QuantRoute."""
 
     def __init__(self, store: QuantizedStore, geom: Geometry):
         super().__init__(store, geom, [None], in_place=False)
@@ -191,9 +192,10 @@ class PortableQuantRoute(QuantRoute):
         """Decode steps whose rows hold sealed pages read them in place; other passes as QuantRoute plans them."""
         P, H, D = self.geom.page_size, self.geom.kv_heads, self.geom.head_dim
         n_before = [a // P for a in pos]
-        if L > 1 or max(n_before) == 0:
-            return super().plan(rows, L, pos, epoch, lens)
         st = self.store
+        # fp16 stores: scores past fp16's range; QuantRoute's gathered decode takes them in float32
+        if L > 1 or max(n_before) == 0 or st.dtype == mx.float16:
+            return super().plan(rows, L, pos, epoch, lens)
         tails = [r.tail_slot for r in rows]
         fill = [a % P for a in pos]
         writes = tail_writes(P, H, st.k_axis, rows, pos, tails, fill)
