@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import socket
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from kvbatch.pipeline import durations, locate, passthrough, procs, samples
 from kvbatch.pipeline import summary as summ
 from kvbatch.pipeline.config import Config, ConfigError, as_dict, config_hash, engine_config, parse_injection
 from kvbatch.pipeline.finalize import Finalized, finalize, reconcile, regenerate
+from kvbatch.pipeline.log import log, out
 from kvbatch.pipeline.inputs import detect_format, read_rows, resolve_input
 from kvbatch.pipeline.progress import Progress, row_budget
 from kvbatch.pipeline.redact import redact
@@ -94,8 +94,8 @@ def job_for(cfg: Config) -> Job:
 
 
 def say(msg: str) -> None:
-    """Print a message on stderr at once."""
-    print(msg, file=sys.stderr, flush=True)
+    """A message for the person watching the run (the `kvbatch` logger: stderr under the command)."""
+    log.info(msg)
 
 
 def open_queue(job: Job) -> Queue:
@@ -149,8 +149,8 @@ def carry_columns(job: Job, rows: list) -> None:
             by_pos.setdefault(r.pos // samples.SAMPLE_SLOTS, []).append(r.key)
         passthrough.write(job.out_dir, job.input_path, fmt, job.cfg.job, list(by_pos.values()))
     except Exception as exc:  # noqa: BLE001 - the rows still run; say that their extra columns will be missing
-        say(f"kvbatch: warning: the input's other columns cannot be carried to results.parquet "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
+        log.warning(f"kvbatch: warning: the input's other columns cannot be carried to results.parquet "
+                    f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
 
 
 def memory_changed(job: Job, q: Queue) -> None:
@@ -182,7 +182,7 @@ def load_runtime(cfg: Config) -> Runtime:
 
     warning = cpu_half_warning(model, spec)
     if warning:
-        say(warning)
+        log.warning(warning)
     check_template(tokenizer, cfg.job.chat_template)
     ecfg = engine_config(cfg)
     # every engine of this run gets the same hooks: debug.inject_nonfinite, and the crash
@@ -255,8 +255,8 @@ def work(job: Job, q: Queue) -> Optional[WorkStats]:
     except StorageError as exc:  # not the rows' fault: none is charged, the next run continues
         progress.close()
         where = str(job.out_dir) if q.kind == "sqlite" else f"{job.out_dir} or the queue ({q.where})"
-        say(f"kvbatch: error: cannot write to {where}: {exc}; rows finished before this are saved, "
-            f"no row was charged: free space (or fix the folder) and run the same command again")
+        log.error(f"kvbatch: error: cannot write to {where}: {exc}; rows finished before this are saved, "
+                  f"no row was charged: free space (or fix the folder) and run the same command again")
         raise SystemExit(1) from None
     except KeyboardInterrupt as exc:  # Ctrl-C / SIGTERM: the worker wrote what was done, handed the rest back
         progress.close()
@@ -319,7 +319,7 @@ def run(job: Job) -> Path:
     t_start = time.perf_counter()
     q, n_rows, added = enqueue(job)
     if n_rows == 0:
-        print(f"kvbatch: {job.input_path} has no rows; writing an empty results file")
+        out.info(f"kvbatch: {job.input_path} has no rows; writing an empty results file")
     elif added < n_rows:
         say(f"kvbatch: {n_rows - added} of {n_rows} rows were already queued in {job.out_dir}")
     t0 = time.perf_counter()
@@ -333,8 +333,8 @@ def run(job: Job) -> Path:
             stats = more if stats is None else WorkStats(stats.rows + more.rows, stats.tokens + more.tokens,
                                                          time.perf_counter() - t0)
         fin, s = finish(job, q, stats, t_start)
-    print(summ.one_line(s))
-    print(fin.path)
+    out.info(summ.one_line(s))
+    out.info(fin.path)
     check_rows(job.cfg, s)
     return fin.path
 
@@ -399,26 +399,26 @@ def status(job: Job) -> None:
     """action=status: print how far the job is (or the folders and jobs of its name to choose from)."""
     found = found_jobs(job)
     if not found and job.cfg.queue.url:
-        print(f"kvbatch: no job {job.queue_job} in {redact(job.cfg.queue.url)} yet, nor any job named "
+        out.info(f"kvbatch: no job {job.queue_job} in {redact(job.cfg.queue.url)} yet, nor any job named "
               f"{job.cfg.job.name!r} there (run action=enqueue or action=run)")
         return
     if not found:
-        print(f"kvbatch: no queue in {job.out_dir} yet, nor any folder of job {job.cfg.job.name!r} under "
+        out.info(f"kvbatch: no queue in {job.out_dir} yet, nor any folder of job {job.cfg.job.name!r} under "
               f"{Path(job.cfg.output.root).resolve() / job.cfg.job.name} (run action=enqueue or action=run)")
         return
     if len(found) > 1:
         if job.cfg.queue.url:
-            print("\n".join(f"  {j.queue_job} ({j.out_dir}; model={j.cfg.model.name} kv={j.cfg.kv.mode})"
+            out.info("\n".join(f"  {j.queue_job} ({j.out_dir}; model={j.cfg.model.name} kv={j.cfg.kv.mode})"
                             for j in found))
         else:
-            print("\n".join(f"  {locate.open_folder(j.out_dir).describe()}" for j in found))
+            out.info("\n".join(f"  {locate.open_folder(j.out_dir).describe()}" for j in found))
         return
     from kvbatch.pipeline.status import lines
 
     j = found[0]
     q = open_queue(j)
     try:
-        print("\n".join(lines(q, j.cfg.worker.isolate_after, j.cfg.worker.max_crashes, j.cfg.worker.lease_s,
+        out.info("\n".join(lines(q, j.cfg.worker.isolate_after, j.cfg.worker.max_crashes, j.cfg.worker.lease_s,
                                host=j.host)))
     finally:
         q.close()
@@ -430,7 +430,7 @@ def retry(job: Job, q: Queue) -> None:
     keys = q.error_keys(job.cfg.retry.codes)
     regenerate(job.out_dir, q, keys, "retry")
     which = ", ".join(job.cfg.retry.codes) or "any code"
-    print(f"kvbatch: {len(keys)} error rows ({which}) queued again in {job.out_dir}; run the job again "
+    out.info(f"kvbatch: {len(keys)} error rows ({which}) queued again in {job.out_dir}; run the job again "
           f"(the same options: {job.out_dir / 'config.yaml'}) to regenerate them")
 
 
@@ -441,7 +441,7 @@ def execute(cfg: Config) -> Optional[Path]:
         return run(job)
     if cfg.action == "enqueue":
         q, n, added = enqueue(job)
-        print(f"kvbatch: {added} new of {n} rows queued in {q.where}")
+        out.info(f"kvbatch: {added} new of {n} rows queued in {q.where}")
         return None
     if cfg.action == "status":
         status(job)
@@ -459,8 +459,8 @@ def execute(cfg: Config) -> Optional[Path]:
         memory_changed(job, q)
     stats = work(job, q) if cfg.action == "work" else None
     fin, s = finish(job, q, stats)
-    print(summ.one_line(s))
-    print(fin.path)
+    out.info(summ.one_line(s))
+    out.info(fin.path)
     if cfg.action == "work":
         check_rows(cfg, s)
     return fin.path

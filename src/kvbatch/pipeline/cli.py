@@ -21,6 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from kvbatch.engine.errors import KvbatchConfigError
 from kvbatch.pipeline.compose import CONF_DIR, compose_config, describe, node_to_config
+from kvbatch.pipeline.log import configure_command, unconfigure_command
 
 # Flags that make Hydra do something other than one plain run: leave those to Hydra.
 _HYDRA_FLAGS = ("-m", "--multirun", "--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i",
@@ -66,8 +67,17 @@ def version_line() -> str:
 
 
 def main() -> None:
-    """The `kvbatch` command: --version, else a Hydra run or multirun of the config and its overrides."""
-    args = sys.argv[1:]
+    """The `kvbatch` command: --version, else a Hydra run or multirun of the config and its overrides.
+    Messages for people go to stderr, the summary and the results path (the last line) to stdout
+    (pipeline/log.py); the library's logging is configured for this command only."""
+    configure_command()
+    try:
+        _main(sys.argv[1:])
+    finally:
+        unconfigure_command()
+
+
+def _main(args: list[str]) -> None:
     if "--version" in args or "-V" in args:  # Hydra has no such flag (it would try to parse it as an override)
         print(version_line())
         return

@@ -275,7 +275,8 @@ class Worker:
         self.results += 1
         if self.progress:
             budget = getattr(record, "max_tokens", None) or 0  # set for every row that was meant to run
-            self.progress.row_done(budget - (record.output_tokens or 0))
+            self.progress.row_done(budget - (record.output_tokens or 0),
+                                   None if record.error_code else record.output_tokens or 0)
 
     def _tick(self) -> None:
         """Progress on the engine's heartbeat: the tokens generated since the last step."""
