@@ -116,7 +116,11 @@ def enqueue(job: Job) -> tuple[Queue, int, int]:
     Rows whose content changed since they were queued, and rows refused for memory when the memory
     settings changed, are generated again (their old results superseded, see Queue.regenerate)."""
     inputs = read_rows(job.input_path, job.cfg.job.format, job.cfg.job)
-    rows = samples.expand(inputs, job.cfg.sampling.n)  # one queue row per (input row, sample)
+    if detect_format(job.input_path, job.cfg.job.format) == "openai_batch":
+        from kvbatch.pipeline.formats.openai_batch import DEFAULTS_NOTE
+
+        say(f"kvbatch: {DEFAULTS_NOTE}")
+    rows = samples.expand(inputs, job.cfg.sampling.n, job.cfg.sampling.temperature)  # one queue row per (input row, sample)
     try:
         job.out_dir.mkdir(parents=True, exist_ok=True)
         q = open_queue(job)
@@ -425,11 +429,15 @@ def status(job: Job) -> None:
 
 
 def retry(job: Job, q: Queue) -> None:
-    """Requeue finished error rows (retry.codes; every code when empty); the next run regenerates them,
-    and their old results are superseded (never taken back into results.parquet)."""
-    keys = q.error_keys(job.cfg.retry.codes)
+    """Requeue finished error rows (retry.codes; when empty every code but invalid_input, which the
+    input decides: it would fail again alike); the next run regenerates them, and their old results
+    are superseded (never taken back into results.parquet)."""
+    from kvbatch.engine.errors import ERROR_CODES, INVALID_INPUT
+
+    codes = job.cfg.retry.codes or [c for c in ERROR_CODES if c != INVALID_INPUT]
+    keys = q.error_keys(codes)
     regenerate(job.out_dir, q, keys, "retry")
-    which = ", ".join(job.cfg.retry.codes) or "any code"
+    which = ", ".join(job.cfg.retry.codes) or "any code but invalid_input: retry.codes=[invalid_input] for those"
     out.info(f"kvbatch: {len(keys)} error rows ({which}) queued again in {job.out_dir}; run the job again "
           f"(the same options: {job.out_dir / 'config.yaml'}) to regenerate them")
 

@@ -153,7 +153,7 @@ class ReportConfig:
 class RetryConfig:
     """action=retry: which error rows go back to the queue."""
 
-    codes: List[str] = field(default_factory=list)  # action=retry: requeue error rows with these codes; []: every code
+    codes: List[str] = field(default_factory=list)  # action=retry: requeue rows with these codes; []: all but invalid_input
 
 
 @dataclass
@@ -224,6 +224,9 @@ def validate(cfg: Config) -> None:
     bad = row_params.config_problem(cfg)  # the per-row parameters' job values (engine/params.py)
     if bad:
         raise ConfigError(f"{bad[0]}={bad[1]!r}: {bad[2]}")
+    _need(cfg.sampling.n == 1 or cfg.sampling.temperature > 0, "sampling.n", cfg.sampling.n,
+          f"with sampling.temperature=0 (greedy) gives {cfg.sampling.n} identical samples: set "
+          f"sampling.temperature > 0 (or sampling.n=1)")
     _need(job.system_prompt is None or job.chat_template, "job.system_prompt", job.system_prompt,
           "needs job.chat_template=true (a system turn exists only in a chat template)")
     kw = job.chat_template_kwargs
@@ -272,7 +275,7 @@ def validate(cfg: Config) -> None:
     after = cfg.debug.deadline_after_rows
     _need(after is None or after >= 1, "debug.deadline_after_rows", after, "must be >= 1 (or null)")
     _need(all(c in ERROR_CODES for c in cfg.retry.codes), "retry.codes", cfg.retry.codes,
-          f"choose among {', '.join(ERROR_CODES)} ([] = every code)")
+          f"choose among {', '.join(ERROR_CODES)} ([] = every code but invalid_input)")
     _need(cfg.action != "report" or bool(cfg.report.sweep_dirs), "report.sweep_dirs", cfg.report.sweep_dirs,
           "action=report needs report.sweep_dirs=[DIR,...] (sweep folders)")
 

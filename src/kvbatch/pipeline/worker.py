@@ -177,6 +177,8 @@ class Worker:
             fmt = response_format.canonical(self._format(c.payload)) if p.grammar else None
             for name, value in row_params.columns(p, response_format=fmt).items():
                 setattr(rec, name, value)
+        else:  # the seed it would have run with: the column never null, an integer column in pandas too
+            rec.seed = samples.seed_for(c.payload, c.key, self.cfg.sampling.seed)
         if res is not None:
             s = res.stats
             rec.output, rec.output_token_ids, rec.output_tokens = res.text, list(res.tokens), len(res.tokens)
