@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import socket
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Optional, cast
 
@@ -174,8 +174,9 @@ def _some(keys: list[str], n: int = 5) -> str:
     return ", ".join(keys[:n]) + (f" and {len(keys) - n} more" if len(keys) > n else "")
 
 
-def load_runtime(cfg: Config) -> Runtime:
-    """Load the model and build the first engine now, so a bad model or KV mode fails at start."""
+def load_runtime(cfg: Config, rows: Optional[int] = None) -> Runtime:
+    """Load the model and build the first engine now, so a bad model or KV mode fails at start.
+    `rows`: the rows this run has to generate (its engines get batch slots for no more)."""
     from kvbatch.engine import Engine
     from kvbatch.pipeline import debug
     from kvbatch.pipeline.model_cache import load_model  # sweeps: one load per distinct model config
@@ -188,7 +189,7 @@ def load_runtime(cfg: Config) -> Runtime:
     if warning:
         log.warning(warning)
     check_template(tokenizer, cfg.job.chat_template)
-    ecfg = engine_config(cfg)
+    ecfg = replace(engine_config(cfg), rows=rows)
     # every engine of this run gets the same hooks: debug.inject_nonfinite, and the crash
     # points when KVBATCH_DEBUG_CRASH_AT is set (testing only)
     hooks = debug.hooks(parse_injection(cfg.debug.inject_nonfinite))
@@ -251,7 +252,8 @@ def work(job: Job, q: Queue) -> Optional[WorkStats]:
     todo = counts["pending"] + counts["leased"]
     if not todo:
         return None
-    runtime = load_runtime(job.cfg)
+    runtime = load_runtime(job.cfg, todo)
+    _reset_peak()  # this run's peak: not an earlier run's in this process (the API, a sweep)
     budget = sum(row_budget(p, job.cfg.job.max_tokens) for p in q.todo_payloads())
     progress = Progress(todo, budget, job.cfg.output.progress, durations.seconds(job.cfg.output.progress_every))
     try:
@@ -277,6 +279,12 @@ def work(job: Job, q: Queue) -> Optional[WorkStats]:
     return stats
 
 
+def _reset_peak() -> None:
+    import mlx.core as mx
+
+    mx.reset_peak_memory()
+
+
 def finish(job: Job, q: Queue, stats: Optional[WorkStats], t0: Optional[float] = None) -> tuple[Finalized, dict]:
     """Write results.parquet (and the OpenAI batch output when asked) and summary.json from the queue and the parts."""
     from kvbatch.engine.blas import blas_in_use
@@ -291,7 +299,8 @@ def finish(job: Job, q: Queue, stats: Optional[WorkStats], t0: Optional[float] =
         say(f"kvbatch: corrupt part moved to parts/corrupt/: {why}")
     if fin.requeued:
         say(f"kvbatch: {len(fin.requeued)} finished rows lost their part; they are queued again")
-    run = {"rows": stats.rows, "tokens": stats.tokens, "wall_s": stats.wall_s} if stats else None
+    run = {"rows": stats.rows, "tokens": stats.tokens, "wall_s": stats.wall_s,
+           "peak_memory_bytes": stats.engine_summary.get("mlx_peak_memory_bytes")} if stats else None
     extra = {"job": job.cfg.job.name, "model": job.cfg.model.name, "kv_mode": job.cfg.kv.mode,
              "options": asdict(job.cfg.engine.options),  # the engine options this config ran with
              "config_hash": job.config_hash, "output_dir": str(job.out_dir), "results": str(fin.path),

@@ -77,7 +77,31 @@ def main() -> None:
         unconfigure_command()
 
 
+def _paths_as_options(args: list[str]) -> list[str]:
+    """What the API accepts, the command too: `model=REPO_ID` or `model=FOLDER` (model=local with that
+    model.path), and `job=DIR/job/NAME.yaml` (Hydra's `--config-dir DIR job=NAME`)."""
+    out, flags = [], []  # Hydra's flags come before the overrides
+    for a in args:
+        key, _, value = a.partition("=")
+        if key == "model" and value and not (CONF_DIR / "model" / f"{value}.yaml").exists() \
+                and ("/" in value or Path(value).expanduser().is_dir()):
+            out += ["model=local", f"model.path={value}"]
+        elif key == "job" and value.endswith((".yaml", ".yml")):
+            path = Path(value).expanduser().resolve()
+            if not path.is_file() or path.parent.name != "job":
+                die(f"job={value}: a job file outside jobs/ is chosen by name from a folder of its own: put it "
+                    f"at DIR/job/{path.stem}.yaml and run `kvbatch --config-dir DIR job={path.stem}` "
+                    f"(Hydra's -cd), or copy it to jobs/{path.name} and run `kvbatch job={path.stem}`")
+            flags += ["--config-dir", str(path.parent.parent)]
+            out.append(f"job={path.stem}")
+        else:
+            out.append(a)
+    return flags + out
+
+
 def _main(args: list[str]) -> None:
+    args = _paths_as_options(args)
+    sys.argv = [sys.argv[0], *args]  # Hydra reads the command line from sys.argv
     if "--version" in args or "-V" in args:  # Hydra has no such flag (it would try to parse it as an override)
         print(version_line())
         return
