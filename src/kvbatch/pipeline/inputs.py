@@ -85,7 +85,7 @@ def _jsonl(path: Path) -> Iterator[tuple[dict, str]]:
             try:
                 line = data.decode("utf-8")
             except UnicodeDecodeError as exc:
-                yield {"__error__": f"line {lineno}: {_bad_utf8(data, exc, start)}"}, \
+                yield {**_clean_fields(data), "__error__": f"line {lineno}: {_bad_utf8(data, exc, start)}"}, \
                     data.decode("utf-8", "backslashreplace").strip()
                 continue
             raw = line.strip()
@@ -103,6 +103,16 @@ def _jsonl(path: Path) -> Iterator[tuple[dict, str]]:
                 yield {"__error__": f"line {lineno}: not a JSON object ({type(obj).__name__})"}, raw
                 continue
             yield obj, raw
+
+
+def _clean_fields(data: bytes) -> dict:
+    """The text fields of a line that is not all UTF-8 that are (its id: the row keeps its key)."""
+    try:
+        obj = json.loads(data.decode("utf-8", "surrogateescape"))
+    except (ValueError, RecursionError):
+        return {}
+    return {k: v for k, v in obj.items() if isinstance(v, str) and not _BAD.search(k + v)} \
+        if isinstance(obj, dict) else {}
 
 
 def _json_array(path: Path) -> Iterator[tuple[dict, str]]:
