@@ -120,3 +120,26 @@ def test_memory_of_this_job_and_this_run(run_app, tmp_path):
     _, out, _, path = run_app(f"job.input={src}", "job.max_tokens=32", "kv=q8")  # nothing to generate
     assert json.loads((path.parent / "summary.json").read_text())["this_run"]["peak_memory_bytes"] is None
     assert "MLX peak" not in out
+
+
+def test_a_local_models_generation_config_gives_the_defaults(run_app, tmp_path, model_cache_dir):
+    import shutil
+
+    from kvbatch.engine.models.config import ModelConfig
+    from kvbatch.engine.models.sources import tiny_dir
+
+    model = tmp_path / "my-model"
+    shutil.copytree(tiny_dir(ModelConfig(source="tiny", cache_dir=str(model_cache_dir))), model)
+    (model / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.95, "top_k": 20}))
+    src = tmp_path / "q.jsonl"
+    src.write_text('{"id": "a", "prompt": "Hi"}\n{"id": "b", "prompt": "Hi", "temperature": 0.3}\n')
+    local = ("model=local", f"model.path={model}", f"job.input={src}", "job.max_tokens=2")
+    rows, _, err, path = run_app(*local)
+    assert (rows["a"]["temperature"], rows["a"]["top_p"], rows["a"]["top_k"]) == (0.6, 0.95, 20)
+    assert rows["b"]["temperature"] == 0.3 and rows["b"]["top_k"] == 20  # a row's own value wins
+    assert "sampling defaults: the model's generation_config.json (temperature 0.6, top_p 0.95, top_k 20)" in err
+    assert "generation_config.json" in json.loads((path.parent / "summary.json").read_text())["sampling_defaults"]
+    explicit = compose_config([*local, "sampling.temperature=0.2"]).sampling  # the config's value wins
+    assert (explicit.temperature, explicit.top_k) == (0.2, 20)
+    plain = compose_config([*local, "sampling.defaults=kvbatch"]).sampling
+    assert (plain.temperature, plain.top_p, plain.top_k) == (0.0, 1.0, 0)

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from kvbatch.engine.errors import INSUFFICIENT_MEMORY
 from kvbatch.engine.sizes import fmt_bytes
 
-from kvbatch.pipeline import durations, locate, passthrough, procs, samples
+from kvbatch.pipeline import durations, locate, model_defaults, passthrough, procs, samples
 from kvbatch.pipeline import summary as summ
 from kvbatch.pipeline.config import Config, ConfigError, as_dict, config_hash, engine_config, parse_injection
 from kvbatch.pipeline.finalize import Finalized, finalize, reconcile, regenerate
@@ -201,6 +201,7 @@ def load_runtime(cfg: Config, rows: Optional[int] = None) -> Runtime:
     # the start-up plan: prompt length is per row; price rows at max_tokens plus
     # max_prompt_tokens when set (the real admission prices each row's own prompt)
     say(first[0].plan_line(cfg.job.max_tokens + (cfg.job.max_prompt_tokens or 0)))
+    say(f"sampling defaults: {model_defaults.describe(cfg.sampling, cfg.model)}")
     if not first[0].fits(2, 1):  # a one-token prompt and one generated token: every row would be refused
         smallest = first[0].plan(2, 1)
         raise ConfigError(f"memory.budget={cfg.memory.budget!r}: the budget ({fmt_bytes(smallest['budget_bytes'])}) "
@@ -305,6 +306,7 @@ def finish(job: Job, q: Queue, stats: Optional[WorkStats], t0: Optional[float] =
              "options": asdict(job.cfg.engine.options),  # the engine options this config ran with
              "config_hash": job.config_hash, "output_dir": str(job.out_dir), "results": str(fin.path),
              "blas": blas_in_use(), "versions": summ.versions(),
+             "sampling_defaults": model_defaults.describe(job.cfg.sampling, job.cfg.model),
              "wall_s": time.perf_counter() - t0 if t0 is not None else None}
     s = summ.build(fin.table, q.counts(), q.sessions(), run, extra)
     summ.write(job.out_dir / "summary.json", s)

@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 from kvbatch.engine.config import EngineConfig, EngineSettings, KVConfig, MemoryConfig
 from kvbatch.engine.errors import ERROR_CODES, KvbatchConfigError
 from kvbatch.engine.models.config import ModelConfig
-from kvbatch.pipeline import durations, response_format, row_params
+from kvbatch.pipeline import durations, model_defaults, response_format, row_params
 from kvbatch.pipeline.escapes import unescape
 from kvbatch.pipeline.redact import redact
 
@@ -75,13 +75,17 @@ class JobConfig:
 class SamplingConfig:
     """The job's default sampling parameters (a row may override them in its own columns)."""
 
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
+    # model: values the config leaves unset (null) come from the model's generation_config.json, then
+    # kvbatch's defaults (as vLLM) | kvbatch: kvbatch's defaults (pipeline/model_defaults.py)
+    defaults: str = "model"
+    temperature: Optional[float] = None  # 0 = greedy (kvbatch's default); null: sampling.defaults decides
+    top_p: Optional[float] = None  # kvbatch's default 1 (off)
+    top_k: Optional[int] = None  # 0 = off (kvbatch's default)
     seed: int = 0  # a row without its own seed samples with one derived from this and its row key
     n: int = 1  # samples per row: results get one row per (row, sample); the prompt is prefilled once
-    min_p: float = 0.0  # 0 = off; drop tokens below min_p x the top token's probability
-    repetition_penalty: float = 1.0  # 1 = off; > 1 discourages every token of the prompt and the output so far
+    min_p: Optional[float] = None  # 0 = off; drop tokens below min_p x the top token's probability
+    # 1 = off; > 1 discourages every token of the prompt and the output so far
+    repetition_penalty: Optional[float] = None
     presence_penalty: float = 0.0  # [-2, 2]; subtracted once from each token already output
     frequency_penalty: float = 0.0  # [-2, 2]; subtracted once per time a token was output
     logprobs: int = 0  # 0 = off; K: each output token's log-probability and the top K alternatives
@@ -287,6 +291,9 @@ def to_config(node: Any) -> Config:
     else:
         cfg = cast(Config, OmegaConf.to_object(node))  # the schema's node: a Config
         cfg.job.stop = [unescape(x) if isinstance(x, str) else x for x in cfg.job.stop]
+    _need(cfg.sampling.defaults in model_defaults.CHOICES, "sampling.defaults", cfg.sampling.defaults,
+          f"choose one of {', '.join(model_defaults.CHOICES)}")
+    model_defaults.fill(cfg.sampling, cfg.model)
     validate(cfg)
     return cfg
 
@@ -311,6 +318,7 @@ def run_identity(cfg: Config, input_path: str, include_kv: bool) -> str:
     keyed = {k: d[k] for k in _SHAPES_OUTPUTS}
     keyed["model"].pop("cache_dir", None)
     keyed["debug"].pop("deadline_after_rows", None)  # where a run stops, not what its rows hold
+    keyed["sampling"].pop("defaults", None)  # the values it chose are keyed themselves
     keyed["job"] = {**keyed["job"], "input": str(input_path), "name": None}
     if cfg.job.response_format is not None:  # a schema file by its content, not its path
         keyed["job"]["response_format"] = response_format.canonical(response_format.resolve(cfg.job.response_format))
