@@ -75,9 +75,6 @@ class JobConfig:
 class SamplingConfig:
     """The job's default sampling parameters (a row may override them in its own columns)."""
 
-    # model: values the config leaves unset (null) come from the model's generation_config.json, then
-    # kvbatch's defaults (as vLLM) | kvbatch: kvbatch's defaults (pipeline/model_defaults.py)
-    defaults: str = "model"
     temperature: Optional[float] = None  # 0 = greedy (kvbatch's default); null: sampling.defaults decides
     top_p: Optional[float] = None  # kvbatch's default 1 (off)
     top_k: Optional[int] = None  # 0 = off (kvbatch's default)
@@ -90,6 +87,9 @@ class SamplingConfig:
     frequency_penalty: float = 0.0  # [-2, 2]; subtracted once per time a token was output
     logprobs: int = 0  # 0 = off; K: each output token's log-probability and the top K alternatives
     prompt_logprobs: bool = False  # the log-probability of every prompt token after the first
+    # model: values the config leaves unset (null) come from the model's generation_config.json, then
+    # kvbatch's defaults (as vLLM) | kvbatch: kvbatch's defaults (pipeline/model_defaults.py)
+    defaults: str = "model"
 
 
 @dataclass
