@@ -76,13 +76,15 @@ def test_greedy_samples_invalid_utf8_seed_and_retry(run_app, tmp_path):
     q.close()
 
 
-@pytest.mark.parametrize("override,needle", [
-    ("sampling.n=3", "sampling.n=3: with sampling.temperature=0 (greedy) gives 3 identical samples"),
-    ("job.stop=END", "job.stop=END: a list; write job.stop=[END]"),
+@pytest.mark.parametrize("overrides,needle", [
+    (["sampling.n=3"], "sampling.n=3: with sampling.temperature=0 (greedy) gives 3 identical samples"),
+    (["job.stop=END"], "job.stop=END: a list; write job.stop=[END]"),
+    (["model=smollm2", "model.num_layers=4"], "model.num_layers=4: only model=tiny uses it"),
+    (["model=local", "model.path=/m", "model.context_length=512"], "model.context_length=512: only model=tiny"),
 ])
-def test_config_refusals_name_the_fix(override, needle):
+def test_config_refusals_name_the_fix(overrides, needle):
     with pytest.raises(Exception) as exc:
-        compose_config(["model=tiny", override])
+        compose_config(["model=tiny", *overrides])
     from kvbatch.pipeline.compose import describe
 
     assert needle in describe(exc.value)
@@ -143,3 +145,16 @@ def test_a_local_models_generation_config_gives_the_defaults(run_app, tmp_path, 
     assert (explicit.temperature, explicit.top_k) == (0.2, 20)
     plain = compose_config([*local, "sampling.defaults=kvbatch"]).sampling
     assert (plain.temperature, plain.top_p, plain.top_k) == (0.0, 1.0, 0)
+
+
+def test_options_that_would_be_ignored_are_refused(run_app, tmp_path):
+    src = tmp_path / "chat.jsonl"
+    src.write_text('{"id": "a", "messages": [{"role": "user", "content": "Hi"}]}\n')
+    with pytest.raises(ConfigError, match="job.system_prompt='Be brief.': every row of chat.jsonl carries messages"):
+        run_app(f"job.input={src}", "job.system_prompt=Be brief.")
+    from kvbatch.pipeline import cli
+
+    with pytest.raises(SystemExit):
+        cli._paths_as_options(["model=tiny", "hydra.run.dir=/tmp/elsewhere"])
+    # and what the API accepts, the command does: a model folder or repo id
+    assert cli._paths_as_options(["model=org/My-Model"]) == ["model=local", "model.path=org/My-Model"]

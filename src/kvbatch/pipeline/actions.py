@@ -120,6 +120,7 @@ def enqueue(job: Job) -> tuple[Queue, int, int]:
         from kvbatch.pipeline.formats.openai_batch import DEFAULTS_NOTE
 
         say(f"kvbatch: {DEFAULTS_NOTE}")
+    system_prompt_applies(job, inputs)
     rows = samples.expand(inputs, job.cfg.sampling.n, job.cfg.sampling.temperature)  # one queue row per (input row, sample)
     try:
         job.out_dir.mkdir(parents=True, exist_ok=True)
@@ -142,6 +143,22 @@ def enqueue(job: Job) -> tuple[Queue, int, int]:
             f"({_some(changed)}); they are generated again and their old results dropped")
     memory_changed(job, q)
     return q, len(rows), added
+
+
+def system_prompt_applies(job: Job, inputs: list) -> None:
+    """job.system_prompt goes before a prompt row's user turn; rows that carry messages have their own
+    turns: an input of only such rows would ignore it, so it is refused."""
+    if job.cfg.job.system_prompt is None:
+        return
+    readable = [r.payload for r in inputs if "error" not in r.payload]
+    if readable and all("messages" in p for p in readable):
+        raise ConfigError(f"job.system_prompt={_short(job.cfg.job.system_prompt)}: every row of {job.input_path.name} "
+                          f"carries messages, which it does not change (it goes before a prompt row's user "
+                          f"turn); put a system turn in the messages, or remove job.system_prompt")
+
+
+def _short(text: str, n: int = 40) -> str:
+    return repr(text if len(text) <= n else text[:n - 3] + "...")
 
 
 def carry_columns(job: Job, rows: list) -> None:

@@ -86,6 +86,9 @@ def _paths_as_options(args: list[str]) -> list[str]:
         if key == "model" and value and not (CONF_DIR / "model" / f"{value}.yaml").exists() \
                 and ("/" in value or Path(value).expanduser().is_dir()):
             out += ["model=local", f"model.path={value}"]
+        elif key.lstrip("+") in ("hydra.run.dir", "hydra.output_subdir"):
+            die(f"{key}: kvbatch names its own output folders and Hydra writes nothing; set output.dir (or "
+                f"output.root)")
         elif key == "job" and value.endswith((".yaml", ".yml")):
             path = Path(value).expanduser().resolve()
             if not path.is_file() or path.parent.name != "job":

@@ -32,6 +32,9 @@ ACTIONS = ("run", "enqueue", "work", "status", "finalize", "retry", "report")
 SHAPES = ("columns", "sharegpt", "alpaca")  # job.shape (pipeline/formats/shapes.py)
 FORMATS = ("auto", "jsonl", "csv", "parquet", "openai_batch")
 MODEL_SOURCES = ("smollm2", "local", "tiny")
+# model.* keys only the tiny random model reads (its geometry and weights' seed)
+TINY_ONLY = ("family", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+             "vocab_size", "context_length", "seed")
 # apply_chat_template's own arguments: set by kvbatch, never by job.chat_template_kwargs
 RESERVED_KWARGS = ("conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
                    "return_dict", "return_tensors", "padding", "truncation", "max_length", "chat_template")
@@ -216,6 +219,11 @@ def validate(cfg: Config) -> None:
     _need(m.source in MODEL_SOURCES, "model.source", m.source, f"choose one of {', '.join(MODEL_SOURCES)}")
     _need(m.source != "local" or bool(m.path), "model.path", m.path,
           "model=local needs model.path (an mlx-lm directory or a Hugging Face repo id)")
+    if m.source != "tiny":  # the random model's geometry: any other model has its own
+        base = ModelConfig()
+        for key in TINY_ONLY:
+            _need(getattr(m, key) == getattr(base, key), f"model.{key}", getattr(m, key),
+                  f"only model=tiny uses it (model={m.source} has its own; remove it)")
     try:
         engine_config(cfg).check()  # kv.*, memory.*, engine.*, job.max_prompt_tokens
     except KvbatchConfigError as exc:
