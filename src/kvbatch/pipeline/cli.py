@@ -21,6 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from kvbatch.engine.errors import KvbatchConfigError
 from kvbatch.pipeline.compose import CONF_DIR, compose_config, describe, node_to_config
+from kvbatch.pipeline import extras
 from kvbatch.pipeline.log import configure_command, unconfigure_command
 
 # Flags that make Hydra do something other than one plain run: leave those to Hydra.
@@ -109,6 +110,11 @@ def _main(args: list[str]) -> None:
         print(version_line())
         return
     multirun = any(a in _MULTIRUN for a in args)
+    if multirun and extras.missing("sweep"):
+        die(str(extras.missing("sweep")))
+    for a in args:  # a launcher kvbatch[slurm] installs: one line instead of Hydra's "no such option"
+        if a.partition("=")[0] == "hydra/launcher" and extras.missing_launcher(a.partition("=")[2]):
+            die(str(extras.missing_launcher(a.partition("=")[2])))
     if not any(a.split("=")[0] in _HYDRA_FLAGS for a in args):
         try:
             compose_config(args)

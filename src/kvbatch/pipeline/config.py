@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 from kvbatch.engine.config import EngineConfig, EngineSettings, KVConfig, MemoryConfig
 from kvbatch.engine.errors import ERROR_CODES, KvbatchConfigError
 from kvbatch.engine.models.config import ModelConfig
-from kvbatch.pipeline import durations, model_defaults, response_format, row_params
+from kvbatch.pipeline import durations, extras, model_defaults, response_format, row_params
 from kvbatch.pipeline.escapes import unescape
 from kvbatch.pipeline.redact import redact
 
@@ -283,6 +283,9 @@ def validate(cfg: Config) -> None:
     url = cfg.queue.url or ""
     _need(not url or bool(re.match(r"postgres(ql)?://", url)), "queue.url", redact(url),
           "use postgresql://user@host:port/database, or leave it empty for queue.sqlite in the output folder")
+    _need(not url or extras.missing("postgres") is None, "queue.url", redact(url), str(extras.missing("postgres")))
+    _need(cfg.action != "report" or extras.missing("sweep") is None, "action", cfg.action,
+          str(extras.missing("sweep")))
     parse_injection(cfg.debug.inject_nonfinite)
     after = cfg.debug.deadline_after_rows
     _need(after is None or after >= 1, "debug.deadline_after_rows", after, "must be >= 1 (or null)")
