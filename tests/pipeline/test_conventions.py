@@ -117,11 +117,11 @@ def test_memory_of_this_job_and_this_run(run_app, tmp_path):
         _, out, err, path = run_app(f"job.input={src}", "job.max_tokens=32", f"kv={kv}")
         s = json.loads((path.parent / "summary.json").read_text())
         peaks[kv], pools[kv] = s["this_run"]["peak_memory_bytes"], s["engine"]["pool_bytes"]
-        assert "with 1 running" in err and "MLX peak" in out
+        assert "with 1 running" in err and "MLX peak" in out and "this run: 1 rows, " in out
     assert peaks["q8"] <= 1.1 * (peaks["none"] + pools["q8"]), (peaks, pools)
     _, out, _, path = run_app(f"job.input={src}", "job.max_tokens=32", "kv=q8")  # nothing to generate
     assert json.loads((path.parent / "summary.json").read_text())["this_run"]["peak_memory_bytes"] is None
-    assert "MLX peak" not in out
+    assert "MLX peak" not in out and "1 rows (1 ok); this run: 0 rows, 0 tokens" in out
 
 
 def test_a_local_models_generation_config_gives_the_defaults(run_app, tmp_path, model_cache_dir):

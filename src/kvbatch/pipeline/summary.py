@@ -113,6 +113,7 @@ def one_line(s: dict) -> str:
     peak = run.get("peak_memory_bytes")
     mem = f", MLX peak {fmt_bytes(peak)} this run" if peak else ""
     rest = f", {s['rows_remaining']} remaining" if s["rows_remaining"] else ""
+    # the job's rows so far, then what this run did (a resumed job's earlier runs are in summary.json)
     return (f"kvbatch: {s['rows']} rows ({s['rows_ok']} ok{', ' + errs if errs else ''}){rest}; "
-            f"{run['generated_tokens']} tokens in {run['wall_s']:.1f}s ({speed}); "
+            f"this run: {run['rows']} rows, {run['generated_tokens']} tokens in {run['wall_s']:.1f}s ({speed}); "
             f"kv={s['kv_mode']} route={s['route'] or '-'}{mem}; blas={s.get('blas', '-')}")
