@@ -121,7 +121,8 @@ def enqueue(job: Job) -> tuple[Queue, int, int]:
 
         say(f"kvbatch: {DEFAULTS_NOTE}")
     system_prompt_applies(job, inputs)
-    rows = samples.expand(inputs, job.cfg.sampling.n, job.cfg.sampling.temperature)  # one queue row per (input row, sample)
+    # one queue row per (input row, sample)
+    rows = samples.expand(inputs, job.cfg.sampling.n, job.cfg.sampling.temperature or 0.0)
     try:
         job.out_dir.mkdir(parents=True, exist_ok=True)
         q = open_queue(job)

@@ -160,7 +160,8 @@ class ReportConfig:
 class RetryConfig:
     """action=retry: which error rows go back to the queue."""
 
-    codes: List[str] = field(default_factory=list)  # action=retry: requeue rows with these codes; []: all but invalid_input
+    # action=retry: requeue error rows with these codes; []: every code but invalid_input
+    codes: List[str] = field(default_factory=list)
 
 
 @dataclass
@@ -236,7 +237,7 @@ def validate(cfg: Config) -> None:
     bad = row_params.config_problem(cfg)  # the per-row parameters' job values (engine/params.py)
     if bad:
         raise ConfigError(f"{bad[0]}={bad[1]!r}: {bad[2]}")
-    _need(cfg.sampling.n == 1 or cfg.sampling.temperature > 0, "sampling.n", cfg.sampling.n,
+    _need(cfg.sampling.n == 1 or (cfg.sampling.temperature or 0.0) > 0, "sampling.n", cfg.sampling.n,
           f"with sampling.temperature=0 (greedy) gives {cfg.sampling.n} identical samples: set "
           f"sampling.temperature > 0 (or sampling.n=1)")
     _need(job.system_prompt is None or job.chat_template, "job.system_prompt", job.system_prompt,
