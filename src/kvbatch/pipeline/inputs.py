@@ -71,11 +71,13 @@ def _jsonl(path: Path) -> Iterator[tuple[dict, str]]:
     """(parsed object, or {"__error__": why} for a line that is not one, raw text) per non-blank line;
     a .json file holding one top-level array: per element. A line that is not UTF-8 is that row's
     error, never decoded with replacement characters."""
-    with open(path, "rb") as fh:
-        head = fh.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
-    if head.startswith(b"["):
-        yield from _json_array(path)
-        return
+    if path.suffix.lower() == ".json":
+        with open(path, "rb") as fh:
+            head = fh.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+        items = _json_array(path) if head.startswith(b"[") else None
+        if items is not None:  # else one JSON value a line after all
+            yield from items
+            return
     offset = 0
     with open(path, "rb") as fh:
         for lineno, data in enumerate(fh, 1):
@@ -115,27 +117,27 @@ def _clean_fields(data: bytes) -> dict:
         if isinstance(obj, dict) else {}
 
 
-def _json_array(path: Path) -> Iterator[tuple[dict, str]]:
-    """The elements of a file that is one JSON array (the Alpaca dataset as distributed); read whole,
-    so a file that is not one valid array is refused at start, naming where."""
+def _json_array(path: Path) -> Optional[list[tuple[dict, str]]]:
+    """The elements of a .json file that is one JSON array (the Alpaca dataset as distributed); read
+    whole, so a file that is not one valid array is refused at start, naming where. None: the array
+    is followed by more values (a file of one JSON value a line)."""
     data = path.read_bytes()
     try:
         items = json.loads(data.decode("utf-8-sig"))
     except UnicodeDecodeError as exc:
         raise ConfigError(f"job.input={str(path)!r}: {_bad_utf8(data, exc, 0)}") from None
     except json.JSONDecodeError as exc:
+        if exc.msg == "Extra data":
+            return None
         raise ConfigError(f"job.input={str(path)!r}: a JSON array that is not valid JSON ({exc.msg}, line "
                           f"{exc.lineno} column {exc.colno}); a file of one object a line is JSONL") from None
     except RecursionError:
         raise ConfigError(f"job.input={str(path)!r}: JSON nested too deeply to read") from None
     if not isinstance(items, list):
         raise ConfigError(f"job.input={str(path)!r}: not a JSON array nor one JSON object a line")
-    for i, obj in enumerate(items):
-        raw = json.dumps(obj, ensure_ascii=False, default=str)
-        if not isinstance(obj, dict):
-            yield {"__error__": f"element {i}: not a JSON object ({type(obj).__name__})"}, raw
-            continue
-        yield obj, raw
+    return [(obj, json.dumps(obj, ensure_ascii=False, default=str)) if isinstance(obj, dict) else
+            ({"__error__": f"element {i}: not a JSON object ({type(obj).__name__})"},
+             json.dumps(obj, ensure_ascii=False, default=str)) for i, obj in enumerate(items)]
 
 
 def _csv(path: Path) -> tuple[list[str], list[dict]]:
