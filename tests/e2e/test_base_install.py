@@ -57,3 +57,15 @@ def test_the_command_imports_no_model_library_before_it_needs_one():
     code = "import sys, kvbatch.pipeline.cli; print(sorted(m for m in ('transformers', 'mlx_lm') if m in sys.modules))"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+def test_the_extras_hold_the_optional_features_and_the_test_extra_pulls_them():
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
+    base = " ".join(project["dependencies"])
+    assert not any(name in base for name in ("matplotlib", "psycopg", "submitit", "joblib"))
+    extras = project["optional-dependencies"]
+    assert any("matplotlib" in d for d in extras["sweep"]) and any("psycopg" in d for d in extras["postgres"])
+    assert {"hydra-submitit-launcher", "hydra-joblib-launcher"} <= {d.split(">")[0] for d in extras["slurm"]}
+    assert extras["all"] == ["kvbatch[sweep,postgres,slurm]"] and "kvbatch[all]" in extras["test"]

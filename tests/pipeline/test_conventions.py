@@ -4,6 +4,7 @@ this run, the library quiet. In process, on the tiny model, few tokens."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -158,3 +159,12 @@ def test_options_that_would_be_ignored_are_refused(run_app, tmp_path):
         cli._paths_as_options(["model=tiny", "hydra.run.dir=/tmp/elsewhere"])
     # and what the API accepts, the command does: a model folder or repo id
     assert cli._paths_as_options(["model=org/My-Model"]) == ["model=local", "model.path=org/My-Model"]
+
+
+def test_the_sweep_report_says_its_speeds_are_single_samples_and_quotes_no_fixed_kl():
+    from kvbatch.pipeline.sweep.report import markdown
+    from kvbatch.pipeline.sweep.report.plots import PLOTS
+
+    assert "a single sample" in PLOTS["decode"][1]
+    source = Path(markdown.__file__).read_text()
+    assert "Each figure is one run of its job" in source and "1e-4" not in source and "1e-2" not in source
