@@ -49,7 +49,7 @@ def test_openai_batch_rows_get_openais_defaults(run_app, tmp_path):
     rows, _, err, _ = run_app(f"job.input={src}", "model.context_length=160", "job.ignore_eos=true")
     r = rows["r1"]
     assert r["error_code"] is None and r["temperature"] == 1.0 and r["output_tokens"] > 128
-    assert r["prompt_tokens"] + r["output_tokens"] == 160
+    assert r["prompt_tokens"] + r["output_tokens"] == 160 and r["max_tokens"] == 2**31 - 1
     assert "OpenAI API's defaults: temperature 1, max_tokens up to the model's context" in err
 
 

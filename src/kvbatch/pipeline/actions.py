@@ -16,6 +16,7 @@ from typing import Optional, cast
 from omegaconf import OmegaConf
 
 from kvbatch.engine.errors import INSUFFICIENT_MEMORY
+from kvbatch.engine.params import INT32_MAX
 from kvbatch.engine.sizes import fmt_bytes
 
 from kvbatch.pipeline import durations, locate, model_defaults, passthrough, procs, samples
@@ -232,7 +233,8 @@ def load_runtime(cfg: Config, rows: Optional[int] = None) -> Runtime:
     def make_engine():
         return first.pop() if first else engine()
 
-    return Runtime(tokenizer=tokenizer, model_name=spec.name, make_engine=make_engine)
+    return Runtime(tokenizer=tokenizer, model_name=spec.name, make_engine=make_engine,
+                   context_length=spec.context_length)
 
 
 def check_controls(cfg: Config, eng) -> None:
@@ -273,7 +275,9 @@ def work(job: Job, q: Queue) -> Optional[WorkStats]:
         return None
     runtime = load_runtime(job.cfg, todo)
     _reset_peak()  # this run's peak: not an earlier run's in this process (the API, a sweep)
-    budget = sum(row_budget(p, job.cfg.job.max_tokens) for p in q.todo_payloads())
+    # a row ends at the context whatever its max_tokens (an OpenAI batch request without one)
+    cap = runtime.context_length or INT32_MAX
+    budget = sum(min(row_budget(p, job.cfg.job.max_tokens), cap) for p in q.todo_payloads())
     progress = Progress(todo, budget, job.cfg.output.progress, durations.seconds(job.cfg.output.progress_every))
     try:
         stats = Worker(job.cfg, q, job.out_dir / "parts", runtime, progress=progress).run()

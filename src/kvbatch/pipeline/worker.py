@@ -109,6 +109,7 @@ class Runtime:
     tokenizer: Any
     model_name: str
     make_engine: Callable[[], Any]  # a fresh Engine (after an engine-level failure, the old one is dropped)
+    context_length: int = 0  # the model's context: no row generates past it (0: unknown)
 
 
 @dataclass
@@ -277,6 +278,7 @@ class Worker:
         self.results += 1
         if self.progress:
             budget = getattr(record, "max_tokens", None) or 0  # set for every row that was meant to run
+            budget = min(budget, self.rt.context_length or budget)  # as the job's budget counted it
             self.progress.row_done(budget - (record.output_tokens or 0),
                                    None if record.error_code else record.output_tokens or 0)
 
