@@ -33,6 +33,12 @@ from kvbatch.engine.models.config import ModelConfig  # noqa: E402
 from kvbatch.engine.models.load import load_model  # noqa: E402
 from kvbatch.engine.testing import engine_config  # noqa: E402,F401  (also importable from here)
 
+def pytest_addoption(parser):
+    """--answer-tokens N: the length of the long answer in tests/engine/test_portable_route.py's flat-graph test
+    (its default keeps the suite short; 30000 is the length a Mac's buffer limit is met at)."""
+    parser.addoption("--answer-tokens", type=int, default=0, help="long-answer length of the flat-graph test")
+
+
 ON_CPU = not mx.metal.is_available() and not mx.cuda.is_available()
 ON_CUDA = mx.cuda.is_available()
 cpu_only = pytest.mark.skipif(not ON_CPU, reason="tests a CPU-backend behaviour")
