@@ -198,6 +198,12 @@ class Engine:
         self.grammars.matcher(grammar)
 
     @property
+    def speculation(self) -> Optional[tuple[int, int]]:
+        """(tokens proposed, tokens accepted) so far; None without speculative decoding (cheap)."""
+        v = self.speculator.verifier if self.speculator else None
+        return (v.proposed, v.accepted) if v else None
+
+    @property
     def generated_tokens(self) -> int:
         """Tokens generated so far (cheap: a worker reads it every step)."""
         return self.output.generated_tokens

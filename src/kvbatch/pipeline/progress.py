@@ -32,6 +32,13 @@ def row_budget(payload: dict, default_max_tokens: int) -> int:
     return 0 if "error" in payload else int(payload.get("max_tokens", default_max_tokens))
 
 
+def spec_text(spec: Optional[tuple[int, int]]) -> str:
+    """The progress line's speculative-decoding part: ", spec acceptance 63%" ("" without proposals)."""
+    if not spec or not spec[0]:
+        return ""
+    return f", spec acceptance {spec[1] / spec[0]:.0%}"
+
+
 def fmt_duration(s: float) -> str:
     """A duration for people: 1h02m, 3m05s or 42s."""
     s = int(round(s))
@@ -53,6 +60,7 @@ class Progress:
         self.rows_total, self.rows = rows, 0
         self.total, self.done_tokens = max(token_budget, 0), 0
         self.every_s = every_s
+        self.speculation: Optional[tuple[int, int]] = None  # speculative decoding: (proposed, accepted) tokens
         self.clock = clock
         self.t0 = clock()
         self.last_line = self.t0
@@ -95,7 +103,8 @@ class Progress:
         left = max(self.total - self.done_tokens, 0)
         eta = fmt_duration(left / rate) if rate > 0 else "unknown"
         return (f"kvbatch: progress: {self.rows}/{self.rows_total} rows, {self.done_tokens}/{self.total} tokens, "
-                f"{rate:.1f} tok/s, elapsed {fmt_duration(elapsed)}, ETA {eta}, mem {fmt_bytes(rss_bytes())}")
+                f"{rate:.1f} tok/s, elapsed {fmt_duration(elapsed)}, ETA {eta}, mem {fmt_bytes(rss_bytes())}"
+                f"{spec_text(self.speculation)}")
 
     def _maybe_line(self) -> None:
         now = self.clock()
