@@ -112,7 +112,7 @@ class Verifier:
             r.cache.rollback(row.kv, before[i] + a + 1)
             if afters[i] is not None:
                 row.sampler.key = afters[i][a]  # the key after the a + 1 output steps it takes
-            if props[i]:
+            if props[i] and row.spec is not None:  # a row that proposed has its RowSpec (Speculator.propose)
                 row.spec.verified(len(props[i]), a)
                 self.proposed += len(props[i])
                 self.accepted += a
