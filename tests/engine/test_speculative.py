@@ -104,8 +104,11 @@ def test_row_backs_off_after_failed_proposals():
     assert [s.may_propose() for _ in range(3)] == [False, False, True]
     s.verified(4, 0)
     assert [s.may_propose() for _ in range(5)] == [False] * 4 + [True]
+    assert s.want == 1  # nothing accepted: one token next time
     s.verified(4, 2)
-    assert s.may_propose() and s.misses == 0 and (s.proposed, s.accepted) == (16, 2)
+    assert s.may_propose() and s.misses == 0 and (s.proposed, s.accepted) == (16, 2) and s.want == 3
+    s.verified(3, 3)
+    assert s.want == 4  # all accepted: one more
 
 
 def _chi2_ok(counts: np.ndarray, p: np.ndarray) -> bool:

@@ -30,7 +30,8 @@ class Speculator:
                 row.spec = RowSpec()
             if not row.spec.may_propose():
                 continue
-            k = max_proposal(row, self.cfg.num_tokens, self.context_length, self.page_size, self.quantized)
+            k = max_proposal(row, min(self.cfg.num_tokens, row.spec.want), self.context_length, self.page_size,
+                             self.quantized)
             if k <= 0:
                 continue
             p = self.proposer.propose(row, k)

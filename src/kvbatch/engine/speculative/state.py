@@ -21,6 +21,9 @@ class RowSpec:
     accepted: int = 0
     misses: int = 0  # verifications in a row with nothing accepted
     pause: int = 0  # steps left without proposing
+    # tokens to propose next: one more than the last verification accepted, or one more than
+    # last time when all were accepted (so a row pays for positions it is likely to keep)
+    want: int = 1 << 30
     buf: Optional[np.ndarray] = None  # ngram: the row's tokens as int32, the first `have` filled
     have: int = 0
 
@@ -35,6 +38,7 @@ class RowSpec:
         """Count one verification of `proposed` tokens, `accepted` of them kept."""
         self.proposed += proposed
         self.accepted += accepted
+        self.want = proposed + 1 if accepted == proposed else accepted + 1
         if accepted:
             self.misses = 0
             return
