@@ -205,12 +205,12 @@ def test_no_page_holds_a_rejected_token_after_a_step(tiny_model):
 def test_preemption_mid_speculation_keeps_only_accepted_tokens(tiny_model):
     """Optimistic admission in a budget for about two rows: rows are preempted while speculating and
     resume with their accepted tokens only; the same tokens as without speculation."""
-    m = tiny_model(num_layers=4)
+    m = tiny_model()
     probe = _engine(m, None, max_batch=6, admission="reserve")
-    budget = probe.memory.bytes_for([60 + 100] * 2, 60)
+    budget = probe.memory.bytes_for([60 + 60] * 2, 60)
 
     def reqs():
-        return [Request(f"r{i}", p, SamplingParams(max_tokens=100, temperature=0.15, seed=i))
+        return [Request(f"r{i}", p, SamplingParams(max_tokens=60, temperature=0.15, seed=i))
                 for i, p in enumerate(prompts(6))]
     ref, got, eng = _both(m, reqs, max_batch=6, admission="optimistic", memory_budget=budget)
     _same(ref, got)
