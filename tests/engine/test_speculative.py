@@ -268,6 +268,19 @@ def test_a_row_that_never_fits_is_refused(tiny_model):
     assert res[0].error_code == INSUFFICIENT_MEMORY and res[1].ok and len(res[1].tokens) == 20
 
 
+def test_disable_by_batch_size(tiny_model):
+    """Above the batch size no row proposes; at or below it they do (and the tokens stay the same)."""
+    m = tiny_model()
+    ref = _engine(m, None).generate(_requests(4))
+    off = _engine(m, {**NGRAM, "disable_by_batch_size": 3})
+    on = _engine(m, {**NGRAM, "disable_by_batch_size": 4})
+    _same(ref, off.generate(_requests(4)))
+    _same(ref, on.generate(_requests(4)))
+    assert on.summary()["spec_accepted"] > off.summary()["spec_accepted"]
+    # the last rows (fewer than 4 decoding) speculate even under 3
+    assert off.summary()["spec_proposed"] < on.summary()["spec_proposed"]
+
+
 def test_bad_speculative_setting_fails_at_once(tiny_model):
     with pytest.raises(KvbatchConfigError, match="speculative.method"):
         _engine(tiny_model(), {"method": "eagle"})

@@ -164,6 +164,9 @@ class SpeculativeConfig:
     # ngram: the suffix of the row's tokens matched against its earlier tokens, longest first
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    # no proposals in a step with more decoding rows than this (vLLM's disable_by_batch_size): where a
+    # batch already keeps the device's compute busy, verifying k more tokens a row costs about k steps
+    disable_by_batch_size: Optional[int] = None
 
 
 @dataclass
@@ -233,6 +236,8 @@ def check_speculative(sp: SpeculativeConfig) -> None:
     _need(sp.prompt_lookup_min >= 1, "speculative.prompt_lookup_min", sp.prompt_lookup_min, "must be >= 1")
     _need(sp.prompt_lookup_max >= sp.prompt_lookup_min, "speculative.prompt_lookup_max", sp.prompt_lookup_max,
           f"must be >= speculative.prompt_lookup_min ({sp.prompt_lookup_min})")
+    n = sp.disable_by_batch_size
+    _need(n is None or n >= 1, "speculative.disable_by_batch_size", n, "must be >= 1 or null")
 
 
 def check_settings(s: EngineSettings) -> None:

@@ -22,7 +22,10 @@ class Speculator:
 
     def propose(self, rows: list[Row]) -> dict[int, list[int]]:
         """Proposed tokens by id(row), for the rows that propose this step."""
-        out = {}
+        out: dict[int, list[int]] = {}
+        cap = self.cfg.disable_by_batch_size
+        if cap is not None and len(rows) > cap:
+            return out
         for row in rows:
             if not speculates(row):
                 continue
