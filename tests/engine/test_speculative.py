@@ -19,6 +19,7 @@ import pytest
 
 from kvbatch.engine.engine import Engine
 from kvbatch.engine.errors import INSUFFICIENT_MEMORY, KvbatchConfigError
+from kvbatch.engine.grammar import grammar_from_format
 from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.row import Row
@@ -255,6 +256,23 @@ def test_samples_stop_rules_and_logprobs(tiny_model):
     assert lp_ref is not None and lp_got is not None and len(lp_got.tokens) == len(got[4].tokens)
     assert np.allclose(lp_ref.tokens, lp_got.tokens, atol=1e-4)
     assert [[t for t, _ in top] for top in lp_ref.top] == [[t for t, _ in top] for top in lp_got.top]
+    assert eng.summary()["spec_accepted"] > 0
+
+
+def test_constrained_and_penalized_rows_beside_speculating_rows(tiny_model):
+    """Constrained (json_object) and penalized rows never propose; in a verification pass they take part with
+    their one token and get what they get without speculation, as do the speculating rows beside them."""
+    m = tiny_model()
+
+    def reqs():
+        out = _requests(3)
+        out.append(Request("json", [1, 2, 3], SamplingParams(max_tokens=12, temperature=1.0, seed=4,
+                                                             grammar=grammar_from_format("json_object"))))
+        out.append(Request("pen", prompts(1)[0], SamplingParams(max_tokens=20, presence_penalty=1.5)))
+        return out
+    ref, got, eng = _both(m, reqs)
+    _same(ref, got)
+    assert got[3].stats.spec_proposed == got[4].stats.spec_proposed == 0
     assert eng.summary()["spec_accepted"] > 0
 
 
