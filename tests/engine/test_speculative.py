@@ -284,6 +284,8 @@ def test_a_row_that_never_fits_is_refused(tiny_model):
     res = eng.generate([Request("big", prompts(1)[0], SamplingParams(max_tokens=5000)),
                         Request("ok", prompts(1)[0], SamplingParams(max_tokens=20))])
     assert res[0].error_code == INSUFFICIENT_MEMORY and res[1].ok and len(res[1].tokens) == 20
+    # the verification window is priced: the step workspace of k + 1 tokens a row, logits at each
+    assert eng.memory.step_workspace(64, 1000) > 2 * probe.memory.step_workspace(64, 1000)
 
 
 def test_disable_by_batch_size(tiny_model):
