@@ -70,7 +70,7 @@ class Progress:
                         postfix=self._postfix_text() if self.bar_on else None)
 
     def _postfix_text(self) -> str:
-        return f"rows {self.rows}/{self.rows_total}, mem {fmt_bytes(rss_bytes())}"
+        return f"rows {self.rows}/{self.rows_total}, mem {fmt_bytes(rss_bytes())}{spec_text(self.speculation)}"
 
     def _postfix(self) -> None:
         if self.bar_on:
