@@ -37,6 +37,7 @@ BENCHMARKS = {
     "quality.kv_speed": "KV modes' speed and size at long context, against mlx-lm's kv_bits",
     "job.job_vs_mlx_lm": "the whole `kvbatch` command against mlx-lm's batch_generate",
     "job.shared_prompts": "a shared system prompt and n samples: prefix cache on/off against mlx-lm",
+    "job.speculative": "speculative decoding (ngram) on a rewrite job: with and without it, and mlx-lm",
     "job.many_workers": "many workers on one PostgreSQL queue: rows/s, queue cost, claim latency",
     "job.commits": "the whole `kvbatch` command at two commits side by side: speed ratio and identical rows",
     "job.kill_soak": "many random kill -9 of real workers, then a final run: nothing lost or changed",

@@ -150,6 +150,25 @@ class EngineSettings:
     options: EngineOptions = field(default_factory=EngineOptions)
 
 
+SPEC_METHODS = ("none", "ngram")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (the `speculative:` section, job level; engine/speculative/). A row's
+    proposed tokens are checked by one verification pass with the batch, so outputs are those of
+    decoding without it (greedy: the same tokens; sampled: the same distribution)."""
+
+    method: str = "none"  # none | ngram (proposals from the row's own prompt and output)
+    num_tokens: int = 4  # k: most tokens proposed for a row per step
+    # ngram: the suffix of the row's tokens matched against its earlier tokens, longest first
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    # no proposals in a step with more decoding rows than this (vLLM's disable_by_batch_size): where a
+    # batch already keeps the device's compute busy, verifying k more tokens a row costs about k steps
+    disable_by_batch_size: Optional[int] = None
+
+
 @dataclass
 class EngineConfig:
     """Everything an Engine is built from besides the model."""
@@ -157,6 +176,7 @@ class EngineConfig:
     kv: KVConfig = field(default_factory=KVConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     engine: EngineSettings = field(default_factory=EngineSettings)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     max_prompt_tokens: Optional[int] = None  # a limit below the model's context (prompt_too_long above it)
     # the most rows this engine will be given (a job's rows to run; None: unknown): batch slots and the
     # quantized modes' dense tail pages beyond them are never allocated
@@ -167,6 +187,7 @@ class EngineConfig:
         check_kv(self.kv)
         check_memory(self.memory)
         check_settings(self.engine)
+        check_speculative(self.speculative)
         _need(self.max_prompt_tokens is None or self.max_prompt_tokens >= 1, "job.max_prompt_tokens",
               self.max_prompt_tokens, "must be >= 1 or null")
 
@@ -209,6 +230,17 @@ def check_memory(mem: MemoryConfig) -> None:
     _size("memory.budget", mem.budget, allow_auto=True)
     _need(0 < mem.fraction <= 1, "memory.fraction", mem.fraction, "must be in (0, 1]")
     _size("memory.headroom", mem.headroom)
+
+
+def check_speculative(sp: SpeculativeConfig) -> None:
+    """Raise KvbatchConfigError when a speculative.* setting is out of range."""
+    _need(sp.method in SPEC_METHODS, "speculative.method", sp.method, f"choose one of {', '.join(SPEC_METHODS)}")
+    _need(1 <= sp.num_tokens <= 64, "speculative.num_tokens", sp.num_tokens, "must be in [1, 64]")
+    _need(sp.prompt_lookup_min >= 1, "speculative.prompt_lookup_min", sp.prompt_lookup_min, "must be >= 1")
+    _need(sp.prompt_lookup_max >= sp.prompt_lookup_min, "speculative.prompt_lookup_max", sp.prompt_lookup_max,
+          f"must be >= speculative.prompt_lookup_min ({sp.prompt_lookup_min})")
+    n = sp.disable_by_batch_size
+    _need(n is None or n >= 1, "speculative.disable_by_batch_size", n, "must be >= 1 or null")
 
 
 def check_settings(s: EngineSettings) -> None:

@@ -38,6 +38,8 @@ from kvbatch.engine.row import Row
 from kvbatch.engine.runner import LookaheadStepper, PrefillPass, Runner, SyncStepper, TokenPass
 from kvbatch.engine.sampling import RowSampler
 from kvbatch.engine.scheduler import Scheduler
+from kvbatch.engine.speculative import make_proposer
+from kvbatch.engine.speculative.speculator import Speculator
 from kvbatch.engine.types import Logprobs, ModelSpec, Request, Result
 
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -80,8 +82,9 @@ class Engine:
         if cfg.rows is not None and 0 < cfg.rows < self.max_batch:  # a small job: slots for its rows only
             self.max_batch, self.max_batch_why = cfg.rows, f"the job's {cfg.rows} rows; {self.max_batch_why}"
         self.prefill_tokens = resolve_prefill_tokens(settings.prefill_tokens, settings.prefill_chunk)
+        proposer = make_proposer(cfg.speculative)
         self.memory = MemoryModel(spec, self.layout, int(budget), settings.prefill_chunk, self.max_batch,
-                                  self.prefill_tokens)
+                                  self.prefill_tokens, 1 + cfg.speculative.num_tokens if proposer else 1)
         _raise_cache_limit(min(self.memory.workspace(self.max_batch, spec.context_length),
                                max(int(budget) - spec.weights_bytes, 0)))
         dtype = _DTYPES[spec.dtype]
@@ -91,10 +94,13 @@ class Engine:
         self.output = OutputProcessor(tokenizer, spec, self.layout, self.cache, self.hooks)
         self.grammars = Grammars(tokenizer, spec.vocab_size, set(self.output.eos_ids))
         self.runner = Runner(model, self.cache, self.hooks, self.memory.budget, self.grammars)
+        self.speculator = Speculator(cfg.speculative, proposer, self.runner, spec.context_length, kv.page_size,
+                                     self.layout.quantized) if proposer else None
         # lookahead overlaps the host's graph building with the device: GPU backends only by default
-        # (the CPU does both); the attention trace reads every layer, so it never overlaps
+        # (the CPU does both); the attention trace reads every layer, so it never overlaps; proposals
+        # need each row's tokens on the host, so speculation never overlaps either
         self.lookahead = (opts.lookahead == "on" or (opts.lookahead == "auto" and not on_cpu())) \
-            and not self.cache.trace
+            and not self.cache.trace and self.speculator is None
         self.stepper = LookaheadStepper(self.runner, spec.context_length) if self.lookahead \
             else SyncStepper(self.runner)
         # a preemption first lands the decode step in flight: its rows still write the pages it frees
@@ -194,6 +200,12 @@ class Engine:
         self.grammars.matcher(grammar)
 
     @property
+    def speculation(self) -> Optional[tuple[int, int]]:
+        """(tokens proposed, tokens accepted) so far; None without speculative decoding (cheap)."""
+        v = self.speculator.verifier if self.speculator else None
+        return (v.proposed, v.accepted) if v else None
+
+    @property
     def generated_tokens(self) -> int:
         """Tokens generated so far (cheap: a worker reads it every step)."""
         return self.output.generated_tokens
@@ -228,6 +240,8 @@ class Engine:
             "rows_by_error_code": dict(self.output.results_by_code),
             "lookahead": self.lookahead, "decode_in_flight": self.stepper.inflight,
             "options": asdict(self.cfg.engine.options),
+            "speculative": self.cfg.speculative.method,
+            **(self.speculator.stats() if self.speculator else {}),
         }
 
     summary = stats  # an alias of stats() (tests and benchmarks call it)
@@ -266,8 +280,13 @@ class Engine:
             self._flush()  # a slot frees with the step in flight: read it now, so the waiting row joins the next step
         else:
             n = len(plan.no_room)
-            plan = s.schedule_decode(plan, st.candidates(s.decoding()))
-            out = st.step(list(plan.decode))
+            rows = st.candidates(s.decoding())
+            props = self.speculator.propose(rows) if self.speculator else {}
+            plan = s.schedule_decode(plan, rows, {id(r): 1 + len(p) for r in rows if (p := props.get(id(r)))})
+            if self.speculator and any(id(r) in props for r in plan.decode):
+                out = self.speculator.verify(list(plan.decode), props)
+            else:
+                out = st.step(list(plan.decode))
             for step in out.landed:
                 self.runner.land(step)
                 self._accept(step)

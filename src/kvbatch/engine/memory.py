@@ -148,6 +148,7 @@ class MemoryModel:
     prefill_chunk: int
     max_batch: int
     prefill_tokens: int = 0  # most tokens of one prefill pass (0: one chunk)
+    decode_window: int = 1  # tokens of a row in one decode pass (1 + speculative.num_tokens: a verification)
 
     def workspace(self, rows: int, max_tokens: int, max_prompt: int | None = None) -> int:
         """Transient bytes of the largest pass (`step_workspace`), plus the quantized modes'
@@ -161,7 +162,8 @@ class MemoryModel:
         - decode (every row, one token, up to max_tokens of context): one layer's K/V of every
           row gathered from the pages (quantized pages: gathered and made contiguous, twice their
           bytes; dense: once, plus a float32 copy when a 2-byte dtype is upcast), float32 scores
-          and probabilities, float32 logits (the engine computes last-position logits only);
+          and probabilities, float32 logits (the engine computes last-position logits only); with
+          speculative decoding, a pass of decode_window tokens a row with logits at every one;
         - prefill: the larger of a pass of one row's chunk (up to prefill_chunk tokens) at up to
           max_prompt tokens of context (None = max_tokens), and a pass of as many such chunks
           as prefill_tokens holds (up to `rows`) at the chunk's own length of context. The
@@ -176,6 +178,9 @@ class MemoryModel:
         f32 = 2 * s.num_kv_heads * s.head_dim * 4
         per_token = 2 * stored if lay.quantized else stored + (f32 if lay.dtype_bytes < 4 else 0)
         decode = rows * T * per_token + 2 * rows * s.num_heads * T * 4 + 2 * rows * s.vocab_size * 4
+        if self.decode_window > 1:  # a verification: a prefill pass of every decoding row, logits at each token
+            W = self.decode_window
+            decode = max(decode, self.prefill_pass(rows, W, T) + 2 * rows * W * s.vocab_size * 4)
         batched = min(rows, max(1, self.prefill_tokens // c))
         return max(decode, self.prefill_pass(1, c, Tp), self.prefill_pass(batched, c, c))
 

@@ -137,6 +137,8 @@ class OutputProcessor:
                          preemptions=row.preemptions, cached_tokens=row.cached_tokens,
                          decode_tps=decode_tps, wall_s=time.perf_counter() - row.t_submit,
                          peak_kv_bytes=peak_kv, route=self.cache.route)
+        if row.spec is not None:
+            stats.spec_proposed, stats.spec_accepted = row.spec.proposed, row.spec.accepted
         key = code or "ok"
         self.results_by_code[key] = self.results_by_code.get(key, 0) + 1
         self.done.append(Result(row.req.key, list(row.out), text, reason, code, msg, stats, stop_reason,

@@ -31,6 +31,7 @@ class Row:
     ended: bool = False
     logprobs: Optional[Logprobs] = None  # recorded when the row asks for logprobs or prompt_logprobs
     score: Optional[Any] = None  # a teacher-forced scorer (engine/scoring.py): its text is scored, nothing sampled
+    spec: Optional[Any] = None  # speculative decoding's state of the row (engine/speculative/state.py RowSpec)
 
     @property
     def prompt_len(self) -> int:

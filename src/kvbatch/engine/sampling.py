@@ -66,16 +66,19 @@ class Sampled:
 
 
 def sample_batch(logits: mx.array, rows: list, grammars: Optional[Grammars] = None,
-                 ahead: frozenset = frozenset()) -> Sampled:
+                 ahead: frozenset = frozenset(), steps: Optional[list[int]] = None,
+                 keys: Optional[list] = None) -> Sampled:
     """logits (B, V) float32 -> the step's tokens (and logprobs). rows: the step's engine Rows, in order;
     ahead: ids of rows with a token in flight (lookahead: their step is len(out) + 1; such rows never
-    need host state, see RowSampler.needs_host)."""
+    need host state, see RowSampler.needs_host). steps, keys (a verification pass, where a row fills
+    several entries, engine/speculative/verify.py): each entry's output step, and each sampled
+    entry's key (the rows' own keys are then left as they are)."""
     samplers = [r.sampler for r in rows]
     x = logits
     pen = [i for i, s in enumerate(samplers) if s.penalized]
     if pen:
         x = penalties.apply(x, [(i, samplers[i].params, samplers[i].prompt_ids, rows[i].out) for i in pen])
-    steps = [len(r.out) + (id(r) in ahead) for r in rows]
+    steps = steps if steps is not None else [len(r.out) + (id(r) in ahead) for r in rows]
     masked = [i for i, s in enumerate(samplers)
               if s.matcher is not None or (s.min_tokens_ban is not None and steps[i] < s.params.min_tokens)]
     if masked:
@@ -83,7 +86,8 @@ def sample_batch(logits: mx.array, rows: list, grammars: Optional[Grammars] = No
     tokens = mx.argmax(x, axis=-1)
     sampled = [i for i, s in enumerate(samplers) if not s.greedy]
     if sampled:
-        picks = _draw(x if len(sampled) == len(rows) else x[mx.array(sampled)], [samplers[i] for i in sampled])
+        picks = _draw(x if len(sampled) == len(rows) else x[mx.array(sampled)], [samplers[i] for i in sampled],
+                      None if keys is None else [keys[i] for i in sampled])
         if len(sampled) == len(rows):
             tokens = picks
         else:
@@ -121,9 +125,10 @@ def allowed_mask(rows: list, masked: list[int], steps: list[int], grammars: Opti
     return unpacked.reshape(len(rows), words * 32)[:, :vocab].astype(mx.bool_)
 
 
-def _draw(x: mx.array, samplers: list[RowSampler]) -> mx.array:
+def _draw(x: mx.array, samplers: list[RowSampler], keys: Optional[list] = None) -> mx.array:
     """Sampled rows' tokens from their (Bs, V) logits: filters with per-row parameters, then each
-    row's Gumbel-max draw with its own key (mx.random.categorical(l, key=k) == argmax(l + gumbel(k)))."""
+    row's Gumbel-max draw with its own key (mx.random.categorical(l, key=k) == argmax(l + gumbel(k))).
+    keys: this step's key of each row, given (else each row's key is split: the next, this step's)."""
     V = x.shape[-1]
     lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
     ps = [s.params for s in samplers]
@@ -138,11 +143,15 @@ def _draw(x: mx.array, samplers: list[RowSampler]) -> mx.array:
         top_ps = mx.array([p.top_p for p in ps], dtype=mx.float32)[:, None]
         lp = mx.where(use, apply_top_p(lp, top_ps), lp)  # pyright: ignore[reportArgumentType]
     inv_t = mx.array([1 / p.temperature for p in ps], dtype=mx.float32)[:, None]
-    # (Bs, 2, 2): [next key, this step's key]; every sampled row holds a key
-    keys = _split(mx.stack([s.key for s in samplers if s.key is not None]))
-    for j, s in enumerate(samplers):
-        s.key = keys[j, 0]
-    noise = mx.vmap(lambda k: mx.random.gumbel((V,), key=k))(keys[:, 1])
+    if keys is None:
+        # (Bs, 2, 2): [next key, this step's key]; every sampled row holds a key
+        split = _split(mx.stack([s.key for s in samplers if s.key is not None]))
+        for j, s in enumerate(samplers):
+            s.key = split[j, 0]
+        use = split[:, 1]
+    else:
+        use = mx.stack(keys)
+    noise = mx.vmap(lambda k: mx.random.gumbel((V,), key=k))(use)
     return mx.argmax(lp * inv_t + noise, axis=-1)
 
 

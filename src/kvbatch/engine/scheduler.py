@@ -93,14 +93,15 @@ class Scheduler:
         return StepPlan(tuple(admitted), tuple(refused), tuple(no_room), self._take_preempted(),
                         tuple(c for c in ready if c.row.active))
 
-    def schedule_decode(self, plan: StepPlan, rows: list[Row]) -> StepPlan:
+    def schedule_decode(self, plan: StepPlan, rows: list[Row], windows: Optional[dict[int, int]] = None) -> StepPlan:
         """The plan completed with its decode rows: room for one more token in each of `rows`
-        (in admission order) that is still running."""
+        (in admission order) that is still running; windows: tokens a row's verification writes
+        instead (by id(row); speculative decoding)."""
         ok, no_room, limits = [], [], self.limits()
         for r in rows:
             if not r.active:  # preempted for an earlier row, or ended by a flush
                 continue
-            if self._room(r, 1, limits, no_room):
+            if self._room(r, windows.get(id(r), 1) if windows else 1, limits, no_room):
                 ok.append(r)
         return replace(plan, no_room=plan.no_room + tuple(no_room),
                        preempted=plan.preempted + self._take_preempted(),

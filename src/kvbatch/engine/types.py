@@ -53,6 +53,8 @@ class RowStats:
     wall_s: float = 0.0
     peak_kv_bytes: int = 0
     route: str = ""
+    spec_proposed: int = 0  # speculative decoding: tokens proposed for the row, and those accepted
+    spec_accepted: int = 0
 
 
 @dataclass

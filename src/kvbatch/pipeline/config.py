@@ -21,7 +21,7 @@ from typing import Any, List, Optional, cast
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from kvbatch.engine.config import EngineConfig, EngineSettings, KVConfig, MemoryConfig
+from kvbatch.engine.config import EngineConfig, EngineSettings, KVConfig, MemoryConfig, SpeculativeConfig
 from kvbatch.engine.errors import ERROR_CODES, KvbatchConfigError
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.pipeline import durations, extras, model_defaults, response_format, row_params
@@ -174,6 +174,7 @@ class Config:
     job: JobConfig = field(default_factory=JobConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     engine: EngineSettings = field(default_factory=EngineSettings)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     queue: QueueConfig = field(default_factory=QueueConfig)
@@ -210,7 +211,8 @@ def parse_injection(text: Optional[str]) -> Optional[tuple[str, int]]:
 
 def engine_config(cfg: Config) -> EngineConfig:
     """The engine's config: the schema's own sections, not copies (checked by EngineConfig.check)."""
-    return EngineConfig(kv=cfg.kv, memory=cfg.memory, engine=cfg.engine, max_prompt_tokens=cfg.job.max_prompt_tokens)
+    return EngineConfig(kv=cfg.kv, memory=cfg.memory, engine=cfg.engine, speculative=cfg.speculative,
+                        max_prompt_tokens=cfg.job.max_prompt_tokens)
 
 
 def validate(cfg: Config) -> None:
@@ -339,6 +341,8 @@ def run_identity(cfg: Config, input_path: str, include_kv: bool) -> str:
         keyed["engine_options"] = cfg.engine.options.identity()
         if not cfg.engine.prefix_cache:  # it can change tokens (q8/q4: a cached prefix was read quantized)
             keyed["prefix_cache"] = False
+        if cfg.speculative.method != "none":  # the verification pass's numerics can move a near-tie
+            keyed["speculative"] = asdict(cfg.speculative)
     blob = json.dumps(keyed, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 

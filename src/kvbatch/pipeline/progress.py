@@ -35,6 +35,13 @@ def row_budget(payload: dict, default_max_tokens: int) -> int:
     return 0 if "error" in payload else int(payload.get("max_tokens", default_max_tokens))
 
 
+def spec_text(spec: Optional[tuple[int, int]]) -> str:
+    """The progress line's speculative-decoding part: ", spec acceptance 63%" ("" without proposals)."""
+    if not spec or not spec[0]:
+        return ""
+    return f", spec acceptance {spec[1] / spec[0]:.0%}"
+
+
 def fmt_duration(s: float) -> str:
     """A duration for people: 1h02m, 3m05s or 42s."""
     s = int(round(s))
@@ -57,6 +64,7 @@ class Progress:
         self.answered_rows, self.answered_tokens = 0, 0  # finished rows that said how long they were
         self.total, self.done_tokens = max(token_budget, 0), 0
         self.every_s = every_s
+        self.speculation: Optional[tuple[int, int]] = None  # speculative decoding: (proposed, accepted) tokens
         self.clock = clock
         self.t0 = clock()
         self.last_line = self.t0
@@ -68,7 +76,7 @@ class Progress:
     def _postfix_text(self) -> str:
         eta = self.eta_s()
         return (f"rows {self.rows}/{self.rows_total}, ETA {fmt_duration(eta) if eta is not None else '?'}, "
-                f"rss {fmt_bytes(rss_bytes())}")
+                f"rss {fmt_bytes(rss_bytes())}{spec_text(self.speculation)}")
 
     def _postfix(self) -> None:
         if self.bar_on:
@@ -126,7 +134,8 @@ class Progress:
         eta_s = self.eta_s()
         eta = fmt_duration(eta_s) if eta_s is not None else "unknown"
         return (f"kvbatch: progress: {self.rows}/{self.rows_total} rows, {self.done_tokens}/{self.total} tokens, "
-                f"{rate:.1f} tok/s, elapsed {fmt_duration(elapsed)}, ETA {eta}, rss {fmt_bytes(rss_bytes())}")
+                f"{rate:.1f} tok/s, elapsed {fmt_duration(elapsed)}, ETA {eta}, rss {fmt_bytes(rss_bytes())}"
+                f"{spec_text(self.speculation)}")
 
     def _maybe_line(self) -> None:
         now = self.clock()

@@ -77,6 +77,8 @@ class ResultRecord:
     ttft_s: Optional[float] = _col(pa.float64())  # from the row's admission to its first token
     queue_s: Optional[float] = _col(pa.float64())  # from submission to admission (waiting for a slot or memory)
     preemptions: int = _col(pa.int32(), 0)  # times its pages were freed to make room (it resumed each time)
+    spec_proposed: int = _col(pa.int32(), 0)  # speculative decoding: tokens proposed for the row
+    spec_accepted: int = _col(pa.int32(), 0)  # ... and of those, accepted by the model's verification
     decode_tps: Optional[float] = _col(pa.float64())
     wall_s: Optional[float] = _col(pa.float64())
     peak_kv_bytes: Optional[int] = _col(pa.int64())

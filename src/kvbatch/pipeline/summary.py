@@ -40,7 +40,8 @@ def build(table: pa.Table, counts: dict[str, int], sessions: list[dict], this_ru
     for c in codes:
         if c is not None:
             by_code[c] = by_code.get(c, 0) + 1
-    col = lambda name: sum(v or 0 for v in table.column(name).to_pylist()) if table.num_rows else 0  # noqa: E731
+    col = lambda name: sum(v or 0 for v in table.column(name).to_pylist()) \
+        if table.num_rows and name in table.column_names else 0  # noqa: E731
     worked = [s for s in sessions if s.get("tokens") and s.get("wall_s")]  # ended cleanly
     last = next((s["summary"] for s in reversed(sessions) if s.get("summary")), None) or {}
     run = this_run or {}
@@ -59,6 +60,10 @@ def build(table: pa.Table, counts: dict[str, int], sessions: list[dict], this_ru
         "prompt_tokens_prefilled": col("prompt_tokens") - col("cached_tokens"),
         "output_tokens": col("output_tokens"),
         "preemptions": col("preemptions"),  # engine.admission=optimistic: rows' pages freed and recomputed
+        # speculative decoding: tokens proposed, accepted, and the share accepted (null: nothing proposed)
+        "spec_proposed": col("spec_proposed"),
+        "spec_accepted": col("spec_accepted"),
+        "spec_acceptance": col("spec_accepted") / col("spec_proposed") if col("spec_proposed") else None,
         "this_run": {"rows": run.get("rows", 0), "generated_tokens": run.get("tokens", 0),
                      "wall_s": run.get("wall_s", 0.0),
                      "tokens_per_s": run_tps,
@@ -113,6 +118,8 @@ def one_line(s: dict) -> str:
     peak = run.get("peak_memory_bytes")
     mem = f", MLX peak {fmt_bytes(peak)} this run" if peak else ""
     rest = f", {s['rows_remaining']} remaining" if s["rows_remaining"] else ""
+    if s.get("spec_acceptance") is not None:
+        speed += f", spec acceptance {s['spec_acceptance']:.0%}"
     # the job's rows so far, then what this run did (a resumed job's earlier runs are in summary.json)
     return (f"kvbatch: {s['rows']} rows ({s['rows_ok']} ok{', ' + errs if errs else ''}){rest}; "
             f"this run: {run['rows']} rows, {run['generated_tokens']} tokens in {run['wall_s']:.1f}s ({speed}); "

@@ -186,6 +186,7 @@ class Worker:
             rec.finish_reason, rec.error_code, rec.error_message = res.finish_reason, res.error_code, res.error_message
             rec.prompt_tokens, rec.ttft_s, rec.decode_tps = s.prompt_tokens, s.ttft_s, s.decode_tps
             rec.queue_s, rec.preemptions, rec.cached_tokens = s.queue_s, s.preemptions, s.cached_tokens
+            rec.spec_proposed, rec.spec_accepted = s.spec_proposed, s.spec_accepted
             rec.wall_s, rec.peak_kv_bytes, rec.route = s.wall_s, s.peak_kv_bytes, s.route or None
             rec.stop_reason = res.stop_reason
             if res.error_code is None:
@@ -288,6 +289,7 @@ class Worker:
             n = self.eng.generated_tokens
             self.progress.tokens(n - self.seen_tokens)
             self.seen_tokens = n
+            self.progress.speculation = self.eng.speculation
 
     def flush(self, force: bool = False) -> None:
         """Write buffered results as one durable part, then acknowledge its rows."""

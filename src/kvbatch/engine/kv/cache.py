@@ -171,6 +171,20 @@ class PagedKVCache:
             self.free_tails.append(row.tail)
             row.tail = None
 
+    def rollback(self, row: CacheRow, length: int) -> None:
+        """Cut the row back to its first `length` stored tokens (a verification's rejected tokens):
+        its reservation ends there and the pages past it go back to the pool. Those pages hold only
+        tokens written by the pass that is cut back, so this row alone holds them and none is cached
+        (begin() checked); with quantized pages the pass sealed none of them (speculative/window.py)."""
+        if length >= row.length:
+            return
+        row.length = row.reserved = length
+        keep = -(-length // self.P)
+        if keep < len(row.pages):
+            self.epoch += 1
+            self.pool.free(row.pages[keep:])
+            del row.pages[keep:]
+
     # ---- shared pages ----------------------------------------------------------------------
     def computed(self, row: CacheRow, tokens: list[int], limit: int) -> list[int]:
         """Cached pages that continue the row's table (page indices below `limit`), not yet taken."""

@@ -21,6 +21,7 @@ SCHEMA = pa.schema([
     ("rows", pa.int64()), ("rows_ok", pa.int64()), ("rows_remaining", pa.int64()),
     *[(f"rows_{c}", pa.int64()) for c in ERROR_CODES],
     ("output_tokens", pa.int64()), ("decode_tokens_per_s", pa.float64()), ("tokens_per_s", pa.float64()),
+    ("spec_acceptance", pa.float64()),  # speculative decoding: tokens accepted / proposed
     ("peak_memory_bytes", pa.int64()), ("kv_bytes_per_token", pa.int64()), ("kv_peak_bytes", pa.int64()),
     ("kv_budget_bytes", pa.int64()), ("kv_tokens_fit", pa.int64()), ("kv_rows_fit", pa.int64()), ("route", pa.string()),
     ("wall_s", pa.float64()), ("pid", pa.int64()), ("model_loads", pa.int32()),
@@ -85,6 +86,7 @@ def _job_record(status: dict, sweep_dir: Path) -> dict:
         by_code = s.get("rows_by_error_code") or {}
         rec.update(rows=s.get("rows"), rows_ok=s.get("rows_ok"), rows_remaining=s.get("rows_remaining"),
                    output_tokens=s.get("output_tokens"), tokens_per_s=s.get("tokens_per_s"),
+                   spec_acceptance=s.get("spec_acceptance"),
                    decode_tokens_per_s=eng.get("decode_tokens_per_s"),
                    peak_memory_bytes=s.get("peak_memory_bytes"), kv_bytes_per_token=eng.get("kv_bytes_per_token"),
                    route=s.get("route"), model=s.get("model") or rec["model"],

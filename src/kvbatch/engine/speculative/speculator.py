@@ -1,0 +1,53 @@
+"""What the engine asks of speculative decoding each step: the rows' proposals (and so the windows
+the Scheduler reserves), and their verification."""
+from __future__ import annotations
+
+from kvbatch.engine.config import SpeculativeConfig
+from kvbatch.engine.row import Row
+from kvbatch.engine.runner import Decoded, Runner
+from kvbatch.engine.speculative import Proposer
+from kvbatch.engine.speculative.state import RowSpec
+from kvbatch.engine.speculative.verify import Verifier
+from kvbatch.engine.speculative.window import max_proposal, speculates
+
+
+class Speculator:
+    """Proposes for the rows that may speculate and verifies them in one pass per step."""
+
+    def __init__(self, cfg: SpeculativeConfig, proposer: Proposer, runner: Runner, context_length: int,
+                 page_size: int, quantized: bool):
+        self.cfg, self.proposer = cfg, proposer
+        self.verifier = Verifier(runner)
+        self.context_length, self.page_size, self.quantized = context_length, page_size, quantized
+
+    def propose(self, rows: list[Row]) -> dict[int, list[int]]:
+        """Proposed tokens by id(row), for the rows that propose this step."""
+        out: dict[int, list[int]] = {}
+        cap = self.cfg.disable_by_batch_size
+        if cap is not None and len(rows) > cap:
+            return out
+        for row in rows:
+            if not speculates(row):
+                continue
+            if row.spec is None:
+                row.spec = RowSpec()
+            if not row.spec.may_propose():
+                continue
+            k = max_proposal(row, min(self.cfg.num_tokens, row.spec.want), self.context_length, self.page_size,
+                             self.quantized)
+            if k <= 0:
+                continue
+            p = self.proposer.propose(row, k)
+            if p:
+                out[id(row)] = p
+        return out
+
+    def verify(self, rows: list[Row], proposals: dict[int, list[int]]) -> Decoded:
+        """One verification pass over `rows` (windows reserved)."""
+        return self.verifier.step(rows, proposals)
+
+    def stats(self) -> dict:
+        """Totals for summary.json: tokens proposed and accepted, verification passes, acceptance rate."""
+        v = self.verifier
+        return {"spec_proposed": v.proposed, "spec_accepted": v.accepted, "spec_passes": v.passes,
+                "spec_acceptance": v.accepted / v.proposed if v.proposed else None}

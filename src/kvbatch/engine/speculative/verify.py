@@ -1,0 +1,142 @@
+"""The verification pass: every decoding row of the step in one forward, each with its last token
+and its proposed tokens (ragged: a row proposing nothing has one token), through the same pass
+that prefill chunks take over a row's cached pages, with logits kept at every position.
+
+Each position is sampled exactly as a decode step at that output step would be: the same
+controls, min_tokens masks at that step, and for sampled rows the key that step would use (the
+row's key split once per output step, in order). A proposed token is accepted when the token
+sampled at the position before it equals it; the first position whose token differs gives the
+row's last token of the step. With a deterministic proposal (probability 1 on one token x) this
+is speculative rejection sampling itself: x is accepted with probability p(x), and otherwise the
+token is a draw from p with x removed, renormalized (the residual). So outputs keep the target
+distribution, and a row's tokens for a seed are the tokens it gets without speculation.
+
+After the pass, each row's stored length is cut back to its verified tokens and the pages past it
+(holding only rejected tokens) go back to the pool, before any token reaches the output (so a row
+that ends in this step caches only verified pages). The accepted tokens then reach the
+OutputProcessor one output step at a time, as decode steps' tokens do (stop rules, logprobs).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import cast
+
+import mlx.core as mx
+
+from kvbatch.engine.mlx_lm_bridge import forward_hidden
+from kvbatch.engine.row import Row
+from kvbatch.engine.runner import Decoded, Runner, TokenPass
+from kvbatch.engine.sampling import Sampled, sample_batch
+
+logger = logging.getLogger(__name__)
+
+
+def accepted_prefix(sampled: list[int], proposal: list[int]) -> int:
+    """How many proposed tokens are accepted: proposal[j] is while the token sampled at the
+    position before it (sampled[j]) equals it, up to the first that differs."""
+    a = 0
+    while a < len(proposal) and sampled[a] == proposal[a]:
+        a += 1
+    return a
+
+
+def key_chain(key: mx.array, n: int) -> tuple[list[mx.array], list[mx.array]]:
+    """A sampled row's keys for its next n output steps (as its decode steps split them: the next
+    key, this step's key) and its key after each of them."""
+    use, after = [], []
+    for _ in range(n):
+        pair = mx.random.split(key)
+        key = pair[0]
+        after.append(key)
+        use.append(pair[1])
+    return use, after
+
+
+class Verifier:
+    """Runs verification passes for the engine, and counts what they proposed and accepted."""
+
+    def __init__(self, runner: Runner):
+        self.r = runner
+        self.passes = 0
+        self.proposed = 0
+        self.accepted = 0
+
+    def step(self, rows: list[Row], proposals: dict[int, list[int]]) -> Decoded:
+        """Verify the proposals (by id(row); rows without one take part with their one token) of
+        `rows` (their windows reserved); the accepted tokens as one TokenPass per output step."""
+        r, t0 = self.r, time.perf_counter()
+        props = [proposals.get(id(row), []) for row in rows]
+        lens = [1 + len(p) for p in props]
+        L = max(lens)
+        offs, flat, rep, steps, keys, afters = [], [], [], [], [], []
+        for i, (row, n) in enumerate(zip(rows, lens)):
+            offs.append(len(flat))
+            flat += [i * L + j for j in range(n)]
+            rep += [row] * n
+            steps += [len(row.out) + j for j in range(n)]
+            key = row.sampler.key
+            if key is None:
+                keys += [None] * n
+                afters.append(None)
+            else:
+                use, after = key_chain(key, n)
+                keys += use
+                afters.append(after)
+        before = [row.kv.length for row in rows]
+        try:
+            inputs = mx.array([[row.out[-1]] + p + [0] * (L - n) for row, p, n in zip(rows, props, lens)])
+            r.cache.begin([row.kv for row in rows], L, r.poison(rows), lens)
+            try:
+                h, head = forward_hidden(r.model, inputs, r.cache.views)
+                h = h.reshape(len(rows) * L, h.shape[-1])
+                if len(flat) < len(rows) * L:
+                    h = h[mx.array(flat)]
+                logits = head(h).astype(mx.float32)  # (N, V): every kept position
+                sampled = sample_batch(logits, rep, r.grammars, steps=steps,
+                                       keys=keys if any(k is not None for k in keys) else None)
+                finite = mx.isfinite(logits).all(axis=-1)
+                mx.eval(*sampled.arrays(), finite, *[k for a in afters if a for k in a])
+            finally:
+                r.cache.end()
+        except Exception as e:
+            for row, n in zip(rows, before):
+                row.kv.length = n
+            logger.exception("verification pass of %d rows failed", len(rows))
+            return Decoded([], f"{type(e).__name__}: {e}")
+        toks = cast(list[int], sampled.tokens.tolist())
+        acc = []
+        for i, row in enumerate(rows):
+            a = accepted_prefix(toks[offs[i]:offs[i] + lens[i]], props[i])
+            acc.append(a)
+            r.cache.rollback(row.kv, before[i] + a + 1)
+            if afters[i] is not None:
+                row.sampler.key = afters[i][a]  # the key after the a + 1 output steps it takes
+            if props[i] and row.spec is not None:  # a row that proposed has its RowSpec (Speculator.propose)
+                row.spec.verified(len(props[i]), a)
+                self.proposed += len(props[i])
+                self.accepted += a
+        self.passes += 1
+        return Decoded(self._by_step(rows, acc, offs, logits, sampled, finite, t0))
+
+    @staticmethod
+    def _by_step(rows: list[Row], acc: list[int], offs: list[int], logits: mx.array, sampled: Sampled,
+                 finite: mx.array, t0: float) -> list[TokenPass]:
+        """The pass's kept tokens as one TokenPass per output step (step j: the rows that keep a
+        j-th token), for the OutputProcessor in order."""
+        lp_at = {e: q for q, e in enumerate(sampled.lp_rows)} if sampled.lp_rows else {}
+        out = []
+        for j in range(max(acc) + 1):
+            idx = [i for i, a in enumerate(acc) if a >= j]
+            ent = [offs[i] + j for i in idx]
+            sel = mx.array(ent)
+            sub = Sampled(sampled.tokens[sel])
+            lp_rows = [q for q, e in enumerate(ent) if e in lp_at]
+            if lp_rows:
+                assert sampled.lp is not None and sampled.top_ids is not None and sampled.top_lps is not None
+                at = mx.array([lp_at[ent[q]] for q in lp_rows])
+                sub.lp_rows, sub.lp = lp_rows, sampled.lp[at]
+                sub.top_ids, sub.top_lps = sampled.top_ids[at], sampled.top_lps[at]
+            out.append(TokenPass([rows[i] for i in idx], logits[sel], sub, finite[sel], t0))
+        return out
+

@@ -1,0 +1,308 @@
+"""Speculative decoding (speculative.method=ngram): the same tokens as without it, on tiny random
+models (kv none, q8, q4; page sizes 1, 16, 64), with rows joining and leaving, preemption, prefix
+caching, n samples and stop rules; rejected tokens never keep a page.
+
+The random models' greedy output settles into runs of one token, so n-gram proposals from the
+rows' own tokens fire and are mostly accepted; at a low temperature (or top_k 2 at temperature 1)
+the runs break at random, so proposals are also rejected. Sampled rows keep their tokens for a
+seed (each position is verified with the key its decode step would use), so every comparison
+below is token for token, and each asserts that proposals were accepted (and, sampled, rejected).
+"""
+from __future__ import annotations
+
+import math
+
+import kvbatch.engine  # noqa: F401  (OpenBLAS before mlx)
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvbatch.engine.engine import Engine
+from kvbatch.engine.errors import INSUFFICIENT_MEMORY, KvbatchConfigError
+from kvbatch.engine.grammar import grammar_from_format
+from kvbatch.engine.kv.pages import CacheRow
+from kvbatch.engine.params import SamplingParams
+from kvbatch.engine.row import Row
+from kvbatch.engine.samples import samples
+from kvbatch.engine.sampling import RowSampler, sample_batch
+from kvbatch.engine.speculative.ngram import ngram_propose
+from kvbatch.engine.speculative.state import RowSpec
+from kvbatch.engine.speculative.verify import accepted_prefix, key_chain
+from kvbatch.engine.speculative.window import max_proposal
+from kvbatch.engine.testing import engine_config
+from kvbatch.engine.types import Request
+
+NGRAM = {"method": "ngram", "num_tokens": 4}
+
+
+def prompts(n: int = 6) -> list[list[int]]:
+    """Prompts with a repeated phrase, so n-gram proposals have something to match."""
+    base = [(7 * j) % 50 + 60 for j in range(12)]
+    return [base * 3 + [(31 * i + 7 * j) % 256 for j in range(5 + i)] for i in range(n)]
+
+
+def _engine(m, spec=None, mode="none", page=16, **kw):
+    model, tok, mspec = m
+    cfg = engine_config(kv_mode=mode, page_size=page, max_batch=kw.pop("max_batch", 4),
+                        memory_budget=kw.pop("memory_budget", 2 << 30), speculative=spec,
+                        allow_unvalidated=True, **kw)
+    return Engine(model, tok, mspec, cfg)
+
+
+def _requests(n=6, **sp) -> list[Request]:
+    return [Request(f"r{i}", p, SamplingParams(max_tokens=sp.pop("max_tokens", 30) + 5 * i, seed=i, **sp))
+            for i, p in enumerate(prompts(n))]
+
+
+def _both(m, reqs_fn, **kw):
+    """Results without and with speculation (same requests, same settings), and the speculating engine."""
+    ref = _engine(m, None, **kw).generate(reqs_fn())
+    eng = _engine(m, NGRAM, **kw)
+    return ref, eng.generate(reqs_fn()), eng
+
+
+def _same(ref, got):
+    for a, b in zip(ref, got):
+        assert (a.key, a.tokens, a.text, a.finish_reason, a.stop_reason) == \
+            (b.key, b.tokens, b.text, b.finish_reason, b.stop_reason)
+
+
+# ---- proposals, windows, the sampler -----------------------------------------------------------
+def test_ngram_proposes_what_followed_the_latest_longest_match():
+    t = np.array([1, 2, 3, 9, 1, 2, 3, 4, 5, 7, 2, 3], dtype=np.int32)
+    # suffix (2, 3): latest earlier occurrence at 5..6, followed by 4 5 7
+    assert ngram_propose(t, 3, 2, 4) == [4, 5, 7]
+    # the 3-gram (7, 2, 3) never occurred before; with n_min 3 nothing is proposed
+    assert ngram_propose(t, 3, 3, 4) == []
+    assert ngram_propose(np.array([5, 6, 7], dtype=np.int32), 2, 1, 2) == []
+    # the proposal stops at the sequence's end
+    assert ngram_propose(np.array([8, 8, 8], dtype=np.int32), 4, 1, 2) == [8]
+
+
+def test_quantized_window_never_seals_an_unverified_token(tiny_model):
+    """q8/q4: the verified window ends before the row's page is complete (only the row's own first
+    token may complete it), so a rollback only ever cuts into the dense tail page."""
+    row = Row(Request("k", [1] * 10, SamplingParams(max_tokens=100)), CacheRow("k"), RowSampler(SamplingParams()),
+              110, 0.0, out=[3])
+    P = 16
+    for length in range(0, 3 * P):
+        row.kv.length = length
+        k = max_proposal(row, 8, 4096, P, quantized=True)
+        last = length + k  # the pass writes positions length..last
+        sealed = [b for b in range(P - 1, last + 1, P) if b >= length]  # page ends the pass writes
+        assert all(b == length for b in sealed), (length, k)
+        assert max_proposal(row, 8, 4096, P, quantized=False) == 8
+    row.kv.length = 5
+    assert max_proposal(row, 8, 4096, 1, quantized=True) == 0  # page size 1: every token seals its page
+    assert max_proposal(row, 200, 4096, 16, quantized=False) == 98  # max_tokens: 100 - 1 out - this step's own
+
+
+def test_row_backs_off_after_failed_proposals():
+    s = RowSpec()
+    s.verified(4, 0)
+    assert s.may_propose()
+    s.verified(4, 0)
+    assert [s.may_propose() for _ in range(3)] == [False, False, True]
+    s.verified(4, 0)
+    assert [s.may_propose() for _ in range(5)] == [False] * 4 + [True]
+    assert s.want == 1  # nothing accepted: one token next time
+    s.verified(4, 2)
+    assert s.may_propose() and s.misses == 0 and (s.proposed, s.accepted) == (16, 2) and s.want == 3
+    s.verified(3, 3)
+    assert s.want == 4  # all accepted: one more
+
+
+def _chi2_ok(counts: np.ndarray, p: np.ndarray) -> bool:
+    """Pearson's chi-square against p, at the 0.1% level (Wilson-Hilferty approximation)."""
+    n, df = counts.sum(), len(p) - 1
+    chi2 = float(((counts - n * p) ** 2 / (n * p)).sum())
+    z = 3.09  # upper 0.1%
+    return chi2 < df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_verification_at_temperature_1_keeps_the_distribution():
+    """The verifier's rule over many draws: a proposed token x is accepted with probability p(x);
+    the token a row keeps at that position is distributed as p (accepted x, or the residual).
+    Skipping verification (always accepting x) or a biased draw fails it."""
+    V, N = 8, 4000
+    logits = mx.array(np.log(np.array([0.3, 0.2, 0.15, 0.1, 0.1, 0.08, 0.05, 0.02], dtype=np.float32)))
+    p = np.exp(np.array(logits))
+    params = SamplingParams(temperature=1.0)
+    rows = [Row(Request(f"k{i}", [1]), CacheRow("k"), RowSampler(SamplingParams(temperature=1.0, seed=i)), 10, 0.0,
+                out=[1]) for i in range(N)]
+    x = 1  # the proposal: p(x) = 0.2
+    # position 0 (proposal x checked) and position 1 (the bonus after an accepted x), each row's own keys
+    keys = [key_chain(r.sampler.key, 2)[0] for r in rows]
+    flat_rows = [r for r in rows for _ in range(2)]
+    got = sample_batch(mx.broadcast_to(logits, (2 * N, V)), flat_rows, steps=[1, 2] * N,
+                       keys=[k for ks in keys for k in ks]).tokens.tolist()
+    kept = []
+    accepted = 0
+    for i in range(N):
+        a = accepted_prefix(got[2 * i:2 * i + 2], [x])
+        accepted += a
+        kept.append(got[2 * i])  # accepted: x itself; else the residual draw
+    assert abs(accepted / N - p[x]) < 4 * math.sqrt(p[x] * (1 - p[x]) / N)
+    assert _chi2_ok(np.bincount(kept, minlength=V), p)
+    rejected = [t for t in kept if t != x]
+    resid = p.copy()
+    resid[x] = 0
+    assert _chi2_ok(np.bincount(rejected, minlength=V), resid / resid.sum() + 1e-12 * (resid == 0))
+    # a verifier that skipped the check would keep x every time
+    assert not _chi2_ok(np.bincount([x] * N, minlength=V), p)
+    assert params.temperature == 1.0
+
+
+# ---- the engine: same tokens -----------------------------------------------------------------
+@pytest.mark.parametrize("family,mode,page", [("llama", "none", 1), ("llama", "none", 16), ("qwen3", "none", 64),
+                                              ("llama", "q8", 16), ("qwen3", "q4", 64), ("qwen3", "q8", 16)])
+def test_greedy_tokens_identical(tiny_model, family, mode, page):
+    """Six rows through four slots (rows join and leave), greedy: the same tokens, and the pool empty after."""
+    m = tiny_model(family=family)
+    ref, got, eng = _both(m, _requests, mode=mode, page=page)
+    _same(ref, got)
+    s = eng.summary()
+    assert s["spec_accepted"] > 0 and sum(r.stats.spec_accepted for r in got) == s["spec_accepted"]
+    assert s["pages_in_use"] == 0 and s["rows_running"] == 0
+
+
+@pytest.mark.parametrize("mode,page", [("none", 1), ("q8", 16)])
+def test_sampled_tokens_identical_with_rejections(tiny_model, mode, page):
+    """Sampled rows (temperature 1 with top_k 2, and temperature 0.15): the tokens each seed gets
+    without speculation, with proposals accepted and rejected."""
+    m = tiny_model()
+
+    def reqs():
+        out = _requests(3, temperature=1.0, top_k=2)
+        return out + [Request(f"t{i}", p, SamplingParams(max_tokens=40, temperature=0.15, seed=10 + i))
+                      for i, p in enumerate(prompts(3))]
+    ref, got, eng = _both(m, reqs, mode=mode, page=page)
+    _same(ref, got)
+    s = eng.summary()
+    assert s["spec_accepted"] > 0 and s["spec_proposed"] > s["spec_accepted"]
+
+
+def test_no_page_holds_a_rejected_token_after_a_step(tiny_model):
+    """Page size 1 (each rejected token had a page of its own): after every step each running row
+    holds exactly the pages of its stored tokens, reserves nothing beyond them, and the pool's pages
+    in use are the rows' pages and no more."""
+    m = tiny_model()
+    eng = _engine(m, NGRAM, page=1, prefix_cache=False)
+    for r in _requests(4, temperature=0.15):
+        eng.add(r)
+    rejected = 0
+    while eng.has_unfinished():
+        eng.step()
+        running = eng.scheduler.running
+        for row in running:
+            if not row.prefilling:
+                assert len(row.kv.pages) == row.kv.length == row.kv.reserved == row.prompt_len + len(row.out) - 1
+        assert eng.cache.pool.in_use == len({p for row in running for p in row.kv.pages})
+        s = eng.summary()
+        rejected = s["spec_proposed"] - s["spec_accepted"]
+    assert rejected > 0 and eng.summary()["pages_in_use"] == 0
+
+
+def test_preemption_mid_speculation_keeps_only_accepted_tokens(tiny_model):
+    """Optimistic admission in a budget for about two rows: rows are preempted while speculating and
+    resume with their accepted tokens only; the same tokens as without speculation."""
+    m = tiny_model()
+    probe = _engine(m, None, max_batch=6, admission="reserve")
+    budget = probe.memory.bytes_for([60 + 60] * 2, 60)
+
+    def reqs():
+        return [Request(f"r{i}", p, SamplingParams(max_tokens=60, temperature=0.15, seed=i))
+                for i, p in enumerate(prompts(6))]
+    ref, got, eng = _both(m, reqs, max_batch=6, admission="optimistic", memory_budget=budget)
+    _same(ref, got)
+    s = eng.summary()
+    assert s["preemptions"] > 0 and s["spec_accepted"] > 0 and all(r.ok for r in got)
+
+
+def test_prefix_cache_holds_only_accepted_tokens(tiny_model):
+    """A second wave whose prompts are the first wave's prompts and outputs takes the cached pages
+    (including pages of generated tokens) and continues exactly as without speculation."""
+    m = tiny_model()
+
+    def run(spec):
+        eng = _engine(m, spec, page=16)
+        first = eng.generate(_requests(4, temperature=0.15))
+        again = [Request(f"b{r.key}", p + r.tokens, SamplingParams(max_tokens=20, temperature=0.15, seed=3))
+                 for r, p in zip(first, prompts(4))]
+        return first + eng.generate(again), eng.summary()
+    (ref, s0), (got, s1) = run(None), run(NGRAM)
+    _same(ref, got)
+    assert s1["prompt_tokens_cached"] == s0["prompt_tokens_cached"] > 0 and s1["spec_accepted"] > 0
+
+
+def test_samples_stop_rules_and_logprobs(tiny_model):
+    """n samples forked from one prefill, a stop string, min_tokens and logprobs: as without speculation."""
+    m = tiny_model()
+    tok = m[1]
+
+    def reqs():
+        ps = prompts(3)
+        base = Request("n", ps[0], SamplingParams(max_tokens=30, temperature=0.15, seed=5), group="n")
+        out = samples(base, 3)
+        # the first row's greedy run token, as text: a stop string met after min_tokens
+        out.append(Request("stop", ps[0], SamplingParams(max_tokens=40, stop=(tok.decode([28]) * 3,), min_tokens=6)))
+        out.append(Request("lp", ps[2], SamplingParams(max_tokens=25, logprobs=3)))
+        out.append(Request("min", ps[0], SamplingParams(max_tokens=25, min_tokens=20, temperature=0.15, seed=9)))
+        return out
+    ref, got, eng = _both(m, reqs)
+    _same(ref, got)
+    assert got[3].finish_reason == "stop" and len(got[3].tokens) >= 6
+    lp_ref, lp_got = ref[4].logprobs, got[4].logprobs
+    assert lp_ref is not None and lp_got is not None and len(lp_got.tokens) == len(got[4].tokens)
+    assert np.allclose(lp_ref.tokens, lp_got.tokens, atol=1e-4)
+    assert [[t for t, _ in top] for top in lp_ref.top] == [[t for t, _ in top] for top in lp_got.top]
+    assert eng.summary()["spec_accepted"] > 0
+
+
+def test_constrained_and_penalized_rows_beside_speculating_rows(tiny_model):
+    """Constrained (json_object) and penalized rows never propose; in a verification pass they take part with
+    their one token and get what they get without speculation, as do the speculating rows beside them."""
+    m = tiny_model()
+
+    def reqs():
+        out = _requests(3)
+        out.append(Request("json", [1, 2, 3], SamplingParams(max_tokens=12, temperature=1.0, seed=4,
+                                                             grammar=grammar_from_format("json_object"))))
+        out.append(Request("pen", prompts(1)[0], SamplingParams(max_tokens=20, presence_penalty=1.5)))
+        return out
+    ref, got, eng = _both(m, reqs)
+    _same(ref, got)
+    assert got[3].stats.spec_proposed == got[4].stats.spec_proposed == 0
+    assert eng.summary()["spec_accepted"] > 0
+
+
+def test_a_row_that_never_fits_is_refused(tiny_model):
+    m = tiny_model()
+    probe = _engine(m, None)
+    budget = probe.memory.bytes_for([60 + 40], 60)
+    eng = _engine(m, NGRAM, memory_budget=budget)
+    res = eng.generate([Request("big", prompts(1)[0], SamplingParams(max_tokens=5000)),
+                        Request("ok", prompts(1)[0], SamplingParams(max_tokens=20))])
+    assert res[0].error_code == INSUFFICIENT_MEMORY and res[1].ok and len(res[1].tokens) == 20
+    # the verification window is priced: the step workspace of k + 1 tokens a row, logits at each
+    assert eng.memory.step_workspace(64, 1000) > 2 * probe.memory.step_workspace(64, 1000)
+
+
+def test_disable_by_batch_size(tiny_model):
+    """Above the batch size no row proposes; at or below it they do (and the tokens stay the same)."""
+    m = tiny_model()
+    ref = _engine(m, None).generate(_requests(4))
+    off = _engine(m, {**NGRAM, "disable_by_batch_size": 3})
+    on = _engine(m, {**NGRAM, "disable_by_batch_size": 4})
+    _same(ref, off.generate(_requests(4)))
+    _same(ref, on.generate(_requests(4)))
+    assert on.summary()["spec_accepted"] > off.summary()["spec_accepted"]
+    # the last rows (fewer than 4 decoding) speculate even under 3
+    assert off.summary()["spec_proposed"] < on.summary()["spec_proposed"]
+
+
+def test_bad_speculative_setting_fails_at_once(tiny_model):
+    with pytest.raises(KvbatchConfigError, match="speculative.method"):
+        _engine(tiny_model(), {"method": "eagle"})
+    with pytest.raises(KvbatchConfigError, match="speculative.prompt_lookup_max"):
+        _engine(tiny_model(), {"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2})

@@ -1,0 +1,33 @@
+"""speculative.method through the whole job: results columns, summary.json, the progress line, the folder hash."""
+from __future__ import annotations
+
+import io
+import json
+
+import pyarrow.parquet as pq
+
+from kvbatch.pipeline.progress import Progress
+from kvbatch.pipeline.summary import one_line
+from tests.pipeline.test_pipeline import _write, run_app  # noqa: F401  (the fixture)
+
+
+def test_job_with_ngram_speculation_records_acceptance_and_matches_without(run_app, tmp_path):  # noqa: F811
+    src = _write(tmp_path, [{"id": f"r{i}", "prompt": "the cat sat on the mat. " * (3 + i)} for i in range(3)])
+    plain, _ = run_app(f"job.input={src}", "job.max_tokens=24")
+    spec, _ = run_app(f"job.input={src}", "job.max_tokens=24", "speculative.method=ngram")
+    assert spec.parent != plain.parent  # the speculative section is part of the output folder's hash
+    a, b = pq.read_table(plain).to_pylist(), pq.read_table(spec).to_pylist()
+    assert [r["output_token_ids"] for r in a] == [r["output_token_ids"] for r in b]
+    assert all(r["spec_proposed"] == 0 for r in a)
+    assert sum(r["spec_accepted"] for r in b) > 0 and all(r["spec_accepted"] <= r["spec_proposed"] for r in b)
+    s = json.loads((spec.parent / "summary.json").read_text())
+    assert s["spec_accepted"] == sum(r["spec_accepted"] for r in b) and 0 < s["spec_acceptance"] <= 1
+    assert s["engine"]["speculative"] == "ngram" and s["engine"]["spec_passes"] > 0
+    assert "spec acceptance" in one_line(s)
+
+
+def test_progress_line_shows_the_acceptance_rate():
+    p = Progress(4, 100, mode="off", stream=io.StringIO(), clock=lambda: 10.0)
+    assert "spec" not in p.line()
+    p.speculation = (200, 150)
+    assert p.line().endswith(", spec acceptance 75%")
