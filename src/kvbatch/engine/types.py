@@ -49,6 +49,7 @@ class RowStats:
     queue_s: Optional[float] = None  # from add() to admission (waiting for a slot or memory)
     preemptions: int = 0
     cached_tokens: int = 0  # prompt tokens taken from cached or shared pages instead of computed
+    resumed_tokens: int = 0  # output tokens kept from a checkpoint: generated before this run (engine/resume.py)
     decode_tps: Optional[float] = None
     wall_s: float = 0.0
     peak_kv_bytes: int = 0
