@@ -34,13 +34,12 @@ from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.memory import MemoryModel, format_plan, layout_for, resolve_budget
 from kvbatch.engine.output import OutputProcessor
 from kvbatch.engine import resume
-from kvbatch.engine.resume import RowCheckpoint
 from kvbatch.engine.plan import Chunk, StepPlan
 from kvbatch.engine.row import Row
 from kvbatch.engine.runner import LookaheadStepper, PrefillPass, Runner, SyncStepper, TokenPass
 from kvbatch.engine.sampling import RowSampler
 from kvbatch.engine.scheduler import Scheduler
-from kvbatch.engine.types import Logprobs, ModelSpec, Request, Result
+from kvbatch.engine.types import Logprobs, ModelSpec, Request, Result, RowCheckpoint
 
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -105,8 +104,8 @@ class Engine:
     def add(self, req: Request, score=None, checkpoint: Optional[RowCheckpoint] = None) -> None:
         """Queue a row; it is admitted by a later step() when a slot and memory allow. score: a
         TeacherForced scorer (engine/scoring.py, which adds such rows itself). checkpoint: the row
-        continues from these kept tokens (engine/resume.py; ValueError when it cannot: the caller
-        starts it over)."""
+        continues from these kept tokens (engine/resume.py; CheckpointRefused when it cannot: the
+        caller starts it over)."""
         p = req.sampling
         worst = min(len(req.prompt_tokens) + max(p.max_tokens, 0), self.spec.context_length)
         matcher, problem = None, None
@@ -123,7 +122,7 @@ class Engine:
             why = resume.problem(row, checkpoint, self.spec.vocab_size, self.spec.context_length) \
                 or resume.restore(row, checkpoint)
             if why:
-                raise ValueError(why)
+                raise resume.CheckpointRefused(why)
         if problem:  # a grammar llguidance rejects: the row ends now, with its error
             self.output.finish(row, "error", *problem)
             return
@@ -162,12 +161,14 @@ class Engine:
         s.running.clear()
         return reqs
 
-    def checkpoints(self) -> dict[str, RowCheckpoint]:
-        """Row key -> checkpoint of every row that has generated tokens and not ended (running, or
-        waiting after a preemption), at this step boundary (a lookahead step in flight is not in it:
-        the row's stream is read at its landed tokens)."""
-        s = self.scheduler
-        return {r.req.key: resume.take(r) for r in (*s.running, *s.waiting) if r.out and not r.ended}
+    def checkpoints(self, saved: Optional[dict[str, int]] = None, min_new: int = 1) -> dict[str, RowCheckpoint]:
+        """Row key -> checkpoint of every row not ended (running, or waiting after a preemption) that
+        holds at least `min_new` tokens more than `saved` says it had at its last checkpoint (none: 0),
+        at this step boundary (a lookahead step in flight is not in it: the row is read at its landed
+        tokens, its random stream at their count)."""
+        s, saved = self.scheduler, saved or {}
+        return {r.req.key: resume.take(r) for r in (*s.running, *s.waiting)
+                if not r.ended and len(r.out) - saved.get(r.req.key, 0) >= max(min_new, 1)}
 
     def run(self) -> Iterator[Result]:
         """Results as rows finish, until nothing is waiting or running."""

@@ -10,21 +10,18 @@ and samples its next token from the last position's logits, so there is one way 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Optional
 
 from kvbatch.engine import grammar
 from kvbatch.engine.row import Row
-from kvbatch.engine.types import Logprobs
+from kvbatch.engine.types import Logprobs, RowCheckpoint
 
 
-@dataclass
-class RowCheckpoint:
-    """A row's generated tokens at a step boundary, and its output logprobs so far (rows that record them)."""
+__all__ = ["CheckpointRefused", "RowCheckpoint", "problem", "restore", "take"]
 
-    tokens: list[int]
-    logprobs: Optional[list[float]] = None  # one per token
-    top: list[list[tuple[int, float]]] = field(default_factory=list)  # per token: (id, logprob), best first
+
+class CheckpointRefused(ValueError):
+    """A row cannot continue from the checkpoint it was given (Engine.add): the caller starts it over."""
 
 
 def take(row: Row) -> RowCheckpoint:

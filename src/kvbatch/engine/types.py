@@ -72,6 +72,15 @@ class Logprobs:
 
 
 @dataclass
+class RowCheckpoint:
+    """A row's generated tokens at a step boundary, and its output logprobs so far (rows that record them)."""
+
+    tokens: list[int]
+    logprobs: Optional[list[float]] = None  # one per token
+    top: list[list[tuple[int, float]]] = field(default_factory=list)  # per token: (id, logprob), best first
+
+
+@dataclass
 class Result:
     """What the engine returns for one row: its tokens and text, why it ended, and its stats."""
 

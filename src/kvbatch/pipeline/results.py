@@ -77,6 +77,8 @@ class ResultRecord:
     ttft_s: Optional[float] = _col(pa.float64())  # from the row's admission to its first token
     queue_s: Optional[float] = _col(pa.float64())  # from submission to admission (waiting for a slot or memory)
     preemptions: int = _col(pa.int32(), 0)  # times its pages were freed to make room (it resumed each time)
+    resumed_tokens: int = _col(pa.int32(), 0)  # output tokens carried over from a checkpoint (made by an earlier run)
+    checkpoints: int = _col(pa.int32(), 0)  # times a worker checkpointed the row while it ran (pipeline/checkpoints.py)
     decode_tps: Optional[float] = _col(pa.float64())
     wall_s: Optional[float] = _col(pa.float64())
     peak_kv_bytes: Optional[int] = _col(pa.int64())

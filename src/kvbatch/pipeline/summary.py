@@ -61,7 +61,12 @@ def build(table: pa.Table, counts: dict[str, int], sessions: list[dict], this_ru
         "preemptions": col("preemptions"),  # engine.admission=optimistic: rows' pages freed and recomputed
         "this_run": {"rows": run.get("rows", 0), "generated_tokens": run.get("tokens", 0),
                      "wall_s": run.get("wall_s", 0.0),
-                     "tokens_per_s": run_tps},
+                     "tokens_per_s": run_tps,
+                     # output tokens rows continued from (checkpoints of earlier runs), and tokens this run
+                     # generated beyond the last checkpoint of rows it handed back (generated again later)
+                     "tokens_carried_over": run.get("resumed_tokens", 0), "tokens_lost": run.get("lost_tokens", 0),
+                     "checkpoints": run.get("checkpoints", 0)},
+        "resumed_tokens": col("resumed_tokens"),  # results' output tokens carried over from checkpoints
         "tokens_per_s": total_tokens / total_wall if total_wall else None,
         "kv_mode": last.get("kv_mode", extra.get("kv_mode")),
         "route": last.get("route"),
@@ -109,6 +114,8 @@ def one_line(s: dict) -> str:
     speed = f"{run['tokens_per_s']:.1f} tok/s" if run["tokens_per_s"] else "nothing generated this run"
     mem = f", peak {fmt_bytes(s['peak_memory_bytes'])}" if s.get("peak_memory_bytes") else ""
     rest = f", {s['rows_remaining']} remaining" if s["rows_remaining"] else ""
+    kept = (f", {run['tokens_carried_over']} carried over from checkpoints, {run['tokens_lost']} lost"
+            if run.get("tokens_carried_over") or run.get("tokens_lost") else "")
     return (f"kvbatch: {s['rows']} rows ({s['rows_ok']} ok{', ' + errs if errs else ''}){rest}; "
-            f"{run['generated_tokens']} tokens in {run['wall_s']:.1f}s ({speed}); "
+            f"{run['generated_tokens']} tokens in {run['wall_s']:.1f}s ({speed}){kept}; "
             f"kv={s['kv_mode']} route={s['route'] or '-'}{mem}; blas={s.get('blas', '-')}")
