@@ -121,7 +121,7 @@ class WorkStats:
     """What one worker run did: rows, tokens, wall time, retries, released rows and whether the deadline stopped it."""
 
     rows: int = 0
-    tokens: int = 0
+    tokens: int = 0  # generated in this run (rows finished, and rows in flight when it stopped)
     wall_s: float = 0.0
     retried: int = 0
     released: int = 0  # in-flight rows handed back (deadline, Ctrl-C, SIGTERM)
@@ -164,7 +164,6 @@ class Worker:
         self.saved: dict[str, int] = {}
         self.saves: dict[str, int] = {}
         self.last_checkpoint = time.monotonic()
-        self.run_tokens = 0  # tokens generated in this run (debug.deadline_after_tokens)
         self.stopping: Optional[KeyboardInterrupt] = None  # the first Ctrl-C / SIGTERM: stop at the next step
 
     # ---- records ---------------------------------------------------------------------------
@@ -222,7 +221,7 @@ class Worker:
         d = self.cfg.debug
         if (self.deadline is not None and time.time() >= self.deadline) or \
                 (d.deadline_after_rows is not None and self.results >= d.deadline_after_rows) or \
-                (d.deadline_after_tokens is not None and self.run_tokens >= d.deadline_after_tokens):
+                (d.deadline_after_tokens is not None and self.stats.tokens >= d.deadline_after_tokens):
             self.stats.stopped_by_deadline = True
             return True
         return False
@@ -308,13 +307,11 @@ class Worker:
         return {k: cks[k] for k in stored}
 
     def _checkpoint_due(self) -> None:
-        """worker.checkpoint_every: every row when the interval passed; rows with enough new tokens."""
-        every, now = self.cfg.worker.checkpoint_every, time.monotonic()
-        if every.seconds and now - self.last_checkpoint >= every.seconds:
+        """worker.checkpoint_every.seconds (looked at on the heartbeat): every row once the interval passed."""
+        every, now = self.cfg.worker.checkpoint_every.seconds, time.monotonic()
+        if every and now - self.last_checkpoint >= every:
             self.checkpoint()
             self.last_checkpoint = now
-        elif every.tokens:
-            self.checkpoint(every.tokens)
 
     def _forget(self, key: str) -> None:
         """A row leaves this worker (finished, retried, handed back): its checkpoint bookkeeping goes."""
@@ -337,7 +334,6 @@ class Worker:
         c, p = self.inflight.pop(res.key), self.params.pop(res.key, None)
         if self.alone == res.key:
             self.alone = None
-        self.stats.tokens += len(res.tokens) - res.stats.resumed_tokens
         if res.error_code == INTERNAL_ERROR and c.attempt < self.cfg.worker.max_attempts:
             self.q.release(self.id, [c.key], "retry")
             self.stats.retried += 1
@@ -357,7 +353,7 @@ class Worker:
         """The tokens generated since the last step: counted, and shown on the progress line."""
         if self.eng is not None:
             n = self.eng.generated_tokens
-            self.run_tokens += n - self.seen_tokens
+            self.stats.tokens += n - self.seen_tokens
             if self.progress:
                 self.progress.tokens(n - self.seen_tokens)
             self.seen_tokens = n
@@ -427,6 +423,7 @@ class Worker:
             return
         cancelled = False
         last = time.monotonic()
+        by_tokens = self.cfg.worker.checkpoint_every.tokens
         while self._engine(eng.has_unfinished):
             done = self._engine(eng.step)
             self._tick()
@@ -437,6 +434,8 @@ class Worker:
                 self._stop_engine(eng)
                 cancelled = True
                 continue
+            if by_tokens:  # rows that made that many tokens since their last checkpoint (a scan of the batch)
+                self.checkpoint(by_tokens)
             if done or time.monotonic() - last >= HEARTBEAT_S:
                 last = time.monotonic()
                 self._checkpoint_due()
