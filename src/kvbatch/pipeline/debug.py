@@ -5,7 +5,8 @@ Not for production use. Set `KVBATCH_DEBUG_CRASH_AT` to one or more comma-separa
 - `POINT:N` - the N-th time this process reaches POINT, it kills itself with SIGKILL
   (no cleanup, no finally blocks, no atexit: the same as `kill -9` from outside);
 - `POINT:N:pause` - instead, print `kvbatch-debug: paused at POINT N (pid PID)` on stderr
-  and sleep, so a test can `kill -9` the process from outside at that exact point;
+  and wait for a signal, so a test can `kill -9` the process from outside at that exact point
+  (or send SIGTERM: the process goes on from there and handles it);
 - `POINT:N:term` - instead, send this process SIGTERM and go on (a stop request arriving
   there: the worker's first-signal path; two such specs at one place: the second signal);
 - `row:KEY` - kill the process every time row KEY starts its prefill (a row that kills
@@ -23,7 +24,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -76,8 +76,8 @@ def active() -> bool:
 def _die(what: str, pause: bool) -> None:
     if pause:
         print(f"kvbatch-debug: paused at {what} (pid {os.getpid()})", file=sys.stderr, flush=True)
-        while True:
-            time.sleep(3600)
+        signal.pause()  # until a signal with a handler (SIGTERM, Ctrl-C) comes; kill -9 ends it here
+        return
     print(f"kvbatch-debug: killing myself at {what} (pid {os.getpid()})", file=sys.stderr, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 
