@@ -4,10 +4,10 @@ The same job (prompts of mixed length, greedy, whole processes timed from start 
 job.job_vs_mlx_lm) three ways, alternating within each round so drift on a shared machine is spread: periodic
 checkpoints off, at the default interval, and at a dense interval (`--dense`, every second: many more
 checkpoints than the default makes, so its cost is measurable in a short job). Reported per round: tok/s of each
-and the ratios to `off`, the checkpoints each made (summary.json), and from the dense side the cost of one
-checkpoint of the batch (extra wall / checkpoints), which gives the default's cost at any job length:
-per-checkpoint cost / default interval. The outputs must be identical on every side (checkpoints never change
-tokens).
+and the ratios to `off`, the row checkpoints each saved and the share of its wall the worker spent in them
+(summary.json), and from the dense side the default's cost at any job length: the dense side's extra share of
+time (its wall over `off`'s, and the time measured inside its checkpoints) x dense interval / default
+interval. The outputs must be identical on every side (checkpoints never change tokens).
 
     python -m benchmarks job.checkpoint_cost --model smollm2 --rows 32 --new 256 --rounds 2
 """
@@ -44,6 +44,7 @@ def _side(a, name: str, extra: list[str], inp: Path, out: Path) -> dict:
     r = run_kvbatch(shlex.split(a.kvbatch_cmd), inp, out, a.model, {}, a.new, extra)
     s = json.loads((out / "summary.json").read_text())
     r["checkpoints"] = s["this_run"].get("checkpoints", 0)
+    r["checkpoint_s"] = s["this_run"].get("checkpoint_s", 0.0)  # measured inside the worker
     return r
 
 
@@ -62,24 +63,29 @@ def run(a) -> dict:
         line = {"round": k, "order": order, **{f"{n}_tok_s": got[n]["tok_s"] for n in sides},
                 **{f"{n}_wall_s": got[n]["wall_s"] for n in sides},
                 **{f"{n}_checkpoints": got[n]["checkpoints"] for n in sides},
+                **{f"{n}_checkpoint_share": got[n]["checkpoint_s"] / got[n]["wall_s"] for n in sides},
                 "identical": all(got[n]["outputs"] == got[order[0]]["outputs"] for n in sides)}
         off, dense = got.get("off"), got.get("dense")
         if off and "default" in got:
             line["default_vs_off"] = got["default"]["tok_s"] / off["tok_s"]
         if off and dense:
             line["dense_vs_off"] = dense["tok_s"] / off["tok_s"]
-            if dense["checkpoints"]:
-                line["dense_s_per_checkpoint"] = (dense["wall_s"] - off["wall_s"]) / dense["checkpoints"]
+            line["dense_extra_share"] = dense["wall_s"] / off["wall_s"] - 1
         print(json.dumps(line), flush=True)
         rounds.append(line)
     def median(key: str):
         vals = [r[key] for r in rounds if key in r]
         return statistics.median(vals) if vals else None
 
-    per = median("dense_s_per_checkpoint")
+    extra, inside = median("dense_extra_share"), median("dense_checkpoint_share")
     result = {"median_default_vs_off": median("default_vs_off"), "median_dense_vs_off": median("dense_vs_off"),
-              "median_s_per_checkpoint": per, "identical": all(r["identical"] for r in rounds), "rounds": rounds}
-    if per is not None:  # the default's cost at any job length: one checkpoint of the batch every default interval
-        result["default_cost_fraction"] = max(per, 0.0) / a.default_seconds
+              "median_dense_extra_share": extra, "median_dense_checkpoint_share": inside,
+              "identical": all(r["identical"] for r in rounds), "rounds": rounds}
+    # the default's cost at any job length: the dense side's share of time scaled by the intervals' ratio (from
+    # the wall difference, and from the time the worker measured inside its checkpoints)
+    if extra is not None:
+        result["default_cost_share"] = max(extra, 0.0) * a.dense / a.default_seconds
+    if inside is not None:
+        result["default_cost_share_inside"] = inside * a.dense / a.default_seconds
     print(json.dumps({k: v for k, v in result.items() if k != "rounds"}))
     return result

@@ -293,7 +293,7 @@ def finish(job: Job, q: Queue, stats: Optional[WorkStats], t0: Optional[float] =
         say(f"kvbatch: {len(fin.requeued)} finished rows lost their part; they are queued again")
     run = {"rows": stats.rows, "tokens": stats.tokens, "wall_s": stats.wall_s,
            "resumed_tokens": stats.resumed_tokens, "lost_tokens": stats.lost_tokens,
-           "checkpoints": stats.checkpoints} if stats else None
+           "checkpoints": stats.checkpoints, "checkpoint_s": stats.checkpoint_s} if stats else None
     extra = {"job": job.cfg.job.name, "model": job.cfg.model.name, "kv_mode": job.cfg.kv.mode,
              "options": asdict(job.cfg.engine.options),  # the engine options this config ran with
              "config_hash": job.config_hash, "output_dir": str(job.out_dir), "results": str(fin.path),
@@ -339,7 +339,8 @@ def run(job: Job) -> Path:
             stats = more if stats is None else WorkStats(
                 stats.rows + more.rows, stats.tokens + more.tokens, time.perf_counter() - t0,
                 resumed_tokens=stats.resumed_tokens + more.resumed_tokens,
-                lost_tokens=stats.lost_tokens + more.lost_tokens, checkpoints=stats.checkpoints + more.checkpoints)
+                lost_tokens=stats.lost_tokens + more.lost_tokens, checkpoints=stats.checkpoints + more.checkpoints,
+                checkpoint_s=stats.checkpoint_s + more.checkpoint_s)
         fin, s = finish(job, q, stats, t_start)
     print(summ.one_line(s))
     print(fin.path)

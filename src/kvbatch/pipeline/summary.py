@@ -65,7 +65,7 @@ def build(table: pa.Table, counts: dict[str, int], sessions: list[dict], this_ru
                      # output tokens rows continued from (checkpoints of earlier runs), and tokens this run
                      # generated beyond the last checkpoint of rows it handed back (generated again later)
                      "tokens_carried_over": run.get("resumed_tokens", 0), "tokens_lost": run.get("lost_tokens", 0),
-                     "checkpoints": run.get("checkpoints", 0)},
+                     "checkpoints": run.get("checkpoints", 0), "checkpoint_s": run.get("checkpoint_s", 0.0)},
         "resumed_tokens": col("resumed_tokens"),  # results' output tokens carried over from checkpoints
         "tokens_per_s": total_tokens / total_wall if total_wall else None,
         "kv_mode": last.get("kv_mode", extra.get("kv_mode")),

@@ -131,6 +131,7 @@ class WorkStats:
     resumed_tokens: int = 0  # output tokens rows started with: carried over from checkpoints
     lost_tokens: int = 0  # tokens generated here by rows handed back beyond their last checkpoint
     checkpoints: int = 0  # row checkpoints saved
+    checkpoint_s: float = 0.0  # time spent taking and saving them (what checkpoints cost the run)
     kept_at_stop: int = 0  # tokens of the rows in flight checkpointed at the stop (deadline, Ctrl-C, SIGTERM)
     started_over: dict = field(default_factory=dict)  # reason -> rows whose checkpoint could not be used
 
@@ -297,9 +298,11 @@ class Worker:
         eng = self.eng
         if eng is None:
             return {}
+        t0 = time.perf_counter()
         cks = self._engine(lambda: eng.checkpoints(self.saved, min_new))
         items = [(k, self.fps[k], ck) for k, ck in cks.items() if k in self.fps]
-        stored = checkpoints.save(self.q, self.id, items)
+        stored = checkpoints.save(self.q, self.id, items) if items else []
+        self.stats.checkpoint_s += time.perf_counter() - t0
         for k in stored:
             self.saved[k] = len(cks[k].tokens)
             self.saves[k] = self.saves.get(k, 0) + 1
@@ -347,7 +350,8 @@ class Worker:
         self.results += 1
         if self.progress:
             budget = getattr(record, "max_tokens", None) or 0  # set for every row that was meant to run
-            self.progress.row_done(budget - (record.output_tokens or 0))
+            # tokens it will not generate here: beyond its output, and those carried over from a checkpoint
+            self.progress.row_done(budget - (record.output_tokens or 0) + (record.resumed_tokens or 0))
 
     def _tick(self) -> None:
         """The tokens generated since the last step: counted, and shown on the progress line."""
@@ -407,10 +411,9 @@ class Worker:
         engine cancelled (its rows are handed back by _give_back). Tokens beyond what could be saved
         are counted lost."""
         at_stop = self._engine(eng.checkpoints)
-        kept = self._best_effort(lambda: self.checkpoint()) or {}
-        self.stats.kept_at_stop += sum(len(ck.tokens) for ck in kept.values())
-        self.stats.lost_tokens += sum(len(ck.tokens) - self.saved.get(k, 0) for k, ck in at_stop.items()
-                                      if k not in kept)
+        self._best_effort(lambda: self.checkpoint())
+        self.stats.kept_at_stop += sum(self.saved.get(k, 0) for k in at_stop)
+        self.stats.lost_tokens += sum(len(ck.tokens) - self.saved.get(k, 0) for k, ck in at_stop.items())
         self._engine(eng.cancel)
 
     def _drive(self) -> None:
