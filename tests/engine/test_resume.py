@@ -89,3 +89,15 @@ def test_a_checkpoint_that_cannot_continue_is_refused(tiny_model):
         with pytest.raises(CheckpointRefused):
             eng.add(p, checkpoint=bad)
     assert not eng.has_unfinished()
+
+
+@pytest.mark.smollm2
+def test_smollm2_chat_rows_stopped_mid_answer_continue_to_the_uninterrupted_tokens(smollm2):
+    model, tok, spec = smollm2
+    qs = ["Write a long story about a lighthouse keeper.", "Explain how a bicycle works."]
+    reqs = [Request(f"q{i}", tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True),
+                    SamplingParams(max_tokens=16)) for i, q in enumerate(qs)]
+    ref = {r.key: r.tokens for r in _engine(smollm2, "none").generate(reqs)}
+    got = _stopped_and_resumed(smollm2, "none", reqs, [12])
+    assert {k: r.tokens for k, r in got.items()} == ref
+    assert any(r.stats.resumed_tokens for r in got.values())
