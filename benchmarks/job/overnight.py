@@ -4,8 +4,10 @@ The job (whole `kvbatch` processes, prompts of mixed length, greedy, EOS ignored
 uninterrupted (wall W), then in a fresh folder with `worker.deadline` at `--at` x W (a night that ends early:
 rows in flight are checkpointed at the deadline) and once more without a deadline (the next night: those rows
 continue from their checkpoints). Reported: the two runs' total wall / W (1.0 = nothing lost but a second start),
-tokens carried over, tokens generated in all, and whether the outputs equal the uninterrupted run's. Alternates
-nothing (the runs depend on each other); run it more than once on a shared machine.
+the same for the workers' own time (process start and model load left out: an overnight job amortizes them),
+tokens carried over, tokens generated in all (= tokens out: nothing generated twice), and whether the outputs
+equal the uninterrupted run's. Alternates nothing (the runs depend on each other); run it more than once on a
+shared machine.
 
     python -m benchmarks job.overnight --model smollm2 --rows 64 --new 4096 --at 0.5
 """
@@ -43,6 +45,7 @@ def run(a) -> dict:
     cmd = shlex.split(a.kvbatch_cmd)
     whole = run_kvbatch(cmd, inp, tmp / "whole", a.model, {}, a.new, extra) if a.wall is None \
         else {"wall_s": a.wall, "outputs": None}
+    work = json.loads((tmp / "whole" / "summary.json").read_text())["this_run"]["wall_s"] if a.wall is None else None
     deadline = max(1, int(a.at * whole["wall_s"]))
     first = run_kvbatch(cmd, inp, tmp / "nights", a.model, {}, a.new, extra + [f"worker.deadline={deadline}s"])
     s1 = json.loads((tmp / "nights" / "summary.json").read_text())
@@ -54,6 +57,8 @@ def run(a) -> dict:
               "tokens_carried_over": s2["this_run"]["tokens_carried_over"],
               "tokens_generated": s1["this_run"]["generated_tokens"] + s2["this_run"]["generated_tokens"],
               "tokens_out": second["tokens"],
+              # the workers' own time (model load and process start left out: a night's job amortizes them)
+              "work_vs_uninterrupted": (s1["this_run"]["wall_s"] + s2["this_run"]["wall_s"]) / work if work else None,
               "identical": None if whole["outputs"] is None else second["outputs"] == whole["outputs"]}
     print(json.dumps(result))
     return result
