@@ -20,6 +20,10 @@ BENCHMARKS = {
     "engine.admission": "admission under a memory budget: optimistic vs reserve, rows per KV mode, a long "
                         "run that grows the pool",
     "engine.fork_cost": "what a fork of n samples costs, at two pool sizes",
+    "engine.mac_check": "one command for a Mac: the engine's tests on Metal, the portable route against mlx-lm "
+                        "at 1k/8k/16k, a 30k-token answer, the max_batch ceiling (one JSON to paste into an issue)",
+    "engine.portable_decode": "the portable route's decode step (Metal's): pages read in place vs gathered, ms "
+                              "and workspace as a share of the KV",
     "engine.decoding_controls": "decode tok/s free, with logprobs, and held to a JSON schema",
     "cpu.decode_attention": "one layer's CPU decode attention: dense routes (--kv none) and packed pages "
                             "gathered vs in place (--kv q8,q4)",

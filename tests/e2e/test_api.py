@@ -52,3 +52,11 @@ def test_generate_resumes_in_its_output_folder(tmp_path, model_cache_dir, monkey
     with pytest.raises(ConfigError, match="temprature: unknown option"):
         kvbatch.generate(["x"], temprature=1.0, **opts)
     capsys.readouterr()
+
+
+def test_generate_writes_nothing_to_stdout(model_cache_dir, capfd):
+    """A library: no plan, summary or path of a temporary file on stdout (or stderr), progress off."""
+    table = kvbatch.generate(["The cat"], model="tiny", max_tokens=2, **{"model.cache_dir": str(model_cache_dir)})
+    assert table.num_rows == 1
+    captured = capfd.readouterr()
+    assert captured.out == "" and captured.err == "", captured

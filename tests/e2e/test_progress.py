@@ -32,7 +32,7 @@ ROW = '{"id": "long", "prompt": "Tell me a long story."}\n'  # the tiny model ru
 # one bar draw: "<tokens>/<budget> [... rows <done>/<total>, ...]"
 DRAW = re.compile(r"(\d+(?:\.\d+)?[kMG]?)/(\d+(?:\.\d+)?[kMG]?) \[[^\]]*?rows (\d+)/(\d+)")
 LINE = re.compile(r"kvbatch: progress: (\d+)/(\d+) rows, (\d+)/(\d+) tokens, ([\d.]+) tok/s, elapsed (\S+), "
-                  r"ETA (\S+), mem \S+")
+                  r"ETA (\S+), rss \S+")
 
 
 def _args(tmp_path, model_cache_dir, *more):
@@ -113,9 +113,9 @@ def test_the_worker_reports_tokens_every_step_before_the_row_finishes(tmp_path, 
             events.append(("tokens", n))
             super().tokens(n)
 
-        def row_done(self, unused_budget: int = 0) -> None:
+        def row_done(self, unused_budget: int = 0, generated=None) -> None:
             events.append(("row", unused_budget))
-            super().row_done(unused_budget)
+            super().row_done(unused_budget, generated)
 
     monkeypatch.setattr(actions, "Progress", Recording)
     (tmp_path / "long.jsonl").write_text(ROW)
@@ -177,3 +177,32 @@ def test_plain_progress_lines_when_stderr_is_not_a_terminal(tmp_path, model_cach
     assert lines and lines[-1][:4] == ("1", "1", "1500", "1500"), text
     assert lines[-1][6] == "0s"  # ETA: nothing left
     assert "\r" not in text and "|" not in text.replace("kvbatch: progress", "")  # no bar in a log file
+
+
+def test_eta_within_2x_of_the_truth_once_a_quarter_of_the_rows_finished():
+    """Answers end at a tenth of max_tokens (5..15 of 100): the ETA follows the answers seen so far,
+    not the budget. A simulated batch of 8 makes one token per row per second on a manual clock."""
+    clock = ManualClock(0.0)
+    rows, max_tokens, slots = 40, 100, 8
+    lengths = [5 + (i * 7) % 11 for i in range(rows)]  # 5..15, mean 10
+    p = Progress(rows, rows * max_tokens, "off", clock=clock)
+    queue, running, etas = list(lengths), {}, []
+    t, nxt = 0, 0
+    while queue or running:
+        while queue and len(running) < slots:
+            running[nxt], nxt = [queue.pop(0), 0], nxt + 1
+        clock.advance(1)
+        t += 1
+        p.tokens(len(running))
+        for k in list(running):
+            running[k][1] += 1
+            if running[k][1] == running[k][0]:
+                del running[k]
+                p.row_done(max_tokens - running.get(k, [0, lengths[k]])[1], lengths[k])
+                if rows // 4 <= p.rows <= rows * 3 // 4:
+                    etas.append((t, p.eta_s()))
+    end = t
+    for at, eta in etas:
+        truth = end - at
+        assert truth / 2 <= eta <= truth * 2, (at, eta, truth)
+    assert len(etas) > 10

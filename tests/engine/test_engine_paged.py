@@ -16,7 +16,7 @@ from mlx_lm.models import llama, mamba
 
 from kvbatch.engine.backend import on_cpu
 from kvbatch.engine.config import EngineOptions
-from kvbatch.engine.kv.routes.dense import DenseRoute
+from kvbatch.engine.kv.routes.portable import PortableDenseRoute
 from kvbatch.engine.kv.routes.select import select_route
 from kvbatch.engine.engine import Engine
 from kvbatch.engine.testing import engine_config
@@ -77,8 +77,9 @@ def pool_is_empty(eng: Engine) -> None:
 @pytest.mark.parametrize("P,route", [(4, "auto"), (16, "auto"), (16, "portable")],
                          ids=["page4", "page16", "page16-portable"])  # page16: CPU decode reads pages in place
 def test_teacher_forced_logits_match_mlx_lm(tiny_model, geometry, P, route):
-    """route=portable (what Apple's Metal backend runs: pages gathered, MLX's SDPA, no CPU-only
-    reads, no CUDA kernel) against the same reference, on every backend."""
+    """route=portable (what Apple's Metal backend runs: decode reads the pages in place with gather_mm,
+    prefill gathers them for MLX's SDPA; no CPU-only kernels, no CUDA kernel) against the same
+    reference, on every backend."""
     m = tiny_model(**geometry)
     model, _, spec = m
     steps = 300
@@ -94,7 +95,7 @@ def test_teacher_forced_logits_match_mlx_lm(tiny_model, geometry, P, route):
                                 spec.num_heads, opts)
     assert attention.in_place == (P >= 16 and on_cpu() and route == "auto")
     if route == "portable":
-        assert type(attention) is DenseRoute and not attention.grouped
+        assert type(attention) is PortableDenseRoute and not attention.grouped
         assert eng.summary()["route"] == "paged_sdpa"
     for i in range(len(prompts)):
         eng.hooks.force(f"r{i}", refs[i][0])

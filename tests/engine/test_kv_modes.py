@@ -22,7 +22,7 @@ from kvbatch.engine.errors import KvbatchConfigError
 from kvbatch.engine.gate import VALIDATED
 from kvbatch.engine.kv.rotation import hadamard
 from kvbatch.engine.memory import kv_layout, layout_for
-from kvbatch.engine.kv.routes import quant
+from kvbatch.engine.kv.routes import portable
 from kvbatch.engine.kv.routes.cuda import ROUTE_CUDA_Q
 from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.types import Request
@@ -96,7 +96,7 @@ def test_mode_matches_stored_pages_reference(tiny_model, name, family, head_dim,
     assert (s["key_bits"], s["value_bits"], s["kv_k_axis"]) == (kb, vb, st.k_axis)
     assert (s["rotate_keys"], s["full_precision_tokens"]) == (lay.rotate_keys, lay.full_precision_tokens)
     if route == "portable":
-        assert type(cache.attention) is quant.QuantRoute and st.k_axis == "token"
+        assert type(cache.attention) is portable.PortableQuantRoute and st.k_axis == "token"
     # the pages hold keys and values at their own bits
     assert st.q[0][0].shape[-1] == k_width and st.q[0][3].shape[-1] == D * vb // 32
     rot = mx.array(hadamard(D).astype("float32")) if lay.rotate_keys else None

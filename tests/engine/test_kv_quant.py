@@ -28,7 +28,7 @@ import mlx.core as mx
 import pytest
 
 from kvbatch.engine.config import CudaLaunch, EngineOptions
-from kvbatch.engine.kv.routes import cpu_streams, cuda, dense, quant
+from kvbatch.engine.kv.routes import cpu_streams, cuda, dense, portable
 from kvbatch.engine.engine import Engine
 from kvbatch.engine.testing import engine_config
 from kvbatch.engine.errors import KvbatchConfigError
@@ -214,8 +214,9 @@ def _check_row(model, res, logits, prompt, forced, snap, page, bits, group, chun
     return checked, len(forced), flipped, stored
 
 
-# The portable route (engine.options.route=portable: what Apple's Metal backend runs, pages gathered,
-# quantized_matmul, keys per token, one stream) against the same references, on every backend.
+# The portable route (engine.options.route=portable: what Apple's Metal backend runs: decode reads
+# packed pages in place with gather_qmm, prefill as QuantRoute, keys per token, one stream) against the
+# same references, on every backend.
 PORTABLE = [("llama", 64, "q8", 16, 64), ("llama", 64, "q4", 64, 64), ("qwen3", 128, "q8", 64, 64)]
 ALL_CASES = [c + ("auto",) for c in CASES] + [c + ("portable",) for c in PORTABLE]
 
@@ -234,7 +235,7 @@ def test_batched_logits_match_reference(tiny_model, family, head_dim, mode, page
     cache = kv_cache(eng)  # the route under test and the pages it stores
     if route == "portable":  # no CPU-only reads, no CUDA kernel, keys per token, one stream
         a = cache.attention
-        assert type(a) is quant.QuantRoute and not a.in_place and a.streams == [None]
+        assert type(a) is portable.PortableQuantRoute and not a.in_place and a.streams == [None]
         assert eng.stats()["kv_k_axis"] == "token"
     snap = PageSnapshots(cache)
     results = eng.generate(_requests(eng, prompts, forced))
@@ -486,9 +487,13 @@ def test_fp16_huge_scores_stay_finite(tmp_path):
         # kept this case finite on the H200; the engine must stay finite on every backend)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")
         assert not mx.isfinite(out).all().item()
-    for mode in ("none", "q8", "q4"):
-        route = expected_route(spec, mode)
-        eng = _engine(model, tok, spec, mode, 16, max_batch=4)
+    # the portable route too (Metal's; its q8/q4 are refused on MLX CUDA): its decode reads fp16 pages
+    # in place only where the scores stay in range, so these take the float32 paths
+    cases = [(mode, "auto") for mode in ("none", "q8", "q4")]
+    cases += [] if ON_CUDA else [(mode, "portable") for mode in ("none", "q8", "q4")]
+    for mode, opt in cases:
+        route = expected_route(spec, mode, route=opt)
+        eng = _engine(model, tok, spec, mode, 16, max_batch=4, options=EngineOptions(route=opt))
         eng.hooks.capture_logits.update(f"r{i}" for i in range(len(prompts)))
         results = eng.generate([Request(f"r{i}", p, SamplingParams(max_tokens=40)) for i, p in enumerate(prompts)])
         for r in results:

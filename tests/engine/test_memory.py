@@ -259,10 +259,11 @@ def test_plan_line(tiny_model):
     assert plan["rows_fit"] == 5 and plan["budget_bytes"] == budget
     bpt = kv_layout(spec, "q4", 16, 64).bytes_per_token
     assert plan["kv_bytes_per_token"] == eng.stats()["kv_bytes_per_token"] == bpt
-    assert plan["predicted_peak_bytes"] == budget
+    # the peak of the rows that run at once: 5 fit, the batch holds 4
+    assert plan["rows_running"] == 4 and plan["predicted_peak_bytes"] == mm.bytes_for([1000] * 4, 100) < budget
     line = eng.plan_line(1000, 100)
     assert line == format_plan(plan) and "\n" not in line
-    assert f"{bpt} B/token" in line and "5 rows of 1000 tokens fit at once" in line
+    assert f"{bpt} B/token" in line and "5 rows of 1000 tokens fit at once" in line and "with 4 running" in line
     assert line.startswith("memory plan: budget ") and "weights " in line and "KV (q4)" in line
 
 

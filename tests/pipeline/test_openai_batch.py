@@ -20,18 +20,20 @@ def _request(i: int) -> tuple[dict, dict]:
     body, row = {"model": "gpt-4o-mini", "messages": msgs}, {"id": f"req-{i}", "messages": msgs}
     if i % 2:
         body["max_tokens"] = row["max_tokens"] = 3 + i % 5
-    elif i % 5 == 0:
-        body["max_completion_tokens"] = row["max_tokens"] = 4
+    else:  # (without one: up to the model's context, as OpenAI)
+        body["max_completion_tokens"] = row["max_tokens"] = 4 + i % 3
     if i % 3 == 1:
         body["temperature"], body["seed"], body["top_p"] = row["temperature"], row["seed"], row["top_p"] = 0.9, i, 0.9
     if i % 7 == 2:
         body["stop"] = row["stop"] = ["e", "a"]
     if i % 6 == 5:
         body["logprobs"], body["top_logprobs"], row["logprobs"] = True, 2, 2
+        body["temperature"] = row["temperature"] = 0.0  # greedy: each token's bytes whole (the joined text)
     if i == 4:
         body["n"], body["presence_penalty"], row["presence_penalty"] = 1, 0.5, 0.5
     if i in (8, 13):  # n samples: the choices of one line
         body["n"], row["n"], body["temperature"], row["temperature"] = 3, 3, 1.0, 1.0
+    row.setdefault("temperature", 1.0)  # OpenAI's default where the request sets none
     return {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}, row
 
 

@@ -99,7 +99,8 @@ def test_the_table_is_carried_by_the_config_schema_results_schema_and_input_read
     from dataclasses import fields
 
     from kvbatch.engine.params import PARAMS, SamplingParams
-    from kvbatch.pipeline import api, passthrough
+    from kvbatch.engine.models.config import ModelConfig
+    from kvbatch.pipeline import api, model_defaults, passthrough
     from kvbatch.pipeline.config import JobConfig, SamplingConfig
     from kvbatch.pipeline.formats import openai_batch
     from kvbatch.pipeline.inputs import row_payload
@@ -109,9 +110,14 @@ def test_the_table_is_carried_by_the_config_schema_results_schema_and_input_read
     assert len(set(names)) == len(names) and {"temperature", "stop", "n", "response_format"} <= set(names)
     # the config schema: sampling holds exactly the table's sampling entries, job holds its job entries
     sections = {"sampling": SamplingConfig(), "job": JobConfig()}
-    assert {f.name for f in fields(SamplingConfig)} == {p.name for p in PARAMS if p.section == "sampling"}
+    # (and sampling.defaults: where the unset ones come from)
+    assert {f.name for f in fields(SamplingConfig)} - {"defaults"} == {p.name for p in PARAMS
+                                                                       if p.section == "sampling"}
     for p in PARAMS:
         value = getattr(sections[p.section], p.name)
+        if value is None and p.name in model_defaults.KEYS:  # unset: the model's default, else the table's
+            model_defaults.fill(sections["sampling"], ModelConfig())
+            value = getattr(sections[p.section], p.name)
         assert (tuple(value) if isinstance(value, list) else value) == p.default, p.name
         assert api._key(p.name) == f"{p.section}.{p.name}"
     # the engine's parameters: every SamplingParams field but the grammar (made from response_format)

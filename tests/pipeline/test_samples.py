@@ -52,12 +52,15 @@ def test_n_samples_one_results_row_each_and_seeds_that_differ(run_app, tmp_path)
     assert [r["output_token_ids"] for r in pq.read_table(again).to_pylist()] == [r["output_token_ids"] for r in rows]
 
 
-def test_greedy_samples_equal_one_sample(run_app, tmp_path):  # noqa: F811
-    src = _jsonl(tmp_path, [{"id": "a", "prompt": "Once upon a time"}])
-    one, _ = run_app(f"job.input={src}", "job.max_tokens=12", "job.chat_template=false")
-    four, _ = run_app(f"job.input={src}", "job.max_tokens=12", "job.chat_template=false", "sampling.n=4")
-    want = pq.read_table(one).column("output_token_ids").to_pylist()
-    assert pq.read_table(four).column("output_token_ids").to_pylist() == want * 4
+def test_greedy_samples_are_refused_not_duplicated():
+    """n > 1 at temperature 0 would be n copies: the row is invalid_input (the job's n, or its own),
+    a row sampling at its own temperature is not."""
+    rows = [InputRow(0, "g", {"prompt": "p"}), InputRow(1, "own", {"prompt": "p", "n": 2}),
+            InputRow(2, "warm", {"prompt": "p", "temperature": 0.7})]
+    got = expand(rows, 3, temperature=0.0)
+    assert [r.key for r in got] == ["g", "own", "warm#s0", "warm#s1", "warm#s2"]
+    assert "n=3 with temperature 0 (greedy) would give 3 identical samples" in got[0].payload["error"]
+    assert "n=2 with temperature 0" in got[1].payload["error"]
 
 
 def test_expand_keys_positions_and_seeds():

@@ -11,11 +11,12 @@ ensure_blas()
 
 from kvbatch.engine.errors import KvbatchConfigError  # noqa: E402
 from kvbatch.engine.models.config import ModelConfig  # noqa: E402
-from kvbatch.engine.models.load import load_model  # noqa: E402
 from kvbatch.engine.params import SamplingParams  # noqa: E402
 from kvbatch.engine.types import ModelSpec, Request, Result, RowStats  # noqa: E402
 
+# load_model too: it imports mlx-lm and transformers (seconds), which `kvbatch --help` never needs
 _LAZY = {"Engine": "kvbatch.engine.engine", "EngineHooks": "kvbatch.engine.hooks",
+         "load_model": "kvbatch.engine.models.load",
          "samples": "kvbatch.engine.samples", "derive_seed": "kvbatch.engine.samples",
          **{name: "kvbatch.engine.config" for name in ("EngineConfig", "EngineOptions", "EngineSettings", "KVConfig",
                                                        "MemoryConfig", "CudaLaunch")}}
@@ -26,6 +27,7 @@ if TYPE_CHECKING:  # the names _LAZY imports on first use, typed for type checke
     from kvbatch.engine.config import KVConfig as KVConfig, MemoryConfig as MemoryConfig
     from kvbatch.engine.engine import Engine as Engine
     from kvbatch.engine.hooks import EngineHooks as EngineHooks
+    from kvbatch.engine.models.load import load_model as load_model
     from kvbatch.engine.samples import derive_seed as derive_seed, samples as samples
 
 

@@ -158,6 +158,9 @@ class EngineConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     engine: EngineSettings = field(default_factory=EngineSettings)
     max_prompt_tokens: Optional[int] = None  # a limit below the model's context (prompt_too_long above it)
+    # the most rows this engine will be given (a job's rows to run; None: unknown): batch slots and the
+    # quantized modes' dense tail pages beyond them are never allocated
+    rows: Optional[int] = None
 
     def check(self) -> None:
         """Raise KvbatchConfigError naming the first setting out of range (kv, memory, engine, max_prompt_tokens)."""

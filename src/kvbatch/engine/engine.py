@@ -78,6 +78,8 @@ class Engine:
             budget = resolve_budget("auto", cfg.memory.fraction, cfg.memory.headroom, resident=spec.weights_bytes)
         self.layout = layout_for(spec, kv)
         self.max_batch, self.max_batch_why = resolve_max_batch(settings.max_batch)
+        if cfg.rows is not None and 0 < cfg.rows < self.max_batch:  # a small job: slots for its rows only
+            self.max_batch, self.max_batch_why = cfg.rows, f"the job's {cfg.rows} rows; {self.max_batch_why}"
         self.prefill_tokens = resolve_prefill_tokens(settings.prefill_tokens, settings.prefill_chunk)
         self.memory = MemoryModel(spec, self.layout, int(budget), settings.prefill_chunk, self.max_batch,
                                   self.prefill_tokens)

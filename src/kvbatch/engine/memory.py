@@ -241,10 +241,12 @@ class MemoryModel:
             "page_bytes": lay.page_bytes,
             "row_worst_tokens": worst_tokens,
             "rows_fit": n,
+            "rows_running": min(n, self.max_batch),  # what predicted_peak_bytes prices
             "predicted_kv_bytes_per_row": lay.pages_for(worst_tokens) * lay.page_bytes,
-            "workspace_bytes": self.workspace(max(n, 1), worst_tokens, max_prompt),
-            # total (weights + KV pages + growth copy + workspace) with rows_fit rows running
-            "predicted_peak_bytes": self.bytes_for_rows(max(n, 1), worst_tokens, max_prompt),
+            "workspace_bytes": self.workspace(max(min(n, self.max_batch), 1), worst_tokens, max_prompt),
+            # total (weights + KV pages + growth copy + workspace) with the rows that can run at once
+            # (rows_fit, at most max_batch) at their worst case
+            "predicted_peak_bytes": self.bytes_for_rows(max(min(n, self.max_batch), 1), worst_tokens, max_prompt),
         }
 
 
@@ -253,7 +255,7 @@ def format_plan(plan: dict) -> str:
     line = (f"memory plan: budget {fmt_bytes(plan['budget_bytes'])}, weights {fmt_bytes(plan['weights_bytes'])}, "
             f"KV ({plan['kv_mode']}) {plan['kv_bytes_per_token']} B/token, "
             f"{plan['rows_fit']} rows of {plan['row_worst_tokens']} tokens fit at once "
-            f"(predicted peak {fmt_bytes(plan['predicted_peak_bytes'])})")
+            f"(predicted peak {fmt_bytes(plan['predicted_peak_bytes'])} with {plan['rows_running']} running)")
     if "max_batch" in plan:
         runs = min(plan["max_batch"], plan["rows_fit"])
         line += (f"; batch: up to {plan['max_batch']} rows ({plan['max_batch_why']}), "

@@ -8,21 +8,22 @@ from __future__ import annotations
 
 import json
 import socket
-import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Optional, cast
 
 from omegaconf import OmegaConf
 
 from kvbatch.engine.errors import INSUFFICIENT_MEMORY
+from kvbatch.engine.params import INT32_MAX
 from kvbatch.engine.sizes import fmt_bytes
 
-from kvbatch.pipeline import durations, locate, passthrough, procs, samples
+from kvbatch.pipeline import durations, locate, model_defaults, passthrough, procs, samples
 from kvbatch.pipeline import summary as summ
 from kvbatch.pipeline.config import Config, ConfigError, as_dict, config_hash, engine_config, parse_injection
 from kvbatch.pipeline.finalize import Finalized, finalize, reconcile, regenerate
+from kvbatch.pipeline.log import log, out
 from kvbatch.pipeline.inputs import detect_format, read_rows, resolve_input
 from kvbatch.pipeline.progress import Progress, row_budget
 from kvbatch.pipeline.redact import redact
@@ -94,8 +95,8 @@ def job_for(cfg: Config) -> Job:
 
 
 def say(msg: str) -> None:
-    """Print a message on stderr at once."""
-    print(msg, file=sys.stderr, flush=True)
+    """A message for the person watching the run (the `kvbatch` logger: stderr under the command)."""
+    log.info(msg)
 
 
 def open_queue(job: Job) -> Queue:
@@ -116,7 +117,13 @@ def enqueue(job: Job) -> tuple[Queue, int, int]:
     Rows whose content changed since they were queued, and rows refused for memory when the memory
     settings changed, are generated again (their old results superseded, see Queue.regenerate)."""
     inputs = read_rows(job.input_path, job.cfg.job.format, job.cfg.job)
-    rows = samples.expand(inputs, job.cfg.sampling.n)  # one queue row per (input row, sample)
+    if detect_format(job.input_path, job.cfg.job.format) == "openai_batch":
+        from kvbatch.pipeline.formats.openai_batch import DEFAULTS_NOTE
+
+        say(f"kvbatch: {DEFAULTS_NOTE}")
+    system_prompt_applies(job, inputs)
+    # one queue row per (input row, sample)
+    rows = samples.expand(inputs, job.cfg.sampling.n, job.cfg.sampling.temperature or 0.0)
     try:
         job.out_dir.mkdir(parents=True, exist_ok=True)
         q = open_queue(job)
@@ -140,6 +147,22 @@ def enqueue(job: Job) -> tuple[Queue, int, int]:
     return q, len(rows), added
 
 
+def system_prompt_applies(job: Job, inputs: list) -> None:
+    """job.system_prompt goes before a prompt row's user turn; rows that carry messages have their own
+    turns: an input of only such rows would ignore it, so it is refused."""
+    if job.cfg.job.system_prompt is None:
+        return
+    readable = [r.payload for r in inputs if "error" not in r.payload]
+    if readable and all("messages" in p for p in readable):
+        raise ConfigError(f"job.system_prompt={_short(job.cfg.job.system_prompt)}: every row of {job.input_path.name} "
+                          f"carries messages, which it does not change (it goes before a prompt row's user "
+                          f"turn); put a system turn in the messages, or remove job.system_prompt")
+
+
+def _short(text: str, n: int = 40) -> str:
+    return repr(text if len(text) <= n else text[:n - 3] + "...")
+
+
 def carry_columns(job: Job, rows: list) -> None:
     """The input's columns kvbatch does not use, for results.parquet (pipeline/passthrough.py)."""
     try:
@@ -149,8 +172,8 @@ def carry_columns(job: Job, rows: list) -> None:
             by_pos.setdefault(r.pos // samples.SAMPLE_SLOTS, []).append(r.key)
         passthrough.write(job.out_dir, job.input_path, fmt, job.cfg.job, list(by_pos.values()))
     except Exception as exc:  # noqa: BLE001 - the rows still run; say that their extra columns will be missing
-        say(f"kvbatch: warning: the input's other columns cannot be carried to results.parquet "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
+        log.warning(f"kvbatch: warning: the input's other columns cannot be carried to results.parquet "
+                    f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
 
 
 def memory_changed(job: Job, q: Queue) -> None:
@@ -170,8 +193,9 @@ def _some(keys: list[str], n: int = 5) -> str:
     return ", ".join(keys[:n]) + (f" and {len(keys) - n} more" if len(keys) > n else "")
 
 
-def load_runtime(cfg: Config) -> Runtime:
-    """Load the model and build the first engine now, so a bad model or KV mode fails at start."""
+def load_runtime(cfg: Config, rows: Optional[int] = None) -> Runtime:
+    """Load the model and build the first engine now, so a bad model or KV mode fails at start.
+    `rows`: the rows this run has to generate (its engines get batch slots for no more)."""
     from kvbatch.engine import Engine
     from kvbatch.pipeline import debug
     from kvbatch.pipeline.model_cache import load_model  # sweeps: one load per distinct model config
@@ -182,9 +206,9 @@ def load_runtime(cfg: Config) -> Runtime:
 
     warning = cpu_half_warning(model, spec)
     if warning:
-        say(warning)
+        log.warning(warning)
     check_template(tokenizer, cfg.job.chat_template)
-    ecfg = engine_config(cfg)
+    ecfg = replace(engine_config(cfg), rows=rows)
     # every engine of this run gets the same hooks: debug.inject_nonfinite, and the crash
     # points when KVBATCH_DEBUG_CRASH_AT is set (testing only)
     hooks = debug.hooks(parse_injection(cfg.debug.inject_nonfinite))
@@ -196,6 +220,7 @@ def load_runtime(cfg: Config) -> Runtime:
     # the start-up plan: prompt length is per row; price rows at max_tokens plus
     # max_prompt_tokens when set (the real admission prices each row's own prompt)
     say(first[0].plan_line(cfg.job.max_tokens + (cfg.job.max_prompt_tokens or 0)))
+    say(f"sampling defaults: {model_defaults.describe(cfg.sampling, cfg.model)}")
     if not first[0].fits(2, 1):  # a one-token prompt and one generated token: every row would be refused
         smallest = first[0].plan(2, 1)
         raise ConfigError(f"memory.budget={cfg.memory.budget!r}: the budget ({fmt_bytes(smallest['budget_bytes'])}) "
@@ -208,7 +233,8 @@ def load_runtime(cfg: Config) -> Runtime:
     def make_engine():
         return first.pop() if first else engine()
 
-    return Runtime(tokenizer=tokenizer, model_name=spec.name, make_engine=make_engine)
+    return Runtime(tokenizer=tokenizer, model_name=spec.name, make_engine=make_engine,
+                   context_length=spec.context_length)
 
 
 def check_controls(cfg: Config, eng) -> None:
@@ -247,16 +273,19 @@ def work(job: Job, q: Queue) -> Optional[WorkStats]:
     todo = counts["pending"] + counts["leased"]
     if not todo:
         return None
-    runtime = load_runtime(job.cfg)
-    budget = sum(row_budget(p, job.cfg.job.max_tokens) for p in q.todo_payloads())
+    runtime = load_runtime(job.cfg, todo)
+    _reset_peak()  # this run's peak: not an earlier run's in this process (the API, a sweep)
+    # a row ends at the context whatever its max_tokens (an OpenAI batch request without one)
+    cap = runtime.context_length or INT32_MAX
+    budget = sum(min(row_budget(p, job.cfg.job.max_tokens), cap) for p in q.todo_payloads())
     progress = Progress(todo, budget, job.cfg.output.progress, durations.seconds(job.cfg.output.progress_every))
     try:
         stats = Worker(job.cfg, q, job.out_dir / "parts", runtime, progress=progress).run()
     except StorageError as exc:  # not the rows' fault: none is charged, the next run continues
         progress.close()
         where = str(job.out_dir) if q.kind == "sqlite" else f"{job.out_dir} or the queue ({q.where})"
-        say(f"kvbatch: error: cannot write to {where}: {exc}; rows finished before this are saved, "
-            f"no row was charged: free space (or fix the folder) and run the same command again")
+        log.error(f"kvbatch: error: cannot write to {where}: {exc}; rows finished before this are saved, "
+                  f"no row was charged: free space (or fix the folder) and run the same command again")
         raise SystemExit(1) from None
     except KeyboardInterrupt as exc:  # Ctrl-C / SIGTERM: the worker wrote what was done, handed the rest back
         progress.close()
@@ -277,6 +306,12 @@ def work(job: Job, q: Queue) -> Optional[WorkStats]:
     return stats
 
 
+def _reset_peak() -> None:
+    import mlx.core as mx
+
+    mx.reset_peak_memory()
+
+
 def finish(job: Job, q: Queue, stats: Optional[WorkStats], t0: Optional[float] = None) -> tuple[Finalized, dict]:
     """Write results.parquet (and the OpenAI batch output when asked) and summary.json from the queue and the parts."""
     from kvbatch.engine.blas import blas_in_use
@@ -292,12 +327,14 @@ def finish(job: Job, q: Queue, stats: Optional[WorkStats], t0: Optional[float] =
     if fin.requeued:
         say(f"kvbatch: {len(fin.requeued)} finished rows lost their part; they are queued again")
     run = {"rows": stats.rows, "tokens": stats.tokens, "wall_s": stats.wall_s,
+           "peak_memory_bytes": stats.engine_summary.get("mlx_peak_memory_bytes"),
            "resumed_tokens": stats.resumed_tokens, "lost_tokens": stats.lost_tokens,
            "checkpoints": stats.checkpoints, "checkpoint_s": stats.checkpoint_s} if stats else None
     extra = {"job": job.cfg.job.name, "model": job.cfg.model.name, "kv_mode": job.cfg.kv.mode,
              "options": asdict(job.cfg.engine.options),  # the engine options this config ran with
              "config_hash": job.config_hash, "output_dir": str(job.out_dir), "results": str(fin.path),
              "blas": blas_in_use(), "versions": summ.versions(),
+             "sampling_defaults": model_defaults.describe(job.cfg.sampling, job.cfg.model),
              "wall_s": time.perf_counter() - t0 if t0 is not None else None}
     s = summ.build(fin.table, q.counts(), q.sessions(), run, extra)
     summ.write(job.out_dir / "summary.json", s)
@@ -325,7 +362,7 @@ def run(job: Job) -> Path:
     t_start = time.perf_counter()
     q, n_rows, added = enqueue(job)
     if n_rows == 0:
-        print(f"kvbatch: {job.input_path} has no rows; writing an empty results file")
+        out.info(f"kvbatch: {job.input_path} has no rows; writing an empty results file")
     elif added < n_rows:
         say(f"kvbatch: {n_rows - added} of {n_rows} rows were already queued in {job.out_dir}")
     t0 = time.perf_counter()
@@ -342,8 +379,8 @@ def run(job: Job) -> Path:
                 lost_tokens=stats.lost_tokens + more.lost_tokens, checkpoints=stats.checkpoints + more.checkpoints,
                 checkpoint_s=stats.checkpoint_s + more.checkpoint_s)
         fin, s = finish(job, q, stats, t_start)
-    print(summ.one_line(s))
-    print(fin.path)
+    out.info(summ.one_line(s))
+    out.info(fin.path)
     check_rows(job.cfg, s)
     return fin.path
 
@@ -408,38 +445,42 @@ def status(job: Job) -> None:
     """action=status: print how far the job is (or the folders and jobs of its name to choose from)."""
     found = found_jobs(job)
     if not found and job.cfg.queue.url:
-        print(f"kvbatch: no job {job.queue_job} in {redact(job.cfg.queue.url)} yet, nor any job named "
+        out.info(f"kvbatch: no job {job.queue_job} in {redact(job.cfg.queue.url)} yet, nor any job named "
               f"{job.cfg.job.name!r} there (run action=enqueue or action=run)")
         return
     if not found:
-        print(f"kvbatch: no queue in {job.out_dir} yet, nor any folder of job {job.cfg.job.name!r} under "
+        out.info(f"kvbatch: no queue in {job.out_dir} yet, nor any folder of job {job.cfg.job.name!r} under "
               f"{Path(job.cfg.output.root).resolve() / job.cfg.job.name} (run action=enqueue or action=run)")
         return
     if len(found) > 1:
         if job.cfg.queue.url:
-            print("\n".join(f"  {j.queue_job} ({j.out_dir}; model={j.cfg.model.name} kv={j.cfg.kv.mode})"
+            out.info("\n".join(f"  {j.queue_job} ({j.out_dir}; model={j.cfg.model.name} kv={j.cfg.kv.mode})"
                             for j in found))
         else:
-            print("\n".join(f"  {locate.open_folder(j.out_dir).describe()}" for j in found))
+            out.info("\n".join(f"  {locate.open_folder(j.out_dir).describe()}" for j in found))
         return
     from kvbatch.pipeline.status import lines
 
     j = found[0]
     q = open_queue(j)
     try:
-        print("\n".join(lines(q, j.cfg.worker.isolate_after, j.cfg.worker.max_crashes, j.cfg.worker.lease_s,
+        out.info("\n".join(lines(q, j.cfg.worker.isolate_after, j.cfg.worker.max_crashes, j.cfg.worker.lease_s,
                                host=j.host)))
     finally:
         q.close()
 
 
 def retry(job: Job, q: Queue) -> None:
-    """Requeue finished error rows (retry.codes; every code when empty); the next run regenerates them,
-    and their old results are superseded (never taken back into results.parquet)."""
-    keys = q.error_keys(job.cfg.retry.codes)
+    """Requeue finished error rows (retry.codes; when empty every code but invalid_input, which the
+    input decides: it would fail again alike); the next run regenerates them, and their old results
+    are superseded (never taken back into results.parquet)."""
+    from kvbatch.engine.errors import ERROR_CODES, INVALID_INPUT
+
+    codes = job.cfg.retry.codes or [c for c in ERROR_CODES if c != INVALID_INPUT]
+    keys = q.error_keys(codes)
     regenerate(job.out_dir, q, keys, "retry")
-    which = ", ".join(job.cfg.retry.codes) or "any code"
-    print(f"kvbatch: {len(keys)} error rows ({which}) queued again in {job.out_dir}; run the job again "
+    which = ", ".join(job.cfg.retry.codes) or "any code but invalid_input: retry.codes=[invalid_input] for those"
+    out.info(f"kvbatch: {len(keys)} error rows ({which}) queued again in {job.out_dir}; run the job again "
           f"(the same options: {job.out_dir / 'config.yaml'}) to regenerate them")
 
 
@@ -450,7 +491,7 @@ def execute(cfg: Config) -> Optional[Path]:
         return run(job)
     if cfg.action == "enqueue":
         q, n, added = enqueue(job)
-        print(f"kvbatch: {added} new of {n} rows queued in {q.where}")
+        out.info(f"kvbatch: {added} new of {n} rows queued in {q.where}")
         return None
     if cfg.action == "status":
         status(job)
@@ -468,8 +509,8 @@ def execute(cfg: Config) -> Optional[Path]:
         memory_changed(job, q)
     stats = work(job, q) if cfg.action == "work" else None
     fin, s = finish(job, q, stats)
-    print(summ.one_line(s))
-    print(fin.path)
+    out.info(summ.one_line(s))
+    out.info(fin.path)
     if cfg.action == "work":
         check_rows(cfg, s)
     return fin.path

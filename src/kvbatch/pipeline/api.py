@@ -93,7 +93,8 @@ def _write_input(rows: Rows, folder: Path) -> Path:
 def config_for(rows_path: Path, model: str, kv: str, output_dir: Path, options: dict[str, Any]) -> Config:
     """The validated Config of one call: the command's defaults, the model and KV options, then `options`."""
     node = compose_nodes([[*_model_option(model), f"kv={kv}"]])[0]
-    settings: dict[str, Any] = {"output.dir": str(output_dir), "job.input": str(rows_path)}
+    # quiet unless asked: no progress display (output={"progress": "on"} shows it)
+    settings: dict[str, Any] = {"output.dir": str(output_dir), "job.input": str(rows_path), "output.progress": "off"}
     if not (CONF_DIR / "model" / f"{model}.yaml").exists():
         settings["model.path"] = model
     settings.update({_key(k): v for k, v in options.items()})
@@ -111,12 +112,14 @@ def generate(rows: Rows, model: str = "smollm2", kv: str = "none", max_tokens: O
 
     rows: prompt strings, dicts of columns (prompt or messages, id, per-row parameters, anything else
     carried through), a pandas DataFrame, a pyarrow Table, or a path to a JSONL/CSV/Parquet file.
-    model: smollm2 | tiny | local (with model_path...) or an mlx-lm folder / Hugging Face repo id.
+    model: smollm2 | tiny, or an mlx-lm folder / Hugging Face repo id (run as model=local with that model.path).
     kv: none | q8 | q4. output_dir: where the queue, parts and results live (run again to resume);
     None: a temporary folder, removed on return. options: config keys (`max_tokens=64`,
     `system_prompt="..."`, `sampling={"seed": 1}`, `**{"engine.max_batch": 8}`).
     A bad option or input raises ConfigError (one line); a run where no row succeeded warns
     (raises RowsFailed when `output={"max_error_fraction": ...}` is set, as the command exits 1).
+    Nothing is written to stdout; the plan and notes go to the `kvbatch` logger (logging.basicConfig
+    (level=logging.INFO) shows them), the summary line and results path to `kvbatch.out`.
     """
     from kvbatch.pipeline import actions
 

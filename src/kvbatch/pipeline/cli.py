@@ -21,6 +21,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from kvbatch.engine.errors import KvbatchConfigError
 from kvbatch.pipeline.compose import CONF_DIR, compose_config, describe, node_to_config
+from kvbatch.pipeline import extras
+from kvbatch.pipeline.log import configure_command, unconfigure_command
 
 # Flags that make Hydra do something other than one plain run: leave those to Hydra.
 _HYDRA_FLAGS = ("-m", "--multirun", "--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i",
@@ -66,12 +68,53 @@ def version_line() -> str:
 
 
 def main() -> None:
-    """The `kvbatch` command: --version, else a Hydra run or multirun of the config and its overrides."""
-    args = sys.argv[1:]
+    """The `kvbatch` command: --version, else a Hydra run or multirun of the config and its overrides.
+    Messages for people go to stderr, the summary and the results path (the last line) to stdout
+    (pipeline/log.py); the library's logging is configured for this command only."""
+    configure_command()
+    try:
+        _main(sys.argv[1:])
+    finally:
+        unconfigure_command()
+
+
+def _paths_as_options(args: list[str]) -> list[str]:
+    """What the API accepts, the command too: `model=REPO_ID` or `model=FOLDER` (model=local with that
+    model.path), and `job=DIR/job/NAME.yaml` (Hydra's `--config-dir DIR job=NAME`)."""
+    out, flags = [], []  # Hydra's flags come before the overrides
+    for a in args:
+        key, _, value = a.partition("=")
+        if key == "model" and value and not (CONF_DIR / "model" / f"{value}.yaml").exists() \
+                and ("/" in value or Path(value).expanduser().is_dir()):
+            out += ["model=local", f"model.path={value}"]
+        elif key.lstrip("+") in ("hydra.run.dir", "hydra.output_subdir"):
+            die(f"{key}: kvbatch names its own output folders and Hydra writes nothing; set output.dir (or "
+                f"output.root)")
+        elif key == "job" and value.endswith((".yaml", ".yml")):
+            path = Path(value).expanduser().resolve()
+            if not path.is_file() or path.parent.name != "job":
+                die(f"job={value}: a job file outside jobs/ is chosen by name from a folder of its own: put it "
+                    f"at DIR/job/{path.stem}.yaml and run `kvbatch --config-dir DIR job={path.stem}` "
+                    f"(Hydra's -cd), or copy it to jobs/{path.name} and run `kvbatch job={path.stem}`")
+            flags += ["--config-dir", str(path.parent.parent)]
+            out.append(f"job={path.stem}")
+        else:
+            out.append(a)
+    return flags + out
+
+
+def _main(args: list[str]) -> None:
+    args = _paths_as_options(args)
+    sys.argv = [sys.argv[0], *args]  # Hydra reads the command line from sys.argv
     if "--version" in args or "-V" in args:  # Hydra has no such flag (it would try to parse it as an override)
         print(version_line())
         return
     multirun = any(a in _MULTIRUN for a in args)
+    if multirun and extras.missing("sweep"):
+        die(str(extras.missing("sweep")))
+    for a in args:  # a launcher kvbatch[slurm] installs: one line instead of Hydra's "no such option"
+        if a.partition("=")[0] == "hydra/launcher" and extras.missing_launcher(a.partition("=")[2]):
+            die(str(extras.missing_launcher(a.partition("=")[2])))
     if not any(a.split("=")[0] in _HYDRA_FLAGS for a in args):
         try:
             compose_config(args)

@@ -36,6 +36,10 @@ def describe(exc: BaseException) -> str:
         key = getattr(err, "full_key", None)
         if "not in" in first and key:
             return keys.message(Config, str(key))
+        if "is not a ListConfig" in first and key:  # a list key given one value: job.stop=END
+            value = getattr(err, "value", None)
+            shown = value if isinstance(value, str) else "..."
+            return f"{key}={shown}: a list; write {key}=[{shown}]"
         return f"{key}: {first}" if key else first
     return " ".join(str(exc).split("\n\n")[0].split("\n")) or type(exc).__name__
 

@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 from kvbatch.engine.config import EngineConfig, EngineSettings, KVConfig, MemoryConfig
 from kvbatch.engine.errors import ERROR_CODES, KvbatchConfigError
 from kvbatch.engine.models.config import ModelConfig
-from kvbatch.pipeline import durations, response_format, row_params
+from kvbatch.pipeline import durations, extras, model_defaults, response_format, row_params
 from kvbatch.pipeline.escapes import unescape
 from kvbatch.pipeline.redact import redact
 
@@ -32,6 +32,9 @@ ACTIONS = ("run", "enqueue", "work", "status", "finalize", "retry", "report")
 SHAPES = ("columns", "sharegpt", "alpaca")  # job.shape (pipeline/formats/shapes.py)
 FORMATS = ("auto", "jsonl", "csv", "parquet", "openai_batch")
 MODEL_SOURCES = ("smollm2", "local", "tiny")
+# model.* keys only the tiny random model reads (its geometry and weights' seed)
+TINY_ONLY = ("family", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+             "vocab_size", "context_length", "seed")
 # apply_chat_template's own arguments: set by kvbatch, never by job.chat_template_kwargs
 RESERVED_KWARGS = ("conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
                    "return_dict", "return_tensors", "padding", "truncation", "max_length", "chat_template")
@@ -75,17 +78,21 @@ class JobConfig:
 class SamplingConfig:
     """The job's default sampling parameters (a row may override them in its own columns)."""
 
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
+    temperature: Optional[float] = None  # 0 = greedy (kvbatch's default); null: sampling.defaults decides
+    top_p: Optional[float] = None  # kvbatch's default 1 (off)
+    top_k: Optional[int] = None  # 0 = off (kvbatch's default)
     seed: int = 0  # a row without its own seed samples with one derived from this and its row key
     n: int = 1  # samples per row: results get one row per (row, sample); the prompt is prefilled once
-    min_p: float = 0.0  # 0 = off; drop tokens below min_p x the top token's probability
-    repetition_penalty: float = 1.0  # 1 = off; > 1 discourages every token of the prompt and the output so far
+    min_p: Optional[float] = None  # 0 = off; drop tokens below min_p x the top token's probability
+    # 1 = off; > 1 discourages every token of the prompt and the output so far
+    repetition_penalty: Optional[float] = None
     presence_penalty: float = 0.0  # [-2, 2]; subtracted once from each token already output
     frequency_penalty: float = 0.0  # [-2, 2]; subtracted once per time a token was output
     logprobs: int = 0  # 0 = off; K: each output token's log-probability and the top K alternatives
     prompt_logprobs: bool = False  # the log-probability of every prompt token after the first
+    # model: values the config leaves unset (null) come from the model's generation_config.json, then
+    # kvbatch's defaults (as vLLM) | kvbatch: kvbatch's defaults (pipeline/model_defaults.py)
+    defaults: str = "model"
 
 
 @dataclass
@@ -165,7 +172,8 @@ class ReportConfig:
 class RetryConfig:
     """action=retry: which error rows go back to the queue."""
 
-    codes: List[str] = field(default_factory=list)  # action=retry: requeue error rows with these codes; []: every code
+    # action=retry: requeue error rows with these codes; []: every code but invalid_input
+    codes: List[str] = field(default_factory=list)
 
 
 @dataclass
@@ -224,6 +232,11 @@ def validate(cfg: Config) -> None:
     _need(m.source in MODEL_SOURCES, "model.source", m.source, f"choose one of {', '.join(MODEL_SOURCES)}")
     _need(m.source != "local" or bool(m.path), "model.path", m.path,
           "model=local needs model.path (an mlx-lm directory or a Hugging Face repo id)")
+    if m.source != "tiny":  # the random model's geometry: any other model has its own
+        base = ModelConfig()
+        for key in TINY_ONLY:
+            _need(getattr(m, key) == getattr(base, key), f"model.{key}", getattr(m, key),
+                  f"only model=tiny uses it (model={m.source} has its own; remove it)")
     try:
         engine_config(cfg).check()  # kv.*, memory.*, engine.*, job.max_prompt_tokens
     except KvbatchConfigError as exc:
@@ -236,6 +249,9 @@ def validate(cfg: Config) -> None:
     bad = row_params.config_problem(cfg)  # the per-row parameters' job values (engine/params.py)
     if bad:
         raise ConfigError(f"{bad[0]}={bad[1]!r}: {bad[2]}")
+    _need(cfg.sampling.n == 1 or (cfg.sampling.temperature or 0.0) > 0, "sampling.n", cfg.sampling.n,
+          f"with sampling.temperature=0 (greedy) gives {cfg.sampling.n} identical samples: set "
+          f"sampling.temperature > 0 (or sampling.n=1)")
     _need(job.system_prompt is None or job.chat_template, "job.system_prompt", job.system_prompt,
           "needs job.chat_template=true (a system turn exists only in a chat template)")
     kw = job.chat_template_kwargs
@@ -283,13 +299,16 @@ def validate(cfg: Config) -> None:
     url = cfg.queue.url or ""
     _need(not url or bool(re.match(r"postgres(ql)?://", url)), "queue.url", redact(url),
           "use postgresql://user@host:port/database, or leave it empty for queue.sqlite in the output folder")
+    _need(not url or extras.missing("postgres") is None, "queue.url", redact(url), str(extras.missing("postgres")))
+    _need(cfg.action != "report" or extras.missing("sweep") is None, "action", cfg.action,
+          str(extras.missing("sweep")))
     parse_injection(cfg.debug.inject_nonfinite)
     after = cfg.debug.deadline_after_rows
     _need(after is None or after >= 1, "debug.deadline_after_rows", after, "must be >= 1 (or null)")
     after = cfg.debug.deadline_after_tokens
     _need(after is None or after >= 1, "debug.deadline_after_tokens", after, "must be >= 1 (or null)")
     _need(all(c in ERROR_CODES for c in cfg.retry.codes), "retry.codes", cfg.retry.codes,
-          f"choose among {', '.join(ERROR_CODES)} ([] = every code)")
+          f"choose among {', '.join(ERROR_CODES)} ([] = every code but invalid_input)")
     _need(cfg.action != "report" or bool(cfg.report.sweep_dirs), "report.sweep_dirs", cfg.report.sweep_dirs,
           "action=report needs report.sweep_dirs=[DIR,...] (sweep folders)")
 
@@ -301,6 +320,9 @@ def to_config(node: Any) -> Config:
     else:
         cfg = cast(Config, OmegaConf.to_object(node))  # the schema's node: a Config
         cfg.job.stop = [unescape(x) if isinstance(x, str) else x for x in cfg.job.stop]
+    _need(cfg.sampling.defaults in model_defaults.CHOICES, "sampling.defaults", cfg.sampling.defaults,
+          f"choose one of {', '.join(model_defaults.CHOICES)}")
+    model_defaults.fill(cfg.sampling, cfg.model)
     validate(cfg)
     return cfg
 
@@ -326,6 +348,7 @@ def run_identity(cfg: Config, input_path: str, include_kv: bool) -> str:
     keyed["model"].pop("cache_dir", None)
     keyed["debug"].pop("deadline_after_rows", None)  # where a run stops, not what its rows hold
     keyed["debug"].pop("deadline_after_tokens", None)
+    keyed["sampling"].pop("defaults", None)  # the values it chose are keyed themselves
     keyed["job"] = {**keyed["job"], "input": str(input_path), "name": None}
     if cfg.job.response_format is not None:  # a schema file by its content, not its path
         keyed["job"]["response_format"] = response_format.canonical(response_format.resolve(cfg.job.response_format))

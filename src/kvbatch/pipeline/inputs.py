@@ -17,6 +17,7 @@ import os
 import stat
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -60,10 +61,35 @@ def detect_format(path: Path, fmt: str) -> str:
     return found
 
 
+def _bad_utf8(data: bytes, exc: UnicodeDecodeError, offset: int) -> str:
+    """Where text stops being UTF-8: the byte and its offset in the file."""
+    return (f"not valid UTF-8 (byte 0x{data[exc.start]:02X} at byte offset {offset + exc.start} of the file); "
+            f"save the file as UTF-8")
+
+
 def _jsonl(path: Path) -> Iterator[tuple[dict, str]]:
-    """(parsed object, or {"__error__": why} for a line that is not one, raw text) per non-blank line."""
-    with open(path, encoding="utf-8-sig", errors="replace") as fh:
-        for lineno, line in enumerate(fh, 1):
+    """(parsed object, or {"__error__": why} for a line that is not one, raw text) per non-blank line;
+    a .json file holding one top-level array: per element. A line that is not UTF-8 is that row's
+    error, never decoded with replacement characters."""
+    if path.suffix.lower() == ".json":
+        with open(path, "rb") as fh:
+            head = fh.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+        items = _json_array(path) if head.startswith(b"[") else None
+        if items is not None:  # else one JSON value a line after all
+            yield from items
+            return
+    offset = 0
+    with open(path, "rb") as fh:
+        for lineno, data in enumerate(fh, 1):
+            start, offset = offset, offset + len(data)
+            if lineno == 1 and data.startswith(b"\xef\xbb\xbf"):
+                data, start = data[3:], start + 3
+            try:
+                line = data.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield {**_clean_fields(data), "__error__": f"line {lineno}: {_bad_utf8(data, exc, start)}"}, \
+                    data.decode("utf-8", "backslashreplace").strip()
+                continue
             raw = line.strip()
             if not raw:
                 continue
@@ -81,16 +107,73 @@ def _jsonl(path: Path) -> Iterator[tuple[dict, str]]:
             yield obj, raw
 
 
+def _clean_fields(data: bytes) -> dict:
+    """The text fields of a line that is not all UTF-8 that are (its id: the row keeps its key)."""
+    try:
+        obj = json.loads(data.decode("utf-8", "surrogateescape"))
+    except (ValueError, RecursionError):
+        return {}
+    return {k: v for k, v in obj.items() if isinstance(v, str) and not _BAD.search(k + v)} \
+        if isinstance(obj, dict) else {}
+
+
+def _json_array(path: Path) -> Optional[list[tuple[dict, str]]]:
+    """The elements of a .json file that is one JSON array (the Alpaca dataset as distributed); read
+    whole, so a file that is not one valid array is refused at start, naming where. None: the array
+    is followed by more values (a file of one JSON value a line)."""
+    data = path.read_bytes()
+    try:
+        items = json.loads(data.decode("utf-8-sig"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"job.input={str(path)!r}: {_bad_utf8(data, exc, 0)}") from None
+    except json.JSONDecodeError as exc:
+        if exc.msg == "Extra data":
+            return None
+        raise ConfigError(f"job.input={str(path)!r}: a JSON array that is not valid JSON ({exc.msg}, line "
+                          f"{exc.lineno} column {exc.colno}); a file of one object a line is JSONL") from None
+    except RecursionError:
+        raise ConfigError(f"job.input={str(path)!r}: JSON nested too deeply to read") from None
+    if not isinstance(items, list):
+        raise ConfigError(f"job.input={str(path)!r}: not a JSON array nor one JSON object a line")
+    return [(obj, json.dumps(obj, ensure_ascii=False, default=str)) if isinstance(obj, dict) else
+            ({"__error__": f"element {i}: not a JSON object ({type(obj).__name__})"},
+             json.dumps(obj, ensure_ascii=False, default=str)) for i, obj in enumerate(items)]
+
+
 def _csv(path: Path) -> tuple[list[str], list[dict]]:
+    """The header and the rows. A header naming a column twice is refused (one would be lost); a row
+    with bytes that are not UTF-8 is that row's error ({"__error__": why}), never decoded with
+    replacement characters."""
     csv.field_size_limit(INT32_MAX)  # the default (131,072 characters) would fail the whole file
-    with open(path, newline="", encoding="utf-8-sig", errors="replace") as fh:
+    with open(path, newline="", encoding="utf-8-sig", errors="surrogateescape") as fh:
         reader = csv.DictReader(fh)
         try:
-            rows = [{k: (None if v == "" else v) for k, v in r.items() if k is not None} for r in reader]
+            rows = [_csv_row(r, reader.line_num) for r in reader]
         except csv.Error as exc:
             raise ConfigError(f"job.input={str(path)!r}: not readable as CSV at line {reader.line_num}: {exc}") \
                 from None
-        return list(reader.fieldnames or []), rows
+        names = list(reader.fieldnames or [])
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ConfigError(f"job.input={str(path)!r}: the header names {', '.join(map(repr, twice))} more than "
+                              f"once (only the last such column would be read); rename them")
+        if any(_BAD.search(n) for n in names):
+            raise ConfigError(f"job.input={str(path)!r}: the header is not valid UTF-8; save the file as UTF-8")
+        return names, rows
+
+
+_BAD = re.compile("[\udc80-\udcff]")  # a byte that was not UTF-8 (errors="surrogateescape")
+
+
+def _csv_row(r: dict, line: int) -> dict:
+    row = {k: (None if v == "" else v) for k, v in r.items() if k is not None}
+    for k, v in row.items():
+        m = _BAD.search(v) if isinstance(v, str) else None
+        if m:
+            byte = ord(m.group()) - 0xDC00
+            return {"__error__": f"line {line}: column {k!r} is not valid UTF-8 (byte 0x{byte:02X}); save the file "
+                                 f"as UTF-8"}
+    return row
 
 
 def _parquet(path: Path) -> tuple[list[str], list[dict]]:
@@ -233,7 +316,7 @@ def read_rows(path: Path, fmt: str, job: JobConfig) -> list[InputRow]:
         else:
             names, rows = _csv(path) if fmt == "csv" else _parquet(path)
             columns = set(names) if names or rows else None
-            records = [(r, None) for r in rows]
+            records = [(r, repr(r)[:1000] if "__error__" in r else None) for r in rows]
     except OSError as exc:
         raise ConfigError(f"job.input={str(path)!r}: cannot read ({exc.strerror or exc})") from None
     if columns is not None and job.shape != "columns":  # ShareGPT / Alpaca (pipeline/formats/shapes.py)

@@ -2,9 +2,12 @@
 `output.progress_every` otherwise (cron, systemd, a log file).
 
 The worker reports every engine step's generated tokens (`tokens`), and each row as it is written
-(`row_done`). The bar counts tokens against the job's token budget (each queued row's max_tokens),
-so its rate and ETA are in tokens; a row that stops early takes its unused budget off the total, so
-the ETA tightens as rows finish. Rows done/total, tokens/s and memory ride along.
+(`row_done`). The bar counts tokens against the job's token budget (each queued row's max_tokens); a
+row that stops early takes its unused budget off the total. The ETA (`eta_s`) does not wait for the
+budget to shrink: once rows have finished it expects every unfinished row to be as long as the
+answers seen so far (never more than the budget), at the rate seen so far, so it converges to the
+truth as rows finish, however far answers fall short of max_tokens. Rows done/total, tokens/s and the
+process's resident memory (`rss`: what the OS holds for it, not MLX's peak) ride along.
 
 Time comes from the constructor: `clock` (seconds, default time.monotonic) times the plain lines and
 their rate, `redraw_s` is the bar's least interval between redraws (tqdm's mininterval; 0 redraws on
@@ -51,6 +54,7 @@ class Progress:
         self.bar_on = mode == "on" or (mode == "auto" and tty)
         self.lines_on = mode == "auto" and not tty
         self.rows_total, self.rows = rows, 0
+        self.answered_rows, self.answered_tokens = 0, 0  # finished rows that said how long they were
         self.total, self.done_tokens = max(token_budget, 0), 0
         self.every_s = every_s
         self.clock = clock
@@ -62,7 +66,9 @@ class Progress:
                         postfix=self._postfix_text() if self.bar_on else None)
 
     def _postfix_text(self) -> str:
-        return f"rows {self.rows}/{self.rows_total}, mem {fmt_bytes(rss_bytes())}"
+        eta = self.eta_s()
+        return (f"rows {self.rows}/{self.rows_total}, ETA {fmt_duration(eta) if eta is not None else '?'}, "
+                f"rss {fmt_bytes(rss_bytes())}")
 
     def _postfix(self) -> None:
         if self.bar_on:
@@ -76,9 +82,13 @@ class Progress:
                 self.bar.update(n)
         self._maybe_line()
 
-    def row_done(self, unused_budget: int = 0) -> None:
-        """A row written; `unused_budget`: its max_tokens it did not generate (it stopped early or failed)."""
+    def row_done(self, unused_budget: int = 0, generated: Optional[int] = None) -> None:
+        """A row written; `unused_budget`: its max_tokens it did not generate (it stopped early or failed);
+        `generated`: its answer's tokens (None: unknown), what the ETA expects of the rows still to come."""
         self.rows += 1
+        if generated is not None:
+            self.answered_rows += 1
+            self.answered_tokens += generated
         if unused_budget > 0:
             self.total = max(self.total - unused_budget, self.done_tokens)
             if self.bar_on:
@@ -88,14 +98,35 @@ class Progress:
             self.bar.refresh()
         self._maybe_line()
 
+    def expected_tokens(self) -> int:
+        """Tokens the whole run is expected to generate: the budget until a row has finished, then the
+        tokens so far plus, for every unfinished row, the mean answer seen so far less what the rows
+        in flight already generated (within [tokens so far, budget])."""
+        if not self.answered_rows:
+            return self.total
+        mean = self.answered_tokens / self.answered_rows
+        expected = self.answered_tokens + (self.rows_total - self.rows) * mean
+        return int(min(max(expected, self.done_tokens), self.total))
+
+    def eta_s(self) -> Optional[float]:
+        """Seconds left (None until a token was generated): the expected tokens left at the token rate so
+        far, and once rows have finished at least the rows left at the row rate so far (the last rows
+        of a job run with fewer beside them, so tokens alone come out short at the end)."""
+        elapsed = self.clock() - self.t0
+        if self.done_tokens <= 0 or elapsed <= 0:
+            return None
+        by_tokens = max(self.expected_tokens() - self.done_tokens, 0) / (self.done_tokens / elapsed)
+        by_rows = (self.rows_total - self.rows) * elapsed / self.rows if self.answered_rows else 0.0
+        return max(by_tokens, by_rows)
+
     def line(self) -> str:
-        """The plain progress line: rows, tokens, rate, ETA and memory."""
+        """The plain progress line: rows, tokens, rate, ETA and resident memory."""
         elapsed = max(self.clock() - self.t0, 1e-9)
         rate = self.done_tokens / elapsed
-        left = max(self.total - self.done_tokens, 0)
-        eta = fmt_duration(left / rate) if rate > 0 else "unknown"
+        eta_s = self.eta_s()
+        eta = fmt_duration(eta_s) if eta_s is not None else "unknown"
         return (f"kvbatch: progress: {self.rows}/{self.rows_total} rows, {self.done_tokens}/{self.total} tokens, "
-                f"{rate:.1f} tok/s, elapsed {fmt_duration(elapsed)}, ETA {eta}, mem {fmt_bytes(rss_bytes())}")
+                f"{rate:.1f} tok/s, elapsed {fmt_duration(elapsed)}, ETA {eta}, rss {fmt_bytes(rss_bytes())}")
 
     def _maybe_line(self) -> None:
         now = self.clock()

@@ -59,8 +59,10 @@ def resolve(value: Any) -> Optional[Any]:
 
 
 def canonical(value: Any) -> Optional[str]:
-    """A resolved format as one JSON text (the results' response_format column, the grammar cache key)."""
-    return None if value is None else json.dumps(value, sort_keys=True, ensure_ascii=False)
+    """A resolved format as one JSON text (the results' response_format column, the grammar cache key, the
+    config hash). Keys keep the order they were written in: a schema's property order is the order the
+    fields are generated in ({reasoning, answer} reasons before it answers), so two orders are two formats."""
+    return None if value is None else json.dumps(value, ensure_ascii=False)
 
 
 def grammar(value: Any) -> Optional[str]:
@@ -70,4 +72,4 @@ def grammar(value: Any) -> Optional[str]:
 
 @lru_cache(maxsize=256)
 def _grammar(text: str) -> str:
-    return grammar_from_format(json.loads(text))
+    return grammar_from_format(json.loads(text))  # dicts keep the text's key order: the schema as written

@@ -26,13 +26,18 @@ SAMPLE_SLOTS = MAX_SAMPLES  # queue positions per input row
 META = "sample_slots"
 
 
-def expand(rows: list[InputRow], n: int) -> list[InputRow]:
+def expand(rows: list[InputRow], n: int, temperature: float = 1.0) -> list[InputRow]:
     """The queue rows of these input rows, `n` samples each unless a row says its own (an invalid
-    row stays one row: it gets its error once)."""
+    row stays one row: it gets its error once). A row asking for n > 1 greedy samples (its
+    temperature, else the job's `temperature`, is 0) is invalid_input: they would be n copies."""
     taken = {r.key for r in rows}
     out: list[InputRow] = []
     for r in rows:
         k = 1 if "error" in r.payload else r.payload.get("n", n)
+        if k > 1 and r.payload.get("temperature", temperature) == 0:
+            why = greedy_samples(k, "the row's temperature" if "temperature" in r.payload else "temperature")
+            out.append(InputRow(r.pos * SAMPLE_SLOTS, r.key, {**r.payload, "error": why}))
+            continue
         if k == 1:
             out.append(InputRow(r.pos * SAMPLE_SLOTS, r.key, r.payload))
             continue
@@ -43,6 +48,12 @@ def expand(rows: list[InputRow], n: int) -> list[InputRow]:
             taken.add(key)
             out.append(InputRow(r.pos * SAMPLE_SLOTS + i, key, {**r.payload, "sample_index": i, "group": r.key}))
     return out
+
+
+def greedy_samples(n: int, which: str = "temperature") -> str:
+    """Why n > 1 samples at temperature 0 are refused (config and rows say the same)."""
+    return (f"n={n} with {which} 0 (greedy) would give {n} identical samples: set temperature > 0 "
+            f"(or n=1)")
 
 
 def slots_of(meta: Optional[str]) -> int:

@@ -62,6 +62,8 @@ def build(table: pa.Table, counts: dict[str, int], sessions: list[dict], this_ru
         "this_run": {"rows": run.get("rows", 0), "generated_tokens": run.get("tokens", 0),
                      "wall_s": run.get("wall_s", 0.0),
                      "tokens_per_s": run_tps,
+                     # MLX's peak (weights, KV, workspace) in this run; None: nothing generated
+                     "peak_memory_bytes": run.get("peak_memory_bytes"),
                      # output tokens rows continued from (checkpoints of earlier runs), and tokens this run
                      # generated beyond the last checkpoint of rows it handed back (generated again later)
                      "tokens_carried_over": run.get("resumed_tokens", 0), "tokens_lost": run.get("lost_tokens", 0),
@@ -70,9 +72,10 @@ def build(table: pa.Table, counts: dict[str, int], sessions: list[dict], this_ru
         "tokens_per_s": total_tokens / total_wall if total_wall else None,
         "kv_mode": last.get("kv_mode", extra.get("kv_mode")),
         "route": last.get("route"),
+        # MLX's peak over every run of the job (this_run.peak_memory_bytes: this run's)
         "peak_memory_bytes": max([s["summary"].get("mlx_peak_memory_bytes", 0) for s in sessions
                                   if s.get("summary")] or [0]) or None,
-        "peak_rss_bytes": peak_rss_bytes(),
+        "peak_rss_bytes": peak_rss_bytes(),  # this process's peak resident memory (the OS's count)
         "engine": last or None,
         "sessions": [{k: s[k] for k in ("worker", "started_at", "ended_at", "rows", "tokens", "wall_s")}
                      for s in sessions],
@@ -108,14 +111,16 @@ def failure(s: dict, max_error_fraction: Optional[float]) -> Optional[str]:
 
 
 def one_line(s: dict) -> str:
-    """The summary in one line for the terminal: rows, tokens, speed, KV mode, route, peak memory, BLAS."""
+    """The summary in one line for the terminal: rows, tokens, speed, KV mode, route, this run's MLX peak, BLAS."""
     errs = ", ".join(f"{n} {c}" for c, n in sorted(s["rows_by_error_code"].items()))
     run = s["this_run"]
     speed = f"{run['tokens_per_s']:.1f} tok/s" if run["tokens_per_s"] else "nothing generated this run"
-    mem = f", peak {fmt_bytes(s['peak_memory_bytes'])}" if s.get("peak_memory_bytes") else ""
+    peak = run.get("peak_memory_bytes")
+    mem = f", MLX peak {fmt_bytes(peak)} this run" if peak else ""
     rest = f", {s['rows_remaining']} remaining" if s["rows_remaining"] else ""
     kept = (f", {run['tokens_carried_over']} carried over from checkpoints, {run['tokens_lost']} lost"
             if run.get("tokens_carried_over") or run.get("tokens_lost") else "")
+    # the job's rows so far, then what this run did (a resumed job's earlier runs are in summary.json)
     return (f"kvbatch: {s['rows']} rows ({s['rows_ok']} ok{', ' + errs if errs else ''}){rest}; "
-            f"{run['generated_tokens']} tokens in {run['wall_s']:.1f}s ({speed}){kept}; "
+            f"this run: {run['rows']} rows, {run['generated_tokens']} tokens in {run['wall_s']:.1f}s ({speed}){kept}; "
             f"kv={s['kv_mode']} route={s['route'] or '-'}{mem}; blas={s.get('blas', '-')}")

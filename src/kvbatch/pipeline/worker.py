@@ -114,6 +114,7 @@ class Runtime:
     tokenizer: Any
     model_name: str
     make_engine: Callable[[], Any]  # a fresh Engine (after an engine-level failure, the old one is dropped)
+    context_length: int = 0  # the model's context: no row generates past it (0: unknown)
 
 
 @dataclass
@@ -195,6 +196,8 @@ class Worker:
             fmt = response_format.canonical(self._format(c.payload)) if p.grammar else None
             for name, value in row_params.columns(p, response_format=fmt).items():
                 setattr(rec, name, value)
+        else:  # the seed it would have run with: the column never null, an integer column in pandas too
+            rec.seed = samples.seed_for(c.payload, c.key, self.cfg.sampling.seed)
         if res is not None:
             s = res.stats
             rec.output, rec.output_token_ids, rec.output_tokens = res.text, list(res.tokens), len(res.tokens)
@@ -350,8 +353,10 @@ class Worker:
         self.results += 1
         if self.progress:
             budget = getattr(record, "max_tokens", None) or 0  # set for every row that was meant to run
+            budget = min(budget, self.rt.context_length or budget)  # as the job's budget counted it
             # tokens it will not generate here: beyond its output, and those carried over from a checkpoint
-            self.progress.row_done(budget - (record.output_tokens or 0) + (record.resumed_tokens or 0))
+            self.progress.row_done(budget - (record.output_tokens or 0) + (record.resumed_tokens or 0),
+                                   None if record.error_code else record.output_tokens or 0)
 
     def _tick(self) -> None:
         """The tokens generated since the last step: counted, and shown on the progress line."""

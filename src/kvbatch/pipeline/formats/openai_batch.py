@@ -7,6 +7,8 @@ messages, the body keys that kvbatch's per-row parameters share (engine/params.p
 max_completion_tokens as max_tokens, logprobs/top_logprobs as kvbatch's own per-row columns. A body
 key kvbatch cannot honour (tools, logit_bias, ...) makes that request invalid_input naming the key:
 never accepted and ignored. `model` is not honoured either way: the job's model runs every request.
+A body without temperature or max_tokens gets the OpenAI API's defaults (DEFAULTS: temperature 1,
+max_tokens up to the model's context), not the job's, so a request means what it means to OpenAI.
 A request's n samples are results rows of one row_index (sample_index 0..n-1): one output line, its
 choices in sample order; a failed sample makes the line an error (the format has no partial answer).
 """
@@ -21,7 +23,7 @@ from typing import Any, Callable, Optional
 
 import pyarrow as pa
 
-from kvbatch.engine.params import PARAMS
+from kvbatch.engine.params import INT32_MAX, PARAMS
 
 FILE = "batch_output.jsonl"
 URLS = ("/v1/chat/completions", "/chat/completions")
@@ -30,6 +32,12 @@ SAME = tuple(p.name for p in PARAMS if p.openai)
 RENAMED = {"max_completion_tokens": "max_tokens"}  # body keys kvbatch names otherwise
 # body keys with no effect on the output (model: the job's model runs every request)
 INERT = ("model", "user", "metadata", "store", "service_tier")
+# the OpenAI API's values where a request sets none (max_tokens: no limit but the model's context,
+# where the engine ends every row)
+DEFAULTS = {"temperature": 1.0, "max_tokens": INT32_MAX}
+DEFAULTS_NOTE = ("OpenAI batch requests without temperature or max_tokens get the OpenAI API's defaults: "
+                 "temperature 1, max_tokens up to the model's context (not the job's sampling.temperature "
+                 "and job.max_tokens)")
 
 
 def sniff(path: Path) -> bool:
@@ -64,6 +72,8 @@ def _row(obj: dict, id_column: str, messages_column: str) -> dict:
         elif name not in ("logprobs", "top_logprobs"):
             raise ValueError(f"body.{name} is not supported by kvbatch (it would be ignored)")
     _logprobs_of(body, row)
+    for name, value in DEFAULTS.items():
+        row.setdefault(name, value)
     return row
 
 

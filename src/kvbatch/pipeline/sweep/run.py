@@ -66,7 +66,9 @@ def run_sweep_job(node: DictConfig) -> dict:
     (except Ctrl-C, after recording it)."""
     from hydra.core.hydra_config import HydraConfig
 
+    from kvbatch.pipeline.log import configure_command
 
+    configure_command()  # a launcher's worker process is the command's too: its job's lines as the command's
     hc = HydraConfig.get()
     job_dir = Path(hc.runtime.output_dir).resolve()
     overrides = list(hc.overrides.task)

@@ -5,7 +5,9 @@
   CPU                DenseRoute, grouped decode,        QuantRoute, keys per channel when the
                      float32 pages read in place        page holds whole groups, packed pages
                                                         read in place (float32 stores)
-  portable / Metal   DenseRoute (gather + SDPA)         QuantRoute (quantized_matmul)
+  portable / Metal   PortableDenseRoute: decode reads   PortableQuantRoute: decode reads
+                     pages in place (gather_mm),        packed pages in place (gather_qmm);
+                     prefill gather + SDPA              prefill as QuantRoute
 
 `options.route="portable"` takes the last row on any backend: what Apple's Metal backend runs,
 so the CPU tests exercise it. The fused kernels also need a geometry they handle
@@ -26,6 +28,7 @@ from kvbatch.engine.kv.routes.base import Geometry, Route
 from kvbatch.engine.kv.routes.cuda import CudaDenseRoute, CudaQuantRoute
 from kvbatch.engine.kv.routes.cpu_streams import cpu_streams
 from kvbatch.engine.kv.routes.dense import IN_PLACE_MIN_PAGE, DenseRoute
+from kvbatch.engine.kv.routes.portable import PortableDenseRoute, PortableQuantRoute
 from kvbatch.engine.kv.routes.quant import QuantRoute
 
 
@@ -69,10 +72,14 @@ def select_route(layout: KVLayout, num_layers: int, dtype: mx.Dtype, tail_slots:
             if layout.full_precision_tokens:  # engine/gate.py refuses it first, in one line
                 raise ValueError("kv.full_precision_tokens is not built in the fused CUDA kernel")
             return store, CudaQuantRoute(store, geom, options.cuda, options.step_reuse)
+        if not cpu:
+            return store, PortableQuantRoute(store, geom)
         return store, QuantRoute(store, geom, _streams(cpu, options), in_place=cpu_pages and options.q_in_place)
     store = DenseStore(num_layers, layout.num_kv_heads, layout.head_dim, layout.page_size, dtype)
     if fused:
         return store, CudaDenseRoute(store, geom, upcast, options.cuda, options.step_reuse)
+    if not cpu:
+        return store, PortableDenseRoute(store, geom, upcast)
     return store, DenseRoute(store, geom, upcast, cpu=cpu, in_place=cpu_pages and not upcast and options.in_place,
                              streams=_streams(cpu, options))
 

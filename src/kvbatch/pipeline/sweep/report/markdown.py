@@ -77,7 +77,9 @@ def markdown(records: list[dict], sweep_dirs: list[Path], out: Path, plots: dict
     lines += ["", "## How to read it", "",
               "- **decode tok/s**: the engine's decode tokens per second (batched decode steps only; "
               "prefill excluded). Jobs run by the joblib launcher share the machine, so compare speeds "
-              "from one-at-a-time (basic launcher) sweeps.",
+              "from one-at-a-time (basic launcher) sweeps. Each figure is one run of its job, a single "
+              "sample: differences of a few percent are within a busy machine's noise (run the sweep again "
+              "to see the spread).",
               "- **peak memory**: MLX's peak allocated memory during the job (weights, KV pages, workspace), "
               "reset at the start of every job and after a model load (the load's transients are not counted). "
               "On a small model the weights dominate it, so it does not show what a KV mode saves: read "
@@ -90,8 +92,8 @@ def markdown(records: list[dict], sweep_dirs: list[Path], out: Path, plots: dict
               "those same tokens, and at every position their next-token distributions are compared. "
               "**top-1 vs kv=none**: the share of positions where both put the same token first "
               "(1 = never differs). **mean KL**: KL(kv=none || mode) in nats, the mean over positions, "
-              "and in brackets the worst row's mean (0 = the same distribution; q8 is around 1e-4 on "
-              "SmolLM2, q4 around 1e-2). **perplexity**: of the kv=none text under the mode's cache, "
+              "and in brackets the worst row's mean (0 = the same distribution; the lower, the closer; "
+              "this sweep's own values are in the table). **perplexity**: of the kv=none text under the mode's cache, "
               "with kv=none's own in brackets (the mode's is higher by what it loses). Per row: "
               "`teacher_forced.parquet` in the job's folder. The plot `quality_vs_memory.png` puts "
               "these against KV bytes per token and against the rows of the job that fit the budget: "

@@ -8,7 +8,8 @@ from kvbatch.engine.errors import ERROR_CODES
 from kvbatch.pipeline.sweep.report.kv_plots import KV_COLORS, KV_ORDER, kv_memory, quality_vs_memory, zoomed
 
 PLOTS = {
-    "decode": ("decode_tokens_per_s.png", "Decode tokens/s by KV mode"),
+    # one run per job: a single sample each, on a machine that may be busy (no spread to compare against)
+    "decode": ("decode_tokens_per_s.png", "Decode tokens/s by KV mode (one run each: a single sample)"),
     "kv_memory": ("kv_memory.png", "KV cache by mode: its peak bytes and the tokens the budget holds"),
     "agreement": ("agreement.png", "Token agreement with kv=none by KV mode"),
     "quality": ("quality_vs_memory.png", "Teacher-forced quality against KV bytes per token and rows that fit"),

@@ -1,0 +1,228 @@
+"""The portable route's decode: attention that reads each row's pages where they lie, with ops every
+MLX backend has (what Apple's Metal backend runs; `engine.options.route=portable` runs it anywhere).
+
+A page-table gather would copy every row's K/V into contiguous arrays before attention reads them:
+each decode step then moves every KV byte twice and holds a copy of a layer's K/V as workspace
+(102% of the KV in use on a one-layer model). Here `mx.gather_mm` (kv none) and `mx.gather_qmm`
+(q8/q4/k8v4: packed pages, never dequantized) multiply each page where it lies by its
+(row, KV head)'s query group: the key scores of all pages at once (G scores per key, small beside
+the page's K and V), one float32 softmax with MLX's own `mx.softmax`, then the values page by page in
+blocks of pages (`value_cuts`), each block's per-page products summed before the next, so the
+workspace stays a few percent of the KV read. Prefill keeps gather + MLX's SDPA (routes/dense.py,
+routes/quant.py): a chunk's many queries amortize the gather, and SDPA's fused kernel is Metal's
+fastest attention.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, cast
+
+import mlx.core as mx
+
+from kvbatch.engine.kv.pages import CacheRow
+from kvbatch.engine.kv.store import DenseStore, QuantizedStore, head_rows
+from kvbatch.engine.kv.routes.base import Geometry, flat_tokens
+from kvbatch.engine.kv.routes.common import TailWrites, page_heads, page_table, tail_writes
+from kvbatch.engine.kv.routes.dense import DenseRoute, DenseStep
+from kvbatch.engine.kv.routes.quant import QuantRoute, quantized_paged_plan
+
+# The most bytes a value block's per-page products (G x D per page and KV head) may take, as a share
+# of the bytes its pages hold: more blocks keep the step's workspace down, fewer keep its graph small.
+VALUE_SHARE = 1 / 32
+MAX_VALUE_BLOCKS = 16
+
+
+def value_cuts(n_pages: int, product_bytes: int, page_bytes: int) -> list[int]:
+    """Page boundaries of the value blocks of a step over n_pages pages a row: product_bytes, one
+    page's products per KV head (G x D); page_bytes, what a page holds per KV head (K and V)."""
+    k = min(max(n_pages, 1), MAX_VALUE_BLOCKS, max(1, -(-product_bytes // max(1, int(VALUE_SHARE * page_bytes)))))
+    return [n_pages * i // k for i in range(k + 1)]
+
+
+def keys_softmax(scores: mx.array, mask: mx.array, axis: int | tuple[int, ...]) -> mx.array:
+    """softmax(where(mask, scores, -inf)) along `axis`, in float32 (MLX's precise softmax)."""
+    s = scores.astype(mx.float32)
+    return mx.softmax(mx.where(mask, s, mx.array(-mx.inf, mx.float32)), axis=axis, precise=True)
+
+
+def portable_paged_decode(q: mx.array, k_pages: mx.array, v_pages: mx.array, heads: mx.array, query_of: mx.array,
+                          mask: mx.array, scale: float, cuts: list[int]) -> mx.array:
+    """One-query attention read from dense pages in place.
+
+    q (B, Hq, 1, D); k_pages, v_pages (pages, Hkv, P, D); heads (B, Hkv, n): the (page * Hkv + head)
+    of each row's n pages; query_of (B, Hkv, 1): b * Hkv + head; mask (B, 1, n * P, 1): each row's
+    valid keys, key-major; cuts: the value blocks' page boundaries (`value_cuts`). Scores come out
+    key-major, (B, Hkv, n, P, G), so neither product needs a transposed copy of a page. The query is
+    scaled before the product, as MLX's SDPA does; products run in the pages' dtype."""
+    B, Hq, _, D = q.shape
+    _, Hkv, P, _ = k_pages.shape
+    G, n, dt = Hq // Hkv, heads.shape[-1], k_pages.dtype
+    qt = (q * mx.array(scale, q.dtype)).astype(dt).reshape(B * Hkv, G, D).swapaxes(-1, -2)  # (B*Hkv, D, G)
+    scores = mx.gather_mm(k_pages.reshape(-1, P, D), qt, heads, query_of)  # (B, Hkv, n, P, G)
+    probs = keys_softmax(scores.reshape(B, Hkv, n * P, G), mask, axis=-2).astype(dt)
+    pt = probs.reshape(B, Hkv, n, P, G).swapaxes(-1, -2)  # (B, Hkv, n, G, P), a view
+    vp = v_pages.reshape(-1, P, D)
+    out = None
+    for a, z in zip(cuts, cuts[1:]):
+        part = mx.gather_mm(pt[:, :, a:z], vp, None, heads[..., a:z])  # (B, Hkv, z - a, G, D)
+        s = part.astype(mx.float32).sum(axis=2)
+        out = s if out is None else out + s
+    assert out is not None  # cuts hold at least one block
+    return out.reshape(B, Hq, 1, D).astype(q.dtype)
+
+
+def portable_quantized_decode(q: mx.array, kq: list[mx.array], vq: list[mx.array], tk: mx.array, tv: mx.array,
+                              heads: mx.array, query_of: mx.array, mask: mx.array, scale: float, group_size: int,
+                              bits: tuple[int, int], cuts: list[int],
+                              first: Optional[tuple[mx.array, mx.array]] = None) -> mx.array:
+    """One-query attention over packed pages read in place (keys quantized per token) and each row's
+    dense tail page (and first-token copy, kv.full_precision_tokens).
+
+    kq, vq: the layer's K and V pool triplets (pages, Hkv, P, ·); tk, tv (B, Hkv, P, D); heads,
+    query_of as in `portable_paged_decode` (of the rows' sealed pages); mask (B, 1, 1 [+ m] + n, 1, P):
+    the tail's valid keys[, the copy's] and the sealed pages' (routes/quant.py quantized_paged_plan).
+    Scores page by page, (B, Hkv, 1 [+ m] + n, G, P), tail first; one softmax over (page, token)."""
+    B, Hq, _, D = q.shape
+    Hkv, P = tk.shape[1], tk.shape[2]
+    G, dt = Hq // Hkv, tk.dtype
+    kbits, vbits = bits
+    qs = (q * mx.array(scale, q.dtype)).astype(dt).reshape(B * Hkv, G, D)
+    kw, ks, kb = (a.reshape(-1, *a.shape[2:]) for a in kq)
+    vw, vs, vb = (a.reshape(-1, *a.shape[2:]) for a in vq)
+    qg = qs.reshape(B, Hkv, G, D)
+    parts = [(qg @ tk.swapaxes(-1, -2))[:, :, None]]  # the tail, (B, Hkv, 1, G, P)
+    m, fv = 0, None
+    if first is not None:
+        m = -(-first[0].shape[2] // P)
+        pad = [(0, 0), (0, 0), (0, m * P - first[0].shape[2]), (0, 0)]
+        fk, fv = (mx.pad(a, pad) if pad[2][1] else a for a in first)  # (B, Hkv, m*P, D)
+        parts.append((qg @ fk.swapaxes(-1, -2)).reshape(B, Hkv, G, m, P).transpose(0, 1, 3, 2, 4))
+    parts.append(mx.gather_qmm(qs, kw, ks, kb, lhs_indices=query_of, rhs_indices=heads, transpose=True,
+                               group_size=group_size, bits=kbits))  # (B, Hkv, n, G, P)
+    probs = keys_softmax(mx.concatenate(parts, axis=2), mask, axis=(2, 4)).astype(dt)
+    out = (probs[:, :, 0] @ tv).astype(mx.float32)  # (B, Hkv, G, D)
+    if m:
+        assert fv is not None
+        out = out + (probs[:, :, 1:1 + m].transpose(0, 1, 3, 2, 4).reshape(B, Hkv, G, m * P) @ fv).astype(mx.float32)
+    for a, z in zip(cuts, cuts[1:]):
+        part = mx.gather_qmm(probs[:, :, 1 + m + a:1 + m + z], vw, vs, vb, rhs_indices=heads[..., a:z],
+                             transpose=False, group_size=group_size, bits=vbits)  # (B, Hkv, z - a, G, D)
+        out = out + part.astype(mx.float32).sum(axis=2)
+    return out.reshape(B, Hq, 1, D).astype(q.dtype)
+
+
+def _page_bytes(arrays: list[mx.array]) -> int:
+    """Bytes one page holds per KV head, over these (pages, kv_heads, ...) arrays."""
+    total = 0
+    for a in arrays:
+        per = a.dtype.size
+        for d in a.shape[2:]:
+            per *= d
+        total += per
+    return total
+
+
+@dataclass(frozen=True)
+class PortableStep:
+    """A portable decode step: where its tokens go, and the rows' pages to read in place."""
+
+    rows: mx.array  # head rows the step's tokens are written to (kv.store.head_rows)
+    heads: mx.array  # (B, Hkv, n) page * Hkv + head
+    query_of: mx.array  # (B, Hkv, 1)
+    mask: mx.array  # (B, 1, n * P, 1) valid keys, key-major
+    cuts: list[int]  # value blocks (value_cuts)
+    take: Optional[mx.array] = None  # never set: decode stores every token (DenseRoute.write reads it)
+
+
+class PortableDenseRoute(DenseRoute):
+    """kv none on the portable route: decode reads the pages in place (`portable_paged_decode`);
+    prefill, and fp16 models (whose scores are taken in float32, DenseRoute's upcast), gather + SDPA."""
+
+    def __init__(self, store: DenseStore, geom: Geometry, upcast: bool):
+        super().__init__(store, geom, upcast, cpu=False, in_place=False)
+
+    def decode_plan(self, rows: list[CacheRow], pos: list[int]) -> DenseStep | PortableStep:  # type: ignore[override]
+        """A one-token pass read in place, built from Python lists (see DenseRoute.decode_plan)."""
+        if self.upcast:
+            return super().decode_plan(rows, pos)
+        P, H, B = self.geom.page_size, self.geom.kv_heads, len(rows)
+        new_len = [a + 1 for a in pos]
+        table = page_table(rows, [-(-n // P) for n in new_len])
+        width = table.shape[1]
+        slots = [r.pages[a // P] * P + a % P for r, a in zip(rows, pos)]
+        hrows = mx.array(head_rows(slots, P, H), dtype=mx.int32)
+        mask = (mx.arange(width * P) < mx.array(new_len, dtype=mx.int32)[:, None]).reshape(B, 1, width * P, 1)
+        heads, query_of = page_heads(table, H)
+        st = self.store
+        G = self.geom.query_heads // H
+        cuts = value_cuts(width, G * self.geom.head_dim * st.dtype.size, _page_bytes([st.k[0], st.v[0]]))
+        return PortableStep(hrows, heads, query_of, mask, cuts)
+
+    def attend(self, layer: int, meta: object, queries: mx.array, scale: float) -> mx.array:
+        """Decode in place; other passes as DenseRoute attends them."""
+        if isinstance(meta, PortableStep):
+            st = self.store
+            return portable_paged_decode(queries, st.k[layer], st.v[layer], meta.heads, meta.query_of, meta.mask,
+                                         scale, meta.cuts)
+        return super().attend(layer, cast(DenseStep, meta), queries, scale)
+
+
+@dataclass(frozen=True)
+class PortableQuantStep:
+    """A portable q8/q4 decode step over sealed pages: tail writes, the pages to read in place, masks."""
+
+    tails: mx.array
+    writes: TailWrites
+    heads: mx.array
+    query_of: mx.array
+    mask: mx.array  # (B, 1, 1 [+ m] + n, 1, P)
+    cuts: list[int]
+    first: bool = False  # attend to the rows' dense first-token copies (kv.full_precision_tokens)
+
+
+class PortableQuantRoute(QuantRoute):
+    """q8/q4/k8v4 on the portable route (keys per token): decode over sealed pages reads them in
+    place (`portable_quantized_decode`); steps with no sealed page, prefill, and fp16 models (whose
+    scores are taken in float32) as QuantRoute."""
+
+    def __init__(self, store: QuantizedStore, geom: Geometry):
+        super().__init__(store, geom, [None], in_place=False)
+
+    def plan(self, rows: list[CacheRow], L: int, pos: list[int], epoch: int, lens: list[int]) -> object:
+        """Decode steps whose rows hold sealed pages read them in place; other passes as QuantRoute plans them."""
+        P, H, D = self.geom.page_size, self.geom.kv_heads, self.geom.head_dim
+        n_before = [a // P for a in pos]
+        st = self.store
+        # fp16 stores: scores past fp16's range; QuantRoute's gathered decode takes them in float32
+        if L > 1 or max(n_before) == 0 or st.dtype == mx.float16:
+            return super().plan(rows, L, pos, epoch, lens)
+        tails = [r.tail_slot for r in rows]
+        fill = [a % P for a in pos]
+        writes = tail_writes(P, H, st.k_axis, rows, pos, tails, fill)
+        N = st.full_precision
+        first = [min(N, n * P) for n in n_before]
+        use_first = max(first) > 0
+        table = page_table(rows, n_before)
+        t = quantized_paged_plan(table, n_before, fill, P, H, D, [None], first if use_first else None, N)
+        G = self.geom.query_heads // H
+        cuts = value_cuts(table.shape[1], G * D * st.dtype.size, _page_bytes(st.q[0]))
+        return PortableQuantStep(mx.array(tails, dtype=mx.int32), writes, t["q_page_heads"], t["query_of"],
+                                 t["mask_p"], cuts, use_first)
+
+    def write(self, layer: int, meta, keys: mx.array, values: mx.array) -> None:
+        """A step read in place writes into the rows' tails (sealing full ones); others as QuantRoute."""
+        if isinstance(meta, PortableQuantStep):
+            meta.writes.apply(self.store, layer, *flat_tokens(keys, values))
+            return
+        super().write(layer, meta, keys, values)
+
+    def attend(self, layer: int, meta, queries: mx.array, scale: float) -> mx.array:
+        """A step read in place; other passes as QuantRoute attends them."""
+        if not isinstance(meta, PortableQuantStep):
+            return super().attend(layer, meta, queries, scale)
+        st = self.store
+        tk, tv = st.gather_tails(layer, meta.tails)
+        q = st.q[layer]
+        return portable_quantized_decode(queries, q[:3], q[3:], tk, tv, meta.heads, meta.query_of, meta.mask, scale,
+                                         st.group_size, (st.key_bits, st.value_bits), meta.cuts,
+                                         first=st.gather_first(layer, meta.tails) if meta.first else None)
