@@ -41,4 +41,6 @@ BENCHMARKS = {
     "job.many_workers": "many workers on one PostgreSQL queue: rows/s, queue cost, claim latency",
     "job.commits": "the whole `kvbatch` command at two commits side by side: speed ratio and identical rows",
     "job.kill_soak": "many random kill -9 of real workers, then a final run: nothing lost or changed",
+    "job.checkpoint_cost": "what checkpointing rows in flight costs a whole job: off, default, dense",
+    "job.overnight": "a job stopped by its deadline half-way and run again, against one uninterrupted run",
 }

@@ -39,6 +39,8 @@ def add_args(ap) -> None:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--max-wait", type=float, default=1.5, help="longest wait after model load before the kill")
+    ap.add_argument("--checkpoint-tokens", type=int, default=0,
+                    help="worker.checkpoint_every.tokens (0: the default interval): rows continue from checkpoints")
 
 
 def run(a) -> dict:
@@ -50,7 +52,8 @@ def run(a) -> dict:
         src.write_text("".join(json.dumps({"id": f"k{i:03d}", "prompt": f"item{i} " * (1 + i % 7),
                                            "max_tokens": [32, 128, 256, 384][i % 4]}) + "\n"
                                for i in range(a.rows)))
-        args = SETTINGS + [f"model.cache_dir={d / 'models'}", f"job.input={src}"]
+        args = SETTINGS + [f"model.cache_dir={d / 'models'}", f"job.input={src}"] + \
+            ([f"worker.checkpoint_every.tokens={a.checkpoint_tokens}"] if a.checkpoint_tokens else [])
         t0 = time.perf_counter()
         subprocess.run(_cmd(args, d / "ref"), env=env, check=True, capture_output=True)
         ref_s = time.perf_counter() - t0
@@ -87,6 +90,8 @@ def run(a) -> dict:
             "stranded": stranded,
             "charged": sum(1 for r in rows if r["error_code"] is not None or (r["attempt"] or 0) > 1),
             "crashes_total": crashes[0], "crashes_max_per_row": crashes[1], "worker_sessions": dict(stops),
+            "resumed_rows": sum(1 for r in rows if r.get("resumed_tokens")),
+            "resumed_tokens": sum(r.get("resumed_tokens") or 0 for r in rows),
             "reference_run_s": round(ref_s, 1), "soak_s": round(soak_s, 1)}
     print(json.dumps(result), flush=True)
     result["failed"] = bool(final.returncode or result["lost"] or result["duplicated"] or result["changed"]

@@ -20,6 +20,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from kvbatch.pipeline import checkpoints
 from kvbatch.pipeline.debug import ENV as CRASH_ENV
 from kvbatch.pipeline.parts import read_part
 from kvbatch.pipeline.queue import Queue
@@ -337,3 +338,35 @@ def test_sigterm_writes_what_is_done_and_hands_the_rest_back(job, tmp_path):
     assert "runs: 1 worker sessions (interrupted 1)" in status(out, args)
     assert kvbatch(out, args).returncode == 0
     assert all(r["attempt"] == 1 for r in check_results(out, ref))
+
+
+def test_kill_9_mid_row_continues_from_its_last_checkpoint(tmp_path, model_cache_dir):
+    """A real kill -9 with rows mid-answer: the next run continues each from its last checkpoint (at most
+    checkpoint_every.tokens lost) and ends with the tokens of an uninterrupted run (made in this process)."""
+    from kvbatch.pipeline import actions
+    from kvbatch.pipeline.compose import compose_config
+    from kvbatch.pipeline.status import lines
+
+    src = tmp_path / "rows.jsonl"
+    src.write_text("".join(json.dumps({"id": f"k{i}", "prompt": f"kill {i} " * (i + 1)}) + "\n" for i in range(5)))
+    every = 32
+    args = ["model=tiny", f"model.cache_dir={model_cache_dir}", f"job.input={src}", "job.chat_template=false",
+            "job.max_tokens=200", "job.ignore_eos=true", "engine.max_batch=4", "worker.prefetch=0",
+            "output.progress=off", f"worker.checkpoint_every.tokens={every}", "worker.checkpoint_every.seconds=0"]
+    ref = {r["row_key"]: r for r in pq.read_table(actions.execute(compose_config(
+        args + [f"output.dir={tmp_path / 'ref'}"]))).to_pylist()}
+    out = tmp_path / "out"
+    kill_9_at(out, args, "decode:100:pause", tmp_path / "kill.err")
+    q = Queue(out / "queue.sqlite")
+    held = dict(checkpoints.in_progress(q))
+    assert len(held) == 4 and all(n >= 2 * every and n % every == 0 for n in held.values()), held
+    assert any(line.startswith(f"in progress: 4 rows keep {sum(held.values())} tokens") for line in lines(q, 3, 6))
+    q.close()
+    final = kvbatch(out, args)
+    assert final.returncode == 0, final.stderr
+    rows = {r["row_key"]: r for r in check_results(out, ref, list(ref))}
+    assert {k: r["resumed_tokens"] for k, r in rows.items() if r["resumed_tokens"]} == held
+    for k in held:  # a checkpoint every 32 tokens, over both runs
+        assert rows[k]["checkpoints"] == (rows[k]["output_tokens"] - 1) // every
+    assert f"{sum(held.values())} carried over from checkpoints, 0 lost" in final.stdout
+    assert json.loads((out / "summary.json").read_text())["this_run"]["tokens_carried_over"] == sum(held.values())

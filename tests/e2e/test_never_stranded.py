@@ -84,7 +84,8 @@ def test_12_a_full_disk_stops_with_one_line_and_charges_no_row(job, tmp_path):
         args = base + SMALL + ["worker.flush_rows=1"]
         assert kvbatch(out, args + ["action=enqueue"]).returncode == 0
         filler = fs / "filler"
-        with open(filler, "wb") as fh:  # fill the disk, then leave a little room: it fills mid-run
+        # fill the disk, then leave a little room: it fills mid-run (unbuffered: no write is pending at close)
+        with open(filler, "wb", buffering=0) as fh:
             try:
                 while True:
                     fh.write(b"\0" * 65536)

@@ -33,6 +33,7 @@ from kvbatch.engine.kv.cache import PagedKVCache
 from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.memory import MemoryModel, format_plan, layout_for, resolve_budget
 from kvbatch.engine.output import OutputProcessor
+from kvbatch.engine import resume
 from kvbatch.engine.plan import Chunk, StepPlan
 from kvbatch.engine.row import Row
 from kvbatch.engine.runner import LookaheadStepper, PrefillPass, Runner, SyncStepper, TokenPass
@@ -40,7 +41,7 @@ from kvbatch.engine.sampling import RowSampler
 from kvbatch.engine.scheduler import Scheduler
 from kvbatch.engine.speculative import make_proposer
 from kvbatch.engine.speculative.speculator import Speculator
-from kvbatch.engine.types import Logprobs, ModelSpec, Request, Result
+from kvbatch.engine.types import Logprobs, ModelSpec, Request, Result, RowCheckpoint
 
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -108,9 +109,11 @@ class Engine:
                                    cfg.max_prompt_tokens, settings.admission, self.prefill_tokens, self._flush)
 
     # ---- public surface --------------------------------------------------------------------
-    def add(self, req: Request, score=None) -> None:
+    def add(self, req: Request, score=None, checkpoint: Optional[RowCheckpoint] = None) -> None:
         """Queue a row; it is admitted by a later step() when a slot and memory allow. score: a
-        TeacherForced scorer (engine/scoring.py, which adds such rows itself)."""
+        TeacherForced scorer (engine/scoring.py, which adds such rows itself). checkpoint: the row
+        continues from these kept tokens (engine/resume.py; CheckpointRefused when it cannot: the
+        caller starts it over)."""
         p = req.sampling
         worst = min(len(req.prompt_tokens) + max(p.max_tokens, 0), self.spec.context_length)
         matcher, problem = None, None
@@ -123,6 +126,11 @@ class Engine:
                   time.perf_counter(), forced=self.hooks.forced_tokens.get(req.key), score=score)
         if p.logprobs or p.prompt_logprobs:
             row.logprobs = Logprobs(prompt=[] if p.prompt_logprobs else None)
+        if checkpoint is not None and not problem:
+            why = resume.problem(row, checkpoint, self.spec.vocab_size, self.spec.context_length) \
+                or resume.restore(row, checkpoint)
+            if why:
+                raise resume.CheckpointRefused(why)
         if problem:  # a grammar llguidance rejects: the row ends now, with its error
             self.output.finish(row, "error", *problem)
             return
@@ -160,6 +168,15 @@ class Engine:
         s.waiting.clear()
         s.running.clear()
         return reqs
+
+    def checkpoints(self, saved: Optional[dict[str, int]] = None, min_new: int = 1) -> dict[str, RowCheckpoint]:
+        """Row key -> checkpoint of every row not ended (running, or waiting after a preemption) that
+        holds at least `min_new` tokens more than `saved` says it had at its last checkpoint (none: 0),
+        at this step boundary (a lookahead step in flight is not in it: the row is read at its landed
+        tokens, its random stream at their count)."""
+        s, saved = self.scheduler, saved or {}
+        return {r.req.key: resume.take(r) for r in (*s.running, *s.waiting)
+                if not r.ended and len(r.out) - saved.get(r.req.key, 0) >= max(min_new, 1)}
 
     def run(self) -> Iterator[Result]:
         """Results as rows finish, until nothing is waiting or running."""

@@ -128,13 +128,14 @@ class OutputProcessor:
             at = text.find(stop_reason, max(0, floor - len(stop_reason) + 1))
             text = text[:at] if at >= 0 else text
         n = len(row.out)
+        made = n - row.resumed  # generated since its admission (a resumed row's kept tokens are not)
         decode_tps = None
-        if n > 1 and row.t_last and row.t_first and row.t_last > row.t_first:
-            decode_tps = (n - 1) / (row.t_last - row.t_first)
+        if made > 1 and row.t_last and row.t_first and row.t_last > row.t_first:
+            decode_tps = (made - 1) / (row.t_last - row.t_first)
         stats = RowStats(prompt_tokens=row.prompt_len, output_tokens=n,
                          ttft_s=(row.t_first - row.t_admit) if row.t_first and row.t_admit else None,
                          queue_s=(row.t_admit - row.t_submit) if row.t_admit else None,
-                         preemptions=row.preemptions, cached_tokens=row.cached_tokens,
+                         preemptions=row.preemptions, cached_tokens=row.cached_tokens, resumed_tokens=row.resumed,
                          decode_tps=decode_tps, wall_s=time.perf_counter() - row.t_submit,
                          peak_kv_bytes=peak_kv, route=self.cache.route)
         if row.spec is not None:

@@ -26,6 +26,7 @@ class Row:
     t_last: Optional[float] = None
     preemptions: int = 0
     cached_tokens: int = 0  # prompt tokens taken from shared pages, not computed (first admission)
+    resumed: int = 0  # output tokens it started with, kept from a checkpoint (engine/resume.py)
     active: bool = False  # in the running batch
     input_ok: bool = False  # its prompt and sampling passed the scheduler's input checks (done once)
     ended: bool = False

@@ -48,6 +48,18 @@ class RowSampler:
         # the host must know the row's last token before its next step (grammar state, penalty counts)
         self.needs_host = matcher is not None or self.penalized
 
+    def skip(self, draws: int) -> None:
+        """Move a sampled row's random stream past `draws` draws (a row resumed from a checkpoint
+        of that many tokens): each draw splits the key once (_draw), so the stream's position is the
+        number of tokens drawn."""
+        if self.key is None or draws <= 0:
+            return
+        k = self.key
+        for _ in range(draws):
+            k = mx.random.split(k)[0]
+        mx.eval(k)
+        self.key = k
+
 
 @dataclass
 class Sampled:

@@ -49,6 +49,7 @@ class RowStats:
     queue_s: Optional[float] = None  # from add() to admission (waiting for a slot or memory)
     preemptions: int = 0
     cached_tokens: int = 0  # prompt tokens taken from cached or shared pages instead of computed
+    resumed_tokens: int = 0  # output tokens kept from a checkpoint: generated before this run (engine/resume.py)
     decode_tps: Optional[float] = None
     wall_s: float = 0.0
     peak_kv_bytes: int = 0
@@ -70,6 +71,15 @@ class Logprobs:
     def total(self) -> float:
         """The output's log-probability: the sum over its tokens."""
         return float(sum(self.tokens))
+
+
+@dataclass
+class RowCheckpoint:
+    """A row's generated tokens at a step boundary, and its output logprobs so far (rows that record them)."""
+
+    tokens: list[int]
+    logprobs: Optional[list[float]] = None  # one per token
+    top: list[list[tuple[int, float]]] = field(default_factory=list)  # per token: (id, logprob), best first
 
 
 @dataclass

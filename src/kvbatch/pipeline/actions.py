@@ -291,13 +291,17 @@ def work(job: Job, q: Queue) -> Optional[WorkStats]:
         progress.close()
         left = q.counts()
         say(f"kvbatch: {'terminated' if isinstance(exc, Terminated) else 'interrupted'}; finished rows are saved in "
-            f"parts/, {left['pending'] + left['leased']} rows remain queued (run the same command again to continue)")
+            f"parts/, {left['pending'] + left['leased']} rows remain queued, rows in flight continue from their "
+            f"checkpoints (run the same command again to continue)")
         raise SystemExit(143 if isinstance(exc, Terminated) else 130) from None
     finally:
         progress.close()
+    for why, n in sorted(stats.started_over.items()):
+        say(f"kvbatch: {n} rows started over: their checkpoint could not be used ({why})")
     if stats.stopped_by_deadline:
         left = q.counts()
-        say(f"kvbatch: deadline reached; {left['pending'] + left['leased']} rows remain queued "
+        say(f"kvbatch: deadline reached; {left['pending'] + left['leased']} rows remain queued, "
+            f"{stats.kept_at_stop} tokens of rows in flight kept in checkpoints "
             f"(run the same command again to continue)")
     return stats
 
@@ -323,7 +327,9 @@ def finish(job: Job, q: Queue, stats: Optional[WorkStats], t0: Optional[float] =
     if fin.requeued:
         say(f"kvbatch: {len(fin.requeued)} finished rows lost their part; they are queued again")
     run = {"rows": stats.rows, "tokens": stats.tokens, "wall_s": stats.wall_s,
-           "peak_memory_bytes": stats.engine_summary.get("mlx_peak_memory_bytes")} if stats else None
+           "peak_memory_bytes": stats.engine_summary.get("mlx_peak_memory_bytes"),
+           "resumed_tokens": stats.resumed_tokens, "lost_tokens": stats.lost_tokens,
+           "checkpoints": stats.checkpoints, "checkpoint_s": stats.checkpoint_s} if stats else None
     extra = {"job": job.cfg.job.name, "model": job.cfg.model.name, "kv_mode": job.cfg.kv.mode,
              "options": asdict(job.cfg.engine.options),  # the engine options this config ran with
              "config_hash": job.config_hash, "output_dir": str(job.out_dir), "results": str(fin.path),
@@ -367,8 +373,11 @@ def run(job: Job) -> Path:
     if fin.requeued:  # lost parts: generate those rows again, once
         more = work(job, q)
         if more:
-            stats = more if stats is None else WorkStats(stats.rows + more.rows, stats.tokens + more.tokens,
-                                                         time.perf_counter() - t0)
+            stats = more if stats is None else WorkStats(
+                stats.rows + more.rows, stats.tokens + more.tokens, time.perf_counter() - t0,
+                resumed_tokens=stats.resumed_tokens + more.resumed_tokens,
+                lost_tokens=stats.lost_tokens + more.lost_tokens, checkpoints=stats.checkpoints + more.checkpoints,
+                checkpoint_s=stats.checkpoint_s + more.checkpoint_s)
         fin, s = finish(job, q, stats, t_start)
     out.info(summ.one_line(s))
     out.info(fin.path)

@@ -110,6 +110,15 @@ class OutputConfig:
 
 
 @dataclass
+class CheckpointEvery:
+    """How often a worker checkpoints its rows in flight into the queue (pipeline/checkpoints.py), besides at
+    every stop (deadline, Ctrl-C, SIGTERM); a kill -9 loses at most the tokens since the last one."""
+
+    seconds: float = 60.0  # every running row this often (0: not by time)
+    tokens: int = 0  # a row once it has this many tokens more than at its last checkpoint (0: not by tokens)
+
+
+@dataclass
 class WorkerConfig:
     """How a worker claims, leases, retries and writes rows, and when it stops."""
 
@@ -126,6 +135,7 @@ class WorkerConfig:
     # workers of other hosts by lease; set it where machines (containers) share a hostname
     host: Optional[str] = None
     replica: int = 0  # which of N identical workers this is (a launcher's sweep over worker.replica=range(N))
+    checkpoint_every: CheckpointEvery = field(default_factory=CheckpointEvery)
 
 
 @dataclass
@@ -145,6 +155,8 @@ class DebugConfig:
     # N: worker.deadline counts as reached once N rows have a result in this run (tests: a deadline
     # at an exact place, whatever the machine's speed)
     deadline_after_rows: Optional[int] = None
+    # N: likewise once this run's engine generated N tokens (tests: a stop mid-row, rows' tokens kept)
+    deadline_after_tokens: Optional[int] = None
 
 
 @dataclass
@@ -283,6 +295,9 @@ def validate(cfg: Config) -> None:
     _need(w.host is None or bool(re.fullmatch(r"[A-Za-z0-9_.-]+", w.host)), "worker.host", w.host,
           "use letters, digits, '_', '-', '.' (it names the worker and its parts)")
     _need(w.replica >= 0, "worker.replica", w.replica, "must be >= 0")
+    ce = w.checkpoint_every
+    _need(ce.seconds >= 0, "worker.checkpoint_every.seconds", ce.seconds, "must be >= 0 (0: not by time)")
+    _need(ce.tokens >= 0, "worker.checkpoint_every.tokens", ce.tokens, "must be >= 0 (0: not by tokens)")
     url = cfg.queue.url or ""
     _need(not url or bool(re.match(r"postgres(ql)?://", url)), "queue.url", redact(url),
           "use postgresql://user@host:port/database, or leave it empty for queue.sqlite in the output folder")
@@ -292,6 +307,8 @@ def validate(cfg: Config) -> None:
     parse_injection(cfg.debug.inject_nonfinite)
     after = cfg.debug.deadline_after_rows
     _need(after is None or after >= 1, "debug.deadline_after_rows", after, "must be >= 1 (or null)")
+    after = cfg.debug.deadline_after_tokens
+    _need(after is None or after >= 1, "debug.deadline_after_tokens", after, "must be >= 1 (or null)")
     _need(all(c in ERROR_CODES for c in cfg.retry.codes), "retry.codes", cfg.retry.codes,
           f"choose among {', '.join(ERROR_CODES)} ([] = every code but invalid_input)")
     _need(cfg.action != "report" or bool(cfg.report.sweep_dirs), "report.sweep_dirs", cfg.report.sweep_dirs,
@@ -332,6 +349,7 @@ def run_identity(cfg: Config, input_path: str, include_kv: bool) -> str:
     keyed = {k: d[k] for k in _SHAPES_OUTPUTS}
     keyed["model"].pop("cache_dir", None)
     keyed["debug"].pop("deadline_after_rows", None)  # where a run stops, not what its rows hold
+    keyed["debug"].pop("deadline_after_tokens", None)
     keyed["sampling"].pop("defaults", None)  # the values it chose are keyed themselves
     keyed["job"] = {**keyed["job"], "input": str(input_path), "name": None}
     if cfg.job.response_format is not None:  # a schema file by its content, not its path

@@ -5,7 +5,10 @@ Not for production use. Set `KVBATCH_DEBUG_CRASH_AT` to one or more comma-separa
 - `POINT:N` - the N-th time this process reaches POINT, it kills itself with SIGKILL
   (no cleanup, no finally blocks, no atexit: the same as `kill -9` from outside);
 - `POINT:N:pause` - instead, print `kvbatch-debug: paused at POINT N (pid PID)` on stderr
-  and sleep, so a test can `kill -9` the process from outside at that exact point;
+  and wait for a signal, so a test can `kill -9` the process from outside at that exact point
+  (or send SIGTERM: the process goes on from there and handles it);
+- `POINT:N:term` - instead, send this process SIGTERM and go on (a stop request arriving
+  there: the worker's first-signal path; two such specs at one place: the second signal);
 - `row:KEY` - kill the process every time row KEY starts its prefill (a row that kills
   its worker: exercises worker.isolate_after / worker.max_crashes).
 
@@ -21,7 +24,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -39,6 +41,7 @@ class Spec:
     n: int = 0  # the n-th time (1-based); 0 for row:KEY
     pause: bool = False
     row: Optional[str] = None
+    term: bool = False
 
 
 def parse(text: Optional[str]) -> list[Spec]:
@@ -53,9 +56,11 @@ def parse(text: Optional[str]) -> list[Spec]:
             continue
         parts = item.split(":")
         if len(parts) not in (2, 3) or parts[0] not in POINTS or not parts[1].isdigit() or int(parts[1]) < 1 \
-                or (len(parts) == 3 and parts[2] != "pause"):
-            raise ValueError(f"{ENV}={text!r}: use POINT:N[:pause] (POINT one of {', '.join(POINTS)}) or row:KEY")
-        out.append(Spec(parts[0], int(parts[1]), len(parts) == 3))
+                or (len(parts) == 3 and parts[2] not in ("pause", "term")):
+            raise ValueError(f"{ENV}={text!r}: use POINT:N[:pause|:term] (POINT one of {', '.join(POINTS)}) "
+                             f"or row:KEY")
+        mode = parts[2] if len(parts) == 3 else ""
+        out.append(Spec(parts[0], int(parts[1]), mode == "pause", term=mode == "term"))
     return out
 
 
@@ -71,8 +76,8 @@ def active() -> bool:
 def _die(what: str, pause: bool) -> None:
     if pause:
         print(f"kvbatch-debug: paused at {what} (pid {os.getpid()})", file=sys.stderr, flush=True)
-        while True:
-            time.sleep(3600)
+        signal.pause()  # until a signal with a handler (SIGTERM, Ctrl-C) comes; kill -9 ends it here
+        return
     print(f"kvbatch-debug: killing myself at {what} (pid {os.getpid()})", file=sys.stderr, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -84,6 +89,9 @@ def point(name: str) -> None:
     _seen[name] = _seen.get(name, 0) + 1
     for s in _specs:
         if s.point == name and s.n == _seen[name]:
+            if s.term:
+                os.kill(os.getpid(), signal.SIGTERM)
+                continue
             _die(f"{name} {s.n}", s.pause)
 
 

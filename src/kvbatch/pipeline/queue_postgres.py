@@ -25,7 +25,7 @@ from kvbatch.pipeline.redact import redact
 if TYPE_CHECKING:
     from typing_extensions import LiteralString
 
-VERSION = 1
+VERSION = 2
 SCHEMA = "kvbatch"
 _LOCK_SPACE = 0x6B766200  # advisory-lock class id: 'kvb\0' (the job's hash is the object id)
 _MIGRATE_LOCK = 0
@@ -57,6 +57,12 @@ CREATE TABLE workers(
   job TEXT NOT NULL, id TEXT NOT NULL, pid INTEGER, host TEXT, started_at DOUBLE PRECISION,
   heartbeat_at DOUBLE PRECISION, ended_at DOUBLE PRECISION, rows INTEGER NOT NULL DEFAULT 0,
   tokens BIGINT NOT NULL DEFAULT 0, wall_s DOUBLE PRECISION, summary TEXT, stop TEXT, PRIMARY KEY(job, id));
+""",
+    2: """
+CREATE TABLE checkpoints(
+  job TEXT NOT NULL, key TEXT NOT NULL, fingerprint TEXT NOT NULL, n INTEGER NOT NULL,
+  tokens BYTEA NOT NULL, state TEXT NOT NULL, checksum TEXT NOT NULL, saves INTEGER NOT NULL DEFAULT 0,
+  worker TEXT, at DOUBLE PRECISION, discarded TEXT, PRIMARY KEY(job, key));
 """,
 }
 

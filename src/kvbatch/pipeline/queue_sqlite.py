@@ -44,6 +44,10 @@ CREATE TABLE IF NOT EXISTS workers(
   id TEXT PRIMARY KEY, pid INTEGER, host TEXT, started_at REAL, heartbeat_at REAL,
   ended_at REAL, rows INTEGER NOT NULL DEFAULT 0, tokens INTEGER NOT NULL DEFAULT 0,
   wall_s REAL, summary TEXT, stop TEXT, job TEXT NOT NULL DEFAULT '');
+CREATE TABLE IF NOT EXISTS checkpoints(
+  job TEXT NOT NULL DEFAULT '', key TEXT NOT NULL, fingerprint TEXT NOT NULL, n INTEGER NOT NULL,
+  tokens BLOB NOT NULL, state TEXT NOT NULL, checksum TEXT NOT NULL, saves INTEGER NOT NULL DEFAULT 0,
+  worker TEXT, at REAL, discarded TEXT, PRIMARY KEY(job, key));
 """
 # Columns added after the first release: (table, column, declaration), added to older queue files.
 MIGRATIONS = (("rows", "crashes", "INTEGER NOT NULL DEFAULT 0"), ("workers", "stop", "TEXT"),

@@ -79,6 +79,8 @@ class ResultRecord:
     preemptions: int = _col(pa.int32(), 0)  # times its pages were freed to make room (it resumed each time)
     spec_proposed: int = _col(pa.int32(), 0)  # speculative decoding: tokens proposed for the row
     spec_accepted: int = _col(pa.int32(), 0)  # ... and of those, accepted by the model's verification
+    resumed_tokens: int = _col(pa.int32(), 0)  # output tokens carried over from a checkpoint (made by an earlier run)
+    checkpoints: int = _col(pa.int32(), 0)  # times a worker checkpointed the row while it ran (pipeline/checkpoints.py)
     decode_tps: Optional[float] = _col(pa.float64())
     wall_s: Optional[float] = _col(pa.float64())
     peak_kv_bytes: Optional[int] = _col(pa.int64())

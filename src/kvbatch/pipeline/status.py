@@ -12,6 +12,8 @@ Reads the queue only (never loads the model, never changes anything). Lines:
              worker.lease_s, so its leases have run out and any worker takes its rows)
     crashes: N rows were in flight when a worker died (one row up to Kx; alone from A, given up at M)
     retries: N rows were retried after internal_error
+    in progress: N rows keep T tokens in checkpoints (KEY n, ...)   (rows not finished that continue from them)
+    started over: N rows whose checkpoint could not be used (corrupt K, config changed C, ...)
     last run: <worker> <stop>, R rows, T tokens in S s (X rows/s, Y tokens/s)
     runs: N worker sessions (finished F, deadline D, interrupted I, died K, running R)
 """
@@ -20,7 +22,7 @@ from __future__ import annotations
 import socket
 from typing import Optional
 
-from kvbatch.pipeline import procs
+from kvbatch.pipeline import checkpoints, procs
 from kvbatch.pipeline.queue import Queue
 
 STOPS = ("finished", "deadline", "interrupted", "failed", "died")
@@ -82,6 +84,14 @@ def lines(q: Queue, isolate_after: int, max_crashes: int, lease_s: float = 600.0
                    f"a row runs alone from {isolate_after}, is given up at {max_crashes})")
     if cr["retried"]:
         out.append(f"retries: {cr['retried']} rows were retried after internal_error")
+    kept = checkpoints.in_progress(q)
+    if kept:
+        some = ", ".join(f"{k} {n}" for k, n in kept[:5]) + (f" and {len(kept) - 5} more" if len(kept) > 5 else "")
+        out.append(f"in progress: {len(kept)} rows keep {sum(n for _, n in kept)} tokens in checkpoints ({some})")
+    over = checkpoints.started_over(q)
+    if over:
+        out.append(f"started over: {sum(over.values())} rows whose checkpoint could not be used ("
+                   + ", ".join(f"{why} {n}" for why, n in over.items()) + ")")
     done = [s for s in sessions if s["ended_at"] is not None]
     if done:
         last = max(done, key=lambda s: s["started_at"] or 0)

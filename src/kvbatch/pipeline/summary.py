@@ -68,7 +68,12 @@ def build(table: pa.Table, counts: dict[str, int], sessions: list[dict], this_ru
                      "wall_s": run.get("wall_s", 0.0),
                      "tokens_per_s": run_tps,
                      # MLX's peak (weights, KV, workspace) in this run; None: nothing generated
-                     "peak_memory_bytes": run.get("peak_memory_bytes")},
+                     "peak_memory_bytes": run.get("peak_memory_bytes"),
+                     # output tokens rows continued from (checkpoints of earlier runs), and tokens this run
+                     # generated beyond the last checkpoint of rows it handed back (generated again later)
+                     "tokens_carried_over": run.get("resumed_tokens", 0), "tokens_lost": run.get("lost_tokens", 0),
+                     "checkpoints": run.get("checkpoints", 0), "checkpoint_s": run.get("checkpoint_s", 0.0)},
+        "resumed_tokens": col("resumed_tokens"),  # results' output tokens carried over from checkpoints
         "tokens_per_s": total_tokens / total_wall if total_wall else None,
         "kv_mode": last.get("kv_mode", extra.get("kv_mode")),
         "route": last.get("route"),
@@ -120,7 +125,9 @@ def one_line(s: dict) -> str:
     rest = f", {s['rows_remaining']} remaining" if s["rows_remaining"] else ""
     if s.get("spec_acceptance") is not None:
         speed += f", spec acceptance {s['spec_acceptance']:.0%}"
+    kept = (f", {run['tokens_carried_over']} carried over from checkpoints, {run['tokens_lost']} lost"
+            if run.get("tokens_carried_over") or run.get("tokens_lost") else "")
     # the job's rows so far, then what this run did (a resumed job's earlier runs are in summary.json)
     return (f"kvbatch: {s['rows']} rows ({s['rows_ok']} ok{', ' + errs if errs else ''}){rest}; "
-            f"this run: {run['rows']} rows, {run['generated_tokens']} tokens in {run['wall_s']:.1f}s ({speed}); "
+            f"this run: {run['rows']} rows, {run['generated_tokens']} tokens in {run['wall_s']:.1f}s ({speed}){kept}; "
             f"kv={s['kv_mode']} route={s['route'] or '-'}{mem}; blas={s.get('blas', '-')}")

@@ -28,11 +28,15 @@ when none is left, so the rows of a worker killed or frozen on another machine a
 stranded.
 
 `worker.deadline`: the worker looks between engine steps at least every HEARTBEAT_S, so
-the deadline is seen mid-batch: the worker claims nothing more, cancels the engine
-(in-flight rows go back to the queue, their attempt not counted: they start over
-next run), writes the rows already finished, and returns. `debug.deadline_after_rows=N`
-(tests) reaches the deadline once N rows have a result in this run, the same place on any
-machine. SIGTERM is handled like Ctrl-C: finished rows are written, in-flight rows handed back.
+the deadline is seen mid-batch: the worker claims nothing more, checkpoints every row in flight
+(pipeline/checkpoints.py), cancels the engine (in-flight rows go back to the queue, their attempt
+not counted: they continue from their checkpoints next run, on any worker), writes the rows already
+finished, and returns. `debug.deadline_after_rows=N` / `debug.deadline_after_tokens=N` (tests) reach
+the deadline once N rows have a result / N tokens were generated in this run, the same place on any
+machine. The first Ctrl-C or SIGTERM does the same at the next step (then exits 130 / 143); a
+second one exits at once (finished rows written, rows handed back; their last checkpoints hold).
+While it works, the worker checkpoints its rows every `worker.checkpoint_every` (seconds, and/or
+tokens of a row), so a kill -9 loses at most the tokens since then.
 """
 from __future__ import annotations
 
@@ -48,8 +52,9 @@ from typing import Any, Callable, Optional
 
 from kvbatch.engine.errors import INTERNAL_ERROR, INVALID_INPUT
 from kvbatch.engine.params import SamplingParams
+from kvbatch.engine.resume import CheckpointRefused, RowCheckpoint
 from kvbatch.engine.types import Request, Result
-from kvbatch.pipeline import debug, procs, response_format, row_params, samples
+from kvbatch.pipeline import checkpoints, debug, procs, response_format, row_params, samples
 from kvbatch.pipeline.chat import transcript
 from kvbatch.pipeline.config import Config
 from kvbatch.pipeline.durations import deadline_at
@@ -117,13 +122,19 @@ class WorkStats:
     """What one worker run did: rows, tokens, wall time, retries, released rows and whether the deadline stopped it."""
 
     rows: int = 0
-    tokens: int = 0
+    tokens: int = 0  # generated in this run (rows finished, and rows in flight when it stopped)
     wall_s: float = 0.0
     retried: int = 0
     released: int = 0  # in-flight rows handed back (deadline, Ctrl-C, SIGTERM)
     gave_up: int = 0  # rows ended at worker.max_crashes
     stopped_by_deadline: bool = False
     engine_summary: dict = field(default_factory=dict)
+    resumed_tokens: int = 0  # output tokens rows started with: carried over from checkpoints
+    lost_tokens: int = 0  # tokens generated here by rows handed back beyond their last checkpoint
+    checkpoints: int = 0  # row checkpoints saved
+    checkpoint_s: float = 0.0  # time spent taking and saving them (what checkpoints cost the run)
+    kept_at_stop: int = 0  # tokens of the rows in flight checkpointed at the stop (deadline, Ctrl-C, SIGTERM)
+    started_over: dict = field(default_factory=dict)  # reason -> rows whose checkpoint could not be used
 
 
 class Worker:
@@ -149,6 +160,13 @@ class Worker:
         self.seen_tokens = 0  # the current engine's generated tokens already reported to progress
         self.results = 0  # rows given a result in this run (debug.deadline_after_rows)
         self.job_format = _UNSET  # job.response_format, resolved on first use
+        # rows in flight: fingerprint (what their kept tokens are valid for), tokens at their last
+        # checkpoint (or resume), checkpoints saved of them (every run)
+        self.fps: dict[str, str] = {}
+        self.saved: dict[str, int] = {}
+        self.saves: dict[str, int] = {}
+        self.last_checkpoint = time.monotonic()
+        self.stopping: Optional[KeyboardInterrupt] = None  # the first Ctrl-C / SIGTERM: stop at the next step
 
     # ---- records ---------------------------------------------------------------------------
     def _sampling(self, row: Claimed) -> SamplingParams:
@@ -187,6 +205,7 @@ class Worker:
             rec.prompt_tokens, rec.ttft_s, rec.decode_tps = s.prompt_tokens, s.ttft_s, s.decode_tps
             rec.queue_s, rec.preemptions, rec.cached_tokens = s.queue_s, s.preemptions, s.cached_tokens
             rec.spec_proposed, rec.spec_accepted = s.spec_proposed, s.spec_accepted
+            rec.resumed_tokens, rec.checkpoints = s.resumed_tokens, self.saves.get(c.key, 0)
             rec.wall_s, rec.peak_kv_bytes, rec.route = s.wall_s, s.peak_kv_bytes, s.route or None
             rec.stop_reason = res.stop_reason
             if res.error_code is None:
@@ -201,9 +220,13 @@ class Worker:
 
     # ---- flow ------------------------------------------------------------------------------
     def _past_deadline(self) -> bool:
-        after = self.cfg.debug.deadline_after_rows
+        """Whether the run must stop now: a first Ctrl-C / SIGTERM, or the deadline (real or debug)."""
+        if self.stopping is not None:
+            return True
+        d = self.cfg.debug
         if (self.deadline is not None and time.time() >= self.deadline) or \
-                (after is not None and self.results >= after):
+                (d.deadline_after_rows is not None and self.results >= d.deadline_after_rows) or \
+                (d.deadline_after_tokens is not None and self.stats.tokens >= d.deadline_after_tokens):
             self.stats.stopped_by_deadline = True
             return True
         return False
@@ -239,17 +262,68 @@ class Worker:
                 if c.crashes >= w.isolate_after:  # a suspect: what finished before it is written first
                     self.flush(force=True)
                     self.alone = c.key
+                req = Request(key=c.key, prompt_tokens=ids, sampling=p, group=c.payload.get("group"))
+                fp = checkpoints.fingerprint(self.cfg, self.rt.model_name, p, ids)
                 try:
-                    self.eng.add(Request(key=c.key, prompt_tokens=ids, sampling=p, group=c.payload.get("group")))
+                    kept = self._add_to_engine(req, fp)
                 except Exception as exc:  # noqa: BLE001 - the engine refused this one row
                     self.alone = None if self.alone == c.key else self.alone
                     self._add(self._record(c, code=INTERNAL_ERROR, params=p, msg=f"the engine refused this row: "
                                                                                  f"{type(exc).__name__}: {exc}"))
                     continue
-                self.inflight[c.key], self.params[c.key] = c, p
+                self.inflight[c.key], self.params[c.key], self.fps[c.key] = c, p, fp
+                self.saved[c.key] = kept
+                self.stats.resumed_tokens += kept
                 started.append(c.key)
         self.q.mark_running(self.id, started, True)
         return len(claimed)
+
+    def _add_to_engine(self, req: Request, fp: str) -> int:
+        """Hand a claimed row to the engine, continuing from its checkpoint when it has a usable one
+        (else it starts over, the reason counted); returns the tokens carried over."""
+        eng = self.eng
+        assert eng is not None  # _top_up made it
+        ck, self.saves[req.key], why = checkpoints.load(self.q, req.key, fp)
+        if ck is not None:
+            try:
+                eng.add(req, checkpoint=ck)
+                return len(ck.tokens)
+            except CheckpointRefused:
+                why = checkpoints.UNUSABLE
+                checkpoints.discard(self.q, [req.key], why)
+        if why:
+            self.stats.started_over[why] = self.stats.started_over.get(why, 0) + 1
+        eng.add(req)
+        return 0
+
+    def checkpoint(self, min_new: int = 1) -> dict[str, RowCheckpoint]:
+        """Save the checkpoints of the engine's rows that hold at least `min_new` tokens more than at
+        their last checkpoint; returns those saved."""
+        eng = self.eng
+        if eng is None:
+            return {}
+        t0 = time.perf_counter()
+        cks = self._engine(lambda: eng.checkpoints(self.saved, min_new))
+        items = [(k, self.fps[k], ck) for k, ck in cks.items() if k in self.fps]
+        stored = checkpoints.save(self.q, self.id, items) if items else []
+        self.stats.checkpoint_s += time.perf_counter() - t0
+        for k in stored:
+            self.saved[k] = len(cks[k].tokens)
+            self.saves[k] = self.saves.get(k, 0) + 1
+        self.stats.checkpoints += len(stored)
+        return {k: cks[k] for k in stored}
+
+    def _checkpoint_due(self) -> None:
+        """worker.checkpoint_every.seconds (looked at on the heartbeat): every row once the interval passed."""
+        every, now = self.cfg.worker.checkpoint_every.seconds, time.monotonic()
+        if every and now - self.last_checkpoint >= every:
+            self.checkpoint()
+            self.last_checkpoint = now
+
+    def _forget(self, key: str) -> None:
+        """A row leaves this worker (finished, retried, handed back): its checkpoint bookkeeping goes."""
+        for d in (self.fps, self.saved, self.saves):
+            d.pop(key, None)
 
     def _finished_all(self, done: list[Result]) -> None:
         """Rows out of one engine step: no longer running (a crash now is not theirs); a suspect that
@@ -267,12 +341,13 @@ class Worker:
         c, p = self.inflight.pop(res.key), self.params.pop(res.key, None)
         if self.alone == res.key:
             self.alone = None
-        self.stats.tokens += len(res.tokens)
         if res.error_code == INTERNAL_ERROR and c.attempt < self.cfg.worker.max_attempts:
             self.q.release(self.id, [c.key], "retry")
             self.stats.retried += 1
+            self._forget(c.key)
             return
         self._add(self._record(c, res, params=p))
+        self._forget(c.key)
 
     def _add(self, record: ResultRecord) -> None:
         self.buffer.append(fit(record))  # always writable: one bad value never fails a part
@@ -280,16 +355,19 @@ class Worker:
         if self.progress:
             budget = getattr(record, "max_tokens", None) or 0  # set for every row that was meant to run
             budget = min(budget, self.rt.context_length or budget)  # as the job's budget counted it
-            self.progress.row_done(budget - (record.output_tokens or 0),
+            # tokens it will not generate here: beyond its output, and those carried over from a checkpoint
+            self.progress.row_done(budget - (record.output_tokens or 0) + (record.resumed_tokens or 0),
                                    None if record.error_code else record.output_tokens or 0)
 
     def _tick(self) -> None:
-        """Progress on the engine's heartbeat: the tokens generated since the last step."""
-        if self.progress and self.eng is not None:
+        """The tokens generated since the last step: counted, and shown on the progress line."""
+        if self.eng is not None:
             n = self.eng.generated_tokens
-            self.progress.tokens(n - self.seen_tokens)
+            self.stats.tokens += n - self.seen_tokens
+            if self.progress:
+                self.progress.tokens(n - self.seen_tokens)
+                self.progress.speculation = self.eng.speculation
             self.seen_tokens = n
-            self.progress.speculation = self.eng.speculation
 
     def flush(self, force: bool = False) -> None:
         """Write buffered results as one durable part, then acknowledge its rows."""
@@ -302,6 +380,7 @@ class Worker:
         debug.point("after_part_write")
         self.q.ack(self.id, [(r.row_key, r.error_code) for r in self.buffer], name)
         debug.point("after_ack")
+        checkpoints.clear(self.q, [r.row_key for r in self.buffer if r.checkpoints])
         self.seq += 1
         self.stats.rows += len(self.buffer)
         self.q.worker_progress(self.id, self.stats.rows, self.stats.tokens)
@@ -318,6 +397,8 @@ class Worker:
                 self._add(self._record(c, code=INTERNAL_ERROR, msg=msg, params=self.params.get(c.key)))
         self.inflight.clear()
         self.params.clear()
+        for d in (self.fps, self.saved, self.saves):
+            d.clear()
         self.alone = None
         self.eng = None
 
@@ -328,7 +409,19 @@ class Worker:
             self.stats.released += len(self.inflight)
             self.inflight.clear()
             self.params.clear()
+            for d in (self.fps, self.saved, self.saves):
+                d.clear()
         self.alone = None
+
+    def _stop_engine(self, eng) -> None:
+        """The run stops (deadline, Ctrl-C, SIGTERM): every row in flight is checkpointed, then the
+        engine cancelled (its rows are handed back by _give_back). Tokens beyond what could be saved
+        are counted lost."""
+        at_stop = self._engine(eng.checkpoints)
+        self._best_effort(lambda: self.checkpoint())
+        self.stats.kept_at_stop += sum(self.saved.get(k, 0) for k in at_stop)
+        self.stats.lost_tokens += sum(len(ck.tokens) - self.saved.get(k, 0) for k, ck in at_stop.items())
+        self._engine(eng.cancel)
 
     def _drive(self) -> None:
         """Step the engine over the rows in flight (a step is one decode step, so the worker looks
@@ -340,6 +433,7 @@ class Worker:
             return
         cancelled = False
         last = time.monotonic()
+        by_tokens = self.cfg.worker.checkpoint_every.tokens
         while self._engine(eng.has_unfinished):
             done = self._engine(eng.step)
             self._tick()
@@ -347,11 +441,14 @@ class Worker:
             if cancelled:
                 continue
             if self._past_deadline():
-                self._engine(eng.cancel)
+                self._stop_engine(eng)
                 cancelled = True
                 continue
+            if by_tokens:  # rows that made that many tokens since their last checkpoint (a scan of the batch)
+                self.checkpoint(by_tokens)
             if done or time.monotonic() - last >= HEARTBEAT_S:
                 last = time.monotonic()
+                self._checkpoint_due()
                 self._top_up()
                 self.flush()
 
@@ -383,18 +480,22 @@ class Worker:
         keeper = LeaseKeeper(self.q, self.id, self.cfg.worker.lease_s)
         keeper.start()
         stop = "failed"
-        old_term = _on_sigterm_raise_interrupt()
+        old_handlers = self._on_stop_signals()
         try:
             while self._top_up() or self.inflight or self.buffer or \
-                    (not self.stats.stopped_by_deadline and self._take_over(host)):
+                    (not self._past_deadline() and self._take_over(host)):
                 if self.inflight:
                     try:
                         self._drive()
                     except EngineFailure as exc:  # confined to the rows in flight
                         self._engine_failed(exc.__cause__ or exc)
                 self.flush(force=True)
-                if self.stats.stopped_by_deadline:
+                if self._past_deadline():
                     break
+            if self.stopping is not None:  # the first Ctrl-C / SIGTERM: work kept, now exit as interrupted
+                self._give_back("interrupted")
+                self.flush(force=True)
+                raise self.stopping
             self._give_back("deadline" if self.stats.stopped_by_deadline else "released")
             self.flush(force=True)
             stop = "deadline" if self.stats.stopped_by_deadline else "finished"
@@ -406,7 +507,7 @@ class Worker:
             stop = "storage"
             raise StorageError(f"{type(exc).__name__}: {exc}") from None
         finally:
-            _restore_sigterm(old_term)
+            _restore_signals(old_handlers)
             keeper.stop()
             self.stats.wall_s = time.perf_counter() - t0
             if self.eng is not None:
@@ -428,21 +529,27 @@ class Worker:
             return None
 
 
+    def _on_stop_signals(self) -> dict:
+        """Ctrl-C and SIGTERM (systemd stop, `timeout`, kill, a scheduler's pre-emption): the first
+        one asks the run to stop at the next engine step (rows checkpointed, handed back); a second
+        one raises at once (Terminated for SIGTERM). Returns the handlers it replaced."""
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+
+        def handler(signum, frame):
+            exc = Terminated(f"signal {signum}") if signum == signal.SIGTERM else KeyboardInterrupt()
+            if self.stopping is None:
+                self.stopping = exc
+                return
+            raise exc
+
+        return {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM, handled like Ctrl-C (exit status 143 instead of 130)."""
 
 
-def _on_sigterm_raise_interrupt():
-    """SIGTERM (systemd stop, `timeout`, kill) -> Terminated, so rows are handed back cleanly."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-
-    def handler(signum, frame):
-        raise Terminated(f"signal {signum}")
-
-    return signal.signal(signal.SIGTERM, handler)
-
-
-def _restore_sigterm(old) -> None:
-    if old is not None:
-        signal.signal(signal.SIGTERM, old)
+def _restore_signals(old: dict) -> None:
+    for sig, handler in old.items():
+        signal.signal(sig, handler)

@@ -1,0 +1,64 @@
+"""An overnight-shaped job: stopped by its deadline half-way, then run again to the end, against one run.
+
+The job (whole `kvbatch` processes, prompts of mixed length, greedy, EOS ignored so every row is long) runs once
+uninterrupted (wall W), then in a fresh folder with `worker.deadline` at `--at` x W (a night that ends early:
+rows in flight are checkpointed at the deadline) and once more without a deadline (the next night: those rows
+continue from their checkpoints). Reported: the two runs' total wall / W (1.0 = nothing lost but a second start),
+the same for the workers' own time (process start and model load left out: an overnight job amortizes them),
+tokens carried over, tokens generated in all (= tokens out: nothing generated twice), and whether the outputs
+equal the uninterrupted run's. Alternates nothing (the runs depend on each other); run it more than once on a
+shared machine.
+
+    python -m benchmarks job.overnight --model smollm2 --rows 64 --new 4096 --at 0.5
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks.job.job_vs_mlx_lm import prompts, run_kvbatch
+
+SMOKE = ["--model", "tiny", "--rows", "2", "--new", "8", "--max-words", "5", "--wall", "2"]
+
+
+def add_args(ap) -> None:
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--new", type=int, default=4096)
+    ap.add_argument("--max-words", type=int, default=200)
+    ap.add_argument("--at", type=float, default=0.5, help="the deadline as a fraction of the uninterrupted wall")
+    ap.add_argument("--wall", type=float, default=None,
+                    help="take this as the uninterrupted wall instead of measuring it (no identity check then)")
+    ap.add_argument("--kvbatch-args", default="")
+    ap.add_argument("--kvbatch-cmd", default=f"{sys.executable} -m kvbatch")
+
+
+def run(a) -> dict:
+    tmp = Path(tempfile.mkdtemp(prefix="kvbatch-overnight-"))
+    inp = tmp / "prompts.jsonl"
+    inp.write_text("".join(json.dumps({"id": f"r{i}", "prompt": t}) + "\n"
+                           for i, t in enumerate(prompts(a.rows, 11, a.max_words))))
+    extra = [*shlex.split(a.kvbatch_args), "job.ignore_eos=true"]
+    cmd = shlex.split(a.kvbatch_cmd)
+    whole = run_kvbatch(cmd, inp, tmp / "whole", a.model, {}, a.new, extra) if a.wall is None \
+        else {"wall_s": a.wall, "outputs": None}
+    work = json.loads((tmp / "whole" / "summary.json").read_text())["this_run"]["wall_s"] if a.wall is None else None
+    deadline = max(1, int(a.at * whole["wall_s"]))
+    first = run_kvbatch(cmd, inp, tmp / "nights", a.model, {}, a.new, extra + [f"worker.deadline={deadline}s"])
+    s1 = json.loads((tmp / "nights" / "summary.json").read_text())
+    second = run_kvbatch(cmd, inp, tmp / "nights", a.model, {}, a.new, extra)
+    s2 = json.loads((tmp / "nights" / "summary.json").read_text())
+    result = {"uninterrupted_wall_s": whole["wall_s"], "deadline_s": deadline, "first_wall_s": first["wall_s"],
+              "second_wall_s": second["wall_s"], "total_vs_uninterrupted": (first["wall_s"] + second["wall_s"])
+              / whole["wall_s"], "first_rows_done": first["rows"], "stopped_by_deadline": first["rows"] < a.rows,
+              "tokens_carried_over": s2["this_run"]["tokens_carried_over"],
+              "tokens_generated": s1["this_run"]["generated_tokens"] + s2["this_run"]["generated_tokens"],
+              "tokens_out": second["tokens"],
+              # the workers' own time (model load and process start left out: a night's job amortizes them)
+              "work_vs_uninterrupted": (s1["this_run"]["wall_s"] + s2["this_run"]["wall_s"]) / work if work else None,
+              "identical": None if whole["outputs"] is None else second["outputs"] == whole["outputs"]}
+    print(json.dumps(result))
+    return result

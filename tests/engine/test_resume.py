@@ -1,0 +1,103 @@
+"""Rows continued from checkpoints (engine/resume.py): an engine stopped at any step boundary, its rows'
+checkpoints taken and admitted into a fresh engine, gives the tokens (and logprobs) of a run never stopped."""
+from __future__ import annotations
+
+import kvbatch.engine  # noqa: F401  (OpenBLAS before mlx)
+import pytest
+
+from kvbatch.engine.engine import Engine
+from kvbatch.engine.params import SamplingParams
+from kvbatch.engine.resume import CheckpointRefused, RowCheckpoint
+from kvbatch.engine.samples import samples
+from kvbatch.engine.testing import engine_config
+from kvbatch.engine.types import Request
+from tests.engine.test_engine_paged import prompts_of
+
+STEPS = 60
+SAMPLED = SamplingParams(max_tokens=STEPS, temperature=0.8, top_p=0.9, repetition_penalty=1.1,
+                         presence_penalty=0.3, frequency_penalty=0.2, seed=11, logprobs=2, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=STEPS, ignore_eos=True)
+
+
+def _requests(params: SamplingParams) -> list[Request]:
+    reqs = [Request(f"r{i}", p, params) for i, p in enumerate(prompts_of([7, 19, 3], salt=5))]
+    if params.temperature:  # n=2 samples of one prompt: forked on a first run, resumed each on its own
+        reqs += samples(Request("s", prompts_of([11], salt=9)[0], params), 2)
+    return reqs
+
+
+def _engine(m, mode: str) -> Engine:
+    model, tok, spec = m
+    return Engine(model, tok, spec, engine_config(kv_mode=mode, page_size=16, max_batch=8, prefill_chunk=16))
+
+
+def _stopped_and_resumed(m, mode: str, reqs: list[Request], stops: list[int]) -> dict:
+    """Run, stopping after each engine has generated `stops[i]` tokens: checkpoints taken, a new engine continues."""
+    done, kept = {}, {}
+    for stop in [*stops, None]:
+        eng = _engine(m, mode)
+        for r in reqs:
+            if r.key not in done:
+                eng.add(r, checkpoint=kept.get(r.key))
+        while eng.has_unfinished() and (stop is None or eng.generated_tokens < stop):
+            done.update((res.key, res) for res in eng.step())
+        if stop is not None:
+            kept = eng.checkpoints()
+            assert kept, "some rows were in flight at the stop"
+            eng.cancel()
+            done.update((res.key, res) for res in eng.step())  # results that finished with the last step
+    return done
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
+def test_rows_stopped_three_times_continue_to_the_uninterrupted_tokens(tiny_model, params):
+    m = tiny_model()
+    reqs = _requests(params)
+    ref = {r.key: r for r in _engine(m, "none").generate(reqs)}
+    got = _stopped_and_resumed(m, "none", reqs, [25, 45, 40])
+    assert set(got) == set(ref)
+    for k, r in ref.items():
+        assert got[k].tokens == r.tokens and len(r.tokens) == STEPS, k
+        assert got[k].ok and got[k].finish_reason == "length"
+        if params.logprobs:
+            assert got[k].logprobs is not None and r.logprobs is not None
+            assert got[k].logprobs.tokens == pytest.approx(r.logprobs.tokens, abs=1e-4)
+            ids = [[[t for t, _ in top] for top in x.logprobs.top] for x in (got[k], r)]
+            assert ids[0] == ids[1]
+    resumed = [got[k].stats.resumed_tokens for k in ref]
+    assert all(0 <= n < STEPS for n in resumed) and sum(resumed) > 0
+
+
+@pytest.mark.parametrize("mode", ["q8", "q4"])
+def test_quantized_kv_greedy_rows_continue_to_the_uninterrupted_tokens(tiny_model, mode):
+    """A resumed row prefills its kept tokens; decode read them from sealed (quantized) pages. On the test
+    model the greedy tokens are the same (the preemption tests bound the logits' difference)."""
+    m = tiny_model()
+    reqs = _requests(GREEDY)
+    ref = {r.key: r.tokens for r in _engine(m, mode).generate(reqs)}
+    got = _stopped_and_resumed(m, mode, reqs, [40])
+    assert {k: r.tokens for k, r in got.items()} == ref
+
+
+def test_a_checkpoint_that_cannot_continue_is_refused(tiny_model):
+    m = tiny_model()
+    eng = _engine(m, "none")
+    req = _requests(GREEDY)[0]
+    for bad in (RowCheckpoint([]), RowCheckpoint([1] * STEPS), RowCheckpoint([100_000]),
+                RowCheckpoint([1, 2])):
+        p = req if bad.tokens != [1, 2] else Request("lp", req.prompt_tokens, SamplingParams(max_tokens=8, logprobs=1))
+        with pytest.raises(CheckpointRefused):
+            eng.add(p, checkpoint=bad)
+    assert not eng.has_unfinished()
+
+
+@pytest.mark.smollm2
+def test_smollm2_chat_rows_stopped_mid_answer_continue_to_the_uninterrupted_tokens(smollm2):
+    model, tok, spec = smollm2
+    qs = ["Write a long story about a lighthouse keeper.", "Explain how a bicycle works."]
+    reqs = [Request(f"q{i}", tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True),
+                    SamplingParams(max_tokens=16)) for i, q in enumerate(qs)]
+    ref = {r.key: r.tokens for r in _engine(smollm2, "none").generate(reqs)}
+    got = _stopped_and_resumed(smollm2, "none", reqs, [12])
+    assert {k: r.tokens for k, r in got.items()} == ref
+    assert any(r.stats.resumed_tokens for r in got.values())
