@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from kvbatch.engine.errors import INSUFFICIENT_MEMORY
 from kvbatch.engine.sizes import fmt_bytes
 
-from kvbatch.pipeline import durations, locate, passthrough, procs, samples
+from kvbatch.pipeline import durations, job_identity, locate, passthrough, procs, samples
 from kvbatch.pipeline import summary as summ
 from kvbatch.pipeline.config import Config, ConfigError, as_dict, config_hash, engine_config, parse_injection
 from kvbatch.pipeline.finalize import Finalized, finalize, reconcile, regenerate
@@ -100,7 +100,11 @@ def say(msg: str) -> None:
 
 def open_queue(job: Job) -> Queue:
     """The job's queue; ConfigError when the folder holds another config's rows (output.dir reused
-    with other settings): its rows were made by that config and must not be passed off as this one's."""
+    with other settings, pipeline/job_identity.py): its rows were made by that config and must not be
+    passed off as this one's."""
+    have = job_identity.held(job.out_dir)
+    if have is not None and have != job.queue_job:
+        job_identity.claim(job.out_dir, job.queue_job)  # raises: the folder is another job's
     q = Queue(open_store(job.cfg.queue.url, job.out_dir, job.queue_job))
     held = q.get_meta("config_hash")
     if held is not None and held != job.config_hash:
@@ -120,11 +124,13 @@ def enqueue(job: Job) -> tuple[Queue, int, int]:
     try:
         job.out_dir.mkdir(parents=True, exist_ok=True)
         q = open_queue(job)
+        job_identity.claim(job.out_dir, job.queue_job)
         (job.out_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(job.cfg)))
     except OSError as exc:  # read-only, not a folder, no space
         raise ConfigError(f"output folder {str(job.out_dir)!r} is not writable ({exc.strerror or exc}); "
                           f"set output.dir or output.root to a folder you can write") from None
     q.set_meta("config_hash", job.config_hash)
+    q.set_meta(job_identity.META, job.queue_job)
     q.set_meta("input", str(job.input_path))
     q.set_meta("output_dir", str(job.out_dir))
     q.set_meta("config", OmegaConf.to_yaml(OmegaConf.structured(job.cfg)))  # status from a host without the folder
@@ -240,6 +246,7 @@ def work(job: Job, q: Queue) -> Optional[WorkStats]:
         say(f"kvbatch: {rec.adopted} rows were written by a stopped worker but not acknowledged; adopted")
     for why in rec.bad_parts.values():
         say(f"kvbatch: corrupt part moved to parts/corrupt/ (its rows run again): {why}")
+    _say_foreign(rec)
     expired = q.expire_dead_workers(job.host, procs.alive)
     if expired:
         say(f"kvbatch: {expired} rows leased by dead workers on this host are back in the queue")
@@ -273,6 +280,13 @@ def work(job: Job, q: Queue) -> Optional[WorkStats]:
     return stats
 
 
+def _say_foreign(fin: Finalized) -> None:
+    if fin.foreign:
+        names = sorted(fin.foreign)
+        say(f"kvbatch: warning: {len(names)} parts in {fin.path.parent / 'parts'} belong to another job "
+            f"({_some(names)}: job {fin.foreign[names[0]]}); not taken")
+
+
 def finish(job: Job, q: Queue, stats: Optional[WorkStats], t0: Optional[float] = None) -> tuple[Finalized, dict]:
     """Write results.parquet (and the OpenAI batch output when asked) and summary.json from the queue and the parts."""
     from kvbatch.engine.blas import blas_in_use
@@ -285,6 +299,7 @@ def finish(job: Job, q: Queue, stats: Optional[WorkStats], t0: Optional[float] =
         batch_output(job, fin.table)
     for why in fin.bad_parts.values():
         say(f"kvbatch: corrupt part moved to parts/corrupt/: {why}")
+    _say_foreign(fin)
     if fin.requeued:
         say(f"kvbatch: {len(fin.requeued)} finished rows lost their part; they are queued again")
     run = {"rows": stats.rows, "tokens": stats.tokens, "wall_s": stats.wall_s} if stats else None
@@ -367,7 +382,7 @@ def _found_in_database(job: Job) -> list[Job]:
     (status lists them)."""
     if queue_exists(job):
         return [job]
-    q = open_queue(job)
+    q = Queue(open_store(job.cfg.queue.url, job.out_dir, job.queue_job))  # only to list the jobs of this name
     try:
         named = q.jobs_named(job.cfg.job.name)
         found = []

@@ -216,8 +216,8 @@ def validate(cfg: Config) -> None:
         engine_config(cfg).check()  # kv.*, memory.*, engine.*, job.max_prompt_tokens
     except KvbatchConfigError as exc:
         raise ConfigError(str(exc)) from None
-    _need(bool(re.fullmatch(r"[A-Za-z0-9_.-]+", job.name or "")), "job.name", job.name,
-          "use letters, digits, '_', '-', '.' (it names the output folder)")
+    _need(bool(re.fullmatch(r"[A-Za-z0-9_.-]+", job.name or "")) and job.name not in (".", ".."), "job.name",
+          job.name, "use letters, digits, '_', '-', '.' and not '.' or '..' alone (it names one output folder)")
     _need(bool(job.input), "job.input", job.input, "must name an input file")
     _need(job.format in FORMATS, "job.format", job.format, f"choose one of {', '.join(FORMATS)}")
     _need(job.shape in SHAPES, "job.shape", job.shape, f"choose one of {', '.join(SHAPES)}")
@@ -262,7 +262,8 @@ def validate(cfg: Config) -> None:
         durations.deadline_at(w.deadline)
     except ValueError as exc:
         raise ConfigError(f"worker.deadline={w.deadline!r}: {exc}") from None
-    _need(w.host is None or bool(re.fullmatch(r"[A-Za-z0-9_.-]+", w.host)), "worker.host", w.host,
+    _need(w.host is None or (bool(re.fullmatch(r"[A-Za-z0-9_.-]+", w.host)) and w.host not in (".", "..")),
+          "worker.host", w.host,
           "use letters, digits, '_', '-', '.' (it names the worker and its parts)")
     _need(w.replica >= 0, "worker.replica", w.replica, "must be >= 0")
     url = cfg.queue.url or ""

@@ -18,7 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvbatch.pipeline import passthrough, samples
+from kvbatch.pipeline import job_identity, passthrough, samples
 from kvbatch.pipeline.parts import clean_temp, quarantine, scan, write_atomic
 from kvbatch.pipeline.results import SCHEMA, to_table
 from kvbatch.pipeline.queue import Queue
@@ -37,6 +37,7 @@ class Finalized:
     requeued: list[str] = field(default_factory=list)  # finished rows whose part was lost
     adopted: int = 0  # rows found in a part but never acknowledged
     bad_parts: dict[str, str] = field(default_factory=dict)
+    foreign: dict[str, str] = field(default_factory=dict)  # parts of another job in the folder: {name: its job}
     table: pa.Table | None = None
     chosen: list[tuple[int, str, int]] = field(default_factory=list)  # (input pos, part, row in part)
     good: dict[str, pa.Table] = field(default_factory=dict)
@@ -60,6 +61,11 @@ def _reconcile(out_dir: Path, q: Queue) -> Finalized:
     good, bad = scan(parts_dir)
     for name in bad:
         quarantine(parts_dir, name)
+    mine = q.get_meta(job_identity.META)  # only this job's parts: another job's rows never come back as its own
+    foreign = {name: str(job_identity.of_part(t.schema.metadata)) for name, t in good.items()
+               if not job_identity.owns(mine, t.schema.metadata)}
+    for name in foreign:
+        del good[name]
     stale_parts, stale_workers = q.superseded()  # results of older content or settings: never taken
     index = {name: _fresh(name, t, stale_parts, stale_workers) for name, t in good.items()}
     where: dict[str, tuple[str, int]] = {}  # key -> (part, row); the first part (by name) wins
@@ -69,7 +75,7 @@ def _reconcile(out_dir: Path, q: Queue) -> Finalized:
     chosen: list[tuple[int, str, int]] = []  # (manifest pos, part, row)
     adopt: dict[str, list] = {}
     lost: list[tuple[str, str]] = []  # (key, the part the queue says holds it)
-    done = Finalized(out_dir / RESULTS, bad_parts=bad, chosen=chosen, good=good)
+    done = Finalized(out_dir / RESULTS, bad_parts=bad, foreign=foreign, chosen=chosen, good=good)
     for pos, key, state, part, _attempts in manifest:
         if state in ("done", "error"):
             assert part is not None  # a finished row names the part that holds it (Queue.ack, adopt)
@@ -110,6 +116,8 @@ def regenerate(out_dir: Path, q: Queue, keys: list[str], reason: str) -> None:
     wanted = set(keys)
     with q.exclusive():
         good, _ = scan(out_dir / "parts")
+        mine = q.get_meta(job_identity.META)
+        good = {name: t for name, t in good.items() if job_identity.owns(mine, t.schema.metadata)}
         found = [(k, name) for name, t in good.items() for k in t.column("row_key").to_pylist() if k in wanted]
         q.regenerate(keys, found, reason)
 

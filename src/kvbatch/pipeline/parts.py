@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kvbatch.pipeline import procs
+from kvbatch.pipeline import job_identity, procs
 from kvbatch.pipeline.results import SCHEMA, ResultRecord, to_table
 
 PART_GLOB = "part-*.parquet"
@@ -77,11 +77,13 @@ def part_name(worker: str, seq: int) -> str:
 
 
 def write_part(parts_dir: Path, name: str, records: list[ResultRecord],
-               before_rename: Optional[Callable[[], None]] = None) -> Path:
-    """A durable part holding `records`."""
+               before_rename: Optional[Callable[[], None]] = None, job: Optional[str] = None) -> Path:
+    """A durable part holding `records`; `job`: the identity of the job it belongs to (pipeline/job_identity.py)."""
     parts_dir.mkdir(parents=True, exist_ok=True)
     keys = [r.row_key for r in records]
     meta = {"kvbatch.part.rows": str(len(records)), "kvbatch.part.keys_sha256": keys_digest(keys)}
+    if job is not None:
+        meta[job_identity.PART_KEY] = job
     return write_atomic(to_table(records, meta), parts_dir / name, before_rename)
 
 

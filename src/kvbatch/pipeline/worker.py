@@ -49,7 +49,7 @@ from typing import Any, Callable, Optional
 from kvbatch.engine.errors import INTERNAL_ERROR, INVALID_INPUT
 from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.types import Request, Result
-from kvbatch.pipeline import debug, procs, response_format, row_params, samples
+from kvbatch.pipeline import debug, job_identity, procs, response_format, row_params, samples
 from kvbatch.pipeline.chat import transcript
 from kvbatch.pipeline.config import Config
 from kvbatch.pipeline.durations import deadline_at
@@ -148,6 +148,7 @@ class Worker:
         self.seen_tokens = 0  # the current engine's generated tokens already reported to progress
         self.results = 0  # rows given a result in this run (debug.deadline_after_rows)
         self.job_format = _UNSET  # job.response_format, resolved on first use
+        self.identity = queue.get_meta(job_identity.META)  # the job its parts belong to (None: not recorded)
 
     # ---- records ---------------------------------------------------------------------------
     def _sampling(self, row: Claimed) -> SamplingParams:
@@ -291,7 +292,7 @@ class Worker:
         if not self.buffer or not (force or due):
             return
         name = part_name(self.id, self.seq)
-        write_part(self.parts_dir, name, self.buffer, before_rename=lambda: debug.point("part_tmp"))
+        write_part(self.parts_dir, name, self.buffer, before_rename=lambda: debug.point("part_tmp"), job=self.identity)
         debug.point("after_part_write")
         self.q.ack(self.id, [(r.row_key, r.error_code) for r in self.buffer], name)
         debug.point("after_ack")
