@@ -75,3 +75,37 @@ def test_1_a_part_of_another_job_in_the_folder_is_never_taken(run_app, tmp_path)
 def test_8_job_name_that_is_not_one_folder_name_is_refused(name):
     with pytest.raises(ConfigError, match="job.name"):
         compose_config(["model=tiny", f"job.name='{name}'"])
+
+
+# ---- 6: rows never name files ---------------------------------------------------------------------
+def test_6_a_rows_response_format_never_opens_a_path(run_app, tmp_path):
+    import os
+
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"const": "TOPSECRET-6"}')  # valid JSON schema: the old code copied it into the results
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)  # the old code waited on it forever
+    src = _jsonl(tmp_path, [{"id": "a", "prompt": "x"}, {"id": "s", "prompt": "y", "response_format": str(secret)},
+                            {"id": "f", "prompt": "y", "response_format": str(fifo)},
+                            {"id": "z", "prompt": "y", "response_format": "/dev/zero"},
+                            {"id": "n", "prompt": "y", "response_format": str(tmp_path / "none.json")}])
+    rows, _ = run_app(f"job.input={src}")
+    assert _codes(rows) == {"a": None, "s": "invalid_input", "f": "invalid_input", "z": "invalid_input",
+                            "n": "invalid_input"}
+    # the same message whether the file exists or not: a row cannot probe the file system
+    assert len({rows[k]["error_message"].split(", got")[0] for k in "sfzn"}) == 1
+    assert all("TOPSECRET" not in json.dumps(r, default=str) for r in rows.values())
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev", "big", "dir"])
+def test_6_job_response_format_file_is_a_regular_file_of_bounded_size(kind, tmp_path):
+    import os
+
+    path = {"fifo": tmp_path / "f.json", "dev": "/dev/zero", "big": tmp_path / "big.json", "dir": tmp_path}[kind]
+    if kind == "fifo":
+        os.mkfifo(path)
+    if kind == "big":
+        path.write_text('{"description": "' + "x" * (2 << 20) + '"}')
+    why = "larger than" if kind == "big" else "not a regular file"
+    with pytest.raises(ConfigError, match=why):
+        compose_config(["model=tiny", f"job.response_format={path}"])
