@@ -109,3 +109,51 @@ def test_6_job_response_format_file_is_a_regular_file_of_bounded_size(kind, tmp_
     why = "larger than" if kind == "big" else "not a regular file"
     with pytest.raises(ConfigError, match=why):
         compose_config(["model=tiny", f"job.response_format={path}"])
+
+
+# ---- 3: a clock step never charges a row --------------------------------------------------------
+class SteppingClock:
+    """The real clock, stepped by `steps` ({call number: seconds}) as the queue reads it: a wall-clock
+    jump mid-run (a Mac waking from sleep, an NTP step) at a place the test chooses, no sleeping."""
+
+    def __init__(self, steps: dict[int, float]):
+        import threading
+        import time
+
+        self.steps, self.calls, self.offset, self.lock, self.time = dict(steps), 0, 0.0, threading.Lock(), time.time
+
+    def __call__(self) -> float:
+        with self.lock:
+            self.calls += 1
+            self.offset += self.steps.pop(self.calls, 0.0)
+            return self.time() + self.offset
+
+
+@pytest.mark.parametrize("store", ["sqlite", "postgresql"])
+def test_3_clock_steps_forward_and_back_mid_run_charge_no_row(store, tmp_path, model_cache_dir, request):
+    from kvbatch.pipeline.queue import Queue, open_store
+    from kvbatch.pipeline.worker import Worker
+
+    url = request.getfixturevalue("pg_url") if store == "postgresql" else ""
+    src = _jsonl(tmp_path, [{"id": f"r{i}", "prompt": f"p{i}"} for i in range(8)])
+    cfg = compose_config(["model=tiny", f"model.cache_dir={model_cache_dir}", f"job.input={src}",
+                          f"output.dir={tmp_path / store}", f"queue.url='{url}'", f"job.name=clock{store}",
+                          "job.max_tokens=2", "job.chat_template=false", "output.progress=off",
+                          "engine.max_batch=2", "worker.prefetch=0", "worker.flush_rows=1"])
+    job = actions.job_for(cfg)
+    actions.enqueue(job)[0].close()
+    # +2 h after the first claims, then -5 h a little later: both while rows are leased and running
+    clock = SteppingClock({6: 7200.0, 14: -18000.0})
+    q = Queue(open_store(url, job.out_dir, job.queue_job), clock)
+    stats = Worker(cfg, q, job.out_dir / "parts", actions.load_runtime(cfg)).run()
+    assert not clock.steps and clock.calls > 14  # both steps happened mid-run
+    assert stats.rows == 8 and stats.retried == 0 and stats.gave_up == 0
+    assert q.counts()["done"] == 8 and q.crash_counts() == {"rows": 0, "max": 0, "retried": 0}
+    assert {a[5] for a in q.attempts()} == {"done"} and len(q.attempts()) == 8  # one claim per row, none expired
+    q.close()
+
+
+@pytest.mark.parametrize("lease", ["0.3", "2.5"])
+def test_3_a_lease_too_short_to_be_renewed_is_refused(lease):
+    with pytest.raises(ConfigError, match=f"worker.lease_s={lease}: must be >= 3"):
+        compose_config(["model=tiny", f"worker.lease_s={lease}"])

@@ -33,6 +33,7 @@ SHAPES = ("columns", "sharegpt", "alpaca")  # job.shape (pipeline/formats/shapes
 FORMATS = ("auto", "jsonl", "csv", "parquet", "openai_batch")
 MODEL_SOURCES = ("smollm2", "local", "tiny")
 # apply_chat_template's own arguments: set by kvbatch, never by job.chat_template_kwargs
+MIN_LEASE_S = 3.0  # worker.lease_s: the shortest lease that renewals every lease_s/3 keep alive
 RESERVED_KWARGS = ("conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
                    "return_dict", "return_tensors", "padding", "truncation", "max_length", "chat_template")
 
@@ -250,7 +251,9 @@ def validate(cfg: Config) -> None:
     mef = cfg.output.max_error_fraction
     _need(mef is None or 0 <= mef <= 1, "output.max_error_fraction", mef,
           "must be in [0, 1] (0: any error row fails the run) or null (fail only when no row succeeded)")
-    _need(w.lease_s > 0, "worker.lease_s", w.lease_s, "must be > 0")
+    _need(w.lease_s >= MIN_LEASE_S, "worker.lease_s", w.lease_s,
+          f"must be >= {MIN_LEASE_S:g} (a worker renews its leases every lease_s/3: a shorter lease runs out "
+          f"between renewals and every row would be taken from a live worker)")
     _need(w.max_attempts >= 1, "worker.max_attempts", w.max_attempts, "must be >= 1")
     _need(w.isolate_after >= 1, "worker.isolate_after", w.isolate_after, "must be >= 1")
     _need(w.max_crashes > w.isolate_after, "worker.max_crashes", w.max_crashes,

@@ -228,7 +228,9 @@ class Queue:
         `isolate_after` crashes (and fewer than `max_crashes`) are claimed only alone, and only
         by an `idle` worker (nothing in flight): a row that kills its worker then takes no
         batch mates with it. Rows at `max_crashes` are claimed like any other (the worker ends
-        them without running them). PostgreSQL: rows another claimer has locked are skipped."""
+        them without running them). PostgreSQL: rows another claimer has locked are skipped.
+        A worker never takes its own rows for another's: whatever its clock says of their leases
+        (a clock step), a row it holds is still in its hands, never claimed again or charged."""
         if n <= 0:
             return []
         now, j = self.now(), self.job
@@ -246,8 +248,8 @@ class Queue:
                     "SELECT r.key, r.pos, r.attempts, r.crashes, r.state, r.running, r.payload, r.alone_crashes "
                     "FROM rows r JOIN manifest m ON m.job=r.job AND m.key=r.key "
                     "WHERE r.job=? AND r.state IN ('pending','leased') "
-                    "AND (r.state='pending' OR r.lease_until < ?) AND r.pos > ? ORDER BY r.pos LIMIT ?"
-                    + self.s.lock_rows, (j, now, after, max(4 * n, 64))).fetchall()
+                    "AND (r.state='pending' OR (r.lease_until < ? AND r.worker <> ?)) AND r.pos > ? "
+                    "ORDER BY r.pos LIMIT ?" + self.s.lock_rows, (j, now, worker, after, max(4 * n, 64))).fetchall()
                 if not page:
                     break
                 after = page[-1][1]

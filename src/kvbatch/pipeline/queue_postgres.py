@@ -4,8 +4,9 @@ Tables live in the `kvbatch` schema of the database named by `queue.url`, with a
 in every table (its key's first part), so several jobs share one database. The schema is created
 and migrated by kvbatch (`kvbatch.version`; under an advisory lock, so workers starting together
 never race). Claims lock the rows they take with `FOR UPDATE ... SKIP LOCKED`: claimers never
-wait for each other and never take the same row. Time is the database server's (an offset
-measured at connect), so leases mean the same on every host whatever its clock says.
+wait for each other and never take the same row. Time is the database server's (read at connect and
+carried forward on the monotonic clock), so leases mean the same on every host whatever its clock says,
+and a step of this host's clock moves nothing.
 Reconcile and finalize take a session advisory lock on the job instead of a lock file (file
 locks are not reliable on network file systems); the server drops it if the holder dies.
 """
@@ -98,9 +99,11 @@ class PostgresStore:
             why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise QueueUnreachable(f"queue.url={redact(url)!r}: cannot connect ({why}); start the server or "
                                    f"fix the URL (postgresql://user@host:port/database)") from None
-        t0 = time.time()
+        t0 = time.monotonic()
         server = _one(self.db.execute("SELECT extract(epoch from clock_timestamp())"))
-        self.offset = float(server) - (t0 + time.time()) / 2
+        # the server's clock read once, then carried forward on this process's monotonic clock: a step
+        # of this host's wall clock (sleep, NTP) never moves it
+        self.offset = float(server) - (t0 + time.monotonic()) / 2
         self._migrate()
         self.db.execute(f"SET search_path TO {SCHEMA}")
 
@@ -139,8 +142,8 @@ class PostgresStore:
             yield
 
     def now(self) -> float:
-        """The database server's clock, in seconds since the epoch (estimated from the offset measured at connect)."""
-        return time.time() + self.offset
+        """The database server's clock, in seconds since the epoch (measured at connect, advanced by time.monotonic)."""
+        return time.monotonic() + self.offset
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:

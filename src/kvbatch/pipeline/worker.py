@@ -80,7 +80,13 @@ def new_worker_id(host: Optional[str] = None, replica: int = 0) -> str:
 
 
 class LeaseKeeper(threading.Thread):
-    """Renews this worker's leases (and its heartbeat) every lease_s/3 on its own connection."""
+    """Renews this worker's leases (and its heartbeat) every lease_s/3 on its own connection, and at once
+    when the queue's clock stepped (a machine waking from sleep, an NTP step): the keeper judges its own
+    schedule on the monotonic clock, and a lease that looks expired after a step is renewed within
+    STEP_CHECK_S, before other workers take it for a dead one."""
+
+    STEP_CHECK_S = 0.5  # how often the queue's clock is compared with the monotonic clock
+    STEP_S = 1.0  # a difference larger than this is a step
 
     def __init__(self, queue: Queue, worker: str, lease_s: float):
         super().__init__(daemon=True, name="kvbatch-lease")
@@ -88,11 +94,17 @@ class LeaseKeeper(threading.Thread):
         self.stop_event = threading.Event()
 
     def run(self) -> None:
-        """Renew the leases every lease_s/3 until stopped."""
+        """Renew the leases every lease_s/3 (or after a clock step) until stopped."""
         q = self.queue.reopen()  # SQLite connections belong to their thread; one connection each anyway
+        every = max(self.lease_s / 3, self.STEP_CHECK_S)
         try:
-            while not self.stop_event.wait(max(self.lease_s / 3, 0.5)):
-                q.renew(self.worker, self.lease_s)
+            skew = q.now() - time.monotonic()
+            renewed = time.monotonic()
+            while not self.stop_event.wait(self.STEP_CHECK_S):
+                stepped = abs(q.now() - time.monotonic() - skew) > self.STEP_S
+                if stepped or time.monotonic() - renewed >= every:
+                    q.renew(self.worker, self.lease_s)
+                    skew, renewed = q.now() - time.monotonic(), time.monotonic()
         finally:
             q.close()
 
