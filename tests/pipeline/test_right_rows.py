@@ -157,3 +157,101 @@ def test_3_clock_steps_forward_and_back_mid_run_charge_no_row(store, tmp_path, m
 def test_3_a_lease_too_short_to_be_renewed_is_refused(lease):
     with pytest.raises(ConfigError, match=f"worker.lease_s={lease}: must be >= 3"):
         compose_config(["model=tiny", f"worker.lease_s={lease}"])
+
+
+# ---- 7: never write a secret ----------------------------------------------------------------------
+PASSWORD = "Pw/7@x:y%zz"  # a raw '/', '@' and ':' (the old redaction missed such passwords)
+
+
+def _with_password(url: str) -> str:
+    """The test server's URL (trust authentication: any password connects) with PASSWORD in it."""
+    head, _, rest = url.partition("@")
+    return f"{head}:{PASSWORD}@{rest}"
+
+
+def _files_holding(folder, needle: str) -> list[str]:
+    found = []
+    for p in folder.rglob("*"):
+        if p.is_file() and needle.encode() in p.read_bytes():
+            found.append(str(p))
+    return found
+
+
+@pytest.mark.parametrize("url,password", [
+    ("postgresql://u:Pw/7@x@host:5432/db", "Pw/7@x"), ("postgresql://u:a%40b@/db?host=/tmp/s", "a@b"),
+    ("postgresql://u@h/db?host=/s&password=p@/q", "p@/q"), ("postgres://u@h/db?password=Q9z&sslmode=off", "Q9z")])
+def test_7_redaction_finds_the_whole_password(url, password):
+    from kvbatch.pipeline.redact import redact, redact_override, redact_text, split_password
+
+    bare, found = split_password(url)
+    assert found == password and password not in bare and split_password(bare)[1] is None
+    for shown in (redact(url), redact_override(f"queue.url='{url}'"), redact_text(f"x: {url}\n")):
+        assert "***" in shown and password not in shown and "@" in shown
+
+
+def test_7_an_output_folder_holds_no_password(run_app, tmp_path, pg_url):
+    src = _jsonl(tmp_path, [{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"}])
+    folder = tmp_path / "o"
+    rows, out = run_app(f"job.input={src}", f"queue.url='{_with_password(pg_url)}'", f"output.dir={folder}",
+                        "job.name=secret7")
+    assert _codes(rows) == {"a": None, "b": None}
+    run_app(f"job.input={src}", f"queue.url='{_with_password(pg_url)}'", f"output.dir={folder}",
+            "job.name=secret7", "action=status")
+    assert (folder / "config.yaml").exists() and (folder / "results.parquet").exists()
+    for needle in (PASSWORD, "Pw/7"):
+        assert _files_holding(folder, needle) == [] and needle not in out
+
+
+def test_7_queue_url_from_a_file_or_the_environment_is_never_stored(run_app, tmp_path, pg_url, monkeypatch):
+    src = _jsonl(tmp_path, [{"id": "a", "prompt": "x"}])
+    url_file = tmp_path / "queue-url"
+    url_file.write_text(_with_password(pg_url) + "\n")
+    rows, out = run_app(f"job.input={src}", f"queue.url_file={url_file}", f"output.dir={tmp_path / 'f'}",
+                        "job.name=secretfile")
+    assert _codes(rows) == {"a": None} and _files_holding(tmp_path / "f", "Pw/7") == []
+    monkeypatch.setenv("KVBATCH_TEST_QUEUE_URL", _with_password(pg_url))
+    rows, out = run_app(f"job.input={src}", "queue.url=${oc.env:KVBATCH_TEST_QUEUE_URL}",
+                        f"output.dir={tmp_path / 'e'}", "job.name=secretenv")
+    assert _codes(rows) == {"a": None} and _files_holding(tmp_path / "e", "Pw/7") == [] and "Pw/7" not in out
+    with pytest.raises(ConfigError, match="queue.url_file=.*not both"):
+        compose_config(["model=tiny", f"queue.url_file={url_file}", f"queue.url='{pg_url}'"])
+    with pytest.raises(ConfigError, match="not a regular file"):
+        compose_config(["model=tiny", "queue.url_file=/dev/zero"])
+
+
+def test_7_a_sweep_folder_and_a_failing_runs_stderr_hold_no_password(tmp_path, model_cache_dir, pg_url):
+    """The kvbatch command as users run it: a sweep (one job fails) and a run that fails with a traceback."""
+    import os
+    import subprocess
+    import sys
+
+    src = _jsonl(tmp_path, [{"id": "a", "prompt": "x"}])
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env.pop("PGPASSWORD", None)
+    common = ["model=tiny", f"model.cache_dir={model_cache_dir}", f"job.input={src}", "job.chat_template=false",
+              "output.progress=off", f"queue.url='{_with_password(pg_url)}'", "job.name=secretsweep"]
+    sweep = subprocess.run([sys.executable, "-m", "kvbatch", "-m", *common, "job.max_tokens=1,-1",
+                            f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path, env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert (tmp_path / "sweep" / "multirun.yaml").exists() and (tmp_path / "sweep" / "sweep.parquet").exists()
+    assert "failed" in sweep.stderr  # job 1 (max_tokens=-1) failed alone
+    # an unexpected exception (here: a malformed testing variable) goes through Hydra's own report, which
+    # prints the overrides ("Error executing job with overrides: [...]")
+    crash = subprocess.run([sys.executable, "-m", "kvbatch", *common, "job.max_tokens=1", "job.name=secretcrash"],
+                           cwd=tmp_path, env={**env, "KVBATCH_DEBUG_CRASH_AT": "bogus"}, capture_output=True,
+                           text=True, timeout=300)
+    assert crash.returncode != 0 and "Error executing job with overrides" in crash.stderr and "queue.url" in crash.stderr
+    for needle in (PASSWORD, "Pw/7"):
+        assert _files_holding(tmp_path / "sweep", needle) == []
+        for text in (sweep.stdout, sweep.stderr, crash.stdout, crash.stderr):
+            assert needle not in text
+
+
+def test_7_an_unreachable_queue_is_named_without_its_password(tmp_path, pg_url):
+    from kvbatch.pipeline.queue import open_store
+    from kvbatch.pipeline.queue_postgres import QueueUnreachable
+
+    bad = _with_password(pg_url).replace("kvbatch_tests", "no_such_db")
+    with pytest.raises(QueueUnreachable) as err:
+        open_store(bad, tmp_path, "j")
+    assert "no_such_db" in str(err.value) and "Pw/7" not in str(err.value)

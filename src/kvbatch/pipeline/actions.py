@@ -21,7 +21,8 @@ from kvbatch.engine.sizes import fmt_bytes
 
 from kvbatch.pipeline import durations, job_identity, locate, passthrough, procs, samples
 from kvbatch.pipeline import summary as summ
-from kvbatch.pipeline.config import Config, ConfigError, as_dict, config_hash, engine_config, parse_injection
+from kvbatch.pipeline.config import (Config, ConfigError, as_dict, as_stored, config_hash, engine_config,
+                                     parse_injection, stored_yaml)
 from kvbatch.pipeline.finalize import Finalized, finalize, reconcile, regenerate
 from kvbatch.pipeline.inputs import detect_format, read_rows, resolve_input
 from kvbatch.pipeline.progress import Progress, row_budget
@@ -125,7 +126,7 @@ def enqueue(job: Job) -> tuple[Queue, int, int]:
         job.out_dir.mkdir(parents=True, exist_ok=True)
         q = open_queue(job)
         job_identity.claim(job.out_dir, job.queue_job)
-        (job.out_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(job.cfg)))
+        (job.out_dir / "config.yaml").write_text(stored_yaml(job.cfg))  # never a password (pipeline/redact.py)
     except OSError as exc:  # read-only, not a folder, no space
         raise ConfigError(f"output folder {str(job.out_dir)!r} is not writable ({exc.strerror or exc}); "
                           f"set output.dir or output.root to a folder you can write") from None
@@ -133,7 +134,7 @@ def enqueue(job: Job) -> tuple[Queue, int, int]:
     q.set_meta(job_identity.META, job.queue_job)
     q.set_meta("input", str(job.input_path))
     q.set_meta("output_dir", str(job.out_dir))
-    q.set_meta("config", OmegaConf.to_yaml(OmegaConf.structured(job.cfg)))  # status from a host without the folder
+    q.set_meta("config", stored_yaml(job.cfg))  # status from a host without the folder
     q.set_meta(samples.META, str(samples.SAMPLE_SLOTS))
     changed = q.changed(rows)
     added = q.enqueue(rows)
@@ -291,7 +292,7 @@ def finish(job: Job, q: Queue, stats: Optional[WorkStats], t0: Optional[float] =
     """Write results.parquet (and the OpenAI batch output when asked) and summary.json from the queue and the parts."""
     from kvbatch.engine.blas import blas_in_use
 
-    meta = {"kvbatch.config": json.dumps(as_dict(job.cfg), default=str),
+    meta = {"kvbatch.config": json.dumps(as_stored(job.cfg), default=str),
             "kvbatch.config_hash": job.config_hash,
             **{f"{k}.version": v for k, v in summ.versions().items()}}
     fin = finalize(job.out_dir, q, meta)

@@ -21,6 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from kvbatch.engine.errors import KvbatchConfigError
 from kvbatch.pipeline.compose import CONF_DIR, compose_config, describe, node_to_config
+from kvbatch.pipeline.redact import move_password_to_env
 
 # Flags that make Hydra do something other than one plain run: leave those to Hydra.
 _HYDRA_FLAGS = ("-m", "--multirun", "--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i",
@@ -67,7 +68,8 @@ def version_line() -> str:
 
 def main() -> None:
     """The `kvbatch` command: --version, else a Hydra run or multirun of the config and its overrides."""
-    args = sys.argv[1:]
+    args = move_password_to_env(sys.argv[1:], os.environ)  # Hydra never sees a password (pipeline/redact.py)
+    sys.argv = [sys.argv[0], *args]
     if "--version" in args or "-V" in args:  # Hydra has no such flag (it would try to parse it as an override)
         print(version_line())
         return

@@ -26,7 +26,7 @@ from kvbatch.engine.errors import ERROR_CODES, KvbatchConfigError
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.pipeline import durations, response_format, row_params
 from kvbatch.pipeline.escapes import unescape
-from kvbatch.pipeline.redact import redact
+from kvbatch.pipeline.redact import redact, redact_config
 
 ACTIONS = ("run", "enqueue", "work", "status", "finalize", "retry", "report")
 SHAPES = ("columns", "sharegpt", "alpaca")  # job.shape (pipeline/formats/shapes.py)
@@ -127,8 +127,11 @@ class QueueConfig:
     """Which queue the job's rows go through: SQLite in the output folder, or a shared PostgreSQL database."""
 
     # "" (default): queue.sqlite in the output folder (one machine); postgresql://user@host:port/db: a
-    # PostgreSQL queue that workers on many hosts share (the output folder then on a shared file system)
+    # PostgreSQL queue that workers on many hosts share (the output folder then on a shared file system).
+    # Keep its password out of it: PGPASSWORD or ~/.pgpass (libpq reads them), queue.url_file, or
+    # queue.url='${oc.env:VAR}'; kvbatch never writes a password into a file or a message anyway
     url: str = ""
+    url_file: Optional[str] = None  # a file whose first line is queue.url (read at start, never stored)
 
 
 @dataclass
@@ -270,6 +273,9 @@ def validate(cfg: Config) -> None:
           "use letters, digits, '_', '-', '.' (it names the worker and its parts)")
     _need(w.replica >= 0, "worker.replica", w.replica, "must be >= 0")
     url = cfg.queue.url or ""
+    if cfg.queue.url_file is not None:
+        _need(not url, "queue.url_file", cfg.queue.url_file, "set queue.url or queue.url_file, not both")
+        url = cfg.queue.url = read_url_file(cfg.queue.url_file)
     _need(not url or bool(re.match(r"postgres(ql)?://", url)), "queue.url", redact(url),
           "use postgresql://user@host:port/database, or leave it empty for queue.sqlite in the output folder")
     parse_injection(cfg.debug.inject_nonfinite)
@@ -279,6 +285,25 @@ def validate(cfg: Config) -> None:
           f"choose among {', '.join(ERROR_CODES)} ([] = every code)")
     _need(cfg.action != "report" or bool(cfg.report.sweep_dirs), "report.sweep_dirs", cfg.report.sweep_dirs,
           "action=report needs report.sweep_dirs=[DIR,...] (sweep folders)")
+
+
+def read_url_file(path: str) -> str:
+    """queue.url_file's URL: the first line of a regular file of at most 64 KiB (ConfigError otherwise)."""
+    import os
+    import stat
+
+    try:
+        p = os.path.expanduser(path)
+        if not stat.S_ISREG(os.stat(p).st_mode):
+            raise ConfigError(f"queue.url_file={path!r}: not a regular file")
+        with open(p, "rb") as fh:
+            data = fh.read(65537)
+        if len(data) > 65536:
+            raise ConfigError(f"queue.url_file={path!r}: larger than 64 KiB (it holds one URL)")
+        lines = data.decode("utf-8-sig").strip().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"queue.url_file={path!r}: cannot read it ({type(exc).__name__})") from None
+    return lines[0].strip() if lines else ""
 
 
 def to_config(node: Any) -> Config:
@@ -293,8 +318,22 @@ def to_config(node: Any) -> Config:
 
 
 def as_dict(cfg: Config) -> dict:
-    """The config as plain containers, interpolations resolved (for config.yaml, the hash and results' metadata)."""
+    """The config as plain containers, interpolations resolved (for the hash; stored: as_stored)."""
     return cast(dict, OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
+
+
+def as_stored(cfg: Config) -> dict:
+    """The config as config.yaml, the queue, results' metadata and a sweep's files keep it: as_dict with
+    queue.url's password hidden and queue.url_file's URL not copied into it."""
+    d = redact_config(as_dict(cfg))
+    if cfg.queue.url_file is not None:
+        d["queue"]["url"] = ""
+    return d
+
+
+def stored_yaml(cfg: Config) -> str:
+    """as_stored as YAML (config.yaml)."""
+    return OmegaConf.to_yaml(OmegaConf.create(as_stored(cfg)))
 
 
 # Sections that shape a row's result; memory/worker/output settings and engine sizes do not.

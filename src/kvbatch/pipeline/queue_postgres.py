@@ -21,7 +21,7 @@ import psycopg
 from psycopg import errors as pg_errors
 
 from kvbatch.engine.errors import KvbatchConfigError
-from kvbatch.pipeline.redact import redact
+from kvbatch.pipeline.redact import redact, split_password
 
 if TYPE_CHECKING:
     from typing_extensions import LiteralString
@@ -92,9 +92,11 @@ class PostgresStore:
     def __init__(self, url: str, job: str, connect_timeout_s: float = 10.0):
         self.url, self.job, self.connect_timeout_s = url, job, connect_timeout_s
         self.where = f"{redact(url)} (job {job})"
+        conninfo, password = split_password(url)  # given apart: a raw '/' or '@' in it needs no escaping
         try:
-            self.db = psycopg.connect(url, autocommit=True, connect_timeout=max(int(connect_timeout_s), 1),
-                                      application_name="kvbatch")
+            self.db = psycopg.connect(conninfo, autocommit=True, connect_timeout=max(int(connect_timeout_s), 1),
+                                      application_name="kvbatch",
+                                      **({"password": password} if password is not None else {}))
         except psycopg.Error as exc:
             why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise QueueUnreachable(f"queue.url={redact(url)!r}: cannot connect ({why}); start the server or "
