@@ -255,3 +255,27 @@ def test_7_an_unreachable_queue_is_named_without_its_password(tmp_path, pg_url):
     with pytest.raises(QueueUnreachable) as err:
         open_store(bad, tmp_path, "j")
     assert "no_such_db" in str(err.value) and "Pw/7" not in str(err.value)
+
+
+# ---- 2: every float control stays where the sampler's arithmetic is finite ------------------------
+@pytest.mark.parametrize("override,needle", [
+    ("sampling.repetition_penalty=1e-300", "must be between 0.001 and 1000"),
+    ("sampling.repetition_penalty=1e300", "must be between 0.001 and 1000"),
+    ("sampling.top_p=1e-300", "must be in [1e-30, 1]"),
+])
+def test_2_float_controls_outside_the_finite_range_fail_at_once(override, needle):
+    import re
+
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        compose_config(["model=tiny", override])
+
+
+def test_2_float_controls_outside_the_finite_range_are_the_rows_invalid_input(run_app, tmp_path):
+    src = _jsonl(tmp_path, ['{"id": "a", "prompt": "x"}', '{"id": "rp", "prompt": "x", "repetition_penalty": 1e-300}',
+                            '{"id": "rp2", "prompt": "x", "repetition_penalty": 5000}',
+                            '{"id": "tp", "prompt": "x", "top_p": 1e-40, "temperature": 0.7}',
+                            '{"id": "ok", "prompt": "x", "repetition_penalty": 0.001, "top_p": 1e-30}'])
+    rows, _ = run_app(f"job.input={src}")
+    assert _codes(rows) == {"a": None, "rp": "invalid_input", "rp2": "invalid_input", "tp": "invalid_input",
+                            "ok": None}
+    assert "repetition_penalty must be between" in rows["rp"]["error_message"]
