@@ -49,7 +49,7 @@ def test_1_reused_output_dir_with_other_settings_is_refused(store, run_app, tmp_
     rows, _ = run_app(*base)
     assert all(r["max_tokens"] == 2 for r in rows.values())
     for changed in (["job.max_tokens=3"], ["sampling.temperature=0.7"]):  # the variant: any shaping setting
-        with pytest.raises(ConfigError, match="belongs to job reuse"):
+        with pytest.raises(ConfigError, match="holds the rows of another config .job reuse"):
             run_app(*base, *changed)
     rows, out = run_app(*base)  # the same settings: the folder's own job, nothing adopted
     assert len(rows) == 3 and "adopted" not in out
@@ -279,3 +279,60 @@ def test_2_float_controls_outside_the_finite_range_are_the_rows_invalid_input(ru
     assert _codes(rows) == {"a": None, "rp": "invalid_input", "rp2": "invalid_input", "tp": "invalid_input",
                             "ok": None}
     assert "repetition_penalty must be between" in rows["rp"]["error_message"]
+
+
+# ---- 5: whatever belongs to one row is that row's invalid_input, never the job's -----------------
+def test_5_odd_rows_of_a_jsonl_input_end_alone(run_app, tmp_path):
+    from kvbatch.pipeline.config import JobConfig
+    from kvbatch.pipeline.inputs import read_rows
+
+    plain = {"prompt": "no id here"}
+    probe = _jsonl(tmp_path, [{"id": "a", "prompt": "x"}, plain], "probe.jsonl")
+    hashed = read_rows(probe, "auto", JobConfig())[1].key  # the content-hash key of the row without an id
+    lines = [
+        '{"id": "a", "prompt": "x", "output": "o", "input_output": "io", "deep": ' + "[" * 60 + "1" + "]" * 60
+        + ', "cat": "fine"}',
+        plain,
+        '{"id": "big", "prompt": "y", "n_digits": ' + "7" * 5000 + "}",  # more digits than Python converts
+        '{"id": "sur", "prompt": "y", "cat": "bad \\udc00"}',  # a lone surrogate in a carried column
+        {"id": hashed, "prompt": "an id equal to the other row's key"},
+        '{"id": "b", "prompt": "z", "output": "o2", "input_output": "io2", "deep": [[1]], "cat": "also fine"}',
+    ]
+    src = _jsonl(tmp_path, lines)
+    for _ in range(2):  # and the job's rerun reads its own files back
+        rows, _ = run_app(f"job.input={src}")
+        assert len(rows) == 6
+        codes = {k: v for k, v in _codes(rows).items() if v}
+        big = [k for k, r in rows.items() if "4300 digits" in (r["error_message"] or "")]  # unreadable: no id
+        assert sorted(codes) == sorted(["sur", *big]) and len(big) == 1 and set(codes.values()) == {"invalid_input"}
+    assert rows[hashed]["prompt"] == "an id equal to the other row's key"
+    assert sum(1 for r in rows.values() if r["prompt"] == "no id here") == 1
+    # both carried, neither lost; the deep one as JSON text; the surrogate spoils its own cell only
+    assert (rows["a"]["input_input_output"], rows["a"]["input_output"]) == ("o", "io")  # input_output keeps its name
+    assert json.loads(rows["a"]["deep"]) == json.loads("[" * 60 + "1" + "]" * 60)
+    assert rows["a"]["cat"] == "fine" and rows["b"]["cat"] == "also fine" and rows["sur"]["cat"] == "bad \\udc00"
+    assert "surrogate" in rows["sur"]["error_message"]
+
+
+def test_5_invalid_utf8_in_a_parquet_string_column_and_a_damaged_passthrough(run_app, tmp_path):
+    import pyarrow as pa
+
+    table = pa.table({"id": ["a", "bad", "b"], "prompt": ["x", "y", "z"],
+                      "note": pa.array([b"ok", b"\xff\xfe no", b"fine"], pa.binary())})
+    table = table.set_column(2, "note", table.column("note").cast(pa.string(), safe=False))  # bytes as they are
+    src = tmp_path / "in.parquet"
+    pq.write_table(table, src)
+    folder = tmp_path / "pq"
+    rows, _ = run_app(f"job.input={src}", f"output.dir={folder}")
+    assert _codes(rows) == {"a": None, "bad": "invalid_input", "b": None}
+    assert rows["a"]["note"] == "ok" and rows["b"]["note"] == "fine"
+    (folder / "passthrough.parquet").write_bytes(b"PAR1 not really")  # damaged by hand (or a full disk)
+    again, out = run_app(f"job.input={src}", f"output.dir={folder}", "action=finalize")
+    assert "rebuilt from the input" in out and again["a"]["note"] == "ok" and len(again) == 3
+
+
+def test_5_an_id_holding_u0000_is_the_rows_invalid_input_on_postgresql(run_app, tmp_path, pg_url):
+    src = _jsonl(tmp_path, [{"id": "a", "prompt": "x"}, {"id": "n\u0000ul", "prompt": "y"}, {"id": "b", "prompt": "z"}])
+    rows, _ = run_app(f"job.input={src}", f"queue.url='{pg_url}'", f"output.dir={tmp_path / 'o'}", "job.name=nul5")
+    assert _codes(rows) == {"a": None, "n\\u0000ul": "invalid_input", "b": None}
+    assert "U+0000" in rows["n\\u0000ul"]["error_message"]

@@ -281,6 +281,24 @@ def work(job: Job, q: Queue) -> Optional[WorkStats]:
     return stats
 
 
+def _passthrough_readable(job: Job) -> None:
+    """passthrough.parquet is the job's own file: a damaged one is rebuilt from the input, else named in one line
+    (results.parquet is then written without the input's other columns)."""
+    why = passthrough.damaged(job.out_dir)
+    if why is None:
+        return
+    try:
+        carry_columns(job, samples.expand(read_rows(job.input_path, job.cfg.job.format, job.cfg.job),
+                                          job.cfg.sampling.n))
+    except Exception:  # noqa: BLE001 - the input itself is gone or changed: named below
+        pass
+    if passthrough.damaged(job.out_dir) is None:
+        say(f"kvbatch: {job.out_dir / passthrough.FILE} could not be read ({why}); rebuilt from the input")
+    else:
+        say(f"kvbatch: warning: {job.out_dir / passthrough.FILE} cannot be read ({why}); results.parquet is "
+            f"written without the input's other columns: delete it and run action=enqueue to rebuild it")
+
+
 def _say_foreign(fin: Finalized) -> None:
     if fin.foreign:
         names = sorted(fin.foreign)
@@ -295,6 +313,7 @@ def finish(job: Job, q: Queue, stats: Optional[WorkStats], t0: Optional[float] =
     meta = {"kvbatch.config": json.dumps(as_stored(job.cfg), default=str),
             "kvbatch.config_hash": job.config_hash,
             **{f"{k}.version": v for k, v in summ.versions().items()}}
+    _passthrough_readable(job)
     fin = finalize(job.out_dir, q, meta)
     if job.cfg.output.openai_batch:
         batch_output(job, fin.table)

@@ -37,7 +37,8 @@ def claim(out_dir: Path, identity: str) -> None:
     """Record that the folder belongs to `identity`; ConfigError when it belongs to another job."""
     have = held(out_dir)
     if have is not None and have != identity:
-        raise ConfigError(f"output.dir={str(out_dir)!r} belongs to job {have} (this config is job {identity}): "
+        raise ConfigError(f"output.dir={str(out_dir)!r} holds the rows of another config (job {have}; this config is "
+                          f"job {identity}): "
                           f"a changed model, job, sampling or KV setting is another job, whose rows must not mix "
                           f"with these; use a new output.dir (or leave it unset), or delete that folder to start over")
     if have is None:
