@@ -336,3 +336,76 @@ def test_5_an_id_holding_u0000_is_the_rows_invalid_input_on_postgresql(run_app, 
     rows, _ = run_app(f"job.input={src}", f"queue.url='{pg_url}'", f"output.dir={tmp_path / 'o'}", "job.name=nul5")
     assert _codes(rows) == {"a": None, "n\\u0000ul": "invalid_input", "b": None}
     assert "U+0000" in rows["n\\u0000ul"]["error_message"]
+
+
+# ---- the rule, as a property: each row ends once, with its outcome; the job never stops for a row ----
+def _param_values():
+    """Per-row values of every parameter (engine/params.py PARAMS): its type and range, edges and garbage.
+    Counts that make work (max_tokens, min_tokens, n) are kept small where valid, so a run stays short."""
+    from hypothesis import strategies as st
+
+    from kvbatch.engine.params import PARAMS
+
+    garbage = st.sampled_from(["x", "", [], {}, None, True, "NaN", "1e400", [1, "a"], {"a": [[[]]]}])
+    huge = st.sampled_from([2**31, 2**63, 2**64, -1, -(2**40), 10**30, 1e12, 1e-300, 1e300, 5e-324])
+    floats = st.one_of(st.floats(allow_nan=True, allow_infinity=True), huge,
+                       st.sampled_from([0.0, 1e-3, 1e-30, 1e-31, 0.5, 1.0, 2.0, -2.0, 2.5, 1e3, 1001.0]))
+    small = {"max_tokens": st.sampled_from([1, 2, 0, -3]), "min_tokens": st.sampled_from([0, 1, 2, 3]),
+             "n": st.sampled_from([1, 2, 0, 4097])}
+    kinds = {
+        "int": st.one_of(st.integers(-5, 40), huge), "float": floats, "bool": st.one_of(st.booleans(), st.integers()),
+        "ids": st.one_of(st.lists(st.one_of(st.integers(-2, 400), huge), max_size=3), st.integers(0, 300)),
+        "strings": st.one_of(st.lists(st.text(max_size=3), max_size=3), st.text(max_size=3)),
+        "format": st.sampled_from(["json_object", "regex:[ab]{1,2}", "text", '{"type": "foo"}', "/etc/hostname",
+                                   {"type": "object"}, {"type": "json_schema", "json_schema": {"schema": {}}}, "x"]),
+    }
+    return {p.name: st.one_of(small.get(p.name, kinds[p.kind]), garbage) for p in PARAMS}
+
+
+def test_property_each_row_ends_once_with_its_outcome_and_the_job_never_stops(tmp_path_factory, model_cache_dir):
+    from hypothesis import HealthCheck, example, given, settings
+    from hypothesis import strategies as st
+
+    from kvbatch.engine.errors import ERROR_CODES
+    from kvbatch.pipeline.config import JobConfig
+    from kvbatch.pipeline.inputs import read_rows
+    from kvbatch.pipeline.queue import Queue
+
+    leaf = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=4),
+                     st.sampled_from(["\udc00", "\x00"]))
+    nested = st.recursive(leaf, lambda c: st.one_of(st.lists(c, max_size=2), st.dictionaries(st.text(max_size=3), c,
+                                                                                            max_size=2)), max_leaves=5)
+    deep = st.integers(1, 70).map(lambda d: json.loads("[" * d + "1" + "]" * d))
+    row = st.fixed_dictionaries({"prompt": st.sampled_from(["hi", "a b", "x"])},
+                                optional={**_param_values(), "id": st.one_of(st.text(max_size=4), st.integers(0, 3)),
+                                          "extra": nested, "deep": deep, "output": leaf, "input_output": leaf,
+                                          "response": nested})
+
+    @settings(max_examples=4, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @given(rows=st.lists(row, min_size=1, max_size=5))
+    @example(rows=[{"prompt": "hi", "output": 1, "input_output": "2", "deep": json.loads("[" * 60 + "]" * 60)},
+                   {"prompt": "x", "id": 7, "repetition_penalty": 1e-300, "extra": {"a": "\udc00"}},
+                   {"prompt": "y", "response_format": "/etc/hostname", "top_p": 1e-300}])
+    def check(rows):
+        d = tmp_path_factory.mktemp("rule")
+        src = d / "in.jsonl"
+        src.write_text("".join(json.dumps(r, allow_nan=True) + "\n" for r in rows + [{"prompt": "good"}]))
+        cfg = compose_config(["model=tiny", f"model.cache_dir={model_cache_dir}", f"job.input={src}",
+                              f"output.dir={d / 'out'}", "output.progress=off", "job.max_tokens=2",
+                              "job.chat_template=false", "output.max_error_fraction=1", "model.context_length=64"])
+        path = actions.execute(cfg)  # the job never stops for a row
+        got = pq.read_table(path).to_pylist()
+        inputs = read_rows(src, "auto", JobConfig())
+        queued = len({r.key for r in inputs}) + sum(max(int(r.payload.get("n", 1)) - 1, 0) for r in inputs
+                                                     if "error" not in r.payload)
+        assert len(got) == queued and len({(r["row_key"], r["sample_index"]) for r in got}) == len(got)
+        assert sorted({r["row_key"] for r in got}) == sorted(r.key for r in inputs)
+        for r in got:  # its own outcome, once: ok, or a documented code with a message
+            assert r["error_code"] is None or (r["error_code"] in ERROR_CODES and r["error_message"]), r
+            assert r["attempt"] == 1
+        q = Queue(d / "out" / "queue.sqlite")
+        assert q.counts()["pending"] == q.counts()["leased"] == 0 and q.crash_counts()["rows"] == 0
+        q.close()
+
+    check()
