@@ -65,7 +65,8 @@ def test_columns_and_per_row_controls(run_app, tmp_path):  # noqa: F811
         (1.5, -0.5, 0.5, pytest.approx(0.1))
     assert (pen["min_tokens"], pen["ignore_eos"], pen["stop_token_ids"]) == (3, True, [1, 2])
     expect = {"bad_schema": "response_format rejected by llguidance: Invalid type: foo",
-              "bad_file": "a row never names a file", "enum_file": "a row never names a file", "bad_pen": "presence_penalty must be in [-2, 2]",
+              "bad_file": "a row never names a file", "enum_file": "a row never names a file",
+              "bad_pen": "presence_penalty must be in [-2, 2]",
               "bad_lp": "logprobs must be in [0, 20]", "bad_ids": "stop_token_ids must be a list of token ids",
               "bad_bool": "ignore_eos must be true or false", "bad_min": "min_tokens must be in [0, max_tokens=12]"}
     for key, msg in expect.items():

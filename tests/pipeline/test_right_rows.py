@@ -240,7 +240,8 @@ def test_7_a_sweep_folder_and_a_failing_runs_stderr_hold_no_password(tmp_path, m
     crash = subprocess.run([sys.executable, "-m", "kvbatch", *common, "job.max_tokens=1", "job.name=secretcrash"],
                            cwd=tmp_path, env={**env, "KVBATCH_DEBUG_CRASH_AT": "bogus"}, capture_output=True,
                            text=True, timeout=300)
-    assert crash.returncode != 0 and "Error executing job with overrides" in crash.stderr and "queue.url" in crash.stderr
+    assert crash.returncode != 0 and "queue.url" in crash.stderr
+    assert "Error executing job with overrides" in crash.stderr
     for needle in (PASSWORD, "Pw/7"):
         assert _files_holding(tmp_path / "sweep", needle) == []
         for text in (sweep.stdout, sweep.stderr, crash.stdout, crash.stderr):

@@ -93,10 +93,11 @@ class PostgresStore:
         self.url, self.job, self.connect_timeout_s = url, job, connect_timeout_s
         self.where = f"{redact(url)} (job {job})"
         conninfo, password = split_password(url)  # given apart: a raw '/' or '@' in it needs no escaping
+        params: dict[str, Any] = {"connect_timeout": max(int(connect_timeout_s), 1), "application_name": "kvbatch"}
+        if password is not None:
+            params["password"] = password
         try:
-            self.db = psycopg.connect(conninfo, autocommit=True, connect_timeout=max(int(connect_timeout_s), 1),
-                                      application_name="kvbatch",
-                                      **({"password": password} if password is not None else {}))
+            self.db = psycopg.connect(conninfo, autocommit=True, **params)
         except psycopg.Error as exc:
             why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise QueueUnreachable(f"queue.url={redact(url)!r}: cannot connect ({why}); start the server or "

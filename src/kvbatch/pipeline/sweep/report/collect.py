@@ -68,7 +68,8 @@ def _job_record(status: dict, sweep_dir: Path) -> dict:
         state, reason = "failed", "the job's process ended without recording how (killed, or out of memory?)"
     rec: dict[str, Any] = {
         "sweep_dir": str(sweep_dir), "job_num": status.get("job_num"), "job_dir": status.get("job_dir"),
-        "overrides": [redact_override(o) for o in status.get("overrides") or []], "status": state, "failure_reason": reason,
+        "overrides": [redact_override(o) for o in status.get("overrides") or []],
+        "status": state, "failure_reason": reason,
         "error_type": status.get("error_type"), "model": (cfg.get("model") or {}).get("name"),
         "kv_mode": (cfg.get("kv") or {}).get("mode") or _override(status, "kv") or _override(status, "kv.mode"),
         "memory_budget": (cfg.get("memory") or {}).get("budget"), "job": (cfg.get("job") or {}).get("name"),
