@@ -36,4 +36,6 @@ BENCHMARKS = {
     "job.many_workers": "many workers on one PostgreSQL queue: rows/s, queue cost, claim latency",
     "job.commits": "the whole `kvbatch` command at two commits side by side: speed ratio and identical rows",
     "job.kill_soak": "many random kill -9 of real workers, then a final run: nothing lost or changed",
+    "job.finalize_memory": "finalize of N one-token rows (synthetic parts): peak RSS and time, and a finished "
+                           "job's rerun",
 }

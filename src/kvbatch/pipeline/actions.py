@@ -316,7 +316,7 @@ def finish(job: Job, q: Queue, stats: Optional[WorkStats], t0: Optional[float] =
     _passthrough_readable(job)
     fin = finalize(job.out_dir, q, meta)
     if job.cfg.output.openai_batch:
-        batch_output(job, fin.table)
+        batch_output(job, fin.read())
     for why in fin.bad_parts.values():
         say(f"kvbatch: corrupt part moved to parts/corrupt/: {why}")
     _say_foreign(fin)
@@ -328,7 +328,7 @@ def finish(job: Job, q: Queue, stats: Optional[WorkStats], t0: Optional[float] =
              "config_hash": job.config_hash, "output_dir": str(job.out_dir), "results": str(fin.path),
              "blas": blas_in_use(), "versions": summ.versions(),
              "wall_s": time.perf_counter() - t0 if t0 is not None else None}
-    s = summ.build(fin.table, q.counts(), q.sessions(), run, extra)
+    s = summ.build(fin.read(list(summ.COLUMNS)), q.counts(), q.sessions(), run, extra)
     summ.write(job.out_dir / "summary.json", s)
     return fin, s
 

@@ -100,8 +100,16 @@ def read_part(path: Path) -> pa.Table:
         raise PartError(f"{path.name}: unreadable ({type(exc).__name__}: {why})") from None
 
 
+def read_table(path: Path, verify: bool = False) -> pa.Table:
+    """One part's table, as written (`verify`: its pages' checksums checked). ParquetFile, not
+    pq.read_table: the dataset reader keeps ~40 KB of memory per file read, which a scan of tens of
+    thousands of parts would add up."""
+    with pq.ParquetFile(path, page_checksum_verification=verify) as pf:
+        return pf.read(use_threads=False)
+
+
 def _verified(path: Path) -> pa.Table:
-    table = pq.read_table(path, page_checksum_verification=True)
+    table = read_table(path, verify=True)
     meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
     keys = table.column("row_key").to_pylist() if "row_key" in table.column_names else []
     if meta.get("kvbatch.part.rows") != str(table.num_rows) \
@@ -112,13 +120,19 @@ def _verified(path: Path) -> pa.Table:
     return table
 
 
+INDEX = ("row_key", "error_code", "worker")  # what reconcile needs of a part; finalize reads the rest
+
+
 def scan(parts_dir: Path) -> tuple[dict[str, pa.Table], dict[str, str]]:
-    """Every part in the directory: ({name: table} of good parts, {name: why} of bad ones)."""
+    """Every part in the directory, each verified whole: ({name: its INDEX columns, with the part's
+    metadata} of good parts, {name: why} of bad ones). Only the index is kept (a part's outputs are read
+    again when results.parquet is written), so a scan of a million rows stays small."""
     good: dict[str, pa.Table] = {}
     bad: dict[str, str] = {}
     for path in sorted(parts_dir.glob(PART_GLOB)) if parts_dir.is_dir() else []:
         try:
-            good[path.name] = read_part(path)
+            t = read_part(path)
+            good[path.name] = t.select(list(INDEX)).replace_schema_metadata(t.schema.metadata)
         except PartError as exc:
             bad[path.name] = str(exc)
     return good, bad

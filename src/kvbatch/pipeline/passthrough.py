@@ -175,16 +175,26 @@ def write(out_dir: Path, path: Path, fmt: str, job: JobConfig, keys_by_pos: list
     write_atomic(extra.add_column(0, "row_key", pa.array(keys, pa.string())), target)
 
 
-def attach(table: pa.Table, out_dir: Path) -> pa.Table:
-    """results + the carried columns of each row (by row key; null for a row the file lacks)."""
-    path = out_dir / FILE
-    if not path.exists() or damaged(out_dir):  # the caller names a damaged one (and rebuilds it first)
+class Carried:
+    """The folder's passthrough.parquet, read once: its columns attached to results, a chunk at a time."""
+
+    def __init__(self, extra: pa.Table):
+        self.extra = extra.drop_columns(["row_key"])
+        self.where = {k: i for i, k in enumerate(extra.column("row_key").to_pylist())}
+
+    def attach(self, table: pa.Table) -> pa.Table:
+        """results + the carried columns of each row (by row key; null for a row the file lacks)."""
+        take = pa.array([self.where.get(k) for k in table.column("row_key").to_pylist()], pa.int64())
+        picked = self.extra.take(take)
+        for name in picked.column_names:
+            if name not in table.column_names:
+                table = table.append_column(picked.schema.field(name), picked.column(name))
         return table
-    extra = pq.read_table(path)
-    where = {k: i for i, k in enumerate(extra.column("row_key").to_pylist())}
-    take = pa.array([where.get(k) for k in table.column("row_key").to_pylist()], pa.int64())
-    picked = extra.drop_columns(["row_key"]).take(take)
-    for name in picked.column_names:
-        if name not in table.column_names:
-            table = table.append_column(picked.schema.field(name), picked.column(name))
-    return table
+
+
+def load(out_dir: Path) -> Optional[Carried]:
+    """The folder's carried columns (None: none, or a damaged file, which the caller names and rebuilds)."""
+    path = out_dir / FILE
+    if not path.exists() or damaged(out_dir):
+        return None
+    return Carried(pq.read_table(path))

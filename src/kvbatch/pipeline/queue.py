@@ -46,7 +46,7 @@ import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 from kvbatch.pipeline.queue_sqlite import QueueUnreadable, SqliteStore
 
@@ -502,6 +502,13 @@ class Queue:
         return [tuple(r) for r in self._x(
             "SELECT m.pos, m.key, r.state, r.part, r.attempts FROM manifest m "
             "JOIN rows r ON r.job=m.job AND r.key=m.key WHERE m.job=? ORDER BY m.pos", (self.job,)).fetchall()]
+
+    def manifest_rows(self) -> Iterator[tuple]:
+        """manifest()'s rows one at a time (a million rows are never one list of tuples)."""
+        cur = self._x("SELECT m.pos, m.key, r.state, r.part, r.attempts FROM manifest m "
+                      "JOIN rows r ON r.job=m.job AND r.key=m.key WHERE m.job=? ORDER BY m.pos", (self.job,))
+        while rows := cur.fetchmany(10000):
+            yield from rows
 
     def todo_payloads(self) -> list[dict]:
         """Payloads of the manifest rows still to generate (pending or leased): the progress budget."""
