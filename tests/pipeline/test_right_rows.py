@@ -410,3 +410,22 @@ def test_property_each_row_ends_once_with_its_outcome_and_the_job_never_stops(tm
         q.close()
 
     check()
+
+
+# ---- 9: a finished job's rerun reads no part ------------------------------------------------------
+def test_9_a_finished_jobs_rerun_reads_no_part_and_a_change_is_seen(run_app, tmp_path, monkeypatch):
+    import kvbatch.pipeline.finalize as fz
+
+    src = _jsonl(tmp_path, [{"id": f"r{i}", "prompt": f"p{i}"} for i in range(4)])
+    folder = tmp_path / "o"
+    rows, _ = run_app(f"job.input={src}", f"output.dir={folder}", "worker.flush_rows=1")
+    real_scan = fz.scan
+    monkeypatch.setattr(fz, "scan", lambda d: pytest.fail("a finished job's rerun scanned its parts"))
+    again, _ = run_app(f"job.input={src}", f"output.dir={folder}", "worker.flush_rows=1")
+    assert again == rows
+    monkeypatch.setattr(fz, "scan", real_scan)
+    parts = sorted((folder / "parts").glob("part-*.parquet"))
+    parts[0].unlink()  # a change on disk: reconciled again, the lost row generated again
+    again, out = run_app(f"job.input={src}", f"output.dir={folder}", "worker.flush_rows=1")
+    assert sorted(again) == sorted(rows) and "4 rows (4 ok)" in out
+    assert len(list((folder / "parts").glob("part-*.parquet"))) == len(parts)  # the lost row's new part

@@ -12,6 +12,9 @@ one queue reconcile one at a time.
 """
 from __future__ import annotations
 
+import fnmatch
+import hashlib
+import json
 import os
 from array import array
 from dataclasses import dataclass, field
@@ -21,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kvbatch.pipeline import job_identity, passthrough, samples
-from kvbatch.pipeline.parts import clean_temp, fsync_dir, quarantine, read_table, scan, temp_path
+from kvbatch.pipeline.parts import PART_GLOB, clean_temp, fsync_dir, quarantine, read_table, scan, temp_path
 from kvbatch.pipeline.results import SCHEMA, to_table
 from kvbatch.pipeline.queue import Queue
 
@@ -44,6 +47,7 @@ class Finalized:
     positions: array = field(default_factory=lambda: array("q"))
     locations: array = field(default_factory=lambda: array("q"))
     parts: list[str] = field(default_factory=list)  # part id -> part name
+    unchanged: bool = False  # results.parquet was already written from this very state: nothing was done
 
     def read(self, columns: list[str] | None = None) -> pa.Table:
         """results.parquet as written (only `columns`: the summary needs a few)."""
@@ -53,9 +57,40 @@ class Finalized:
 def reconcile(out_dir: Path, q: Queue) -> Finalized:
     """Match the queue against the parts on disk: quarantine bad parts, adopt rows that are
     durable but unacknowledged, re-queue finished rows whose part is gone. Workers call this
-    before claiming, so a row whose part survived a crash is never generated again."""
+    before claiming, so a row whose part survived a crash is never generated again. Nothing to do
+    when results.parquet was written from exactly this queue and these parts (a finished job's rerun)."""
     with q.exclusive():
-        return _reconcile(out_dir, q)
+        return _unchanged(out_dir, q, _state(out_dir, q)) or _reconcile(out_dir, q)
+
+
+STATE_KEY = "kvbatch.state"  # results.parquet's metadata: the state it was written from (_state)
+
+
+def _state(out_dir: Path, q: Queue) -> str:
+    """A digest of everything results.parquet's rows are made from: the queue's rows, the parts on disk
+    (name, size, modification time) and passthrough.parquet."""
+    parts_dir = out_dir / "parts"
+    listing = sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(parts_dir)
+                     if fnmatch.fnmatch(e.name, PART_GLOB)) if parts_dir.is_dir() else []
+    carried = out_dir / passthrough.FILE
+    extra = [carried.stat().st_size, carried.stat().st_mtime_ns] if carried.exists() else None
+    blob = json.dumps([q.fingerprint(), listing, extra, q.get_meta(samples.META)], default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _unchanged(out_dir: Path, q: Queue, state: str, metadata: dict[str, str] | None = None) -> Finalized | None:
+    """results.parquet's Finalized when it was written from `state` (with these metadata), else None."""
+    path = out_dir / RESULTS
+    try:
+        meta = pq.ParquetFile(path).metadata
+    except Exception:  # noqa: BLE001 - missing or unreadable: written again
+        return None
+    kv = meta.metadata or {}
+    if kv.get(STATE_KEY.encode()) != state.encode() or (metadata is not None and any(
+            kv.get(k.encode()) != v.encode() for k, v in metadata.items())):
+        return None
+    counts = q.counts()
+    return Finalized(path, rows=meta.num_rows, remaining=counts["pending"] + counts["leased"], unchanged=True)
 
 
 _STATES = {"pending": 0, "leased": 1, "done": 2, "error": 3}
@@ -154,9 +189,13 @@ def finalize(out_dir: Path, q: Queue, metadata: dict[str, str]) -> Finalized:
     """results.parquet (written atomically) from the reconciled parts, streamed: CHUNK rows at a time are
     taken from their parts and written, so memory stays bounded however many rows the job has."""
     with q.exclusive():
+        same = _unchanged(out_dir, q, _state(out_dir, q), metadata)
+        if same is not None:  # a finished job's rerun: nothing changed since it was written
+            return same
         clean_temp(out_dir)
         done = _reconcile(out_dir, q)
         slots = samples.slots_of(q.get_meta(samples.META))
+        metadata = {**metadata, STATE_KEY: _state(out_dir, q)}  # after reconcile's own changes
         done.rows = _write(done, out_dir / "parts", slots, passthrough.load(out_dir), metadata)
     return done
 

@@ -503,6 +503,15 @@ class Queue:
             "SELECT m.pos, m.key, r.state, r.part, r.attempts FROM manifest m "
             "JOIN rows r ON r.job=m.job AND r.key=m.key WHERE m.job=? ORDER BY m.pos", (self.job,)).fetchall()]
 
+    def fingerprint(self) -> list:
+        """A digest of the job's rows as reconcile and finalize see them (manifest, states, every change's
+        time, superseded results): equal while nothing in the queue changed."""
+        row = self._x("SELECT COUNT(*), SUM(m.pos), SUM(LENGTH(m.key)), MAX(r.updated_at), "
+                      "SUM(CASE WHEN r.state IN ('done','error') THEN 1 ELSE 0 END) FROM manifest m "
+                      "JOIN rows r ON r.job=m.job AND r.key=m.key WHERE m.job=?", (self.job,)).fetchone()
+        stale = self._x("SELECT COUNT(*) FROM superseded WHERE job=?", (self.job,)).fetchone()
+        return [None if v is None else float(v) for v in (*row, *stale)]
+
     def manifest_rows(self) -> Iterator[tuple]:
         """manifest()'s rows one at a time (a million rows are never one list of tuples)."""
         cur = self._x("SELECT m.pos, m.key, r.state, r.part, r.attempts FROM manifest m "
