@@ -429,3 +429,29 @@ def test_9_a_finished_jobs_rerun_reads_no_part_and_a_change_is_seen(run_app, tmp
     again, out = run_app(f"job.input={src}", f"output.dir={folder}", "worker.flush_rows=1")
     assert sorted(again) == sorted(rows) and "4 rows (4 ok)" in out
     assert len(list((folder / "parts").glob("part-*.parquet"))) == len(parts)  # the lost row's new part
+
+
+# ---- 4: a PostgreSQL restart ends no worker and charges no row -----------------------------------
+def test_4_a_postgresql_restart_is_reconnected_and_charges_no_row(pg_server, pg_url):
+    import uuid
+
+    from kvbatch.pipeline.inputs import InputRow
+    from kvbatch.pipeline.queue import Queue, open_store
+    from kvbatch.pipeline.queue_postgres import QueueUnreachable
+
+    q = Queue(open_store(pg_url, pg_server.root, f"restart-{uuid.uuid4().hex[:8]}"))
+    q.enqueue([InputRow(i, f"k{i}", {"prompt": "p"}) for i in range(3)])
+    got = q.claim("w", 2, lease_s=600)
+    r = pg_server._cmd("pg_ctl", "-D", str(pg_server.data), "-l", str(pg_server.root / "log"), "-m", "fast", "-w",
+                       "restart")  # every connection dropped; the same options (postmaster.opts)
+    assert r.returncode == 0, r.stderr
+    q.ack("w", [(c.key, None) for c in got], "part-w-00000.parquet")  # on a new connection
+    q.worker_progress("w", 2, 4)
+    assert q.counts() == {"pending": 1, "leased": 0, "done": 2, "error": 0}
+    assert q.crash_counts() == {"rows": 0, "max": 0, "retried": 0} and [c.attempt for c in got] == [1, 1]
+    # a server that does not come back: one line after the bounded wait
+    q.s.reconnect_s = 0.2
+    q.s.url = q.s.url.replace("kvbatch_tests", "no_such_database")
+    q.s.db.close()
+    with pytest.raises(QueueUnreachable, match="did not come back within 0.2 s"):
+        q.renew("w", 600)

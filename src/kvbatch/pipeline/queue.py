@@ -67,7 +67,9 @@ def open_store(url: str, folder: Path, job: str):
 
 def _retrying(method):
     """A transaction the database rolled back to break a deadlock (PostgreSQL) runs again: each
-    method's writes are one transaction, so running it again is running it once."""
+    method's writes are one transaction, so running it again is running it once. A connection the
+    server dropped (a PostgreSQL restart) is opened again first, for a bounded time (the store's
+    reconnect); no row is charged for the outage."""
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         for attempt in range(8):
@@ -76,6 +78,10 @@ def _retrying(method):
             except self.s.transient:
                 if attempt == 7:
                     raise
+            except self.s.errors:
+                if attempt == 7 or not self.s.lost():
+                    raise
+                self.s.reconnect()  # QueueUnreachable (one line) when the server stays away
     return wrapper
 
 
@@ -404,11 +410,13 @@ class Queue:
             self._x("INSERT INTO workers(job, id, pid, host, started_at, heartbeat_at) VALUES (?,?,?,?,?,?)",
                     (j, worker, pid, host, now, now))
 
+    @_retrying
     def worker_progress(self, worker: str, rows: int, tokens: int) -> None:
         """Rows written and tokens generated so far (kept current, so a killed worker's work shows)."""
         self._x("UPDATE workers SET rows=?, tokens=?, heartbeat_at=? WHERE job=? AND id=?",
                 (rows, tokens, self.now(), self.job, worker))
 
+    @_retrying
     def worker_ended(self, worker: str, rows: int, tokens: int, wall_s: float, summary: dict,
                      stop: str = "finished") -> None:
         """`stop`: finished (nothing left to claim), deadline, interrupted (Ctrl-C/SIGTERM),

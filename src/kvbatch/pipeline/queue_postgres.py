@@ -66,6 +66,11 @@ class QueueUnreachable(KvbatchConfigError):
     """queue.url names a server kvbatch cannot use (down, refused, wrong credentials, newer schema)."""
 
 
+def _why(exc: BaseException) -> str:
+    """An exception's first line (a connection error's reason)."""
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
 def _one(cur: psycopg.Cursor) -> Any:
     """The first value of the one row a SELECT of an aggregate or expression returns."""
     row = cur.fetchone()
@@ -89,18 +94,16 @@ class PostgresStore:
     conflict = {"rows": "(job, key)", "workers": "(job, id)", "meta": "(job, k)"}
     lock_rows = " FOR UPDATE OF r SKIP LOCKED"
 
+    RECONNECT_S = 300.0  # how long a dropped connection is tried again (a server restart) before giving up
+
     def __init__(self, url: str, job: str, connect_timeout_s: float = 10.0):
         self.url, self.job, self.connect_timeout_s = url, job, connect_timeout_s
+        self.reconnect_s = self.RECONNECT_S
         self.where = f"{redact(url)} (job {job})"
-        conninfo, password = split_password(url)  # given apart: a raw '/' or '@' in it needs no escaping
-        params: dict[str, Any] = {"connect_timeout": max(int(connect_timeout_s), 1), "application_name": "kvbatch"}
-        if password is not None:
-            params["password"] = password
         try:
-            self.db = psycopg.connect(conninfo, autocommit=True, **params)
+            self.db = self._connect()
         except psycopg.Error as exc:
-            why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise QueueUnreachable(f"queue.url={redact(url)!r}: cannot connect ({why}); start the server or "
+            raise QueueUnreachable(f"queue.url={redact(url)!r}: cannot connect ({_why(exc)}); start the server or "
                                    f"fix the URL (postgresql://user@host:port/database)") from None
         t0 = time.monotonic()
         server = _one(self.db.execute("SELECT extract(epoch from clock_timestamp())"))
@@ -123,6 +126,35 @@ class PostgresStore:
             for v in range(have + 1, VERSION + 1):
                 self.db.execute(MIGRATIONS[v])
                 self.db.execute(f"INSERT INTO {SCHEMA}.version(version) VALUES (%s)", (v,))
+
+    def _connect(self) -> psycopg.Connection:
+        conninfo, password = split_password(self.url)  # given apart: a raw '/' or '@' in it needs no escaping
+        params: dict[str, Any] = {"connect_timeout": max(int(self.connect_timeout_s), 1),
+                                  "application_name": "kvbatch"}
+        if password is not None:
+            params["password"] = password
+        return psycopg.connect(conninfo, autocommit=True, **params)
+
+    def lost(self) -> bool:
+        """Whether the server dropped this connection (a restart, a network cut)."""
+        return self.db.closed or self.db.broken
+
+    def reconnect(self) -> None:
+        """Connect again, with backoff (0.5 s doubling to 10 s), for up to reconnect_s; QueueUnreachable
+        (one line) when the server stays away. Rows held stay leased meanwhile: none is charged."""
+        deadline, wait = time.monotonic() + self.reconnect_s, 0.5
+        while True:
+            try:
+                self.db = self._connect()
+                self.db.execute(f"SET search_path TO {SCHEMA}")
+                return
+            except psycopg.Error as exc:
+                if time.monotonic() + wait > deadline:
+                    raise QueueUnreachable(f"queue.url={redact(self.url)!r}: the server went away and did not "
+                                           f"come back within {self.reconnect_s:g} s ({_why(exc)}); rows this "
+                                           f"worker held go back when their leases run out: run it again") from None
+            time.sleep(wait)
+            wait = min(wait * 2, 10.0)
 
     def version(self) -> int:
         """The schema version of the database's kvbatch tables."""

@@ -105,6 +105,8 @@ class LeaseKeeper(threading.Thread):
                 if stepped or time.monotonic() - renewed >= every:
                     q.renew(self.worker, self.lease_s)
                     skew, renewed = q.now() - time.monotonic(), time.monotonic()
+        except Exception:  # noqa: BLE001 - the queue is gone for good: the worker's own call says so, in one line
+            return
         finally:
             q.close()
 
