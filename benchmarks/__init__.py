@@ -43,4 +43,6 @@ BENCHMARKS = {
     "job.kill_soak": "many random kill -9 of real workers, then a final run: nothing lost or changed",
     "job.checkpoint_cost": "what checkpointing rows in flight costs a whole job: off, default, dense",
     "job.overnight": "a job stopped by its deadline half-way and run again, against one uninterrupted run",
+    "job.finalize_memory": "finalize of N one-token rows (synthetic parts): peak RSS and time, and a finished "
+                           "job's rerun",
 }

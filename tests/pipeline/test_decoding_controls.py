@@ -56,8 +56,8 @@ def test_columns_and_per_row_controls(run_app, tmp_path):  # noqa: F811
     assert len(lp["prompt_logprobs"]) == lp["prompt_tokens"] - 1 and all(v <= 0 for v in lp["prompt_logprobs"])
     assert lp["logprobs"] == 3 and rows["free"]["output_logprobs"] is None and rows["free"]["logprobs"] == 0
     assert re.fullmatch(r"[ab]{3}-(yes|no)", rows["re"]["output"]) and rows["re"]["finish_reason"] == "stop"
-    for key in ("enum_text", "enum_file"):
-        assert json.loads(rows[key]["output"]) in ENUM["enum"] and json.loads(rows[key]["response_format"]) == ENUM
+    assert json.loads(rows["enum_text"]["output"]) in ENUM["enum"]
+    assert json.loads(rows["enum_text"]["response_format"]) == ENUM
     assert rows["free"]["response_format"] is None
     pen = rows["pen"]
     assert pen["error_code"] is None and pen["output_tokens"] >= 3
@@ -65,7 +65,8 @@ def test_columns_and_per_row_controls(run_app, tmp_path):  # noqa: F811
         (1.5, -0.5, 0.5, pytest.approx(0.1))
     assert (pen["min_tokens"], pen["ignore_eos"], pen["stop_token_ids"]) == (3, True, [1, 2])
     expect = {"bad_schema": "response_format rejected by llguidance: Invalid type: foo",
-              "bad_file": "no such file", "bad_pen": "presence_penalty must be in [-2, 2]",
+              "bad_file": "a row never names a file", "enum_file": "a row never names a file",
+              "bad_pen": "presence_penalty must be in [-2, 2]",
               "bad_lp": "logprobs must be in [0, 20]", "bad_ids": "stop_token_ids must be a list of token ids",
               "bad_bool": "ignore_eos must be true or false", "bad_min": "min_tokens must be in [0, max_tokens=12]"}
     for key, msg in expect.items():

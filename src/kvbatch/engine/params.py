@@ -9,7 +9,9 @@ parameter is a field here plus the code that applies it.
 Why one range, refused where a value is read: a value accepted must fit the results schema (int32
 and int64 columns) and the sampler, which scales log-probabilities by 1/temperature: a temperature
 near zero overflows float32 and samples garbage without an error. The engine refuses what the config
-and the input reader refuse, with the same bounds.
+and the input reader refuse, with the same bounds. Every float control has the range where the
+sampler's float32 arithmetic stays finite (temperature, repetition_penalty, top_p below; min_p and the
+presence/frequency penalties are bounded by their meaning).
 """
 from __future__ import annotations
 
@@ -21,6 +23,11 @@ INT32_MAX = 2**31 - 1
 SEED_MAX = 2**63 - 1  # the results' seed column is int64 (MLX keys take up to 2**64 - 1)
 MIN_TEMPERATURE = 1e-3  # below this (and above 0) 1/T overflows on fp16 logits; use 0 for greedy
 MAX_TEMPERATURE = 1e3
+# repetition_penalty divides (or multiplies) float32 logits: outside this range a logit overflows to inf, or
+# a tiny factor rounds to 0 in float32 and divides by zero (garbage tokens, no error), as 1/temperature would
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-3, 1e3
+# top_p scales the float32 probability mass: a smaller value rounds to 0 there and the sampler drops every token
+MIN_TOP_P = 1e-30
 MAX_SAMPLES = 4096  # n: samples of one row (queue positions per input row, pipeline/samples.py)
 MAX_LOGPROBS = 20  # most alternatives a row records per token (vLLM's default max_logprobs)
 
@@ -67,6 +74,8 @@ def top_p_error(v: float) -> str | None:
     """Why a top_p value is invalid, or None."""
     if not math.isfinite(v) or not 0 < v <= 1:
         return "must be in (0, 1]"
+    if v < MIN_TOP_P:
+        return f"must be in [{MIN_TOP_P:g}, 1] (a smaller one is 0 in float32)"
     return None
 
 
@@ -97,6 +106,8 @@ def repetition_penalty_error(v: float) -> str | None:
     """Why a repetition_penalty is invalid, or None."""
     if not math.isfinite(v) or v <= 0:
         return "must be a finite number > 0 (1 = off)"
+    if not MIN_REPETITION_PENALTY <= v <= MAX_REPETITION_PENALTY:
+        return f"must be between {MIN_REPETITION_PENALTY:g} and {MAX_REPETITION_PENALTY:g} (1 = off)"
     return None
 
 

@@ -19,9 +19,10 @@ from kvbatch.engine.errors import INSUFFICIENT_MEMORY
 from kvbatch.engine.params import INT32_MAX
 from kvbatch.engine.sizes import fmt_bytes
 
-from kvbatch.pipeline import durations, locate, model_defaults, passthrough, procs, samples
+from kvbatch.pipeline import durations, job_identity, locate, model_defaults, passthrough, procs, samples
 from kvbatch.pipeline import summary as summ
-from kvbatch.pipeline.config import Config, ConfigError, as_dict, config_hash, engine_config, parse_injection
+from kvbatch.pipeline.config import (Config, ConfigError, as_dict, as_stored, config_hash, engine_config,
+                                     parse_injection, stored_yaml)
 from kvbatch.pipeline.finalize import Finalized, finalize, reconcile, regenerate
 from kvbatch.pipeline.log import log, out
 from kvbatch.pipeline.inputs import detect_format, read_rows, resolve_input
@@ -101,7 +102,11 @@ def say(msg: str) -> None:
 
 def open_queue(job: Job) -> Queue:
     """The job's queue; ConfigError when the folder holds another config's rows (output.dir reused
-    with other settings): its rows were made by that config and must not be passed off as this one's."""
+    with other settings, pipeline/job_identity.py): its rows were made by that config and must not be
+    passed off as this one's."""
+    have = job_identity.held(job.out_dir)
+    if have is not None and have != job.queue_job:
+        job_identity.claim(job.out_dir, job.queue_job)  # raises: the folder is another job's
     q = Queue(open_store(job.cfg.queue.url, job.out_dir, job.queue_job))
     held = q.get_meta("config_hash")
     if held is not None and held != job.config_hash:
@@ -127,14 +132,16 @@ def enqueue(job: Job) -> tuple[Queue, int, int]:
     try:
         job.out_dir.mkdir(parents=True, exist_ok=True)
         q = open_queue(job)
-        (job.out_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(job.cfg)))
+        job_identity.claim(job.out_dir, job.queue_job)
+        (job.out_dir / "config.yaml").write_text(stored_yaml(job.cfg))  # never a password (pipeline/redact.py)
     except OSError as exc:  # read-only, not a folder, no space
         raise ConfigError(f"output folder {str(job.out_dir)!r} is not writable ({exc.strerror or exc}); "
                           f"set output.dir or output.root to a folder you can write") from None
     q.set_meta("config_hash", job.config_hash)
+    q.set_meta(job_identity.META, job.queue_job)
     q.set_meta("input", str(job.input_path))
     q.set_meta("output_dir", str(job.out_dir))
-    q.set_meta("config", OmegaConf.to_yaml(OmegaConf.structured(job.cfg)))  # status from a host without the folder
+    q.set_meta("config", stored_yaml(job.cfg))  # status from a host without the folder
     q.set_meta(samples.META, str(samples.SAMPLE_SLOTS))
     changed = q.changed(rows)
     added = q.enqueue(rows)
@@ -266,6 +273,7 @@ def work(job: Job, q: Queue) -> Optional[WorkStats]:
         say(f"kvbatch: {rec.adopted} rows were written by a stopped worker but not acknowledged; adopted")
     for why in rec.bad_parts.values():
         say(f"kvbatch: corrupt part moved to parts/corrupt/ (its rows run again): {why}")
+    _say_foreign(rec)
     expired = q.expire_dead_workers(job.host, procs.alive)
     if expired:
         say(f"kvbatch: {expired} rows leased by dead workers on this host are back in the queue")
@@ -312,18 +320,45 @@ def _reset_peak() -> None:
     mx.reset_peak_memory()
 
 
+def _passthrough_readable(job: Job) -> None:
+    """passthrough.parquet is the job's own file: a damaged one is rebuilt from the input, else named in one line
+    (results.parquet is then written without the input's other columns)."""
+    why = passthrough.damaged(job.out_dir)
+    if why is None:
+        return
+    try:
+        carry_columns(job, samples.expand(read_rows(job.input_path, job.cfg.job.format, job.cfg.job),
+                                          job.cfg.sampling.n))
+    except Exception:  # noqa: BLE001 - the input itself is gone or changed: named below
+        pass
+    if passthrough.damaged(job.out_dir) is None:
+        say(f"kvbatch: {job.out_dir / passthrough.FILE} could not be read ({why}); rebuilt from the input")
+    else:
+        say(f"kvbatch: warning: {job.out_dir / passthrough.FILE} cannot be read ({why}); results.parquet is "
+            f"written without the input's other columns: delete it and run action=enqueue to rebuild it")
+
+
+def _say_foreign(fin: Finalized) -> None:
+    if fin.foreign:
+        names = sorted(fin.foreign)
+        say(f"kvbatch: warning: {len(names)} parts in {fin.path.parent / 'parts'} belong to another job "
+            f"({_some(names)}: job {fin.foreign[names[0]]}); not taken")
+
+
 def finish(job: Job, q: Queue, stats: Optional[WorkStats], t0: Optional[float] = None) -> tuple[Finalized, dict]:
     """Write results.parquet (and the OpenAI batch output when asked) and summary.json from the queue and the parts."""
     from kvbatch.engine.blas import blas_in_use
 
-    meta = {"kvbatch.config": json.dumps(as_dict(job.cfg), default=str),
+    meta = {"kvbatch.config": json.dumps(as_stored(job.cfg), default=str),
             "kvbatch.config_hash": job.config_hash,
             **{f"{k}.version": v for k, v in summ.versions().items()}}
+    _passthrough_readable(job)
     fin = finalize(job.out_dir, q, meta)
     if job.cfg.output.openai_batch:
-        batch_output(job, fin.table)
+        batch_output(job, fin.read())
     for why in fin.bad_parts.values():
         say(f"kvbatch: corrupt part moved to parts/corrupt/: {why}")
+    _say_foreign(fin)
     if fin.requeued:
         say(f"kvbatch: {len(fin.requeued)} finished rows lost their part; they are queued again")
     run = {"rows": stats.rows, "tokens": stats.tokens, "wall_s": stats.wall_s,
@@ -336,7 +371,7 @@ def finish(job: Job, q: Queue, stats: Optional[WorkStats], t0: Optional[float] =
              "blas": blas_in_use(), "versions": summ.versions(),
              "sampling_defaults": model_defaults.describe(job.cfg.sampling, job.cfg.model),
              "wall_s": time.perf_counter() - t0 if t0 is not None else None}
-    s = summ.build(fin.table, q.counts(), q.sessions(), run, extra)
+    s = summ.build(fin.read(list(summ.COLUMNS)), q.counts(), q.sessions(), run, extra)
     summ.write(job.out_dir / "summary.json", s)
     return fin, s
 
@@ -413,7 +448,7 @@ def _found_in_database(job: Job) -> list[Job]:
     (status lists them)."""
     if queue_exists(job):
         return [job]
-    q = open_queue(job)
+    q = Queue(open_store(job.cfg.queue.url, job.out_dir, job.queue_job))  # only to list the jobs of this name
     try:
         named = q.jobs_named(job.cfg.job.name)
         found = []

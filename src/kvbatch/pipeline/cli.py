@@ -23,6 +23,7 @@ from kvbatch.engine.errors import KvbatchConfigError
 from kvbatch.pipeline.compose import CONF_DIR, compose_config, describe, node_to_config
 from kvbatch.pipeline import extras
 from kvbatch.pipeline.log import configure_command, unconfigure_command
+from kvbatch.pipeline.redact import move_password_to_env
 
 # Flags that make Hydra do something other than one plain run: leave those to Hydra.
 _HYDRA_FLAGS = ("-m", "--multirun", "--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i",
@@ -104,7 +105,7 @@ def _paths_as_options(args: list[str]) -> list[str]:
 
 
 def _main(args: list[str]) -> None:
-    args = _paths_as_options(args)
+    args = _paths_as_options(move_password_to_env(args, os.environ))  # Hydra never sees a password (pipeline/redact.py)
     sys.argv = [sys.argv[0], *args]  # Hydra reads the command line from sys.argv
     if "--version" in args or "-V" in args:  # Hydra has no such flag (it would try to parse it as an override)
         print(version_line())

@@ -26,7 +26,7 @@ from kvbatch.engine.errors import ERROR_CODES, KvbatchConfigError
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.pipeline import durations, extras, model_defaults, response_format, row_params
 from kvbatch.pipeline.escapes import unescape
-from kvbatch.pipeline.redact import redact
+from kvbatch.pipeline.redact import redact, redact_config
 
 ACTIONS = ("run", "enqueue", "work", "status", "finalize", "retry", "report")
 SHAPES = ("columns", "sharegpt", "alpaca")  # job.shape (pipeline/formats/shapes.py)
@@ -36,6 +36,7 @@ MODEL_SOURCES = ("smollm2", "local", "tiny")
 TINY_ONLY = ("family", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
              "vocab_size", "context_length", "seed")
 # apply_chat_template's own arguments: set by kvbatch, never by job.chat_template_kwargs
+MIN_LEASE_S = 3.0  # worker.lease_s: the shortest lease that renewals every lease_s/3 keep alive
 RESERVED_KWARGS = ("conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
                    "return_dict", "return_tensors", "padding", "truncation", "max_length", "chat_template")
 
@@ -143,8 +144,11 @@ class QueueConfig:
     """Which queue the job's rows go through: SQLite in the output folder, or a shared PostgreSQL database."""
 
     # "" (default): queue.sqlite in the output folder (one machine); postgresql://user@host:port/db: a
-    # PostgreSQL queue that workers on many hosts share (the output folder then on a shared file system)
+    # PostgreSQL queue that workers on many hosts share (the output folder then on a shared file system).
+    # Keep its password out of it: PGPASSWORD or ~/.pgpass (libpq reads them), queue.url_file, or
+    # queue.url='${oc.env:VAR}'; kvbatch never writes a password into a file or a message anyway
     url: str = ""
+    url_file: Optional[str] = None  # a file whose first line is queue.url (read at start, never stored)
 
 
 @dataclass
@@ -243,8 +247,8 @@ def validate(cfg: Config) -> None:
         engine_config(cfg).check()  # kv.*, memory.*, engine.*, job.max_prompt_tokens
     except KvbatchConfigError as exc:
         raise ConfigError(str(exc)) from None
-    _need(bool(re.fullmatch(r"[A-Za-z0-9_.-]+", job.name or "")), "job.name", job.name,
-          "use letters, digits, '_', '-', '.' (it names the output folder)")
+    _need(bool(re.fullmatch(r"[A-Za-z0-9_.-]+", job.name or "")) and job.name not in (".", ".."), "job.name",
+          job.name, "use letters, digits, '_', '-', '.' and not '.' or '..' alone (it names one output folder)")
     _need(bool(job.input), "job.input", job.input, "must name an input file")
     _need(job.format in FORMATS, "job.format", job.format, f"choose one of {', '.join(FORMATS)}")
     _need(job.shape in SHAPES, "job.shape", job.shape, f"choose one of {', '.join(SHAPES)}")
@@ -280,7 +284,9 @@ def validate(cfg: Config) -> None:
     mef = cfg.output.max_error_fraction
     _need(mef is None or 0 <= mef <= 1, "output.max_error_fraction", mef,
           "must be in [0, 1] (0: any error row fails the run) or null (fail only when no row succeeded)")
-    _need(w.lease_s > 0, "worker.lease_s", w.lease_s, "must be > 0")
+    _need(w.lease_s >= MIN_LEASE_S, "worker.lease_s", w.lease_s,
+          f"must be >= {MIN_LEASE_S:g} (a worker renews its leases every lease_s/3: a shorter lease runs out "
+          f"between renewals and every row would be taken from a live worker)")
     _need(w.max_attempts >= 1, "worker.max_attempts", w.max_attempts, "must be >= 1")
     _need(w.isolate_after >= 1, "worker.isolate_after", w.isolate_after, "must be >= 1")
     _need(w.max_crashes > w.isolate_after, "worker.max_crashes", w.max_crashes,
@@ -292,13 +298,17 @@ def validate(cfg: Config) -> None:
         durations.deadline_at(w.deadline)
     except ValueError as exc:
         raise ConfigError(f"worker.deadline={w.deadline!r}: {exc}") from None
-    _need(w.host is None or bool(re.fullmatch(r"[A-Za-z0-9_.-]+", w.host)), "worker.host", w.host,
+    _need(w.host is None or (bool(re.fullmatch(r"[A-Za-z0-9_.-]+", w.host)) and w.host not in (".", "..")),
+          "worker.host", w.host,
           "use letters, digits, '_', '-', '.' (it names the worker and its parts)")
     _need(w.replica >= 0, "worker.replica", w.replica, "must be >= 0")
     ce = w.checkpoint_every
     _need(ce.seconds >= 0, "worker.checkpoint_every.seconds", ce.seconds, "must be >= 0 (0: not by time)")
     _need(ce.tokens >= 0, "worker.checkpoint_every.tokens", ce.tokens, "must be >= 0 (0: not by tokens)")
     url = cfg.queue.url or ""
+    if cfg.queue.url_file is not None:
+        _need(not url, "queue.url_file", cfg.queue.url_file, "set queue.url or queue.url_file, not both")
+        url = cfg.queue.url = read_url_file(cfg.queue.url_file)
     _need(not url or bool(re.match(r"postgres(ql)?://", url)), "queue.url", redact(url),
           "use postgresql://user@host:port/database, or leave it empty for queue.sqlite in the output folder")
     _need(not url or extras.missing("postgres") is None, "queue.url", redact(url), str(extras.missing("postgres")))
@@ -313,6 +323,25 @@ def validate(cfg: Config) -> None:
           f"choose among {', '.join(ERROR_CODES)} ([] = every code but invalid_input)")
     _need(cfg.action != "report" or bool(cfg.report.sweep_dirs), "report.sweep_dirs", cfg.report.sweep_dirs,
           "action=report needs report.sweep_dirs=[DIR,...] (sweep folders)")
+
+
+def read_url_file(path: str) -> str:
+    """queue.url_file's URL: the first line of a regular file of at most 64 KiB (ConfigError otherwise)."""
+    import os
+    import stat
+
+    try:
+        p = os.path.expanduser(path)
+        if not stat.S_ISREG(os.stat(p).st_mode):
+            raise ConfigError(f"queue.url_file={path!r}: not a regular file")
+        with open(p, "rb") as fh:
+            data = fh.read(65537)
+        if len(data) > 65536:
+            raise ConfigError(f"queue.url_file={path!r}: larger than 64 KiB (it holds one URL)")
+        lines = data.decode("utf-8-sig").strip().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"queue.url_file={path!r}: cannot read it ({type(exc).__name__})") from None
+    return lines[0].strip() if lines else ""
 
 
 def to_config(node: Any) -> Config:
@@ -330,8 +359,22 @@ def to_config(node: Any) -> Config:
 
 
 def as_dict(cfg: Config) -> dict:
-    """The config as plain containers, interpolations resolved (for config.yaml, the hash and results' metadata)."""
+    """The config as plain containers, interpolations resolved (for the hash; stored: as_stored)."""
     return cast(dict, OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
+
+
+def as_stored(cfg: Config) -> dict:
+    """The config as config.yaml, the queue, results' metadata and a sweep's files keep it: as_dict with
+    queue.url's password hidden and queue.url_file's URL not copied into it."""
+    d = redact_config(as_dict(cfg))
+    if cfg.queue.url_file is not None:
+        d["queue"]["url"] = ""
+    return d
+
+
+def stored_yaml(cfg: Config) -> str:
+    """as_stored as YAML (config.yaml)."""
+    return OmegaConf.to_yaml(OmegaConf.create(as_stored(cfg)))
 
 
 # Sections that shape a row's result; memory/worker/output settings and engine sizes do not.

@@ -101,6 +101,9 @@ def _jsonl(path: Path) -> Iterator[tuple[dict, str]]:
             except RecursionError:
                 yield {"__error__": f"line {lineno}: JSON nested too deeply to read"}, raw[:1000]
                 continue
+            except ValueError as exc:  # an integer of more digits than Python converts (4,300)
+                yield {"__error__": f"line {lineno}: unreadable JSON ({str(exc).split(';')[0]})"}, raw[:1000]
+                continue
             if not isinstance(obj, dict):
                 yield {"__error__": f"line {lineno}: not a JSON object ({type(obj).__name__})"}, raw
                 continue
@@ -183,7 +186,24 @@ def _parquet(path: Path) -> tuple[list[str], list[dict]]:
         table = pq.read_table(path)
     except Exception as exc:  # pyarrow raises several types for a bad file
         raise ConfigError(f"job.input={str(path)!r}: cannot read as Parquet: {str(exc).splitlines()[0]}") from None
-    return table.column_names, table.to_pylist()
+    try:
+        return table.column_names, table.to_pylist()
+    except UnicodeDecodeError:  # a string column holds bytes that are not UTF-8: those rows only
+        return table.column_names, [_parquet_row(table, i) for i in range(table.num_rows)]
+
+
+def _parquet_row(table, i: int) -> dict:
+    """Row i; one whose strings are not all UTF-8 is unreadable (invalid_input), its id kept where it is one."""
+    try:
+        return table.slice(i, 1).to_pylist()[0]
+    except UnicodeDecodeError:
+        row: dict = {}
+        for name in table.column_names:
+            try:
+                row[name] = table.column(name)[i].as_py()
+            except UnicodeDecodeError:
+                pass
+        return {**row, "__error__": f"row {i}: a string column holds bytes that are not UTF-8"}
 
 
 def _missing(v: Any) -> bool:
@@ -241,6 +261,9 @@ def _row(pos: int, obj: dict, raw: Optional[str], job: JobConfig) -> tuple[Optio
         rid = obj.get(job.id_column) if isinstance(obj.get(job.id_column), str) else None
         return rid, _key(pos, raw or ""), _unicode_safe({"prompt": raw, "error": obj["__error__"]})
     payload = _unicode_safe(row_payload(obj, job))
+    if "error" not in payload and not _utf8(obj):  # a carried column: this row's problem, not its column's
+        payload = {"prompt": payload.get("prompt"),
+                   "error": "not valid Unicode text in a column (it holds a lone surrogate such as \\udc00)"}
     rid = obj.get(job.id_column)
     hashed = _key(pos, json.dumps(obj, sort_keys=True, default=str, ensure_ascii=False))
     if rid is None or (isinstance(rid, float) and math.isnan(rid)) or (isinstance(rid, str) and not rid.strip()):
@@ -252,7 +275,21 @@ def _row(pos: int, obj: dict, raw: Optional[str], job: JobConfig) -> tuple[Optio
         rid = rid.encode("utf-8", "backslashreplace").decode("utf-8")
         payload = {"prompt": payload.get("prompt"),
                    "error": f"{job.id_column} is not valid Unicode text (it holds a lone surrogate)"}
+    if "\x00" in rid:  # no text column of PostgreSQL holds U+0000
+        rid = rid.replace("\x00", "\\u0000")
+        payload = {"prompt": payload.get("prompt"), "error": f"{job.id_column} holds the character U+0000"}
     return rid, hashed, payload
+
+
+def _utf8(obj: Any) -> bool:
+    """Whether every text in a parsed row can be written as UTF-8 (no lone surrogate)."""
+    try:
+        json.dumps(obj, ensure_ascii=False, default=str).encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+    except (ValueError, TypeError, RecursionError):  # not for this check to judge: _row's own reading does
+        return True
 
 
 def _guarded_row(pos: int, obj: dict, raw: Optional[str], job: JobConfig) -> tuple[Optional[str], str, dict]:
@@ -274,6 +311,8 @@ def _unique_keys(rows: list[tuple[Optional[str], str, dict]], job: JobConfig) ->
     for pos, (rid, hashed, payload) in enumerate(rows):
         if rid is None:
             key = hashed
+            while key in taken:  # an id that equals this row's content hash: the id keeps its key
+                key += "#"
         elif rid in seen:
             payload = {**payload}
             payload.setdefault("error", f"duplicate {job.id_column} {rid!r} (first at row {seen[rid]})")

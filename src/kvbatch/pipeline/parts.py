@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kvbatch.pipeline import procs
+from kvbatch.pipeline import job_identity, procs
 from kvbatch.pipeline.results import SCHEMA, ResultRecord, to_table
 
 PART_GLOB = "part-*.parquet"
@@ -77,11 +77,13 @@ def part_name(worker: str, seq: int) -> str:
 
 
 def write_part(parts_dir: Path, name: str, records: list[ResultRecord],
-               before_rename: Optional[Callable[[], None]] = None) -> Path:
-    """A durable part holding `records`."""
+               before_rename: Optional[Callable[[], None]] = None, job: Optional[str] = None) -> Path:
+    """A durable part holding `records`; `job`: the identity of the job it belongs to (pipeline/job_identity.py)."""
     parts_dir.mkdir(parents=True, exist_ok=True)
     keys = [r.row_key for r in records]
     meta = {"kvbatch.part.rows": str(len(records)), "kvbatch.part.keys_sha256": keys_digest(keys)}
+    if job is not None:
+        meta[job_identity.PART_KEY] = job
     return write_atomic(to_table(records, meta), parts_dir / name, before_rename)
 
 
@@ -98,8 +100,16 @@ def read_part(path: Path) -> pa.Table:
         raise PartError(f"{path.name}: unreadable ({type(exc).__name__}: {why})") from None
 
 
+def read_table(path: Path, verify: bool = False) -> pa.Table:
+    """One part's table, as written (`verify`: its pages' checksums checked). ParquetFile, not
+    pq.read_table: the dataset reader keeps ~40 KB of memory per file read, which a scan of tens of
+    thousands of parts would add up."""
+    with pq.ParquetFile(path, page_checksum_verification=verify) as pf:
+        return pf.read(use_threads=False)
+
+
 def _verified(path: Path) -> pa.Table:
-    table = pq.read_table(path, page_checksum_verification=True)
+    table = read_table(path, verify=True)
     meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
     keys = table.column("row_key").to_pylist() if "row_key" in table.column_names else []
     if meta.get("kvbatch.part.rows") != str(table.num_rows) \
@@ -110,13 +120,19 @@ def _verified(path: Path) -> pa.Table:
     return table
 
 
+INDEX = ("row_key", "error_code", "worker")  # what reconcile needs of a part; finalize reads the rest
+
+
 def scan(parts_dir: Path) -> tuple[dict[str, pa.Table], dict[str, str]]:
-    """Every part in the directory: ({name: table} of good parts, {name: why} of bad ones)."""
+    """Every part in the directory, each verified whole: ({name: its INDEX columns, with the part's
+    metadata} of good parts, {name: why} of bad ones). Only the index is kept (a part's outputs are read
+    again when results.parquet is written), so a scan of a million rows stays small."""
     good: dict[str, pa.Table] = {}
     bad: dict[str, str] = {}
     for path in sorted(parts_dir.glob(PART_GLOB)) if parts_dir.is_dir() else []:
         try:
-            good[path.name] = read_part(path)
+            t = read_part(path)
+            good[path.name] = t.select(list(INDEX)).replace_schema_metadata(t.schema.metadata)
         except PartError as exc:
             bad[path.name] = str(exc)
     return good, bad

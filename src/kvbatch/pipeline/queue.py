@@ -46,7 +46,7 @@ import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 from kvbatch.pipeline.queue_sqlite import QueueUnreadable, SqliteStore
 
@@ -67,7 +67,9 @@ def open_store(url: str, folder: Path, job: str):
 
 def _retrying(method):
     """A transaction the database rolled back to break a deadlock (PostgreSQL) runs again: each
-    method's writes are one transaction, so running it again is running it once."""
+    method's writes are one transaction, so running it again is running it once. A connection the
+    server dropped (a PostgreSQL restart) is opened again first, for a bounded time (the store's
+    reconnect); no row is charged for the outage."""
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         for attempt in range(8):
@@ -76,6 +78,10 @@ def _retrying(method):
             except self.s.transient:
                 if attempt == 7:
                     raise
+            except self.s.errors:
+                if attempt == 7 or not self.s.lost():
+                    raise
+                self.s.reconnect()  # QueueUnreachable (one line) when the server stays away
     return wrapper
 
 
@@ -228,7 +234,9 @@ class Queue:
         `isolate_after` crashes (and fewer than `max_crashes`) are claimed only alone, and only
         by an `idle` worker (nothing in flight): a row that kills its worker then takes no
         batch mates with it. Rows at `max_crashes` are claimed like any other (the worker ends
-        them without running them). PostgreSQL: rows another claimer has locked are skipped."""
+        them without running them). PostgreSQL: rows another claimer has locked are skipped.
+        A worker never takes its own rows for another's: whatever its clock says of their leases
+        (a clock step), a row it holds is still in its hands, never claimed again or charged."""
         if n <= 0:
             return []
         now, j = self.now(), self.job
@@ -246,8 +254,8 @@ class Queue:
                     "SELECT r.key, r.pos, r.attempts, r.crashes, r.state, r.running, r.payload, r.alone_crashes "
                     "FROM rows r JOIN manifest m ON m.job=r.job AND m.key=r.key "
                     "WHERE r.job=? AND r.state IN ('pending','leased') "
-                    "AND (r.state='pending' OR r.lease_until < ?) AND r.pos > ? ORDER BY r.pos LIMIT ?"
-                    + self.s.lock_rows, (j, now, after, max(4 * n, 64))).fetchall()
+                    "AND (r.state='pending' OR (r.lease_until < ? AND r.worker <> ?)) AND r.pos > ? "
+                    "ORDER BY r.pos LIMIT ?" + self.s.lock_rows, (j, now, worker, after, max(4 * n, 64))).fetchall()
                 if not page:
                     break
                 after = page[-1][1]
@@ -402,11 +410,13 @@ class Queue:
             self._x("INSERT INTO workers(job, id, pid, host, started_at, heartbeat_at) VALUES (?,?,?,?,?,?)",
                     (j, worker, pid, host, now, now))
 
+    @_retrying
     def worker_progress(self, worker: str, rows: int, tokens: int) -> None:
         """Rows written and tokens generated so far (kept current, so a killed worker's work shows)."""
         self._x("UPDATE workers SET rows=?, tokens=?, heartbeat_at=? WHERE job=? AND id=?",
                 (rows, tokens, self.now(), self.job, worker))
 
+    @_retrying
     def worker_ended(self, worker: str, rows: int, tokens: int, wall_s: float, summary: dict,
                      stop: str = "finished") -> None:
         """`stop`: finished (nothing left to claim), deadline, interrupted (Ctrl-C/SIGTERM),
@@ -500,6 +510,22 @@ class Queue:
         return [tuple(r) for r in self._x(
             "SELECT m.pos, m.key, r.state, r.part, r.attempts FROM manifest m "
             "JOIN rows r ON r.job=m.job AND r.key=m.key WHERE m.job=? ORDER BY m.pos", (self.job,)).fetchall()]
+
+    def fingerprint(self) -> list:
+        """A digest of the job's rows as reconcile and finalize see them (manifest, states, every change's
+        time, superseded results): equal while nothing in the queue changed."""
+        row = self._x("SELECT COUNT(*), SUM(m.pos), SUM(LENGTH(m.key)), MAX(r.updated_at), "
+                      "SUM(CASE WHEN r.state IN ('done','error') THEN 1 ELSE 0 END) FROM manifest m "
+                      "JOIN rows r ON r.job=m.job AND r.key=m.key WHERE m.job=?", (self.job,)).fetchone()
+        stale = self._x("SELECT COUNT(*) FROM superseded WHERE job=?", (self.job,)).fetchone()
+        return [None if v is None else float(v) for v in (*row, *stale)]
+
+    def manifest_rows(self) -> Iterator[tuple]:
+        """manifest()'s rows one at a time (a million rows are never one list of tuples)."""
+        cur = self._x("SELECT m.pos, m.key, r.state, r.part, r.attempts FROM manifest m "
+                      "JOIN rows r ON r.job=m.job AND r.key=m.key WHERE m.job=? ORDER BY m.pos", (self.job,))
+        while rows := cur.fetchmany(10000):
+            yield from rows
 
     def todo_payloads(self) -> list[dict]:
         """Payloads of the manifest rows still to generate (pending or leased): the progress budget."""

@@ -4,8 +4,9 @@ Tables live in the `kvbatch` schema of the database named by `queue.url`, with a
 in every table (its key's first part), so several jobs share one database. The schema is created
 and migrated by kvbatch (`kvbatch.version`; under an advisory lock, so workers starting together
 never race). Claims lock the rows they take with `FOR UPDATE ... SKIP LOCKED`: claimers never
-wait for each other and never take the same row. Time is the database server's (an offset
-measured at connect), so leases mean the same on every host whatever its clock says.
+wait for each other and never take the same row. Time is the database server's (read at connect and
+carried forward on the monotonic clock), so leases mean the same on every host whatever its clock says,
+and a step of this host's clock moves nothing.
 Reconcile and finalize take a session advisory lock on the job instead of a lock file (file
 locks are not reliable on network file systems); the server drops it if the holder dies.
 """
@@ -20,7 +21,7 @@ import psycopg
 from psycopg import errors as pg_errors
 
 from kvbatch.engine.errors import KvbatchConfigError
-from kvbatch.pipeline.redact import redact
+from kvbatch.pipeline.redact import redact, split_password
 
 if TYPE_CHECKING:
     from typing_extensions import LiteralString
@@ -71,6 +72,11 @@ class QueueUnreachable(KvbatchConfigError):
     """queue.url names a server kvbatch cannot use (down, refused, wrong credentials, newer schema)."""
 
 
+def _why(exc: BaseException) -> str:
+    """An exception's first line (a connection error's reason)."""
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
 def _one(cur: psycopg.Cursor) -> Any:
     """The first value of the one row a SELECT of an aggregate or expression returns."""
     row = cur.fetchone()
@@ -94,19 +100,22 @@ class PostgresStore:
     conflict = {"rows": "(job, key)", "workers": "(job, id)", "meta": "(job, k)"}
     lock_rows = " FOR UPDATE OF r SKIP LOCKED"
 
+    RECONNECT_S = 300.0  # how long a dropped connection is tried again (a server restart) before giving up
+
     def __init__(self, url: str, job: str, connect_timeout_s: float = 10.0):
         self.url, self.job, self.connect_timeout_s = url, job, connect_timeout_s
+        self.reconnect_s = self.RECONNECT_S
         self.where = f"{redact(url)} (job {job})"
         try:
-            self.db = psycopg.connect(url, autocommit=True, connect_timeout=max(int(connect_timeout_s), 1),
-                                      application_name="kvbatch")
+            self.db = self._connect()
         except psycopg.Error as exc:
-            why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise QueueUnreachable(f"queue.url={redact(url)!r}: cannot connect ({why}); start the server or "
+            raise QueueUnreachable(f"queue.url={redact(url)!r}: cannot connect ({_why(exc)}); start the server or "
                                    f"fix the URL (postgresql://user@host:port/database)") from None
-        t0 = time.time()
+        t0 = time.monotonic()
         server = _one(self.db.execute("SELECT extract(epoch from clock_timestamp())"))
-        self.offset = float(server) - (t0 + time.time()) / 2
+        # the server's clock read once, then carried forward on this process's monotonic clock: a step
+        # of this host's wall clock (sleep, NTP) never moves it
+        self.offset = float(server) - (t0 + time.monotonic()) / 2
         self._migrate()
         self.db.execute(f"SET search_path TO {SCHEMA}")
 
@@ -123,6 +132,35 @@ class PostgresStore:
             for v in range(have + 1, VERSION + 1):
                 self.db.execute(MIGRATIONS[v])
                 self.db.execute(f"INSERT INTO {SCHEMA}.version(version) VALUES (%s)", (v,))
+
+    def _connect(self) -> psycopg.Connection:
+        conninfo, password = split_password(self.url)  # given apart: a raw '/' or '@' in it needs no escaping
+        params: dict[str, Any] = {"connect_timeout": max(int(self.connect_timeout_s), 1),
+                                  "application_name": "kvbatch"}
+        if password is not None:
+            params["password"] = password
+        return psycopg.connect(conninfo, autocommit=True, **params)
+
+    def lost(self) -> bool:
+        """Whether the server dropped this connection (a restart, a network cut)."""
+        return self.db.closed or self.db.broken
+
+    def reconnect(self) -> None:
+        """Connect again, with backoff (0.5 s doubling to 10 s), for up to reconnect_s; QueueUnreachable
+        (one line) when the server stays away. Rows held stay leased meanwhile: none is charged."""
+        deadline, wait = time.monotonic() + self.reconnect_s, 0.5
+        while True:
+            try:
+                self.db = self._connect()
+                self.db.execute(f"SET search_path TO {SCHEMA}")
+                return
+            except psycopg.Error as exc:
+                if time.monotonic() + wait > deadline:
+                    raise QueueUnreachable(f"queue.url={redact(self.url)!r}: the server went away and did not "
+                                           f"come back within {self.reconnect_s:g} s ({_why(exc)}); rows this "
+                                           f"worker held go back when their leases run out: run it again") from None
+            time.sleep(wait)
+            wait = min(wait * 2, 10.0)
 
     def version(self) -> int:
         """The schema version of the database's kvbatch tables."""
@@ -145,8 +183,8 @@ class PostgresStore:
             yield
 
     def now(self) -> float:
-        """The database server's clock, in seconds since the epoch (estimated from the offset measured at connect)."""
-        return time.time() + self.offset
+        """The database server's clock, in seconds since the epoch (measured at connect, advanced by time.monotonic)."""
+        return time.monotonic() + self.offset
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:

@@ -142,6 +142,13 @@ class SqliteStore:
             finally:
                 fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
+    def lost(self) -> bool:
+        """A file's connection is never dropped by a server."""
+        return False
+
+    def reconnect(self) -> None:
+        """Nothing to reconnect to (see lost)."""
+
     def reopen(self) -> "SqliteStore":
         """A new connection to the same file."""
         return SqliteStore(self.path, self.timeout_s)

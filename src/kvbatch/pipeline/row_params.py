@@ -83,7 +83,7 @@ def _strings(name: str, v: Any) -> list[str]:
 
 
 def _format(name: str, v: Any) -> Any:
-    return response_format.resolve(v)  # its checks and messages are its module's
+    return response_format.resolve(v, files=False)  # its checks and messages are its module's; rows never name files
 
 
 _READERS: dict[str, Callable[[str, Any], Any]] = {"int": _int, "float": _float, "bool": _bool, "ids": _ids,

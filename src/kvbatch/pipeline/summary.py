@@ -32,16 +32,27 @@ def peak_rss_bytes() -> int:
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
+# the results columns build() reads (finalize reads only these back)
+COLUMNS = ("error_code", "prompt_tokens", "cached_tokens", "output_tokens", "preemptions")
+
+
 def build(table: pa.Table, counts: dict[str, int], sessions: list[dict], this_run: Optional[dict],
           extra: dict) -> dict:
     """Rows ok / per error code from the results; speed, memory and route from the work sessions."""
-    codes = [c for c in table.column("error_code").to_pylist()] if table.num_rows else []
+    import pyarrow.compute as pc
+
     by_code: dict[str, int] = {}
-    for c in codes:
-        if c is not None:
-            by_code[c] = by_code.get(c, 0) + 1
-    col = lambda name: sum(v or 0 for v in table.column(name).to_pylist()) \
-        if table.num_rows and name in table.column_names else 0  # noqa: E731
+    if table.num_rows:
+        for item in pc.value_counts(table.column("error_code")).to_pylist():  # pyright: ignore[reportAttributeAccessIssue]
+            if item["values"] is not None:
+                by_code[item["values"]] = int(item["counts"])
+
+    def col(name: str) -> int:
+        """The column's sum (0 for a column results written before it existed lack)."""
+        if not table.num_rows or name not in table.column_names:
+            return 0
+        return int(pc.sum(table.column(name)).as_py() or 0)  # pyright: ignore[reportAttributeAccessIssue]
+
     worked = [s for s in sessions if s.get("tokens") and s.get("wall_s")]  # ended cleanly
     last = next((s["summary"] for s in reversed(sessions) if s.get("summary")), None) or {}
     run = this_run or {}
@@ -51,7 +62,7 @@ def build(table: pa.Table, counts: dict[str, int], sessions: list[dict], this_ru
     return {
         **extra,
         "rows": table.num_rows,
-        "rows_ok": table.num_rows - len([c for c in codes if c is not None]),
+        "rows_ok": table.num_rows - sum(by_code.values()),
         "rows_by_error_code": by_code,
         "rows_remaining": counts.get("pending", 0) + counts.get("leased", 0),
         "prompt_tokens": col("prompt_tokens"),

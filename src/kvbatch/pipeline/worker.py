@@ -54,7 +54,7 @@ from kvbatch.engine.errors import INTERNAL_ERROR, INVALID_INPUT
 from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.resume import CheckpointRefused, RowCheckpoint
 from kvbatch.engine.types import Request, Result
-from kvbatch.pipeline import checkpoints, debug, procs, response_format, row_params, samples
+from kvbatch.pipeline import checkpoints, debug, job_identity, procs, response_format, row_params, samples
 from kvbatch.pipeline.chat import transcript
 from kvbatch.pipeline.config import Config
 from kvbatch.pipeline.durations import deadline_at
@@ -85,7 +85,13 @@ def new_worker_id(host: Optional[str] = None, replica: int = 0) -> str:
 
 
 class LeaseKeeper(threading.Thread):
-    """Renews this worker's leases (and its heartbeat) every lease_s/3 on its own connection."""
+    """Renews this worker's leases (and its heartbeat) every lease_s/3 on its own connection, and at once
+    when the queue's clock stepped (a machine waking from sleep, an NTP step): the keeper judges its own
+    schedule on the monotonic clock, and a lease that looks expired after a step is renewed within
+    STEP_CHECK_S, before other workers take it for a dead one."""
+
+    STEP_CHECK_S = 0.5  # how often the queue's clock is compared with the monotonic clock
+    STEP_S = 1.0  # a difference larger than this is a step
 
     def __init__(self, queue: Queue, worker: str, lease_s: float):
         super().__init__(daemon=True, name="kvbatch-lease")
@@ -93,11 +99,19 @@ class LeaseKeeper(threading.Thread):
         self.stop_event = threading.Event()
 
     def run(self) -> None:
-        """Renew the leases every lease_s/3 until stopped."""
+        """Renew the leases every lease_s/3 (or after a clock step) until stopped."""
         q = self.queue.reopen()  # SQLite connections belong to their thread; one connection each anyway
+        every = max(self.lease_s / 3, self.STEP_CHECK_S)
         try:
-            while not self.stop_event.wait(max(self.lease_s / 3, 0.5)):
-                q.renew(self.worker, self.lease_s)
+            skew = q.now() - time.monotonic()
+            renewed = time.monotonic()
+            while not self.stop_event.wait(self.STEP_CHECK_S):
+                stepped = abs(q.now() - time.monotonic() - skew) > self.STEP_S
+                if stepped or time.monotonic() - renewed >= every:
+                    q.renew(self.worker, self.lease_s)
+                    skew, renewed = q.now() - time.monotonic(), time.monotonic()
+        except Exception:  # noqa: BLE001 - the queue is gone for good: the worker's own call says so, in one line
+            return
         finally:
             q.close()
 
@@ -167,6 +181,7 @@ class Worker:
         self.saves: dict[str, int] = {}
         self.last_checkpoint = time.monotonic()
         self.stopping: Optional[KeyboardInterrupt] = None  # the first Ctrl-C / SIGTERM: stop at the next step
+        self.identity = queue.get_meta(job_identity.META)  # the job its parts belong to (None: not recorded)
 
     # ---- records ---------------------------------------------------------------------------
     def _sampling(self, row: Claimed) -> SamplingParams:
@@ -376,7 +391,7 @@ class Worker:
         if not self.buffer or not (force or due):
             return
         name = part_name(self.id, self.seq)
-        write_part(self.parts_dir, name, self.buffer, before_rename=lambda: debug.point("part_tmp"))
+        write_part(self.parts_dir, name, self.buffer, before_rename=lambda: debug.point("part_tmp"), job=self.identity)
         debug.point("after_part_write")
         self.q.ack(self.id, [(r.row_key, r.error_code) for r in self.buffer], name)
         debug.point("after_ack")

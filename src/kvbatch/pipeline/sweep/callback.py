@@ -17,9 +17,12 @@ import traceback
 from pathlib import Path
 from typing import Any, Optional
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from kvbatch.pipeline.redact import redact_text
 from kvbatch.pipeline.sweep.status import STATUS_FILE
 
 OUTCOME_KEY = "hydra.callbacks.sweep_report.outcome"
@@ -58,6 +61,19 @@ def workers_outcome(sweep_dir: Path) -> dict:
     return {"jobs": len(found), "completed": done, "failed": len(found) - done}
 
 
+def scrub(path: Path) -> None:
+    """Rewrite a file Hydra wrote with every database URL's password hidden (a URL in a YAML config file)."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return
+    clean = redact_text(text)
+    if clean != text:
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(clean)
+        os.replace(tmp, path)
+
+
 def _write(path: Path, outcome: dict) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(outcome, default=str))
@@ -86,9 +102,15 @@ class SweepCallback(Callback):
         """Record the sweep folder before any job runs."""
         self._record(sweep_dir=str(Path(str(config.hydra.sweep.dir)).resolve()), report=None)
 
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        """Hydra wrote multirun.yaml before the first job: no database password stays in it."""
+        if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+            scrub(Path(str(config.hydra.sweep.dir)).resolve() / "multirun.yaml")
+
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         """Write the sweep report (or, for a sweep of workers, their outcome) and record it."""
         sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
+        scrub(sweep_dir / "multirun.yaml")
         workers = config.get("action") == "work"
         tf = bool(config.get("report", {}).get("teacher_forced", True))
         report = workers_outcome(sweep_dir) if workers else build_report(sweep_dir, tf)

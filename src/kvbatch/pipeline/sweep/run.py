@@ -19,7 +19,8 @@ from omegaconf.errors import OmegaConfBaseException
 from kvbatch.engine.errors import KvbatchConfigError
 from kvbatch.pipeline import actions, model_cache
 from kvbatch.pipeline.compose import check_keys, compose_nodes, describe, node_to_config
-from kvbatch.pipeline.config import ConfigError, as_dict, compare_key
+from kvbatch.pipeline.config import ConfigError, as_stored, compare_key
+from kvbatch.pipeline.redact import redact_override
 from kvbatch.pipeline.queue import Queue
 from kvbatch.pipeline.sweep.status import write_status
 
@@ -71,7 +72,7 @@ def run_sweep_job(node: DictConfig) -> dict:
     configure_command()  # a launcher's worker process is the command's too: its job's lines as the command's
     hc = HydraConfig.get()
     job_dir = Path(hc.runtime.output_dir).resolve()
-    overrides = list(hc.overrides.task)
+    overrides = [redact_override(o) for o in hc.overrides.task]  # never a password in a sweep's files
     num = int(hc.job.num)
     label = " ".join(overrides) or "(no overrides)"
     status: dict[str, Any] = {
@@ -95,7 +96,7 @@ def run_sweep_job(node: DictConfig) -> dict:
         if cfg.action != "work":
             cfg.output.dir = str(job_dir)  # every job of a sweep has its own folder ...
         # ... except workers (action=work, worker.replica=range(N) on a launcher): they share the job's queue
-        status["config"] = as_dict(cfg)
+        status["config"] = as_stored(cfg)
         job = actions.job_for(cfg)
         status.update(config_hash=job.config_hash, compare_key=compare_key(cfg, str(job.input_path)))
         _check_reuse(job)

@@ -9,6 +9,7 @@ import pyarrow as pa
 
 from kvbatch.engine.errors import ERROR_CODES
 from kvbatch.pipeline import procs
+from kvbatch.pipeline.redact import redact_override
 from kvbatch.pipeline.sweep.status import STATUS_FILE, read_status
 
 SWEEP_PARQUET = "sweep.parquet"
@@ -53,7 +54,7 @@ def _expected_jobs(sweep_dir: Path) -> list[list[str]]:
         conf = OmegaConf.load(sweep_dir / "multirun.yaml")
         if "basic_sweeper" not in str(OmegaConf.select(conf, "hydra.sweeper._target_") or ""):
             return []
-        task = list(OmegaConf.select(conf, "hydra.overrides.task") or [])
+        task = [redact_override(o) for o in OmegaConf.select(conf, "hydra.overrides.task") or []]
         overrides = OverridesParser.create().parse_overrides(task)
         return BasicSweeper.split_arguments(overrides, None)[0]
     except Exception:  # noqa: BLE001 - unknown sweeper or no multirun.yaml: report the folders found
@@ -68,7 +69,8 @@ def _job_record(status: dict, sweep_dir: Path) -> dict:
         state, reason = "failed", "the job's process ended without recording how (killed, or out of memory?)"
     rec: dict[str, Any] = {
         "sweep_dir": str(sweep_dir), "job_num": status.get("job_num"), "job_dir": status.get("job_dir"),
-        "overrides": list(status.get("overrides") or []), "status": state, "failure_reason": reason,
+        "overrides": [redact_override(o) for o in status.get("overrides") or []],
+        "status": state, "failure_reason": reason,
         "error_type": status.get("error_type"), "model": (cfg.get("model") or {}).get("name"),
         "kv_mode": (cfg.get("kv") or {}).get("mode") or _override(status, "kv") or _override(status, "kv.mode"),
         "memory_budget": (cfg.get("memory") or {}).get("budget"), "job": (cfg.get("job") or {}).get("name"),
