@@ -33,7 +33,8 @@ def peak_rss_bytes() -> int:
 
 
 # the results columns build() reads (finalize reads only these back)
-COLUMNS = ("error_code", "prompt_tokens", "cached_tokens", "output_tokens", "preemptions")
+COLUMNS = ("error_code", "prompt_tokens", "cached_tokens", "output_tokens", "preemptions", "spec_proposed",
+           "spec_accepted", "resumed_tokens")
 
 
 def build(table: pa.Table, counts: dict[str, int], sessions: list[dict], this_run: Optional[dict],
@@ -49,6 +50,7 @@ def build(table: pa.Table, counts: dict[str, int], sessions: list[dict], this_ru
 
     def col(name: str) -> int:
         """The column's sum (0 for a column results written before it existed lack)."""
+        assert name in COLUMNS, f"{name}: summary.COLUMNS lists the columns the summary reads"
         if not table.num_rows or name not in table.column_names:
             return 0
         return int(pc.sum(table.column(name)).as_py() or 0)  # pyright: ignore[reportAttributeAccessIssue]
