@@ -12,14 +12,10 @@ import pytest
 from kvbatch.pipeline.config import ConfigError
 from kvbatch.pipeline.results import SCHEMA
 from tests.pipeline.test_pipeline import run_app  # noqa: F401  (fixture)
+from tests.pipeline.files import write_jsonl as _jsonl
 
 ENUM = {"enum": ["yes", "no", "maybe"]}
 
-
-def _jsonl(tmp_path, rows, name="in.jsonl"):
-    p = tmp_path / name
-    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return p
 
 
 def test_columns_and_per_row_controls(run_app, tmp_path):  # noqa: F811

@@ -1,7 +1,6 @@
 """Input readers: JSONL/CSV/Parquet, row keys, per-row overrides, row- vs file-level problems."""
 from __future__ import annotations
 
-import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -9,14 +8,10 @@ import pytest
 
 from kvbatch.pipeline.config import ConfigError, JobConfig
 from kvbatch.pipeline.inputs import read_rows, resolve_input
+from tests.pipeline.files import write_jsonl as _jsonl
 
 JOB = JobConfig()
 
-
-def _jsonl(tmp_path, lines, name="in.jsonl"):
-    p = tmp_path / name
-    p.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
-    return p
 
 
 def test_jsonl_keys_overrides_and_order(tmp_path):

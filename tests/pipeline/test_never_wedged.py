@@ -18,6 +18,7 @@ from kvbatch.pipeline.inputs import read_rows
 from kvbatch.pipeline.parts import PartError, read_part, write_part
 from kvbatch.pipeline.queue import Queue
 from kvbatch.pipeline.results import ResultRecord
+from tests.pipeline.files import write_jsonl as _jsonl, error_codes as _codes
 
 JOB = JobConfig()
 
@@ -33,14 +34,6 @@ def run_app(tmp_path, model_cache_dir, capsys):
     return run
 
 
-def _jsonl(tmp_path, lines, name="in.jsonl"):
-    p = tmp_path / name
-    p.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
-    return p
-
-
-def _codes(rows):
-    return {k: r["error_code"] for k, r in rows.items()}
 
 
 def test_1_values_that_do_not_fit_the_schema_are_refused_per_row_and_the_job_completes(run_app, tmp_path):

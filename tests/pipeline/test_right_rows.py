@@ -14,6 +14,7 @@ import pytest
 import kvbatch.pipeline.actions as actions
 from kvbatch.pipeline.compose import compose_config
 from kvbatch.pipeline.config import ConfigError
+from tests.pipeline.files import write_jsonl as _jsonl, error_codes as _codes
 
 
 @pytest.fixture
@@ -29,14 +30,6 @@ def run_app(tmp_path, model_cache_dir, capsys):
     return run
 
 
-def _jsonl(tmp_path, lines, name="in.jsonl"):
-    p = tmp_path / name
-    p.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
-    return p
-
-
-def _codes(rows):
-    return {k: r["error_code"] for k, r in rows.items()}
 
 
 # ---- 1: a folder belongs to one job identity ---------------------------------------------------

@@ -4,18 +4,13 @@ results.parquet unchanged."""
 from __future__ import annotations
 
 import datetime as dt
-import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tests.pipeline.test_pipeline import run_app  # noqa: F401  (fixture)
+from tests.pipeline.files import write_jsonl as _jsonl
 
-
-def _jsonl(tmp_path, rows, name="in.jsonl"):
-    p = tmp_path / name
-    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return p
 
 
 def test_per_row_top_k_top_p_and_stop_are_used(run_app, tmp_path):  # noqa: F811

@@ -9,12 +9,8 @@ from kvbatch.engine.samples import derive_seed
 from kvbatch.pipeline.inputs import InputRow
 from kvbatch.pipeline.samples import SAMPLE_SLOTS, expand, seed_for
 from tests.pipeline.test_pipeline import run_app  # noqa: F401  (fixture)
+from tests.pipeline.files import write_jsonl as _jsonl
 
-
-def _jsonl(tmp_path, rows, name="in.jsonl"):
-    p = tmp_path / name
-    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return p
 
 
 def test_n_samples_one_results_row_each_and_seeds_that_differ(run_app, tmp_path):  # noqa: F811

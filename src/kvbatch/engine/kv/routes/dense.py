@@ -156,16 +156,23 @@ class DenseRoute(Route):
         return DenseStep(mx.array(hrows, dtype=mx.int32), table, causal_mask(p, L, table.shape[1] * P, 1),
                          take=real_tokens(L, lens))
 
-    def decode_plan(self, rows: list[CacheRow], pos: list[int]) -> DenseStep:
-        """A one-token pass, built from Python lists: right after a step's compute numpy costs ~10 us
-        an op on arrays of a few rows (cold caches), and these are a few dozen numbers."""
-        P, H, B = self.geom.page_size, self.geom.kv_heads, len(rows)
+    def decode_slots(self, rows: list[CacheRow], pos: list[int]) -> tuple[mx.array, mx.array, mx.array]:
+        """A one-token pass's page table, the head rows its new token is written to, and the (B, T) mask of
+        the keys each row attends to. Built from Python lists: right after a step's compute numpy costs
+        ~10 us an op on arrays of a few rows (cold caches), and these are a few dozen numbers."""
+        P, H = self.geom.page_size, self.geom.kv_heads
         new_len = [a + 1 for a in pos]
         table = page_table(rows, [-(-n // P) for n in new_len])
-        width = table.shape[1]
         slots = [r.pages[a // P] * P + a % P for r, a in zip(rows, pos)]
         hrows = mx.array(head_rows(slots, P, H), dtype=mx.int32)
-        mask = mx.arange(width * P) < mx.array(new_len, dtype=mx.int32)[:, None]  # (B, T)
+        mask = mx.arange(table.shape[1] * P) < mx.array(new_len, dtype=mx.int32)[:, None]
+        return table, hrows, mask
+
+    def decode_plan(self, rows: list[CacheRow], pos: list[int]) -> DenseStep:
+        """A one-token pass (decode_slots), attended in place or over the gathered pages."""
+        P, B = self.geom.page_size, len(rows)
+        table, hrows, mask = self.decode_slots(rows, pos)
+        width = table.shape[1]
         if not self.in_place:
             return DenseStep(hrows, table, mask.reshape(B, 1, 1, width * P))
         return DenseStep(hrows, table, groups=self._groups(table, mask.reshape(B, 1, width * P, 1)))

@@ -20,7 +20,7 @@ from typing import Optional, cast
 import mlx.core as mx
 
 from kvbatch.engine.kv.pages import CacheRow
-from kvbatch.engine.kv.store import DenseStore, QuantizedStore, head_rows
+from kvbatch.engine.kv.store import DenseStore, QuantizedStore
 from kvbatch.engine.kv.routes.base import Geometry, flat_tokens
 from kvbatch.engine.kv.routes.common import TailWrites, page_heads, page_table, tail_writes
 from kvbatch.engine.kv.routes.dense import DenseRoute, DenseStep
@@ -146,12 +146,9 @@ class PortableDenseRoute(DenseRoute):
         if self.upcast:
             return super().decode_plan(rows, pos)
         P, H, B = self.geom.page_size, self.geom.kv_heads, len(rows)
-        new_len = [a + 1 for a in pos]
-        table = page_table(rows, [-(-n // P) for n in new_len])
+        table, hrows, mask = self.decode_slots(rows, pos)
         width = table.shape[1]
-        slots = [r.pages[a // P] * P + a % P for r, a in zip(rows, pos)]
-        hrows = mx.array(head_rows(slots, P, H), dtype=mx.int32)
-        mask = (mx.arange(width * P) < mx.array(new_len, dtype=mx.int32)[:, None]).reshape(B, 1, width * P, 1)
+        mask = mask.reshape(B, 1, width * P, 1)
         heads, query_of = page_heads(table, H)
         st = self.store
         G = self.geom.query_heads // H
