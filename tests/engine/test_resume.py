@@ -12,6 +12,8 @@ from kvbatch.engine.samples import samples
 from kvbatch.engine.testing import engine_config
 from kvbatch.engine.types import Request
 from tests.engine.test_engine_paged import prompts_of
+from tests.engine.test_speculative import NGRAM
+from tests.engine.test_speculative import prompts as repetitive_prompts
 
 STEPS = 60
 SAMPLED = SamplingParams(max_tokens=STEPS, temperature=0.8, top_p=0.9, repetition_penalty=1.1,
@@ -26,16 +28,17 @@ def _requests(params: SamplingParams) -> list[Request]:
     return reqs
 
 
-def _engine(m, mode: str) -> Engine:
+def _engine(m, mode: str, speculative=None) -> Engine:
     model, tok, spec = m
-    return Engine(model, tok, spec, engine_config(kv_mode=mode, page_size=16, max_batch=8, prefill_chunk=16))
+    return Engine(model, tok, spec, engine_config(kv_mode=mode, page_size=16, max_batch=8, prefill_chunk=16,
+                                                  speculative=speculative))
 
 
-def _stopped_and_resumed(m, mode: str, reqs: list[Request], stops: list[int]) -> dict:
+def _stopped_and_resumed(m, mode: str, reqs: list[Request], stops: list[int], speculative=None) -> dict:
     """Run, stopping after each engine has generated `stops[i]` tokens: checkpoints taken, a new engine continues."""
     done, kept = {}, {}
     for stop in [*stops, None]:
-        eng = _engine(m, mode)
+        eng = _engine(m, mode, speculative)
         for r in reqs:
             if r.key not in done:
                 eng.add(r, checkpoint=kept.get(r.key))
@@ -101,3 +104,17 @@ def test_smollm2_chat_rows_stopped_mid_answer_continue_to_the_uninterrupted_toke
     got = _stopped_and_resumed(smollm2, "none", reqs, [12])
     assert {k: r.tokens for k, r in got.items()} == ref
     assert any(r.stats.resumed_tokens for r in got.values())
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(max_tokens=STEPS, temperature=1.0, top_k=2, seed=11,
+                                                           ignore_eos=True)], ids=["greedy", "seeded"])
+def test_speculating_rows_stopped_continue_to_the_tokens_without_speculation(tiny_model, params):
+    """Checkpoints of rows decoding with n-gram speculation hold accepted tokens only: stopped twice and continued
+    (speculating again), the rows end with the tokens of a run without speculation, never stopped."""
+    m = tiny_model()
+    reqs = [Request(f"r{i}", p, params) for i, p in enumerate(repetitive_prompts(4))]
+    ref = {r.key: r.tokens for r in _engine(m, "none").generate(reqs)}
+    got = _stopped_and_resumed(m, "none", reqs, [30, 50], speculative=NGRAM)
+    assert {k: r.tokens for k, r in got.items()} == ref
+    assert sum(r.stats.spec_accepted for r in got.values()) > 0  # proposals were accepted, before and after stops
+    assert sum(r.stats.resumed_tokens for r in got.values()) > 0
