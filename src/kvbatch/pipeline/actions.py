@@ -227,7 +227,7 @@ def load_runtime(cfg: Config, rows: Optional[int] = None) -> Runtime:
     # the start-up plan: prompt length is per row; price rows at max_tokens plus
     # max_prompt_tokens when set (the real admission prices each row's own prompt)
     say(first[0].plan_line(cfg.job.max_tokens + (cfg.job.max_prompt_tokens or 0)))
-    say(f"sampling defaults: {model_defaults.describe(cfg.sampling, cfg.model)}")
+    say(f"kvbatch: sampling defaults: {model_defaults.describe(cfg.sampling, cfg.model)}")
     if not first[0].fits(2, 1):  # a one-token prompt and one generated token: every row would be refused
         smallest = first[0].plan(2, 1)
         raise ConfigError(f"memory.budget={cfg.memory.budget!r}: the budget ({fmt_bytes(smallest['budget_bytes'])}) "

@@ -336,7 +336,7 @@ class Worker:
             self.last_checkpoint = now
 
     def _forget(self, key: str) -> None:
-        """A row leaves this worker (finished, retried, handed back): its checkpoint bookkeeping goes."""
+        """A row leaves this worker (finished, retried): its checkpoint bookkeeping goes (_drop_rows: all rows)."""
         for d in (self.fps, self.saved, self.saves):
             d.pop(key, None)
 
@@ -410,11 +410,7 @@ class Worker:
                 self.stats.retried += 1
             else:
                 self._add(self._record(c, code=INTERNAL_ERROR, msg=msg, params=self.params.get(c.key)))
-        self.inflight.clear()
-        self.params.clear()
-        for d in (self.fps, self.saved, self.saves):
-            d.clear()
-        self.alone = None
+        self._drop_rows()
         self.eng = None
 
     def _give_back(self, outcome: str) -> None:
@@ -422,10 +418,12 @@ class Worker:
         if self.inflight:
             self.q.release(self.id, list(self.inflight), outcome, count_attempt=False)
             self.stats.released += len(self.inflight)
-            self.inflight.clear()
-            self.params.clear()
-            for d in (self.fps, self.saved, self.saves):
-                d.clear()
+        self._drop_rows()
+
+    def _drop_rows(self) -> None:
+        """Every row in flight leaves this worker at once (handed back, retried or ended): its state goes."""
+        for d in (self.inflight, self.params, self.fps, self.saved, self.saves):
+            d.clear()
         self.alone = None
 
     def _stop_engine(self, eng) -> None:
