@@ -31,7 +31,8 @@ from kvbatch.engine.engine import Engine
 from kvbatch.engine.kv.cache import PagedKVCache
 from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.kv.routes.dense import dense_attention
-from kvbatch.engine.kv.routes.portable import PortableDenseRoute, PortableStep
+from kvbatch.engine.kv.routes.portable import PortableDenseRoute, PortableQuantRoute, PortableStep
+from kvbatch.engine.kv.store import QuantizedStore
 from kvbatch.engine.memory import kv_layout
 from kvbatch.engine.mlx_lm_bridge import forward_last, prepare_model
 from kvbatch.engine.params import SamplingParams
@@ -43,12 +44,12 @@ PORTABLE = EngineOptions(route="portable")
 BATCH = 8
 
 
-def _filled_cache(m, T: int) -> tuple[PagedKVCache, list[CacheRow]]:
-    """A portable kv-none cache of BATCH rows holding T - 1 tokens each (random K/V), ready for the
-    step that stores token T."""
+def _filled_cache(m, T: int, mode: str = "none") -> tuple[PagedKVCache, list[CacheRow]]:
+    """A portable cache of BATCH rows holding T - 1 tokens each (random K/V), ready for the step that
+    stores token T."""
     model, _, spec = m
     prepare_model(model, PORTABLE)
-    lay = kv_layout(spec, "none", 64, 64)
+    lay = kv_layout(spec, mode, 64, 64)
     cache = PagedKVCache(lay, spec.num_layers, mx.float32, BATCH, False, spec.num_heads, PORTABLE)
     rows = [CacheRow(f"r{i}") for i in range(BATCH)]
     for r in rows:
@@ -56,9 +57,15 @@ def _filled_cache(m, T: int) -> tuple[PagedKVCache, list[CacheRow]]:
         cache.reserve(r, T, 1 << 40)
         r.length = T - 1
     st = cache.store
-    st.k = [mx.random.normal(a.shape, key=mx.random.key(1)) for a in st.k]
-    st.v = [mx.random.normal(a.shape, key=mx.random.key(2)) for a in st.v]
-    mx.eval(st.k, st.v)
+    if isinstance(st, QuantizedStore):
+        shape = (cache.capacity_pages * 64, spec.num_kv_heads, spec.head_dim)
+        st.store_pages(0, mx.arange(shape[0], dtype=mx.int32), mx.random.normal(shape, key=mx.random.key(1)),
+                       mx.random.normal(shape, key=mx.random.key(2)))
+        st.tk[0], st.tv[0] = (mx.random.normal(st.tk[0].shape, key=mx.random.key(k)) for k in (4, 5))
+    else:
+        st.k = [mx.random.normal(a.shape, key=mx.random.key(1)) for a in st.k]
+        st.v = [mx.random.normal(a.shape, key=mx.random.key(2)) for a in st.v]
+    mx.eval(st.all_arrays())
     return cache, rows
 
 
@@ -75,12 +82,15 @@ def _step(model, cache: PagedKVCache, rows: list[CacheRow]) -> mx.array:
 
 @pytest.mark.skipif(ON_CUDA, reason="on MLX CUDA this step's workspace is 63% of the KV at 4k and 22% at 16k (H200, "
                     "2026-12-03): CUDA runs its fused kernels, and the portable route's bound is for the CPU and Metal")
-@pytest.mark.parametrize("T", [4096, 16384])
-def test_decode_workspace_is_a_few_percent_of_the_kv(tiny_model, T):
+@pytest.mark.parametrize("mode,T", [("none", 4096), ("none", 16384), ("q8", 4096), ("q8", 16384), ("q4", 16384)])
+def test_decode_workspace_is_a_few_percent_of_the_kv(tiny_model, mode, T):
+    """q4 at 4k is left out: its KV (5.2 MB) is so small that the rest of the step (embedding, MLP,
+    logits: ~0.4 MB on this model, measured at 256 tokens of context) is 8% of it alone; the
+    benchmark engine.portable_decode records it (10.0% with attention's blocks)."""
     m = tiny_model(num_layers=1)
     model = m[0]
-    cache, rows = _filled_cache(m, T)
-    assert type(cache.attention) is PortableDenseRoute
+    cache, rows = _filled_cache(m, T, mode)
+    assert type(cache.attention) is (PortableDenseRoute if mode == "none" else PortableQuantRoute)
     kv_bytes = cache.pool.in_use * cache.layout.page_bytes
     assert kv_bytes == BATCH * (T // 64) * cache.layout.page_bytes  # one layer's K/V is the whole cache
     _step(model, cache, rows)  # first: one-time allocations
@@ -91,6 +101,8 @@ def test_decode_workspace_is_a_few_percent_of_the_kv(tiny_model, T):
     _step(model, cache, rows)
     workspace = mx.get_peak_memory() - before
     assert 0 < workspace <= 0.10 * kv_bytes, f"{workspace / kv_bytes:.1%} of the KV in use"
+    if mode != "none":
+        return  # q8/q4 read in place against the stored-pages reference: test_kv_quant.py's portable cases
 
     # the step's attention reads the pages in place and gives attention over the gathered pages
     cache.begin(rows, 1)

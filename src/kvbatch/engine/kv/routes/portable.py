@@ -5,12 +5,14 @@ A page-table gather would copy every row's K/V into contiguous arrays before att
 each decode step then moves every KV byte twice and holds a copy of a layer's K/V as workspace
 (102% of the KV in use on a one-layer model). Here `mx.gather_mm` (kv none) and `mx.gather_qmm`
 (q8/q4/k8v4: packed pages, never dequantized) multiply each page where it lies by its
-(row, KV head)'s query group: the key scores of all pages at once (G scores per key, small beside
-the page's K and V), one float32 softmax with MLX's own `mx.softmax`, then the values page by page in
-blocks of pages (`value_cuts`), each block's per-page products summed before the next, so the
-workspace stays a few percent of the KV read. Prefill keeps gather + MLX's SDPA (routes/dense.py,
-routes/quant.py): a chunk's many queries amortize the gather, and SDPA's fused kernel is Metal's
-fastest attention.
+(row, KV head)'s query group. kv none takes the key scores of all pages at once (G scores per key,
+small beside the page's K and V), one float32 softmax with MLX's own `mx.softmax`, then the values
+in blocks of pages (`value_cuts`), each block's per-page products summed before the next. q8/q4,
+whose pages are 2-4x smaller than their float32 scores' share would allow, take scores and values
+block by block with a running softmax (as flash-decoding does), reading the rows' dense tail pages
+in place too. Either way the workspace stays a small share of the KV read. Prefill keeps gather +
+MLX's SDPA (routes/dense.py, routes/quant.py): a chunk's many queries amortize the gather, and
+SDPA's fused kernel is Metal's fastest attention.
 """
 from __future__ import annotations
 
@@ -26,15 +28,16 @@ from kvbatch.engine.kv.routes.common import TailWrites, page_heads, page_table, 
 from kvbatch.engine.kv.routes.dense import DenseRoute, DenseStep
 from kvbatch.engine.kv.routes.quant import QuantRoute, quantized_paged_plan
 
-# The most bytes a value block's per-page products (G x D per page and KV head) may take, as a share
-# of the bytes its pages hold: more blocks keep the step's workspace down, fewer keep its graph small.
-VALUE_SHARE = 1 / 32
+# The most bytes a block's per-page work (G x D products; for q8/q4 also its float32 scores) may take,
+# as a share of the bytes its pages hold: more blocks keep the step's workspace down, fewer keep its
+# graph small (each q8/q4 block is ~15 ops a layer, each one a kernel on Metal).
+VALUE_SHARE = 1 / 64
 MAX_VALUE_BLOCKS = 16
 
 
 def value_cuts(n_pages: int, product_bytes: int, page_bytes: int) -> list[int]:
-    """Page boundaries of the value blocks of a step over n_pages pages a row: product_bytes, one
-    page's products per KV head (G x D); page_bytes, what a page holds per KV head (K and V)."""
+    """Page boundaries of the blocks of a step over n_pages pages a row: product_bytes, one page's
+    work per KV head; page_bytes, what a page holds per KV head (K and V)."""
     k = min(max(n_pages, 1), MAX_VALUE_BLOCKS, max(1, -(-product_bytes // max(1, int(VALUE_SHARE * page_bytes)))))
     return [n_pages * i // k for i in range(k + 1)]
 
@@ -71,44 +74,63 @@ def portable_paged_decode(q: mx.array, k_pages: mx.array, v_pages: mx.array, hea
     return out.reshape(B, Hq, 1, D).astype(q.dtype)
 
 
-def portable_quantized_decode(q: mx.array, kq: list[mx.array], vq: list[mx.array], tk: mx.array, tv: mx.array,
-                              heads: mx.array, query_of: mx.array, mask: mx.array, scale: float, group_size: int,
-                              bits: tuple[int, int], cuts: list[int],
-                              first: Optional[tuple[mx.array, mx.array]] = None) -> mx.array:
-    """One-query attention over packed pages read in place (keys quantized per token) and each row's
-    dense tail page (and first-token copy, kv.full_precision_tokens).
+def portable_quantized_decode(q: mx.array, kq: list[mx.array], vq: list[mx.array],
+                              dense: list[tuple[mx.array, mx.array]], dense_heads: mx.array, heads: mx.array,
+                              query_of: mx.array, mask: mx.array, scale: float, group_size: int,
+                              bits: tuple[int, int], cuts: list[int]) -> mx.array:
+    """One-query attention over packed pages and each row's dense pages (its tail and, with
+    kv.full_precision_tokens, its first-token copy), all read where they lie.
 
-    kq, vq: the layer's K and V pool triplets (pages, Hkv, P, ·); tk, tv (B, Hkv, P, D); heads,
-    query_of as in `portable_paged_decode` (of the rows' sealed pages); mask (B, 1, 1 [+ m] + n, 1, P):
-    the tail's valid keys[, the copy's] and the sealed pages' (routes/quant.py quantized_paged_plan).
-    Scores page by page, (B, Hkv, 1 [+ m] + n, G, P), tail first; one softmax over (page, token)."""
+    kq, vq: the layer's K and V pool triplets, (pages * Hkv, P, ·); dense: the tail pages (slots, Hkv, P, D)
+    and, when attended, the first-token copies (slots, Hkv, N, D), each as (K, V); dense_heads (B, Hkv, 1):
+    tail slot * Hkv + head; heads, query_of as in `portable_paged_decode` (of the rows' sealed pages);
+    mask (B, 1, 1 [+ m] + n, 1, P): the tail's valid keys[, the copy's, m pages' worth] and the sealed
+    pages' (routes/quant.py quantized_paged_plan). The dense pages first, then the sealed pages block by
+    block (`cuts`) with a running softmax: float32 scores are G x 4 bytes a key and KV head, large beside
+    8- and 4-bit pages, so only one block's scores exist at a time. The tail holds the step's own token,
+    so the running maximum is finite from the first block on and a block with no valid key adds nothing."""
     B, Hq, _, D = q.shape
-    Hkv, P = tk.shape[1], tk.shape[2]
-    G, dt = Hq // Hkv, tk.dtype
+    _, Hkv, P, _ = dense[0][0].shape
+    G, dt = Hq // Hkv, dense[0][0].dtype
     kbits, vbits = bits
     qs = (q * mx.array(scale, q.dtype)).astype(dt).reshape(B * Hkv, G, D)
-    kw, ks, kb = (a.reshape(-1, *a.shape[2:]) for a in kq)
-    vw, vs, vb = (a.reshape(-1, *a.shape[2:]) for a in vq)
-    qg = qs.reshape(B, Hkv, G, D)
-    parts = [(qg @ tk.swapaxes(-1, -2))[:, :, None]]  # the tail, (B, Hkv, 1, G, P)
-    m, fv = 0, None
-    if first is not None:
-        m = -(-first[0].shape[2] // P)
-        pad = [(0, 0), (0, 0), (0, m * P - first[0].shape[2]), (0, 0)]
-        fk, fv = (mx.pad(a, pad) if pad[2][1] else a for a in first)  # (B, Hkv, m*P, D)
-        parts.append((qg @ fk.swapaxes(-1, -2)).reshape(B, Hkv, G, m, P).transpose(0, 1, 3, 2, 4))
-    parts.append(mx.gather_qmm(qs, kw, ks, kb, lhs_indices=query_of, rhs_indices=heads, transpose=True,
-                               group_size=group_size, bits=kbits))  # (B, Hkv, n, G, P)
-    probs = keys_softmax(mx.concatenate(parts, axis=2), mask, axis=(2, 4)).astype(dt)
-    out = (probs[:, :, 0] @ tv).astype(mx.float32)  # (B, Hkv, G, D)
-    if m:
-        assert fv is not None
-        out = out + (probs[:, :, 1:1 + m].transpose(0, 1, 3, 2, 4).reshape(B, Hkv, G, m * P) @ fv).astype(mx.float32)
+    qt = qs.swapaxes(-1, -2)  # (B*Hkv, D, G)
+    neg = mx.array(-mx.inf, mx.float32)
+    top = total = out = None
+    valid = [mask[:, :, :1].reshape(B, 1, 1, P, 1)]  # key-major, as gather_mm gives the dense scores
+    if len(dense) > 1:
+        N = dense[1][0].shape[2]
+        valid.append(mask[:, :, 1:1 - (-N // P)].reshape(B, 1, 1, -1, 1)[:, :, :, :N])
+    for (keys, values), ok in zip(dense, valid):
+        K = keys.shape[2]
+        s = mx.gather_mm(keys.reshape(-1, K, D), qt, dense_heads, query_of).astype(mx.float32)  # (B, Hkv, 1, K, G)
+        s = mx.where(ok, s, neg)
+        block_top = s.max(axis=(2, 3))  # (B, Hkv, G)
+        new_top = block_top if top is None else mx.maximum(top, block_top)
+        p = mx.exp(s - new_top[:, :, None, None])
+        part = mx.gather_mm(p.astype(dt).swapaxes(-1, -2), values.reshape(-1, K, D), None, dense_heads)
+        part, mass = part[:, :, 0].astype(mx.float32), p.sum(axis=(2, 3))  # (B, Hkv, G, D), (B, Hkv, G)
+        if top is None or total is None or out is None:
+            out, total = part, mass
+        else:
+            keep = mx.exp(top - new_top)
+            out, total = out * keep[..., None] + part, total * keep + mass
+        top = new_top
+    assert top is not None and total is not None and out is not None  # the tail is always attended
+    first_sealed = mask.shape[2] - heads.shape[-1]
     for a, z in zip(cuts, cuts[1:]):
-        part = mx.gather_qmm(probs[:, :, 1 + m + a:1 + m + z], vw, vs, vb, rhs_indices=heads[..., a:z],
-                             transpose=False, group_size=group_size, bits=vbits)  # (B, Hkv, z - a, G, D)
-        out = out + part.astype(mx.float32).sum(axis=2)
-    return out.reshape(B, Hq, 1, D).astype(q.dtype)
+        s = mx.gather_qmm(qs, kq[0], kq[1], kq[2], lhs_indices=query_of, rhs_indices=heads[..., a:z],
+                          transpose=True, group_size=group_size, bits=kbits).astype(mx.float32)  # (B, Hkv, z-a, G, P)
+        s = mx.where(mask[:, :, first_sealed + a:first_sealed + z], s, neg)
+        new_top = mx.maximum(top, s.max(axis=(2, 4)))
+        keep = mx.exp(top - new_top)
+        p = mx.exp(s - new_top[:, :, None, :, None])
+        part = mx.gather_qmm(p.astype(dt), vq[0], vq[1], vq[2], rhs_indices=heads[..., a:z], transpose=False,
+                             group_size=group_size, bits=vbits)  # (B, Hkv, z - a, G, D)
+        out = out * keep[..., None] + part.astype(mx.float32).sum(axis=2)
+        total = total * keep + p.sum(axis=(2, 4))
+        top = new_top
+    return (out / total[..., None]).reshape(B, Hq, 1, D).astype(q.dtype)
 
 
 def _page_bytes(arrays: list[mx.array]) -> int:
@@ -168,7 +190,7 @@ class PortableDenseRoute(DenseRoute):
 class PortableQuantStep:
     """A portable q8/q4 decode step over sealed pages: tail writes, the pages to read in place, masks."""
 
-    tails: mx.array
+    tail_heads: mx.array  # (B, Hkv, 1) tail slot * Hkv + head: the rows' dense pages
     writes: TailWrites
     heads: mx.array
     query_of: mx.array
@@ -202,9 +224,10 @@ class PortableQuantRoute(QuantRoute):
         table = page_table(rows, n_before)
         t = quantized_paged_plan(table, n_before, fill, P, H, D, [None], first if use_first else None, N)
         G = self.geom.query_heads // H
-        cuts = value_cuts(table.shape[1], G * D * st.dtype.size, _page_bytes(st.q[0]))
-        return PortableQuantStep(mx.array(tails, dtype=mx.int32), writes, t["q_page_heads"], t["query_of"],
-                                 t["mask_p"], cuts, use_first)
+        # a block's float32 scores, their exponentials and mask (3 x 4 bytes a key) beside its products
+        cuts = value_cuts(table.shape[1], G * (D * st.dtype.size + 12 * P), _page_bytes(st.q[0]))
+        tail_heads, _ = page_heads(mx.array(tails, dtype=mx.int32)[:, None], H)
+        return PortableQuantStep(tail_heads, writes, t["q_page_heads"], t["query_of"], t["mask_p"], cuts, use_first)
 
     def write(self, layer: int, meta, keys: mx.array, values: mx.array) -> None:
         """A step read in place writes into the rows' tails (sealing full ones); others as QuantRoute."""
@@ -218,8 +241,7 @@ class PortableQuantRoute(QuantRoute):
         if not isinstance(meta, PortableQuantStep):
             return super().attend(layer, meta, queries, scale)
         st = self.store
-        tk, tv = st.gather_tails(layer, meta.tails)
-        q = st.q[layer]
-        return portable_quantized_decode(queries, q[:3], q[3:], tk, tv, meta.heads, meta.query_of, meta.mask, scale,
-                                         st.group_size, (st.key_bits, st.value_bits), meta.cuts,
-                                         first=st.gather_first(layer, meta.tails) if meta.first else None)
+        q = [a.reshape(-1, *a.shape[2:]) for a in st.q[layer]]  # (pages * Hkv, P, ·)
+        dense = [(st.tk[layer], st.tv[layer])] + ([(st.fk[layer], st.fv[layer])] if meta.first else [])
+        return portable_quantized_decode(queries, q[:3], q[3:], dense, meta.tail_heads, meta.heads, meta.query_of,
+                                         meta.mask, scale, st.group_size, (st.key_bits, st.value_bits), meta.cuts)
