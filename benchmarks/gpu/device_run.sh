@@ -17,7 +17,8 @@
 #   portable1b / portable8b  the portable route (engine.options.route=portable: what Apple's Metal backend runs, here
 #            on MLX CUDA as a proxy for a memory-bound GPU) against mlx-lm's BatchGenerator at 16k context, batch 8
 #            and 32, with the fused-kernel route beside it ($PORTABLE_MODES, default none@route=portable,none),
-#            2 order-alternating rounds (engine.vs_mlx_lm --long: kvbatch first)
+#            2 order-alternating rounds (engine.vs_mlx_lm --long: kvbatch first); mlx-lm prefills $PORTABLE_MLX_PREFILL
+#            rows at a time (default 1: 8 x 16k in one pass runs the card out of memory)
 #   quantab  q8/q4 kernel launch settings side by side (ran in the seventh session with 4 warps x unroll 4,
 #            which then became the q8/q4 default): kernel checks under $QVARIANT, then 8k interleaved at 1B
 #            batch 64 and 8B batch 16, none/q8/q4 and q8/q4@$QENV
@@ -107,6 +108,7 @@ for arg in "$@"; do
         tee "$OUT/gpu_${g}_long.txt" | cut -c1-300 ;;
     portable1b|portable8b) g=${stage#portable}
       timeout "$secs" $VS --models "random-$g" --batches '' --long 16384 --long-batches 8,32 --long-new 64 --rounds 2 \
+        --mlx-lm-prefill-batch "${PORTABLE_MLX_PREFILL:-1}" \
         --modes "${PORTABLE_MODES:-none@route=portable,none}" --out "$OUT/gpu_${g}_portable16k.json" 2>&1 |
         tee "$OUT/gpu_${g}_portable16k.txt" | cut -c1-400 ;;
     quantab) timeout "$secs" bash -c "python3 -m benchmarks gpu.backend_check --parts kernels --kernel-modes q8,q4 \
