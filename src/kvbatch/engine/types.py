@@ -97,6 +97,10 @@ class Result:
     # length and errors (vLLM's stop_reason)
     stop_reason: Optional[str] = None
     logprobs: Optional[Logprobs] = None  # set when the row asked for logprobs or prompt_logprobs
+    # rows with reasoning tags (engine/reasoning.py split): the block's text (None: the row had none) and
+    # the answer after it
+    reasoning: Optional[str] = None
+    answer: Optional[str] = None
 
     @property
     def ok(self) -> bool:

@@ -22,6 +22,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from kvbatch.engine.config import EngineConfig, EngineSettings, KVConfig, MemoryConfig, SpeculativeConfig
+from kvbatch.engine import reasoning
 from kvbatch.engine.errors import ERROR_CODES, KvbatchConfigError
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.pipeline import durations, extras, model_defaults, response_format, row_params
@@ -73,6 +74,10 @@ class JobConfig:
     ignore_eos: bool = False  # EOS is an ordinary token: rows run to max_tokens or a stop
     # constrained output: json_object | regex:PATTERN | a JSON schema (inline mapping or a .json file) | null
     response_format: Optional[Any] = None
+    # reasoning blocks apart from the answer: auto (the model's tags, when its chat template writes them) |
+    # none | START,END (e.g. '<think>,</think>'); response_format then constrains the answer only
+    reasoning: str = "auto"
+    max_reasoning_tokens: Optional[int] = None  # the closing tag is forced after this many tokens of reasoning
 
 
 @dataclass
@@ -271,6 +276,13 @@ def validate(cfg: Config) -> None:
           job.continue_final_message, "needs job.chat_template=true")
     _need(job.min_tokens <= job.max_tokens, "job.min_tokens", job.min_tokens,
           f"must be <= job.max_tokens ({job.max_tokens})")
+    _need(reasoning.spec_problem(job.reasoning) is None, "job.reasoning", job.reasoning,
+          str(reasoning.spec_problem(job.reasoning)))
+    mrt = job.max_reasoning_tokens
+    _need(mrt is None or 0 <= mrt < job.max_tokens, "job.max_reasoning_tokens", mrt,
+          f"must be >= 0 and below job.max_tokens ({job.max_tokens}), so the answer has room (or null: no limit)")
+    _need(mrt is None or job.reasoning != "none", "job.max_reasoning_tokens", mrt,
+          "needs reasoning tags: job.reasoning=auto or START,END, not none")
     try:
         response_format.resolve(job.response_format)
     except ValueError as exc:

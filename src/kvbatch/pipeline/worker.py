@@ -129,6 +129,7 @@ class Runtime:
     model_name: str
     make_engine: Callable[[], Any]  # a fresh Engine (after an engine-level failure, the old one is dropped)
     context_length: int = 0  # the model's context: no row generates past it (0: unknown)
+    reasoning: Any = None  # the job's reasoning tags for this model (engine/reasoning.py; None: no reasoning)
 
 
 @dataclass
@@ -187,8 +188,10 @@ class Worker:
     def _sampling(self, row: Claimed) -> SamplingParams:
         """The parameters the row runs with (built once per row: the engine's Request keeps them)."""
         payload = row.payload
+        tags = self.rt.reasoning
         return row_params.sampling(payload, self.cfg, seed=samples.seed_for(payload, row.key, self.cfg.sampling.seed),
-                                   grammar=response_format.grammar(self._format(payload)))
+                                   grammar=response_format.grammar(self._format(payload)), reasoning=tags,
+                                   max_reasoning_tokens=self.cfg.job.max_reasoning_tokens if tags else None)
 
     def _format(self, payload: dict):
         """The row's response format (resolved): its own, else the job's."""
@@ -216,6 +219,7 @@ class Worker:
         if res is not None:
             s = res.stats
             rec.output, rec.output_token_ids, rec.output_tokens = res.text, list(res.tokens), len(res.tokens)
+            rec.reasoning, rec.answer = res.reasoning, res.answer
             rec.finish_reason, rec.error_code, rec.error_message = res.finish_reason, res.error_code, res.error_message
             rec.prompt_tokens, rec.ttft_s, rec.decode_tps = s.prompt_tokens, s.ttft_s, s.decode_tps
             rec.queue_s, rec.preemptions, rec.cached_tokens = s.queue_s, s.preemptions, s.cached_tokens
