@@ -232,6 +232,8 @@ def _params() -> tuple[RowParam, ...]:
         RowParam("int", "sampling", n_error, openai=True, name="n", default=1, engine=False),
         # the output's required shape: the pipeline makes SamplingParams.grammar from it
         RowParam("format", "job", column="string", openai=True, name="response_format", default=None, engine=False),
+        # which of the model's per-row LoRA adapters it runs with (Request.adapter; null: none)
+        RowParam("name", "job", column="string", name="adapter", default=None, engine=False),
     )
     return engine + pipeline
 

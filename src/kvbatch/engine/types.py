@@ -37,6 +37,7 @@ class Request:
     prompt_tokens: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     group: Optional[str] = None
+    adapter: Optional[str] = None  # one of the model's per-row LoRA adapters by name (engine/lora.py); None: base
 
 
 @dataclass

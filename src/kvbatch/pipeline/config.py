@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 from kvbatch.engine.config import EngineConfig, EngineSettings, KVConfig, MemoryConfig, SpeculativeConfig
 from kvbatch.engine import reasoning
 from kvbatch.engine.errors import ERROR_CODES, KvbatchConfigError
-from kvbatch.engine.models.config import ModelConfig
+from kvbatch.engine.models.config import ADAPTER_NAME, ModelConfig
 from kvbatch.pipeline import durations, extras, model_defaults, response_format, row_params
 from kvbatch.pipeline.escapes import unescape
 from kvbatch.pipeline.redact import redact, redact_config
@@ -78,6 +78,7 @@ class JobConfig:
     # none | START,END (e.g. '<think>,</think>'); response_format then constrains the answer only
     reasoning: str = "auto"
     max_reasoning_tokens: Optional[int] = None  # the closing tag is forced after this many tokens of reasoning
+    adapter: Optional[str] = None  # the rows' LoRA adapter: one of model.adapters by name (a row's `adapter` column wins)
 
 
 @dataclass
@@ -243,6 +244,15 @@ def validate(cfg: Config) -> None:
     _need(m.source in MODEL_SOURCES, "model.source", m.source, f"choose one of {', '.join(MODEL_SOURCES)}")
     _need(m.source != "local" or bool(m.path), "model.path", m.path,
           "model=local needs model.path (an mlx-lm directory or a Hugging Face repo id)")
+    _need(not (m.adapter_path and m.adapters), "model.adapter_path", m.adapter_path,
+          "set model.adapter_path (one adapter for every row) or model.adapters (rows pick one by name), not both")
+    ad = m.adapters
+    _need(ad is None or (isinstance(ad, dict) and all(isinstance(v, str) for v in ad.values())), "model.adapters",
+          ad, "must be a mapping of adapter names to adapter folders, e.g. {math: adapters/math}")
+    bad_names = [n for n in (ad or {}) if not ADAPTER_NAME.fullmatch(str(n))]
+    _need(not bad_names, "model.adapters", bad_names, "adapter names are letters, digits, '_', '-', '.'")
+    _need(job.adapter is None or job.adapter in (m.adapters or {}), "job.adapter", job.adapter,
+          f"must name one of model.adapters ({', '.join(m.adapters or {}) or 'none set'})")
     if m.source != "tiny":  # the random model's geometry: any other model has its own
         base = ModelConfig()
         for key in TINY_ONLY:

@@ -201,6 +201,10 @@ class Worker:
             self.job_format = response_format.resolve(self.cfg.job.response_format)
         return self.job_format
 
+    def _adapter(self, payload: dict) -> Optional[str]:
+        """The row's LoRA adapter by name: its own, else the job's (None: the model as loaded)."""
+        return payload["adapter"] if "adapter" in payload else self.cfg.job.adapter
+
     def _record(self, c: Claimed, res: Optional[Result] = None, code: Optional[str] = None,
                 msg: Optional[str] = None, params: Optional[SamplingParams] = None) -> ResultRecord:
         """The row's result: from the engine's Result, or an error that never reached the engine.
@@ -212,7 +216,7 @@ class Worker:
         if "error" not in c.payload:
             p = params or self._sampling(c)
             fmt = response_format.canonical(self._format(c.payload)) if p.grammar else None
-            for name, value in row_params.columns(p, response_format=fmt).items():
+            for name, value in row_params.columns(p, response_format=fmt, adapter=self._adapter(c.payload)).items():
                 setattr(rec, name, value)
         else:  # the seed it would have run with: the column never null, an integer column in pandas too
             rec.seed = samples.seed_for(c.payload, c.key, self.cfg.sampling.seed)
@@ -281,7 +285,8 @@ class Worker:
                 if c.crashes >= w.isolate_after:  # a suspect: what finished before it is written first
                     self.flush(force=True)
                     self.alone = c.key
-                req = Request(key=c.key, prompt_tokens=ids, sampling=p, group=c.payload.get("group"))
+                req = Request(key=c.key, prompt_tokens=ids, sampling=p, group=c.payload.get("group"),
+                              adapter=self._adapter(c.payload))
                 fp = checkpoints.fingerprint(self.cfg, self.rt.model_name, p, ids)
                 try:
                     kept = self._add_to_engine(req, fp)
