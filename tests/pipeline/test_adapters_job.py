@@ -3,6 +3,8 @@ as the default), results' adapter column, an unknown or malformed name is that r
 adapters are part of the config hash, and bad adapter settings fail in one line."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pyarrow.parquet as pq
 import pytest
 
@@ -23,11 +25,12 @@ def folders(model_cache_dir, tmp_path_factory):
 
 
 def test_rows_pick_adapters_by_name(run_app, tmp_path, folders):  # noqa: F811
-    src = write_jsonl(tmp_path, [{"id": "a", "prompt": "Hi", "adapter": "a"}, {"id": "b", "prompt": "Hi", "adapter": "b"},
-                                 {"id": "job", "prompt": "Hi"}, {"id": "zzz", "prompt": "Hi", "adapter": "zzz"},
+    src = write_jsonl(tmp_path, [{"id": "a", "prompt": "Hi", "adapter": "a"},
+                                 {"id": "b", "prompt": "Hi", "adapter": "b"}, {"id": "job", "prompt": "Hi"},
+                                 {"id": "zzz", "prompt": "Hi", "adapter": "zzz"},
                                  {"id": "odd", "prompt": "Hi", "adapter": "no spaces"}])
-    path, _ = run_app(f"job.input={src}", "job.max_tokens=4", f"model.adapters={{a: {folders['a']}, b: {folders['b']}}}",
-                      "job.adapter=b")
+    path, _ = run_app(f"job.input={src}", "job.max_tokens=4", "job.adapter=b",
+                      f"model.adapters={{a: {folders['a']}, b: {folders['b']}}}")
     rows = {r["row_key"]: r for r in pq.read_table(path).to_pylist()}
     assert [rows[k]["adapter"] for k in ("a", "b", "job")] == ["a", "b", "b"]
     assert all(rows[k]["error_code"] is None and rows[k]["output_tokens"] == 4 for k in ("a", "b", "job"))
@@ -43,6 +46,11 @@ def test_adapters_are_part_of_the_config_hash(folders, tmp_path):
         [], [f"model.adapter_path={folders['a']}"], [f"model.adapter_path={folders['b']}"],
         [f"model.adapters={{a: {folders['a']}}}"])}
     assert len(hashes) == 4
+    cfg = compose_config([*base, f"model.adapter_path={tmp_path / 'c'}"])
+    before = config_hash(cfg, "in.jsonl")
+    base_model = load_model(replace(cfg.model, adapter_path=None))[0]
+    write_random_adapter(tmp_path / "c", base_model, seed=3)  # the same folder, retrained
+    assert config_hash(cfg, "in.jsonl") != before
 
 
 @pytest.mark.parametrize("overrides,why", [

@@ -128,7 +128,7 @@ class Engine:
             names = ", ".join(self.adapters.index) if self.adapters else "none are set"
             problem, adapter = (INVALID_INPUT, f"adapter {req.adapter!r} is not one of model.adapters ({names})"), 0
         # a row's K/V depends on its adapter: its cached pages are named under the adapter's name
-        kv = CacheRow(req.key, salt=req.adapter.encode() if adapter else None)
+        kv = CacheRow(req.key, salt=req.adapter.encode() if adapter and req.adapter else None)
         row = Row(req, kv, RowSampler(p, req.prompt_tokens, self.output.eos_ids, matcher), worst,
                   time.perf_counter(), forced=self.hooks.forced_tokens.get(req.key), score=score, adapter=adapter)
         if p.logprobs or p.prompt_logprobs:

@@ -57,6 +57,7 @@ class RowLoRALinear(nn.Module):
         self.sel = sel  # shared by every layer; not a parameter
 
     def __call__(self, x: mx.array) -> mx.array:
+        """The base layer's output plus each row's adapter update (none for rows of the base model)."""
         y = self.linear(x)
         sel = self.sel
         if sel.one is not None:

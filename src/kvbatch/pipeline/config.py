@@ -78,7 +78,7 @@ class JobConfig:
     # none | START,END (e.g. '<think>,</think>'); response_format then constrains the answer only
     reasoning: str = "auto"
     max_reasoning_tokens: Optional[int] = None  # the closing tag is forced after this many tokens of reasoning
-    adapter: Optional[str] = None  # the rows' LoRA adapter: one of model.adapters by name (a row's `adapter` column wins)
+    adapter: Optional[str] = None  # the rows' LoRA adapter: one of model.adapters (a row's `adapter` column wins)
 
 
 @dataclass
@@ -417,6 +417,9 @@ def run_identity(cfg: Config, input_path: str, include_kv: bool) -> str:
     keyed["debug"].pop("deadline_after_tokens", None)
     keyed["sampling"].pop("defaults", None)  # the values it chose are keyed themselves
     keyed["job"] = {**keyed["job"], "input": str(input_path), "name": None}
+    adapters = {"": cfg.model.adapter_path} if cfg.model.adapter_path else dict(cfg.model.adapters or {})
+    if adapters:  # an adapter by its files' content too: one retrained in the same folder is another job
+        keyed["model"]["adapter_content"] = {k: adapter_digest(v) for k, v in adapters.items()}
     if cfg.job.response_format is not None:  # a schema file by its content, not its path
         keyed["job"]["response_format"] = response_format.canonical(response_format.resolve(cfg.job.response_format))
     if include_kv:
@@ -428,6 +431,21 @@ def run_identity(cfg: Config, input_path: str, include_kv: bool) -> str:
             keyed["speculative"] = asdict(cfg.speculative)
     blob = json.dumps(keyed, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def adapter_digest(folder: str) -> Optional[str]:
+    """A digest of an adapter folder's two files (None: they cannot be read; loading it says why)."""
+    from pathlib import Path
+
+    h = hashlib.blake2b(digest_size=16)
+    try:
+        for name in ("adapter_config.json", "adapters.safetensors"):
+            with open(Path(folder).expanduser() / name, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(block)
+    except OSError:
+        return None
+    return h.hexdigest()
 
 
 def config_hash(cfg: Config, input_path: str) -> str:
