@@ -6,8 +6,8 @@ Per-row adapters keep the base weights once. Every linear layer some adapter tar
 is the base model: zeros; ranks padded with zeros to the largest, which adds exact zeros). Before a
 forward pass the runner says which adapter each of the pass's rows uses (`Adapters.select`); the layer
 adds scale x (x A) B of the rows' adapters: the one pair when every row uses the same adapter (what
-mlx-lm's LoRALinear computes), else each row's pair gathered. A pass whose rows all use the base model
-adds nothing. The adapters' weights are model parameters, so the model's weight bytes (the memory
+mlx-lm's LoRALinear computes), else each row's own pair through `mx.gather_mm` (no copy of the pairs). A
+pass whose rows all use the base model adds nothing. The adapters' weights are model parameters, so the model's weight bytes (the memory
 model's `weights_bytes`) count them.
 
 An adapter folder is what mlx-lm's tuner writes: adapter_config.json (fine_tune_type lora,
@@ -65,7 +65,10 @@ class RowLoRALinear(nn.Module):
             return y + (self.scales[sel.one] * z).astype(x.dtype)
         if sel.rows is None:
             return y
-        z = (x @ self.lora_a[sel.rows]) @ self.lora_b[sel.rows]  # (B, L, in) @ (B, in, r) @ (B, r, out)
+        # (B, L, in) @ (in, r) @ (r, out) with each row's own pair, not copied out (as mlx-lm's SwitchLinear);
+        # x in the adapters' dtype, as the one-adapter product promotes it
+        xa = mx.gather_mm(x.astype(self.lora_a.dtype), self.lora_a, rhs_indices=sel.rows)
+        z = mx.gather_mm(xa, self.lora_b, rhs_indices=sel.rows)
         return y + (self.scales[sel.rows][:, None, None] * z).astype(x.dtype)
 
 
