@@ -7,8 +7,8 @@ is the base model: zeros; ranks padded with zeros to the largest, which adds exa
 forward pass the runner says which adapter each of the pass's rows uses (`Adapters.select`); the layer
 adds scale x (x A) B of the rows' adapters: the one pair when every row uses the same adapter (what
 mlx-lm's LoRALinear computes), else each row's own pair through `mx.gather_mm` (no copy of the pairs). A
-pass whose rows all use the base model adds nothing. The adapters' weights are model parameters, so the model's weight bytes (the memory
-model's `weights_bytes`) count them.
+pass whose rows all use the base model adds nothing. The adapters' weights are model parameters, so the
+model's weight bytes (the memory model's `weights_bytes`) count them.
 
 An adapter folder is what mlx-lm's tuner writes: adapter_config.json (fine_tune_type lora,
 lora_parameters.scale) and adapters.safetensors (`<module path>.lora_a` (in, r), `.lora_b` (r, out)).
