@@ -115,5 +115,6 @@ def test_auto_takes_the_tags_of_a_vocabulary_and_template_that_have_them(m):
     thinking = wrapped("{{ messages[0]['content'] }}<think>\n\n</think>")
     t = tags_of(thinking, "auto")
     assert t is not None and (t.start, t.end) == ("<think>", "</think>")
+    assert tags_of(thinking, "auto", templated=False) is None  # raw prompts: no block comes from the template
     assert len(t.start_ids) == 1 and len(t.end_ids) == 1 and t.end_ids != t.start_ids
     assert tags_of(wrapped("{{ messages[0]['content'] }}"), "auto") is None  # the template writes no tags

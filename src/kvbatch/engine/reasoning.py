@@ -40,11 +40,12 @@ def spec_problem(spec: Any) -> Optional[str]:
     return None
 
 
-def tags_of(tokenizer: Any, spec: str) -> Optional[ReasoningTags]:
+def tags_of(tokenizer: Any, spec: str, templated: bool = True) -> Optional[ReasoningTags]:
     """The tags `spec` names for this tokenizer (None: no reasoning). auto: mlx-lm's tags for the
     tokenizer's vocabulary (TokenizerWrapper.think_start / think_end), when its chat template writes
-    them; none: no reasoning; START,END: these tags, tokenized as the model writes them."""
-    if spec == "none":
+    them and the prompts go through it (`templated`: a block comes from the template); none: no
+    reasoning; START,END: these tags, tokenized as the model writes them."""
+    if spec == "none" or (spec == "auto" and not templated):
         return None
     if spec == "auto":
         start, end = getattr(tokenizer, "think_start", None), getattr(tokenizer, "think_end", None)

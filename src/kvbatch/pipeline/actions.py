@@ -250,10 +250,11 @@ def reasoning_tags(cfg: Config, tokenizer):
     job.max_reasoning_tokens asks for a block the model has no tags for."""
     from kvbatch.engine.reasoning import tags_of
 
-    tags = tags_of(tokenizer, cfg.job.reasoning)
+    tags = tags_of(tokenizer, cfg.job.reasoning, templated=cfg.job.chat_template)
     if tags is None and cfg.job.max_reasoning_tokens is not None:
         raise ConfigError(f"job.max_reasoning_tokens={cfg.job.max_reasoning_tokens}: the model's chat template "
-                          f"writes no reasoning tags (job.reasoning=auto found none); set job.reasoning=START,END")
+                          f"writes no reasoning tags or the job does not apply it (job.reasoning=auto found none); "
+                          f"set job.reasoning=START,END")
     if tags is not None:
         say(f"kvbatch: reasoning: {tags.start} ... {tags.end} goes to the results' reasoning column, "
             f"the text after it to answer")

@@ -74,8 +74,8 @@ class JobConfig:
     ignore_eos: bool = False  # EOS is an ordinary token: rows run to max_tokens or a stop
     # constrained output: json_object | regex:PATTERN | a JSON schema (inline mapping or a .json file) | null
     response_format: Optional[Any] = None
-    # reasoning blocks apart from the answer: auto (the model's tags, when its chat template writes them) |
-    # none | START,END (e.g. '<think>,</think>'); response_format then constrains the answer only
+    # reasoning blocks apart from the answer: auto (the model's tags, when its chat template writes them and the
+    # job applies it) | none | START,END (e.g. '<think>,</think>'); response_format then constrains the answer only
     reasoning: str = "auto"
     max_reasoning_tokens: Optional[int] = None  # the closing tag is forced after this many tokens of reasoning
     adapter: Optional[str] = None  # the rows' LoRA adapter: one of model.adapters (a row's `adapter` column wins)
