@@ -83,8 +83,9 @@ def test_unused_columns_are_carried_with_their_types(run_app, tmp_path):  # noqa
 
 # A valid value and an out-of-range one of each kind, as a CSV cell holds them (text).
 _GOOD = {"int": ("3", 3), "float": ("0.5", 0.5), "bool": ("yes", True), "ids": ("[1, 2]", [1, 2]),
-         "strings": ('["a"]', ["a"]), "format": ("json_object", "json_object")}
-_BAD = {"int": "-1", "float": "inf", "bool": "maybe", "ids": "[-1]", "strings": '[""]', "format": "nonsense"}
+         "strings": ('["a"]', ["a"]), "format": ("json_object", "json_object"), "name": ("math-v2", "math-v2")}
+_BAD = {"int": "-1", "float": "inf", "bool": "maybe", "ids": "[-1]", "strings": '[""]', "format": "nonsense",
+        "name": "two words"}
 
 
 def test_the_table_is_carried_by_the_config_schema_results_schema_and_input_reader():
@@ -115,8 +116,10 @@ def test_the_table_is_carried_by_the_config_schema_results_schema_and_input_read
             value = getattr(sections[p.section], p.name)
         assert (tuple(value) if isinstance(value, list) else value) == p.default, p.name
         assert api._key(p.name) == f"{p.section}.{p.name}"
-    # the engine's parameters: every SamplingParams field but the grammar (made from response_format)
-    assert {f.name for f in fields(SamplingParams)} - {"grammar"} == {p.name for p in PARAMS if p.engine}
+    # the engine's parameters: every SamplingParams field but those made from other settings (the grammar from
+    # response_format, the reasoning tags and their limit from job.reasoning and job.max_reasoning_tokens)
+    made = {"grammar", "reasoning", "max_reasoning_tokens"}
+    assert {f.name for f in fields(SamplingParams)} - made == {p.name for p in PARAMS if p.engine}
     # the results schema: a column of the table's type, else shown otherwise
     shown_otherwise = {"n": "sample_index", "prompt_logprobs": "prompt_logprobs"}
     for p in PARAMS:

@@ -21,11 +21,11 @@ from typing import Iterator, Optional, cast
 import mlx.core as mx
 import mlx.nn as nn
 
-from kvbatch.engine import mlx_lm_bridge
+from kvbatch.engine import lora, mlx_lm_bridge
 from kvbatch.engine.backend import on_cpu
 from kvbatch.engine.batch_limits import resolve_max_batch, resolve_prefill_tokens
 from kvbatch.engine.config import EngineConfig
-from kvbatch.engine.errors import INTERNAL_ERROR, KvbatchConfigError, RowError
+from kvbatch.engine.errors import INTERNAL_ERROR, INVALID_INPUT, KvbatchConfigError, RowError
 from kvbatch.engine.gate import check_kv_mode
 from kvbatch.engine.grammar import Grammars
 from kvbatch.engine.hooks import EngineHooks
@@ -94,7 +94,8 @@ class Engine:
                                   prefix_cache=settings.prefix_cache)
         self.output = OutputProcessor(tokenizer, spec, self.layout, self.cache, self.hooks)
         self.grammars = Grammars(tokenizer, spec.vocab_size, set(self.output.eos_ids))
-        self.runner = Runner(model, self.cache, self.hooks, self.memory.budget, self.grammars)
+        self.adapters = lora.of(model)
+        self.runner = Runner(model, self.cache, self.hooks, self.memory.budget, self.grammars, self.adapters)
         self.speculator = Speculator(cfg.speculative, proposer, self.runner, spec.context_length, kv.page_size,
                                      self.layout.quantized) if proposer else None
         # lookahead overlaps the host's graph building with the device: GPU backends only by default
@@ -122,8 +123,14 @@ class Engine:
                 matcher = self.grammars.matcher(p.grammar)
             except RowError as e:
                 problem = (e.code, e.message)
-        row = Row(req, CacheRow(req.key), RowSampler(p, req.prompt_tokens, self.output.eos_ids, matcher), worst,
-                  time.perf_counter(), forced=self.hooks.forced_tokens.get(req.key), score=score)
+        adapter = self._adapter(req.adapter)
+        if adapter is None:
+            names = ", ".join(self.adapters.index) if self.adapters else "none are set"
+            problem, adapter = (INVALID_INPUT, f"adapter {req.adapter!r} is not one of model.adapters ({names})"), 0
+        # a row's K/V depends on its adapter: its cached pages are named under the adapter's name
+        kv = CacheRow(req.key, salt=req.adapter.encode() if adapter and req.adapter else None)
+        row = Row(req, kv, RowSampler(p, req.prompt_tokens, self.output.eos_ids, matcher), worst,
+                  time.perf_counter(), forced=self.hooks.forced_tokens.get(req.key), score=score, adapter=adapter)
         if p.logprobs or p.prompt_logprobs:
             row.logprobs = Logprobs(prompt=[] if p.prompt_logprobs else None)
         if checkpoint is not None and not problem:
@@ -150,6 +157,12 @@ class Engine:
         done = list(self.output.done)
         self.output.done.clear()
         return done
+
+    def _adapter(self, name: Optional[str]) -> Optional[int]:
+        """A per-row adapter's index (0: the base model; None: the model has no adapter of that name)."""
+        if name is None:
+            return 0
+        return self.adapters.index.get(name) if self.adapters is not None else None
 
     def has_unfinished(self) -> bool:
         """Whether any row is still waiting, running, or finished with its result not yet returned."""

@@ -13,7 +13,7 @@ from typing import Optional, cast
 
 import mlx.core as mx
 
-from kvbatch.engine import errors, grammar
+from kvbatch.engine import errors, grammar, reasoning
 from kvbatch.engine.hooks import EngineHooks
 from kvbatch.engine.kv.cache import PagedKVCache
 from kvbatch.engine.memory import KVLayout
@@ -75,6 +75,9 @@ class OutputProcessor:
                 if refused:
                     end(r, "error", errors.INVALID_INPUT, f"the response_format cannot go on: {refused}")
                     continue
+            thinking = r.sampler.reasoning
+            if thinking is not None and thinking.open and thinking.advance(r.out):
+                r.sampler.matcher = thinking.matcher  # the block closed: the answer's grammar from the next token
             hit = self._hit_stop_string(r) if p.stop and len(r.out) > p.min_tokens else None
             if hit is not None:
                 end(r, "stop", stop_reason=hit)
@@ -142,5 +145,8 @@ class OutputProcessor:
             stats.spec_proposed, stats.spec_accepted = row.spec.proposed, row.spec.accepted
         key = code or "ok"
         self.results_by_code[key] = self.results_by_code.get(key, 0) + 1
-        self.done.append(Result(row.req.key, list(row.out), text, reason, code, msg, stats, stop_reason,
-                                row.logprobs))
+        res = Result(row.req.key, list(row.out), text, reason, code, msg, stats, stop_reason, row.logprobs)
+        thinking = row.sampler.reasoning
+        if thinking is not None:
+            res.reasoning, res.answer = reasoning.split(text, thinking.tags, thinking.opened)
+        self.done.append(res)

@@ -19,6 +19,8 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Optional
 
+from kvbatch.engine.reasoning import ReasoningTags
+
 INT32_MAX = 2**31 - 1
 SEED_MAX = 2**63 - 1  # the results' seed column is int64 (MLX keys take up to 2**64 - 1)
 MIN_TEMPERATURE = 1e-3  # below this (and above 0) 1/T overflows on fp16 logits; use 0 for greedy
@@ -193,6 +195,10 @@ class SamplingParams:
     # record the log-probability of every prompt token after the first (its results column holds them)
     prompt_logprobs: bool = _row(False, "bool", "sampling")
     grammar: Optional[str] = None  # llguidance grammar the output must match (made from a row's response_format)
+    # the model's reasoning tags (engine/reasoning.py): the grammar applies after the block; None: no reasoning
+    reasoning: Optional[ReasoningTags] = None
+    # with reasoning: the block's closing tag is forced after this many tokens in it (None: no limit)
+    max_reasoning_tokens: Optional[int] = None
 
     def problem(self, vocab_size: Optional[int] = None) -> Optional[str]:
         """Why these parameters cannot run (None: they can): the ranges of PARAMS, the one range check;
@@ -206,6 +212,8 @@ class SamplingParams:
             if vocab_size is not None and p.engine and p.kind == "ids" \
                     and ids_outside(getattr(self, p.name), vocab_size):
                 return f"{p.name} outside the vocabulary (0 to {vocab_size - 1})"
+        if self.max_reasoning_tokens is not None and not 0 <= self.max_reasoning_tokens <= INT32_MAX:
+            return f"max_reasoning_tokens must be >= 0, got {self.max_reasoning_tokens}"
         if self.min_tokens > self.max_tokens:
             return f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
         return None
@@ -224,6 +232,8 @@ def _params() -> tuple[RowParam, ...]:
         RowParam("int", "sampling", n_error, openai=True, name="n", default=1, engine=False),
         # the output's required shape: the pipeline makes SamplingParams.grammar from it
         RowParam("format", "job", column="string", openai=True, name="response_format", default=None, engine=False),
+        # which of the model's per-row LoRA adapters it runs with (Request.adapter; null: none)
+        RowParam("name", "job", column="string", name="adapter", default=None, engine=False),
     )
     return engine + pipeline
 

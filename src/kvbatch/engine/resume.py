@@ -3,9 +3,9 @@
 A checkpoint is what a row needs to go on exactly as if it had never stopped: its generated
 tokens, and the output log-probabilities it recorded (they come from logits no re-prefill
 recomputes). Everything else of its sampler follows from the tokens: its random stream is at
-draw len(tokens) (RowSampler.skip), the penalties count its tokens, a grammar's matcher replays
-them, the stop-string window and min_tokens read them. A row admitted with a checkpoint is the
-scheduler's preempted row: it prefills prompt + kept tokens (taking cached pages where it can)
+draw len(tokens) (RowSampler.skip), the penalties count its tokens, a grammar's matcher and a
+reasoning block replay them, the stop-string window and min_tokens read them. A row admitted
+with a checkpoint is the scheduler's preempted row: it prefills prompt + kept tokens (taking cached pages where it can)
 and samples its next token from the last position's logits, so there is one way to continue a row.
 """
 from __future__ import annotations
@@ -48,13 +48,16 @@ def problem(row: Row, ck: RowCheckpoint, vocab_size: int, context_length: int) -
 
 def restore(row: Row, ck: RowCheckpoint) -> Optional[str]:
     """Put the checkpoint's state into a fresh row (before it is scheduled); why it cannot continue, else None."""
-    matcher = row.sampler.matcher
-    if matcher is not None:
-        for t in ck.tokens:
-            refused = grammar.advance(matcher, t)
+    s, out = row.sampler, []
+    for t in ck.tokens:  # as OutputProcessor.accept took them: the grammar, then the reasoning block
+        out.append(t)
+        if s.matcher is not None:
+            refused = grammar.advance(s.matcher, t)
             if refused:
                 return f"the checkpoint's tokens do not match the response_format: {refused}"
-    row.out = list(ck.tokens)
+        if s.reasoning is not None and s.reasoning.open and s.reasoning.advance(out):
+            s.matcher = s.reasoning.matcher
+    row.out = out
     row.resumed = len(ck.tokens)
     row.sampler.skip(len(ck.tokens))
     if row.logprobs is not None and ck.logprobs is not None:

@@ -33,6 +33,7 @@ class Row:
     logprobs: Optional[Logprobs] = None  # recorded when the row asks for logprobs or prompt_logprobs
     score: Optional[Any] = None  # a teacher-forced scorer (engine/scoring.py): its text is scored, nothing sampled
     spec: Optional[Any] = None  # speculative decoding's state of the row (engine/speculative/state.py RowSpec)
+    adapter: int = 0  # its per-row LoRA adapter's index (engine/lora.py; 0: the base model)
 
     @property
     def prompt_len(self) -> int:

@@ -22,6 +22,7 @@ from kvbatch.engine.grammar import Grammars
 from kvbatch.engine.hooks import EngineHooks
 from kvbatch.engine.kv.cache import PagedKVCache
 from kvbatch.engine.logprobs import prompt_tokens
+from kvbatch.engine.lora import Adapters
 from kvbatch.engine.mlx_lm_bridge import pick_last, forward_hidden, forward_last
 from kvbatch.engine.plan import Chunk, StepTimes
 from kvbatch.engine.row import Row
@@ -69,9 +70,9 @@ class Runner:
     """Runs what the Scheduler planned: prefill passes and decode steps through the model, and their sampling."""
 
     def __init__(self, model: nn.Module, cache: PagedKVCache, hooks: EngineHooks, budget: int,
-                 grammars: Optional[Grammars] = None):
+                 grammars: Optional[Grammars] = None, adapters: Optional[Adapters] = None):
         self.model, self.cache, self.hooks = model, cache, hooks
-        self.grammars = grammars
+        self.grammars, self.adapters = grammars, adapters
         self.budget = budget
         self.times = StepTimes()
 
@@ -82,6 +83,14 @@ class Runner:
         if not inj:
             return None
         return [r.req.key == inj[0] and len(r.out) + (id(r) in ahead) == int(inj[1]) for r in rows]
+
+    def begin(self, rows: list[Row], length: int, poison: Optional[list[bool]],
+              lens: Optional[list[int]] = None) -> None:
+        """Before a forward pass of `rows` (each `length` positions; `lens`: each row's real ones): the
+        cache's views of their pages, and with per-row adapters, which adapter each row uses."""
+        self.cache.begin([row.kv for row in rows], length, poison, lens)
+        if self.adapters is not None:
+            self.adapters.select([row.adapter for row in rows])
 
     # ---- prefill ---------------------------------------------------------------------------
     def prefill(self, chunks: Sequence[Chunk]) -> list[PrefillPass]:
@@ -112,7 +121,7 @@ class Runner:
         done = [i for i, (row, n) in enumerate(chunks) if row.kv.length + n == row.target]
         try:
             inputs = mx.array([row.prefill_tokens(n) + [0] * (L - n) for row, n in chunks])
-            self.cache.begin([row.kv for row in rows], L, self.poison(rows), lens)
+            self.begin(rows, L, self.poison(rows), lens)
             try:
                 h, head = forward_hidden(self.model, inputs, self.cache.views)
                 scores = self._prompt_scores(chunks, before, h, head)
@@ -224,7 +233,7 @@ class SyncStepper:
         r, t0 = self.r, time.perf_counter()
         inputs = mx.array([[row.out[-1]] for row in rows])
         try:
-            r.cache.begin([row.kv for row in rows], 1, r.poison(rows))
+            r.begin(rows, 1, r.poison(rows))
             try:
                 logits, tokens, finite = r.forward_sample(rows, inputs)
                 mx.eval(*tokens.arrays(), finite)
@@ -296,7 +305,7 @@ class LookaheadStepper:
             t0 = time.perf_counter()
             try:
                 inputs = self._next_inputs(rows, prev, ahead)
-                r.cache.begin([row.kv for row in rows], 1, r.poison(rows, ahead))
+                r.begin(rows, 1, r.poison(rows, ahead))
                 try:
                     logits, tokens, finite = r.forward_sample(rows, inputs, ahead)
                     mx.async_eval(*tokens.arrays(), finite)

@@ -23,6 +23,7 @@ from mlx_lm.sample_utils import apply_top_p
 
 from kvbatch.engine import logprobs, penalties
 from kvbatch.engine.params import SamplingParams
+from kvbatch.engine.reasoning import RowReasoning
 
 if TYPE_CHECKING:
     from kvbatch.engine.grammar import Grammars
@@ -32,7 +33,8 @@ _split = mx.vmap(mx.random.split)
 
 class RowSampler:
     """One row's sampling state: its key (sampled rows), its grammar matcher (constrained rows),
-    the tokens masked before min_tokens, the prompt's distinct tokens (the repetition penalty)."""
+    the tokens masked before min_tokens, the prompt's distinct tokens (the repetition penalty), its
+    reasoning block (rows with reasoning tags: the matcher is held there until the block closes)."""
 
     def __init__(self, params: SamplingParams, prompt: Sequence[int] = (), eos_ids: frozenset = frozenset(),
                  matcher: Any = None):
@@ -45,8 +47,15 @@ class RowSampler:
             if penalties.on_prompt(params) else None
         banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
         self.min_tokens_ban = np.array(sorted(banned), dtype=np.int64) if params.min_tokens and banned else None
-        # the host must know the row's last token before its next step (grammar state, penalty counts)
-        self.needs_host = matcher is not None or self.penalized
+        self.reasoning = None
+        if params.reasoning is not None:
+            self.reasoning = RowReasoning(params.reasoning, params.max_reasoning_tokens, prompt, matcher)
+            if self.reasoning.open:
+                self.matcher = None  # the answer's grammar: from the token after the closing tag
+        # the host must know the row's last token before its next step (grammar state, penalty counts,
+        # a reasoning block's end or forced closing tag)
+        self.needs_host = matcher is not None or self.penalized \
+            or (self.reasoning is not None and params.max_reasoning_tokens is not None)
 
     def skip(self, draws: int) -> None:
         """Move a sampled row's random stream past `draws` draws (a row resumed from a checkpoint
@@ -92,7 +101,8 @@ def sample_batch(logits: mx.array, rows: list, grammars: Optional[Grammars] = No
         x = penalties.apply(x, [(i, samplers[i].params, samplers[i].prompt_ids, rows[i].out) for i in pen])
     steps = steps if steps is not None else [len(r.out) + (id(r) in ahead) for r in rows]
     masked = [i for i, s in enumerate(samplers)
-              if s.matcher is not None or (s.min_tokens_ban is not None and steps[i] < s.params.min_tokens)]
+              if s.matcher is not None or (s.min_tokens_ban is not None and steps[i] < s.params.min_tokens)
+              or (s.reasoning is not None and s.reasoning.force is not None)]
     if masked:
         x = mx.where(allowed_mask(rows, masked, steps, grammars, x.shape[-1]), x, -mx.inf)
     tokens = mx.argmax(x, axis=-1)
@@ -118,8 +128,8 @@ def sample_batch(logits: mx.array, rows: list, grammars: Optional[Grammars] = No
 def allowed_mask(rows: list, masked: list[int], steps: list[int], grammars: Optional[Grammars],
                  vocab: int) -> mx.array:
     """(B, V) bool: the tokens each row may take this step. The host fills an int32 bitmask (32 tokens a
-    word; rows without a mask all ones): constrained rows from llguidance, min_tokens bans cleared;
-    MLX unpacks it on the device."""
+    word; rows without a mask all ones): constrained rows from llguidance, min_tokens bans cleared, a
+    forced closing tag's token alone; MLX unpacks it on the device."""
     words = (vocab + 31) // 32
     bits = np.full((len(rows), words), -1, dtype=np.int32)
     constrained = [(rows[i].sampler.matcher, i) for i in masked if rows[i].sampler.matcher is not None]
@@ -132,6 +142,10 @@ def allowed_mask(rows: list, masked: list[int], steps: list[int], grammars: Opti
         if s.min_tokens_ban is not None and steps[i] < s.params.min_tokens:
             ban = s.min_tokens_ban[s.min_tokens_ban < vocab]
             np.bitwise_and.at(flat[i], ban // 32, ~(np.uint32(1) << (ban % 32).astype(np.uint32)))
+        force = s.reasoning.force if s.reasoning is not None else None
+        if force is not None and 0 <= force < vocab:
+            flat[i] = 0
+            flat[i, force // 32] = np.uint32(1) << np.uint32(force % 32)
     m = mx.array(flat)
     unpacked = (m[:, :, None] >> mx.arange(32, dtype=mx.uint32)) & 1
     return unpacked.reshape(len(rows), words * 32)[:, :vocab].astype(mx.bool_)

@@ -37,6 +37,7 @@ class Request:
     prompt_tokens: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     group: Optional[str] = None
+    adapter: Optional[str] = None  # one of the model's per-row LoRA adapters by name (engine/lora.py); None: base
 
 
 @dataclass
@@ -97,6 +98,10 @@ class Result:
     # length and errors (vLLM's stop_reason)
     stop_reason: Optional[str] = None
     logprobs: Optional[Logprobs] = None  # set when the row asked for logprobs or prompt_logprobs
+    # rows with reasoning tags (engine/reasoning.py split): the block's text (None: the row had none) and
+    # the answer after it
+    reasoning: Optional[str] = None
+    answer: Optional[str] = None
 
     @property
     def ok(self) -> bool:

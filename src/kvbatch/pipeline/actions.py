@@ -215,6 +215,7 @@ def load_runtime(cfg: Config, rows: Optional[int] = None) -> Runtime:
     if warning:
         log.warning(warning)
     check_template(tokenizer, cfg.job.chat_template)
+    tags = reasoning_tags(cfg, tokenizer)
     ecfg = replace(engine_config(cfg), rows=rows)
     # every engine of this run gets the same hooks: debug.inject_nonfinite, and the crash
     # points when KVBATCH_DEBUG_CRASH_AT is set (testing only)
@@ -241,7 +242,23 @@ def load_runtime(cfg: Config, rows: Optional[int] = None) -> Runtime:
         return first.pop() if first else engine()
 
     return Runtime(tokenizer=tokenizer, model_name=spec.name, make_engine=make_engine,
-                   context_length=spec.context_length)
+                   context_length=spec.context_length, reasoning=tags)
+
+
+def reasoning_tags(cfg: Config, tokenizer):
+    """The job's reasoning tags for this model (None: no reasoning); ConfigError when
+    job.max_reasoning_tokens asks for a block the model has no tags for."""
+    from kvbatch.engine.reasoning import tags_of
+
+    tags = tags_of(tokenizer, cfg.job.reasoning, templated=cfg.job.chat_template)
+    if tags is None and cfg.job.max_reasoning_tokens is not None:
+        raise ConfigError(f"job.max_reasoning_tokens={cfg.job.max_reasoning_tokens}: the model's chat template "
+                          f"writes no reasoning tags or the job does not apply it (job.reasoning=auto found none); "
+                          f"set job.reasoning=START,END")
+    if tags is not None:
+        say(f"kvbatch: reasoning: {tags.start} ... {tags.end} goes to the results' reasoning column, "
+            f"the text after it to answer")
+    return tags
 
 
 def check_controls(cfg: Config, eng) -> None:

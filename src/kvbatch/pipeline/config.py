@@ -22,8 +22,9 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from kvbatch.engine.config import EngineConfig, EngineSettings, KVConfig, MemoryConfig, SpeculativeConfig
+from kvbatch.engine import reasoning
 from kvbatch.engine.errors import ERROR_CODES, KvbatchConfigError
-from kvbatch.engine.models.config import ModelConfig
+from kvbatch.engine.models.config import ADAPTER_NAME, ModelConfig
 from kvbatch.pipeline import durations, extras, model_defaults, response_format, row_params
 from kvbatch.pipeline.escapes import unescape
 from kvbatch.pipeline.redact import redact, redact_config
@@ -73,6 +74,11 @@ class JobConfig:
     ignore_eos: bool = False  # EOS is an ordinary token: rows run to max_tokens or a stop
     # constrained output: json_object | regex:PATTERN | a JSON schema (inline mapping or a .json file) | null
     response_format: Optional[Any] = None
+    # reasoning blocks apart from the answer: auto (the model's tags, when its chat template writes them and the
+    # job applies it) | none | START,END (e.g. '<think>,</think>'); response_format then constrains the answer only
+    reasoning: str = "auto"
+    max_reasoning_tokens: Optional[int] = None  # the closing tag is forced after this many tokens of reasoning
+    adapter: Optional[str] = None  # the rows' LoRA adapter: one of model.adapters (a row's `adapter` column wins)
 
 
 @dataclass
@@ -238,6 +244,15 @@ def validate(cfg: Config) -> None:
     _need(m.source in MODEL_SOURCES, "model.source", m.source, f"choose one of {', '.join(MODEL_SOURCES)}")
     _need(m.source != "local" or bool(m.path), "model.path", m.path,
           "model=local needs model.path (an mlx-lm directory or a Hugging Face repo id)")
+    _need(not (m.adapter_path and m.adapters), "model.adapter_path", m.adapter_path,
+          "set model.adapter_path (one adapter for every row) or model.adapters (rows pick one by name), not both")
+    ad = m.adapters
+    _need(ad is None or (isinstance(ad, dict) and all(isinstance(v, str) for v in ad.values())), "model.adapters",
+          ad, "must be a mapping of adapter names to adapter folders, e.g. {math: adapters/math}")
+    bad_names = [n for n in (ad or {}) if not ADAPTER_NAME.fullmatch(str(n))]
+    _need(not bad_names, "model.adapters", bad_names, "adapter names are letters, digits, '_', '-', '.'")
+    _need(job.adapter is None or job.adapter in (m.adapters or {}), "job.adapter", job.adapter,
+          f"must name one of model.adapters ({', '.join(m.adapters or {}) or 'none set'})")
     if m.source != "tiny":  # the random model's geometry: any other model has its own
         base = ModelConfig()
         for key in TINY_ONLY:
@@ -271,6 +286,13 @@ def validate(cfg: Config) -> None:
           job.continue_final_message, "needs job.chat_template=true")
     _need(job.min_tokens <= job.max_tokens, "job.min_tokens", job.min_tokens,
           f"must be <= job.max_tokens ({job.max_tokens})")
+    _need(reasoning.spec_problem(job.reasoning) is None, "job.reasoning", job.reasoning,
+          str(reasoning.spec_problem(job.reasoning)))
+    mrt = job.max_reasoning_tokens
+    _need(mrt is None or 0 <= mrt < job.max_tokens, "job.max_reasoning_tokens", mrt,
+          f"must be >= 0 and below job.max_tokens ({job.max_tokens}), so the answer has room (or null: no limit)")
+    _need(mrt is None or job.reasoning != "none", "job.max_reasoning_tokens", mrt,
+          "needs reasoning tags: job.reasoning=auto or START,END, not none")
     try:
         response_format.resolve(job.response_format)
     except ValueError as exc:
@@ -395,6 +417,9 @@ def run_identity(cfg: Config, input_path: str, include_kv: bool) -> str:
     keyed["debug"].pop("deadline_after_tokens", None)
     keyed["sampling"].pop("defaults", None)  # the values it chose are keyed themselves
     keyed["job"] = {**keyed["job"], "input": str(input_path), "name": None}
+    adapters = {"": cfg.model.adapter_path} if cfg.model.adapter_path else dict(cfg.model.adapters or {})
+    if adapters:  # an adapter by its files' content too: one retrained in the same folder is another job
+        keyed["model"]["adapter_content"] = {k: adapter_digest(v) for k, v in adapters.items()}
     if cfg.job.response_format is not None:  # a schema file by its content, not its path
         keyed["job"]["response_format"] = response_format.canonical(response_format.resolve(cfg.job.response_format))
     if include_kv:
@@ -406,6 +431,21 @@ def run_identity(cfg: Config, input_path: str, include_kv: bool) -> str:
             keyed["speculative"] = asdict(cfg.speculative)
     blob = json.dumps(keyed, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def adapter_digest(folder: str) -> Optional[str]:
+    """A digest of an adapter folder's two files (None: they cannot be read; loading it says why)."""
+    from pathlib import Path
+
+    h = hashlib.blake2b(digest_size=16)
+    try:
+        for name in ("adapter_config.json", "adapters.safetensors"):
+            with open(Path(folder).expanduser() / name, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(block)
+    except OSError:
+        return None
+    return h.hexdigest()
 
 
 def config_hash(cfg: Config, input_path: str) -> str:

@@ -55,6 +55,10 @@ class ResultRecord:
     run_id: Optional[str] = _col(pa.string())
     prompt: Optional[str] = _col(pa.string())
     output: Optional[str] = _col(pa.string())
+    # job.reasoning (engine/reasoning.py): the reasoning block's text and the answer after it (output holds
+    # both); null without reasoning tags, reasoning null too when the row started after a closed block
+    reasoning: Optional[str] = _col(pa.string())
+    answer: Optional[str] = _col(pa.string())
     output_token_ids: list[int] = field(default_factory=list, metadata={"arrow": pa.list_(pa.int32())})
     prompt_tokens: Optional[int] = _col(pa.int32())
     cached_tokens: Optional[int] = _col(pa.int32())  # prompt tokens taken from cached or shared pages

@@ -10,6 +10,7 @@ import json
 import math
 from typing import Any, Callable, Optional
 
+from kvbatch.engine.models.config import ADAPTER_NAME
 from kvbatch.engine.params import PARAMS, RowParam, SamplingParams
 from kvbatch.pipeline import response_format
 
@@ -86,8 +87,15 @@ def _format(name: str, v: Any) -> Any:
     return response_format.resolve(v, files=False)  # its checks and messages are its module's; rows never name files
 
 
+def _name(name: str, v: Any) -> str:
+    """A name (an adapter's): letters, digits, '_', '-', '.'."""
+    if not isinstance(v, str) or not ADAPTER_NAME.fullmatch(v):
+        raise ValueError(f"{name} must be a name (letters, digits, '_', '-', '.'), got {v!r:.80}")
+    return v
+
+
 _READERS: dict[str, Callable[[str, Any], Any]] = {"int": _int, "float": _float, "bool": _bool, "ids": _ids,
-                                                  "strings": _strings, "format": _format}
+                                                  "strings": _strings, "format": _format, "name": _name}
 # a list value out of range: the reader's own message (which says what the whole value must be)
 _LIST_PROBLEM = {"ids": "must be a list of token ids (integers >= 0)",
                  "strings": "must be a non-empty string or a list of non-empty strings"}

@@ -129,6 +129,7 @@ class Runtime:
     model_name: str
     make_engine: Callable[[], Any]  # a fresh Engine (after an engine-level failure, the old one is dropped)
     context_length: int = 0  # the model's context: no row generates past it (0: unknown)
+    reasoning: Any = None  # the job's reasoning tags for this model (engine/reasoning.py; None: no reasoning)
 
 
 @dataclass
@@ -187,8 +188,10 @@ class Worker:
     def _sampling(self, row: Claimed) -> SamplingParams:
         """The parameters the row runs with (built once per row: the engine's Request keeps them)."""
         payload = row.payload
+        tags = self.rt.reasoning
         return row_params.sampling(payload, self.cfg, seed=samples.seed_for(payload, row.key, self.cfg.sampling.seed),
-                                   grammar=response_format.grammar(self._format(payload)))
+                                   grammar=response_format.grammar(self._format(payload)), reasoning=tags,
+                                   max_reasoning_tokens=self.cfg.job.max_reasoning_tokens if tags else None)
 
     def _format(self, payload: dict):
         """The row's response format (resolved): its own, else the job's."""
@@ -197,6 +200,10 @@ class Worker:
         if self.job_format is _UNSET:
             self.job_format = response_format.resolve(self.cfg.job.response_format)
         return self.job_format
+
+    def _adapter(self, payload: dict) -> Optional[str]:
+        """The row's LoRA adapter by name: its own, else the job's (None: the model as loaded)."""
+        return payload["adapter"] if "adapter" in payload else self.cfg.job.adapter
 
     def _record(self, c: Claimed, res: Optional[Result] = None, code: Optional[str] = None,
                 msg: Optional[str] = None, params: Optional[SamplingParams] = None) -> ResultRecord:
@@ -209,13 +216,14 @@ class Worker:
         if "error" not in c.payload:
             p = params or self._sampling(c)
             fmt = response_format.canonical(self._format(c.payload)) if p.grammar else None
-            for name, value in row_params.columns(p, response_format=fmt).items():
+            for name, value in row_params.columns(p, response_format=fmt, adapter=self._adapter(c.payload)).items():
                 setattr(rec, name, value)
         else:  # the seed it would have run with: the column never null, an integer column in pandas too
             rec.seed = samples.seed_for(c.payload, c.key, self.cfg.sampling.seed)
         if res is not None:
             s = res.stats
             rec.output, rec.output_token_ids, rec.output_tokens = res.text, list(res.tokens), len(res.tokens)
+            rec.reasoning, rec.answer = res.reasoning, res.answer
             rec.finish_reason, rec.error_code, rec.error_message = res.finish_reason, res.error_code, res.error_message
             rec.prompt_tokens, rec.ttft_s, rec.decode_tps = s.prompt_tokens, s.ttft_s, s.decode_tps
             rec.queue_s, rec.preemptions, rec.cached_tokens = s.queue_s, s.preemptions, s.cached_tokens
@@ -277,7 +285,8 @@ class Worker:
                 if c.crashes >= w.isolate_after:  # a suspect: what finished before it is written first
                     self.flush(force=True)
                     self.alone = c.key
-                req = Request(key=c.key, prompt_tokens=ids, sampling=p, group=c.payload.get("group"))
+                req = Request(key=c.key, prompt_tokens=ids, sampling=p, group=c.payload.get("group"),
+                              adapter=self._adapter(c.payload))
                 fp = checkpoints.fingerprint(self.cfg, self.rt.model_name, p, ids)
                 try:
                     kept = self._add_to_engine(req, fp)

@@ -21,9 +21,12 @@ def page_hash(parent: Optional[PageHash], tokens: list[int]) -> PageHash:
     return h.digest()
 
 
-def extend_hashes(hashes: list[PageHash], tokens: list[int], page_size: int, full_pages: int) -> list[PageHash]:
-    """`hashes` (of tokens' first pages) extended in place to the first `full_pages` full pages of tokens."""
+def extend_hashes(hashes: list[PageHash], tokens: list[int], page_size: int, full_pages: int,
+                  root: Optional[PageHash] = None) -> list[PageHash]:
+    """`hashes` (of tokens' first pages) extended in place to the first `full_pages` full pages of tokens;
+    `root`: the first page's parent (what else the K/V depends on: equal tokens under another root never
+    share a page)."""
     while len(hashes) < full_pages:
         i = len(hashes)
-        hashes.append(page_hash(hashes[-1] if hashes else None, tokens[i * page_size:(i + 1) * page_size]))
+        hashes.append(page_hash(hashes[-1] if hashes else root, tokens[i * page_size:(i + 1) * page_size]))
     return hashes

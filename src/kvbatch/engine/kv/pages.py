@@ -29,6 +29,8 @@ class CacheRow:
     tail: Optional[int] = None  # quantized modes: its dense tail-page slot
     peak_pages: int = 0
     hashes: list[PageHash] = field(default_factory=list)  # of its token sequence's full pages, as far as known
+    # what else its K/V depends on (a per-row adapter's name): the root of its page hash chain
+    salt: Optional[PageHash] = None
 
     @property
     def tail_slot(self) -> int:

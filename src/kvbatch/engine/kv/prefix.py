@@ -23,7 +23,7 @@ def computed_pages(pool: PagePool, row: CacheRow, tokens: list[int], page_size: 
         return []
     out: list[int] = []
     for i in range(start, limit):
-        page = pool.cached(extend_hashes(row.hashes, tokens, page_size, i + 1)[i])
+        page = pool.cached(extend_hashes(row.hashes, tokens, page_size, i + 1, row.salt)[i])
         if page is None:
             break
         out.append(page)
@@ -33,7 +33,7 @@ def computed_pages(pool: PagePool, row: CacheRow, tokens: list[int], page_size: 
 def cache_full_pages(pool: PagePool, row: CacheRow, tokens: list[int], page_size: int, n_pages: int) -> None:
     """Name the row's first n_pages pages (full, K/V stored) by their prefix hashes."""
     n = min(n_pages, len(row.pages), len(tokens) // page_size)
-    for i, h in enumerate(extend_hashes(row.hashes, tokens, page_size, n)[:n]):
+    for i, h in enumerate(extend_hashes(row.hashes, tokens, page_size, n, row.salt)[:n]):
         pool.cache(row.pages[i], h)
 
 
@@ -44,9 +44,9 @@ def next_hash(row: CacheRow, tokens: list[int], page_size: int, limit: int):
     i = row.length // page_size
     if row.length % page_size or i >= limit:
         return None
-    return extend_hashes(row.hashes, tokens, page_size, i + 1)[i]
+    return extend_hashes(row.hashes, tokens, page_size, i + 1, row.salt)[i]
 
 
 def prefix_hashes(row: CacheRow, tokens: list[int], page_size: int, limit: int) -> list:
     """Hashes of the row's first `limit` full pages (computed or not)."""
-    return extend_hashes(row.hashes, tokens, page_size, limit)[:limit]
+    return extend_hashes(row.hashes, tokens, page_size, limit, row.salt)[:limit]

@@ -1,8 +1,11 @@
 """What to load: one dataclass shared by the loader and the Hydra config (`model/` group)."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
+
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # a per-row adapter's name (model.adapters' keys, a row's `adapter`)
 
 
 @dataclass
@@ -18,6 +21,10 @@ class ModelConfig:
     cache_dir: Optional[str] = None  # where converted/built models live; default ~/.cache/kvbatch/models
     # "auto": float32 on the CPU backend (fast there), keep quantized/bf16 on a GPU.
     dtype: str = "auto"
+    # an mlx-lm LoRA adapter folder (adapter_config.json, adapters.safetensors) applied to every row
+    adapter_path: Optional[str] = None
+    # {name: adapter folder}: the adapters rows pick one of by name (decoded together in one batch); null: none
+    adapters: Optional[Any] = None
     # source=tiny: geometry of the random model.
     family: str = "llama"  # llama | qwen3
     num_layers: int = 2

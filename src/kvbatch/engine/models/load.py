@@ -9,6 +9,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_model as mlx_lm_load_model
 from mlx_lm.utils import load_tokenizer
 
+from kvbatch.engine import lora
 from kvbatch.engine.errors import KvbatchConfigError
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.sources import resolve_model_dir
@@ -50,4 +51,12 @@ def load_model(cfg: ModelConfig) -> tuple[nn.Module, TokenizerWrapper, ModelSpec
         if cfg.dtype not in ("float32", "float16", "bfloat16"):
             raise KvbatchConfigError(f"model.dtype={cfg.dtype!r} is not one of auto, float32, float16, bfloat16")
         model.set_dtype(getattr(mx, cfg.dtype))
+    if cfg.adapter_path and cfg.adapters:
+        raise KvbatchConfigError("set model.adapter_path (one adapter for every row) or model.adapters (rows pick "
+                                 "one), not both")
+    if cfg.adapter_path:
+        lora.load_job_adapter(model, cfg.adapter_path)
+    if cfg.adapters:
+        lora.install(model, dict(cfg.adapters))
+    # after the adapters: their weights count in the spec's weights_bytes (the memory model's)
     return model, tokenizer, model_spec(_display_name(cfg, path), model, config)

@@ -86,7 +86,7 @@ class Verifier:
         before = [row.kv.length for row in rows]
         try:
             inputs = mx.array([[row.out[-1]] + p + [0] * (L - n) for row, p, n in zip(rows, props, lens)])
-            r.cache.begin([row.kv for row in rows], L, r.poison(rows), lens)
+            r.begin(rows, L, r.poison(rows), lens)
             try:
                 h, head = forward_hidden(r.model, inputs, r.cache.views)
                 h = h.reshape(len(rows) * L, h.shape[-1])

@@ -114,6 +114,14 @@ def _logprobs(row: dict, decode: Callable[[int], str]) -> Optional[dict]:
             "refusal": None}
 
 
+def _message(row: dict) -> dict:
+    """The assistant message: its content, and for a row with reasoning tags the answer as content and the
+    reasoning block as reasoning_content (as vLLM's reasoning parsers return them)."""
+    if row.get("answer") is None:
+        return {"role": "assistant", "content": row["output"], "refusal": None}
+    return {"role": "assistant", "content": row["answer"], "reasoning_content": row.get("reasoning"), "refusal": None}
+
+
 def _custom_id(rows: list[dict]) -> str:
     """The request's id: the row key, or for n samples the key their sample keys were made from."""
     if len(rows) == 1 and not rows[0].get("sample_index"):
@@ -134,8 +142,8 @@ def output_line(rows: list[dict], model: str, created: int, decode: Callable[[in
         return {**line, "response": None, "error": {"code": r["error_code"], "message": which + r["error_message"]}}
     prompt = rows[0]["prompt_tokens"] or 0
     completion = sum(r["output_tokens"] or 0 for r in rows)
-    choices = [{"index": i, "message": {"role": "assistant", "content": r["output"], "refusal": None},
-                "logprobs": _logprobs(r, decode), "finish_reason": r["finish_reason"]} for i, r in enumerate(rows)]
+    choices = [{"index": i, "message": _message(r), "logprobs": _logprobs(r, decode),
+                "finish_reason": r["finish_reason"]} for i, r in enumerate(rows)]
     body = {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": created, "model": model,
             "choices": choices,
             "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}
