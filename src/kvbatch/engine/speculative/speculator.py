@@ -22,10 +22,12 @@ class Speculator:
 
     def propose(self, rows: list[Row]) -> dict[int, list[int]]:
         """Proposed tokens by id(row), for the rows that propose this step."""
+        self.proposer.forget()
         out: dict[int, list[int]] = {}
         cap = self.cfg.disable_by_batch_size
         if cap is not None and len(rows) > cap:
             return out
+        asked, ks = [], []
         for row in rows:
             if not speculates(row):
                 continue
@@ -35,11 +37,13 @@ class Speculator:
                 continue
             k = max_proposal(row, min(self.cfg.num_tokens, row.spec.want), self.context_length, self.page_size,
                              self.quantized)
-            if k <= 0:
-                continue
-            p = self.proposer.propose(row, k)
-            if p:
-                out[id(row)] = p
+            if k > 0:
+                asked.append(row)
+                ks.append(k)
+        if asked:
+            for row, p in zip(asked, self.proposer.propose(asked, ks)):
+                if p:
+                    out[id(row)] = p
         return out
 
     def verify(self, rows: list[Row], proposals: dict[int, list[int]]) -> Decoded:
