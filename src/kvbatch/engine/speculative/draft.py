@@ -39,6 +39,11 @@ from kvbatch.engine.types import ModelSpec
 
 logger = logging.getLogger(__name__)
 
+# a row at most this many tokens behind catches up in the step's first draft pass with the others (a
+# verification leaves it one or two behind); further behind (admitted, resumed, paused), it catches
+# up alone first, so the others' pass is not padded to its length
+CATCH_UP_WITH_OTHERS = 16
+
 
 def draft_model(method: str, tokenizer: Any, spec: ModelSpec, draft: Optional[tuple[nn.Module, Any, ModelSpec]]
                 ) -> Optional[tuple[nn.Module, Any, ModelSpec]]:
@@ -51,8 +56,9 @@ def draft_model(method: str, tokenizer: Any, spec: ModelSpec, draft: Optional[tu
         raise KvbatchConfigError("speculative.method='draft': no draft model was loaded (speculative.model names it)")
     d_tok, d_spec = draft[1], draft[2]
     if d_spec.vocab_size != spec.vocab_size:
-        raise KvbatchConfigError(f"speculative.model={d_spec.name!r}: its vocabulary has {d_spec.vocab_size} ids and "
-                                 f"the model's ({spec.name}) {spec.vocab_size}: a draft must share the model's tokenizer")
+        raise KvbatchConfigError(f"speculative.model={d_spec.name!r}: its vocabulary has {d_spec.vocab_size} ids, "
+                                 f"the model's ({spec.name}) {spec.vocab_size}: a draft must share the model's "
+                                 "tokenizer")
     if d_tok is not tokenizer and d_tok.get_vocab() != tokenizer.get_vocab():
         raise KvbatchConfigError(f"speculative.model={d_spec.name!r}: its tokenizer differs from the model's "
                                  f"({spec.name}): a draft must share the model's tokenizer")
@@ -112,7 +118,16 @@ class DraftProposer:
 
     # ---- proposals -----------------------------------------------------------------------------
     def propose(self, rows: list[Row], ks: list[int]) -> list[list[int]]:
-        """Up to ks[i] draft tokens for rows[i] (a row whose draft pages cannot be had proposes nothing)."""
+        """Up to ks[i] draft tokens for rows[i] (a row whose draft pages cannot be had proposes nothing;
+        a draft pass that fails costs this step's proposals and every row's draft pages, not the rows)."""
+        try:
+            return self._propose(rows, ks)
+        except Exception:
+            logger.exception("draft proposals for %d rows failed; the rows decode without them", len(rows))
+            self.forget(everything=True)
+            return [[] for _ in rows]
+
+    def _propose(self, rows: list[Row], ks: list[int]) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in rows]
         limit = self.kv_limit()
         live: list[tuple[int, DraftRow, list[int]]] = []  # (index, draft row, tokens to feed in the first pass)
@@ -125,15 +140,15 @@ class DraftProposer:
                 self.cache.release(d.kv)
                 del self.rows[id(row)]
                 continue
-            # catch up alone, in chunks, on all but the last few tokens (a long prompt)
-            while len(todo) > self.chunk:
-                self._forward([d], [todo[:self.chunk]], want=False)
-                todo = todo[self.chunk:]
+            if len(todo) > CATCH_UP_WITH_OTHERS:  # a long way behind: alone, in chunks, up to its last token
+                for a in range(0, len(todo) - 1, self.chunk):
+                    self._forward([d], [todo[a:min(a + self.chunk, len(todo) - 1)]], want=False)
+                todo = todo[-1:]
             live.append((i, d, todo))
         if not live:
             return out
         # the first pass: each row's remaining tokens, its first proposal from the last position
-        keys = {i: key_chain(rows[i].sampler.key, ks[i])[0] for i, _, _ in live if rows[i].sampler.key is not None}
+        keys = {i: key_chain(k, ks[i])[0] for i, _, _ in live if (k := rows[i].sampler.key) is not None}
         toks = self._forward([d for _, d, _ in live], [t for _, _, t in live], want=True,
                              steps=[len(rows[i].out) for i, _, _ in live],
                              keys=[keys[i][0] if i in keys else None for i, _, _ in live])
