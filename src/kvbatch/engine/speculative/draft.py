@@ -104,7 +104,7 @@ class DraftProposer:
             self.cache.admit(d.kv)
             self.rows[id(row)] = d
             return d
-        tail = _tokens_from(row, d.sure)
+        tail = _tokens_from(row, d.sure)[:-1]  # the row's last token is fed again: its logits give the proposal
         n = d.sure
         for a, b in zip(d.stored[d.sure:], tail):
             if a != b:

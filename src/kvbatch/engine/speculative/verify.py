@@ -53,6 +53,16 @@ def key_chain(key: mx.array, n: int) -> tuple[list[mx.array], list[mx.array]]:
     return use, after
 
 
+def _forced(toks: list[int], offs: list[int], props: list[list[int]], share: float) -> mx.array:
+    """EngineHooks.force_acceptance: the pass's tokens with each row's first int(share * k) positions
+    holding its proposed tokens (kept as if sampled; the position after them keeps the model's draw)."""
+    out = list(toks)
+    for o, p in zip(offs, props):
+        a = int(share * len(p))
+        out[o:o + a] = p[:a]
+    return mx.array(out)
+
+
 class Verifier:
     """Runs verification passes for the engine, and counts what they proposed and accepted."""
 
@@ -105,15 +115,22 @@ class Verifier:
             logger.exception("verification pass of %d rows failed", len(rows))
             return Decoded([], f"{type(e).__name__}: {e}")
         toks = cast(list[int], sampled.tokens.tolist())
+        force = r.hooks.force_acceptance
+        if force is not None:
+            sampled.tokens = _forced(toks, offs, props, force)
         acc = []
         for i, row in enumerate(rows):
-            a = accepted_prefix(toks[offs[i]:offs[i] + lens[i]], props[i])
+            a = accepted_prefix(toks[offs[i]:offs[i] + lens[i]], props[i]) if force is None \
+                else int(force * len(props[i]))
             acc.append(a)
             r.cache.rollback(row.kv, before[i] + a + 1)
             if afters[i] is not None:
                 row.sampler.key = afters[i][a]  # the key after the a + 1 output steps it takes
             if props[i] and row.spec is not None:  # a row that proposed has its RowSpec (Speculator.propose)
                 row.spec.verified(len(props[i]), a)
+                if force is not None:  # the benchmark's rows propose k tokens every step
+                    row.spec.misses = row.spec.pause = 0
+                    row.spec.want = 1 << 30
                 self.proposed += len(props[i])
                 self.accepted += a
         self.passes += 1
