@@ -8,8 +8,10 @@ row's key split once per output step, in order). A proposed token is accepted wh
 sampled at the position before it equals it; the first position whose token differs gives the
 row's last token of the step. With a deterministic proposal (probability 1 on one token x) this
 is speculative rejection sampling itself: x is accepted with probability p(x), and otherwise the
-token is a draw from p with x removed, renormalized (the residual). So outputs keep the target
-distribution, and a row's tokens for a seed are the tokens it gets without speculation.
+token is a draw from p with x removed, renormalized (the residual). With proposals drawn from a
+draft's distribution q the kept token is still the model's own draw at each position, so outputs
+keep the target distribution for any q; the draft draws with the same noise to agree often
+(engine/speculative/draft.py). So a row's tokens for a seed are the tokens it gets without speculation.
 
 After the pass, each row's stored length is cut back to its verified tokens and the pages past it
 (holding only rejected tokens) go back to the pool, before any token reaches the output (so a row
