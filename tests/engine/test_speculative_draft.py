@@ -89,7 +89,8 @@ def test_sampled_tokens_identical(models, which):
 
 def test_preemption_mid_row(models):
     """A budget for about two rows, optimistic admission: rows are preempted while speculating, their draft
-    pages given back, and rebuilt by prefilling the draft when they resume; the tokens stay the same."""
+    pages given back (their full pages cached while the pool keeps them), and rebuilt when they resume; the
+    tokens stay the same."""
     m, _ = models
     probe = _engine(m, models[1]["other"], max_batch=6, admission="reserve")
     budget = probe.memory.bytes_for([60 + 60] * 2, 60)
@@ -119,6 +120,7 @@ def test_samples_prefix_cache_and_checkpoints(models):
     s = eng.summary()
     assert s["prompt_tokens_cached"] == ref_eng.summary()["prompt_tokens_cached"] > 0
     assert s["spec_accepted"] == s["spec_proposed"] > 0
+    assert eng.speculator is not None and eng.speculator.proposer.cached_tokens > 0  # type: ignore[attr-defined]
     # stopped after 40 tokens, continued by a new engine
     first = _engine(m, drafts["other"])
     reqs = _requests(4, temperature=0.15)

@@ -108,7 +108,8 @@ class Engine:
             dspec = draft[2]
             ddtype = _DTYPES[dspec.dtype]
             dcache = PagedKVCache(draft_memory.layout, dspec.num_layers, ddtype, tail_slots=self.max_batch,
-                                  upcast=ddtype == mx.float16, query_heads=dspec.num_heads, options=opts)
+                                  upcast=ddtype == mx.float16, query_heads=dspec.num_heads, options=opts,
+                                  prefix_cache=settings.prefix_cache)
             proposer = DraftProposer(draft[0], dcache, lambda: self.scheduler.kv_limit(draft=True),
                                      settings.prefill_chunk)
         self.speculator = Speculator(cfg.speculative, proposer, self.runner, spec.context_length, kv.page_size,

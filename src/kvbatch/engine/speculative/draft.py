@@ -9,7 +9,10 @@ verified); then the row catches up on what it lacks (the tokens a verification k
 never stored; everything, for a row that has no draft pages: admitted, forked from a sample,
 resumed from a checkpoint or after a preemption) with prefill passes, the last of them giving its
 first proposal. A row that leaves the batch (ends, is preempted, is cancelled) gives its draft
-pages back at the next proposal.
+pages back at the next proposal. With engine.prefix_cache the draft's cache has its own prefix
+cache: full pages of a row's own tokens stay cached when it leaves and after a long catch-up, so
+a preempted row, the samples of one prompt and rows that begin alike take them instead of
+computing them again.
 
 Proposals are sampled as the model will sample that position: greedy rows take the draft's argmax;
 a sampled row draws its j-th proposal with the same controls and the same Gumbel noise (the key of
@@ -85,14 +88,16 @@ class DraftProposer:
         self.model, self.cache = model, cache
         self.kv_limit, self.chunk = kv_limit, prefill_chunk
         self.rows: dict[int, DraftRow] = {}
-        self.passes = 0  # draft forward passes (summary.json)
+        self.passes = 0  # draft forward passes
+        self.cached_tokens = 0  # tokens rows took from the draft's prefix cache instead of computing them
 
     # ---- the draft's rows --------------------------------------------------------------------
     def forget(self, everything: bool = False) -> None:
         """Give back the draft pages of rows no longer running (everything: of every row)."""
         for rid, d in list(self.rows.items()):
             if everything or d.row.ended or not d.row.active:
-                self.cache.release(d.kv)
+                # its full pages of the row's own tokens stay cached (a preempted row resumes from them)
+                self.cache.release(d.kv, tokens=None if everything else d.stored[:d.sure])
                 del self.rows[rid]
 
     def _row(self, row: Row) -> DraftRow:
@@ -103,6 +108,11 @@ class DraftProposer:
             d = DraftRow(row, CacheRow(row.req.key), [])
             self.cache.admit(d.kv)
             self.rows[id(row)] = d
+            seq = row.seq  # the cached pages of its prefix, up to its last token (fed: its logits propose)
+            self.cache.take_cached(d.kv, self.cache.computed(d.kv, seq, (len(seq) - 1) // self.cache.P))
+            d.stored = seq[:d.kv.length]
+            d.sure = len(d.stored)
+            self.cached_tokens += d.sure
             return d
         tail = _tokens_from(row, d.sure)[:-1]  # the row's last token is fed again: its logits give the proposal
         n = d.sure
@@ -144,6 +154,8 @@ class DraftProposer:
                 for a in range(0, len(todo) - 1, self.chunk):
                     self._forward([d], [todo[a:min(a + self.chunk, len(todo) - 1)]], want=False)
                 todo = todo[-1:]
+                d.sure = len(d.stored)  # the row's own tokens: its full pages cached for rows that begin alike
+                self.cache.cache_pages(d.kv, d.stored, d.sure)
             live.append((i, d, todo))
         if not live:
             return out
