@@ -50,7 +50,7 @@ def test_job_with_a_draft_model_matches_without(run_app, tmp_path, model_cache_d
     a, b = pq.read_table(plain).to_pylist(), pq.read_table(spec).to_pylist()
     assert [r["output_token_ids"] for r in a] == [r["output_token_ids"] for r in b]
     s = json.loads((spec.parent / "summary.json").read_text())
-    assert s["engine"]["speculative"] == "draft" and s["spec_proposed"] > 0
+    assert s["engine"]["speculative"] == "draft" and s["spec_proposed"] > 0 and s["engine"]["spec_draft_passes"] > 0
     assert s["spec_accepted"] == sum(r["spec_accepted"] for r in b)
     with pytest.raises(KvbatchConfigError, match=r"^speculative.model='tiny': its vocabulary has 320 ids"):
         run_app(f"job.input={src}", "job.max_tokens=24", *draft, "speculative.model.vocab_size=320")

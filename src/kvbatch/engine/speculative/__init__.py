@@ -25,6 +25,10 @@ class Proposer(Protocol):
         """Drop what is kept for rows no longer running (everything: for every row)."""
         ...
 
+    def stats(self) -> dict:
+        """The proposer's own figures for summary.json ({} when it has none)."""
+        ...
+
 
 def make_proposer(cfg: SpeculativeConfig) -> Optional[Proposer]:
     """The proposer speculative.method names that needs nothing but the config (ngram); None:

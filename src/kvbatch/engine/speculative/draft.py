@@ -91,6 +91,13 @@ class DraftProposer:
         self.passes = 0  # draft forward passes
         self.cached_tokens = 0  # tokens rows took from the draft's prefix cache instead of computing them
 
+    def stats(self) -> dict:
+        """The draft's figures for summary.json: its forward passes, the prompt tokens rows took from its
+        prefix cache, its pool's peak pages and bytes."""
+        c = self.cache
+        return {"spec_draft_passes": self.passes, "spec_draft_cached_tokens": self.cached_tokens,
+                "spec_draft_peak_pages": c.pool.peak_in_use, "spec_draft_pool_bytes": c.capacity_bytes}
+
     # ---- the draft's rows --------------------------------------------------------------------
     def forget(self, everything: bool = False) -> None:
         """Give back the draft pages of rows no longer running (everything: of every row)."""

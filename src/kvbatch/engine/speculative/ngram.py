@@ -65,3 +65,7 @@ class NgramProposer:
 
     def forget(self, everything: bool = False) -> None:
         """Nothing to drop: a row's tokens live with the row."""
+
+    def stats(self) -> dict:
+        """No figures of its own."""
+        return {}

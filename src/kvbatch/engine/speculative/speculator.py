@@ -54,4 +54,4 @@ class Speculator:
         """Totals for summary.json: tokens proposed and accepted, verification passes, acceptance rate."""
         v = self.verifier
         return {"spec_proposed": v.proposed, "spec_accepted": v.accepted, "spec_passes": v.passes,
-                "spec_acceptance": v.accepted / v.proposed if v.proposed else None}
+                "spec_acceptance": v.accepted / v.proposed if v.proposed else None, **self.proposer.stats()}
