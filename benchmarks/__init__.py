@@ -24,6 +24,8 @@ BENCHMARKS = {
                         "at 1k/8k/16k, a 30k-token answer, the max_batch ceiling (one JSON to paste into an issue)",
     "engine.portable_decode": "the portable route's decode step (Metal's): pages read in place vs gathered, ms "
                               "and workspace as a share of the KV",
+    "engine.spec_cost": "a verification pass's cost against plain decode (draft model, acceptance forced to "
+                        "0/50%/100%)",
     "engine.decoding_controls": "decode tok/s free, with logprobs, and held to a JSON schema",
     "cpu.decode_attention": "one layer's CPU decode attention: dense routes (--kv none) and packed pages "
                             "gathered vs in place (--kv q8,q4)",
@@ -37,7 +39,8 @@ BENCHMARKS = {
     "quality.kv_speed": "KV modes' speed and size at long context, against mlx-lm's kv_bits",
     "job.job_vs_mlx_lm": "the whole `kvbatch` command against mlx-lm's batch_generate",
     "job.shared_prompts": "a shared system prompt and n samples: prefix cache on/off against mlx-lm",
-    "job.speculative": "speculative decoding (ngram) on a rewrite job: with and without it, and mlx-lm",
+    "job.speculative": "speculative decoding (ngram) on a rewrite job: with and without it, and mlx-lm; the record "
+                       "written as each side ends",
     "job.many_workers": "many workers on one PostgreSQL queue: rows/s, queue cost, claim latency",
     "job.commits": "the whole `kvbatch` command at two commits side by side: speed ratio and identical rows",
     "job.kill_soak": "many random kill -9 of real workers, then a final run: nothing lost or changed",

@@ -72,6 +72,10 @@ GEOMETRIES = {
     "8b": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, num_attention_heads=32,
                num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0,
                tie_word_embeddings=False),
+    # a draft for 1b (speculative.method=draft, engine.spec_cost): Llama-1B's vocabulary, 4 narrow layers
+    "draft1b": dict(hidden_size=512, num_hidden_layers=4, intermediate_size=1536, num_attention_heads=8,
+                    num_key_value_heads=4, head_dim=64, vocab_size=128256, rope_theta=500000.0,
+                    tie_word_embeddings=True),
     "tiny": dict(hidden_size=256, num_hidden_layers=4, intermediate_size=512, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=64, vocab_size=4096, rope_theta=10000.0,
                  tie_word_embeddings=False),

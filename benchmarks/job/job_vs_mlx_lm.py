@@ -45,11 +45,12 @@ def prompts(n: int, seed: int, max_words: int) -> list[str]:
 
 
 def run_kvbatch(kvbatch: list[str], input_path: Path, out_dir: Path, model: str, model_args: dict, new: int,
-                extra: list[str]) -> dict:
+                extra: list[str], timeout: float | None = None) -> dict:
+    """The kvbatch side as a whole process (subprocess.TimeoutExpired past `timeout` seconds)."""
     cmd = [*kvbatch, f"model={model}", *[f"model.{k}={v}" for k, v in model_args.items()], f"job.input={input_path}",
            "job.name=bench", f"job.max_tokens={new}", f"output.dir={out_dir}", "output.progress=off", *extra]
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout)
     wall = time.perf_counter() - t0
     if p.returncode:
         raise SystemExit(f"kvbatch failed ({p.returncode}):\n{p.stderr[-3000:]}")
@@ -84,11 +85,13 @@ print(json.dumps({"outputs": {f"r{i}": list(map(int, t)) for i, t in enumerate(r
 """
 
 
-def run_mlx_lm_script(python: str, script: str, cfg: dict) -> dict:
+def run_mlx_lm_script(python: str, script: str, cfg: dict, timeout: float | None = None) -> dict:
     """An mlx-lm side as a whole process: `script` run with `cfg` (JSON), timed from start to exit; the
-    JSON it prints last, with wall seconds, generated tokens and tok/s."""
+    JSON it prints last, with wall seconds, generated tokens and tok/s (subprocess.TimeoutExpired past
+    `timeout` seconds)."""
     t0 = time.perf_counter()
-    p = subprocess.run([python, "-c", script, json.dumps(cfg)], capture_output=True, text=True, cwd=ROOT)
+    p = subprocess.run([python, "-c", script, json.dumps(cfg)], capture_output=True, text=True, cwd=ROOT,
+                       timeout=timeout)
     wall = time.perf_counter() - t0
     if p.returncode:
         raise SystemExit(f"mlx-lm failed ({p.returncode}):\n{p.stderr[-3000:]}")
@@ -97,8 +100,10 @@ def run_mlx_lm_script(python: str, script: str, cfg: dict) -> dict:
     return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, **res}
 
 
-def run_mlx_lm(python: str, input_path: Path, model_cfg: dict, new: int, batch: int | None) -> dict:
-    return run_mlx_lm_script(python, MLX_LM, {"input": str(input_path), "model": model_cfg, "new": new, "batch": batch})
+def run_mlx_lm(python: str, input_path: Path, model_cfg: dict, new: int, batch: int | None,
+               timeout: float | None = None) -> dict:
+    return run_mlx_lm_script(python, MLX_LM, {"input": str(input_path), "model": model_cfg, "new": new, "batch": batch},
+                             timeout)
 
 
 def profile_kvbatch(a, inp: Path, tmp: Path, model_args: dict, extra: list[str]) -> None:

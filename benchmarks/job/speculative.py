@@ -9,18 +9,27 @@ processes timed from start to exit; the order rotates every round (so drift on a
 spread over all of them); each round's ratios are reported and their medians are the numbers to
 read. `identical_rows`: rows whose tokens are the same with and without speculation.
 
+The JSON record is rewritten as each side ends (`partial: true` until the run ends), each side with
+its figures and a digest of each row's tokens, so a run cut short keeps the sides that ended; --sides
+runs some of them only (one per call where a call is short: rows compare across calls by digest),
+--side-timeout cuts one side (recorded `timed_out`) and goes on with the next.
+
     python -m benchmarks job.speculative --rows 16 --max-tokens 256 --rounds 2 --out /tmp/spec_cpu.json
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import shlex
 import statistics
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
+from benchmarks import harness
 from benchmarks.job.job_vs_mlx_lm import run_kvbatch, run_mlx_lm
 
 SMOKE = ["--model", "tiny", "--rows", "2", "--max-tokens", "4", "--min-chars", "200", "--max-chars", "400",
@@ -61,36 +70,67 @@ def add_args(ap) -> None:
     ap.add_argument("--kvbatch-args", default="", help="both kvbatch sides")
     ap.add_argument("--kvbatch-cmd", default=f"{sys.executable} -m kvbatch")
     ap.add_argument("--python", default=sys.executable, help="runs the mlx-lm side")
+    ap.add_argument("--sides", default=",".join(SIDES),
+                    help="the sides to run, in round 0's order (spec, plain, mlx_lm): one a call where a call is short")
     ap.add_argument("--no-mlx-lm", action="store_true", help="only the two kvbatch sides")
+    ap.add_argument("--side-timeout", type=float, default=0,
+                    help="seconds one side may take (0: no limit); a side cut there is recorded as timed_out")
     ap.add_argument("--no-warm", action="store_true", help="no untimed first run (that builds or converts the model)")
 
 
+SIDES = ("spec", "plain", "mlx_lm")
+
+
 def _side(a, side: str, k: int, inp: Path, tmp: Path, model_cfg: dict) -> dict:
-    if side == "mlx_lm":
-        return run_mlx_lm(a.python, inp, model_cfg, a.max_tokens, None)
-    extra = shlex.split(a.kvbatch_args) + (shlex.split(a.spec_args) if side == "spec" else [])
-    return run_kvbatch(shlex.split(a.kvbatch_cmd), inp, tmp / f"{side}{k}", a.model, {}, a.max_tokens, extra)
+    """One side's whole process: what it generated and how fast; {"timed_out": ...} when cut at --side-timeout."""
+    limit = a.side_timeout or None
+    t0 = time.perf_counter()
+    try:
+        if side == "mlx_lm":
+            return run_mlx_lm(a.python, inp, model_cfg, a.max_tokens, None, limit)
+        extra = shlex.split(a.kvbatch_args) + (shlex.split(a.spec_args) if side == "spec" else [])
+        return run_kvbatch(shlex.split(a.kvbatch_cmd), inp, tmp / f"{side}{k}", a.model, {}, a.max_tokens, extra,
+                           limit)
+    except subprocess.TimeoutExpired:
+        return {"timed_out": True, "wall_s": time.perf_counter() - t0}
 
 
-def _round(a, k: int, inp: Path, tmp: Path, model_cfg: dict) -> dict:
-    sides = ["spec", "plain"] + ([] if a.no_mlx_lm else ["mlx_lm"])
+def _brief(r: dict) -> dict:
+    """A side's record for the JSON: its figures and each row's tokens as a short digest (rows of sides run
+    in different calls compare by digest)."""
+    if r.get("timed_out"):
+        return r
+    eng = r.get("engine") or {}
+    keep = {k: r[k] for k in ("wall_s", "tokens", "tok_s", "rows", "ok", "prompt_tps", "generation_tps",
+                              "prompt_time", "generation_time") if k in r}
+    keep.update({k: eng[k] for k in ("decode_s", "prefill_s", "spec_acceptance", "spec_proposed", "spec_accepted",
+                                     "spec_passes", "max_batch", "peak_concurrency") if k in eng})
+    keep["digests"] = {key: hashlib.sha1(json.dumps(t).encode()).hexdigest()[:10]
+                       for key, t in sorted(r["outputs"].items())}
+    return keep
+
+
+def _round(a, k: int, sides: list[str], inp: Path, tmp: Path, model_cfg: dict, done: list[dict]) -> dict:
+    """One round, the sides' order rotated by k; the JSON record is rewritten as each side ends."""
     order = sides[k % len(sides):] + sides[:k % len(sides)]
-    rnd = {side: _side(a, side, k, inp, tmp, model_cfg) for side in order}
-    sp, pl = rnd["spec"], rnd["plain"]
-    eng = sp["engine"]
-    line = {"round": k, "order": order, "spec_tok_s": sp["tok_s"], "plain_tok_s": pl["tok_s"],
-            "ratio_plain": sp["tok_s"] / pl["tok_s"], "spec_wall_s": sp["wall_s"], "plain_wall_s": pl["wall_s"],
-            "spec_tokens": sp["tokens"], "plain_tokens": pl["tokens"],
-            "identical_rows": sum(sp["outputs"].get(key) == t for key, t in pl["outputs"].items()),
-            "rows": len(pl["outputs"]), "spec_acceptance": eng.get("spec_acceptance"),
-            "spec_proposed": eng.get("spec_proposed"), "spec_accepted": eng.get("spec_accepted"),
-            "spec_decode_s": eng.get("decode_s"), "plain_decode_s": pl["engine"].get("decode_s"),
-            "max_batch": eng.get("max_batch"), "peak_concurrency": eng.get("peak_concurrency")}
-    if "mlx_lm" in rnd:
-        ml = rnd["mlx_lm"]
-        line.update(mlx_lm_tok_s=ml["tok_s"], ratio_mlx_lm=sp["tok_s"] / ml["tok_s"], mlx_lm_tokens=ml["tokens"],
+    rnd: dict[str, dict] = {}
+    line: dict = {"round": k, "order": order}
+    for side in order:
+        rnd[side] = _side(a, side, k, inp, tmp, model_cfg)
+        line[side] = _brief(rnd[side])
+        harness.checkpoint({"rounds": [*done, line]})
+        print(json.dumps({"round": k, "side": side, **{x: v for x, v in line[side].items() if x != "digests"}}),
+              flush=True)
+    ok = {side: r for side, r in rnd.items() if not r.get("timed_out")}
+    sp, pl, ml = ok.get("spec"), ok.get("plain"), ok.get("mlx_lm")
+    if sp and pl:
+        line.update(ratio_plain=sp["tok_s"] / pl["tok_s"],
+                    identical_rows=sum(sp["outputs"].get(key) == t for key, t in pl["outputs"].items()),
+                    rows=len(pl["outputs"]))
+    if sp and ml:
+        line.update(ratio_mlx_lm=sp["tok_s"] / ml["tok_s"],
                     identical_rows_mlx_lm=sum(sp["outputs"].get(key) == t for key, t in ml["outputs"].items()))
-    print(json.dumps(line), flush=True)
+    print(json.dumps({x: v for x, v in line.items() if x not in SIDES}), flush=True)
     return line
 
 
@@ -100,16 +140,33 @@ def run(a) -> dict:
     with open(inp, "w") as f:
         for i, text in enumerate(passages(a.rows, 7, a.min_chars, a.max_chars)):
             f.write(json.dumps({"id": f"r{i}", "prompt": f"Document {i}. {INSTRUCTION}{text}"}) + "\n")
+    sides = [s for s in a.sides.split(",") if s and not (a.no_mlx_lm and s == "mlx_lm")]
+    bad = [s for s in sides if s not in SIDES]
+    if bad or not sides:
+        raise SystemExit(f"--sides: {','.join(bad) or 'none'}: choose from {', '.join(SIDES)}")
     model_cfg = {} if a.model == "smollm2" else {"source": "tiny", "name": "tiny"}
     if not a.no_warm:  # untimed: builds or converts the model into its cache once
         warm = tmp / "warm.jsonl"
         warm.write_text(inp.read_text().splitlines()[0] + "\n")
         run_mlx_lm(a.python, warm, model_cfg, 1, None)
-    rounds = [_round(a, k, inp, tmp, model_cfg) for k in range(a.rounds)]
-    result = {"median_ratio_plain": statistics.median(r["ratio_plain"] for r in rounds),
-              "identical_rows": min(r["identical_rows"] for r in rounds), "rows": a.rows,
-              "spec_acceptance": rounds[-1]["spec_acceptance"], "rounds": rounds}
-    if not a.no_mlx_lm:
-        result["median_ratio_mlx_lm"] = statistics.median(r["ratio_mlx_lm"] for r in rounds)
-    print(json.dumps({k: result[k] for k in result if k != "rounds"}))
+    rounds: list[dict] = []
+    for k in range(a.rounds):
+        rounds.append(_round(a, k, sides, inp, tmp, model_cfg, rounds))
+    result: dict = {"rows": a.rows, "sides": sides, "rounds": rounds}
+    for key in ("ratio_plain", "ratio_mlx_lm"):
+        got = [r[key] for r in rounds if key in r]
+        if got:
+            result["median_" + key] = statistics.median(got)
+    for key in ("identical_rows", "identical_rows_mlx_lm"):
+        got = [r[key] for r in rounds if key in r]
+        if got:
+            result[key] = min(got)
+    for side in sides:
+        tok_s = [r[side]["tok_s"] for r in rounds if "tok_s" in r.get(side, {})]
+        if tok_s:
+            result[f"median_{side}_tok_s"] = statistics.median(tok_s)
+    spec = [r["spec"] for r in rounds if "spec_acceptance" in r.get("spec", {})]
+    if spec:
+        result["spec_acceptance"] = spec[-1]["spec_acceptance"]
+    print(json.dumps({k: v for k, v in result.items() if k != "rounds"}))
     return result

@@ -5,6 +5,9 @@ import io
 import json
 
 import pyarrow.parquet as pq
+import pytest
+
+from kvbatch.engine.errors import KvbatchConfigError
 
 from kvbatch.pipeline.progress import Progress
 from kvbatch.pipeline.summary import one_line
@@ -31,3 +34,23 @@ def test_progress_line_shows_the_acceptance_rate():
     assert "spec" not in p.line()
     p.speculation = (200, 150)
     assert p.line().endswith(", spec acceptance 75%")
+
+
+def test_job_with_a_draft_model_matches_without(run_app, tmp_path, model_cache_dir):  # noqa: F811
+    """speculative.method=draft with speculative.model naming a second tiny model (another seed, one layer):
+    loaded as model= is, the same tokens as without speculation, its acceptance recorded; a draft whose
+    vocabulary differs fails at once in one line naming speculative.model."""
+    src = _write(tmp_path, [{"id": f"r{i}", "prompt": "the cat sat on the mat. " * (3 + i)} for i in range(3)])
+    draft = ["speculative.method=draft", "speculative.model.source=tiny", "speculative.model.name=tiny",
+             f"speculative.model.cache_dir={model_cache_dir}", "speculative.model.seed=1",
+             "speculative.model.num_layers=1"]
+    plain, _ = run_app(f"job.input={src}", "job.max_tokens=24")
+    spec, _ = run_app(f"job.input={src}", "job.max_tokens=24", *draft)
+    assert spec.parent != plain.parent
+    a, b = pq.read_table(plain).to_pylist(), pq.read_table(spec).to_pylist()
+    assert [r["output_token_ids"] for r in a] == [r["output_token_ids"] for r in b]
+    s = json.loads((spec.parent / "summary.json").read_text())
+    assert s["engine"]["speculative"] == "draft" and s["spec_proposed"] > 0 and s["engine"]["spec_draft_passes"] > 0
+    assert s["spec_accepted"] == sum(r["spec_accepted"] for r in b)
+    with pytest.raises(KvbatchConfigError, match=r"^speculative.model='tiny': its vocabulary has 320 ids"):
+        run_app(f"job.input={src}", "job.max_tokens=24", *draft, "speculative.model.vocab_size=320")

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
 from kvbatch.engine.errors import KvbatchConfigError
+from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.sizes import parse_size
 
 # The one KV-mode table: mode -> (key bits, value bits) of the stored K/V (None: the model's dtype).
@@ -150,7 +151,7 @@ class EngineSettings:
     options: EngineOptions = field(default_factory=EngineOptions)
 
 
-SPEC_METHODS = ("none", "ngram")
+SPEC_METHODS = ("none", "ngram", "draft")
 
 
 @dataclass
@@ -159,8 +160,11 @@ class SpeculativeConfig:
     proposed tokens are checked by one verification pass with the batch, so outputs are those of
     decoding without it (greedy: the same tokens; sampled: the same distribution)."""
 
-    method: str = "none"  # none | ngram (proposals from the row's own prompt and output)
+    # none | ngram (proposals from the row's own prompt and output) | draft (from a second, smaller model)
+    method: str = "none"
     num_tokens: int = 4  # k: most tokens proposed for a row per step
+    # draft: the draft model, named as `model` names the model (same tokenizer and vocabulary)
+    model: ModelConfig = field(default_factory=ModelConfig)
     # ngram: the suffix of the row's tokens matched against its earlier tokens, longest first
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4

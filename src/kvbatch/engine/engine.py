@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict
-from typing import Iterator, Optional, cast
+from typing import Any, Iterator, Optional, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -39,7 +39,8 @@ from kvbatch.engine.row import Row
 from kvbatch.engine.runner import LookaheadStepper, PrefillPass, Runner, SyncStepper, TokenPass
 from kvbatch.engine.sampling import RowSampler
 from kvbatch.engine.scheduler import Scheduler
-from kvbatch.engine.speculative import make_proposer
+from kvbatch.engine.speculative import Proposer, make_proposer
+from kvbatch.engine.speculative.draft import DraftProposer, draft_model
 from kvbatch.engine.speculative.speculator import Speculator
 from kvbatch.engine.types import Logprobs, ModelSpec, Request, Result, RowCheckpoint
 
@@ -64,30 +65,38 @@ class Engine:
     returns the results that finished."""
 
     def __init__(self, model: nn.Module, tokenizer, spec: ModelSpec, cfg: Optional[EngineConfig] = None,
-                 hooks: Optional[EngineHooks] = None):
+                 hooks: Optional[EngineHooks] = None, draft: Optional[tuple[nn.Module, Any, ModelSpec]] = None):
+        """draft: (model, tokenizer, spec) of the draft model speculative.method=draft proposes with."""
         cfg = cfg or EngineConfig()
         cfg.check()
         kv, settings, opts = cfg.kv, cfg.engine, cfg.engine.options
-        check_kv_mode(spec, kv, opts)
-        if not mlx_lm_bridge.model_supports_paging(model):
-            raise KvbatchConfigError(f"model type '{spec.family}' does not route attention through mlx-lm's "
-                                     "scaled_dot_product_attention; the paged cache cannot run it")
-        mlx_lm_bridge.prepare_model(model, opts)
+        draft = draft_model(cfg.speculative.method, tokenizer, spec, draft)
+        for m, sp in [(model, spec)] + ([(draft[0], draft[2])] if draft else []):
+            check_kv_mode(sp, kv, opts)
+            if not mlx_lm_bridge.model_supports_paging(m):
+                raise KvbatchConfigError(f"model type '{sp.family}' does not route attention through mlx-lm's "
+                                         "scaled_dot_product_attention; the paged cache cannot run it")
+            mlx_lm_bridge.prepare_model(m, opts)
         self.model, self.tokenizer, self.spec, self.cfg = model, tokenizer, spec, cfg
         self.hooks = hooks or EngineHooks()
         budget = cfg.memory.budget_bytes
         if budget is None:
-            budget = resolve_budget("auto", cfg.memory.fraction, cfg.memory.headroom, resident=spec.weights_bytes)
+            budget = resolve_budget("auto", cfg.memory.fraction, cfg.memory.headroom,
+                                    resident=spec.weights_bytes + (draft[2].weights_bytes if draft else 0))
         self.layout = layout_for(spec, kv)
         self.max_batch, self.max_batch_why = resolve_max_batch(settings.max_batch)
         if cfg.rows is not None and 0 < cfg.rows < self.max_batch:  # a small job: slots for its rows only
             self.max_batch, self.max_batch_why = cfg.rows, f"the job's {cfg.rows} rows; {self.max_batch_why}"
         self.prefill_tokens = resolve_prefill_tokens(settings.prefill_tokens, settings.prefill_chunk)
-        proposer = make_proposer(cfg.speculative)
+        proposer: Optional[Proposer] = make_proposer(cfg.speculative)
+        window = 1 + cfg.speculative.num_tokens if cfg.speculative.method != "none" else 1
+        draft_memory = None if draft is None else MemoryModel(
+            draft[2], layout_for(draft[2], kv), int(budget), settings.prefill_chunk, self.max_batch,
+            self.prefill_tokens, window)
         self.memory = MemoryModel(spec, self.layout, int(budget), settings.prefill_chunk, self.max_batch,
-                                  self.prefill_tokens, 1 + cfg.speculative.num_tokens if proposer else 1)
+                                  self.prefill_tokens, window, draft=draft_memory)
         _raise_cache_limit(min(self.memory.workspace(self.max_batch, spec.context_length),
-                               max(int(budget) - spec.weights_bytes, 0)))
+                               max(int(budget) - self.memory.weights_bytes, 0)))
         dtype = _DTYPES[spec.dtype]
         self.cache = PagedKVCache(self.layout, spec.num_layers, dtype, tail_slots=self.max_batch,
                                   upcast=dtype == mx.float16, query_heads=spec.num_heads, options=opts,
@@ -96,6 +105,14 @@ class Engine:
         self.grammars = Grammars(tokenizer, spec.vocab_size, set(self.output.eos_ids))
         self.adapters = lora.of(model)
         self.runner = Runner(model, self.cache, self.hooks, self.memory.budget, self.grammars, self.adapters)
+        if draft is not None and draft_memory is not None:
+            dspec = draft[2]
+            ddtype = _DTYPES[dspec.dtype]
+            dcache = PagedKVCache(draft_memory.layout, dspec.num_layers, ddtype, tail_slots=self.max_batch,
+                                  upcast=ddtype == mx.float16, query_heads=dspec.num_heads, options=opts,
+                                  prefix_cache=settings.prefix_cache)
+            proposer = DraftProposer(draft[0], dcache, lambda: self.scheduler.kv_limit(draft=True),
+                                     settings.prefill_chunk)
         self.speculator = Speculator(cfg.speculative, proposer, self.runner, spec.context_length, kv.page_size,
                                      self.layout.quantized) if proposer else None
         # lookahead overlaps the host's graph building with the device: GPU backends only by default
@@ -153,6 +170,8 @@ class Engine:
         if plan.prefill:
             self._prefill(plan.prefill)
         plan = self._decode(plan)
+        if self.speculator and not self.scheduler.running:
+            self.speculator.proposer.forget()  # the last rows' draft pages go back with theirs
         self.hooks.on_step(plan, self.runner.times)
         done = list(self.output.done)
         self.output.done.clear()
@@ -175,6 +194,8 @@ class Engine:
         s = self.scheduler
         reqs = [r.req for r in s.waiting] + [r.req for r in s.running]
         self.stepper.drop()
+        if self.speculator:
+            self.speculator.proposer.forget(everything=True)
         for r in s.running:
             self.cache.release(r.kv)
             r.active = False

@@ -29,6 +29,10 @@ class EngineHooks:
     # row keys whose every step's float32 logits (vocab,) are kept in `logits`
     capture_logits: set[str] = field(default_factory=set)
     logits: dict[str, list[mx.array]] = field(default_factory=dict)
+    # benchmarks only (the verification pass's cost at a chosen acceptance): each verification keeps this
+    # share of each row's proposed tokens (rounded down) whatever the model samples, and rows always propose
+    # k tokens (no back-off); the kept tokens are the proposals, so outputs are not the model's
+    force_acceptance: Optional[float] = None
 
     def force(self, key: str, tokens: list[int], capture: bool = True) -> None:
         """Teacher-force row `key` with `tokens` (and keep its logits, unless capture=False)."""

@@ -149,12 +149,30 @@ class MemoryModel:
     max_batch: int
     prefill_tokens: int = 0  # most tokens of one prefill pass (0: one chunk)
     decode_window: int = 1  # tokens of a row in one decode pass (1 + speculative.num_tokens: a verification)
+    # speculative.method=draft: the draft model's own memory model (its weights, its KV layout in the same
+    # mode and page size, its passes); a row's draft pages never outnumber its pages here, so each page
+    # here is priced with a draft page beside it
+    draft: Optional["MemoryModel"] = None
+
+    @property
+    def weights_bytes(self) -> int:
+        """The model's weights, and the draft model's."""
+        return self.spec.weights_bytes + (self.draft.spec.weights_bytes if self.draft else 0)
+
+    @property
+    def page_bytes(self) -> int:
+        """What one page costs: the layout's page, and the draft's page beside it."""
+        return self.layout.page_bytes + (self.draft.layout.page_bytes if self.draft else 0)
 
     def workspace(self, rows: int, max_tokens: int, max_prompt: int | None = None) -> int:
         """Transient bytes of the largest pass (`step_workspace`), plus the quantized modes'
         full-precision slots: the page each batch slot is filling and its first
-        full_precision_tokens tokens (KVLayout.slot_bytes)."""
-        return self.step_workspace(rows, max_tokens, max_prompt) + self.max_batch * self.layout.slot_bytes
+        full_precision_tokens tokens (KVLayout.slot_bytes); the draft's too."""
+        ws, slots = self.step_workspace(rows, max_tokens, max_prompt), self.layout.slot_bytes
+        d = self.draft
+        if d is not None:  # the draft's passes run between this model's, never with them
+            ws, slots = max(ws, d.step_workspace(rows, max_tokens, max_prompt)), slots + d.layout.slot_bytes
+        return ws + self.max_batch * slots
 
     def step_workspace(self, rows: int, max_tokens: int, max_prompt: int | None = None) -> int:
         """Transient bytes of the largest forward pass (passes run one after another, never together).
@@ -198,19 +216,19 @@ class MemoryModel:
         """Weights + worst-case KV pages of these rows + the growth copy + workspace. shared_pages:
         holds of a page beyond its first (pages several rows share are priced once)."""
         if not worst_tokens:
-            return self.spec.weights_bytes
-        kv = (sum(self.layout.pages_for(t) for t in worst_tokens) - shared_pages) * self.layout.page_bytes
+            return self.weights_bytes
+        kv = (sum(self.layout.pages_for(t) for t in worst_tokens) - shared_pages) * self.page_bytes
         return self._total(kv, len(worst_tokens), max(worst_tokens), max_prompt)
 
     def bytes_for_rows(self, n: int, worst_tokens: int, max_prompt: int | None = None) -> int:
         """bytes_for([worst_tokens] * n) without building the list (the plan searches up to millions of rows)."""
         if n <= 0:
-            return self.spec.weights_bytes
-        return self._total(n * self.layout.pages_for(worst_tokens) * self.layout.page_bytes, n, worst_tokens,
+            return self.weights_bytes
+        return self._total(n * self.layout.pages_for(worst_tokens) * self.page_bytes, n, worst_tokens,
                            max_prompt)
 
     def _total(self, kv: int, rows: int, max_tokens: int, max_prompt: int | None) -> int:
-        return self.spec.weights_bytes + kv + self.growth_transient(kv) + self.workspace(rows, max_tokens, max_prompt)
+        return self.weights_bytes + kv + self.growth_transient(kv) + self.workspace(rows, max_tokens, max_prompt)
 
     def growth_transient(self, kv_bytes: int) -> int:
         """Pool growth copies one layer at a time: one layer's new buffers coexist with the old."""
@@ -241,13 +259,13 @@ class MemoryModel:
         return {
             "kv_mode": lay.label,
             "budget_bytes": self.budget,
-            "weights_bytes": self.spec.weights_bytes,
-            "kv_bytes_per_token": lay.bytes_per_token,
-            "page_bytes": lay.page_bytes,
+            "weights_bytes": self.weights_bytes,
+            "kv_bytes_per_token": lay.bytes_per_token + (self.draft.layout.bytes_per_token if self.draft else 0),
+            "page_bytes": self.page_bytes,
             "row_worst_tokens": worst_tokens,
             "rows_fit": n,
             "rows_running": min(n, self.max_batch),  # what predicted_peak_bytes prices
-            "predicted_kv_bytes_per_row": lay.pages_for(worst_tokens) * lay.page_bytes,
+            "predicted_kv_bytes_per_row": lay.pages_for(worst_tokens) * self.page_bytes,
             "workspace_bytes": self.workspace(max(min(n, self.max_batch), 1), worst_tokens, max_prompt),
             # total (weights + KV pages + growth copy + workspace) with the rows that can run at once
             # (rows_fit, at most max_batch) at their worst case

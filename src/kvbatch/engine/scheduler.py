@@ -244,11 +244,15 @@ class Scheduler:
         P = self.page_size
         return sum(-(-r.worst // P) for r in self.running) - self.cache.pool.shared
 
-    def kv_limit(self) -> int:
-        """KV bytes the budget leaves next to the weights and the running rows' workspace."""
+    def kv_limit(self, draft: bool = False) -> int:
+        """KV bytes the budget leaves next to the weights and the running rows' workspace: this
+        model's pages' share of them (draft: the draft model's share, speculative.method=draft)."""
         tokens = [self.priced(r) for r in self.running] or [1]
         prompt = max((r.target for r in self.running), default=1)
-        return self.memory.budget - self.spec.weights_bytes - self.memory.workspace(len(tokens), max(tokens), prompt)
+        m = self.memory
+        kv = m.budget - m.weights_bytes - m.workspace(len(tokens), max(tokens), prompt)
+        own = m.layout.page_bytes
+        return kv * (m.page_bytes - own if draft else own) // m.page_bytes
 
     def limits(self) -> list[int]:
         """[kv_limit, pool_want] for make_room (they scan every running row: once per step)."""

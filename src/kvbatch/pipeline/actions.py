@@ -221,8 +221,11 @@ def load_runtime(cfg: Config, rows: Optional[int] = None) -> Runtime:
     # points when KVBATCH_DEBUG_CRASH_AT is set (testing only)
     hooks = debug.hooks(parse_injection(cfg.debug.inject_nonfinite))
 
+    # speculative.method=draft: the draft model, loaded as the model is (the engine checks it shares the tokenizer)
+    draft = load_model(cfg.speculative.model) if cfg.speculative.method == "draft" else None
+
     def engine():
-        return Engine(model, tokenizer, spec, ecfg, hooks)
+        return Engine(model, tokenizer, spec, ecfg, hooks, draft=draft)
 
     first = [engine()]
     # the start-up plan: prompt length is per row; price rows at max_tokens plus

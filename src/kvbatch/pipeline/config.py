@@ -258,6 +258,13 @@ def validate(cfg: Config) -> None:
         for key in TINY_ONLY:
             _need(getattr(m, key) == getattr(base, key), f"model.{key}", getattr(m, key),
                   f"only model=tiny uses it (model={m.source} has its own; remove it)")
+    d = cfg.speculative.model
+    if cfg.speculative.method == "draft":
+        _need(d.source in MODEL_SOURCES, "speculative.model.source", d.source,
+              f"choose one of {', '.join(MODEL_SOURCES)}")
+        _need(d.source != "local" or bool(d.path), "speculative.model.path", d.path,
+              "speculative.model.source=local needs speculative.model.path (an mlx-lm directory or a Hugging Face "
+              "repo id)")
     try:
         engine_config(cfg).check()  # kv.*, memory.*, engine.*, job.max_prompt_tokens
     except KvbatchConfigError as exc:
@@ -429,6 +436,10 @@ def run_identity(cfg: Config, input_path: str, include_kv: bool) -> str:
             keyed["prefix_cache"] = False
         if cfg.speculative.method != "none":  # the verification pass's numerics can move a near-tie
             keyed["speculative"] = asdict(cfg.speculative)
+            if cfg.speculative.method == "draft":
+                keyed["speculative"]["model"].pop("cache_dir", None)
+            else:
+                del keyed["speculative"]["model"]
     blob = json.dumps(keyed, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 

@@ -1,8 +1,9 @@
 """Speculative decoding: a row's next tokens proposed cheaply, checked by the model in one
 verification pass with the rest of the batch (engine/speculative/verify.py).
 
-A proposer is anything with `propose(row, k)`: n-gram lookup in the row's own tokens today
-(ngram.py); a draft model or a model's multi-token-prediction heads plug in at the same seam.
+A proposer is anything with `propose(rows, ks)`: n-gram lookup in each row's own tokens (ngram.py)
+or a draft model's small decode steps over its own paged cache (draft.py); a model's
+multi-token-prediction heads plug in at the same seam.
 """
 from __future__ import annotations
 
@@ -14,15 +15,24 @@ from kvbatch.engine.speculative.ngram import NgramProposer
 
 
 class Proposer(Protocol):
-    """Proposes up to k next tokens of a row (deterministic: each proposed token has probability 1)."""
+    """Proposes up to k next tokens of each of a step's speculating rows."""
 
-    def propose(self, row: Row, k: int) -> list[int]:
-        """Up to k tokens to follow the row's tokens so far ([]: none this step)."""
+    def propose(self, rows: list[Row], ks: list[int]) -> list[list[int]]:
+        """Up to ks[i] tokens to follow rows[i]'s tokens so far ([]: none this step)."""
+        ...
+
+    def forget(self, everything: bool = False) -> None:
+        """Drop what is kept for rows no longer running (everything: for every row)."""
+        ...
+
+    def stats(self) -> dict:
+        """The proposer's own figures for summary.json ({} when it has none)."""
         ...
 
 
 def make_proposer(cfg: SpeculativeConfig) -> Optional[Proposer]:
-    """The proposer speculative.method names (None: no speculation)."""
+    """The proposer speculative.method names that needs nothing but the config (ngram); None:
+    no speculation, or a draft model (the engine builds its DraftProposer over its own cache)."""
     if cfg.method == "ngram":
         return NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
     return None

@@ -59,6 +59,13 @@ class NgramProposer:
         st.have = n
         return st.buf[:n]
 
-    def propose(self, row: Row, k: int) -> list[int]:
-        """Up to k tokens from the row's earlier tokens after its latest n-gram match."""
-        return ngram_propose(self.tokens(row), k, self.n_min, self.n_max)
+    def propose(self, rows: list[Row], ks: list[int]) -> list[list[int]]:
+        """Up to ks[i] tokens from rows[i]'s earlier tokens after its latest n-gram match."""
+        return [ngram_propose(self.tokens(row), k, self.n_min, self.n_max) for row, k in zip(rows, ks)]
+
+    def forget(self, everything: bool = False) -> None:
+        """Nothing to drop: a row's tokens live with the row."""
+
+    def stats(self) -> dict:
+        """No figures of its own."""
+        return {}

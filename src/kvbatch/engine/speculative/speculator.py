@@ -22,10 +22,12 @@ class Speculator:
 
     def propose(self, rows: list[Row]) -> dict[int, list[int]]:
         """Proposed tokens by id(row), for the rows that propose this step."""
+        self.proposer.forget()
         out: dict[int, list[int]] = {}
         cap = self.cfg.disable_by_batch_size
         if cap is not None and len(rows) > cap:
             return out
+        asked, ks = [], []
         for row in rows:
             if not speculates(row):
                 continue
@@ -35,11 +37,13 @@ class Speculator:
                 continue
             k = max_proposal(row, min(self.cfg.num_tokens, row.spec.want), self.context_length, self.page_size,
                              self.quantized)
-            if k <= 0:
-                continue
-            p = self.proposer.propose(row, k)
-            if p:
-                out[id(row)] = p
+            if k > 0:
+                asked.append(row)
+                ks.append(k)
+        if asked:
+            for row, p in zip(asked, self.proposer.propose(asked, ks)):
+                if p:
+                    out[id(row)] = p
         return out
 
     def verify(self, rows: list[Row], proposals: dict[int, list[int]]) -> Decoded:
@@ -50,4 +54,4 @@ class Speculator:
         """Totals for summary.json: tokens proposed and accepted, verification passes, acceptance rate."""
         v = self.verifier
         return {"spec_proposed": v.proposed, "spec_accepted": v.accepted, "spec_passes": v.passes,
-                "spec_acceptance": v.accepted / v.proposed if v.proposed else None}
+                "spec_acceptance": v.accepted / v.proposed if v.proposed else None, **self.proposer.stats()}

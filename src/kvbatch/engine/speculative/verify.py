@@ -8,8 +8,10 @@ row's key split once per output step, in order). A proposed token is accepted wh
 sampled at the position before it equals it; the first position whose token differs gives the
 row's last token of the step. With a deterministic proposal (probability 1 on one token x) this
 is speculative rejection sampling itself: x is accepted with probability p(x), and otherwise the
-token is a draw from p with x removed, renormalized (the residual). So outputs keep the target
-distribution, and a row's tokens for a seed are the tokens it gets without speculation.
+token is a draw from p with x removed, renormalized (the residual). With proposals drawn from a
+draft's distribution q the kept token is still the model's own draw at each position, so outputs
+keep the target distribution for any q; the draft draws with the same noise to agree often
+(engine/speculative/draft.py). So a row's tokens for a seed are the tokens it gets without speculation.
 
 After the pass, each row's stored length is cut back to its verified tokens and the pages past it
 (holding only rejected tokens) go back to the pool, before any token reaches the output (so a row
@@ -51,6 +53,16 @@ def key_chain(key: mx.array, n: int) -> tuple[list[mx.array], list[mx.array]]:
         after.append(key)
         use.append(pair[1])
     return use, after
+
+
+def _forced(toks: list[int], offs: list[int], props: list[list[int]], share: float) -> mx.array:
+    """EngineHooks.force_acceptance: the pass's tokens with each row's first int(share * k) positions
+    holding its proposed tokens (kept as if sampled; the position after them keeps the model's draw)."""
+    out = list(toks)
+    for o, p in zip(offs, props):
+        a = int(share * len(p))
+        out[o:o + a] = p[:a]
+    return mx.array(out)
 
 
 class Verifier:
@@ -105,15 +117,22 @@ class Verifier:
             logger.exception("verification pass of %d rows failed", len(rows))
             return Decoded([], f"{type(e).__name__}: {e}")
         toks = cast(list[int], sampled.tokens.tolist())
+        force = r.hooks.force_acceptance
+        if force is not None:
+            sampled.tokens = _forced(toks, offs, props, force)
         acc = []
         for i, row in enumerate(rows):
-            a = accepted_prefix(toks[offs[i]:offs[i] + lens[i]], props[i])
+            a = accepted_prefix(toks[offs[i]:offs[i] + lens[i]], props[i]) if force is None \
+                else int(force * len(props[i]))
             acc.append(a)
             r.cache.rollback(row.kv, before[i] + a + 1)
             if afters[i] is not None:
                 row.sampler.key = afters[i][a]  # the key after the a + 1 output steps it takes
             if props[i] and row.spec is not None:  # a row that proposed has its RowSpec (Speculator.propose)
                 row.spec.verified(len(props[i]), a)
+                if force is not None:  # the benchmark's rows propose k tokens every step
+                    row.spec.misses = row.spec.pause = 0
+                    row.spec.want = 1 << 30
                 self.proposed += len(props[i])
                 self.accepted += a
         self.passes += 1
