@@ -28,7 +28,7 @@ from kvbatch.pipeline import durations, extras, model_defaults, response_format,
 from kvbatch.pipeline.escapes import unescape
 from kvbatch.pipeline.redact import redact, redact_config
 
-ACTIONS = ("run", "enqueue", "work", "status", "finalize", "retry", "report")
+ACTIONS = ("run", "enqueue", "work", "status", "finalize", "retry", "report", "score")
 SHAPES = ("columns", "sharegpt", "alpaca")  # job.shape (pipeline/formats/shapes.py)
 FORMATS = ("auto", "jsonl", "csv", "parquet", "openai_batch")
 MODEL_SOURCES = ("smollm2", "local", "tiny")
@@ -73,6 +73,9 @@ class JobConfig:
     ignore_eos: bool = False  # EOS is an ordinary token: rows run to max_tokens or a stop
     # constrained output: json_object | regex:PATTERN | a JSON schema (inline mapping or a .json file) | null
     response_format: Optional[Any] = None
+    # action=score: the columns whose text is scored after the row's prompt (one result row per column)
+    score_columns: List[str] = field(default_factory=lambda: ["completion"])
+    score_tokens: bool = False  # action=score: also each completion token's log-probability (output_logprobs)
 
 
 @dataclass
@@ -323,6 +326,28 @@ def validate(cfg: Config) -> None:
           f"choose among {', '.join(ERROR_CODES)} ([] = every code but invalid_input)")
     _need(cfg.action != "report" or bool(cfg.report.sweep_dirs), "report.sweep_dirs", cfg.report.sweep_dirs,
           "action=report needs report.sweep_dirs=[DIR,...] (sweep folders)")
+    score_problem(cfg)
+
+
+SCORE_KEYS = ("score_columns", "score_tokens")  # job.* keys only action=score reads
+
+
+def score_problem(cfg: Config) -> None:
+    """action=score's own settings (job.score_columns, and what scoring given text cannot honour)."""
+    from kvbatch.engine.params import MAX_SAMPLES
+
+    job, cols = cfg.job, list(cfg.job.score_columns)
+    _need(all(isinstance(c, str) and c.strip() for c in cols) and len(set(cols)) == len(cols), "job.score_columns",
+          cols, "must be distinct, non-empty column names, e.g. [chosen, rejected]")
+    if cfg.action != "score":
+        return
+    _need(0 < len(cols) <= MAX_SAMPLES, "job.score_columns", cols,
+          f"action=score needs 1 to {MAX_SAMPLES} columns to score, e.g. [completion] or [chosen, rejected]")
+    used = {job.prompt_column, job.messages_column, job.id_column} & set(cols)
+    _need(not used, "job.score_columns", cols,
+          f"{', '.join(sorted(used))} is the row's prompt, messages or id column, not a completion")
+    _need(cfg.sampling.n == 1, "sampling.n", cfg.sampling.n, "action=score scores given text (nothing is sampled): "
+          "use sampling.n=1")
 
 
 def read_url_file(path: str) -> str:
@@ -395,6 +420,11 @@ def run_identity(cfg: Config, input_path: str, include_kv: bool) -> str:
     keyed["debug"].pop("deadline_after_tokens", None)
     keyed["sampling"].pop("defaults", None)  # the values it chose are keyed themselves
     keyed["job"] = {**keyed["job"], "input": str(input_path), "name": None}
+    if cfg.action == "score":  # scores, not generated rows: a folder of its own
+        keyed["task"] = "score"
+    else:  # generation never reads them
+        for k in SCORE_KEYS:
+            keyed["job"].pop(k, None)
     if cfg.job.response_format is not None:  # a schema file by its content, not its path
         keyed["job"]["response_format"] = response_format.canonical(response_format.resolve(cfg.job.response_format))
     if include_kv:

@@ -1,0 +1,82 @@
+"""action=score: the log-probability of given completions after each row's prompt, on the engine's scorer
+(engine/scoring.py, the one the sweep report's teacher-forced columns use).
+
+Queue rows: one per (input row, column of `job.score_columns`), as samples are (pipeline/samples.py):
+key `KEY` for a single column, `KEY#COLUMN` for several; position input position x SAMPLE_SLOTS + the
+column's index (results.parquet: `row_index`, `sample_index`, `score_column`). Each is claimed, written
+and acknowledged on its own, so a score job resumes as a generation job does.
+
+Tokens: the completion's tokens are those of the joint text (the prompt as the row renders it for
+generation, chat template and all, followed by the completion) after the prompt's own tokens, as
+lm-evaluation-harness splits a context and its continuation. The scored sequence is the prompt's tokens
+(what generation would prefill, so the completions of one prompt share its cached pages) followed by
+those tokens.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from kvbatch.pipeline.config import JobConfig
+from kvbatch.pipeline.inputs import InputRow
+from kvbatch.pipeline.prompts import render
+from kvbatch.pipeline.samples import SAMPLE_SLOTS
+
+TEXTS = "score_texts"  # an input row's payload: column -> its completion (None: missing)
+BAD = "score_errors"  # ... column -> why its value cannot be scored
+
+
+def read(row: dict, columns: list[str]) -> dict:
+    """The completion columns of one parsed input row, for its payload (TEXTS and BAD)."""
+    texts: dict[str, Any] = {}
+    bad: dict[str, str] = {}
+    for col in columns:
+        v = row.get(col)
+        if v is None:
+            bad[col] = f"row has no {col!r} column to score (job.score_columns)"
+        elif not isinstance(v, str):
+            bad[col] = f"{col} must be a string to score, got {type(v).__name__}"
+        elif not v:
+            bad[col] = f"empty {col}: nothing to score"
+        else:
+            texts[col] = v
+    return {TEXTS: texts, BAD: bad}
+
+
+def expand(rows: list[InputRow], columns: list[str]) -> list[InputRow]:
+    """The queue rows of these input rows: one per column to score (an unusable row: each its error)."""
+    taken = {r.key for r in rows}
+    out: list[InputRow] = []
+    for r in rows:
+        base = {k: v for k, v in r.payload.items() if k not in (TEXTS, BAD)}
+        for i, col in enumerate(columns):
+            key = r.key
+            if len(columns) > 1:
+                key = f"{r.key}#{col}"
+                while key in taken:
+                    key += "#"
+                taken.add(key)
+            payload = {**base, "score_column": col, "sample_index": i}
+            if "error" not in payload:
+                why = r.payload.get(BAD, {}).get(col)
+                if why is not None:
+                    payload["error"] = why
+                else:
+                    payload["completion"] = r.payload[TEXTS][col]
+            out.append(InputRow(r.pos * SAMPLE_SLOTS + i, key, payload))
+    return out
+
+
+def tokens(tokenizer: Any, payload: dict, job: JobConfig) -> tuple[list[int], list[int]]:
+    """(the prompt's tokens, the completion's tokens) of a valid queue row (module docstring); ValueError
+    (-> invalid_input) when either is empty or the prompt cannot be rendered."""
+    prompt = render(tokenizer, payload, job)
+    text = render(tokenizer, payload, job, tokenize=False)
+    joint = text + payload["completion"]
+    chat = "messages" in payload or job.chat_template  # a rendered template carries its own special tokens
+    whole = [int(t) for t in (tokenizer.encode(joint, add_special_tokens=False) if chat else tokenizer.encode(joint))]
+    if not prompt:
+        raise ValueError("the prompt has no tokens: the completion's first token has nothing to follow")
+    completion = whole[len(prompt):]
+    if not completion:
+        raise ValueError(f"{payload['score_column']} has no tokens after the prompt's: nothing to score")
+    return prompt, completion
