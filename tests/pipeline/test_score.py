@@ -11,7 +11,6 @@ import math
 import kvbatch.engine  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 import numpy as np
-import pyarrow.parquet as pq
 import pytest
 
 import kvbatch

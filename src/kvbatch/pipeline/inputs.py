@@ -235,12 +235,31 @@ def row_payload(row: dict, job: JobConfig, scored: tuple[str, ...] = ()) -> dict
             raise ValueError(f"row has no {job.prompt_column!r} or {job.messages_column!r}")
         out.update(row_params.parse(row))
         if scored:
-            from kvbatch.pipeline import score
-
-            out.update(score.read(row, list(scored)))
+            out.update(score_texts(row, scored))
     except ValueError as exc:
         out["error"] = str(exc)
     return out
+
+
+TEXTS = "score_texts"  # an input row's payload under action=score: column -> its completion
+BAD = "score_errors"  # ... column -> why its value cannot be scored (pipeline/score.py)
+
+
+def score_texts(row: dict, columns: tuple[str, ...]) -> dict:
+    """action=score: the completion columns of one parsed input row, for its payload (TEXTS and BAD)."""
+    texts: dict[str, str] = {}
+    bad: dict[str, str] = {}
+    for col in columns:
+        v = row.get(col)
+        if _missing(v):
+            bad[col] = f"row has no {col!r} column to score (job.score_columns)"
+        elif not isinstance(v, str):
+            bad[col] = f"{col} must be a string to score, got {type(v).__name__}"
+        elif not v:
+            bad[col] = f"empty {col}: nothing to score"
+        else:
+            texts[col] = v
+    return {TEXTS: texts, BAD: bad}
 
 
 def _key(pos: int, content: str) -> str:

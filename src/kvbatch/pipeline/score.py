@@ -17,29 +17,9 @@ from __future__ import annotations
 from typing import Any
 
 from kvbatch.pipeline.config import JobConfig
-from kvbatch.pipeline.inputs import InputRow
+from kvbatch.pipeline.inputs import BAD, TEXTS, InputRow
 from kvbatch.pipeline.prompts import render
 from kvbatch.pipeline.samples import SAMPLE_SLOTS
-
-TEXTS = "score_texts"  # an input row's payload: column -> its completion (None: missing)
-BAD = "score_errors"  # ... column -> why its value cannot be scored
-
-
-def read(row: dict, columns: list[str]) -> dict:
-    """The completion columns of one parsed input row, for its payload (TEXTS and BAD)."""
-    texts: dict[str, Any] = {}
-    bad: dict[str, str] = {}
-    for col in columns:
-        v = row.get(col)
-        if v is None:
-            bad[col] = f"row has no {col!r} column to score (job.score_columns)"
-        elif not isinstance(v, str):
-            bad[col] = f"{col} must be a string to score, got {type(v).__name__}"
-        elif not v:
-            bad[col] = f"empty {col}: nothing to score"
-        else:
-            texts[col] = v
-    return {TEXTS: texts, BAD: bad}
 
 
 def expand(rows: list[InputRow], columns: list[str]) -> list[InputRow]:
