@@ -109,6 +109,7 @@ def test_batched_equals_alone(dpo_batched, dpo_alone):
             assert max(abs(x - y) for x, y in zip(a["output_logprobs"], b["output_logprobs"])) <= 1e-5
 
 
+@pytest.mark.smollm2
 def test_smollm2_scores_as_mlx_lm_does(smollm2):
     """The engine's scorer (what action=score runs) on the real SmolLM2, against its mlx-lm forward."""
     model, tok, spec = smollm2
