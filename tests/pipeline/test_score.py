@@ -30,6 +30,7 @@ DPO = [
     {"id": "p2", "messages": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}],
      "chosen": " Hello!", "rejected": " Go away."},
     {"id": "p3", "prompt": "Only one answer here", "chosen": " yes"},  # no rejected: invalid_input for that one
+    {"id": "p4", "prompt": "Bad answers", "chosen": "", "rejected": 5},  # empty, not text: invalid_input each
 ]
 SETTINGS = {"kv.page_size": 16, "engine.prefill_chunk": 32}
 
@@ -58,8 +59,9 @@ def _check_against_mlx_lm(table, rows, model, tok, columns) -> None:
     assert [(r["row_index"], r["score_column"]) for r in out] == [(i, c) for i in range(len(rows)) for c in columns]
     for r in out:
         row = rows[r["row_index"]]
-        if r["score_column"] not in row:
-            assert r["error_code"] == "invalid_input" and r["score_column"] in r["error_message"]
+        if not isinstance(row.get(r["score_column"]), str) or not row[r["score_column"]]:
+            assert r["error_code"] == "invalid_input" and r["score_column"] in r["error_message"], r
+            assert r["finish_reason"] == "error" and r["cumulative_logprob"] is None
             continue
         ids, want = _reference(model, tok, row, r["score_column"])
         assert r["error_code"] is None and r["finish_reason"] == "scored", r
@@ -81,7 +83,9 @@ def test_dpo_file_scores_both_columns_as_mlx_lm_does(dpo_batched, tiny_model):
     model, tok, _ = tiny_model()
     _check_against_mlx_lm(dpo_batched, DPO, model, tok, ["chosen", "rejected"])
     out = {r["row_key"]: r for r in dpo_batched.to_pylist()}
-    assert sorted(out) == sorted(f"p{i}#{c}" for i in range(4) for c in ("chosen", "rejected"))
+    assert sorted(out) == sorted(f"p{i}#{c}" for i in range(len(DPO)) for c in ("chosen", "rejected"))
+    assert [out[f"p4#{c}"]["error_message"] for c in ("chosen", "rejected")] == \
+        ["empty chosen: nothing to score", "rejected must be a string to score, got int"]
     assert out["p0#chosen"]["chosen"] == DPO[0]["chosen"]  # the input's columns carried through
     # the second completion of the long prompt took its first page from the first one's
     assert out["p0#rejected"]["cached_tokens"] + out["p0#chosen"]["cached_tokens"] >= 16
@@ -122,6 +126,10 @@ def test_smollm2_scores_as_mlx_lm_does(smollm2):
         prompt = score.tokens(tok, {**row, "score_column": "completion"}, JobConfig())[0]
         forced.append(ForcedRow(f"r{i}", prompt, ids))
         want.append(lp)
+    # jointly tokenized: a token that spans the boundary ("Say hel" + "lo world": " hello") is the completion's
+    prompt, text = score.tokens(tok, {"prompt": "Say hel", "completion": "lo world", "score_column": "completion"},
+                                JobConfig(chat_template=False))
+    assert prompt + text == tok.encode("Say hello world") and tok.decode(text) == " hello world"
     got = scoring.score(eng, forced)
     for i, lp in enumerate(want):
         mine = got[f"r{i}"].token_logprobs()

@@ -8,9 +8,11 @@ and acknowledged on its own, so a score job resumes as a generation job does.
 
 Tokens: the completion's tokens are those of the joint text (the prompt as the row renders it for
 generation, chat template and all, followed by the completion) after the prompt's own tokens, as
-lm-evaluation-harness splits a context and its continuation. The scored sequence is the prompt's tokens
-(what generation would prefill, so the completions of one prompt share its cached pages) followed by
-those tokens.
+lm-evaluation-harness splits a context and its continuation; the scored sequence is the joint text's
+tokens. Where a token spans the boundary (a completion that starts mid-word: "Say hel" + "lo"), the joint
+text's tokens part from the prompt's before its end: that token and the rest are the completion's, and
+the prompt's tokens it replaced are not scored. Otherwise the prompt's tokens are what generation would
+prefill, so the completions of one prompt share its cached pages.
 """
 from __future__ import annotations
 
@@ -54,9 +56,11 @@ def tokens(tokenizer: Any, payload: dict, job: JobConfig) -> tuple[list[int], li
     joint = text + payload["completion"]
     chat = "messages" in payload or job.chat_template  # a rendered template carries its own special tokens
     whole = [int(t) for t in (tokenizer.encode(joint, add_special_tokens=False) if chat else tokenizer.encode(joint))]
-    if not prompt:
-        raise ValueError("the prompt has no tokens: the completion's first token has nothing to follow")
-    completion = whole[len(prompt):]
-    if not completion:
+    k = 0  # the prompt's tokens the joint text starts with (all of them unless a token spans the boundary)
+    while k < min(len(prompt), len(whole)) and prompt[k] == whole[k]:
+        k += 1
+    if not k:
+        raise ValueError("the prompt has no tokens before the completion's: its first token has nothing to follow")
+    if k == len(whole):
         raise ValueError(f"{payload['score_column']} has no tokens after the prompt's: nothing to score")
-    return prompt, completion
+    return prompt[:k], whole[k:]
