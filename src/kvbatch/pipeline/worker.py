@@ -37,6 +37,10 @@ machine. The first Ctrl-C or SIGTERM does the same at the next step (then exits 
 second one exits at once (finished rows written, rows handed back; their last checkpoints hold).
 While it works, the worker checkpoints its rows every `worker.checkpoint_every` (seconds, and/or
 tokens of a row), so a kill -9 loses at most the tokens since then.
+
+`action=score`: each row's completion is scored instead of generated (pipeline/score.py: its tokens;
+engine/scoring.py: the engine row that scores them); it is claimed, written and acknowledged as a
+generated row is, and has nothing to checkpoint (it is one prefill).
 """
 from __future__ import annotations
 
@@ -425,11 +429,10 @@ class Worker:
         """Buffer a row's record for the next part; `unused`: a scored row's budgeted token it did not use."""
         self.buffer.append(fit(record))  # always writable: one bad value never fails a part
         self.results += 1
-        if self.progress:
+        if self.progress and record.score_column is not None:  # one token sampled after its text (ignored)
+            self.progress.row_done(unused, None if record.error_code else 1)
+        elif self.progress:
             budget = getattr(record, "max_tokens", None) or 0  # set for every row that was meant to run
-            if record.score_column is not None:  # a scored row: one token sampled after its text (ignored)
-                self.progress.row_done(unused, None if record.error_code else 1)
-                return
             budget = min(budget, self.rt.context_length or budget)  # as the job's budget counted it
             # tokens it will not generate here: beyond its output, and those carried over from a checkpoint
             self.progress.row_done(budget - (record.output_tokens or 0) + (record.resumed_tokens or 0),
