@@ -142,6 +142,8 @@ def test_bad_settings_fail_in_one_line(model_cache_dir):
         with pytest.raises(ConfigError, match=says) as e:
             kvbatch.score(DPO, model="tiny", columns=cols, **_opts(model_cache_dir))
         assert "\n" not in str(e.value) and str(e.value).startswith("job.score_columns=")
+    with pytest.raises(ConfigError, match=r"no column 'answer' in input.jsonl to score; columns: \[.*'chosen'"):
+        kvbatch.score(DPO, model="tiny", columns=["chosen", "answer"], **_opts(model_cache_dir))
     with pytest.raises(ConfigError, match="sampling.n=1"):
         kvbatch.score(DPO, model="tiny", **_opts(model_cache_dir, sampling={"n": 2, "temperature": 1.0}))
 

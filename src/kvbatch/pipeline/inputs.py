@@ -391,4 +391,8 @@ def read_rows(path: Path, fmt: str, job: JobConfig, scored: tuple[str, ...] = ()
     elif columns is not None and not ({job.prompt_column, job.messages_column} & columns):
         raise ConfigError(f"job.prompt_column={job.prompt_column!r}: no such column in {path.name} "
                           f"(nor job.messages_column={job.messages_column!r}); columns: {sorted(columns, key=str)}")
+    absent = [c for c in scored if columns is not None and c not in columns]
+    if absent:  # no row has it: the setting names the wrong column (a row without it: invalid_input)
+        raise ConfigError(f"job.score_columns={list(scored)}: no column {', '.join(map(repr, absent))} in "
+                          f"{path.name} to score; columns: {sorted(columns or (), key=str)}")
     return _unique_keys([_guarded_row(pos, obj, raw, job, scored) for pos, (obj, raw) in enumerate(records)], job)
