@@ -144,8 +144,9 @@ def test_bad_settings_fail_in_one_line(model_cache_dir):
         assert "\n" not in str(e.value) and str(e.value).startswith("job.score_columns=")
     with pytest.raises(ConfigError, match=r"no column 'answer' in input.jsonl to score; columns: \[.*'chosen'"):
         kvbatch.score(DPO, model="tiny", columns=["chosen", "answer"], **_opts(model_cache_dir))
-    with pytest.raises(ConfigError, match="sampling.n=1"):
-        kvbatch.score(DPO, model="tiny", **_opts(model_cache_dir, sampling={"n": 2, "temperature": 1.0}))
+    for key, value in (("sampling.n", 2), ("sampling.logprobs", 3), ("job.response_format", "json_object")):
+        with pytest.raises(ConfigError, match=rf"^{key}=.*action=score scores given text"):
+            kvbatch.score(DPO, model="tiny", **_opts(model_cache_dir, **{key: value, "sampling.temperature": 1.0}))
 
 
 def test_kill_9_then_the_same_command_gives_every_score_once_and_exact(tmp_path, model_cache_dir, dpo_alone):

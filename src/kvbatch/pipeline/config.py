@@ -346,8 +346,12 @@ def score_problem(cfg: Config) -> None:
     used = {job.prompt_column, job.messages_column, job.id_column} & set(cols)
     _need(not used, "job.score_columns", cols,
           f"{', '.join(sorted(used))} is the row's prompt, messages or id column, not a completion")
-    _need(cfg.sampling.n == 1, "sampling.n", cfg.sampling.n, "action=score scores given text (nothing is sampled): "
-          "use sampling.n=1")
+    ignored = {"sampling.n": (cfg.sampling.n, 1), "sampling.logprobs": (cfg.sampling.logprobs, 0),
+               "sampling.prompt_logprobs": (cfg.sampling.prompt_logprobs, False),
+               "job.response_format": (job.response_format, None), "output.openai_batch": (cfg.output.openai_batch, False)}
+    for key, (value, off) in ignored.items():  # generation's settings: scoring given text would ignore them
+        _need(value == off, key, value, f"action=score scores given text (nothing is generated): leave it {off} "
+              f"(job.score_tokens=true gives each completion token's log-probability)")
 
 
 def read_url_file(path: str) -> str:
