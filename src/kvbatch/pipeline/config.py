@@ -348,7 +348,8 @@ def score_problem(cfg: Config) -> None:
           f"{', '.join(sorted(used))} is the row's prompt, messages or id column, not a completion")
     ignored = {"sampling.n": (cfg.sampling.n, 1), "sampling.logprobs": (cfg.sampling.logprobs, 0),
                "sampling.prompt_logprobs": (cfg.sampling.prompt_logprobs, False),
-               "job.response_format": (job.response_format, None), "output.openai_batch": (cfg.output.openai_batch, False)}
+               "job.response_format": (job.response_format, None),
+               "output.openai_batch": (cfg.output.openai_batch, False)}
     for key, (value, off) in ignored.items():  # generation's settings: scoring given text would ignore them
         _need(value == off, key, value, f"action=score scores given text (nothing is generated): leave it {off} "
               f"(job.score_tokens=true gives each completion token's log-probability)")
