@@ -351,8 +351,8 @@ def score_problem(cfg: Config) -> None:
                "job.response_format": (job.response_format, None),
                "output.openai_batch": (cfg.output.openai_batch, False)}
     for key, (value, off) in ignored.items():  # generation's settings: scoring given text would ignore them
-        _need(value == off, key, value, f"action=score scores given text (nothing is generated): leave it {json.dumps(off)} "
-              f"(job.score_tokens=true gives each completion token's log-probability)")
+        _need(value == off, key, value, f"action=score scores given text (nothing is generated): leave it "
+              f"{json.dumps(off)} (job.score_tokens=true gives each completion token's log-probability)")
 
 
 def read_url_file(path: str) -> str:
