@@ -46,6 +46,8 @@ BENCHMARKS = {
     "job.kill_soak": "many random kill -9 of real workers, then a final run: nothing lost or changed",
     "job.checkpoint_cost": "what checkpointing rows in flight costs a whole job: off, default, dense",
     "job.overnight": "a job stopped by its deadline half-way and run again, against one uninterrupted run",
+    "job.score": "action=score (kvbatch.score) on DPO-shaped rows against mlx-lm's one forward per pair: "
+                 "pairs/s, cached prompt pages, summed log-probabilities agree",
     "job.finalize_memory": "finalize of N one-token rows (synthetic parts): peak RSS and time, and a finished "
                            "job's rerun",
 }

@@ -7,19 +7,20 @@ the Hydra configs in `kvbatch/conf` and the sample job in `kvbatch/jobs`. The co
 to those folders.
 
 `kvbatch.generate(rows, model=..., kv=..., max_tokens=..., **options)` is the command from Python
-(pipeline/api.py); it is imported on first use, so `import kvbatch` stays cheap.
+(pipeline/api.py), `kvbatch.score(rows, columns=[...], ...)` its action=score; they are imported on first
+use, so `import kvbatch` stays cheap.
 """
 __version__ = "0.1.0"
-__all__ = ["generate", "__version__"]
+__all__ = ["generate", "score", "__version__"]
 
 TYPE_CHECKING = False  # typing's constant, without importing typing (type checkers take it as True)
 if TYPE_CHECKING:
-    from kvbatch.pipeline.api import generate
+    from kvbatch.pipeline.api import generate, score
 
 
 def __getattr__(name: str):  # PEP 562
-    if name == "generate":
-        from kvbatch.pipeline.api import generate
+    if name in ("generate", "score"):
+        from kvbatch.pipeline import api
 
-        return generate
+        return getattr(api, name)
     raise AttributeError(f"module 'kvbatch' has no attribute {name!r}")

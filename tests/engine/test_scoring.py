@@ -122,3 +122,49 @@ def test_a_row_the_engine_refuses_is_reported_not_scored(tiny_model):
     out = score(eng, rows, reference=score(_engine(m), rows, keep=True))
     assert out["bad"].quality("bad").error_code == "invalid_input"
     assert out["r0"].quality("r0").error_code is None
+
+
+# kv none: float tolerance; q8/q4: the bounds the KV-quant tests allow a step that meets a one-step
+# rounding flip of a stored element (tests/engine/test_kv_quant.py, test_batched_prefill.py)
+TOL = {"none": 1e-4, "q8": 10e-4, "q4": 170e-4}
+
+
+@pytest.mark.parametrize("mode", ["none", "q8", "q4"])
+def test_text_logprobs_equal_mlx_lm_single_stream(tiny_model, mode):
+    """Each text token's log-probability (what action=score writes) equals mlx-lm's single-stream model
+    fed the same tokens through its own KVCache (q8/q4: kv_reference's QuantRefCache, the pages sealed
+    before each call quantize->dequantized), log-softmax in float64; the sum too."""
+    import numpy as np
+    from mlx_lm.models.cache import KVCache
+
+    from tests.engine.kv_reference import QuantRefCache, teacher_forced_logits
+
+    m = tiny_model()
+    model = m[0]
+    rows = _rows(m, n_rows=3)
+    eng = _engine(m, mode)
+    got = score(eng, rows)
+    k_axis = eng.stats()["kv_k_axis"] or "token"
+    bits = {"q8": 8, "q4": 4}.get(mode)
+
+    def caches(quantized=True):
+        if bits is None or not quantized:
+            return [KVCache() for _ in model.layers]
+        return [QuantRefCache(PAGE, bits, 64, k_axis) for _ in model.layers]
+
+    def reference(r, quantized=True):
+        logits = np.stack([np.asarray(x, dtype=np.float64)
+                           for x in teacher_forced_logits(model, r.prompt, r.text, lambda: caches(quantized))])
+        top = logits.max(axis=-1, keepdims=True)
+        return (logits - top - np.log(np.exp(logits - top).sum(axis=-1, keepdims=True)))[np.arange(len(r.text)),
+                                                                                          r.text]
+
+    off_none = 0.0
+    for r in rows:
+        lp, mine = reference(r), got[r.key].token_logprobs()
+        assert mine is not None and len(mine) == len(r.text)
+        assert np.abs(np.array(mine) - lp).max() <= TOL[mode], r.key
+        assert sum(mine) == pytest.approx(float(lp.sum()), abs=TOL[mode]), r.key
+        off_none = max(off_none, float(np.abs(np.array(mine) - reference(r, quantized=False)).max()))
+    if bits:  # the quantized cache is measurably not kv none: the comparison above is not none against none
+        assert off_none > 1e-4

@@ -1,5 +1,7 @@
-"""Teacher-forced quality of a KV cache: a reference text scored under one engine's cache against
-the next-token distributions another engine (kv=none) gives the same text.
+"""The engine's teacher-forced scorer: the log-probability of a given text after a prompt, under an
+engine's cache, and (the sweep report's use) a KV cache's quality against the next-token distributions
+another engine (kv=none) gives the same text. `action=score` (pipeline) scores datasets' completions
+with the same TeacherForced rows (`request`).
 
 Comparing free-running outputs turns one near-tie flip early in an answer into disagreement for the
 rest of it. The measure llama.cpp and the literature use is teacher-forced: both caches are fed the
@@ -104,6 +106,11 @@ class TeacherForced:
             out.append(self.logp)
         return out
 
+    def token_logprobs(self) -> Optional[list[float]]:
+        """log p(text token | everything before it), per text token; None unless every token was scored."""
+        got = self._cat("chosen")
+        return [float(x) for x in got] if len(got) == len(self.text) else None
+
     def _cat(self, name: str) -> np.ndarray:
         return np.concatenate([np.asarray(p[name]) for _, p in self.parts]) if self.parts else np.zeros(0)
 
@@ -125,6 +132,14 @@ class TeacherForced:
         self.logp, self.parts = None, []
 
 
+def request(key: str, prompt: list[int], text: list[int]) -> tuple[Request, TeacherForced]:
+    """The engine request that scores `text` (non-empty) after `prompt` (non-empty), and its scorer: add
+    both with engine.add(req, score=scorer). The row stores prompt + text but its last token, and
+    samples one token (ignored)."""
+    sc = TeacherForced(len(prompt), text)
+    return Request(key, list(prompt) + list(text[:-1]), SamplingParams(max_tokens=1)), sc
+
+
 def score(engine, rows: list[ForcedRow], reference: Optional[dict[str, TeacherForced]] = None,
           keep: bool = False) -> dict[str, TeacherForced]:
     """Score `rows` (each with a non-empty text) on `engine`, batched as it batches prefill; against
@@ -132,9 +147,10 @@ def score(engine, rows: list[ForcedRow], reference: Optional[dict[str, TeacherFo
     must have nothing else waiting or running."""
     scorers: dict[str, TeacherForced] = {}
     for r in rows:
-        sc = TeacherForced(len(r.prompt), r.text, reference[r.key] if reference is not None else None, keep)
+        req, sc = request(r.key, r.prompt, r.text)
+        sc.reference, sc.keep = reference[r.key] if reference is not None else None, keep
         scorers[r.key] = sc
-        engine.add(Request(r.key, list(r.prompt) + list(r.text[:-1]), SamplingParams(max_tokens=1)), score=sc)
+        engine.add(req, score=sc)
     for res in engine.run():
         if not res.ok:
             scorers[res.key].error_code = res.error_code

@@ -53,9 +53,13 @@ class Sharing:
 
     def _limit(self, row: Row) -> int:
         """Pages a row may take: all full pages before its last token (computed for its logits); none
-        for a row that scores its prompt (prompt_logprobs needs every prompt position computed, as in vLLM)."""
-        if _scores_prompt(row) or row.score is not None:  # a scored text: every position computed here
+        for a row that scores its prompt (prompt_logprobs needs every prompt position computed, as in vLLM);
+        a scored text's row: the full pages before the position that predicts its first text token (the
+        completions of one prompt share its pages, engine/scoring.py)."""
+        if _scores_prompt(row):
             return 0
+        if row.score is not None:
+            return max(row.score.start - 1, 0) // self.P
         return (row.target - 1) // self.P
 
     def hit(self, row: Row) -> list[int]:

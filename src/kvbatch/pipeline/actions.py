@@ -19,7 +19,7 @@ from kvbatch.engine.errors import INSUFFICIENT_MEMORY
 from kvbatch.engine.params import INT32_MAX
 from kvbatch.engine.sizes import fmt_bytes
 
-from kvbatch.pipeline import durations, job_identity, locate, model_defaults, passthrough, procs, samples
+from kvbatch.pipeline import durations, job_identity, locate, model_defaults, passthrough, procs, samples, score
 from kvbatch.pipeline import summary as summ
 from kvbatch.pipeline.config import (Config, ConfigError, as_dict, as_stored, config_hash, engine_config,
                                      parse_injection, stored_yaml)
@@ -121,14 +121,13 @@ def enqueue(job: Job) -> tuple[Queue, int, int]:
     """Read the input (ConfigError on file-level problems) and enqueue it; (queue, rows, new rows).
     Rows whose content changed since they were queued, and rows refused for memory when the memory
     settings changed, are generated again (their old results superseded, see Queue.regenerate)."""
-    inputs = read_rows(job.input_path, job.cfg.job.format, job.cfg.job)
+    inputs = read_rows(job.input_path, job.cfg.job.format, job.cfg.job, scored(job.cfg))
     if detect_format(job.input_path, job.cfg.job.format) == "openai_batch":
         from kvbatch.pipeline.formats.openai_batch import DEFAULTS_NOTE
 
         say(f"kvbatch: {DEFAULTS_NOTE}")
     system_prompt_applies(job, inputs)
-    # one queue row per (input row, sample)
-    rows = samples.expand(inputs, job.cfg.sampling.n, job.cfg.sampling.temperature or 0.0)
+    rows = queue_rows(job.cfg, inputs)
     try:
         job.out_dir.mkdir(parents=True, exist_ok=True)
         q = open_queue(job)
@@ -152,6 +151,18 @@ def enqueue(job: Job) -> tuple[Queue, int, int]:
             f"({_some(changed)}); they are generated again and their old results dropped")
     memory_changed(job, q)
     return q, len(rows), added
+
+
+def scored(cfg: Config) -> tuple[str, ...]:
+    """The columns whose completions action=score scores (none for generation)."""
+    return tuple(cfg.job.score_columns) if cfg.action == "score" else ()
+
+
+def queue_rows(cfg: Config, inputs: list) -> list:
+    """One queue row per (input row, sample), or for action=score per (input row, column scored)."""
+    if cfg.action == "score":
+        return score.expand(inputs, list(cfg.job.score_columns))
+    return samples.expand(inputs, cfg.sampling.n, cfg.sampling.temperature or 0.0)
 
 
 def system_prompt_applies(job: Job, inputs: list) -> None:
@@ -347,8 +358,8 @@ def _passthrough_readable(job: Job) -> None:
     if why is None:
         return
     try:
-        carry_columns(job, samples.expand(read_rows(job.input_path, job.cfg.job.format, job.cfg.job),
-                                          job.cfg.sampling.n))
+        carry_columns(job, queue_rows(job.cfg, read_rows(job.input_path, job.cfg.job.format, job.cfg.job,
+                                                         scored(job.cfg))))
     except Exception:  # noqa: BLE001 - the input itself is gone or changed: named below
         pass
     if passthrough.damaged(job.out_dir) is None:
@@ -413,7 +424,8 @@ def batch_output(job: Job, table) -> None:
 
 
 def run(job: Job) -> Path:
-    """action=run: enqueue the input, generate every row, finalize; the path of results.parquet."""
+    """action=run (and action=score): enqueue the input, generate (score) every row, finalize; the path of
+    results.parquet."""
     t_start = time.perf_counter()
     q, n_rows, added = enqueue(job)
     if n_rows == 0:
@@ -542,7 +554,7 @@ def retry(job: Job, q: Queue) -> None:
 def execute(cfg: Config) -> Optional[Path]:
     """Run the configured action; returns results.parquet's path when one was written."""
     job = job_for(cfg)
-    if cfg.action == "run":
+    if cfg.action in ("run", "score"):
         return run(job)
     if cfg.action == "enqueue":
         q, n, added = enqueue(job)

@@ -121,10 +121,31 @@ def generate(rows: Rows, model: str = "smollm2", kv: str = "none", max_tokens: O
     Nothing is written to stdout; the plan and notes go to the `kvbatch` logger (logging.basicConfig
     (level=logging.INFO) shows them), the summary line and results path to `kvbatch.out`.
     """
-    from kvbatch.pipeline import actions
-
     if max_tokens is not None:
         options = {"max_tokens": max_tokens, **options}
+    return _run(rows, model, kv, output_dir, options)
+
+
+def score(rows: Rows, model: str = "smollm2", kv: str = "none", columns: Optional[list[str]] = None,
+          tokens: bool = False, output_dir: Optional[Union[str, PathLike]] = None, **options: Any) -> pa.Table:
+    """action=score: the log-probability of each row's given completion(s) after its prompt (docs/score.md);
+    a pyarrow Table with results.parquet's schema, one row per (input row, column scored), in order.
+
+    rows: as generate's, each with a prompt (or messages) and the columns to score. columns: those
+    columns (job.score_columns; default ["completion"]), e.g. ["chosen", "rejected"]. tokens: also each
+    completion token's log-probability (job.score_tokens, in output_logprobs). The other arguments are
+    generate's.
+    """
+    if columns is not None:
+        options = {"job.score_columns": list(columns), **options}
+    return _run(rows, model, kv, output_dir, {"action": "score", "job.score_tokens": tokens, **options})
+
+
+def _run(rows: Rows, model: str, kv: str, output_dir: Optional[Union[str, PathLike]],
+         options: dict[str, Any]) -> pa.Table:
+    """One run of the command's action (run or score) on these rows; results.parquet as a Table."""
+    from kvbatch.pipeline import actions
+
     with tempfile.TemporaryDirectory(prefix="kvbatch-") as tmp:
         folder = Path(output_dir) if output_dir is not None else Path(tmp)
         folder.mkdir(parents=True, exist_ok=True)

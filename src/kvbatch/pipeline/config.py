@@ -29,7 +29,7 @@ from kvbatch.pipeline import durations, extras, model_defaults, response_format,
 from kvbatch.pipeline.escapes import unescape
 from kvbatch.pipeline.redact import redact, redact_config
 
-ACTIONS = ("run", "enqueue", "work", "status", "finalize", "retry", "report")
+ACTIONS = ("run", "enqueue", "work", "status", "finalize", "retry", "report", "score")
 SHAPES = ("columns", "sharegpt", "alpaca")  # job.shape (pipeline/formats/shapes.py)
 FORMATS = ("auto", "jsonl", "csv", "parquet", "openai_batch")
 MODEL_SOURCES = ("smollm2", "local", "tiny")
@@ -79,6 +79,9 @@ class JobConfig:
     reasoning: str = "auto"
     max_reasoning_tokens: Optional[int] = None  # the closing tag is forced after this many tokens of reasoning
     adapter: Optional[str] = None  # the rows' LoRA adapter: one of model.adapters (a row's `adapter` column wins)
+    # action=score: the columns whose text is scored after the row's prompt (one result row per column)
+    score_columns: List[str] = field(default_factory=lambda: ["completion"])
+    score_tokens: bool = False  # action=score: also each completion token's log-probability (output_logprobs)
 
 
 @dataclass
@@ -352,6 +355,33 @@ def validate(cfg: Config) -> None:
           f"choose among {', '.join(ERROR_CODES)} ([] = every code but invalid_input)")
     _need(cfg.action != "report" or bool(cfg.report.sweep_dirs), "report.sweep_dirs", cfg.report.sweep_dirs,
           "action=report needs report.sweep_dirs=[DIR,...] (sweep folders)")
+    score_problem(cfg)
+
+
+SCORE_KEYS = ("score_columns", "score_tokens")  # job.* keys only action=score reads
+
+
+def score_problem(cfg: Config) -> None:
+    """action=score's own settings (job.score_columns, and what scoring given text cannot honour)."""
+    from kvbatch.engine.params import MAX_SAMPLES
+
+    job, cols = cfg.job, list(cfg.job.score_columns)
+    _need(all(isinstance(c, str) and c.strip() for c in cols) and len(set(cols)) == len(cols), "job.score_columns",
+          cols, "must be distinct, non-empty column names, e.g. [chosen, rejected]")
+    if cfg.action != "score":
+        return
+    _need(0 < len(cols) <= MAX_SAMPLES, "job.score_columns", cols,
+          f"action=score needs 1 to {MAX_SAMPLES} columns to score, e.g. [completion] or [chosen, rejected]")
+    used = {job.prompt_column, job.messages_column, job.id_column} & set(cols)
+    _need(not used, "job.score_columns", cols,
+          f"{', '.join(sorted(used))} is the row's prompt, messages or id column, not a completion")
+    ignored = {"sampling.n": (cfg.sampling.n, 1), "sampling.logprobs": (cfg.sampling.logprobs, 0),
+               "sampling.prompt_logprobs": (cfg.sampling.prompt_logprobs, False),
+               "job.response_format": (job.response_format, None),
+               "output.openai_batch": (cfg.output.openai_batch, False)}
+    for key, (value, off) in ignored.items():  # generation's settings: scoring given text would ignore them
+        _need(value == off, key, value, f"action=score scores given text (nothing is generated): leave it "
+              f"{json.dumps(off)} (job.score_tokens=true gives each completion token's log-probability)")
 
 
 def read_url_file(path: str) -> str:
@@ -410,6 +440,12 @@ def stored_yaml(cfg: Config) -> str:
 _SHAPES_OUTPUTS = ("model", "job", "sampling", "debug")
 
 
+# Settings that cannot change a row's tokens while at their defaults: keyed only when set, so the
+# folder of a job that leaves them alone keeps its name across kvbatch versions that add them.
+_SAME_TOKENS_AT_DEFAULT = (("model", "adapter_path", None), ("model", "adapters", None), ("model", "adapters", {}),
+                           ("job", "adapter", None), ("job", "max_reasoning_tokens", None))
+
+
 def run_identity(cfg: Config, input_path: str, include_kv: bool) -> str:
     """12 hex digits naming what a run's outputs depend on: the model (not where it is cached),
     the job (its input by resolved path, not its name), sampling and debug settings; with
@@ -424,9 +460,19 @@ def run_identity(cfg: Config, input_path: str, include_kv: bool) -> str:
     keyed["debug"].pop("deadline_after_tokens", None)
     keyed["sampling"].pop("defaults", None)  # the values it chose are keyed themselves
     keyed["job"] = {**keyed["job"], "input": str(input_path), "name": None}
+    for section, key, default in _SAME_TOKENS_AT_DEFAULT:
+        if keyed[section].get(key, default) == default:
+            keyed[section].pop(key, None)
+    if cfg.job.response_format is None:  # reasoning only splits the text; with a schema it moves the grammar
+        keyed["job"].pop("reasoning", None)
     adapters = {"": cfg.model.adapter_path} if cfg.model.adapter_path else dict(cfg.model.adapters or {})
     if adapters:  # an adapter by its files' content too: one retrained in the same folder is another job
         keyed["model"]["adapter_content"] = {k: adapter_digest(v) for k, v in adapters.items()}
+    if cfg.action == "score":  # scores, not generated rows: a folder of its own
+        keyed["task"] = "score"
+    else:  # generation never reads them
+        for k in SCORE_KEYS:
+            keyed["job"].pop(k, None)
     if cfg.job.response_format is not None:  # a schema file by its content, not its path
         keyed["job"]["response_format"] = response_format.canonical(response_format.resolve(cfg.job.response_format))
     if include_kv:

@@ -216,8 +216,9 @@ def _messages(v: Any) -> list:
     return chat.read_messages(v)  # {role, content} pairs; OpenAI content parts joined (pipeline/chat.py)
 
 
-def row_payload(row: dict, job: JobConfig) -> dict:
-    """Validate one parsed row; return its payload (an `error` key when the row is unusable)."""
+def row_payload(row: dict, job: JobConfig, scored: tuple[str, ...] = ()) -> dict:
+    """Validate one parsed row; return its payload (an `error` key when the row is unusable). `scored`:
+    action=score's completion columns, read into the payload (pipeline/score.py)."""
     out: dict = {}
     try:
         prompt, msgs = row.get(job.prompt_column), row.get(job.messages_column)
@@ -233,9 +234,32 @@ def row_payload(row: dict, job: JobConfig) -> dict:
         else:
             raise ValueError(f"row has no {job.prompt_column!r} or {job.messages_column!r}")
         out.update(row_params.parse(row))
+        if scored:
+            out.update(score_texts(row, scored))
     except ValueError as exc:
         out["error"] = str(exc)
     return out
+
+
+TEXTS = "score_texts"  # an input row's payload under action=score: column -> its completion
+BAD = "score_errors"  # ... column -> why its value cannot be scored (pipeline/score.py)
+
+
+def score_texts(row: dict, columns: tuple[str, ...]) -> dict:
+    """action=score: the completion columns of one parsed input row, for its payload (TEXTS and BAD)."""
+    texts: dict[str, str] = {}
+    bad: dict[str, str] = {}
+    for col in columns:
+        v = row.get(col)
+        if _missing(v):
+            bad[col] = f"row has no {col!r} column to score (job.score_columns)"
+        elif not isinstance(v, str):
+            bad[col] = f"{col} must be a string to score, got {type(v).__name__}"
+        elif not v:
+            bad[col] = f"empty {col}: nothing to score"
+        else:
+            texts[col] = v
+    return {TEXTS: texts, BAD: bad}
 
 
 def _key(pos: int, content: str) -> str:
@@ -255,12 +279,13 @@ def _unicode_safe(payload: dict) -> dict:
         return {"prompt": shown, "error": "not valid Unicode text (it holds a lone surrogate such as \\udc00)"}
 
 
-def _row(pos: int, obj: dict, raw: Optional[str], job: JobConfig) -> tuple[Optional[str], str, dict]:
+def _row(pos: int, obj: dict, raw: Optional[str], job: JobConfig,
+         scored: tuple[str, ...] = ()) -> tuple[Optional[str], str, dict]:
     """(the row's id or None, its content hash key, its payload) for one parsed row."""
     if "__error__" in obj:  # unreadable; an OpenAI batch request keeps its custom_id
         rid = obj.get(job.id_column) if isinstance(obj.get(job.id_column), str) else None
         return rid, _key(pos, raw or ""), _unicode_safe({"prompt": raw, "error": obj["__error__"]})
-    payload = _unicode_safe(row_payload(obj, job))
+    payload = _unicode_safe(row_payload(obj, job, scored))
     if "error" not in payload and not _utf8(obj):  # a carried column: this row's problem, not its column's
         payload = {"prompt": payload.get("prompt"),
                    "error": "not valid Unicode text in a column (it holds a lone surrogate such as \\udc00)"}
@@ -292,10 +317,11 @@ def _utf8(obj: Any) -> bool:
         return True
 
 
-def _guarded_row(pos: int, obj: dict, raw: Optional[str], job: JobConfig) -> tuple[Optional[str], str, dict]:
+def _guarded_row(pos: int, obj: dict, raw: Optional[str], job: JobConfig,
+                 scored: tuple[str, ...] = ()) -> tuple[Optional[str], str, dict]:
     """One row can never stop the job: whatever fails while reading it makes it invalid_input."""
     try:
-        return _row(pos, obj, raw, job)
+        return _row(pos, obj, raw, job, scored)
     except (RecursionError, ValueError, TypeError, OverflowError) as exc:
         why = "nested too deeply to read" if isinstance(exc, RecursionError) else f"{type(exc).__name__}: {exc}"
         text = (raw or repr(obj)[:1000]).encode("utf-8", "backslashreplace").decode("utf-8")
@@ -339,8 +365,8 @@ def _input_file(path: Path) -> None:
         raise ConfigError(f"job.input={str(path)!r}: not a regular file")
 
 
-def read_rows(path: Path, fmt: str, job: JobConfig) -> list[InputRow]:
-    """All rows of the input, in order, each with its key and payload."""
+def read_rows(path: Path, fmt: str, job: JobConfig, scored: tuple[str, ...] = ()) -> list[InputRow]:
+    """All rows of the input, in order, each with its key and payload (`scored`: row_payload's)."""
     _input_file(path)
     fmt = detect_format(path, fmt)
     try:
@@ -365,4 +391,8 @@ def read_rows(path: Path, fmt: str, job: JobConfig) -> list[InputRow]:
     elif columns is not None and not ({job.prompt_column, job.messages_column} & columns):
         raise ConfigError(f"job.prompt_column={job.prompt_column!r}: no such column in {path.name} "
                           f"(nor job.messages_column={job.messages_column!r}); columns: {sorted(columns, key=str)}")
-    return _unique_keys([_guarded_row(pos, obj, raw, job) for pos, (obj, raw) in enumerate(records)], job)
+    absent = [c for c in scored if columns is not None and c not in columns]
+    if absent:  # no row has it: the setting names the wrong column (a row without it: invalid_input)
+        raise ConfigError(f"job.score_columns={list(scored)}: no column {', '.join(map(repr, absent))} in "
+                          f"{path.name} to score; columns: {sorted(columns or (), key=str)}")
+    return _unique_keys([_guarded_row(pos, obj, raw, job, scored) for pos, (obj, raw) in enumerate(records)], job)

@@ -32,7 +32,11 @@ def rss_bytes() -> int:
 
 def row_budget(payload: dict, default_max_tokens: int) -> int:
     """Tokens a queued row may generate (0 for a row the input stage already refused)."""
-    return 0 if "error" in payload else int(payload.get("max_tokens", default_max_tokens))
+    if "error" in payload:
+        return 0
+    if "completion" in payload:  # action=score: one token sampled after the scored text (ignored)
+        return 1
+    return int(payload.get("max_tokens", default_max_tokens))
 
 
 def spec_text(spec: Optional[tuple[int, int]]) -> str:

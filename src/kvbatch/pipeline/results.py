@@ -50,7 +50,8 @@ class ResultRecord:
 
     row_key: str = _col(pa.string())
     row_index: int = _col(pa.int64())  # the row's position in the input
-    sample_index: int = _col(pa.int32(), 0)  # which of the row's n samples (0 when n = 1)
+    sample_index: int = _col(pa.int32(), 0)  # which of the row's n samples (0 when n = 1); score: which column
+    score_column: Optional[str] = _col(pa.string())  # action=score: the input column scored (output holds its text)
     job: Optional[str] = _col(pa.string())
     run_id: Optional[str] = _col(pa.string())
     prompt: Optional[str] = _col(pa.string())
@@ -78,6 +79,10 @@ class ResultRecord:
     top_logprobs: Optional[list] = _col(pa.list_(pa.list_(TOP)))
     cumulative_logprob: Optional[float] = _col(pa.float64())
     prompt_logprobs: Optional[list[float]] = _col(pa.list_(pa.float32()))
+    # action=score: the completion's log-probability per token (cumulative_logprob / output_tokens) and
+    # perplexity (exp of minus that); null for generated rows
+    mean_logprob: Optional[float] = _col(pa.float64())
+    perplexity: Optional[float] = _col(pa.float64())
     ttft_s: Optional[float] = _col(pa.float64())  # from the row's admission to its first token
     queue_s: Optional[float] = _col(pa.float64())  # from submission to admission (waiting for a slot or memory)
     preemptions: int = _col(pa.int32(), 0)  # times its pages were freed to make room (it resumed each time)

@@ -37,9 +37,14 @@ machine. The first Ctrl-C or SIGTERM does the same at the next step (then exits 
 second one exits at once (finished rows written, rows handed back; their last checkpoints hold).
 While it works, the worker checkpoints its rows every `worker.checkpoint_every` (seconds, and/or
 tokens of a row), so a kill -9 loses at most the tokens since then.
+
+`action=score`: each row's completion is scored instead of generated (pipeline/score.py: its tokens;
+engine/scoring.py: the engine row that scores them); it is claimed, written and acknowledged as a
+generated row is, and has nothing to checkpoint (it is one prefill).
 """
 from __future__ import annotations
 
+import math
 import os
 import secrets
 import signal
@@ -54,7 +59,8 @@ from kvbatch.engine.errors import INTERNAL_ERROR, INVALID_INPUT
 from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.resume import CheckpointRefused, RowCheckpoint
 from kvbatch.engine.types import Request, Result
-from kvbatch.pipeline import checkpoints, debug, job_identity, procs, response_format, row_params, samples
+from kvbatch.engine import scoring
+from kvbatch.pipeline import checkpoints, debug, job_identity, procs, response_format, row_params, samples, score
 from kvbatch.pipeline.chat import transcript
 from kvbatch.pipeline.config import Config
 from kvbatch.pipeline.durations import deadline_at
@@ -183,6 +189,8 @@ class Worker:
         self.last_checkpoint = time.monotonic()
         self.stopping: Optional[KeyboardInterrupt] = None  # the first Ctrl-C / SIGTERM: stop at the next step
         self.identity = queue.get_meta(job_identity.META)  # the job its parts belong to (None: not recorded)
+        self.scoring = cfg.action == "score"  # rows score their completion (pipeline/score.py), nothing generated
+        self.scorers: dict[str, tuple[scoring.TeacherForced, list[int], int]] = {}  # (scorer, text, prompt length)
 
     # ---- records ---------------------------------------------------------------------------
     def _sampling(self, row: Claimed) -> SamplingParams:
@@ -213,14 +221,18 @@ class Worker:
                            job=self.cfg.job.name, run_id=self.id,
                            prompt=c.payload.get("prompt"), model=self.rt.model_name, kv_mode=self.cfg.kv.mode,
                            attempt=c.attempt, worker=self.id, error_code=code, error_message=msg)
-        if "error" not in c.payload:
+        if self.scoring:
+            rec.score_column = c.payload.get("score_column")
+        elif "error" not in c.payload:
             p = params or self._sampling(c)
             fmt = response_format.canonical(self._format(c.payload)) if p.grammar else None
             for name, value in row_params.columns(p, response_format=fmt, adapter=self._adapter(c.payload)).items():
                 setattr(rec, name, value)
         else:  # the seed it would have run with: the column never null, an integer column in pandas too
             rec.seed = samples.seed_for(c.payload, c.key, self.cfg.sampling.seed)
-        if res is not None:
+        if res is not None and self.scoring:
+            self._scored(rec, c, res)
+        elif res is not None:
             s = res.stats
             rec.output, rec.output_token_ids, rec.output_tokens = res.text, list(res.tokens), len(res.tokens)
             rec.reasoning, rec.answer = res.reasoning, res.answer
@@ -240,6 +252,52 @@ class Worker:
             if lp is not None and lp.prompt is not None:
                 rec.prompt_logprobs = lp.prompt
         return rec
+
+    def _scored(self, rec: ResultRecord, c: Claimed, res: Result) -> None:
+        """A scored row's columns: the completion as its output, its log-probabilities (pipeline/score.py)."""
+        sc, text, prompt_len = self.scorers.pop(c.key)
+        s = res.stats
+        rec.prompt_tokens, rec.cached_tokens, rec.queue_s, rec.preemptions = prompt_len, s.cached_tokens, s.queue_s, \
+            s.preemptions
+        rec.wall_s, rec.peak_kv_bytes, rec.route = s.wall_s, s.peak_kv_bytes, s.route or None
+        rec.error_code, rec.error_message = res.error_code, res.error_message
+        lp = sc.token_logprobs() if res.error_code is None else None
+        if res.error_code is None and lp is None:
+            rec.error_code, rec.error_message = INTERNAL_ERROR, "the scorer did not score every completion token"
+        if lp is None:
+            return
+        total = math.fsum(lp)
+        rec.output, rec.output_token_ids, rec.output_tokens = c.payload["completion"], list(text), len(text)
+        rec.finish_reason, rec.cumulative_logprob = "scored", total
+        rec.mean_logprob = total / len(text)
+        rec.perplexity = math.exp(-rec.mean_logprob) if rec.mean_logprob > -700 else math.inf
+        rec.output_logprobs = lp if self.cfg.job.score_tokens else None
+        rec.messages = transcript(c.payload, self.cfg.job, c.payload["completion"])
+
+    def _start_scoring(self, c: Claimed) -> bool:
+        """Hand a claimed row's completion to the engine's scorer; False when it never reaches the engine
+        (its record written: invalid_input, or the engine refused it)."""
+        try:
+            prompt, text = score.tokens(self.rt.tokenizer, c.payload, self.cfg.job)
+        except ValueError as exc:
+            self._add(self._record(c, code=INVALID_INPUT, msg=str(exc)), unused=1)
+            return False
+        if c.crashes >= self.cfg.worker.isolate_after:  # a suspect: what finished before it is written first
+            self.flush(force=True)
+            self.alone = c.key
+        req, sc = scoring.request(c.key, prompt, text)
+        eng = self.eng
+        assert eng is not None  # _top_up made it
+        try:
+            eng.add(req, score=sc)
+        except Exception as exc:  # noqa: BLE001 - the engine refused this one row
+            self.alone = None if self.alone == c.key else self.alone
+            self._add(self._record(c, code=INTERNAL_ERROR, msg=f"the engine refused this row: "
+                                                              f"{type(exc).__name__}: {exc}"))
+            return False
+        self.inflight[c.key], self.params[c.key], self.saved[c.key] = c, req.sampling, 0
+        self.scorers[c.key] = (sc, text, len(prompt))
+        return True
 
     # ---- flow ------------------------------------------------------------------------------
     def _past_deadline(self) -> bool:
@@ -275,6 +333,9 @@ class Worker:
                     f"(worker.max_crashes={w.max_crashes})")))
             elif "error" in c.payload:
                 self._add(self._record(c, code=INVALID_INPUT, msg=c.payload["error"]))
+            elif self.scoring:
+                if self._start_scoring(c):
+                    started.append(c.key)
             else:
                 p = self._sampling(c)
                 try:
@@ -346,7 +407,7 @@ class Worker:
 
     def _forget(self, key: str) -> None:
         """A row leaves this worker (finished, retried): its checkpoint bookkeeping goes (_drop_rows: all rows)."""
-        for d in (self.fps, self.saved, self.saves):
+        for d in (self.fps, self.saved, self.saves, self.scorers):
             d.pop(key, None)
 
     def _finished_all(self, done: list[Result]) -> None:
@@ -370,13 +431,16 @@ class Worker:
             self.stats.retried += 1
             self._forget(c.key)
             return
-        self._add(self._record(c, res, params=p))
+        self._add(self._record(c, res, params=p), unused=int(res.error_code is not None))
         self._forget(c.key)
 
-    def _add(self, record: ResultRecord) -> None:
+    def _add(self, record: ResultRecord, unused: int = 0) -> None:
+        """Buffer a row's record for the next part; `unused`: a scored row's budgeted token it did not use."""
         self.buffer.append(fit(record))  # always writable: one bad value never fails a part
         self.results += 1
-        if self.progress:
+        if self.progress and record.score_column is not None:  # one token sampled after its text (ignored)
+            self.progress.row_done(unused, None if record.error_code else 1)
+        elif self.progress:
             budget = getattr(record, "max_tokens", None) or 0  # set for every row that was meant to run
             budget = min(budget, self.rt.context_length or budget)  # as the job's budget counted it
             # tokens it will not generate here: beyond its output, and those carried over from a checkpoint
@@ -431,7 +495,7 @@ class Worker:
 
     def _drop_rows(self) -> None:
         """Every row in flight leaves this worker at once (handed back, retried or ended): its state goes."""
-        for d in (self.inflight, self.params, self.fps, self.saved, self.saves):
+        for d in (self.inflight, self.params, self.fps, self.saved, self.saves, self.scorers):
             d.clear()
         self.alone = None
 
