@@ -152,6 +152,7 @@ def read_size(out_dir: Path) -> Optional[int]:
 
 
 def write_text(path: Path, text: str) -> None:
+    """Write a small text file durably and atomically (a temporary, fsynced, renamed)."""
     tmp = temp_path(path)
     with open(tmp, "w", encoding="utf-8") as fh:
         fh.write(text)
