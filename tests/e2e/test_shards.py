@@ -149,3 +149,21 @@ def test_two_configs_in_one_folder_are_refused(array, model_cache_dir):
                                                                "job.max_tokens": 7}))
     with pytest.raises(ConfigError, match=f"holds the work of a {N}-shard array"):
         actions.execute(_config(src, out, model_cache_dir, **{"queue.shards": N + 1, "worker.shard": 0}))
+
+
+def test_the_shard_is_worker_shard_else_the_slurm_array_task(array, model_cache_dir, monkeypatch):
+    out, src, _, _ = array
+    cfg = _config(src, out, model_cache_dir, **{"queue.shards": N})
+    monkeypatch.delenv(shards.SLURM_TASK, raising=False)
+    with pytest.raises(ConfigError, match=f"worker.shard=0 to {N - 1}"):
+        shards.index(cfg)
+    monkeypatch.setenv(shards.SLURM_TASK, "2")
+    assert shards.index(cfg) == 2
+    cfg.worker.shard = 1
+    assert shards.index(cfg) == 1  # the config wins over the environment
+    cfg.worker.shard = None
+    monkeypatch.setenv(shards.SLURM_TASK, str(N))
+    with pytest.raises(ConfigError, match=f"--array=0-{N - 1}"):
+        shards.index(cfg)
+    with pytest.raises(ConfigError, match=f"worker.shard=4: must be 0 to {N - 1}"):
+        _config(src, out, model_cache_dir, **{"queue.shards": N, "worker.shard": 4})

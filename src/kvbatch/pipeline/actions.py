@@ -637,6 +637,9 @@ def run_shard(job: Job, n: int) -> Optional[Path]:
 def finalize_shards(job: Job, n: int) -> Path:
     """results.parquet and summary.json from every shard's parts (rows not finished yet are left out and
     named); nothing is rewritten when the parts did not change since it was last written."""
+    if not job.out_dir.is_dir():
+        raise ConfigError(f"action={job.cfg.action}: no shard has run in {job.out_dir} yet; run the shards first "
+                          f"(queue.shards={n} worker.shard=0 to {n - 1}, or a Slurm array)")
     job_identity.claim(job.out_dir, job.queue_job)
     array = shards.Array(job.out_dir, n, job.queue_job)
     rows = queue_rows(job)
