@@ -44,7 +44,7 @@ def _start(out: Path, extra: list[str], base: list[str], crash: str | None = Non
     env["PYTHONWARNINGS"] = "ignore"
     if crash:
         env[CRASH_ENV] = crash
-    return subprocess.Popen([sys.executable, "-m", "kvbatch", *base, *extra, f"output.dir={out}"], cwd=out.parent,
+    return subprocess.Popen([sys.executable, "-m", "kvbatch", *extra, *base, f"output.dir={out}"], cwd=out.parent,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -98,13 +98,19 @@ def test_every_row_once_with_the_tokens_of_one_process(array):
     assert not list(out.glob("queue.sqlite*"))  # no SQLite on the shared folder
 
 
-def test_a_rerun_of_the_finished_array_generates_nothing(array, model_cache_dir, monkeypatch):
+def test_a_rerun_of_the_finished_array_generates_nothing(array, model_cache_dir):
+    """The array again, as Hydra's multirun over worker.shard=range(N) (the launcher's sweep; the basic launcher
+    runs its jobs in one process): every shard ends at its marker, no model loads, nothing is written."""
     out, src, _, _ = array
     parts = sorted(p.name for p in (out / "parts").iterdir())
     stamp = (out / "results.parquet").stat().st_mtime_ns
-    monkeypatch.setattr(actions, "load_runtime", lambda *a, **k: pytest.fail("a model loaded for a finished shard"))
-    for i in range(N):
-        actions.execute(_config(src, out, model_cache_dir, **{"queue.shards": N, "worker.shard": i}))
+    base = ["model=tiny", f"model.cache_dir={model_cache_dir}", f"job.input={src}", *_args(SETTINGS)]
+    p = _start(out, ["-m", f"queue.shards={N}", f"worker.shard=range({N})",
+                     f"hydra.sweep.dir={out.parent / 'sweep'}"], base)
+    stdout, stderr = p.communicate(timeout=300)
+    assert p.returncode == 0, stderr
+    assert all(f"shard {i} of {N} is complete (" in stderr for i in range(N)), stderr
+    assert "memory plan" not in stderr and f"{N} workers: {N} completed" in stderr, stderr  # no model loaded
     assert sorted(p.name for p in (out / "parts").iterdir()) == parts
     assert (out / "results.parquet").stat().st_mtime_ns == stamp  # nothing changed: not even rewritten
 
