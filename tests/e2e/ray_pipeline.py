@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -48,6 +49,7 @@ def main(src: str, out: str, cache: str) -> None:
     logs = Path(temp) / "session_latest" / "logs"
     killed = any("kvbatch-debug: killing myself at decode 3" in p.read_text(errors="replace")
                  for p in logs.glob("*.err"))
+    shutil.rmtree(temp, ignore_errors=True)
     print(json.dumps({"armed": Path(marker).exists(), "killed": killed}))
 
 
