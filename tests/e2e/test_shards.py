@@ -53,10 +53,27 @@ def _config(src: Path, out: Path, cache: Path, **more):
     return config_for(src, "tiny", "none", out, {**SETTINGS, "model.cache_dir": str(cache), **more})
 
 
+def _status(src: Path, out: Path, cache: Path) -> str:
+    """action=status's lines, run in this process (the array's size read from the folder)."""
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    out_log.addHandler(handler)
+    old = out_log.level
+    out_log.setLevel(logging.INFO)
+    try:
+        actions.execute(_config(src, out, cache, action="status"))
+    finally:
+        out_log.removeHandler(handler)
+        out_log.setLevel(old)
+    return "\n".join(lines)
+
+
 @pytest.fixture(scope="module")
 def array(tmp_path_factory, model_cache_dir):
     """The job run two ways at once: unsharded (the reference) and as 4 shards, one of them killed and
-    run again. Returns (folder, input file, reference results by key, the killed shard's rerun stderr)."""
+    run again. Returns (folder, input file, reference results by key, the killed shard's rerun stderr, status
+    between the kill and the rerun)."""
     d = tmp_path_factory.mktemp("shards")
     src = d / "rows.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
@@ -73,17 +90,18 @@ def array(tmp_path_factory, model_cache_dir):
     arr = shards.Array(out, N, (out / ".kvbatch-job").read_text().strip())
     assert arr.complete(KILLED) is None and arr.kept_tokens(KILLED)
     assert all(arr.complete(i) for i in range(N) if i != KILLED) and not (out / "results.parquet").exists()
+    before = _status(src, out, model_cache_dir)
     rerun = _start(out, [f"queue.shards={N}", f"worker.shard={KILLED}"], base)
     code = rerun.wait(timeout=300)
     err = rerun.stderr.read() if rerun.stderr else ""
     assert code == 0, err
     ref = {r["row_key"]: r for r in pq.read_table(d / "ref" / "results.parquet").to_pylist()}
     assert list(ref) == KEYS and ref["bad"]["error_code"] == "invalid_input"
-    return out, src, ref, err
+    return out, src, ref, err, before
 
 
 def test_every_row_once_with_the_tokens_of_one_process(array):
-    out, _, ref, err = array
+    out, _, ref, err, _ = array
     # the rerun took up the killed shard's work: rows from its parts, rows in flight from its checkpoints
     assert re.search(rf"shard {KILLED} of {N}: \d+ rows, [1-9]\d* already in parts, [1-9]\d* continue from "
                      rf"checkpoints", err), err
@@ -104,7 +122,7 @@ def test_every_row_once_with_the_tokens_of_one_process(array):
 def test_a_rerun_of_the_finished_array_generates_nothing(array, model_cache_dir):
     """The array again, as Hydra's multirun over worker.shard=range(N) (the launcher's sweep; the basic launcher
     runs its jobs in one process): every shard ends at its marker, no model loads, nothing is written."""
-    out, src, _, _ = array
+    out, src, _, _, _ = array
     parts = sorted(p.name for p in (out / "parts").iterdir())
     stamp = (out / "results.parquet").stat().st_mtime_ns
     base = ["model=tiny", f"model.cache_dir={model_cache_dir}", f"job.input={src}", *_args(SETTINGS)]
@@ -119,25 +137,18 @@ def test_a_rerun_of_the_finished_array_generates_nothing(array, model_cache_dir)
 
 
 def test_status_reads_every_shard(array, model_cache_dir):
-    out, src, _, _ = array
-    lines: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
-    out_log.addHandler(handler)
-    old = out_log.level
-    out_log.setLevel(logging.INFO)
-    try:
-        actions.execute(_config(src, out, model_cache_dir, action="status"))  # the array's size read from the folder
-    finally:
-        out_log.removeHandler(handler)
-        out_log.setLevel(old)
-    text = "\n".join(lines)
-    assert f"shards: {N} in {out}" in text and text.count("complete, ") == N, text
-    assert f"complete: {N} of {N} shards, {len(KEYS)} of {len(KEYS)} rows done" in text, text
+    out, src, _, _, before = array
+    killed = re.search(rf"shard {KILLED}: in progress, ([1-9]\d*) of \d+ rows done; ([1-9]\d*) rows keep "
+                       rf"([1-9]\d*) tokens in checkpoints", before)
+    assert killed and before.count("complete, ") == N - 1, before
+    assert f"complete: {N - 1} of {N} shards" in before and "action=finalize merges them" in before, before
+    after = _status(src, out, model_cache_dir)
+    assert f"shards: {N} in {out}" in after and after.count("complete, ") == N, after
+    assert f"complete: {N} of {N} shards, {len(KEYS)} of {len(KEYS)} rows done; results: " in after, after
 
 
 def test_shard_assignment_is_stable_on_reread(array):
-    _, src, _, _ = array
+    _, src, _, _, _ = array
     from kvbatch.pipeline.config import JobConfig
 
     job = JobConfig(input=str(src), chat_template=False)
@@ -152,7 +163,7 @@ PINNED = [0, 3, 3]
 
 
 def test_two_configs_in_one_folder_are_refused(array, model_cache_dir):
-    out, src, _, _ = array
+    out, src, _, _, _ = array
     with pytest.raises(ConfigError, match="holds the rows of another config"):
         actions.execute(_config(src, out, model_cache_dir, **{"queue.shards": N, "worker.shard": 0,
                                                                "job.max_tokens": 7}))
@@ -161,7 +172,7 @@ def test_two_configs_in_one_folder_are_refused(array, model_cache_dir):
 
 
 def test_the_shard_is_worker_shard_else_the_slurm_array_task(array, model_cache_dir, monkeypatch):
-    out, src, _, _ = array
+    out, src, _, _, _ = array
     cfg = _config(src, out, model_cache_dir, **{"queue.shards": N})
     monkeypatch.delenv(shards.SLURM_TASK, raising=False)
     with pytest.raises(ConfigError, match=f"worker.shard=0 to {N - 1}"):
