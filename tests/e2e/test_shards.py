@@ -79,7 +79,7 @@ def array(tmp_path_factory, model_cache_dir):
     src.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     base = ["model=tiny", f"model.cache_dir={model_cache_dir}", f"job.input={src}", *_args(SETTINGS)]
     out = d / "array"
-    procs = {"ref": _start(d / "ref", [], base)}
+    procs: dict[str | int, subprocess.Popen] = {"ref": _start(d / "ref", [], base)}
     for i in range(N):
         procs[i] = _start(out, [f"queue.shards={N}", f"worker.shard={i}"], base,
                           crash="decode:16" if i == KILLED else None)
