@@ -28,6 +28,7 @@ from kvbatch.pipeline.log import log, out
 from kvbatch.pipeline.inputs import detect_format, read_rows, resolve_input
 from kvbatch.pipeline.progress import Progress, row_budget
 from kvbatch.pipeline.redact import redact
+from kvbatch.pipeline.parts import PART_GLOB
 from kvbatch.pipeline.queue import Queue, open_store
 from kvbatch.pipeline.worker import Runtime, StorageError, Terminated, WorkStats, Worker, new_worker_id
 
@@ -275,10 +276,12 @@ def check_controls(cfg: Config, eng) -> None:
             raise ConfigError(f"job.response_format: {exc.message}") from None
 
 
-def work(job: Job, q: Queue, after_checkpoint: Optional[Callable[[], None]] = None) -> Optional[WorkStats]:
+def work(job: Job, q: Queue, after_checkpoint: Optional[Callable[[], None]] = None,
+         parts: str = PART_GLOB) -> Optional[WorkStats]:
     """Generate every claimable row; None when there was nothing to do (the model never loads).
-    `after_checkpoint`: called after the worker saved checkpoints (see Worker)."""
-    rec = reconcile(job.out_dir, q)
+    `after_checkpoint`: called after the worker saved checkpoints (see Worker); `parts`: the parts that
+    can hold the queue's rows (a shard's own)."""
+    rec = reconcile(job.out_dir, q, parts)
     if rec.adopted:
         say(f"kvbatch: {rec.adopted} rows were written by a stopped worker but not acknowledged; adopted")
     for why in rec.bad_parts.values():
@@ -609,17 +612,18 @@ def run_shard(job: Job, n: int) -> Optional[Path]:
     if array.complete(i) is not None:
         say(f"kvbatch: shard {i} of {n} is complete ({array.marker(i)}); nothing to generate")
     else:
-        w = job.cfg.worker  # parts named after the shard: who generated a row stays visible
-        me = replace(job, cfg=replace(job.cfg, worker=replace(w, id=w.id or f"shard{i}-{new_worker_id(job.host)}")))
+        w = job.cfg.worker  # parts named after the shard: a shard reads only its own, and who made a row shows
+        wid = f"{shards.worker_prefix(i)}{w.id or new_worker_id(job.host)}"
+        me = replace(job, cfg=replace(job.cfg, worker=replace(w, id=wid)))
         with shards.local_queue(f"shard{i}") as q:
             describe_job(me, q)
             q.enqueue(rows)
             kept = array.load_checkpoints(i, q)
-            reconcile(me.out_dir, q)  # what the shard's parts already hold is done
+            reconcile(me.out_dir, q, shards.parts_of(i))  # what the shard's parts already hold is done
             c = q.counts()
             say(f"kvbatch: shard {i} of {n}: {len(rows)} rows, {c['done'] + c['error']} already in parts, "
                 f"{kept} continue from checkpoints")
-            work(me, q, after_checkpoint=lambda: array.save_checkpoints(i, q))
+            work(me, q, after_checkpoint=lambda: array.save_checkpoints(i, q), parts=shards.parts_of(i))
             c = q.counts()
             if not c["pending"] + c["leased"]:
                 array.mark_complete(i, c)

@@ -53,6 +53,16 @@ def row_shard(row, shards: int) -> int:
     return shard_of(row.payload.get("group") or row.key, shards)
 
 
+def worker_prefix(i: int) -> str:
+    """The start of shard i's worker ids, so of its part names (`part-shard<i>-...`)."""
+    return f"shard{i}-"
+
+
+def parts_of(i: int) -> str:
+    """The glob of shard i's parts: what a shard reads back on start (never every shard's parts)."""
+    return f"part-{worker_prefix(i)}*.parquet"
+
+
 def index(cfg: Config) -> int:
     """This worker's shard: worker.shard, else Slurm's array task id; ConfigError when neither says."""
     n = cfg.queue.shards
