@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -95,6 +96,10 @@ def array(tmp_path_factory, model_cache_dir):
     code = rerun.wait(timeout=300)
     err = rerun.stderr.read() if rerun.stderr else ""
     assert code == 0, err
+    # the shards' local queues are gone: the killed one's removed by the next shard to start on this host
+    pids = {str(p.pid) for p in (*procs.values(), rerun)}
+    left = [p for p in Path(tempfile.gettempdir()).glob("kvbatch-queue~*") if p.name.split("~")[2] in pids]
+    assert not left, left
     ref = {r["row_key"]: r for r in pq.read_table(d / "ref" / "results.parquet").to_pylist()}
     assert list(ref) == KEYS and ref["bad"]["error_code"] == "invalid_input"
     return out, src, ref, err, before

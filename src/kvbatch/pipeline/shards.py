@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -30,7 +31,7 @@ from typing import Iterator, Optional
 
 import pyarrow.parquet as pq
 
-from kvbatch.pipeline import checkpoints, job_identity
+from kvbatch.pipeline import checkpoints, job_identity, procs
 from kvbatch.pipeline.config import Config, ConfigError
 from kvbatch.pipeline.log import log
 from kvbatch.pipeline.parts import fsync_dir, scan, temp_path, write_atomic
@@ -172,11 +173,19 @@ def write_text(path: Path, text: str) -> None:
     fsync_dir(path.parent)
 
 
+_LOCAL = "kvbatch-queue"  # local queue folders: kvbatch-queue~HOST~PID~LABEL...
+
+
 @contextmanager
 def local_queue(label: str, clock=None) -> Iterator[Queue]:
-    """A fresh SQLite queue in a temporary folder on local disk (TMPDIR), removed afterwards. `clock`:
-    see Queue."""
-    tmp = Path(tempfile.mkdtemp(prefix=f"kvbatch-{label}-"))
+    """A fresh SQLite queue in a temporary folder on local disk (TMPDIR), removed afterwards; the folders
+    of killed processes of this host are removed first. `clock`: see Queue."""
+    base, host = Path(tempfile.gettempdir()), re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())
+    for old in base.glob(f"{_LOCAL}~{host}~*"):
+        pid = old.name.split("~")[2]
+        if pid.isdigit() and not procs.alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_LOCAL}~{host}~{os.getpid()}~{label}-"))
     q = Queue(SqliteStore(tmp / "queue.sqlite"), clock)
     try:
         yield q
