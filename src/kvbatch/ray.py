@@ -44,14 +44,12 @@ class Generate:
         from kvbatch.pipeline import model_cache
         from kvbatch.pipeline.api import config_for
 
-        self.model, self.kv = model, kv
-        self.options = {"output": {"progress": "off"}, **options}
         model_cache.enable(True)  # every batch of this actor reuses the model loaded here
         with tempfile.TemporaryDirectory(prefix="kvbatch-ray-") as tmp:
-            probe = Path(tmp) / "input.jsonl"
-            probe.write_text("")
-            cfg = config_for(probe, model, kv, Path(tmp), self.options)  # a bad option fails the actor at once
-        model_cache.load_model(cfg.model)
+            # composed once (a bad option fails the actor at once); each batch gets its own input and folder
+            self.cfg = config_for(Path(tmp) / "input.jsonl", model, kv, Path(tmp),
+                                  {"output": {"progress": "off"}, **options})
+        model_cache.load_model(self.cfg.model)
 
     def __call__(self, batch: Any) -> Any:
         """The batch's results (a pyarrow Table): the rows of a dict of columns, a pandas DataFrame or a
@@ -59,13 +57,13 @@ class Generate:
         import pyarrow as pa
 
         from kvbatch.engine.errors import INTERNAL_ERROR, INVALID_INPUT, KvbatchConfigError
-        from kvbatch.pipeline.api import generate
+        from kvbatch.pipeline.api import generate_with
 
         table = _table(batch, pa)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # "no row succeeded" is in every row's error_code
-                return generate(table, model=self.model, kv=self.kv, **self.options)
+                return generate_with(table, self.cfg)
         except KvbatchConfigError as exc:  # the batch's columns cannot make a job (no prompt column)
             return _failed(table, INVALID_INPUT, str(exc))
         except Exception as exc:  # noqa: BLE001 - a batch that fails as a whole: its rows say why

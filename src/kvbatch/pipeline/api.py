@@ -9,6 +9,7 @@ it stopped, nothing generated twice; without it everything lives in a temporary 
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import tempfile
@@ -121,19 +122,33 @@ def generate(rows: Rows, model: str = "smollm2", kv: str = "none", max_tokens: O
     Nothing is written to stdout; the plan and notes go to the `kvbatch` logger (logging.basicConfig
     (level=logging.INFO) shows them), the summary line and results path to `kvbatch.out`.
     """
-    from kvbatch.pipeline import actions
-
     if max_tokens is not None:
         options = {"max_tokens": max_tokens, **options}
     with tempfile.TemporaryDirectory(prefix="kvbatch-") as tmp:
         folder = Path(output_dir) if output_dir is not None else Path(tmp)
         folder.mkdir(parents=True, exist_ok=True)
-        cfg = config_for(_write_input(rows, folder).resolve(), model, kv, folder, options)
-        try:
-            path = actions.run(actions.job_for(cfg))
-        except actions.RowsFailed as exc:
-            if cfg.output.max_error_fraction is not None:
-                raise
-            warnings.warn(f"kvbatch: {exc}", stacklevel=2)
-            path = folder.resolve() / RESULTS
-        return pq.read_table(path)
+        return _run(config_for(_write_input(rows, folder).resolve(), model, kv, folder, options), folder)
+
+
+def generate_with(rows: Rows, cfg: Config) -> pa.Table:
+    """generate() with a Config composed once (config_for) for many calls (kvbatch.ray's batches): `rows` run
+    as its job's input in a temporary folder, removed on return."""
+    with tempfile.TemporaryDirectory(prefix="kvbatch-") as tmp:
+        folder = Path(tmp)
+        cfg = copy.deepcopy(cfg)
+        cfg.job.input, cfg.output.dir = str(_write_input(rows, folder).resolve()), str(folder)
+        return _run(cfg, folder)
+
+
+def _run(cfg: Config, folder: Path) -> pa.Table:
+    """The command's run of `cfg` (its results in `folder`), as a table."""
+    from kvbatch.pipeline import actions
+
+    try:
+        path = actions.run(actions.job_for(cfg))
+    except actions.RowsFailed as exc:
+        if cfg.output.max_error_fraction is not None:
+            raise
+        warnings.warn(f"kvbatch: {exc}", stacklevel=3)
+        path = folder.resolve() / RESULTS
+    return pq.read_table(path)
