@@ -18,7 +18,8 @@ $(VENV)/.installed: pyproject.toml
 
 # OpenBLAS makes MLX's CPU matmuls ~31x faster on Linux (docs/performance.md); a C++ compiler lets
 # MLX build kvbatch's fused CPU softmax (engine/kv/routes/softmax_cpu.py); PostgreSQL's server binaries let the
-# tests start a real server for the shared queue (queue.url; tests/pg_server.py). Best effort: installed when
+# tests start a real server for the shared queue (queue.url; tests/pg_server.py); iproute2's `ip` brings up the
+# loopback of the network namespace the Ray test runs in (tests/e2e/test_ray.py). Best effort: installed when
 # apt is there and we are root (or have sudo); otherwise kvbatch warns and runs slower, and the PostgreSQL
 # tests are skipped, saying why.
 system-deps:
@@ -27,6 +28,7 @@ system-deps:
 	  { [ -e /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 ] \
 	    || [ -e /usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3 ]; } || pkgs="$$pkgs libopenblas0-pthread"; \
 	  command -v g++ >/dev/null 2>&1 || pkgs="$$pkgs g++"; \
+	  command -v ip >/dev/null 2>&1 || [ -x /usr/sbin/ip ] || [ -x /sbin/ip ] || pkgs="$$pkgs iproute2"; \
 	  { ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null 2>&1; } \
 	    || pkgs="$$pkgs postgresql"; \
 	  if [ -n "$$pkgs" ]; then \

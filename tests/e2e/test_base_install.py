@@ -64,8 +64,9 @@ def test_the_extras_hold_the_optional_features_and_the_test_extra_pulls_them():
 
     project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
     base = " ".join(project["dependencies"])
-    assert not any(name in base for name in ("matplotlib", "psycopg", "submitit", "joblib"))
+    assert not any(name in base for name in ("matplotlib", "psycopg", "submitit", "joblib", "ray"))
     extras = project["optional-dependencies"]
     assert any("matplotlib" in d for d in extras["sweep"]) and any("psycopg" in d for d in extras["postgres"])
     assert {"hydra-submitit-launcher", "hydra-joblib-launcher"} <= {d.split(">")[0] for d in extras["slurm"]}
-    assert extras["all"] == ["kvbatch[sweep,postgres,slurm]"] and "kvbatch[all]" in extras["test"]
+    assert any(d.startswith("ray[data]") for d in extras["ray"])
+    assert extras["all"] == ["kvbatch[sweep,postgres,slurm,ray]"] and "kvbatch[all]" in extras["test"]

@@ -98,8 +98,8 @@ def test_reconcile_while_another_worker_acknowledges(queue_backend, tmp_path, mo
     q.claim("b", 2, lease_s=60)
     real_scan = fz.scan
 
-    def scan_then_other_worker_acks(folder):
-        seen = real_scan(folder)
+    def scan_then_other_worker_acks(folder, *pattern):
+        seen = real_scan(folder, *pattern)
         # worker b, between this scan and the rest of the reconcile: rename, then ack
         write_part(parts, "part-b-00000.parquet", [_rec("k0", 0)])
         other.ack("b", [("k0", None)], "part-b-00000.parquet")

@@ -11,7 +11,7 @@ import socket
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Optional, cast
+from typing import Callable, Optional, cast
 
 from omegaconf import OmegaConf
 
@@ -19,17 +19,18 @@ from kvbatch.engine.errors import INSUFFICIENT_MEMORY
 from kvbatch.engine.params import INT32_MAX
 from kvbatch.engine.sizes import fmt_bytes
 
-from kvbatch.pipeline import durations, job_identity, locate, model_defaults, passthrough, procs, samples, score
+from kvbatch.pipeline import durations, job_identity, locate, model_defaults, passthrough, procs, samples, score, shards
 from kvbatch.pipeline import summary as summ
 from kvbatch.pipeline.config import (Config, ConfigError, as_dict, as_stored, config_hash, engine_config,
                                      parse_injection, stored_yaml)
-from kvbatch.pipeline.finalize import Finalized, finalize, reconcile, regenerate
+from kvbatch.pipeline.finalize import RESULTS, Finalized, finalize, reconcile, regenerate
 from kvbatch.pipeline.log import log, out
 from kvbatch.pipeline.inputs import detect_format, read_rows, resolve_input
 from kvbatch.pipeline.progress import Progress, row_budget
 from kvbatch.pipeline.redact import redact
+from kvbatch.pipeline.parts import PART_GLOB
 from kvbatch.pipeline.queue import Queue, open_store
-from kvbatch.pipeline.worker import Runtime, StorageError, Terminated, WorkStats, Worker
+from kvbatch.pipeline.worker import Runtime, StorageError, Terminated, WorkStats, Worker, new_worker_id
 
 QUEUE = locate.QUEUE
 
@@ -121,13 +122,7 @@ def enqueue(job: Job) -> tuple[Queue, int, int]:
     """Read the input (ConfigError on file-level problems) and enqueue it; (queue, rows, new rows).
     Rows whose content changed since they were queued, and rows refused for memory when the memory
     settings changed, are generated again (their old results superseded, see Queue.regenerate)."""
-    inputs = read_rows(job.input_path, job.cfg.job.format, job.cfg.job, scored(job.cfg))
-    if detect_format(job.input_path, job.cfg.job.format) == "openai_batch":
-        from kvbatch.pipeline.formats.openai_batch import DEFAULTS_NOTE
-
-        say(f"kvbatch: {DEFAULTS_NOTE}")
-    system_prompt_applies(job, inputs)
-    rows = queue_rows(job.cfg, inputs)
+    rows = queue_rows(job)
     try:
         job.out_dir.mkdir(parents=True, exist_ok=True)
         q = open_queue(job)
@@ -136,12 +131,7 @@ def enqueue(job: Job) -> tuple[Queue, int, int]:
     except OSError as exc:  # read-only, not a folder, no space
         raise ConfigError(f"output folder {str(job.out_dir)!r} is not writable ({exc.strerror or exc}); "
                           f"set output.dir or output.root to a folder you can write") from None
-    q.set_meta("config_hash", job.config_hash)
-    q.set_meta(job_identity.META, job.queue_job)
-    q.set_meta("input", str(job.input_path))
-    q.set_meta("output_dir", str(job.out_dir))
-    q.set_meta("config", stored_yaml(job.cfg))  # status from a host without the folder
-    q.set_meta(samples.META, str(samples.SAMPLE_SLOTS))
+    describe_job(job, q)
     changed = q.changed(rows)
     added = q.enqueue(rows)
     carry_columns(job, rows)
@@ -158,11 +148,28 @@ def scored(cfg: Config) -> tuple[str, ...]:
     return tuple(cfg.job.score_columns) if cfg.action == "score" else ()
 
 
-def queue_rows(cfg: Config, inputs: list) -> list:
-    """One queue row per (input row, sample), or for action=score per (input row, column scored)."""
-    if cfg.action == "score":
-        return score.expand(inputs, list(cfg.job.score_columns))
-    return samples.expand(inputs, cfg.sampling.n, cfg.sampling.temperature or 0.0)
+def queue_rows(job: Job) -> list:
+    """The job's queue rows, read from its input (ConfigError on file-level problems): one per (input row,
+    sample), or for action=score one per (input row, column scored)."""
+    inputs = read_rows(job.input_path, job.cfg.job.format, job.cfg.job, scored(job.cfg))
+    if detect_format(job.input_path, job.cfg.job.format) == "openai_batch":
+        from kvbatch.pipeline.formats.openai_batch import DEFAULTS_NOTE
+
+        say(f"kvbatch: {DEFAULTS_NOTE}")
+    system_prompt_applies(job, inputs)
+    if job.cfg.action == "score":
+        return score.expand(inputs, list(job.cfg.job.score_columns))
+    return samples.expand(inputs, job.cfg.sampling.n, job.cfg.sampling.temperature or 0.0)
+
+
+def describe_job(job: Job, q: Queue) -> None:
+    """The job's metadata in its queue: its identity, input, folder and config."""
+    q.set_meta("config_hash", job.config_hash)
+    q.set_meta(job_identity.META, job.queue_job)
+    q.set_meta("input", str(job.input_path))
+    q.set_meta("output_dir", str(job.out_dir))
+    q.set_meta("config", stored_yaml(job.cfg))  # status from a host without the folder
+    q.set_meta(samples.META, str(samples.SAMPLE_SLOTS))
 
 
 def system_prompt_applies(job: Job, inputs: list) -> None:
@@ -297,9 +304,12 @@ def check_controls(cfg: Config, eng) -> None:
             raise ConfigError(f"job.response_format: {exc.message}") from None
 
 
-def work(job: Job, q: Queue) -> Optional[WorkStats]:
-    """Generate every claimable row; None when there was nothing to do (the model never loads)."""
-    rec = reconcile(job.out_dir, q)
+def work(job: Job, q: Queue, after_checkpoint: Optional[Callable[[], None]] = None,
+         parts: str = PART_GLOB) -> Optional[WorkStats]:
+    """Generate every claimable row; None when there was nothing to do (the model never loads).
+    `after_checkpoint`: called after the worker saved checkpoints (see Worker); `parts`: the parts that
+    can hold the queue's rows (a shard's own)."""
+    rec = reconcile(job.out_dir, q, parts)
     if rec.adopted:
         say(f"kvbatch: {rec.adopted} rows were written by a stopped worker but not acknowledged; adopted")
     for why in rec.bad_parts.values():
@@ -319,7 +329,8 @@ def work(job: Job, q: Queue) -> Optional[WorkStats]:
     budget = sum(min(row_budget(p, job.cfg.job.max_tokens), cap) for p in q.todo_payloads())
     progress = Progress(todo, budget, job.cfg.output.progress, durations.seconds(job.cfg.output.progress_every))
     try:
-        stats = Worker(job.cfg, q, job.out_dir / "parts", runtime, progress=progress).run()
+        stats = Worker(job.cfg, q, job.out_dir / "parts", runtime, progress=progress,
+                       after_checkpoint=after_checkpoint).run()
     except StorageError as exc:  # not the rows' fault: none is charged, the next run continues
         progress.close()
         where = str(job.out_dir) if q.kind == "sqlite" else f"{job.out_dir} or the queue ({q.where})"
@@ -358,8 +369,7 @@ def _passthrough_readable(job: Job) -> None:
     if why is None:
         return
     try:
-        carry_columns(job, queue_rows(job.cfg, read_rows(job.input_path, job.cfg.job.format, job.cfg.job,
-                                                         scored(job.cfg))))
+        carry_columns(job, queue_rows(job))
     except Exception:  # noqa: BLE001 - the input itself is gone or changed: named below
         pass
     if passthrough.damaged(job.out_dir) is None:
@@ -554,6 +564,9 @@ def retry(job: Job, q: Queue) -> None:
 def execute(cfg: Config) -> Optional[Path]:
     """Run the configured action; returns results.parquet's path when one was written."""
     job = job_for(cfg)
+    n = cfg.queue.shards or (shards.read_size(job.out_dir) if cfg.action in ("status", "finalize") else None)
+    if n:
+        return sharded(job, n)
     if cfg.action in ("run", "score"):
         return run(job)
     if cfg.action == "enqueue":
@@ -580,4 +593,108 @@ def execute(cfg: Config) -> Optional[Path]:
     out.info(fin.path)
     if cfg.action == "work":
         check_rows(cfg, s)
+    return fin.path
+
+
+# ---- sharded jobs (queue.shards=N: no queue server, pipeline/shards.py) ---------------------------------
+def sharded(job: Job, n: int) -> Optional[Path]:
+    """The actions of a job split into `n` shards: run/work generate this worker's shard (run then merges
+    once every shard is complete), status reads every shard's state, finalize merges them."""
+    action = job.cfg.action
+    if action in ("run", "work"):
+        return run_shard(job, n)
+    if action == "status":
+        if job_identity.held(job.out_dir) is not None:
+            job_identity.claim(job.out_dir, job.queue_job)  # another config's folder: refused in one line
+        array = shards.Array(job.out_dir, n, job.queue_job)
+        out.info("\n".join(shards.status_lines(array, queue_rows(job), job.out_dir / RESULTS)))
+        return None
+    if action == "finalize":
+        return finalize_shards(job, n)
+    if action == "score":
+        raise ConfigError(f"action=score does not run sharded (queue.shards={n}): leave queue.shards unset, or use "
+                          f"a PostgreSQL queue (queue.url) for several hosts")
+    raise ConfigError(f"action={action}: a sharded job (queue.shards={n}) has no shared queue to {action}; each "
+                      f"shard reads the input itself: use action=run (or work), status or finalize")
+
+
+def _array(job: Job, n: int) -> shards.Array:
+    """The folder as this job's array: its identity and size recorded (ConfigError when it is another's)."""
+    try:
+        job.out_dir.mkdir(parents=True, exist_ok=True)
+        job_identity.claim(job.out_dir, job.queue_job)
+        array = shards.Array(job.out_dir, n, job.queue_job)
+        array.claim()
+        if not (job.out_dir / "config.yaml").exists():
+            shards.write_text(job.out_dir / "config.yaml", stored_yaml(job.cfg))
+    except OSError as exc:
+        raise ConfigError(f"output folder {str(job.out_dir)!r} is not writable ({exc.strerror or exc}); "
+                          f"set output.dir or output.root to a folder you can write") from None
+    return array
+
+
+def run_shard(job: Job, n: int) -> Optional[Path]:
+    """Generate this worker's shard: its rows scheduled by a queue on local disk, its parts, checkpoints and
+    completion marker in the shared folder. A complete shard is skipped. action=run: once every shard is
+    complete, results.parquet is written (by whichever shard finishes last)."""
+    i = shards.index(job.cfg)
+    rows = [r for r in queue_rows(job) if shards.row_shard(r, n) == i]
+    array = _array(job, n)
+    if array.complete(i) is not None:
+        say(f"kvbatch: shard {i} of {n} is complete ({array.marker(i)}); nothing to generate")
+    else:
+        w = job.cfg.worker  # parts named after the shard: a shard reads only its own, and who made a row shows
+        wid = f"{shards.worker_prefix(i)}{w.id or new_worker_id(job.host)}"
+        me = replace(job, cfg=replace(job.cfg, worker=replace(w, id=wid)))
+        with shards.local_queue(f"shard{i}") as q:
+            describe_job(me, q)
+            q.enqueue(rows)
+            kept = array.load_checkpoints(i, q)
+            reconcile(me.out_dir, q, shards.parts_of(i))  # what the shard's parts already hold is done
+            c = q.counts()
+            say(f"kvbatch: shard {i} of {n}: {len(rows)} rows, {c['done'] + c['error']} already in parts, "
+                f"{kept} continue from checkpoints")
+            work(me, q, after_checkpoint=lambda: array.save_checkpoints(i, q), parts=shards.parts_of(i))
+            c = q.counts()
+            if not c["pending"] + c["leased"]:
+                array.mark_complete(i, c)
+                say(f"kvbatch: shard {i} of {n} is complete")
+    left = [s for s in range(n) if array.complete(s) is None]
+    if job.cfg.action != "run":
+        return None
+    if left:
+        say(f"kvbatch: {n - len(left)} of {n} shards are complete; the last to finish writes results.parquet "
+            f"(or action=finalize)")
+        return None
+    return finalize_shards(job, n)
+
+
+def finalize_shards(job: Job, n: int) -> Path:
+    """results.parquet and summary.json from every shard's parts (rows not finished yet are left out and
+    named); nothing is rewritten when the parts did not change since it was last written."""
+    if not job.out_dir.is_dir():
+        raise ConfigError(f"action={job.cfg.action}: no shard has run in {job.out_dir} yet; run the shards first "
+                          f"(queue.shards={n} worker.shard=0 to {n - 1}, or a Slurm array)")
+    job_identity.claim(job.out_dir, job.queue_job)
+    array = shards.Array(job.out_dir, n, job.queue_job)
+    rows = queue_rows(job)
+    # the job's config, not one shard's worker (results.parquet's metadata: the same whoever merges)
+    job = replace(job, cfg=replace(job.cfg, worker=replace(job.cfg.worker, shard=None, id=None)))
+    # a fixed clock: the merge's queue is built afresh each time, and equal timestamps let finalize see
+    # that nothing changed since results.parquet was written
+    with shards.local_queue("finalize", clock=lambda: 0.0) as q:
+        describe_job(job, q)
+        q.enqueue(rows)
+        if not (job.out_dir / passthrough.FILE).exists():
+            carry_columns(job, rows)
+        reconcile(job.out_dir, q)
+        fin, s = finish(job, q, None)
+    left = [i for i in range(n) if array.complete(i) is None]
+    if left:
+        say(f"kvbatch: {n - len(left)} of {n} shards are complete (not: {_some([str(i) for i in left])}); "
+            f"results.parquet holds the {fin.rows} rows finished so far")
+    out.info(summ.one_line(s))
+    out.info(fin.path)
+    if not left:
+        check_rows(job.cfg, s)
     return fin.path

@@ -9,6 +9,7 @@ it stopped, nothing generated twice; without it everything lives in a temporary 
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import tempfile
@@ -123,7 +124,7 @@ def generate(rows: Rows, model: str = "smollm2", kv: str = "none", max_tokens: O
     """
     if max_tokens is not None:
         options = {"max_tokens": max_tokens, **options}
-    return _run(rows, model, kv, output_dir, options)
+    return _run_rows(rows, model, kv, output_dir, options)
 
 
 def score(rows: Rows, model: str = "smollm2", kv: str = "none", columns: Optional[list[str]] = None,
@@ -138,23 +139,37 @@ def score(rows: Rows, model: str = "smollm2", kv: str = "none", columns: Optiona
     """
     if columns is not None:
         options = {"job.score_columns": list(columns), **options}
-    return _run(rows, model, kv, output_dir, {"action": "score", "job.score_tokens": tokens, **options})
+    return _run_rows(rows, model, kv, output_dir, {"action": "score", "job.score_tokens": tokens, **options})
 
 
-def _run(rows: Rows, model: str, kv: str, output_dir: Optional[Union[str, PathLike]],
-         options: dict[str, Any]) -> pa.Table:
+def _run_rows(rows: Rows, model: str, kv: str, output_dir: Optional[Union[str, PathLike]],
+              options: dict[str, Any]) -> pa.Table:
     """One run of the command's action (run or score) on these rows; results.parquet as a Table."""
-    from kvbatch.pipeline import actions
-
     with tempfile.TemporaryDirectory(prefix="kvbatch-") as tmp:
         folder = Path(output_dir) if output_dir is not None else Path(tmp)
         folder.mkdir(parents=True, exist_ok=True)
-        cfg = config_for(_write_input(rows, folder).resolve(), model, kv, folder, options)
-        try:
-            path = actions.run(actions.job_for(cfg))
-        except actions.RowsFailed as exc:
-            if cfg.output.max_error_fraction is not None:
-                raise
-            warnings.warn(f"kvbatch: {exc}", stacklevel=2)
-            path = folder.resolve() / RESULTS
-        return pq.read_table(path)
+        return _run(config_for(_write_input(rows, folder).resolve(), model, kv, folder, options), folder)
+
+
+def generate_with(rows: Rows, cfg: Config) -> pa.Table:
+    """generate() with a Config composed once (config_for) for many calls (kvbatch.ray's batches): `rows` run
+    as its job's input in a temporary folder, removed on return."""
+    with tempfile.TemporaryDirectory(prefix="kvbatch-") as tmp:
+        folder = Path(tmp)
+        cfg = copy.deepcopy(cfg)
+        cfg.job.input, cfg.output.dir = str(_write_input(rows, folder).resolve()), str(folder)
+        return _run(cfg, folder)
+
+
+def _run(cfg: Config, folder: Path) -> pa.Table:
+    """The command's run of `cfg` (its results in `folder`), as a table."""
+    from kvbatch.pipeline import actions
+
+    try:
+        path = actions.run(actions.job_for(cfg))
+    except actions.RowsFailed as exc:
+        if cfg.output.max_error_fraction is not None:
+            raise
+        warnings.warn(f"kvbatch: {exc}", stacklevel=3)
+        path = folder.resolve() / RESULTS
+    return pq.read_table(path)

@@ -18,6 +18,7 @@ from dataclasses import asdict
 from typing import Optional
 
 import numpy as np
+import pyarrow as pa
 
 from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.types import RowCheckpoint
@@ -138,3 +139,29 @@ def started_over(q: Queue) -> dict[str, int]:
     return {why: int(n) for why, n in q.s.execute(
         "SELECT discarded, COUNT(*) FROM checkpoints WHERE job=? AND discarded IS NOT NULL GROUP BY discarded "
         "ORDER BY 1", (q.job,))}
+
+
+# A sharded job's checkpoints leave its local queue as a table (pipeline/shards.py): the columns of the
+# `checkpoints` table that a claim reads back, checksum included, so a copy is verified like the original.
+COLUMNS = ("key", "fingerprint", "n", "tokens", "state", "checksum", "saves")
+
+
+def kept(q: Queue) -> pa.Table:
+    """The checkpoints that hold tokens, as a table of COLUMNS."""
+    rows = q.s.execute(f"SELECT {', '.join(COLUMNS)} FROM checkpoints WHERE job=? AND n > 0 ORDER BY key",
+                       (q.job,)).fetchall()
+    cols = list(zip(*rows)) if rows else [()] * len(COLUMNS)
+    types = (pa.string(), pa.string(), pa.int64(), pa.binary(), pa.string(), pa.string(), pa.int64())
+    return pa.table({name: pa.array([bytes(v) if t == pa.binary() else v for v in col], t)
+                     for name, col, t in zip(COLUMNS, cols, types)})
+
+
+def restore(q: Queue, table: pa.Table) -> int:
+    """Put checkpoints taken with kept() into the queue (rows it holds only); returns how many. A claim
+    verifies each (checksum, fingerprint) as it would its own."""
+    have = {k for (k,) in q.s.execute("SELECT key FROM rows WHERE job=?", (q.job,))}
+    items = [(q.job, *row) for row in zip(*(table.column(c).to_pylist() for c in COLUMNS)) if row[0] in have]
+    with q.s.tx():
+        q.s.executemany("INSERT INTO checkpoints(job, key, fingerprint, n, tokens, state, checksum, saves) "
+                        "VALUES (?,?,?,?,?,?,?,?) ON CONFLICT (job, key) DO NOTHING", items)
+    return len(items)

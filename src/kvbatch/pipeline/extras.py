@@ -3,7 +3,8 @@
 `pip install kvbatch` holds what one machine's job needs. `kvbatch[sweep]`: matplotlib, for the
 sweep report's plots (`kvbatch -m ...`, action=report). `kvbatch[postgres]`: psycopg, for a shared
 PostgreSQL queue (queue.url). `kvbatch[slurm]`: Hydra's submitit and joblib launchers
-(hydra/launcher=submitit_slurm | submitit_local | joblib). `kvbatch[all]`: every one.
+(hydra/launcher=submitit_slurm | submitit_local | joblib). `kvbatch[ray]`: Ray Data, for kvbatch.ray's
+stage (Dataset.map_batches). `kvbatch[all]`: every one.
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from typing import Optional
 
 # extra -> (the module it installs, what needs it)
 EXTRAS = {"sweep": ("matplotlib", "a sweep's report plots (kvbatch -m ..., action=report)"),
-          "postgres": ("psycopg", "a PostgreSQL queue (queue.url)")}
+          "postgres": ("psycopg", "a PostgreSQL queue (queue.url)"),
+          "ray": ("ray", "kvbatch.ray's Ray Data stage")}
 # Hydra launcher option -> its plugin package (kvbatch[slurm] installs them)
 LAUNCHERS = {"joblib": "hydra_plugins.hydra_joblib_launcher",
              "submitit_slurm": "hydra_plugins.hydra_submitit_launcher",

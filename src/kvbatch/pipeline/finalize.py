@@ -54,24 +54,25 @@ class Finalized:
         return pq.read_table(self.path, columns=columns)
 
 
-def reconcile(out_dir: Path, q: Queue) -> Finalized:
+def reconcile(out_dir: Path, q: Queue, pattern: str = PART_GLOB) -> Finalized:
     """Match the queue against the parts on disk: quarantine bad parts, adopt rows that are
     durable but unacknowledged, re-queue finished rows whose part is gone. Workers call this
     before claiming, so a row whose part survived a crash is never generated again. Nothing to do
-    when results.parquet was written from exactly this queue and these parts (a finished job's rerun)."""
+    when results.parquet was written from exactly this queue and these parts (a finished job's rerun).
+    `pattern`: the parts to look at (a shard's own: pipeline/shards.py)."""
     with q.exclusive():
-        return _unchanged(out_dir, q, _state(out_dir, q)) or _reconcile(out_dir, q)
+        return _unchanged(out_dir, q, _state(out_dir, q, pattern)) or _reconcile(out_dir, q, pattern)
 
 
 STATE_KEY = "kvbatch.state"  # results.parquet's metadata: the state it was written from (_state)
 
 
-def _state(out_dir: Path, q: Queue) -> str:
+def _state(out_dir: Path, q: Queue, pattern: str = PART_GLOB) -> str:
     """A digest of everything results.parquet's rows are made from: the queue's rows, the parts on disk
     (name, size, modification time) and passthrough.parquet."""
     parts_dir = out_dir / "parts"
     listing = sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(parts_dir)
-                     if fnmatch.fnmatch(e.name, PART_GLOB)) if parts_dir.is_dir() else []
+                     if fnmatch.fnmatch(e.name, pattern)) if parts_dir.is_dir() else []
     carried = out_dir / passthrough.FILE
     extra = [carried.stat().st_size, carried.stat().st_mtime_ns] if carried.exists() else None
     blob = json.dumps([q.fingerprint(), listing, extra, q.get_meta(samples.META)], default=str)
@@ -96,7 +97,7 @@ def _unchanged(out_dir: Path, q: Queue, state: str, metadata: dict[str, str] | N
 _STATES = {"pending": 0, "leased": 1, "done": 2, "error": 3}
 
 
-def _reconcile(out_dir: Path, q: Queue) -> Finalized:
+def _reconcile(out_dir: Path, q: Queue, pattern: str = PART_GLOB) -> Finalized:
     parts_dir = out_dir / "parts"
     clean_temp(parts_dir)
     # The queue first, then the parts: a worker renames its part before it acknowledges, so a
@@ -111,7 +112,7 @@ def _reconcile(out_dir: Path, q: Queue) -> Finalized:
         poss.append(pos)
         states.append(_STATES[state])
         acked.append(names.setdefault(part, len(names)) if part else -1)
-    good, bad = scan(parts_dir)
+    good, bad = scan(parts_dir, pattern)
     for name in bad:
         quarantine(parts_dir, name)
     mine = q.get_meta(job_identity.META)  # only this job's parts: another job's rows never come back as its own

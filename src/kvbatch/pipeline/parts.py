@@ -123,13 +123,14 @@ def _verified(path: Path) -> pa.Table:
 INDEX = ("row_key", "error_code", "worker")  # what reconcile needs of a part; finalize reads the rest
 
 
-def scan(parts_dir: Path) -> tuple[dict[str, pa.Table], dict[str, str]]:
-    """Every part in the directory, each verified whole: ({name: its INDEX columns, with the part's
-    metadata} of good parts, {name: why} of bad ones). Only the index is kept (a part's outputs are read
-    again when results.parquet is written), so a scan of a million rows stays small."""
+def scan(parts_dir: Path, pattern: str = PART_GLOB) -> tuple[dict[str, pa.Table], dict[str, str]]:
+    """Every part in the directory (named like `pattern`: a shard's own, pipeline/shards.py), each verified
+    whole: ({name: its INDEX columns, with the part's metadata} of good parts, {name: why} of bad ones). Only
+    the index is kept (a part's outputs are read again when results.parquet is written), so a scan of a
+    million rows stays small."""
     good: dict[str, pa.Table] = {}
     bad: dict[str, str] = {}
-    for path in sorted(parts_dir.glob(PART_GLOB)) if parts_dir.is_dir() else []:
+    for path in sorted(parts_dir.glob(pattern)) if parts_dir.is_dir() else []:
         try:
             t = read_part(path)
             good[path.name] = t.select(list(INDEX)).replace_schema_metadata(t.schema.metadata)

@@ -162,8 +162,10 @@ class Worker:
     """Claims rows from the queue, runs them through one engine, writes finished rows as parts and acknowledges them."""
 
     def __init__(self, cfg: Config, queue: Queue, parts_dir: Path, runtime: Runtime,
-                 worker_id: Optional[str] = None, progress: Optional[Progress] = None):
+                 worker_id: Optional[str] = None, progress: Optional[Progress] = None,
+                 after_checkpoint: Optional[Callable[[], None]] = None):
         self.cfg, self.q, self.parts_dir, self.rt = cfg, queue, parts_dir, runtime
+        self.after_checkpoint = after_checkpoint  # checkpoints were saved (a shard copies them out: shards.py)
         self.host = cfg.worker.host or socket.gethostname()
         self.id = worker_id or cfg.worker.id or new_worker_id(self.host, cfg.worker.replica)
         self.storage_errors = (OSError, *queue.storage_errors)  # the folder's or the queue's fault, never a row's
@@ -391,11 +393,13 @@ class Worker:
         cks = self._engine(lambda: eng.checkpoints(self.saved, min_new))
         items = [(k, self.fps[k], ck) for k, ck in cks.items() if k in self.fps]
         stored = checkpoints.save(self.q, self.id, items) if items else []
-        self.stats.checkpoint_s += time.perf_counter() - t0
         for k in stored:
             self.saved[k] = len(cks[k].tokens)
             self.saves[k] = self.saves.get(k, 0) + 1
         self.stats.checkpoints += len(stored)
+        if stored and self.after_checkpoint is not None:
+            self.after_checkpoint()
+        self.stats.checkpoint_s += time.perf_counter() - t0
         return {k: cks[k] for k in stored}
 
     def _checkpoint_due(self) -> None:

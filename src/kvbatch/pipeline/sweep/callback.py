@@ -50,7 +50,8 @@ def build_report(sweep_dir: Path, teacher_forced: bool = True) -> dict:
 
 
 def workers_outcome(sweep_dir: Path) -> dict:
-    """A multirun of workers (action=work, worker.replica=range(N)): no report to compare (they all ran
+    """A multirun of workers (action=work, worker.replica=range(N); or the shards of queue.shards=N,
+    worker.shard=range(N)): no report to compare (they all ran
     the one job, its results are in the job's own folder); how many completed, for the exit code."""
     from kvbatch.pipeline.sweep.status import read_status
 
@@ -111,7 +112,7 @@ class SweepCallback(Callback):
         """Write the sweep report (or, for a sweep of workers, their outcome) and record it."""
         sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
         scrub(sweep_dir / "multirun.yaml")
-        workers = config.get("action") == "work"
+        workers = config.get("action") == "work" or bool(config.get("queue", {}).get("shards"))
         tf = bool(config.get("report", {}).get("teacher_forced", True))
         report = workers_outcome(sweep_dir) if workers else build_report(sweep_dir, tf)
         self._record(sweep_dir=str(sweep_dir), report=report)

@@ -93,9 +93,10 @@ def run_sweep_job(node: DictConfig) -> dict:
         cfg = node_to_config(node)
         if cfg.action == "report":
             raise ConfigError("action=report: rebuilds a report from finished sweeps; run it without -m")
-        if cfg.action != "work":
+        if cfg.action != "work" and not cfg.queue.shards:
             cfg.output.dir = str(job_dir)  # every job of a sweep has its own folder ...
-        # ... except workers (action=work, worker.replica=range(N) on a launcher): they share the job's queue
+        # ... except workers (action=work, worker.replica=range(N) on a launcher): they share the job's queue,
+        # and the shards of a sharded job (queue.shards=N, worker.shard=range(N)): they share its folder
         status["config"] = as_stored(cfg)
         job = actions.job_for(cfg)
         status.update(config_hash=job.config_hash, compare_key=compare_key(cfg, str(job.input_path)))
