@@ -254,7 +254,8 @@ class Queue:
                 page = self._x(
                     "SELECT r.key, r.pos, r.attempts, r.crashes, r.state, r.running, r.payload, r.alone_crashes, "
                     "r.generated - COALESCE(c.n, 0) FROM rows r JOIN manifest m ON m.job=r.job AND m.key=r.key "
-                    "LEFT JOIN checkpoints c ON c.job=r.job AND c.key=r.key WHERE r.job=? AND r.state IN ('pending','leased') "
+                    "LEFT JOIN checkpoints c ON c.job=r.job AND c.key=r.key "
+                    "WHERE r.job=? AND r.state IN ('pending','leased') "
                     "AND (r.state='pending' OR (r.lease_until < ? AND r.worker <> ?)) AND r.pos > ? "
                     "ORDER BY r.pos LIMIT ?" + self.s.lock_rows, (j, now, worker, after, max(4 * n, 64))).fetchall()
                 if not page:
