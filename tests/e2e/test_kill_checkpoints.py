@@ -5,7 +5,7 @@ Each store gets 10 kills of real worker processes (tests/e2e/test_durable.py's h
 worker: at a random crash point (a prefill chunk, a decode step, a part's write or acknowledgement:
 paused there, killed from outside), and as it runs, wherever it is, once the queue holds a few more
 checkpoints than before. Then 8 with two workers on the same queue, four pairs: each worker pauses at a
-random decode step of its own and is killed there while the other works on; a last pair runs to the end.
+random decode step of its own and is killed there while the other works on. A run in this process ends the job.
 Kills follow the queue's and the workers' progress (seeded RNG), never a timer; checkpoints every 16
 tokens (a token count: the same on any machine). Results are compared with an uninterrupted run.
 """
@@ -30,7 +30,7 @@ from tests.e2e.test_durable import check_files, kill_9_at, start
 from tests.e2e.test_many_hosts import wait_paused
 
 ROWS = [{"id": f"c{i:02d}", "prompt": f"keep{i} " * (1 + i % 6), "max_tokens": (64, 160, 112, 224)[i % 4]}
-        for i in range(12)]
+        for i in range(16)]
 KEYS = [r["id"] for r in ROWS]
 EVERY = 16
 SETTINGS = ["job.chat_template=false", "job.ignore_eos=true", "engine.max_batch=4", "engine.prefill_chunk=8",
@@ -96,14 +96,10 @@ def one_worker(out: Path, args: list[str], q: Queue, rng: random.Random, rounds:
 
 def two_workers(out: Path, args: list[str], rng: random.Random, rounds: int, logs: Path) -> None:
     """`rounds` pairs of workers on the queue: each worker pauses at a random decode step (4-24) and is killed
-    there while the other works on; then the next pair starts. A last pair runs to the end (exit 0)."""
-    def pair(r: int, pause: bool) -> list[tuple[subprocess.Popen, Path]]:
-        logs_ = [logs / f"pair{r}-{i}.err" for i in range(2)]
-        return [(start(out, args, log, f"decode:{rng.randint(4, 24)}:pause" if pause else None), log)
-                for log in logs_]
-
+    there while the other works on; then the next pair starts."""
     for r in range(rounds):
-        workers = pair(r, True)
+        workers = [(start(out, args, log, f"decode:{rng.randint(4, 24)}:pause"), log)
+                   for log in (logs / f"pair{r}-{i}.err" for i in range(2))]
         try:
             for p, log in workers:
                 wait_paused(p, log)
@@ -113,8 +109,6 @@ def two_workers(out: Path, args: list[str], rng: random.Random, rounds: int, log
                 if p.poll() is None:
                     p.kill()
                     p.wait(timeout=60)
-    for p, log in pair(rounds, False):
-        assert p.wait(timeout=LIMIT_S) == 0, log.read_text()
 
 
 @pytest.mark.parametrize("store", ["sqlite", "postgresql"])
@@ -130,7 +124,8 @@ def test_twenty_kill_9_lose_duplicate_and_change_nothing(job, tmp_path, request,
     one_worker(out, args, q, rng, 2, tmp_path)
     two_workers(out, args, rng, 4, tmp_path)
 
-    path = actions.execute(compose_config(args[:-1] + ["action=run", f"output.dir={out}"]))
+    assert q.counts()["done"] < len(KEYS)  # every kill came before the job's end
+    path = actions.execute(compose_config(args[:-1] + ["action=run", f"output.dir={out}"]))  # the rest, here
     rows = pq.read_table(path).to_pylist()
     assert [r["row_key"] for r in rows] == KEYS  # nothing lost, nothing duplicated, input order
     for r in rows:  # nothing changed: the tokens of the uninterrupted run, no row charged an attempt
@@ -142,7 +137,7 @@ def test_twenty_kill_9_lose_duplicate_and_change_nothing(job, tmp_path, request,
     assert q.counts() == {"pending": 0, "leased": 0, "done": len(KEYS), "error": 0}  # nothing stranded
     assert sorted(a[0] for a in q.attempts() if a[5] == "done") == KEYS  # one acknowledged run per row
     stops = [s["stop"] for s in q.sessions()]
-    assert stops.count("died") == 10 and set(stops) == {"died", "finished"}, stops
+    assert stops.count("died") == 10 and stops.count("finished") == 1 and len(stops) == 11, stops
     if store == "sqlite":
         assert check_files(out) == []
     else:
