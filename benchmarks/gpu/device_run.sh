@@ -47,6 +47,8 @@
 #   speccost engine.spec_cost (issue 41): the verification pass's cost against plain decode with a draft model
 #            (Llama-1B geometry, random bf16, drafted by a 4-layer random model of its vocabulary), acceptance
 #            forced to 0, 50% and 100%, batches 8/64/256; $SPECCOST_ARGS replaces the arguments
+#   overnight  job.overnight (issue 40), Llama-1B geometry (random bf16, the job stage's): $ON_ROWS (64) rows x
+#            $ON_NEW (4096) new tokens, uninterrupted, then stopped by worker.deadline at 50% and run again
 #   profile  gpu.step_profile $PROFILE_ARGS (default: 1B batch 8 at 8k, none and q8, lookahead loop, with
 #            mlx-lm): host phases against the wait for the GPU, to tell a host-bound case from a GPU-bound one
 set -uo pipefail
@@ -158,6 +160,10 @@ for arg in "$@"; do
     speccost) timeout "$secs" python3 -m benchmarks engine.spec_cost ${SPECCOST_ARGS:---model random-1b \
         --draft random-draft1b --batches 8,64,256 --prompt 512 --new 256} --out "$OUT/spec_cost.json" 2>&1 |
         tee -a "$OUT/spec_cost.txt" | cut -c1-1500 ;;
+    overnight) python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$C"/*.whl || exit 1
+      timeout "$secs" python3 -m benchmarks job.overnight --model tiny --model-args "$GEOM1B" --rows ${ON_ROWS:-64} \
+        --new ${ON_NEW:-4096} --max-words 150 --kvbatch-cmd "python3 -m kvbatch" --out "$OUT/overnight_1b.json" 2>&1 |
+        tee "$OUT/overnight.txt" | cut -c1-1500 ;;
     profile) timeout "$secs" python3 -m benchmarks gpu.step_profile ${PROFILE_ARGS:---geometry 1b --batches 8 \
                --prompt 8192 --modes none,q8 --no-sync} 2>&1 | tee -a "$OUT/profile.txt" | cut -c1-1500 ;;
     prefill) for c in ${PREFILL_ENVS:-"default:" "nocudnn:MLX_CUDA_USE_CUDNN_SDPA=0"}; do

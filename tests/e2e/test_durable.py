@@ -340,9 +340,11 @@ def test_sigterm_writes_what_is_done_and_hands_the_rest_back(job, tmp_path):
     assert all(r["attempt"] == 1 for r in check_results(out, ref))
 
 
-def test_kill_9_mid_row_continues_from_its_last_checkpoint(tmp_path, model_cache_dir):
+def test_kill_9_mid_row_continues_from_its_last_checkpoint_and_counts_what_it_lost(tmp_path, model_cache_dir):
     """A real kill -9 with rows mid-answer: the next run continues each from its last checkpoint (at most
-    checkpoint_every.tokens lost) and ends with the tokens of an uninterrupted run (made in this process)."""
+    checkpoint_every.tokens lost) and ends with the tokens of an uninterrupted run (made in this process).
+    The tokens lost are counted: the killed worker's lease heartbeat recorded each row's tokens, and the
+    run that takes the rows over adds up those beyond the checkpoints."""
     from kvbatch.pipeline import actions
     from kvbatch.pipeline.compose import compose_config
     from kvbatch.pipeline.status import lines
@@ -352,15 +354,37 @@ def test_kill_9_mid_row_continues_from_its_last_checkpoint(tmp_path, model_cache
     every = 32
     args = ["model=tiny", f"model.cache_dir={model_cache_dir}", f"job.input={src}", "job.chat_template=false",
             "job.max_tokens=200", "job.ignore_eos=true", "engine.max_batch=4", "worker.prefetch=0",
-            "output.progress=off", f"worker.checkpoint_every.tokens={every}", "worker.checkpoint_every.seconds=0"]
+            "output.progress=off", f"worker.checkpoint_every.tokens={every}", "worker.checkpoint_every.seconds=0",
+            "worker.lease_s=3"]
     ref = {r["row_key"]: r for r in pq.read_table(actions.execute(compose_config(
         args + [f"output.dir={tmp_path / 'ref'}"]))).to_pylist()}
     out = tmp_path / "out"
-    kill_9_at(out, args, "decode:100:pause", tmp_path / "kill.err")
+    log = tmp_path / "kill.err"
+    p = start(out, args, log, "decode:100:pause")
+    limit = time.monotonic() + 300
+    while "kvbatch-debug: paused at" not in log.read_text():
+        assert p.poll() is None and time.monotonic() < limit, log.read_text()
+        time.sleep(0.05)
     q = Queue(out / "queue.sqlite")
+
+    def heartbeat() -> float:
+        return q.db.execute("SELECT MAX(heartbeat_at) FROM workers").fetchone()[0] or 0.0
+
+    seen = q.now()  # two lease renewals after the pause: the second one read the paused rows' tokens
+    for _ in range(2):
+        while (hb := heartbeat()) <= seen:
+            assert time.monotonic() < limit
+            time.sleep(0.05)
+        seen = hb
+    os.kill(p.pid, signal.SIGKILL)
+    assert p.wait(timeout=60) == -signal.SIGKILL
     held = dict(checkpoints.in_progress(q))
     assert len(held) == 4 and all(n >= 2 * every and n % every == 0 for n in held.values()), held
     assert any(line.startswith(f"in progress: 4 rows keep {sum(held.values())} tokens") for line in lines(q, 3, 6))
+    made = dict(q.db.execute("SELECT key, generated FROM rows WHERE state='leased'").fetchall())
+    assert set(made) == set(held) and all(held[k] <= made[k] < held[k] + every for k in held), (made, held)
+    lost = sum(made[k] - held[k] for k in held)
+    assert lost > 0
     q.close()
     final = kvbatch(out, args)
     assert final.returncode == 0, final.stderr
@@ -368,5 +392,6 @@ def test_kill_9_mid_row_continues_from_its_last_checkpoint(tmp_path, model_cache
     assert {k: r["resumed_tokens"] for k, r in rows.items() if r["resumed_tokens"]} == held
     for k in held:  # a checkpoint every 32 tokens, over both runs
         assert rows[k]["checkpoints"] == (rows[k]["output_tokens"] - 1) // every
-    assert f"{sum(held.values())} carried over from checkpoints, 0 lost" in final.stdout
-    assert json.loads((out / "summary.json").read_text())["this_run"]["tokens_carried_over"] == sum(held.values())
+    assert f"{sum(held.values())} carried over from checkpoints, {lost} lost" in final.stdout
+    run = json.loads((out / "summary.json").read_text())["this_run"]
+    assert (run["tokens_carried_over"], run["tokens_lost"]) == (sum(held.values()), lost)

@@ -71,6 +71,25 @@ def test_renew_keeps_the_lease(queue_backend):
     assert [c.key for c in q.claim("w2", 1, lease_s=60)] == ["k0"]
 
 
+def test_the_tokens_a_dead_holder_made_beyond_a_checkpoint_are_counted_once_by_the_next_claim(queue_backend):
+    from kvbatch.engine.types import RowCheckpoint
+    from kvbatch.pipeline import checkpoints
+
+    clock = ManualClock()
+    q = queue_backend(clock=clock)
+    q.enqueue(_rows(4))
+    q.claim("dead", 4, lease_s=5)
+    checkpoints.save(q, "dead", [("k0", "fp", RowCheckpoint(list(range(32)))),
+                                 ("k1", "fp", RowCheckpoint(list(range(64))))])
+    # its lease heartbeat: k0 made 50 tokens (18 beyond its checkpoint), k1 64 (none), k2 40 (no checkpoint)
+    assert q.renew("dead", 5, {"k0": 50, "k1": 64, "k2": 40, "k3": 7}) == 4
+    q.release("dead", ["k3"], "deadline", count_attempt=False)  # handed back: the worker counted it itself
+    clock.advance(5.1)  # the lease runs out: the next claim takes the rows over
+    assert {c.key: c.lost_tokens for c in q.claim("next", 4, lease_s=60)} == {"k0": 18, "k1": 0, "k2": 40, "k3": 0}
+    q.release("next", ["k0", "k1", "k2", "k3"], "deadline", count_attempt=False)
+    assert {c.key: c.lost_tokens for c in q.claim("third", 4, lease_s=60)} == dict.fromkeys(["k0", "k1", "k2", "k3"], 0)
+
+
 def test_release_and_retry_counts(queue_backend):
     q = queue_backend()
     q.enqueue(_rows(2))

@@ -212,6 +212,13 @@ class Engine:
         return {r.req.key: resume.take(r) for r in (*s.running, *s.waiting)
                 if not r.ended and len(r.out) - saved.get(r.req.key, 0) >= max(min_new, 1)}
 
+    def row_tokens(self) -> dict[str, int]:
+        """Row key -> output tokens (carried-over ones included) of every row not ended, now. Cheap, and
+        safe to call from another thread while step() runs (a copy of the row lists, taken under the
+        GIL): what a worker's lease heartbeat records, not a step-exact count."""
+        s = self.scheduler
+        return {r.req.key: len(r.out) for r in (*s.running, *s.waiting) if not r.ended}
+
     def run(self) -> Iterator[Result]:
         """Results as rows finish, until nothing is waiting or running."""
         while self.has_unfinished():

@@ -95,6 +95,7 @@ class Claimed:
     attempt: int  # 1 for the first run; +1 per internal_error retry (crashes do not count)
     crashes: int = 0  # times a worker died while this row ran in its engine (this claim's previous holders)
     alone_crashes: int = 0  # ... of them while the row ran alone
+    lost_tokens: int = 0  # tokens a worker that died (or was given up) made beyond the row's checkpoint
 
 
 class Queue:
@@ -251,8 +252,9 @@ class Queue:
             after, full = -1, False
             while not full:
                 page = self._x(
-                    "SELECT r.key, r.pos, r.attempts, r.crashes, r.state, r.running, r.payload, r.alone_crashes "
-                    "FROM rows r JOIN manifest m ON m.job=r.job AND m.key=r.key "
+                    "SELECT r.key, r.pos, r.attempts, r.crashes, r.state, r.running, r.payload, r.alone_crashes, "
+                    "r.generated - COALESCE(c.n, 0) FROM rows r JOIN manifest m ON m.job=r.job AND m.key=r.key "
+                    "LEFT JOIN checkpoints c ON c.job=r.job AND c.key=r.key "
                     "WHERE r.job=? AND r.state IN ('pending','leased') "
                     "AND (r.state='pending' OR (r.lease_until < ? AND r.worker <> ?)) AND r.pos > ? "
                     "ORDER BY r.pos LIMIT ?" + self.s.lock_rows, (j, now, worker, after, max(4 * n, 64))).fetchall()
@@ -271,17 +273,17 @@ class Queue:
                         full = True
                         break
             leases, records = [], []
-            for key, pos, attempts, crashes, state, running, payload, alone_n, solo in picked:
+            for key, pos, attempts, crashes, state, running, payload, alone_n, lost, solo in picked:
                 if state == "leased":  # its holder stopped renewing: undo that claim's count, charge a crash
                     alone_n += self._charge(key, running, now)
                     self._end_attempt(key, "expired" if running else "expired_not_running", now)
                     attempts, crashes = attempts - 1, crashes + bool(running)
                 leases.append((worker, now + lease_s, attempts + 1, crashes, now, j, key))
                 records.append((j, key, attempts + 1, worker, now, int(solo)))
-                out.append(Claimed(key, pos, json.loads(payload), attempts + 1, crashes, alone_n))
+                out.append(Claimed(key, pos, json.loads(payload), attempts + 1, crashes, alone_n, max(lost, 0)))
             if leases:
                 self.s.executemany("UPDATE rows SET state='leased', worker=?, lease_until=?, attempts=?, crashes=?, "
-                                   "running=0, updated_at=? WHERE job=? AND key=?", leases)
+                                   "running=0, generated=0, updated_at=? WHERE job=? AND key=?", leases)
                 self.s.executemany("INSERT INTO attempts(job, key, attempt, worker, claimed_at, alone) "
                                    "VALUES (?,?,?,?,?,?)", records)
             self._x("UPDATE workers SET heartbeat_at=? WHERE job=? AND id=?", (now, j, worker))
@@ -323,13 +325,18 @@ class Queue:
         return len(keys)
 
     @_retrying
-    def renew(self, worker: str, lease_s: float) -> int:
+    def renew(self, worker: str, lease_s: float, generated: Optional[dict[str, int]] = None) -> int:
         """Extend every lease this worker holds; returns how many rows it still holds. (The worker's
-        heartbeat too: status and other hosts see it is alive.)"""
+        heartbeat too: status and other hosts see it is alive.) `generated`: the output tokens its rows
+        in flight hold now (key -> count), recorded with their leases: if the worker dies, the worker
+        that claims a row next counts the tokens beyond its checkpoint as lost (claim)."""
         now, j = self.now(), self.job
         with self._tx():
             n = self._x("UPDATE rows SET lease_until=? WHERE job=? AND state='leased' AND worker=?",
                         (now + lease_s, j, worker)).rowcount
+            if generated:
+                self.s.executemany("UPDATE rows SET generated=? WHERE job=? AND key=? AND state='leased' AND worker=?",
+                                   [(int(c), j, k, worker) for k, c in sorted(generated.items())])
             self._x("UPDATE workers SET heartbeat_at=? WHERE job=? AND id=?", (now, j, worker))
         return n
 
@@ -341,8 +348,8 @@ class Queue:
         items = sorted(items, key=lambda kv: kv[0])  # one lock order for every writer
         with self._tx():
             self.s.executemany(
-                "UPDATE rows SET state=?, part=?, error_code=?, worker=?, lease_until=NULL, running=0, updated_at=? "
-                "WHERE job=? AND key=? AND state NOT IN ('done','error') AND NOT EXISTS "
+                "UPDATE rows SET state=?, part=?, error_code=?, worker=?, lease_until=NULL, running=0, generated=0, "
+                "updated_at=? WHERE job=? AND key=? AND state NOT IN ('done','error') AND NOT EXISTS "
                 "(SELECT 1 FROM superseded s WHERE s.job=rows.job AND s.key=rows.key AND s.worker=?)",
                 [("error" if code else "done", part, code, worker, now, j, key, worker) for key, code in items])
             self.s.executemany(
@@ -359,17 +366,19 @@ class Queue:
         with self._tx():
             for key, code, writer in sorted(items, key=lambda x: x[0]):
                 self._x("UPDATE rows SET state=?, part=?, error_code=?, worker=?, lease_until=NULL, running=0, "
-                        "updated_at=? WHERE job=? AND key=? AND state NOT IN ('done','error')",
+                        "generated=0, updated_at=? WHERE job=? AND key=? AND state NOT IN ('done','error')",
                         ("error" if code else "done", part, code, writer, now, j, key))
                 self._end_attempt(key, "error" if code else "done", now, writer, part, code)
 
     @_retrying
     def release(self, worker: str, keys: list[str], outcome: str, count_attempt: bool = True) -> None:
-        """Give leased rows back (retry, deadline, shutdown); `count_attempt=False` undoes the claim's count."""
+        """Give leased rows back (retry, deadline, shutdown); `count_attempt=False` undoes the claim's count.
+        (The worker counted their lost tokens itself: their recorded count goes.)"""
         now, j = self.now(), self.job
         with self._tx():
             for key in sorted(keys):
-                self._x("UPDATE rows SET state='pending', worker=NULL, lease_until=NULL, running=0, updated_at=?, "
+                self._x("UPDATE rows SET state='pending', worker=NULL, lease_until=NULL, running=0, generated=0, "
+                        "updated_at=?, "
                         "attempts=attempts-? WHERE job=? AND key=? AND state='leased' AND worker=?",
                         (now, 0 if count_attempt else 1, j, key, worker))
                 self._end_attempt(key, outcome, now, worker)

@@ -26,7 +26,7 @@ from kvbatch.pipeline.redact import redact, split_password
 if TYPE_CHECKING:
     from typing_extensions import LiteralString
 
-VERSION = 2
+VERSION = 3
 SCHEMA = "kvbatch"
 _LOCK_SPACE = 0x6B766200  # advisory-lock class id: 'kvb\0' (the job's hash is the object id)
 _MIGRATE_LOCK = 0
@@ -64,6 +64,9 @@ CREATE TABLE checkpoints(
   job TEXT NOT NULL, key TEXT NOT NULL, fingerprint TEXT NOT NULL, n INTEGER NOT NULL,
   tokens BYTEA NOT NULL, state TEXT NOT NULL, checksum TEXT NOT NULL, saves INTEGER NOT NULL DEFAULT 0,
   worker TEXT, at DOUBLE PRECISION, discarded TEXT, PRIMARY KEY(job, key));
+""",
+    3: """
+ALTER TABLE rows ADD COLUMN generated INTEGER NOT NULL DEFAULT 0;
 """,
 }
 

@@ -29,7 +29,8 @@ CREATE TABLE IF NOT EXISTS rows(
   state TEXT NOT NULL DEFAULT 'pending' CHECK(state IN ('pending','leased','done','error')),
   attempts INTEGER NOT NULL DEFAULT 0, worker TEXT, lease_until REAL,
   part TEXT, error_code TEXT, updated_at REAL NOT NULL, crashes INTEGER NOT NULL DEFAULT 0,
-  running INTEGER NOT NULL DEFAULT 0, alone_crashes INTEGER NOT NULL DEFAULT 0, job TEXT NOT NULL DEFAULT '');
+  running INTEGER NOT NULL DEFAULT 0, alone_crashes INTEGER NOT NULL DEFAULT 0, job TEXT NOT NULL DEFAULT '',
+  generated INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS rows_state ON rows(state, pos);
 CREATE TABLE IF NOT EXISTS manifest(pos INTEGER PRIMARY KEY, key TEXT NOT NULL, job TEXT NOT NULL DEFAULT '');
 CREATE TABLE IF NOT EXISTS attempts(
@@ -55,7 +56,8 @@ MIGRATIONS = (("rows", "crashes", "INTEGER NOT NULL DEFAULT 0"), ("workers", "st
               ("rows", "alone_crashes", "INTEGER NOT NULL DEFAULT 0"),
               ("attempts", "alone", "INTEGER NOT NULL DEFAULT 0"),
               *((t, "job", "TEXT NOT NULL DEFAULT ''")
-                for t in ("meta", "rows", "manifest", "attempts", "superseded", "workers")))
+                for t in ("meta", "rows", "manifest", "attempts", "superseded", "workers")),
+              ("rows", "generated", "INTEGER NOT NULL DEFAULT 0"))
 
 
 class QueueUnreadable(KvbatchConfigError):

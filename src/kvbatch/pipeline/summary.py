@@ -83,7 +83,8 @@ def build(table: pa.Table, counts: dict[str, int], sessions: list[dict], this_ru
                      # MLX's peak (weights, KV, workspace) in this run; None: nothing generated
                      "peak_memory_bytes": run.get("peak_memory_bytes"),
                      # output tokens rows continued from (checkpoints of earlier runs), and tokens this run
-                     # generated beyond the last checkpoint of rows it handed back (generated again later)
+                     # generated beyond the last checkpoint of rows it handed back, or (as their lease heartbeat
+                     # recorded it) by a dead worker whose rows it took over: generated again
                      "tokens_carried_over": run.get("resumed_tokens", 0), "tokens_lost": run.get("lost_tokens", 0),
                      "checkpoints": run.get("checkpoints", 0), "checkpoint_s": run.get("checkpoint_s", 0.0)},
         "resumed_tokens": col("resumed_tokens"),  # results' output tokens carried over from checkpoints

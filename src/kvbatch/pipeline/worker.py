@@ -94,14 +94,17 @@ class LeaseKeeper(threading.Thread):
     """Renews this worker's leases (and its heartbeat) every lease_s/3 on its own connection, and at once
     when the queue's clock stepped (a machine waking from sleep, an NTP step): the keeper judges its own
     schedule on the monotonic clock, and a lease that looks expired after a step is renewed within
-    STEP_CHECK_S, before other workers take it for a dead one."""
+    STEP_CHECK_S, before other workers take it for a dead one. With each renewal it records the output
+    tokens of the rows in flight (`generated`), so the tokens a kill -9 loses are counted by the worker
+    that takes the rows next."""
 
     STEP_CHECK_S = 0.5  # how often the queue's clock is compared with the monotonic clock
     STEP_S = 1.0  # a difference larger than this is a step
 
-    def __init__(self, queue: Queue, worker: str, lease_s: float):
+    def __init__(self, queue: Queue, worker: str, lease_s: float,
+                 generated: Callable[[], dict[str, int]] = dict):
         super().__init__(daemon=True, name="kvbatch-lease")
-        self.queue, self.worker, self.lease_s = queue, worker, lease_s
+        self.queue, self.worker, self.lease_s, self.generated = queue, worker, lease_s, generated
         self.stop_event = threading.Event()
 
     def run(self) -> None:
@@ -114,7 +117,7 @@ class LeaseKeeper(threading.Thread):
             while not self.stop_event.wait(self.STEP_CHECK_S):
                 stepped = abs(q.now() - time.monotonic() - skew) > self.STEP_S
                 if stepped or time.monotonic() - renewed >= every:
-                    q.renew(self.worker, self.lease_s)
+                    q.renew(self.worker, self.lease_s, self.generated())
                     skew, renewed = q.now() - time.monotonic(), time.monotonic()
         except Exception:  # noqa: BLE001 - the queue is gone for good: the worker's own call says so, in one line
             return
@@ -151,7 +154,9 @@ class WorkStats:
     stopped_by_deadline: bool = False
     engine_summary: dict = field(default_factory=dict)
     resumed_tokens: int = 0  # output tokens rows started with: carried over from checkpoints
-    lost_tokens: int = 0  # tokens generated here by rows handed back beyond their last checkpoint
+    # tokens generated beyond the rows' last checkpoints: by rows this run handed back, and (as its lease
+    # heartbeat last recorded them) by a worker that died holding rows this run took over
+    lost_tokens: int = 0
     checkpoints: int = 0  # row checkpoints saved
     checkpoint_s: float = 0.0  # time spent taking and saving them (what checkpoints cost the run)
     kept_at_stop: int = 0  # tokens of the rows in flight checkpointed at the stop (deadline, Ctrl-C, SIGTERM)
@@ -327,6 +332,7 @@ class Worker:
                                isolate_after=w.isolate_after, max_crashes=w.max_crashes)
         started: list[str] = []
         for c in claimed:
+            self.stats.lost_tokens += c.lost_tokens  # made by a worker that died, beyond the checkpoint
             if c.crashes >= w.max_crashes and c.alone_crashes >= w.max_crashes - w.isolate_after:
                 self.stats.gave_up += 1
                 self._add(self._record(c, code=INTERNAL_ERROR, msg=(
@@ -401,6 +407,11 @@ class Worker:
             self.after_checkpoint()
         self.stats.checkpoint_s += time.perf_counter() - t0
         return {k: cks[k] for k in stored}
+
+    def _row_tokens(self) -> dict[str, int]:
+        """The output tokens of the engine's rows now (read by the lease thread)."""
+        eng = self.eng
+        return eng.row_tokens() if eng is not None else {}
 
     def _checkpoint_due(self) -> None:
         """worker.checkpoint_every.seconds (looked at on the heartbeat): every row once the interval passed."""
@@ -567,7 +578,7 @@ class Worker:
         t0 = time.perf_counter()
         host = self.host
         self.q.worker_started(self.id, os.getpid(), host)
-        keeper = LeaseKeeper(self.q, self.id, self.cfg.worker.lease_s)
+        keeper = LeaseKeeper(self.q, self.id, self.cfg.worker.lease_s, self._row_tokens)
         keeper.start()
         stop = "failed"
         old_handlers = self._on_stop_signals()
