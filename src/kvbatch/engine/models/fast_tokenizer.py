@@ -66,21 +66,27 @@ class FastTokenizer:
 
     @property
     def vocab_size(self) -> int:
+        """The model's vocabulary without added tokens (as transformers counts it)."""
         return self.backend_tokenizer.get_vocab_size(with_added_tokens=False)
 
     def __len__(self) -> int:
+        """Every token id, added tokens included."""
         return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
 
     def get_vocab(self) -> dict[str, int]:
+        """token -> id, added tokens included."""
         return self.backend_tokenizer.get_vocab(with_added_tokens=True)
 
     def convert_tokens_to_ids(self, token: str) -> Optional[int]:
+        """A token's id (None when the vocabulary lacks it)."""
         return self.backend_tokenizer.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text` (the post-processor's special tokens with add_special_tokens)."""
         return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        """The text of token ids, as transformers' fast tokenizer decodes them."""
         if isinstance(ids, int):
             ids = [ids]
         text = self.backend_tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -125,18 +131,17 @@ def _post_processor(backend: Tokenizer, config: dict) -> bool:
     """Set the post-processor as transformers' TokenizersBackend does; False when it cannot."""
     if not ("add_bos_token" in config or "add_eos_token" in config or backend.post_processor is None):
         return True
-    bos, eos = _content(config.get("bos_token")), _content(config.get("eos_token"))
-    add_bos, add_eos = bool(config.get("add_bos_token")) and bos is not None, \
-        bool(config.get("add_eos_token")) and eos is not None
+    bos = _content(config.get("bos_token")) if config.get("add_bos_token") else None
+    eos = _content(config.get("eos_token")) if config.get("add_eos_token") else None
     specials = []
-    for add, tok in ((add_bos, bos), (add_eos, eos)):
-        if add:
-            tid = backend.token_to_id(tok)  # type: ignore[arg-type]
+    for tok in (bos, eos):
+        if tok is not None:
+            tid = backend.token_to_id(tok)
             if tid is None:
                 return False
             specials.append((tok, tid))
-    single = f"{(bos + ':0 ') if add_bos else ''}$A:0{(' ' + eos + ':0') if add_eos else ''}"
-    pair = f"{single}{(' ' + bos + ':1') if add_bos else ''} $B:1{(' ' + eos + ':1') if add_eos else ''}"
+    single = f"{(bos + ':0 ') if bos else ''}$A:0{(' ' + eos + ':0') if eos else ''}"
+    pair = f"{single}{(' ' + bos + ':1') if bos else ''} $B:1{(' ' + eos + ':1') if eos else ''}"
     backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
     return True
 
