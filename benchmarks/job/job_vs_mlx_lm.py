@@ -2,7 +2,8 @@
 
 Both sides are whole processes, timed from start to exit (model load, tokenizing, prefill,
 decode and, for kvbatch, the queue and the Parquet results included), on the same prompts of
-mixed length (a few words to ~600 tokens; --prompt-tokens 32-1999: uniform token counts), greedy, the same max_tokens, EOS honoured on both
+mixed length (a few words to ~600 tokens; --prompt-tokens 32-1999: uniform token counts),
+greedy, the same max_tokens, EOS honoured on both
 sides. Output tok/s = generated tokens / process wall time. The sides alternate (kvbatch,
 mlx-lm, mlx-lm, kvbatch, ...) so drift on a shared machine is spread over both; each round's
 ratio is reported and the median of those ratios is the number to read (with each side's median tok/s and
@@ -162,7 +163,7 @@ def add_args(ap) -> None:
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--max-words", type=int, default=450)
     ap.add_argument("--prompt-tokens", default="",
-                    help="LO-HI: prompts of LO..HI tokens (uniform; e.g. 32-1999, the GPU figures) instead of --max-words")
+                    help="LO-HI: prompts of LO..HI tokens (uniform; 32-1999 on the GPU) instead of --max-words")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--kvbatch-args", default="")
     ap.add_argument("--model-args", default="", help="model=tiny geometry for both sides: 'num_layers=16 ...'")

@@ -395,7 +395,7 @@ def test_decode_never_dequantizes(tiny_model, monkeypatch, in_place):
     full = [s[1:] for s in per_step if s[0] == 8]  # steps of all 8 rows
     assert len(full) >= 15
     L = spec.num_layers
-    for qmm_sizes, sdpa_n, raw, kernels, in_use in full:
+    for qmm_sizes, _, _, kernels, in_use in full:
         assert in_use >= 100  # many quantized pages held: 8 rows x 10+ pages
         if fused:  # one kernel call per layer, on the packed pages of all 8 rows (>= 160 sealed tokens each)
             assert not qmm_sizes and len(kernels) == L
