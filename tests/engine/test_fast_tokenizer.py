@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from mlx_lm.utils import load_tokenizer as mlx_lm_tokenizer
-from tokenizers import AddedToken, Tokenizer
+from tokenizers import AddedToken, Tokenizer, processors
 
 from kvbatch.engine.models.fast_tokenizer import FastTokenizer, fast_tokenizer
 from kvbatch.engine.models.sources import resolve_model_dir
@@ -70,18 +70,33 @@ def _qwen3_style(src: Path, dst: Path) -> Path:
     return dst
 
 
+def _bos_added(src: Path, dst: Path) -> Path:
+    """The tiny model's files with BOS before every encoding as kvbatch writes a Llama GGUF's (a post-processor in
+    tokenizer.json, add_bos_token in tokenizer_config), and add_eos_token set too (the generic class ignores both)."""
+    shutil.copytree(src, dst)
+    tok = Tokenizer.from_file(str(dst / "tokenizer.json"))
+    tok.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", pair="<|im_start|> $A <|im_start|> $B",
+                                                       special_tokens=[("<|im_start|>", 256)])
+    tok.save(str(dst / "tokenizer.json"))
+    cfg = json.loads((dst / "tokenizer_config.json").read_text())
+    (dst / "tokenizer_config.json").write_text(json.dumps({**cfg, "add_bos_token": True, "add_eos_token": True}))
+    return dst
+
+
 @pytest.fixture(scope="module")
 def model_dirs(model_cache_dir, tmp_path_factory):
     tiny = resolve_model_dir(ModelConfig(source="tiny", cache_dir=str(model_cache_dir)))
+    tmp = tmp_path_factory.mktemp("tok")
     return {
         "smollm2": resolve_model_dir(ModelConfig(source="smollm2", cache_dir=str(model_cache_dir))),
         "tiny": tiny,
         "tiny-qwen3": resolve_model_dir(ModelConfig(source="tiny", family="qwen3", cache_dir=str(model_cache_dir))),
-        "qwen3-style": _qwen3_style(tiny, tmp_path_factory.mktemp("tok") / "qwen3-style"),
+        "qwen3-style": _qwen3_style(tiny, tmp / "qwen3-style"),
+        "bos": _bos_added(tiny, tmp / "bos"),
     }
 
 
-@pytest.mark.parametrize("name", ["smollm2", "tiny", "tiny-qwen3", "qwen3-style"])
+@pytest.mark.parametrize("name", ["smollm2", "tiny", "tiny-qwen3", "qwen3-style", "bos"])
 def test_same_ids_and_chat_text_as_mlx_lm(model_dirs, name):
     path = model_dirs[name]
     config = json.loads((path / "config.json").read_text())
@@ -108,6 +123,8 @@ def test_same_ids_and_chat_text_as_mlx_lm(model_dirs, name):
     cont = ours.apply_chat_template(CONTINUED, continue_final_message=True, tokenize=False)
     assert cont == ref.apply_chat_template(CONTINUED, continue_final_message=True, tokenize=False)
     assert cont.endswith("1, 2,")
+    if name == "bos":
+        assert ours.encode("a") == [ours.bos_token_id, ord("a")]
     if name == "qwen3-style":
         off = ours.apply_chat_template(CONVERSATIONS[0], add_generation_prompt=True, tokenize=False,
                                        enable_thinking=False)

@@ -8,9 +8,9 @@ conversions and tiny models) with a Jinja chat template; `fast_tokenizer` return
 others (a model-specific tokenizer class that transformers rebuilds in Python, a custom chat
 renderer, files that disagree), which load through mlx-lm (models/load.py decides).
 
-What transformers adds on load, done the same way here: tokenizer_config's add_bos_token /
-add_eos_token (or a file without a post-processor) set the post-processor; decode applies
-`clean_up_tokenization_spaces` where transformers does (not for BPE models). What mlx-lm's
+What transformers does on load, done the same way here: the generic class keeps tokenizer.json's
+post-processor (tokenizer_config's add_bos_token / add_eos_token change nothing there); decode
+applies `clean_up_tokenization_spaces` where transformers does (not for BPE models). What mlx-lm's
 wrapper adds: its eos ids (the config's, else the model module's defaults, plus the tokenizer's
 eos token) and `enable_thinking=True` for vocabularies with <think> tokens unless the caller sets it.
 """
@@ -20,11 +20,12 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from tokenizers import AddedToken, Tokenizer, processors
+from tokenizers import AddedToken, Tokenizer
 
 from kvbatch.engine.models import chat_template
 
-_GENERIC_CLASSES = (None, "PreTrainedTokenizerFast", "TokenizersBackend")
+# without a tokenizer_class, transformers picks the model type's own class: not generic
+_GENERIC_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # mlx-lm's _infer_thinking: the single-token pairs; multi-token ones (<|channel>, xtml) go through mlx-lm.
 _THINK_PAIRS = (("<think>", "</think>"), ("<longcat_think>", "</longcat_think>"), ("<|think:start|>", "<|think:end|>"))
@@ -127,25 +128,6 @@ def _template(path: Path, config: dict) -> tuple[bool, Optional[str]]:
     return False, None
 
 
-def _post_processor(backend: Tokenizer, config: dict) -> bool:
-    """Set the post-processor as transformers' TokenizersBackend does; False when it cannot."""
-    if not ("add_bos_token" in config or "add_eos_token" in config or backend.post_processor is None):
-        return True
-    bos = _content(config.get("bos_token")) if config.get("add_bos_token") else None
-    eos = _content(config.get("eos_token")) if config.get("add_eos_token") else None
-    specials = []
-    for tok in (bos, eos):
-        if tok is not None:
-            tid = backend.token_to_id(tok)
-            if tid is None:
-                return False
-            specials.append((tok, tid))
-    single = f"{(bos + ':0 ') if bos else ''}$A:0{(' ' + eos + ':0') if eos else ''}"
-    pair = f"{single}{(' ' + bos + ':1') if bos else ''} $B:1{(' ' + eos + ':1') if eos else ''}"
-    backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
-    return True
-
-
 def _added_tokens_agree(backend: Tokenizer, config: dict) -> bool:
     """The named special tokens and tokenizer_config's added tokens are all added tokens of
     tokenizer.json already (else transformers adds them on load, which this does not repeat)."""
@@ -193,8 +175,7 @@ def fast_tokenizer(path: Path, model_config: dict, eos_token_ids: Optional[Itera
     except Exception:  # a file the tokenizers library cannot read: mlx-lm's path reports it
         return None
     vocab = backend.get_vocab()
-    if any(t in vocab for t in _MULTI_TOKEN_THINKING) or not _added_tokens_agree(backend, config) \
-            or not _post_processor(backend, config):
+    if any(t in vocab for t in _MULTI_TOKEN_THINKING) or not _added_tokens_agree(backend, config):
         return None
     backend.no_truncation()
     backend.no_padding()
