@@ -18,6 +18,8 @@ from kvbatch.engine.models.config import ModelConfig
 # Qwen3's template in the parts a batch row reaches: system turn, reasoning split out of assistant turns,
 # the last user query found through a namespace, and the empty think block enable_thinking=false adds.
 QWEN3_STYLE = (
+    "{%- if tools %}{{- '<|im_start|>system\n# Tools\n' }}{%- for tool in tools %}{{- tool | tojson }}{%- endfor %}"
+    "{{- '<|im_end|>\n' }}{%- endif %}"
     "{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}"
@@ -123,6 +125,9 @@ def test_same_ids_and_chat_text_as_mlx_lm(model_dirs, name):
     cont = ours.apply_chat_template(CONTINUED, continue_final_message=True, tokenize=False)
     assert cont == ref.apply_chat_template(CONTINUED, continue_final_message=True, tokenize=False)
     assert cont.endswith("1, 2,")
+    tools = {"tools": [{"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}]}
+    assert ours.apply_chat_template(CONVERSATIONS[0], add_generation_prompt=True, **tools) == \
+        ref.apply_chat_template(CONVERSATIONS[0], add_generation_prompt=True, **tools)
     if name == "bos":
         assert ours.encode("a") == [ours.bos_token_id, ord("a")]
     if name == "qwen3-style":

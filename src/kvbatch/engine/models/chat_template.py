@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from functools import lru_cache
-from typing import Any
+from typing import Any, Optional
 
 import jinja2
 import jinja2.ext
@@ -94,8 +94,14 @@ def compile_template(source: str) -> jinja2.Template:
 
 
 def render(source: str, messages: list[dict], special_tokens: dict[str, str], *, add_generation_prompt: bool = False,
-           continue_final_message: bool = False, **kwargs: Any) -> str:
-    """The conversation's text; ValueError or a jinja2 error when the template or messages refuse."""
+           continue_final_message: bool = False, tools: Optional[list] = None, documents: Optional[list] = None,
+           **kwargs: Any) -> str:
+    """The conversation's text; ValueError or a jinja2 error when the template or messages refuse. tools and
+    documents: JSON-schema dicts and {title, text} dicts, as transformers passes them to the template."""
+    if tools is not None and not all(isinstance(t, dict) for t in tools):
+        raise ValueError("tools must be JSON schemas (dicts)")
+    if documents is not None and not all(isinstance(d, dict) for d in documents):
+        raise TypeError("Documents should be a list of dicts with 'title' and 'text' keys!")
     if not messages:
         raise ValueError("Cannot apply chat template to an empty conversation. Provide at least one message.")
     if continue_final_message and add_generation_prompt:
@@ -110,7 +116,7 @@ def render(source: str, messages: list[dict], special_tokens: dict[str, str], *,
             raise ValueError('continue_final_message is set to "content" but this is not an accepted field in '
                              'the chat_template')
         chat[-1] = {**chat[-1], "content": final + _CONTINUE_TAG}
-    text = compile_template(source).render(messages=chat, tools=None, documents=None,
+    text = compile_template(source).render(messages=chat, tools=tools, documents=documents,
                                            add_generation_prompt=add_generation_prompt,
                                            **{**special_tokens, **kwargs})
     if final is not None:
