@@ -85,6 +85,14 @@ def _bos_added(src: Path, dst: Path) -> Path:
     return dst
 
 
+def _clean_up_set(src: Path, dst: Path) -> Path:
+    """clean_up_tokenization_spaces=true on a BPE tokenizer (transformers leaves BPE text as decoded)."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "tokenizer_config.json").read_text())
+    (dst / "tokenizer_config.json").write_text(json.dumps({**cfg, "clean_up_tokenization_spaces": True}))
+    return dst
+
+
 @pytest.fixture(scope="module")
 def model_dirs(model_cache_dir, tmp_path_factory):
     tiny = resolve_model_dir(ModelConfig(source="tiny", cache_dir=str(model_cache_dir)))
@@ -95,10 +103,11 @@ def model_dirs(model_cache_dir, tmp_path_factory):
         "tiny-qwen3": resolve_model_dir(ModelConfig(source="tiny", family="qwen3", cache_dir=str(model_cache_dir))),
         "qwen3-style": _qwen3_style(tiny, tmp / "qwen3-style"),
         "bos": _bos_added(tiny, tmp / "bos"),
+        "clean-up": _clean_up_set(tiny, tmp / "clean-up"),
     }
 
 
-@pytest.mark.parametrize("name", ["smollm2", "tiny", "tiny-qwen3", "qwen3-style", "bos"])
+@pytest.mark.parametrize("name", ["smollm2", "tiny", "tiny-qwen3", "qwen3-style", "bos", "clean-up"])
 def test_same_ids_and_chat_text_as_mlx_lm(model_dirs, name):
     path = model_dirs[name]
     config = json.loads((path / "config.json").read_text())

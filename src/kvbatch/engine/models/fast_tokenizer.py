@@ -6,7 +6,7 @@ It covers the tokenizers transformers itself loads from tokenizer.json as the fi
 generic `PreTrainedTokenizerFast`/`TokenizersBackend` class: what kvbatch writes for SmolLM2, GGUF
 conversions and tiny models) with a Jinja chat template; `fast_tokenizer` returns None for the
 others (a model-specific tokenizer class that transformers rebuilds in Python, a custom chat
-renderer, files that disagree), which load through mlx-lm (models/load.py decides).
+renderer, files that disagree), which load through mlx-lm (models/load.py falls back to it).
 
 What transformers does on load, done the same way here: the generic class keeps tokenizer.json's
 post-processor (tokenizer_config's add_bos_token / add_eos_token change nothing there); decode
@@ -63,7 +63,7 @@ class FastTokenizer:
         vocab = backend.get_vocab()
         self.has_thinking = any(a in vocab and b in vocab for a, b in _THINK_PAIRS)
         self._clean_up = bool(config.get("clean_up_tokenization_spaces", False)) and \
-            json.loads(backend.to_str())["model"].get("type") != "BPE"
+            type(backend.model).__name__ != "BPE"
 
     @property
     def vocab_size(self) -> int:
