@@ -44,6 +44,7 @@ BENCHMARKS = {
     "job.many_workers": "many workers on one PostgreSQL queue: rows/s, queue cost, claim latency",
     "job.commits": "the whole `kvbatch` command at two commits side by side: speed ratio and identical rows",
     "job.kill_soak": "many random kill -9 of real workers, then a final run: nothing lost or changed",
+    "job.command_vs_engine": "the command's decode tok/s against its engine's alone, same rows and batch",
     "job.checkpoint_cost": "what checkpointing rows in flight costs a whole job: off, default, dense",
     "job.overnight": "a job stopped by its deadline half-way and run again, against one uninterrupted run",
     "job.score": "action=score (kvbatch.score) on DPO-shaped rows against mlx-lm's one forward per pair: "

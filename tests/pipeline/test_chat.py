@@ -8,7 +8,6 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 import kvbatch.pipeline.actions as actions
 from kvbatch.engine.models.tiny import CHATML
@@ -42,9 +41,8 @@ def test_system_prompt_precedes_a_prompt_row(tok):
 
 
 def test_chat_template_kwargs_reach_the_template(tok):
-    hf = copy.deepcopy(tok._tokenizer)
-    hf.chat_template = PERSONA
-    persona = TokenizerWrapper(hf)
+    persona = copy.copy(tok)
+    persona.chat_template = PERSONA
     plain = _text(persona, {"prompt": "Hi"})
     assert plain == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     assert _text(persona, {"prompt": "Hi"}, chat_template_kwargs={"persona": "a pirate"}) == \

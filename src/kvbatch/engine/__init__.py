@@ -2,12 +2,17 @@
 
 `ensure_blas()` runs first, before anything imports mlx: on Linux CPU it loads
 OpenBLAS globally so MLX's matmuls use it (31x the bundled reference BLAS, docs/performance.md).
+Then mlx-lm is registered so that its model code imports without transformers.
 """
 from typing import TYPE_CHECKING
 
 from kvbatch.engine.blas import blas_in_use, ensure_blas
 
 ensure_blas()
+
+from kvbatch.engine.models.mlx_lm_import import defer  # noqa: E402
+
+defer()  # mlx-lm's model code without transformers (models/mlx_lm_import.py)
 
 from kvbatch.engine.errors import KvbatchConfigError  # noqa: E402
 from kvbatch.engine.models.config import ModelConfig  # noqa: E402

@@ -8,6 +8,7 @@ by the token the row outputs (OutputProcessor.accept), before its next mask is c
 from __future__ import annotations
 
 import json
+from copy import copy
 from typing import Any, Optional
 
 import numpy as np
@@ -102,14 +103,19 @@ class Grammars:
     def _tok(self):
         if self._lltok is None:
             llg = _llg()
-            from llguidance.hf import from_tokenizer
-
-            hf = getattr(self._tokenizer, "_tokenizer", self._tokenizer)  # mlx-lm's wrapper holds the HF one
+            # the `tokenizers` Tokenizer behind kvbatch's tokenizer or transformers' fast one, serialized as
+            # llguidance.hf.from_tokenizer does (which would import transformers)
+            backend = getattr(self._tokenizer, "backend_tokenizer", None)
+            if backend is None:
+                raise RowError(errors.INVALID_INPUT, "constrained output needs a fast (tokenizer.json) tokenizer")
+            backend = copy(backend)
+            backend.no_padding()
+            backend.no_truncation()
+            eos = self.eos_ids or getattr(self._tokenizer, "eos_token_id", None)
             try:
-                self._lltok = from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=self.eos_ids or None)
+                self._lltok = llg.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size, eos_token=eos)
             except ValueError as exc:
-                raise RowError(errors.INVALID_INPUT, f"constrained output needs a fast Hugging Face "
-                                                     f"tokenizer: {exc}") from None
+                raise RowError(errors.INVALID_INPUT, f"constrained output cannot use this tokenizer: {exc}") from None
             self._executor = llg.LLExecutor()
         return self._lltok
 

@@ -225,7 +225,9 @@ def load_runtime(cfg: Config, rows: Optional[int] = None) -> Runtime:
     from kvbatch.pipeline import debug
     from kvbatch.pipeline.model_cache import load_model  # sweeps: one load per distinct model config
     from kvbatch.pipeline.prompts import check_template
+    from kvbatch.pipeline.results import warm_conversion
 
+    warm_conversion()
     model, tokenizer, spec = load_model(cfg.model)
     from kvbatch.engine.models.load import cpu_half_warning
 

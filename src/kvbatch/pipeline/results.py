@@ -7,7 +7,8 @@ per-row parameters (the values each row ran with) come from engine/params.py's t
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+import threading
+from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 import pyarrow as pa
@@ -105,12 +106,21 @@ COLUMNS = SCHEMA.names
 _INT_BOUNDS = {pa.int32(): (-(2**31), 2**31 - 1), pa.int64(): (-(2**63), 2**63 - 1)}
 
 
+_NAMES = tuple(f.name for f in fields(ResultRecord))
+
+
+def _values(record: ResultRecord) -> dict[str, Any]:
+    """The record's fields by name, not copied (dataclasses.asdict deep-copies every token list: a
+    measurable share of a results part's time; its values are plain lists, dicts and scalars already)."""
+    return {name: getattr(record, name) for name in _NAMES}
+
+
 def fit(record: ResultRecord) -> ResultRecord:
     """The record made writable whatever it holds: a number outside its column's type is dropped
     (the row then carries invalid_input saying which), text that is not valid UTF-8 is escaped.
     The input reader refuses such values already; this keeps one bad value (from an older queue,
     say) from failing the whole part and every row in it, on every run."""
-    d = asdict(record)
+    d = _values(record)
     bad = []
     for f in fields(ResultRecord):
         v, t = d[f.name], f.metadata["arrow"]
@@ -126,9 +136,23 @@ def fit(record: ResultRecord) -> ResultRecord:
     return out
 
 
+def warm_conversion() -> threading.Thread:
+    """pyarrow imports pandas on its first Python -> Arrow conversion (about a second): do that now, on a
+    thread beside the model load, rather than at the first results part, between two decode steps."""
+    def convert() -> None:
+        try:
+            pa.array([0])
+        except Exception:  # noqa: BLE001 - only a head start: the first part converts again
+            pass
+
+    t = threading.Thread(target=convert, name="kvbatch-warm-arrow", daemon=True)
+    t.start()
+    return t
+
+
 def to_table(records: list[ResultRecord], metadata: Optional[dict[str, str]] = None) -> pa.Table:
     """An Arrow table of these records in the results schema, with `metadata` on the schema."""
-    table = pa.Table.from_pylist([asdict(r) for r in records], schema=SCHEMA)
+    table = pa.Table.from_pylist([_values(r) for r in records], schema=SCHEMA)
     if metadata:
         table = table.replace_schema_metadata({k.encode(): v.encode() for k, v in metadata.items()})
     return table

@@ -1,22 +1,25 @@
 """Load the model a `ModelConfig` names: (mlx-lm model, tokenizer, ModelSpec)."""
 from __future__ import annotations
 
+import importlib
+import logging
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_model as mlx_lm_load_model
-from mlx_lm.utils import load_tokenizer
 
 from kvbatch.engine import lora
 from kvbatch.engine.errors import KvbatchConfigError
 from kvbatch.engine.models.config import ModelConfig
+from kvbatch.engine.models.fast_tokenizer import fast_tokenizer
 from kvbatch.engine.models.sources import resolve_model_dir
 from kvbatch.engine.models.spec import model_spec
 from kvbatch.engine.types import ModelSpec
 
 _DEFAULT_NAME = ModelConfig.name
+log = logging.getLogger(__name__)
 
 
 def _display_name(cfg: ModelConfig, path: Path) -> str:
@@ -39,12 +42,25 @@ def cpu_half_warning(model: nn.Module, spec: ModelSpec) -> str | None:
             f"half-precision matmuls several times slower than float32: set model.dtype=float32")
 
 
-def load_model(cfg: ModelConfig) -> tuple[nn.Module, TokenizerWrapper, ModelSpec]:
+def load_tokenizer(path: Path, model: nn.Module, config: dict) -> Any:
+    """The model's tokenizer: kvbatch's `FastTokenizer` (the tokenizers library, no transformers)
+    where it gives mlx-lm's tokens, else mlx-lm's `load_tokenizer` (transformers, imported here)."""
+    defaults = getattr(importlib.import_module(type(model).__module__), "TOKENIZER_DEFAULTS", None)
+    tokenizer = fast_tokenizer(path, config, config.get("eos_token_id"), defaults)
+    if tokenizer is not None:
+        return tokenizer
+    log.debug("tokenizer in %s: through mlx-lm (transformers)", path)
+    from mlx_lm.utils import load_tokenizer as mlx_lm_load_tokenizer
+
+    return mlx_lm_load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+
+
+def load_model(cfg: ModelConfig) -> tuple[nn.Module, Any, ModelSpec]:
     """Resolve (convert/build once if needed) and load the model; raise KvbatchConfigError on bad config."""
     path = resolve_model_dir(cfg)
     try:
         model, config = mlx_lm_load_model(path)
-        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+        tokenizer = load_tokenizer(path, model, config)
     except (FileNotFoundError, ValueError, OSError) as exc:
         raise KvbatchConfigError(f"mlx-lm cannot load the model in {path}: {exc}") from exc
     if cfg.source == "local" and cfg.dtype not in ("auto", "quantized"):
