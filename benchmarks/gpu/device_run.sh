@@ -171,7 +171,7 @@ for arg in "$@"; do
         tee -a "$OUT/spec_cost.txt" | cut -c1-1500 ;;
     overnight) python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$C"/*.whl || exit 1
       timeout "$secs" python3 -m benchmarks job.overnight --model tiny --model-args "$GEOM1B" --rows ${ON_ROWS:-64} \
-        --new ${ON_NEW:-4096} --max-words 150 --kvbatch-cmd "python3 -m kvbatch" --out "$OUT/overnight_1b.json" 2>&1 |
+        --new ${ON_NEW:-4096} --warm 64 --max-words 150 --kvbatch-cmd "python3 -m kvbatch" --out "$OUT/overnight_1b.json" 2>&1 |
         tee "$OUT/overnight.txt" | cut -c1-1500 ;;
     cmdeng) python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$C"/*.whl || exit 1
       g=${CVE_GEOM:-8b}; [ "$g" = 8b ] && geom=$GEOM8B || geom=$GEOM1B
