@@ -350,6 +350,7 @@ def _param_values():
         "int": st.one_of(st.integers(-5, 40), huge), "float": floats, "bool": st.one_of(st.booleans(), st.integers()),
         "ids": st.one_of(st.lists(st.one_of(st.integers(-2, 400), huge), max_size=3), st.integers(0, 300)),
         "strings": st.one_of(st.lists(st.text(max_size=3), max_size=3), st.text(max_size=3)),
+        "name": st.one_of(st.text(max_size=4), st.sampled_from(["a", "../x", "a/b"])),  # an adapter, none known
         "format": st.sampled_from(["json_object", "regex:[ab]{1,2}", "text", '{"type": "foo"}', "/etc/hostname",
                                    {"type": "object"}, {"type": "json_schema", "json_schema": {"schema": {}}}, "x"]),
     }

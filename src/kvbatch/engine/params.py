@@ -147,7 +147,7 @@ def stop_token_ids_error(v: Any) -> str | None:
 class RowParam:
     """How the pipeline treats one per-row parameter (an entry of PARAMS)."""
 
-    kind: str  # how a row's value is read: int | float | bool | ids | strings | format
+    kind: str  # how a row's value is read: int | float | bool | ids | strings | format | name
     section: str  # the config section holding the job's value: "job" | "sampling"
     check: Optional[Check] = None  # why a value is out of range (None: it is in range)
     column: Optional[str] = None  # its results column's type: int32 | int64 | float64 | bool | ids | string

@@ -267,6 +267,9 @@ def validate(cfg: Config) -> None:
             _need(getattr(m, key) == getattr(base, key), f"model.{key}", getattr(m, key),
                   f"only model=tiny uses it (model={m.source} has its own; remove it)")
     d = cfg.speculative.model
+    for key in ("adapter_path", "adapters"):  # a draft proposes for every row: one set of weights
+        _need(not getattr(d, key), f"speculative.model.{key}", getattr(d, key),
+              "a draft model runs without LoRA adapters; remove it")
     if cfg.speculative.method == "draft":
         _need(d.source in MODEL_SOURCES, "speculative.model.source", d.source,
               f"choose one of {', '.join(MODEL_SOURCES)}")
