@@ -115,6 +115,36 @@ def test_reconcile_while_another_worker_acknowledges(queue_backend, tmp_path, mo
     assert fin.requeued == [] and pq.read_table(fin.path).column("row_key").to_pylist() == ["k0"]
 
 
+def test_a_row_acknowledged_while_finalize_writes_is_in_the_next_results(queue_backend, tmp_path, monkeypatch):
+    """Workers acknowledge rows without finalize's lock. A row acknowledged after finalize read the
+    queue is not in the file it writes; the file's stamp must not say it is, or the next finalize (the
+    acknowledging worker's own, at its end) takes the file as up to date and the row never appears."""
+    import kvbatch.pipeline.finalize as fz
+
+    q, out = _shared(queue_backend, tmp_path, 2)
+    other = queue_backend("o")  # worker b's own connection
+    parts = out / "parts"
+    q.claim("a", 1, lease_s=60)
+    write_part(parts, "part-a-00000.parquet", [_rec("k0", 0)])
+    q.ack("a", [("k0", None)], "part-a-00000.parquet")
+    other.claim("b", 1, lease_s=60)
+    real_reconcile = fz._reconcile
+
+    def reconcile_then_other_worker_acks(folder, queue, *pattern):
+        done = real_reconcile(folder, queue, *pattern)
+        # worker b, after worker a's finalize read the queue and before it stamps its file: rename, then ack
+        write_part(parts, "part-b-00000.parquet", [_rec("k1", 1)])
+        other.ack("b", [("k1", None)], "part-b-00000.parquet")
+        return done
+
+    monkeypatch.setattr(fz, "_reconcile", reconcile_then_other_worker_acks)
+    first = finalize(out, q, {})
+    assert pq.read_table(first.path).column("row_key").to_pylist() == ["k0"]
+    monkeypatch.setattr(fz, "_reconcile", real_reconcile)
+    last = finalize(out, other, {})  # worker b's, at its end
+    assert not last.unchanged and pq.read_table(last.path).column("row_key").to_pylist() == ["k0", "k1"]
+
+
 def test_reconcile_and_finalize_take_one_lock_across_connections(queue_backend):
     """The queue's lock (SQLite: the folder's lock file; PostgreSQL: an advisory lock, which holds
     across hosts): a second holder waits until the first lets go."""

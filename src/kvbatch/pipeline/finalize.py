@@ -190,13 +190,17 @@ def finalize(out_dir: Path, q: Queue, metadata: dict[str, str]) -> Finalized:
     """results.parquet (written atomically) from the reconciled parts, streamed: CHUNK rows at a time are
     taken from their parts and written, so memory stays bounded however many rows the job has."""
     with q.exclusive():
-        same = _unchanged(out_dir, q, _state(out_dir, q), metadata)
+        state = _state(out_dir, q)
+        same = _unchanged(out_dir, q, state, metadata)
         if same is not None:  # a finished job's rerun: nothing changed since it was written
             return same
         clean_temp(out_dir)
         done = _reconcile(out_dir, q)
         slots = samples.slots_of(q.get_meta(samples.META))
-        metadata = {**metadata, STATE_KEY: _state(out_dir, q)}  # after reconcile's own changes
+        # The file is stamped with the state read before its rows were: other workers acknowledge rows
+        # without this lock, and a state read after the rows would name an acknowledgement the file
+        # lacks, so the next finalize would skip that row. An older stamp only makes it write again.
+        metadata = {**metadata, STATE_KEY: state}
         done.rows = _write(done, out_dir / "parts", slots, passthrough.load(out_dir), metadata)
     return done
 
