@@ -118,6 +118,11 @@ def test_memory_of_this_job_and_this_run(run_app, tmp_path):
         _, out, err, path = run_app(f"job.input={src}", "job.max_tokens=32", f"kv={kv}")
         s = json.loads((path.parent / "summary.json").read_text())
         peaks[kv], pools[kv] = s["this_run"]["peak_memory_bytes"], s["engine"]["pool_bytes"]
+        # every setting is recorded, the ones added with it too (reasoning, adapters, scoring, shards)
+        c = s["config"]
+        assert c["kv"]["mode"] == kv and c["job"]["max_tokens"] == 32 and c["job"]["reasoning"] == "auto"
+        assert c["model"]["adapters"] is None and c["job"]["score_columns"] == ["completion"]
+        assert c["queue"]["shards"] == 0
         assert "with 1 running" in err and "MLX peak" in out and "this run: 1 rows, " in out
     assert peaks["q8"] <= 1.1 * (peaks["none"] + pools["q8"]), (peaks, pools)
     _, out, _, path = run_app(f"job.input={src}", "job.max_tokens=32", "kv=q8")  # nothing to generate

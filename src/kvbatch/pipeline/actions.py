@@ -392,7 +392,8 @@ def finish(job: Job, q: Queue, stats: Optional[WorkStats], t0: Optional[float] =
     """Write results.parquet (and the OpenAI batch output when asked) and summary.json from the queue and the parts."""
     from kvbatch.engine.blas import blas_in_use
 
-    meta = {"kvbatch.config": json.dumps(as_stored(job.cfg), default=str),
+    stored = as_stored(job.cfg)
+    meta = {"kvbatch.config": json.dumps(stored, default=str),
             "kvbatch.config_hash": job.config_hash,
             **{f"{k}.version": v for k, v in summ.versions().items()}}
     _passthrough_readable(job)
@@ -413,6 +414,7 @@ def finish(job: Job, q: Queue, stats: Optional[WorkStats], t0: Optional[float] =
              "config_hash": job.config_hash, "output_dir": str(job.out_dir), "results": str(fin.path),
              "blas": blas_in_use(), "versions": summ.versions(),
              "sampling_defaults": model_defaults.describe(job.cfg.sampling, job.cfg.model),
+             "config": stored,  # every setting this run had (passwords hidden), as config.yaml
              "wall_s": time.perf_counter() - t0 if t0 is not None else None}
     s = summ.build(fin.read(list(summ.COLUMNS)), q.counts(), q.sessions(), run, extra)
     summ.write(job.out_dir / "summary.json", s)
