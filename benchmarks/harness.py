@@ -555,10 +555,13 @@ def python_cmd() -> list[str]:
 # engine). A round's ratio between two modes shares the machine's conditions; read the median over rounds.
 
 class Stepper:
-    """One engine's run, advanced a given number of decode steps at a time."""
+    """One engine's run, advanced a given number of decode steps at a time: a step counts when every row
+    is decoding (none waiting or prefilling, none ended), so a warm-up of n steps ends with the whole batch
+    decoding and a timed block holds decode steps of the whole batch only."""
 
     def __init__(self, eng: Engine, reqs: list[Request]):
         self.eng, self.steps, self.results, self.done = eng, 0, [], False
+        self.batch = len(reqs)
         for r in reqs:
             eng.add(r)
 
@@ -569,14 +572,61 @@ class Stepper:
             if not self.eng.has_unfinished():
                 self.done = True
                 break
-            decoding = bool(running_rows(self.eng) or waiting_rows(self.eng))
+            s = self.eng.scheduler
+            whole = len(s.running) == self.batch and not any(r.prefilling for r in s.running)
             self.results += self.eng.step()
-            self.steps += decoding
+            self.steps += whole
         return self.steps - start
 
+    def running(self) -> int:
+        """Rows decoding now."""
+        return running_rows(self.eng)
 
-def interleave(make: dict[str, Callable[[], Stepper]], block: int, warm: int = 1) -> dict[str, dict]:
-    """make: mode -> a Stepper factory (engine built, requests submitted). Each is created and advanced
+
+class MlxLmStepper:
+    """mlx-lm's BatchGenerator on the same token ids (EOS off, greedy), advanced like a Stepper: a step
+    is one of its decode steps with every row decoding (the steps while prompts still prefill count
+    for nothing, so a warm-up of n steps ends with the whole batch decoding)."""
+
+    def __init__(self, model, prompts: list[list[int]], new: int, prefill_batch: int | None = None):
+        from mlx_lm.generate import BatchGenerator
+
+        from kvbatch.engine.mlx_lm_bridge import as_shipped
+
+        as_shipped(model)  # mlx-lm runs the model as it ships (kvbatch's Engine wraps its RoPE and MLPs on the CPU)
+        self.batch, self.steps, self.done = len(prompts), 0, False
+        self.gen = BatchGenerator(model, stop_tokens=[], completion_batch_size=len(prompts),
+                                  prefill_batch_size=prefill_batch or len(prompts))
+        self.uids = self.gen.insert(prompts, [new] * len(prompts))
+        self.tokens: dict[int, list[int]] = {u: [] for u in self.uids}
+        self._live = len(prompts)
+
+    def advance(self, n: int) -> int:
+        """Run until n more full-batch decode steps have run (or every row ends); returns how many ran."""
+        start = self.steps
+        while not self.done and self.steps < start + n:
+            responses = self.gen.next_generated()
+            if not responses:
+                self.done = True
+                self.gen.close()
+                break
+            for r in responses:
+                self.tokens[r.uid].append(r.token)
+                self._live -= r.finish_reason is not None
+            self.steps += len(responses) == self.batch
+        return self.steps - start
+
+    def running(self) -> int:
+        """Rows not ended."""
+        return 0 if self.done else self._live
+
+    def outputs(self) -> list[list[int]]:
+        """Each prompt's tokens, in the prompts' order."""
+        return [self.tokens[u] for u in self.uids]
+
+
+def interleave(make: dict[str, Callable[[], Stepper | MlxLmStepper]], block: int, warm: int = 1) -> dict[str, dict]:
+    """make: mode -> a Stepper (or MlxLmStepper) factory (requests submitted). Each is created and advanced
     `warm` steps (prefill and first decode steps, untimed: every kernel the run uses compiled), in order;
     then rounds of `block` steps each, the order reversed every other round, until every run ends.
     -> per mode: step_s (each round's seconds a step; None for a block cut short) and the Stepper."""
@@ -590,7 +640,7 @@ def interleave(make: dict[str, Callable[[], Stepper]], block: int, warm: int = 1
     while any(not s.done for s in steppers.values()):
         for mode in (modes if rnd % 2 == 0 else modes[::-1]):
             s = steppers[mode]
-            rows = running_rows(s.eng)
+            rows = s.running()
             t = time.perf_counter()
             n = s.advance(block)
             mx.synchronize()

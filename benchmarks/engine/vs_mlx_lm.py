@@ -17,7 +17,8 @@ row), whether the rows' tokens equal mlx-lm's, and (--roofline) the fraction of 
 
 Long context (--long N --long-batches B): the same at N-token prompts (--long-new tokens); kvbatch runs
 before mlx-lm there (mlx-lm ran out of GPU memory first); --interleave K runs the kvbatch modes' engines at
-once, decoding in alternating blocks of K steps (harness.interleave): compare KV modes past the drift.
+once, with mlx-lm's BatchGenerator beside them, decoding in alternating blocks of K steps with every row decoding
+(harness.interleave): steady-state decode steps compared round by round (`ratio_runs`), past the drift.
 
     python -m benchmarks engine.vs_mlx_lm --models tiny-4m,smollm2 --batches 1,8,32 --out /tmp/evm.json
     python -m benchmarks engine.vs_mlx_lm --models tiny-4m --batches 8,32 --modes none@in_place=false,none --rounds 3
@@ -126,26 +127,40 @@ class Case:
         return h.run_mlx_lm(self.model, self.prompts, new, prefill_batch=min(self.batch, self.a.mlx_lm_prefill_batch
                                                                               or self.batch), kv_held=self.a.kv_held)
 
-    def interleaved(self, modes: list[str]) -> dict:
-        """Every mode's engine alive at once, decoding in alternating blocks (harness.interleave)."""
+    def interleaved(self, modes: list[str], with_mlx_lm: bool) -> dict:
+        """Every mode's engine (and mlx-lm's BatchGenerator) alive at once, decoding in alternating blocks
+        (harness.interleave): steady-state decode steps with the whole batch decoding, side by side."""
         def maker(mode):
             return lambda: h.Stepper(self.engine(mode), h.requests(self.prompts, self.new))
 
+        make: dict = {m: maker(m) for m in modes}
+        if with_mlx_lm:
+            make["mlx_lm"] = lambda: h.MlxLmStepper(self.model, self.prompts, self.new,
+                                                    min(self.batch, self.a.mlx_lm_prefill_batch or self.batch))
         mx.reset_peak_memory()
-        runs = h.interleave({m: maker(m) for m in modes}, self.a.interleave, warm_tokens(self.plen, self.new))
+        runs = h.interleave(make, self.a.interleave, warm_tokens(self.plen, self.new))
         out, first = {}, runs[modes[0]]["step_s"]
+        ref = runs.get("mlx_lm")
         for mode, r in runs.items():
             st = r["stepper"]
-            res, s = st.results, st.eng.summary()
             med = h.median_or_none(r["step_s"])
+            cell = {"decode_tps": self.batch / med if med else None,
+                    "step_ms_runs": [x and x * 1e3 for x in r["step_s"]], "block": self.a.interleave}
+            if isinstance(st, h.MlxLmStepper):
+                out[mode] = {**cell, "tokens": sum(map(len, st.tokens.values())), "outputs": st.outputs()}
+                continue
+            res, s = st.results, st.eng.summary()
+            by_key = {x.key: x.tokens for x in res}
             ratios = h.paired_ratios(r["step_s"], first)
-            out[mode] = {"decode_tps": self.batch / med if med else None,
-                         "step_ms_runs": [x and x * 1e3 for x in r["step_s"]], "ratio_vs_first_runs": ratios,
-                         "ratio_vs_first": h.median_or_none(ratios), "block": self.a.interleave,
-                         "tokens": sum(len(x.tokens) for x in res), "route": s["route"],
-                         "errors": ([x.error_code for x in res if x.error_code]
-                                    + ([] if len(res) == self.batch else ["missing"])),
-                         "kv_bytes_per_token": s["kv_bytes_per_token"], "peak_gb": mx.get_peak_memory() / 1e9}
+            cell.update(ratio_vs_first_runs=ratios, ratio_vs_first=h.median_or_none(ratios),
+                        tokens=sum(len(x.tokens) for x in res), route=s["route"],
+                        errors=([x.error_code for x in res if x.error_code]
+                                + ([] if len(res) == self.batch else ["missing"])),
+                        kv_bytes_per_token=s["kv_bytes_per_token"], peak_gb=mx.get_peak_memory() / 1e9,
+                        outputs=[by_key.get(str(i), []) for i in range(self.batch)])
+            if ref is not None:  # round by round: this mode's step against mlx-lm's in the same round
+                cell["ratio_runs"] = h.paired_ratios(r["step_s"], ref["step_s"])
+            out[mode] = cell
         return out
 
 
@@ -198,13 +213,15 @@ def run_case(m, a, batch: int, plen: int, new: int, modes: list[str], long: bool
     # kernel variant compiles inside the measured runs (interleaved engines warm up inside their run)
     for mode in ([] if interleaved else modes):
         h.guarded(lambda: case.kvbatch(mode, warm))
-    if with_mlx_lm:
+    if with_mlx_lm and not interleaved:
         h.guarded(lambda: case.mlx_lm(warm))
-    sides = _sides(case, [] if interleaved else modes, long, with_mlx_lm)
+    sides = {} if interleaved else _sides(case, modes, long, with_mlx_lm)
     if interleaved:
-        got = h.guarded(lambda: case.interleaved(modes))
+        got = h.guarded(lambda: case.interleaved(modes, with_mlx_lm))
         for m in modes:  # a failed run: its error in every mode's cell
             row[f"kvbatch_{m}"] = dict(got.get(m, got))
+        if with_mlx_lm:
+            row["mlx_lm"] = dict(got.get("mlx_lm", got))
     for side, runs in h.alternate(sides, a.rounds, after=mx.clear_cache).items():
         row[side] = h.median_run(runs)
     if with_mlx_lm is False and not a.no_mlx_lm:

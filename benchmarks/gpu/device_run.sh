@@ -16,9 +16,10 @@
 #            256-token splits (@c256), after batches 8 and 16 (8B) / 64 (1B) none/q8/q4.
 #   portable1b / portable8b  the portable route (engine.options.route=portable: what Apple's Metal backend runs, here
 #            on MLX CUDA as a proxy for a memory-bound GPU) against mlx-lm's BatchGenerator at 16k context, batch 8
-#            and 32, with the fused-kernel route beside it ($PORTABLE_MODES, default none@route=portable,none),
-#            2 order-alternating rounds (engine.vs_mlx_lm --long: kvbatch first); mlx-lm prefills $PORTABLE_MLX_PREFILL
-#            rows at a time (default 1: 8 x 16k in one pass runs the card out of memory)
+#            and 32, with the fused-kernel route beside it ($PORTABLE_MODES, default none@route=portable,none): all
+#            sides alive at once, decoding in order-alternating blocks of $PORTABLE_BLOCK (16) steps with every row
+#            decoding (engine.vs_mlx_lm --interleave): steady-state steps compared round by round; mlx-lm prefills
+#            $PORTABLE_MLX_PREFILL rows at a time (default 1: 8 x 16k in one pass runs the card out of memory)
 #   quantab  q8/q4 kernel launch settings side by side (ran in the seventh session with 4 warps x unroll 4,
 #            which then became the q8/q4 default): kernel checks under $QVARIANT, then 8k interleaved at 1B
 #            batch 64 and 8B batch 16, none/q8/q4 and q8/q4@$QENV
@@ -121,7 +122,8 @@ for arg in "$@"; do
                --modes none,q8,q4,none@$C256,q8@$C256,q4@$C256 --out $OUT/gpu_${g}_long_b1.json" 2>&1 |
         tee "$OUT/gpu_${g}_long.txt" | cut -c1-300 ;;
     portable1b|portable8b) g=${stage#portable}
-      timeout "$secs" $VS --models "random-$g" --batches '' --long 16384 --long-batches 8,32 --long-new 64 --rounds 2 \
+      timeout "$secs" $VS --models "random-$g" --batches '' --long 16384 --long-batches "${PORTABLE_BATCHES:-8,32}" --long-new 576 --rounds 2 \
+        --interleave "${PORTABLE_BLOCK:-16}" \
         --mlx-lm-prefill-batch "${PORTABLE_MLX_PREFILL:-1}" \
         --modes "${PORTABLE_MODES:-none@route=portable,none}" --out "$OUT/gpu_${g}_portable16k.json" 2>&1 |
         tee "$OUT/gpu_${g}_portable16k.txt" | cut -c1-400 ;;

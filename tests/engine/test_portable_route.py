@@ -19,6 +19,7 @@ llama/qwen3 models: tests/engine/test_engine_paged.py, test_kv_quant.py and test
 from __future__ import annotations
 
 import gc
+from dataclasses import replace
 
 import kvbatch.engine  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
@@ -31,7 +32,8 @@ from kvbatch.engine.engine import Engine
 from kvbatch.engine.kv.cache import PagedKVCache
 from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.kv.routes.dense import dense_attention
-from kvbatch.engine.kv.routes.portable import PortableDenseRoute, PortableQuantRoute, PortableStep
+from kvbatch.engine.kv.routes.portable import (PortableDenseRoute, PortableQuantRoute, PortableQuantStep, PortableStep,
+                                              row_groups)
 from kvbatch.engine.kv.store import QuantizedStore
 from kvbatch.engine.memory import kv_layout
 from kvbatch.engine.mlx_lm_bridge import forward_last, prepare_model
@@ -101,21 +103,34 @@ def test_decode_workspace_is_a_few_percent_of_the_kv(tiny_model, mode, T):
     _step(model, cache, rows)
     workspace = mx.get_peak_memory() - before
     assert 0 < workspace <= 0.10 * kv_bytes, f"{workspace / kv_bytes:.1%} of the KV in use"
+
+    # a step too large for one gather call runs in groups of rows, with the same output
+    cache.begin(rows, 1)
+    plan = cache.plan
+    assert plan is not None and isinstance(plan.meta, (PortableStep, PortableQuantStep))
+    q = mx.random.normal((BATCH, m[2].num_heads, 1, m[2].head_dim), key=mx.random.key(3))
+    got = cache.attend(0, q, 0.125)
+    assert plan.meta.groups == [(0, BATCH)]
+    split = cache.attention.attend(0, replace(plan.meta, groups=[(0, 3), (3, 7), (7, BATCH)]), q, 0.125)
+    assert mx.abs(split - got).max().item() < 1e-6
     if mode != "none":
+        cache.end()
         return  # q8/q4 read in place against the stored-pages reference: test_kv_quant.py's portable cases
 
     # the step's attention reads the pages in place and gives attention over the gathered pages
-    cache.begin(rows, 1)
-    plan = cache.plan
-    assert plan is not None and isinstance(plan.meta, PortableStep)
-    q = mx.random.normal((BATCH, m[2].num_heads, 1, m[2].head_dim), key=mx.random.key(3))
-    got = cache.attend(0, q, 0.125)
     table = mx.array([r.pages for r in rows], dtype=mx.int32)
     k, v = cache.store.gather(0, table)
     every = mx.ones((BATCH, 1, 1, T), dtype=mx.bool_)  # T - 1 stored tokens and the step's own
     want = dense_attention(q, k, v, every, 0.125, upcast=False)
     cache.end()
     assert mx.abs(got - want).max().item() < 1e-5
+
+
+def test_row_groups_keep_each_gather_call_within_the_launch_limit():
+    """32 rows at 16k (8 KV heads, pages of 64: 257 pages a row) exceed one call's 65,535 products."""
+    assert row_groups(32, 8 * 257) == [(0, 31), (31, 32)]
+    assert row_groups(8, 8 * 257) == [(0, 8)]
+    assert row_groups(3, 70_000) == [(0, 1), (1, 2), (2, 3)]  # a row too large alone still runs, alone
 
 
 # The smallest model that runs the engine's whole decode path: one layer, one head of 16.

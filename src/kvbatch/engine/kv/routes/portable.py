@@ -4,10 +4,13 @@ MLX backend has (what Apple's Metal backend runs; `engine.options.route=portable
 A page-table gather would copy every row's K/V into contiguous arrays before attention reads them:
 each decode step then moves every KV byte twice and holds a copy of a layer's K/V as workspace
 (102% of the KV in use on a one-layer model). Here `mx.gather_mm` (kv none) and `mx.gather_qmm`
-(q8/q4/k8v4: packed pages, never dequantized) multiply each page where it lies by its
-(row, KV head)'s query group. kv none takes the key scores of all pages at once (G scores per key,
-small beside the page's K and V), one float32 softmax with MLX's own `mx.softmax`, then the values
-in blocks of pages (`value_cuts`), each block's per-page products summed before the next. q8/q4,
+(q8/q4/k8v4: packed pages, never dequantized) multiply each (row, KV head)'s query group by each of
+its pages where it lies: scores are (G x D) @ (D x P) products over a transposed view of the page, so
+a product's rows are the group's G queries (the orientation that reads K fastest: 0.44 against 0.54 ms a
+layer for the page-major one at 1B geometry, batch 8, 16k on MLX CUDA). kv none takes the key scores of
+all pages at once (G scores per key, small beside the page's K and V), one float32 softmax with MLX's
+own `mx.softmax`, then the values in blocks of pages (`value_cuts`), each block's per-page products
+summed before the next. q8/q4,
 whose pages are 2-4x smaller than their float32 scores' share would allow, take scores and values
 block by block with a running softmax (as flash-decoding does), reading the rows' dense tail pages
 in place too. Either way the workspace stays a small share of the KV read. Prefill keeps gather +
@@ -17,7 +20,7 @@ SDPA's fused kernel is Metal's fastest attention.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, cast
+from typing import Callable, Optional, cast
 
 import mlx.core as mx
 
@@ -33,6 +36,10 @@ from kvbatch.engine.kv.routes.quant import QuantRoute, quantized_paged_plan
 # graph small (each q8/q4 block is ~15 ops a layer, each one a kernel on Metal).
 VALUE_SHARE = 1 / 64
 MAX_VALUE_BLOCKS = 16
+# The most (row, KV head, page) products one gather_mm / gather_qmm call may take: MLX CUDA launches them
+# on a grid's z dimension, whose limit this is (a batch of 32 rows at 16k context with 8 KV heads and pages
+# of 64 is 65,792 and fails to launch); a larger step runs in groups of rows.
+MAX_GATHER_BATCH = 65_535
 
 
 def value_cuts(n_pages: int, product_bytes: int, page_bytes: int) -> list[int]:
@@ -40,6 +47,21 @@ def value_cuts(n_pages: int, product_bytes: int, page_bytes: int) -> list[int]:
     work per KV head; page_bytes, what a page holds per KV head (K and V)."""
     k = min(max(n_pages, 1), MAX_VALUE_BLOCKS, max(1, -(-product_bytes // max(1, int(VALUE_SHARE * page_bytes)))))
     return [n_pages * i // k for i in range(k + 1)]
+
+
+def row_groups(rows: int, per_row: int) -> list[tuple[int, int]]:
+    """The step's rows in groups of at most MAX_GATHER_BATCH // per_row (at least one): per_row, the
+    products one row's attention takes in one call (kv heads x pages)."""
+    size = max(1, MAX_GATHER_BATCH // max(per_row, 1))
+    return [(a, min(a + size, rows)) for a in range(0, rows, size)]
+
+
+def in_groups(groups: list[tuple[int, int]], attend: Callable[[int, int], mx.array]) -> mx.array:
+    """attend(a, z) for rows a..z of every group, the outputs in row order (one call when one group).
+    query_of is b * Hkv + head from 0, so a group's is the first (z - a) rows' of the step's."""
+    if len(groups) == 1:
+        return attend(*groups[0])
+    return mx.concatenate([attend(a, z) for a, z in groups], axis=0)
 
 
 def keys_softmax(scores: mx.array, mask: mx.array, axis: int | tuple[int, ...]) -> mx.array:
@@ -53,21 +75,20 @@ def portable_paged_decode(q: mx.array, k_pages: mx.array, v_pages: mx.array, hea
     """One-query attention read from dense pages in place.
 
     q (B, Hq, 1, D); k_pages, v_pages (pages, Hkv, P, D); heads (B, Hkv, n): the (page * Hkv + head)
-    of each row's n pages; query_of (B, Hkv, 1): b * Hkv + head; mask (B, 1, n * P, 1): each row's
-    valid keys, key-major; cuts: the value blocks' page boundaries (`value_cuts`). Scores come out
-    key-major, (B, Hkv, n, P, G), so neither product needs a transposed copy of a page. The query is
-    scaled before the product, as MLX's SDPA does; products run in the pages' dtype."""
+    of each row's n pages; query_of (B, Hkv, 1): b * Hkv + head; mask (B, 1, n, 1, P): each row's
+    valid keys; cuts: the value blocks' page boundaries (`value_cuts`). Scores come out (B, Hkv, n, G, P),
+    the layout the value products take as it is. The query is scaled before the product, as MLX's SDPA
+    does; products run in the pages' dtype."""
     B, Hq, _, D = q.shape
     _, Hkv, P, _ = k_pages.shape
-    G, n, dt = Hq // Hkv, heads.shape[-1], k_pages.dtype
-    qt = (q * mx.array(scale, q.dtype)).astype(dt).reshape(B * Hkv, G, D).swapaxes(-1, -2)  # (B*Hkv, D, G)
-    scores = mx.gather_mm(k_pages.reshape(-1, P, D), qt, heads, query_of)  # (B, Hkv, n, P, G)
-    probs = keys_softmax(scores.reshape(B, Hkv, n * P, G), mask, axis=-2).astype(dt)
-    pt = probs.reshape(B, Hkv, n, P, G).swapaxes(-1, -2)  # (B, Hkv, n, G, P), a view
+    G, dt = Hq // Hkv, k_pages.dtype
+    qs = (q * mx.array(scale, q.dtype)).astype(dt).reshape(B * Hkv, G, D)
+    scores = mx.gather_mm(qs, k_pages.reshape(-1, P, D).swapaxes(-1, -2), query_of, heads)  # (B, Hkv, n, G, P)
+    probs = keys_softmax(scores, mask, axis=(2, 4)).astype(dt)
     vp = v_pages.reshape(-1, P, D)
     out = None
     for a, z in zip(cuts, cuts[1:]):
-        part = mx.gather_mm(pt[:, :, a:z], vp, None, heads[..., a:z])  # (B, Hkv, z - a, G, D)
+        part = mx.gather_mm(probs[:, :, a:z], vp, None, heads[..., a:z])  # (B, Hkv, z - a, G, D)
         s = part.astype(mx.float32).sum(axis=2)
         out = s if out is None else out + s
     assert out is not None  # cuts hold at least one block
@@ -102,6 +123,7 @@ def portable_quantized_decode(q: mx.array, kq: list[mx.array], vq: list[mx.array
         N = dense[1][0].shape[2]
         valid.append(mask[:, :, 1:1 - (-N // P)].reshape(B, 1, 1, -1, 1)[:, :, :, :N])
     for (keys, values), ok in zip(dense, valid):
+        # key-major here: a transposed view of the tail pages, rewritten this step, costs a copy of them
         K = keys.shape[2]
         s = mx.gather_mm(keys.reshape(-1, K, D), qt, dense_heads, query_of).astype(mx.float32)  # (B, Hkv, 1, K, G)
         s = mx.where(ok, s, neg)
@@ -151,8 +173,9 @@ class PortableStep:
     rows: mx.array  # head rows the step's tokens are written to (kv.store.head_rows)
     heads: mx.array  # (B, Hkv, n) page * Hkv + head
     query_of: mx.array  # (B, Hkv, 1)
-    mask: mx.array  # (B, 1, n * P, 1) valid keys, key-major
+    mask: mx.array  # (B, 1, n, 1, P) valid keys
     cuts: list[int]  # value blocks (value_cuts)
+    groups: list[tuple[int, int]]  # the rows of each attention call (row_groups)
     take: Optional[mx.array] = None  # never set: decode stores every token (DenseRoute.write reads it)
 
 
@@ -170,19 +193,20 @@ class PortableDenseRoute(DenseRoute):
         P, H, B = self.geom.page_size, self.geom.kv_heads, len(rows)
         table, hrows, mask = self.decode_slots(rows, pos)
         width = table.shape[1]
-        mask = mask.reshape(B, 1, width * P, 1)
+        mask = mask.reshape(B, 1, width, 1, P)
         heads, query_of = page_heads(table, H)
         st = self.store
         G = self.geom.query_heads // H
         cuts = value_cuts(width, G * self.geom.head_dim * st.dtype.size, _page_bytes([st.k[0], st.v[0]]))
-        return PortableStep(hrows, heads, query_of, mask, cuts)
+        return PortableStep(hrows, heads, query_of, mask, cuts, row_groups(B, H * width))
 
     def attend(self, layer: int, meta: object, queries: mx.array, scale: float) -> mx.array:
         """Decode in place; other passes as DenseRoute attends them."""
         if isinstance(meta, PortableStep):
             st = self.store
-            return portable_paged_decode(queries, st.k[layer], st.v[layer], meta.heads, meta.query_of, meta.mask,
-                                         scale, meta.cuts)
+            return in_groups(meta.groups, lambda a, z: portable_paged_decode(
+                queries[a:z], st.k[layer], st.v[layer], meta.heads[a:z], meta.query_of[:z - a], meta.mask[a:z],
+                scale, meta.cuts))
         return super().attend(layer, cast(DenseStep, meta), queries, scale)
 
 
@@ -196,6 +220,7 @@ class PortableQuantStep:
     query_of: mx.array
     mask: mx.array  # (B, 1, 1 [+ m] + n, 1, P)
     cuts: list[int]
+    groups: list[tuple[int, int]]  # the rows of each attention call (row_groups)
     first: bool = False  # attend to the rows' dense first-token copies (kv.full_precision_tokens)
 
 
@@ -227,7 +252,9 @@ class PortableQuantRoute(QuantRoute):
         # a block's float32 scores, their exponentials and mask (3 x 4 bytes a key) beside its products
         cuts = value_cuts(table.shape[1], G * (D * st.dtype.size + 12 * P), _page_bytes(st.q[0]))
         tail_heads, _ = page_heads(mx.array(tails, dtype=mx.int32)[:, None], H)
-        return PortableQuantStep(tail_heads, writes, t["q_page_heads"], t["query_of"], t["mask_p"], cuts, use_first)
+        heads = t["q_page_heads"]
+        return PortableQuantStep(tail_heads, writes, heads, t["query_of"], t["mask_p"], cuts,
+                                 row_groups(len(rows), H * heads.shape[-1]), use_first)
 
     def write(self, layer: int, meta, keys: mx.array, values: mx.array) -> None:
         """A step read in place writes into the rows' tails (sealing full ones); others as QuantRoute."""
@@ -243,5 +270,6 @@ class PortableQuantRoute(QuantRoute):
         st = self.store
         q = [a.reshape(-1, *a.shape[2:]) for a in st.q[layer]]  # (pages * Hkv, P, ·)
         dense = [(st.tk[layer], st.tv[layer])] + ([(st.fk[layer], st.fv[layer])] if meta.first else [])
-        return portable_quantized_decode(queries, q[:3], q[3:], dense, meta.tail_heads, meta.heads, meta.query_of,
-                                         meta.mask, scale, st.group_size, (st.key_bits, st.value_bits), meta.cuts)
+        return in_groups(meta.groups, lambda a, z: portable_quantized_decode(
+            queries[a:z], q[:3], q[3:], dense, meta.tail_heads[a:z], meta.heads[a:z], meta.query_of[:z - a],
+            meta.mask[a:z], scale, st.group_size, (st.key_bits, st.value_bits), meta.cuts))
