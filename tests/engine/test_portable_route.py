@@ -8,8 +8,9 @@
   so the in-flight step, the penalty counts and the logprob outputs are kept state too) the live
   mx.array objects and MLX's active memory less the KV pages stay flat after the first thousand
   tokens, and every token is mlx-lm's greedy choice. ANSWER is 4,000 tokens here: state that grows per
-  step shows as growth between the six probes after the first thousand, and one step costs ~3-5 ms of
-  the engine's fixed per-step work on this CPU, so 30,000 would take 2-3 minutes of the suite. `python -m
+  step shows as growth between the six probes after the first thousand, and a step costs 1.2 ms at 4k
+  and ~2.7 ms toward 30k on this CPU (the answer's own context is read every step), so 30,000 takes
+  ~80 s, too much of the suite's 12 minutes. `python -m
   benchmarks mac_check` runs the 30,000-token answer on a Mac, and `pytest --answer-tokens 30000` here.
 
 Token-identity with mlx-lm (kv none) and with the stored-pages reference (q8/q4) on the random
