@@ -7,7 +7,10 @@ JSON record (paste it into an issue, docs/performance.md says how):
 2. workspace: one decode step of the portable route, pages read in place against gathered, at 4k and 16k
    context, batch 8 (engine.portable_decode: ms and workspace as a share of the KV);
 3. speed: kvbatch on the portable route (what Metal runs: kv none, q8, q4) against mlx-lm's BatchGenerator at
-   1k, 8k and 16k context, batch 1, 8 and 32 (engine.vs_mlx_lm's cases: decode tok/s, peak memory, same tokens);
+   1k, 8k and 16k context, batch 1, 8 and 32: every side alive at once, decode steps with the whole batch decoding
+   timed in order-alternating blocks (engine.vs_mlx_lm --interleave: decode tok/s, ratios round by round, same
+   tokens; the rows generate enough tokens to decode as a whole batch after the last one's prefill). Batch 32 at
+   16k holds every side's KV at once: ~50 GB at the default 1B geometry (`--batches 1,8` on a smaller Mac);
 4. long: one 30,000-token greedy answer on the portable route: whether it completes (Metal counts buffers, and a
    lazy graph that grows with the answer fails at ~10k tokens with `[metal::malloc] Resource limit`), its
    decode tok/s, and every 1,000 tokens the live mx.arrays and MLX's active memory less the KV pages;
@@ -39,7 +42,7 @@ from kvbatch.engine.batch_limits import BATCH_CEILING
 PARTS = ("tests", "workspace", "speed", "long", "ceiling")
 MODES = "none@route=portable,q8@route=portable,q4@route=portable"
 SMOKE = ["--model", "tiny", "--workspace-contexts", "128", "--contexts", "24", "--batches", "2", "--new", "4",
-         "--modes", "none@route=portable,q8@route=portable", "--rounds", "1", "--answer", "300",
+         "--block", "2", "--modes", "none@route=portable,q8@route=portable", "--rounds", "1", "--answer", "300",
          "--probe-every", "100", "--ceiling-batches", "1,2", "--ceiling-prompt", "8", "--ceiling-new", "3",
          "--tests=--collect-only tests/engine/test_paged_decode.py"]
 
@@ -52,7 +55,10 @@ def add_args(ap) -> None:
     ap.add_argument("--contexts", default="1024,8192,16384", help="speed: prompt tokens")
     ap.add_argument("--batches", default="1,8,32", help="speed: rows")
     ap.add_argument("--modes", default=MODES, help="speed: kvbatch sides (engine.vs_mlx_lm --modes)")
-    ap.add_argument("--new", type=int, default=128, help="speed: tokens generated per row")
+    ap.add_argument("--new", type=int, default=128, help="speed: tokens generated per row (at least)")
+    ap.add_argument("--block", type=int, default=16,
+                    help="speed: decode steps a side runs in turn; 0 = each side's whole run on its own, one after the "
+                         "other (decode counters then mix in the steps run while other rows prefill)")
     ap.add_argument("--rounds", type=int, default=2, help="speed and ceiling: order-alternating rounds")
     ap.add_argument("--answer", type=int, default=30000, help="long: tokens of the one answer")
     ap.add_argument("--probe-every", type=int, default=1000, help="long: tokens between probes")
@@ -87,13 +93,26 @@ def workspace(a) -> dict:
     return portable_decode.run(sub)
 
 
+PREFILL_CHUNK = 2048
+
+
 def speed(a) -> dict:
     """The speed part: engine.vs_mlx_lm at each context and batch, the portable route's modes."""
     rows = []
     for ctx in map(int, a.contexts.split(",")):
-        sub = _sub(vs_mlx_lm.add_args, ["--models", a.model, "--batches", a.batches, "--prompt", str(ctx),
-                                        "--new", str(a.new), "--modes", a.modes, "--rounds", str(a.rounds)])
-        rows += vs_mlx_lm.run(sub)["rows"]
+        if a.block <= 0:
+            sub = _sub(vs_mlx_lm.add_args, ["--models", a.model, "--batches", a.batches, "--prompt", str(ctx),
+                                            "--new", str(a.new), "--modes", a.modes, "--rounds", str(a.rounds)])
+            rows += vs_mlx_lm.run(sub)["rows"]
+            continue
+        for b in map(int, a.batches.split(",")):
+            # the first row decodes while the others prefill (a chunk a step each): it must still be running
+            # when the batch is whole, for the warm-up and 8 blocks
+            new = max(a.new, vs_mlx_lm.warm_tokens(ctx, 1 << 20) + -(-ctx // PREFILL_CHUNK) * (b - 1) + 8 * a.block)
+            sub = _sub(vs_mlx_lm.add_args, ["--models", a.model, "--batches", "", "--long", str(ctx),
+                                            "--long-batches", str(b), "--long-new", str(new), "--modes", a.modes,
+                                            "--interleave", str(a.block), "--prefill-chunk", str(PREFILL_CHUNK)])
+            rows += vs_mlx_lm.run(sub)["rows"]
     return {"rows": rows}
 
 
