@@ -2,10 +2,13 @@
 checkpoints taken and admitted into a fresh engine, gives the tokens (and logprobs) of a run never stopped."""
 from __future__ import annotations
 
+import os
+
 import kvbatch.engine  # noqa: F401  (OpenBLAS before mlx)
 import pytest
 
 from kvbatch.engine.engine import Engine
+from kvbatch.engine.kv.offload import KVFile
 from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.resume import CheckpointRefused, RowCheckpoint
 from kvbatch.engine.samples import samples
@@ -118,3 +121,72 @@ def test_speculating_rows_stopped_continue_to_the_tokens_without_speculation(tin
     assert {k: r.tokens for k, r in got.items()} == ref
     assert sum(r.stats.spec_accepted for r in got.values()) > 0  # proposals were accepted, before and after stops
     assert sum(r.stats.resumed_tokens for r in got.values()) > 0
+
+
+def _stopped_keeping_kv(m, mode: str, reqs: list[Request], stop: int, folder, spoil=None, resume_mode=None):
+    """Run until `stop` tokens, checkpoint and keep the rows' K/V pages in files, then continue in a fresh
+    engine (of `resume_mode`) from both; spoil(files) damages files in between. (results, tokens saved by
+    key, checkpoints, the second engine's stats)."""
+    eng = _engine(m, mode)
+    for r in reqs:
+        eng.add(r)
+    done = {}
+    while eng.generated_tokens < stop:
+        done.update((res.key, res) for res in eng.step())
+    kept = eng.checkpoints()
+    files = {k: KVFile(str(folder / f"{k}.safetensors"), "model-and-settings") for k in kept}
+    saved = eng.save_kv(files)
+    eng.cancel()
+    done.update((res.key, res) for res in eng.step())
+    if spoil:
+        spoil(files)
+    eng = _engine(m, resume_mode or mode)
+    for r in reqs:
+        if r.key not in done:
+            eng.add(r, checkpoint=kept.get(r.key), kv_file=files.get(r.key))
+    while eng.has_unfinished():
+        done.update((res.key, res) for res in eng.step())
+    return done, saved, kept, eng.stats()
+
+
+@pytest.mark.parametrize("mode", ["none", "q8"])
+def test_rows_continue_from_their_kept_kv_pages_prefilling_only_the_rest(tiny_model, mode, tmp_path):
+    """A row's full pages kept at the stop are loaded, not prefilled: the next engine prefills only what
+    follows them (< one page plus the last token), and the tokens are an uninterrupted run's."""
+    m = tiny_model()
+    reqs = _requests(GREEDY)
+    ref = {r.key: r.tokens for r in _engine(m, mode).generate(reqs)}
+    got, saved, kept, stats = _stopped_keeping_kv(m, mode, reqs, 120, tmp_path)
+    assert {k: r.tokens for k, r in got.items()} == ref
+    assert set(saved) == set(kept) and all(n >= 16 and n % 16 == 0 for n in saved.values())
+    assert stats["kv_restored_tokens"] == sum(saved.values()) and stats["kv_files_unused"] == 0
+    rest = {k: len(reqs[i].prompt_tokens) + len(kept[k].tokens) - saved[k]
+            for i, k in enumerate(r.key for r in reqs) if k in kept}
+    assert all(1 <= n <= 16 for n in rest.values()), rest
+    assert stats["prefill_tokens_total"] == sum(rest.values())
+
+
+def test_kept_kv_that_does_not_hold_is_passed_over_and_its_row_prefills(tiny_model, tmp_path):
+    """A corrupted, a truncated and a foreign file (another row's, whole): each is detected, its row prefills its
+    kept tokens instead, and the tokens are still an uninterrupted run's; a file of another KV mode is
+    never read."""
+    m = tiny_model()
+    reqs = _requests(GREEDY)
+    ref = {r.key: r.tokens for r in _engine(m, "none").generate(reqs)}
+
+    def spoil(files):
+        a, b, c = (files[k].path for k in ("r0", "r1", "r2"))
+        data = bytearray(open(a, "rb").read())
+        open(c, "wb").write(bytes(data))  # r2's file is r0's: whole, its checksum holds, another row's tokens
+        data[-100] ^= 0xFF  # one byte of r0's K/V
+        open(a, "wb").write(bytes(data))
+        open(b, "r+b").truncate(len(open(b, "rb").read()) // 2)
+
+    got, saved, kept, stats = _stopped_keeping_kv(m, "none", reqs, 120, tmp_path, spoil)
+    assert {k: r.tokens for k, r in got.items()} == ref
+    assert stats["kv_restored_tokens"] == 0 and stats["kv_files_unused"] == 3
+    rest = sum(len(r.prompt_tokens) + len(kept[r.key].tokens) for r in reqs if r.key in kept)
+    assert stats["prefill_tokens_total"] == rest
+    (tmp_path / "other").mkdir()
+    got, saved, _, stats = _stopped_keeping_kv(m, "none", reqs, 120, tmp_path / "other", resume_mode="q8")
+    assert stats["kv_restored_tokens"] == 0 and stats["kv_files_unused"] == len(saved) > 0
