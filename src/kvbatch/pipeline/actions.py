@@ -19,7 +19,7 @@ from kvbatch.engine.errors import INSUFFICIENT_MEMORY
 from kvbatch.engine.params import INT32_MAX
 from kvbatch.engine.sizes import fmt_bytes
 
-from kvbatch.pipeline import durations, job_identity, locate, model_defaults, passthrough, procs, samples, score, shards
+from kvbatch.pipeline import durations, job_identity, kept_kv, locate, model_defaults, passthrough, procs, samples, score, shards
 from kvbatch.pipeline import summary as summ
 from kvbatch.pipeline.config import (Config, ConfigError, as_dict, as_stored, config_hash, engine_config,
                                      parse_injection, stored_yaml)
@@ -353,9 +353,15 @@ def work(job: Job, q: Queue, after_checkpoint: Optional[Callable[[], None]] = No
     if stats.stopped_by_deadline:
         left = q.counts()
         say(f"kvbatch: deadline reached; {left['pending'] + left['leased']} rows remain queued, "
-            f"{stats.kept_at_stop} tokens of rows in flight kept in checkpoints "
+            f"{stats.kept_at_stop} tokens of rows in flight kept in checkpoints{_kv_kept(stats)} "
             f"(run the same command again to continue)")
     return stats
+
+
+def _kv_kept(stats: WorkStats) -> str:
+    """", N of them with their K/V pages (X s)": what worker.keep_kv wrote at the stop."""
+    return f", {stats.kv_kept_tokens} of them with their K/V pages ({stats.kv_save_s:.1f}s)" \
+        if stats.kv_kept_tokens else ""
 
 
 def _reset_peak() -> None:
@@ -398,6 +404,7 @@ def finish(job: Job, q: Queue, stats: Optional[WorkStats], t0: Optional[float] =
             **{f"{k}.version": v for k, v in summ.versions().items()}}
     _passthrough_readable(job)
     fin = finalize(job.out_dir, q, meta)
+    kept_kv.prune(job.out_dir, q)
     if job.cfg.output.openai_batch:
         batch_output(job, fin.read())
     for why in fin.bad_parts.values():
@@ -408,7 +415,9 @@ def finish(job: Job, q: Queue, stats: Optional[WorkStats], t0: Optional[float] =
     run = {"rows": stats.rows, "tokens": stats.tokens, "wall_s": stats.wall_s,
            "peak_memory_bytes": stats.engine_summary.get("mlx_peak_memory_bytes"),
            "resumed_tokens": stats.resumed_tokens, "lost_tokens": stats.lost_tokens,
-           "checkpoints": stats.checkpoints, "checkpoint_s": stats.checkpoint_s} if stats else None
+           "checkpoints": stats.checkpoints, "checkpoint_s": stats.checkpoint_s,
+           "kv_restored_tokens": stats.engine_summary.get("kv_restored_tokens", 0),
+           "kv_kept_tokens": stats.kv_kept_tokens, "kv_save_s": stats.kv_save_s} if stats else None
     extra = {"job": job.cfg.job.name, "model": job.cfg.model.name, "kv_mode": job.cfg.kv.mode,
              "options": asdict(job.cfg.engine.options),  # the engine options this config ran with
              "config_hash": job.config_hash, "output_dir": str(job.out_dir), "results": str(fin.path),
