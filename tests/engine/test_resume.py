@@ -2,8 +2,6 @@
 checkpoints taken and admitted into a fresh engine, gives the tokens (and logprobs) of a run never stopped."""
 from __future__ import annotations
 
-import os
-
 import kvbatch.engine  # noqa: F401  (OpenBLAS before mlx)
 import pytest
 

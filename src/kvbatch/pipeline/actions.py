@@ -19,7 +19,8 @@ from kvbatch.engine.errors import INSUFFICIENT_MEMORY
 from kvbatch.engine.params import INT32_MAX
 from kvbatch.engine.sizes import fmt_bytes
 
-from kvbatch.pipeline import durations, job_identity, kept_kv, locate, model_defaults, passthrough, procs, samples, score, shards
+from kvbatch.pipeline import durations, job_identity, kept_kv, locate, model_defaults, passthrough, procs, samples
+from kvbatch.pipeline import score, shards
 from kvbatch.pipeline import summary as summ
 from kvbatch.pipeline.config import (Config, ConfigError, as_dict, as_stored, config_hash, engine_config,
                                      parse_injection, stored_yaml)

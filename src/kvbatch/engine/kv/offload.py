@@ -17,7 +17,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union, cast
 
 import mlx.core as mx
 
@@ -104,7 +104,7 @@ def _checksum(arrays: dict[str, mx.array]) -> str:
     for name in sorted(arrays):
         a = arrays[name]
         h.update(f"{name}:{a.dtype}:{tuple(a.shape)};".encode())
-        h.update(memoryview(a))
+        h.update(memoryview(cast(Any, a)))  # MLX arrays are buffers (contiguous bytes, any dtype)
     return h.hexdigest()
 
 
@@ -131,11 +131,10 @@ def load(path: str, layout: str, identity: str, seq: list[int]) -> tuple[Optiona
                 return None, f"another {key}"
         if meta.get("checksum") != _checksum(arrays):
             return None, "checksum does not hold"
-        tokens = arrays.pop("tokens").tolist()
-        assert isinstance(tokens, list)
+        tokens = [int(t) for t in cast(list, arrays.pop("tokens").tolist())]
         if tokens != seq[:len(tokens)]:
             return None, "its tokens are not the row's"
-        rk = RowKV([int(t) for t in tokens], arrays)
+        rk = RowKV(tokens, arrays)
         page_size = json.loads(layout)["page_size"]
         if not tokens or rk.pages * page_size != len(tokens):
             return None, "its pages do not hold its tokens"
