@@ -217,23 +217,25 @@ class Engine:
         return {r.req.key: resume.take(r) for r in (*s.running, *s.waiting)
                 if not r.ended and len(r.out) - saved.get(r.req.key, 0) >= max(min_new, 1)}
 
-    def save_kv(self, files: dict[str, KVFile]) -> dict[str, int]:
+    def save_kv(self, files: dict[str, KVFile], kept: Optional[dict[str, int]] = None) -> dict[str, int]:
         """Write the full pages of these rows (by key; rows not ended) to their files, each with the token
-        ids its pages hold (for Engine.add's `kv`); at a step boundary, after the rows' checkpoints are
-        taken. Returns the tokens saved by key (a row without a full page of known tokens: no file)."""
-        s, saved = self.scheduler, {}
+        ids its pages hold (for Engine.add's `kv_file`); at a step boundary, after the rows' checkpoints are
+        taken. kept: by key, the output tokens of the row's stored checkpoint (its pages beyond them are
+        not written: the row continues from that checkpoint). Returns the tokens saved by key (a row without
+        a full page of known tokens: no file)."""
+        s, saved, P = self.scheduler, {}, self.cache.P
         layout = self.cache.layout_id
         for r in s.running:
             f = files.get(r.req.key)
             if f is None or r.ended or r.prefilling:
                 continue
+            out = min(len(r.out), kept.get(r.req.key, len(r.out))) if kept is not None else len(r.out)
             # the K/V of every token but the last one sampled is stored: full pages of those (a lookahead
             # step in flight writes at the last one's position or later, never into these)
-            n = min(r.kv.length, r.prompt_len + len(r.out) - 1) // self.cache.P
+            n = min(r.kv.length, r.prompt_len + len(r.out) - 1, r.prompt_len + out) // P
             if n:
-                seq = r.seq
-                offload.save(f.path, self.cache.page_arrays(r.kv, n), seq[:n * self.cache.P], layout, f.identity)
-                saved[r.req.key] = n * self.cache.P
+                offload.save(f.path, self.cache.page_arrays(r.kv, n), r.seq[:n * P], layout, f.identity)
+                saved[r.req.key] = n * P
         return saved
 
     def row_tokens(self) -> dict[str, int]:

@@ -395,8 +395,10 @@ def _say_foreign(fin: Finalized) -> None:
             f"({_some(names)}: job {fin.foreign[names[0]]}); not taken")
 
 
-def finish(job: Job, q: Queue, stats: Optional[WorkStats], t0: Optional[float] = None) -> tuple[Finalized, dict]:
-    """Write results.parquet (and the OpenAI batch output when asked) and summary.json from the queue and the parts."""
+def finish(job: Job, q: Queue, stats: Optional[WorkStats], t0: Optional[float] = None,
+           prune_kv: bool = True) -> tuple[Finalized, dict]:
+    """Write results.parquet (and the OpenAI batch output when asked) and summary.json from the queue and the parts;
+    prune_kv: remove the kept K/V files of rows `q` holds no checkpoint of (pipeline/kept_kv.py)."""
     from kvbatch.engine.blas import blas_in_use
 
     stored = as_stored(job.cfg)
@@ -405,7 +407,8 @@ def finish(job: Job, q: Queue, stats: Optional[WorkStats], t0: Optional[float] =
             **{f"{k}.version": v for k, v in summ.versions().items()}}
     _passthrough_readable(job)
     fin = finalize(job.out_dir, q, meta)
-    kept_kv.prune(job.out_dir, q)
+    if prune_kv:
+        kept_kv.prune(job.out_dir, q)
     if job.cfg.output.openai_batch:
         batch_output(job, fin.read())
     for why in fin.bad_parts.values():
@@ -702,8 +705,9 @@ def finalize_shards(job: Job, n: int) -> Path:
         if not (job.out_dir / passthrough.FILE).exists():
             carry_columns(job, rows)
         reconcile(job.out_dir, q)
-        fin, s = finish(job, q, None)
-    left = [i for i in range(n) if array.complete(i) is None]
+        left = [i for i in range(n) if array.complete(i) is None]
+        # the merge's queue holds no shard's checkpoints: the K/V files of shards not complete stay theirs
+        fin, s = finish(job, q, None, prune_kv=not left)
     if left:
         say(f"kvbatch: {n - len(left)} of {n} shards are complete (not: {_some([str(i) for i in left])}); "
             f"results.parquet holds the {fin.rows} rows finished so far")

@@ -543,7 +543,7 @@ class Worker:
         files = {k: kept_kv.file_for(self.out_dir, k, self.fps[k], self._adapter(self.inflight[k].payload))
                  for k in keys if k in self.fps and k in self.inflight}
         try:
-            self.stats.kv_kept_tokens += sum(eng.save_kv(files).values())
+            self.stats.kv_kept_tokens += sum(eng.save_kv(files, {k: self.saved[k] for k in files}).values())
         finally:
             self.stats.kv_save_s += time.perf_counter() - t0
 

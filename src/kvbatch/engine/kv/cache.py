@@ -238,7 +238,7 @@ class PagedKVCache:
     @property
     def layout_id(self) -> str:
         """What this cache's stored bytes mean (a file of pages made under another layout is never read)."""
-        return offload.layout_of(self.store, self.num_layers)
+        return offload.layout_of(self.store, self.num_layers, rotated=self.rotation is not None)
 
     def page_arrays(self, row: CacheRow, n_pages: int) -> dict[str, mx.array]:
         """The arrays of the row's first n_pages pages (full, stored), every layer, as stored."""

@@ -7,9 +7,11 @@ q8/q4/k8v4's packed codes, scales and biases; with kv.full_precision_tokens also
 of its first tokens), every layer, with the token ids they hold, into one safetensors file (written
 to a temporary name, then renamed: a file is whole or absent). `load` reads one back and says why it
 cannot be used: another format, another layout (mode, bits, group, page size, dtype, geometry),
-another identity (what the caller says the K/V depends on beyond that: its model and settings), token
-ids that are not a prefix of the row's sequence, or a checksum that does not hold (truncated or
-corrupted). A file that does not hold is never used: the row prefills as it would without one.
+another identity (what the caller says the K/V depends on beyond that: its model and settings), no
+first page whose token ids are the row's, or a checksum that does not hold (truncated or corrupted).
+Of a file that holds, the leading pages whose token ids are the row's are used (a page's K/V depends
+only on the tokens up to its end). A file that does not hold is never used: the row prefills as it
+would without one.
 """
 from __future__ import annotations
 
@@ -40,20 +42,26 @@ class KVFile:
 @dataclass
 class RowKV:
     """A row's full pages read from disk and verified: `arrays` by name (see page_arrays), `tokens` the
-    token ids they hold (a whole number of pages)."""
+    token ids of its leading pages that are the row's (a whole number of pages: `pages`)."""
 
     tokens: list[int]
     arrays: dict[str, mx.array]
+    page_size: int
 
     @property
     def pages(self) -> int:
-        """Full pages it holds."""
-        return len(next(a for k, a in self.arrays.items() if k.startswith(("k.", "q."))))
+        """Full pages it holds for the row."""
+        return len(self.tokens) // self.page_size
 
 
-def layout_of(store: Store, num_layers: int) -> str:
-    """What the stored bytes mean: a file made under another layout is never read."""
-    d = {"layers": num_layers, "kv_heads": store.kv_heads, "head_dim": store.head_dim,
+def _stored_pages(arrays: dict[str, mx.array]) -> int:
+    return len(next(a for k, a in arrays.items() if k.startswith(("k.", "q."))))
+
+
+def layout_of(store: Store, num_layers: int, rotated: bool) -> str:
+    """What the stored bytes mean (rotated: keys stored turned by kv.rotate_keys): a file made under another
+    layout is never read."""
+    d = {"layers": num_layers, "kv_heads": store.kv_heads, "head_dim": store.head_dim, "rotated": rotated,
          "page_size": store.page_size, "dtype": str(store.dtype), "quantized": store.quantized}
     if isinstance(store, QuantizedStore):
         d.update(key_bits=store.key_bits, value_bits=store.value_bits, group_size=store.group_size,
@@ -92,7 +100,7 @@ def put_pages(store: Store, rk: RowKV, start: int, pages: list[int], tail: Optio
         for j, buf in enumerate(arrs):
             buf[idx] = a[f"q.{i}.{j}"][src]
     if tail is not None and "fk.0" in a:
-        n = a["fk.0"].shape[2]
+        n = a["fk.0"].shape[1]  # (kv_heads, tokens, head_dim)
         for i in range(len(store.fk)):
             store.fk[i][tail, :, :n] = a[f"fk.{i}"]
             store.fv[i][tail, :, :n] = a[f"fv.{i}"]
@@ -102,9 +110,10 @@ def put_pages(store: Store, rk: RowKV, start: int, pages: list[int], tail: Optio
 def _checksum(arrays: dict[str, mx.array]) -> str:
     h = hashlib.blake2b(digest_size=16)
     for name in sorted(arrays):
-        a = arrays[name]
+        a = mx.contiguous(arrays[name])  # a slice (the first-token copy of one slot) is strided
+        mx.eval(a)
         h.update(f"{name}:{a.dtype}:{tuple(a.shape)};".encode())
-        h.update(memoryview(cast(Any, a)))  # MLX arrays are buffers (contiguous bytes, any dtype)
+        h.update(memoryview(cast(Any, a)))  # MLX arrays are buffers (any dtype)
     return h.hexdigest()
 
 
@@ -132,12 +141,12 @@ def load(path: str, layout: str, identity: str, seq: list[int]) -> tuple[Optiona
         if meta.get("checksum") != _checksum(arrays):
             return None, "checksum does not hold"
         tokens = [int(t) for t in cast(list, arrays.pop("tokens").tolist())]
-        if tokens != seq[:len(tokens)]:
-            return None, "its tokens are not the row's"
-        rk = RowKV(tokens, arrays)
         page_size = json.loads(layout)["page_size"]
-        if not tokens or rk.pages * page_size != len(tokens):
+        if not tokens or _stored_pages(arrays) * page_size != len(tokens):
             return None, "its pages do not hold its tokens"
-        return rk, ""
+        same = next((i for i, (a, b) in enumerate(zip(tokens, seq)) if a != b), min(len(tokens), len(seq)))
+        if same < page_size:
+            return None, "its tokens are not the row's"
+        return RowKV(tokens[:same // page_size * page_size], arrays, page_size), ""  # pages of the row's tokens
     except Exception as e:  # noqa: BLE001 - a truncated or foreign file: the row prefills instead
         return None, f"unreadable ({type(e).__name__}: {e})"
