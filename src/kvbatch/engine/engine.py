@@ -319,6 +319,7 @@ class Engine:
             "decode_tokens_per_s": t.decode_tokens / t.decode_time if t.decode_time else None,
             "prefix_cache": self.cfg.engine.prefix_cache, "prompt_tokens_cached": sh.cached_tokens,
             "kv_restored_tokens": sh.restored_tokens, "kv_files_unused": sh.files_unused,
+            "kv_restore_s": sh.restore_s,
             "forks": sh.forks, "pages_shared": c.pool.shared, "pages_cached": c.pool.num_cached,
             "pages_evictable": c.pool.num_evictable, "page_evictions": c.pool.evictions,
             "mlx_peak_memory_bytes": int(mx.get_peak_memory()),

@@ -16,6 +16,7 @@ of one prompt from one prefill), for the scheduler.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Iterable, Optional
 
 from kvbatch.engine.errors import RowError
@@ -38,6 +39,7 @@ class Sharing:
         self.forks = 0
         self.restored_tokens = 0  # tokens rows loaded from their K/V files instead of computing them
         self.files_unused = 0  # K/V files that did not hold (the rows prefilled instead)
+        self.restore_s = 0.0  # seconds spent reading, checking and placing those files' pages
 
     # ---- admission -------------------------------------------------------------------------
     def _leaders(self) -> dict[str, Row]:
@@ -87,17 +89,21 @@ class Sharing:
         limit = self._limit(row)
         if f is None or limit <= len(row.kv.pages):
             return
-        rk, why = offload.load(f.path, self.cache.layout_id, f.identity, row.seq)
-        if rk is not None:
-            try:
-                n = self.cache.put_pages(row.kv, rk, min(rk.pages, limit), *self.sched.limits())
-                row.restored += n
-                self.restored_tokens += n
-                return
-            except RowError as e:
-                why = f"no room for its pages ({e.message})"
-            except (KeyError, ValueError, IndexError) as e:  # arrays of another shape under a valid checksum
-                why = f"its arrays do not fit ({type(e).__name__}: {e})"
+        t0 = time.perf_counter()
+        try:
+            rk, why = offload.load(f.path, self.cache.layout_id, f.identity, row.seq)
+            if rk is not None:
+                try:
+                    n = self.cache.put_pages(row.kv, rk, min(rk.pages, limit), *self.sched.limits())
+                    row.restored += n
+                    self.restored_tokens += n
+                    return
+                except RowError as e:
+                    why = f"no room for its pages ({e.message})"
+                except (KeyError, ValueError, IndexError) as e:  # arrays of another shape under a valid checksum
+                    why = f"its arrays do not fit ({type(e).__name__}: {e})"
+        finally:
+            self.restore_s += time.perf_counter() - t0
         self.files_unused += 1
         log.warning("row %s: its kept K/V in %s is not used (%s); its tokens are prefilled", row.req.key, f.path, why)
 
