@@ -6,6 +6,7 @@ import kvbatch.engine  # noqa: F401  (OpenBLAS before mlx)
 import pytest
 
 from kvbatch.engine.engine import Engine
+from kvbatch.engine.kv.offload import KVFile
 from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.resume import CheckpointRefused, RowCheckpoint
 from kvbatch.engine.samples import samples
@@ -28,10 +29,16 @@ def _requests(params: SamplingParams) -> list[Request]:
     return reqs
 
 
+# test name -> (kv.mode, more KVConfig fields)
+KV_MODES = {"none": ("none", None), "q8": ("q8", None), "q4": ("q4", None),
+            "q4+rot+fp40": ("q4", {"rotate_keys": True, "full_precision_tokens": 40})}
+
+
 def _engine(m, mode: str, speculative=None) -> Engine:
     model, tok, spec = m
-    return Engine(model, tok, spec, engine_config(kv_mode=mode, page_size=16, max_batch=8, prefill_chunk=16,
-                                                  speculative=speculative))
+    kv_mode, kv = KV_MODES[mode]
+    return Engine(model, tok, spec, engine_config(kv_mode=kv_mode, kv=kv, page_size=16, max_batch=8,
+                                                  prefill_chunk=16, speculative=speculative))
 
 
 def _stopped_and_resumed(m, mode: str, reqs: list[Request], stops: list[int], speculative=None) -> dict:
@@ -118,3 +125,84 @@ def test_speculating_rows_stopped_continue_to_the_tokens_without_speculation(tin
     assert {k: r.tokens for k, r in got.items()} == ref
     assert sum(r.stats.spec_accepted for r in got.values()) > 0  # proposals were accepted, before and after stops
     assert sum(r.stats.resumed_tokens for r in got.values()) > 0
+
+
+def _stopped_keeping_kv(m, mode: str, reqs: list[Request], stop: int, folder, spoil=None, resume_mode=None,
+                        early: int = 0):
+    """Run until `stop` tokens, checkpoint and keep the rows' K/V pages in files, then continue in a fresh
+    engine (of `resume_mode`) from both; spoil(files) damages files in between; early: the checkpoints are
+    taken at this many tokens instead (the files then hold pages beyond them). (results, tokens saved by
+    key, checkpoints, the second engine's stats)."""
+    eng = _engine(m, mode)
+    for r in reqs:
+        eng.add(r)
+    done, kept = {}, {}
+    while eng.generated_tokens < stop:
+        done.update((res.key, res) for res in eng.step())
+        if early and not kept and eng.generated_tokens >= early:
+            kept = eng.checkpoints()
+    kept = {k: ck for k, ck in (kept or eng.checkpoints()).items() if k not in done}
+    files = {k: KVFile(str(folder / f"{k}.safetensors"), "model-and-settings") for k in kept}
+    saved = eng.save_kv(files)
+    eng.cancel()
+    done.update((res.key, res) for res in eng.step())
+    if spoil:
+        spoil(files)
+    eng = _engine(m, resume_mode or mode)
+    for r in reqs:
+        if r.key not in done:
+            eng.add(r, checkpoint=kept.get(r.key), kv_file=files.get(r.key))
+    while eng.has_unfinished():
+        done.update((res.key, res) for res in eng.step())
+    return done, saved, kept, eng.stats()
+
+
+@pytest.mark.parametrize("mode", ["none", "q8", "q4+rot+fp40"])
+def test_rows_continue_from_their_kept_kv_pages_prefilling_only_the_rest(tiny_model, mode, tmp_path):
+    """A row's full pages kept at the stop are loaded, not prefilled: the next engine prefills only what
+    follows them (< one page plus the last token), and the tokens are an uninterrupted run's (q4 with rotated
+    keys and its first 40 tokens dense: the packed pages, the rotation and the dense copy all come back)."""
+    m = tiny_model()
+    reqs = _requests(GREEDY)
+    ref = {r.key: r.tokens for r in _engine(m, mode).generate(reqs)}
+    got, saved, kept, stats = _stopped_keeping_kv(m, mode, reqs, 120, tmp_path)
+    assert {k: r.tokens for k, r in got.items()} == ref
+    assert set(saved) == set(kept) and all(n >= 16 and n % 16 == 0 for n in saved.values())
+    assert stats["kv_restored_tokens"] == sum(saved.values()) > 0 and stats["kv_files_unused"] == 0
+    rest = {k: len(reqs[i].prompt_tokens) + len(kept[k].tokens) - saved[k]
+            for i, k in enumerate(r.key for r in reqs) if k in kept}
+    assert all(1 <= n <= 16 for n in rest.values()), rest
+    assert stats["prefill_tokens_total"] == sum(rest.values())
+
+
+def test_kept_kv_that_does_not_hold_is_passed_over_and_its_row_prefills(tiny_model, tmp_path):
+    """A corrupted, a truncated and a foreign file (another row's, whole): each is detected, its row prefills its
+    kept tokens instead, and the tokens are still an uninterrupted run's; a file of another KV mode is
+    never read; of a file holding pages beyond the row's checkpoint, the pages of its kept tokens are used."""
+    m = tiny_model()
+    reqs = _requests(GREEDY)
+    ref = {r.key: r.tokens for r in _engine(m, "none").generate(reqs)}
+
+    def spoil(files):
+        a, b, c = (files[k].path for k in ("r0", "r1", "r2"))
+        data = bytearray(open(a, "rb").read())
+        open(c, "wb").write(bytes(data))  # r2's file is r0's: whole, its checksum holds, another row's tokens
+        data[-100] ^= 0xFF  # one byte of r0's K/V
+        open(a, "wb").write(bytes(data))
+        open(b, "r+b").truncate(len(open(b, "rb").read()) // 2)
+
+    got, saved, kept, stats = _stopped_keeping_kv(m, "none", reqs, 120, tmp_path, spoil)
+    assert {k: r.tokens for k, r in got.items()} == ref
+    assert stats["kv_restored_tokens"] == 0 and stats["kv_files_unused"] == 3
+    rest = sum(len(r.prompt_tokens) + len(kept[r.key].tokens) for r in reqs if r.key in kept)
+    assert stats["prefill_tokens_total"] == rest
+    (tmp_path / "other").mkdir()
+    got, saved, _, stats = _stopped_keeping_kv(m, "none", reqs, 120, tmp_path / "other", resume_mode="q8")
+    assert stats["kv_restored_tokens"] == 0 and stats["kv_files_unused"] == len(saved) > 0
+    (tmp_path / "early").mkdir()
+    got, saved, kept, stats = _stopped_keeping_kv(m, "none", reqs, 120, tmp_path / "early", early=60)
+    assert {k: r.tokens for k, r in got.items()} == ref
+    prefix = {r.key: min(saved[r.key] // 16, (len(r.prompt_tokens) + len(kept[r.key].tokens) - 1) // 16) * 16
+              for r in reqs if r.key in kept}
+    assert sum(prefix.values()) < sum(saved.values()) and stats["kv_files_unused"] == 0
+    assert stats["kv_restored_tokens"] == sum(prefix.values()) > 0

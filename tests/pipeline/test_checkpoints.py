@@ -165,3 +165,30 @@ def test_a_corrupt_or_foreign_checkpoint_makes_its_row_start_over(src, tmp_path,
     q = Queue(out / "queue.sqlite")
     assert "started over: 2 rows whose checkpoint could not be used (config changed 1, corrupt 1)" in lines(q, 3, 6)
     q.close()
+
+
+@pytest.mark.parametrize("mode", ["none", "q8"])
+def test_a_deadline_keeps_rows_kv_pages_and_the_next_run_loads_them(src, tmp_path, model_cache_dir, mode):
+    """worker.keep_kv (default): at the deadline each checkpointed row's full pages go to kv/; the next run
+    loads them instead of prefilling its kept tokens, ends with an uninterrupted run's tokens, and removes
+    the files once the rows are written. With worker.keep_kv=false: no files, the same tokens."""
+    small = ["kv.page_size=16", f"kv.mode={mode}"]
+    ref, _ = _run(src, tmp_path / "ref", model_cache_dir, *small)
+    out = tmp_path / "job"
+    _, s = _run(src, out, model_cache_dir, *small, "debug.deadline_after_tokens=150")
+    run = s["this_run"]
+    files = list((out / "kv").glob("*.safetensors"))
+    assert len(files) == 4 and run["kv_kept_tokens"] >= 4 * 16 and run["kv_kept_tokens"] % 16 == 0, run
+    rows, s = _run(src, out, model_cache_dir, *small)
+    _same(rows, ref)
+    assert s["this_run"]["kv_restored_tokens"] == run["kv_kept_tokens"], s["this_run"]
+    assert s["engine"]["kv_files_unused"] == 0 and not list((out / "kv").iterdir())
+    # every row prefilled only what followed its kept pages: < one page plus its last token each
+    assert s["engine"]["prefill_tokens_total"] <= 4 * 16
+    if mode == "none":
+        off = tmp_path / "off"
+        _run(src, off, model_cache_dir, *small, "debug.deadline_after_tokens=150", "worker.keep_kv=false")
+        assert not (off / "kv").exists()
+        rows, s = _run(src, off, model_cache_dir, *small, "worker.keep_kv=false")
+        _same(rows, ref)
+        assert s["this_run"]["kv_restored_tokens"] == 0 and s["engine"]["prefill_tokens_total"] > 4 * 16

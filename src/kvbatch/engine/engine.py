@@ -30,6 +30,8 @@ from kvbatch.engine.gate import check_kv_mode
 from kvbatch.engine.grammar import Grammars
 from kvbatch.engine.hooks import EngineHooks
 from kvbatch.engine.kv.cache import PagedKVCache
+from kvbatch.engine.kv import offload
+from kvbatch.engine.kv.offload import KVFile
 from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.memory import MemoryModel, format_plan, layout_for, resolve_budget
 from kvbatch.engine.output import OutputProcessor
@@ -127,11 +129,13 @@ class Engine:
                                    cfg.max_prompt_tokens, settings.admission, self.prefill_tokens, self._flush)
 
     # ---- public surface --------------------------------------------------------------------
-    def add(self, req: Request, score=None, checkpoint: Optional[RowCheckpoint] = None) -> None:
+    def add(self, req: Request, score=None, checkpoint: Optional[RowCheckpoint] = None,
+            kv_file: Optional[KVFile] = None) -> None:
         """Queue a row; it is admitted by a later step() when a slot and memory allow. score: a
         TeacherForced scorer (engine/scoring.py, which adds such rows itself). checkpoint: the row
         continues from these kept tokens (engine/resume.py; CheckpointRefused when it cannot: the
-        caller starts it over)."""
+        caller starts it over). kv_file: with a checkpoint, the row's K/V pages kept on disk by save_kv: read
+        at its admission, the pages that hold loaded instead of prefilled (kv/offload.py)."""
         p = req.sampling
         worst = min(len(req.prompt_tokens) + max(p.max_tokens, 0), self.spec.context_length)
         matcher, problem = None, None
@@ -155,6 +159,7 @@ class Engine:
                 or resume.restore(row, checkpoint)
             if why:
                 raise resume.CheckpointRefused(why)
+            row.kv_file = kv_file
         if problem:  # a grammar llguidance rejects: the row ends now, with its error
             self.output.finish(row, "error", *problem)
             return
@@ -211,6 +216,27 @@ class Engine:
         s, saved = self.scheduler, saved or {}
         return {r.req.key: resume.take(r) for r in (*s.running, *s.waiting)
                 if not r.ended and len(r.out) - saved.get(r.req.key, 0) >= max(min_new, 1)}
+
+    def save_kv(self, files: dict[str, KVFile], kept: Optional[dict[str, int]] = None) -> dict[str, int]:
+        """Write the full pages of these rows (by key; rows not ended) to their files, each with the token
+        ids its pages hold (for Engine.add's `kv_file`); at a step boundary, after the rows' checkpoints are
+        taken. kept: by key, the output tokens of the row's stored checkpoint (its pages beyond them are
+        not written: the row continues from that checkpoint). Returns the tokens saved by key (a row without
+        a full page of known tokens: no file)."""
+        s, saved, P = self.scheduler, {}, self.cache.P
+        layout = self.cache.layout_id
+        for r in s.running:
+            f = files.get(r.req.key)
+            if f is None or r.ended or r.prefilling:
+                continue
+            out = min(len(r.out), kept.get(r.req.key, len(r.out))) if kept is not None else len(r.out)
+            # the K/V of every token but the last one sampled is stored: full pages of those (a lookahead
+            # step in flight writes at the last one's position or later, never into these)
+            n = min(r.kv.length, r.prompt_len + len(r.out) - 1, r.prompt_len + out) // P
+            if n:
+                offload.save(f.path, self.cache.page_arrays(r.kv, n), r.seq[:n * P], layout, f.identity)
+                saved[r.req.key] = n * P
+        return saved
 
     def row_tokens(self) -> dict[str, int]:
         """Row key -> output tokens (carried-over ones included) of every row not ended, now. Cheap, and
@@ -292,6 +318,8 @@ class Engine:
             "prefill_tokens_per_s": t.prefill_tokens / t.prefill_time if t.prefill_time else None,
             "decode_tokens_per_s": t.decode_tokens / t.decode_time if t.decode_time else None,
             "prefix_cache": self.cfg.engine.prefix_cache, "prompt_tokens_cached": sh.cached_tokens,
+            "kv_restored_tokens": sh.restored_tokens, "kv_files_unused": sh.files_unused,
+            "kv_restore_s": sh.restore_s,
             "forks": sh.forks, "pages_shared": c.pool.shared, "pages_cached": c.pool.num_cached,
             "pages_evictable": c.pool.num_evictable, "page_evictions": c.pool.evictions,
             "mlx_peak_memory_bytes": int(mx.get_peak_memory()),

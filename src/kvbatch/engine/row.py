@@ -27,6 +27,8 @@ class Row:
     preemptions: int = 0
     cached_tokens: int = 0  # prompt tokens taken from shared pages, not computed (first admission)
     resumed: int = 0  # output tokens it started with, kept from a checkpoint (engine/resume.py)
+    kv_file: Optional[Any] = None  # a checkpointed row's K/V pages on disk (kv/offload.py KVFile), read at admission
+    restored: int = 0  # tokens whose K/V it loaded from that file instead of prefilling them
     active: bool = False  # in the running batch
     input_ok: bool = False  # its prompt and sampling passed the scheduler's input checks (done once)
     ended: bool = False

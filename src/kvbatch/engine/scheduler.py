@@ -156,6 +156,7 @@ class Scheduler:
         self.waiting.remove(row)
         self.start(row)
         self.sharing.take(row, hit)
+        self.sharing.restore(row)
         return row, None
 
     def start(self, row: Row) -> None:

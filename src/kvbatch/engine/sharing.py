@@ -15,12 +15,17 @@ of one prompt from one prefill), for the scheduler.
 """
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any, Iterable, Optional
 
 from kvbatch.engine.errors import RowError
+from kvbatch.engine.kv import offload
 from kvbatch.engine.kv.prefix import next_hash, prefix_hashes
 from kvbatch.engine.kv.cache import PagedKVCache
 from kvbatch.engine.row import Row
+
+log = logging.getLogger(__name__)
 
 
 class Sharing:
@@ -32,6 +37,9 @@ class Sharing:
         self.sched, self.cache, self.P = sched, cache, cache.P
         self.cached_tokens = 0  # tokens rows took from shared pages instead of computing them
         self.forks = 0
+        self.restored_tokens = 0  # tokens rows loaded from their K/V files instead of computing them
+        self.files_unused = 0  # K/V files that did not hold (the rows prefilled instead)
+        self.restore_s = 0.0  # seconds spent reading, checking and placing those files' pages
 
     # ---- admission -------------------------------------------------------------------------
     def _leaders(self) -> dict[str, Row]:
@@ -71,6 +79,33 @@ class Sharing:
         if pages:
             self.cache.take_cached(row.kv, pages)
             self._count(row, len(pages) * self.P)
+
+    def restore(self, row: Row) -> None:
+        """A row admitted with its K/V pages on disk (Row.kv_file) continues with the full pages the file
+        holds beyond its cached ones, loaded instead of computed (up to `_limit`: its last token is
+        computed for its logits). A file that does not hold, or pages that cannot be had, are passed over
+        with one log line: the row prefills them."""
+        f, row.kv_file = row.kv_file, None
+        limit = self._limit(row)
+        if f is None or limit <= len(row.kv.pages):
+            return
+        t0 = time.perf_counter()
+        try:
+            rk, why = offload.load(f.path, self.cache.layout_id, f.identity, row.seq)
+            if rk is not None:
+                try:
+                    n = self.cache.put_pages(row.kv, rk, min(rk.pages, limit), *self.sched.limits())
+                    row.restored += n
+                    self.restored_tokens += n
+                    return
+                except RowError as e:
+                    why = f"no room for its pages ({e.message})"
+                except (KeyError, ValueError, IndexError) as e:  # arrays of another shape under a valid checksum
+                    why = f"its arrays do not fit ({type(e).__name__}: {e})"
+        finally:
+            self.restore_s += time.perf_counter() - t0
+        self.files_unused += 1
+        log.warning("row %s: its kept K/V in %s is not used (%s); its tokens are prefilled", row.req.key, f.path, why)
 
     def _count(self, row: Row, n: int) -> None:
         self.cached_tokens += n

@@ -19,7 +19,8 @@ from kvbatch.engine.errors import INSUFFICIENT_MEMORY
 from kvbatch.engine.params import INT32_MAX
 from kvbatch.engine.sizes import fmt_bytes
 
-from kvbatch.pipeline import durations, job_identity, locate, model_defaults, passthrough, procs, samples, score, shards
+from kvbatch.pipeline import durations, job_identity, kept_kv, locate, model_defaults, passthrough, procs, samples
+from kvbatch.pipeline import score, shards
 from kvbatch.pipeline import summary as summ
 from kvbatch.pipeline.config import (Config, ConfigError, as_dict, as_stored, config_hash, engine_config,
                                      parse_injection, stored_yaml)
@@ -353,9 +354,15 @@ def work(job: Job, q: Queue, after_checkpoint: Optional[Callable[[], None]] = No
     if stats.stopped_by_deadline:
         left = q.counts()
         say(f"kvbatch: deadline reached; {left['pending'] + left['leased']} rows remain queued, "
-            f"{stats.kept_at_stop} tokens of rows in flight kept in checkpoints "
+            f"{stats.kept_at_stop} tokens of rows in flight kept in checkpoints{_kv_kept(stats)} "
             f"(run the same command again to continue)")
     return stats
+
+
+def _kv_kept(stats: WorkStats) -> str:
+    """", N of them with their K/V pages (X s)": what worker.keep_kv wrote at the stop."""
+    return f", {stats.kv_kept_tokens} of them with their K/V pages ({stats.kv_save_s:.1f}s)" \
+        if stats.kv_kept_tokens else ""
 
 
 def _reset_peak() -> None:
@@ -388,8 +395,10 @@ def _say_foreign(fin: Finalized) -> None:
             f"({_some(names)}: job {fin.foreign[names[0]]}); not taken")
 
 
-def finish(job: Job, q: Queue, stats: Optional[WorkStats], t0: Optional[float] = None) -> tuple[Finalized, dict]:
-    """Write results.parquet (and the OpenAI batch output when asked) and summary.json from the queue and the parts."""
+def finish(job: Job, q: Queue, stats: Optional[WorkStats], t0: Optional[float] = None,
+           prune_kv: bool = True) -> tuple[Finalized, dict]:
+    """Write results.parquet (and the OpenAI batch output when asked) and summary.json from the queue and the parts;
+    prune_kv: remove the kept K/V files of rows `q` holds no checkpoint of (pipeline/kept_kv.py)."""
     from kvbatch.engine.blas import blas_in_use
 
     stored = as_stored(job.cfg)
@@ -398,6 +407,8 @@ def finish(job: Job, q: Queue, stats: Optional[WorkStats], t0: Optional[float] =
             **{f"{k}.version": v for k, v in summ.versions().items()}}
     _passthrough_readable(job)
     fin = finalize(job.out_dir, q, meta)
+    if prune_kv:
+        kept_kv.prune(job.out_dir, q)
     if job.cfg.output.openai_batch:
         batch_output(job, fin.read())
     for why in fin.bad_parts.values():
@@ -408,7 +419,9 @@ def finish(job: Job, q: Queue, stats: Optional[WorkStats], t0: Optional[float] =
     run = {"rows": stats.rows, "tokens": stats.tokens, "wall_s": stats.wall_s,
            "peak_memory_bytes": stats.engine_summary.get("mlx_peak_memory_bytes"),
            "resumed_tokens": stats.resumed_tokens, "lost_tokens": stats.lost_tokens,
-           "checkpoints": stats.checkpoints, "checkpoint_s": stats.checkpoint_s} if stats else None
+           "checkpoints": stats.checkpoints, "checkpoint_s": stats.checkpoint_s,
+           "kv_restored_tokens": stats.engine_summary.get("kv_restored_tokens", 0),
+           "kv_kept_tokens": stats.kv_kept_tokens, "kv_save_s": stats.kv_save_s} if stats else None
     extra = {"job": job.cfg.job.name, "model": job.cfg.model.name, "kv_mode": job.cfg.kv.mode,
              "options": asdict(job.cfg.engine.options),  # the engine options this config ran with
              "config_hash": job.config_hash, "output_dir": str(job.out_dir), "results": str(fin.path),
@@ -692,8 +705,9 @@ def finalize_shards(job: Job, n: int) -> Path:
         if not (job.out_dir / passthrough.FILE).exists():
             carry_columns(job, rows)
         reconcile(job.out_dir, q)
-        fin, s = finish(job, q, None)
-    left = [i for i in range(n) if array.complete(i) is None]
+        left = [i for i in range(n) if array.complete(i) is None]
+        # the merge's queue holds no shard's checkpoints: the K/V files of shards not complete stay theirs
+        fin, s = finish(job, q, None, prune_kv=not left)
     if left:
         say(f"kvbatch: {n - len(left)} of {n} shards are complete (not: {_some([str(i) for i in left])}); "
             f"results.parquet holds the {fin.rows} rows finished so far")

@@ -148,6 +148,9 @@ class WorkerConfig:
     # queue.shards=N: which shard this worker generates (0 to N-1); None: Slurm's SLURM_ARRAY_TASK_ID
     shard: Optional[int] = None
     checkpoint_every: CheckpointEvery = field(default_factory=CheckpointEvery)
+    # at a stop (deadline, first Ctrl-C/SIGTERM), also keep each checkpointed row's full K/V pages in the job's
+    # kv/: it then continues without prefilling its kept tokens again (pipeline/kept_kv.py)
+    keep_kv: bool = True
 
 
 @dataclass

@@ -86,7 +86,11 @@ def build(table: pa.Table, counts: dict[str, int], sessions: list[dict], this_ru
                      # generated beyond the last checkpoint of rows it handed back, or (as their lease heartbeat
                      # recorded it) by a dead worker whose rows it took over: generated again
                      "tokens_carried_over": run.get("resumed_tokens", 0), "tokens_lost": run.get("lost_tokens", 0),
-                     "checkpoints": run.get("checkpoints", 0), "checkpoint_s": run.get("checkpoint_s", 0.0)},
+                     "checkpoints": run.get("checkpoints", 0), "checkpoint_s": run.get("checkpoint_s", 0.0),
+                     # of the tokens carried over, those whose K/V pages were loaded from kv/ instead of
+                     # prefilled; tokens whose K/V pages this run kept at its stop, and the time it took
+                     "kv_restored_tokens": run.get("kv_restored_tokens", 0),
+                     "kv_kept_tokens": run.get("kv_kept_tokens", 0), "kv_save_s": run.get("kv_save_s", 0.0)},
         "resumed_tokens": col("resumed_tokens"),  # results' output tokens carried over from checkpoints
         "tokens_per_s": total_tokens / total_wall if total_wall else None,
         "kv_mode": last.get("kv_mode", extra.get("kv_mode")),
@@ -139,7 +143,8 @@ def one_line(s: dict) -> str:
     rest = f", {s['rows_remaining']} remaining" if s["rows_remaining"] else ""
     if s.get("spec_acceptance") is not None:
         speed += f", spec acceptance {s['spec_acceptance']:.0%}"
-    kept = (f", {run['tokens_carried_over']} carried over from checkpoints, {run['tokens_lost']} lost"
+    kv = f" (K/V of {run['kv_restored_tokens']} tokens loaded, not prefilled)" if run.get("kv_restored_tokens") else ""
+    kept = (f", {run['tokens_carried_over']} carried over from checkpoints{kv}, {run['tokens_lost']} lost"
             if run.get("tokens_carried_over") or run.get("tokens_lost") else "")
     # the job's rows so far, then what this run did (a resumed job's earlier runs are in summary.json)
     return (f"kvbatch: {s['rows']} rows ({s['rows_ok']} ok{', ' + errs if errs else ''}){rest}; "

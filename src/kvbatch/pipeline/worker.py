@@ -60,7 +60,8 @@ from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.resume import CheckpointRefused, RowCheckpoint
 from kvbatch.engine.types import Request, Result
 from kvbatch.engine import scoring
-from kvbatch.pipeline import checkpoints, debug, job_identity, procs, response_format, row_params, samples, score
+from kvbatch.pipeline import checkpoints, debug, job_identity, kept_kv, procs, response_format, row_params, samples
+from kvbatch.pipeline import score
 from kvbatch.pipeline.chat import transcript
 from kvbatch.pipeline.config import Config
 from kvbatch.pipeline.durations import deadline_at
@@ -160,6 +161,8 @@ class WorkStats:
     checkpoints: int = 0  # row checkpoints saved
     checkpoint_s: float = 0.0  # time spent taking and saving them (what checkpoints cost the run)
     kept_at_stop: int = 0  # tokens of the rows in flight checkpointed at the stop (deadline, Ctrl-C, SIGTERM)
+    kv_kept_tokens: int = 0  # ... of them, tokens whose K/V pages were kept on disk too (worker.keep_kv)
+    kv_save_s: float = 0.0  # time spent writing those pages
     started_over: dict = field(default_factory=dict)  # reason -> rows whose checkpoint could not be used
 
 
@@ -196,6 +199,7 @@ class Worker:
         self.last_checkpoint = time.monotonic()
         self.stopping: Optional[KeyboardInterrupt] = None  # the first Ctrl-C / SIGTERM: stop at the next step
         self.identity = queue.get_meta(job_identity.META)  # the job its parts belong to (None: not recorded)
+        self.out_dir = parts_dir.parent  # the job's folder: kept K/V pages go to its kv/ (pipeline/kept_kv.py)
         self.scoring = cfg.action == "score"  # rows score their completion (pipeline/score.py), nothing generated
         self.scorers: dict[str, tuple[scoring.TeacherForced, list[int], int]] = {}  # (scorer, text, prompt length)
 
@@ -378,13 +382,15 @@ class Worker:
         assert eng is not None  # _top_up made it
         ck, self.saves[req.key], why = checkpoints.load(self.q, req.key, fp)
         if ck is not None:
+            kv = kept_kv.file_for(self.out_dir, req.key, fp, req.adapter) if self.cfg.worker.keep_kv else None
             try:
-                eng.add(req, checkpoint=ck)
+                eng.add(req, checkpoint=ck, kv_file=kv if kv is not None and os.path.exists(kv.path) else None)
                 return len(ck.tokens)
             except CheckpointRefused:
                 why = checkpoints.UNUSABLE
                 checkpoints.discard(self.q, [req.key], why)
-        if why:
+        if why:  # its kept K/V pages, if any, belong to the tokens it no longer continues from
+            kept_kv.drop(self.out_dir, [req.key])
             self.stats.started_over[why] = self.stats.started_over.get(why, 0) + 1
         eng.add(req)
         return 0
@@ -483,7 +489,9 @@ class Worker:
         debug.point("after_part_write")
         self.q.ack(self.id, [(r.row_key, r.error_code) for r in self.buffer], name)
         debug.point("after_ack")
-        checkpoints.clear(self.q, [r.row_key for r in self.buffer if r.checkpoints])
+        kept = [r.row_key for r in self.buffer if r.checkpoints]
+        checkpoints.clear(self.q, kept)
+        kept_kv.drop(self.out_dir, kept)
         self.seq += 1
         self.stats.rows += len(self.buffer)
         self.q.worker_progress(self.id, self.stats.rows, self.stats.tokens)
@@ -522,7 +530,22 @@ class Worker:
         self._best_effort(lambda: self.checkpoint())
         self.stats.kept_at_stop += sum(self.saved.get(k, 0) for k in at_stop)
         self.stats.lost_tokens += sum(len(ck.tokens) - self.saved.get(k, 0) for k, ck in at_stop.items())
+        if self.cfg.worker.keep_kv:
+            self._best_effort(lambda: self._keep_kv(eng, [k for k in at_stop if self.saved.get(k)]))
         self._engine(eng.cancel)
+
+    def _keep_kv(self, eng, keys: list[str]) -> None:
+        """worker.keep_kv: the checkpointed rows' full K/V pages into the job's kv/ (pipeline/kept_kv.py), so
+        they continue without prefilling their kept tokens again. A failure (a full disk) keeps no file:
+        the rows prefill then."""
+        t0 = time.perf_counter()
+        (self.out_dir / kept_kv.DIR).mkdir(exist_ok=True)
+        files = {k: kept_kv.file_for(self.out_dir, k, self.fps[k], self._adapter(self.inflight[k].payload))
+                 for k in keys if k in self.fps and k in self.inflight}
+        try:
+            self.stats.kv_kept_tokens += sum(eng.save_kv(files, {k: self.saved[k] for k in files}).values())
+        finally:
+            self.stats.kv_save_s += time.perf_counter() - t0
 
     def _drive(self) -> None:
         """Step the engine over the rows in flight (a step is one decode step, so the worker looks

@@ -23,6 +23,7 @@ import mlx.core as mx
 
 from kvbatch.engine.config import EngineOptions
 from kvbatch.engine.errors import INSUFFICIENT_MEMORY, RowError, UnreservedWriteError
+from kvbatch.engine.kv import offload
 from kvbatch.engine.kv.pages import CacheRow, PagePool
 from kvbatch.engine.kv.prefix import cache_full_pages, computed_pages
 from kvbatch.engine.kv.rotation import KeyRotation
@@ -232,6 +233,28 @@ class PagedKVCache:
             else:
                 store.copy_pages([src.pages[full]], [dst.pages[full]])
         dst.length = src.length
+
+    # ---- pages on disk (kv/offload.py) ----------------------------------------------------
+    @property
+    def layout_id(self) -> str:
+        """What this cache's stored bytes mean (a file of pages made under another layout is never read)."""
+        return offload.layout_of(self.store, self.num_layers, rotated=self.rotation is not None)
+
+    def page_arrays(self, row: CacheRow, n_pages: int) -> dict[str, mx.array]:
+        """The arrays of the row's first n_pages pages (full, stored), every layer, as stored."""
+        return offload.page_arrays(self.store, row.pages[:n_pages], row.tail, min(self.first, n_pages * self.P))
+
+    def put_pages(self, row: CacheRow, rk: offload.RowKV, n_pages: int, kv_limit_bytes: int,
+                  want_pages: int = 0) -> int:
+        """The row (holding whole pages only) continues with pages len(row.pages)..n_pages of `rk`: reserved
+        (priced; RowError when they cannot be had) and written, not computed. Returns the tokens it gained."""
+        start = len(row.pages)
+        if n_pages <= start or row.length != start * self.P:
+            return 0
+        self.reserve(row, (n_pages - start) * self.P, kv_limit_bytes, want_pages)
+        offload.put_pages(self.store, rk, start, row.pages[start:n_pages], row.tail if start == 0 else None)
+        row.length = n_pages * self.P
+        return (n_pages - start) * self.P
 
     def _grow(self, needed_pages: int, kv_limit_bytes: int, want_pages: int = 0) -> None:
         cap, pb = self.capacity_pages, self.layout.page_bytes
