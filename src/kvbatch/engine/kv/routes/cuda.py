@@ -6,6 +6,14 @@ A decode step's arrays come from host lists; in the H200's decode loop each such
 host 0.1-0.15 ms (docs/performance.md), so while no row gains or loses a page (the cache's epoch
 is unchanged) a step reuses the previous step's page table and advances its lengths on the
 device with one add (`options.step_reuse`).
+
+A dense pass of a few tokens a row (a speculative verification window: the row's token and its
+k proposals) is attention of several queries per row over the row's pages, each query seeing the
+keys up to its own position: the decode kernel computes exactly that when each (row, position)
+is one of its rows, with the row's page table and its own key count (`CudaMulti`). Its K/V are
+scattered into the pages first, as a prefill chunk's are. So verification reads the pages in
+place like decode, with decode's numerics, instead of gathering every row's pages into a
+contiguous copy and composing matmuls over it (`CudaLaunch.multi_query`).
 """
 from __future__ import annotations
 
@@ -19,7 +27,7 @@ from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.kv.routes.base import Geometry, flat_tokens
 from kvbatch.engine.kv.routes.common import TailWrites, page_table, tail_writes
 from kvbatch.engine.kv.routes.cuda_kernels import QuantPages, paged_decode_attention, paged_decode_attention_quantized
-from kvbatch.engine.kv.routes.dense import DenseRoute
+from kvbatch.engine.kv.routes.dense import DenseRoute, DenseStep
 from kvbatch.engine.kv.routes.quant import QuantRoute
 from kvbatch.engine.kv.store import head_rows
 
@@ -63,6 +71,22 @@ class CudaDecode:
     rows: Optional[mx.array] = None  # head rows of the new token, when it is scattered before the kernel
 
 
+@dataclass(frozen=True)
+class CudaMulti:
+    """A few-token dense pass read by the decode kernel: the pass's writes (as a prefill chunk's),
+    and per (row, position) the row's page table and the keys that position sees."""
+
+    step: DenseStep  # head rows of the real tokens, and which of the padded pass's tokens are real
+    table: mx.array  # (B * L, width): row b's table at b * L + j
+    lengths: mx.array  # (B * L,) pos[b] + j + 1 (a padding position: the row's real keys)
+
+
+def multi_lengths(pos: list[int], lens: list[int], L: int) -> list[int]:
+    """Keys seen by query j of each row of a pass right-padded to L (row b stores lens[b] tokens
+    from pos[b]): pos[b] + j + 1, and for padding positions all the row's keys (read, unused)."""
+    return [a + min(j, n - 1) + 1 for a, n in zip(pos, lens) for j in range(L)]
+
+
 class CudaDenseRoute(DenseRoute):
     """kv none on MLX CUDA: decode by the fused paged kernel, prefill as the dense route with composed attention."""
 
@@ -75,8 +99,12 @@ class CudaDenseRoute(DenseRoute):
     def plan(self, rows, L, pos, epoch, lens):
         """Decode: a page table and lengths for the kernel (reused from the previous step while no row gains a page);
         prefill: the dense route's plan."""
-        if L > 1:
+        if L > self.launch.multi_query:
             return self.prefill_plan(rows, L, pos, lens)
+        if L > 1:
+            step = self.prefill_plan(rows, L, pos, lens, mask=False)
+            return CudaMulti(step, mx.repeat(step.table, L, axis=0),
+                             mx.array(multi_lengths(pos, lens, L), dtype=mx.int32))
         P = self.geom.page_size
         new_len = [a + 1 for a in pos]
         n_pages = [-(-n // P) for n in new_len]
@@ -91,6 +119,8 @@ class CudaDenseRoute(DenseRoute):
 
     def write(self, layer, meta, keys, values):
         """Decode: keep the new K/V for the kernel to store (or scatter them first); prefill: as the dense route."""
+        if isinstance(meta, CudaMulti):
+            return super().write(layer, meta.step, keys, values)
         if not isinstance(meta, CudaDecode):
             return super().write(layer, meta, keys, values)
         if meta.rows is None:
@@ -101,9 +131,14 @@ class CudaDenseRoute(DenseRoute):
 
     def attend(self, layer, meta, queries, scale):
         """Decode: the fused paged kernel over the rows' pages; prefill: the dense route's attention."""
+        st = self.store
+        if isinstance(meta, CudaMulti):  # (B, Hq, L, D) as B * L one-query rows
+            B, Hq, L, D = queries.shape
+            q = queries.transpose(0, 2, 1, 3).reshape(B * L, Hq, 1, D)
+            out = paged_decode_attention(q, st.k[layer], st.v[layer], meta.table, meta.lengths, scale, self.launch)
+            return out.reshape(B, L, Hq, D).transpose(0, 2, 1, 3)
         if not isinstance(meta, CudaDecode):
             return super().attend(layer, meta, queries, scale)
-        st = self.store
         return paged_decode_attention(queries, st.k[layer], st.v[layer], meta.table, meta.lengths, scale,
                                       self.launch, new_kv=self._new_kv.pop(layer, None))
 

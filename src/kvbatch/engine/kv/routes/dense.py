@@ -146,15 +146,17 @@ class DenseRoute(Route):
         """A decode plan for one-token passes, a prefill plan otherwise."""
         return self.decode_plan(rows, pos) if L == 1 else self.prefill_plan(rows, L, pos, lens)
 
-    def prefill_plan(self, rows: list[CacheRow], L: int, pos: list[int], lens: list[int]) -> DenseStep:
+    def prefill_plan(self, rows: list[CacheRow], L: int, pos: list[int], lens: list[int],
+                     mask: bool = True) -> DenseStep:
         """A multi-token pass (prefill chunks of several rows, right-padded to L): only the real
-        tokens are stored; a real query sees only keys at or before it, all real."""
+        tokens are stored; a real query sees only keys at or before it, all real. mask=False: no
+        causal mask (a route that attends by key counts)."""
         P, p, n = self.geom.page_size, np.array(pos, dtype=np.int32), np.array(lens, dtype=np.int32)
         tokens = np.concatenate([token_slots(r, P, int(a), int(a + k)) for r, a, k in zip(rows, p, n)]).tolist()
         table = page_table(rows, (-(-(p + n) // P)).tolist())
         hrows = head_rows(tokens, P, self.geom.kv_heads)
-        return DenseStep(mx.array(hrows, dtype=mx.int32), table, causal_mask(p, L, table.shape[1] * P, 1),
-                         take=real_tokens(L, lens))
+        return DenseStep(mx.array(hrows, dtype=mx.int32), table,
+                         causal_mask(p, L, table.shape[1] * P, 1) if mask else None, take=real_tokens(L, lens))
 
     def decode_slots(self, rows: list[CacheRow], pos: list[int]) -> tuple[mx.array, mx.array, mx.array]:
         """A one-token pass's page table, the head rows its new token is written to, and the (B, T) mask of
