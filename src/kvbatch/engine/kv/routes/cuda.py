@@ -117,19 +117,20 @@ class CudaDenseRoute(DenseRoute):
         hrows = mx.array(head_rows(slots, P, self.geom.kv_heads), dtype=mx.int32)
         return CudaDecode(table, mx.array(new_len, dtype=mx.int32), hrows)
 
-    def write(self, layer, meta, keys, values):
+    def write(self, layer: int, meta: object, keys: mx.array, values: mx.array) -> None:
         """Decode: keep the new K/V for the kernel to store (or scatter them first); prefill: as the dense route."""
         if isinstance(meta, CudaMulti):
             return super().write(layer, meta.step, keys, values)
-        if not isinstance(meta, CudaDecode):
+        if isinstance(meta, DenseStep):
             return super().write(layer, meta, keys, values)
+        assert isinstance(meta, CudaDecode)
         if meta.rows is None:
             self._new_kv[layer] = (keys, values)  # stored by the kernel (attend)
             return
         k, v = flat_tokens(keys, values)
         self.store.write(layer, meta.rows, k, v)
 
-    def attend(self, layer, meta, queries, scale):
+    def attend(self, layer: int, meta: object, queries: mx.array, scale: float) -> mx.array:
         """Decode: the fused paged kernel over the rows' pages; prefill: the dense route's attention."""
         st = self.store
         if isinstance(meta, CudaMulti):  # (B, Hq, L, D) as B * L one-query rows
@@ -137,8 +138,9 @@ class CudaDenseRoute(DenseRoute):
             q = queries.transpose(0, 2, 1, 3).reshape(B * L, Hq, 1, D)
             out = paged_decode_attention(q, st.k[layer], st.v[layer], meta.table, meta.lengths, scale, self.launch)
             return out.reshape(B, L, Hq, D).transpose(0, 2, 1, 3)
-        if not isinstance(meta, CudaDecode):
+        if isinstance(meta, DenseStep):
             return super().attend(layer, meta, queries, scale)
+        assert isinstance(meta, CudaDecode)
         return paged_decode_attention(queries, st.k[layer], st.v[layer], meta.table, meta.lengths, scale,
                                       self.launch, new_kv=self._new_kv.pop(layer, None))
 
