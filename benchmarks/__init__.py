@@ -30,6 +30,7 @@ BENCHMARKS = {
     "cpu.decode_attention": "one layer's CPU decode attention: dense routes (--kv none) and packed pages "
                             "gathered vs in place (--kv q8,q4)",
     "cpu.blas_matmul": "does loading OpenBLAS before mlx pay off on the Linux CPU",
+    "gpu.spec_ops": "a verification pass's pieces (forward, MLP, lm_head, paged kernel) against a decode step's",
     "gpu.spec_profile": "where the rewrite job's engine time goes with and without n-gram speculation (cProfile)",
     "gpu.step_profile": "where a decode step's host time goes, next to mlx-lm's step",
     "gpu.prefill_shapes": "a mixed-length prefill's passes, cold, warm and on new shapes",
