@@ -114,3 +114,40 @@ def test_quantized_in_place_decode_equals_gathered(B, Hkv, G, D, P, group, bits,
     got2 = quantized_paged_decode(q, q2[:3], q2[3:], mx.array(tk2), tv, ph2, query_of, mask, scale, group, bits,
                                   streams, cuts, k_transposed=k_axis == "channel")
     assert mx.array_equal(got2, got).item()
+
+
+@pytest.mark.parametrize("P,G", [(16, 2), (64, 3)])
+def test_few_token_pass_in_place_equals_gathered(P, G):
+    """A verification window (a few tokens a row, ragged, one row crossing into a new page) attended
+    in place like decode, each query over its own keys (DenseRoute.multi_plan), against the same
+    pass gathered and masked causally (the prefill plan): the same pages written, the same outputs."""
+    from kvbatch.engine.kv.pages import CacheRow
+    from kvbatch.engine.kv.routes.base import Geometry
+    from kvbatch.engine.kv.routes.dense import DenseRoute, DenseStep
+    from kvbatch.engine.kv.store import DenseStore
+
+    Hkv, D, L = 2, 64, 5
+    pos, lens = [3, P - 2, 3 * P + 7], [5, 4, 1]
+    n_pages = [-(-(a + n) // P) for a, n in zip(pos, lens)]
+    rng = np.random.default_rng(P)
+    q, k, v = (mx.array(rng.standard_normal((3, h, L, D)).astype(np.float32)) for h in (Hkv * G, Hkv, Hkv))
+    outs, pools = [], []
+    for in_place in (True, False):
+        store = DenseStore(1, Hkv, D, P, mx.float32)
+        store.grow(sum(n_pages) + 1)
+        store.k[0] = mx.array(rng.standard_normal(store.k[0].shape).astype(np.float32)) if not pools else pools[0][2]
+        store.v[0] = mx.array(rng.standard_normal(store.v[0].shape).astype(np.float32)) if not pools else pools[0][3]
+        before = (store.k[0], store.v[0])
+        rows, first = [], 1
+        for i, n in enumerate(n_pages):  # pages out of order, none shared
+            rows.append(CacheRow(f"r{i}", pages=list(range(first + n - 1, first - 1, -1)), length=pos[i]))
+            first += n
+        route = DenseRoute(store, Geometry(P, Hkv, D, Hkv * G), upcast=False, cpu=True, in_place=in_place)
+        meta = route.plan(rows, L, pos, 0, lens)
+        assert isinstance(meta, DenseStep) and bool(meta.groups) == in_place
+        route.write(0, meta, k, v)
+        outs.append(route.attend(0, meta, q, D ** -0.5))
+        pools.append((store.k[0], store.v[0], *before))
+    assert mx.array_equal(pools[0][0], pools[1][0]).item() and mx.array_equal(pools[0][1], pools[1][1]).item()
+    for b, n in enumerate(lens):
+        assert mx.allclose(outs[0][b, :, :n], outs[1][b, :, :n], atol=2e-5).item(), b

@@ -87,24 +87,38 @@ def paged_grouped_decode(q: mx.array, k_pages: mx.array, v_pages: mx.array, page
                          query_of: mx.array, mask: mx.array, scale: float) -> mx.array:
     """`_grouped_decode` read from the pages in place: no gathered copy of K/V.
 
-    q (B, Hq, 1, D); k_pages, v_pages (pages, Hkv, P, D); page_heads (B, Hkv, n): the
+    q (B, Hq, L, D); k_pages, v_pages (pages, Hkv, P, D); page_heads (B, Hkv, n): the
     (page * Hkv + head) of each row's n pages; query_of (B, Hkv, 1): b * Hkv + head;
-    mask (B, 1, n * P, 1). `mx.gather_mm` multiplies each page where it lies by its
-    (row, KV head)'s query group: scores come out key-major, (B, Hkv, n * P, G), so
-    the softmax runs down the keys axis and neither product needs a transposed copy.
-    On the CPU a page-table gather copies K and V at ~10 GB/s before attention can
-    read them; in place, decode attention takes 0.35-0.8x the time at tiny-llama and
-    SmolLM2 shapes (docs/performance.md). Same float32 softmax; the output
-    sums the pages' partial products (within 1e-6 of the gathered path)."""
-    B, Hq, _, D = q.shape
+    mask (B, 1, n * P, 1) for one query a row, or (B, 1, n * P, G * L) with each query's own
+    keys (`multi_query_mask`: a verification window's causal mask). `mx.gather_mm` multiplies
+    each page where it lies by its (row, KV head)'s G * L queries: scores come out key-major,
+    (B, Hkv, n * P, G * L), so the softmax runs down the keys axis and neither product needs a
+    transposed copy. On the CPU a page-table gather copies K and V at ~10 GB/s before attention
+    can read them; in place, decode attention takes 0.35-0.8x the time at tiny-llama and
+    SmolLM2 shapes (docs/performance.md). Same float32 softmax; the output sums the pages'
+    partial products (within 1e-6 of the gathered path)."""
+    B, Hq, L, D = q.shape
     _, Hkv, P, _ = k_pages.shape
-    G, n = Hq // Hkv, page_heads.shape[-1]
-    qt = q.reshape(B * Hkv, G, D).swapaxes(-1, -2)  # (B*Hkv, D, G), a view
-    scores = mx.gather_mm(k_pages.reshape(-1, P, D), qt, page_heads, query_of)  # (B, Hkv, n, P, G)
-    probs = masked_softmax(scores.reshape(B, Hkv, n * P, G), mask, axis=-2, scale=scale)  # scaled in the kernel
-    pt = probs.reshape(B * Hkv * n, P, G).swapaxes(-1, -2)  # (.., G, P), a view
-    out = mx.gather_mm(pt, v_pages.reshape(-1, P, D), None, page_heads.reshape(-1))  # (B*Hkv*n, G, D)
-    return out.reshape(B, Hkv, n, G, D).sum(axis=2).reshape(B, Hq, 1, D)
+    GL, n = Hq // Hkv * L, page_heads.shape[-1]
+    qt = q.reshape(B * Hkv, GL, D).swapaxes(-1, -2)  # (B*Hkv, D, G*L), a view
+    scores = mx.gather_mm(k_pages.reshape(-1, P, D), qt, page_heads, query_of)  # (B, Hkv, n, P, G*L)
+    probs = masked_softmax(scores.reshape(B, Hkv, n * P, GL), mask, axis=-2, scale=scale)  # scaled in the kernel
+    pt = probs.reshape(B * Hkv * n, P, GL).swapaxes(-1, -2)  # (.., G*L, P), a view
+    out = mx.gather_mm(pt, v_pages.reshape(-1, P, D), None, page_heads.reshape(-1))  # (B*Hkv*n, G*L, D)
+    return out.reshape(B, Hkv, n, GL, D).sum(axis=2).reshape(B, Hq, L, D)
+
+
+def multi_query_mask(pos: list[int], lens: list[int], L: int, T: int, group: int) -> mx.array:
+    """(B, 1, T, group * L) key-major: query j of row b (each of its KV heads' `group` query heads)
+    sees keys 0..pos[b] + j; a padding position (j >= lens[b]) sees the row's real keys."""
+    last = mx.array([[a + min(j, n - 1) for j in range(L)] for a, n in zip(pos, lens)])  # (B, L)
+    mask = mx.arange(T)[None, :, None] <= last[:, None, :]  # (B, T, L)
+    return mx.tile(mask, (1, 1, group))[:, None]
+
+
+# Passes of 2..MULTI_QUERY tokens a row (a speculative verification window, a short prompt tail)
+# read the pages in place as decode does, each query with its own keys, instead of gathering them.
+MULTI_QUERY = 8
 
 
 @dataclass(frozen=True)
@@ -143,8 +157,21 @@ class DenseRoute(Route):
         self.name = ROUTE_DENSE_F32 if upcast else ROUTE_DENSE
 
     def plan(self, rows: list[CacheRow], L: int, pos: list[int], epoch: int, lens: list[int]) -> object:
-        """A decode plan for one-token passes, a prefill plan otherwise."""
-        return self.decode_plan(rows, pos) if L == 1 else self.prefill_plan(rows, L, pos, lens)
+        """A decode plan for one-token passes; for a few tokens a row read in place, the decode plan's
+        reads with each query's own keys (`multi_plan`); a prefill plan otherwise."""
+        if L == 1:
+            return self.decode_plan(rows, pos)
+        if self.in_place and L <= MULTI_QUERY:
+            return self.multi_plan(rows, L, pos, lens)
+        return self.prefill_plan(rows, L, pos, lens)
+
+    def multi_plan(self, rows: list[CacheRow], L: int, pos: list[int], lens: list[int]) -> DenseStep:
+        """A few tokens a row: written as a prefill chunk's, attended in place like decode, each query
+        over the keys up to its own position."""
+        step = self.prefill_plan(rows, L, pos, lens, mask=False)
+        g = self.geom
+        mask = multi_query_mask(pos, lens, L, step.table.shape[1] * g.page_size, g.query_heads // g.kv_heads)
+        return DenseStep(step.rows, step.table, groups=self._groups(step.table, mask), take=step.take)
 
     def prefill_plan(self, rows: list[CacheRow], L: int, pos: list[int], lens: list[int],
                      mask: bool = True) -> DenseStep:
