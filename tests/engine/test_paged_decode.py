@@ -116,14 +116,17 @@ def test_quantized_in_place_decode_equals_gathered(B, Hkv, G, D, P, group, bits,
     assert mx.array_equal(got2, got).item()
 
 
+@pytest.mark.parametrize("route", ["cpu", "portable"])
 @pytest.mark.parametrize("P,G", [(16, 2), (64, 3)])
-def test_few_token_pass_in_place_equals_gathered(P, G):
+def test_few_token_pass_in_place_equals_gathered(P, G, route):
     """A verification window (a few tokens a row, ragged, one row crossing into a new page) attended
-    in place like decode, each query over its own keys (DenseRoute.multi_plan), against the same
-    pass gathered and masked causally (the prefill plan): the same pages written, the same outputs."""
+    in place like decode, each query over its own keys (the CPU route's DenseRoute.multi_plan, the
+    portable route's PortableDenseRoute.plan), against the same pass gathered and masked causally (the
+    prefill plan): the same pages written, the same outputs."""
     from kvbatch.engine.kv.pages import CacheRow
     from kvbatch.engine.kv.routes.base import Geometry
     from kvbatch.engine.kv.routes.dense import DenseRoute, DenseStep
+    from kvbatch.engine.kv.routes.portable import PortableDenseRoute, PortableStep
     from kvbatch.engine.kv.store import DenseStore
 
     Hkv, D, L = 2, 64, 5
@@ -142,11 +145,16 @@ def test_few_token_pass_in_place_equals_gathered(P, G):
         for i, n in enumerate(n_pages):  # pages out of order, none shared
             rows.append(CacheRow(f"r{i}", pages=list(range(first + n - 1, first - 1, -1)), length=pos[i]))
             first += n
-        route = DenseRoute(store, Geometry(P, Hkv, D, Hkv * G), upcast=False, cpu=True, in_place=in_place)
-        meta = route.plan(rows, L, pos, 0, lens)
-        assert isinstance(meta, DenseStep) and bool(meta.groups) == in_place
-        route.write(0, meta, k, v)
-        outs.append(route.attend(0, meta, q, D ** -0.5))
+        geom = Geometry(P, Hkv, D, Hkv * G)
+        r: DenseRoute = (PortableDenseRoute(store, geom, upcast=False) if in_place and route == "portable" else
+                         DenseRoute(store, geom, upcast=False, cpu=True, in_place=in_place))
+        meta = r.plan(rows, L, pos, 0, lens)
+        if route == "portable" and in_place:
+            assert isinstance(meta, PortableStep) and meta.take is not None
+        else:
+            assert isinstance(meta, DenseStep) and bool(meta.groups) == in_place
+        r.write(0, meta, k, v)
+        outs.append(r.attend(0, meta, q, D ** -0.5))
         pools.append((store.k[0], store.v[0], *before))
     assert mx.array_equal(pools[0][0], pools[1][0]).item() and mx.array_equal(pools[0][1], pools[1][1]).item()
     for b, n in enumerate(lens):

@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from kvbatch.engine.config import EngineOptions
 from kvbatch.engine.engine import Engine
 from kvbatch.engine.errors import INSUFFICIENT_MEMORY, KvbatchConfigError
 from kvbatch.engine.grammar import grammar_from_format
@@ -165,6 +166,15 @@ def test_greedy_tokens_identical(tiny_model, family, mode, page):
     s = eng.summary()
     assert s["spec_accepted"] > 0 and sum(r.stats.spec_accepted for r in got) == s["spec_accepted"]
     assert s["pages_in_use"] == 0 and s["rows_running"] == 0
+
+
+@pytest.mark.parametrize("mode,page", [("none", 16), ("q8", 16), ("none", 64)])
+def test_greedy_tokens_identical_on_the_portable_route(tiny_model, mode, page):
+    """engine.options.route=portable (what Metal runs): kv-none verification windows read the pages in
+    place, each query over its own keys; the same tokens as without speculation."""
+    ref, got, eng = _both(tiny_model(), _requests, mode=mode, page=page, options=EngineOptions(route="portable"))
+    _same(ref, got)
+    assert eng.summary()["spec_accepted"] > 0
 
 
 @pytest.mark.parametrize("mode,page", [("none", 1), ("q8", 16)])

@@ -13,9 +13,12 @@ own `mx.softmax`, then the values in blocks of pages (`value_cuts`), each block'
 summed before the next. q8/q4,
 whose pages are 2-4x smaller than their float32 scores' share would allow, take scores and values
 block by block with a running softmax (as flash-decoding does), reading the rows' dense tail pages
-in place too. Either way the workspace stays a small share of the KV read. Prefill keeps gather +
-MLX's SDPA (routes/dense.py, routes/quant.py): a chunk's many queries amortize the gather, and
-SDPA's fused kernel is Metal's fastest attention.
+in place too. Either way the workspace stays a small share of the KV read. A kv-none pass of a few
+tokens a row (a speculative verification window: the row's token and its proposals) reads the pages
+the same way, each page's products taking the group's G x L queries, each query masked to the keys
+up to its own position. Longer passes (prefill) keep gather + MLX's SDPA (routes/dense.py,
+routes/quant.py): a chunk's many queries amortize the gather, and SDPA's fused kernel is Metal's
+fastest attention.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.kv.store import DenseStore, QuantizedStore
 from kvbatch.engine.kv.routes.base import Geometry, flat_tokens
 from kvbatch.engine.kv.routes.common import TailWrites, page_heads, page_table, tail_writes
-from kvbatch.engine.kv.routes.dense import DenseRoute, DenseStep
+from kvbatch.engine.kv.routes.dense import MULTI_QUERY, DenseRoute, DenseStep, multi_query_mask
 from kvbatch.engine.kv.routes.quant import QuantRoute, quantized_paged_plan
 
 # The most bytes a block's per-page work (G x D products; for q8/q4 also its float32 scores) may take,
@@ -72,16 +75,16 @@ def keys_softmax(scores: mx.array, mask: mx.array, axis: int | tuple[int, ...]) 
 
 def portable_paged_decode(q: mx.array, k_pages: mx.array, v_pages: mx.array, heads: mx.array, query_of: mx.array,
                           mask: mx.array, scale: float, cuts: list[int]) -> mx.array:
-    """One-query attention read from dense pages in place.
+    """Attention of each row's query (decode) or few queries read from dense pages in place.
 
-    q (B, Hq, 1, D); k_pages, v_pages (pages, Hkv, P, D); heads (B, Hkv, n): the (page * Hkv + head)
+    q (B, Hq, L, D); k_pages, v_pages (pages, Hkv, P, D); heads (B, Hkv, n): the (page * Hkv + head)
     of each row's n pages; query_of (B, Hkv, 1): b * Hkv + head; mask (B, 1, n, 1, P): each row's
-    valid keys; cuts: the value blocks' page boundaries (`value_cuts`). Scores come out (B, Hkv, n, G, P),
-    the layout the value products take as it is. The query is scaled before the product, as MLX's SDPA
-    does; products run in the pages' dtype."""
-    B, Hq, _, D = q.shape
+    valid keys, or (B, 1, n, G * L, P): each query's; cuts: the value blocks' page boundaries
+    (`value_cuts`). Scores come out (B, Hkv, n, G * L, P), the layout the value products take as it
+    is. The query is scaled before the product, as MLX's SDPA does; products run in the pages' dtype."""
+    B, Hq, L, D = q.shape
     _, Hkv, P, _ = k_pages.shape
-    G, dt = Hq // Hkv, k_pages.dtype
+    G, dt = Hq // Hkv * L, k_pages.dtype
     qs = (q * mx.array(scale, q.dtype)).astype(dt).reshape(B * Hkv, G, D)
     scores = mx.gather_mm(qs, k_pages.reshape(-1, P, D).swapaxes(-1, -2), query_of, heads)  # (B, Hkv, n, G, P)
     probs = keys_softmax(scores, mask, axis=(2, 4)).astype(dt)
@@ -92,7 +95,7 @@ def portable_paged_decode(q: mx.array, k_pages: mx.array, v_pages: mx.array, hea
         s = part.astype(mx.float32).sum(axis=2)
         out = s if out is None else out + s
     assert out is not None  # cuts hold at least one block
-    return out.reshape(B, Hq, 1, D).astype(q.dtype)
+    return out.reshape(B, Hq, L, D).astype(q.dtype)
 
 
 def portable_quantized_decode(q: mx.array, kq: list[mx.array], vq: list[mx.array],
@@ -176,7 +179,7 @@ class PortableStep:
     mask: mx.array  # (B, 1, n, 1, P) valid keys
     cuts: list[int]  # value blocks (value_cuts)
     groups: list[tuple[int, int]]  # the rows of each attention call (row_groups)
-    take: Optional[mx.array] = None  # never set: decode stores every token (DenseRoute.write reads it)
+    take: Optional[mx.array] = None  # a few-token pass: its real tokens (DenseRoute.write reads it)
 
 
 class PortableDenseRoute(DenseRoute):
@@ -186,19 +189,33 @@ class PortableDenseRoute(DenseRoute):
     def __init__(self, store: DenseStore, geom: Geometry, upcast: bool):
         super().__init__(store, geom, upcast, cpu=False, in_place=False)
 
+    def plan(self, rows: list[CacheRow], L: int, pos: list[int], epoch: int, lens: list[int]) -> object:
+        """A few tokens a row read in place, each query over its own keys; other passes as DenseRoute plans them."""
+        if 1 < L <= MULTI_QUERY and not self.upcast:
+            step = self.prefill_plan(rows, L, pos, lens, mask=False)
+            P, G = self.geom.page_size, self.geom.query_heads // self.geom.kv_heads
+            width = step.table.shape[1]
+            mask = multi_query_mask(pos, lens, L, width * P, G)  # (B, 1, T, G * L) key-major
+            mask = mask.reshape(len(rows), 1, width, P, G * L).swapaxes(-1, -2)
+            return self._in_place(step.rows, step.table, mask, L, step.take)
+        return super().plan(rows, L, pos, epoch, lens)
+
     def decode_plan(self, rows: list[CacheRow], pos: list[int]) -> DenseStep | PortableStep:  # type: ignore[override]
         """A one-token pass read in place, built from Python lists (see DenseRoute.decode_plan)."""
         if self.upcast:
             return super().decode_plan(rows, pos)
-        P, H, B = self.geom.page_size, self.geom.kv_heads, len(rows)
         table, hrows, mask = self.decode_slots(rows, pos)
-        width = table.shape[1]
-        mask = mask.reshape(B, 1, width, 1, P)
+        return self._in_place(hrows, table, mask.reshape(len(rows), 1, table.shape[1], 1, self.geom.page_size), 1)
+
+    def _in_place(self, hrows: mx.array, table: mx.array, mask: mx.array, L: int,
+                  take: Optional[mx.array] = None) -> PortableStep:
+        """A pass of L queries a row read in place: the rows' pages, value blocks and attention calls."""
+        H, (B, width) = self.geom.kv_heads, table.shape
         heads, query_of = page_heads(table, H)
         st = self.store
-        G = self.geom.query_heads // H
-        cuts = value_cuts(width, G * self.geom.head_dim * st.dtype.size, _page_bytes([st.k[0], st.v[0]]))
-        return PortableStep(hrows, heads, query_of, mask, cuts, row_groups(B, H * width))
+        GL = self.geom.query_heads // H * L
+        cuts = value_cuts(width, GL * self.geom.head_dim * st.dtype.size, _page_bytes([st.k[0], st.v[0]]))
+        return PortableStep(hrows, heads, query_of, mask, cuts, row_groups(B, H * width), take)
 
     def attend(self, layer: int, meta: object, queries: mx.array, scale: float) -> mx.array:
         """Decode in place; other passes as DenseRoute attends them."""
