@@ -1,6 +1,8 @@
 """The verification pass: every decoding row of the step in one forward, each with its last token
-and its proposed tokens (ragged: a row proposing nothing has one token), through the same pass
-that prefill chunks take over a row's cached pages, with logits kept at every position.
+and its proposed tokens (ragged: a row proposing nothing has one token), a multi-token pass over the
+rows' cached pages with logits kept at every position. The attention route decides how such a pass
+reads the pages: with kv none in place, as a decode step does, each query over the keys up to its
+own position (routes/dense.py `multi_plan`, routes/portable.py, routes/cuda.py `CudaMulti`).
 
 Each position is sampled exactly as a decode step at that output step would be: the same
 controls, min_tokens masks at that step, and for sampled rows the key that step would use (the

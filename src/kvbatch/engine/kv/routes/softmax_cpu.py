@@ -8,12 +8,14 @@ keys get exactly 0 (x clamps to -127). Without a working compiler the same math 
 """
 from __future__ import annotations
 
-import sys
+import logging
 from typing import Callable
 
 import mlx.core as mx
 
 from kvbatch.engine.kv.routes.exp2_cpu import LOG2E, exp2_eager, exp2_fused
+
+logger = logging.getLogger(__name__)
 
 
 def _masked(mask: mx.array, scores: mx.array, scale: float) -> mx.array:
@@ -88,6 +90,5 @@ def _probe_fused() -> Callable:
         if mx.allclose(got, want, atol=1e-6).item():
             return softmax_fused
     except Exception as e:  # no compiler, or it failed: keep going without the fused kernels
-        print(f"[kvbatch] fused CPU softmax unavailable ({type(e).__name__}: {e}); using the eager one",
-              file=sys.stderr)
+        logger.warning("fused CPU softmax unavailable (%s: %s); using the eager one", type(e).__name__, e)
     return softmax_eager
