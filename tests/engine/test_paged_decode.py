@@ -159,3 +159,44 @@ def test_few_token_pass_in_place_equals_gathered(P, G, route):
     assert mx.array_equal(pools[0][0], pools[1][0]).item() and mx.array_equal(pools[0][1], pools[1][1]).item()
     for b, n in enumerate(lens):
         assert mx.allclose(outs[0][b, :, :n], outs[1][b, :, :n], atol=2e-5).item(), b
+
+
+@pytest.mark.parametrize("k_axis,bits", [("channel", 8), ("token", 4)])
+def test_few_token_quantized_pass_in_place_equals_gathered(k_axis, bits):
+    """q8/q4 (CPU, float32 stores): a verification window in each row's tail page (one row's one
+    token completing its page, which it seals) read in place like decode (QuantRoute._multi_plan),
+    against the prefill path (sealed pages dequantized, the chunk as written): the same buffers
+    after the pass, the same outputs within float32 rounding of the quantized products."""
+    from kvbatch.engine.kv.pages import CacheRow
+    from kvbatch.engine.kv.routes.base import Geometry
+    from kvbatch.engine.kv.routes.quant import QuantPagedDecode, QuantPrefill, QuantRoute
+
+    P, Hkv, G, D, L = 32, 2, 3, 64, 4
+    pos, lens = [P + 3, 3 * P - 1, 2 * P + 9], [4, 1, 3]  # row 1's own token completes its third page
+    rng = np.random.default_rng(bits)
+    prefix = [(mx.array(rng.standard_normal((1, Hkv, a, D)).astype(np.float32)),
+               mx.array(rng.standard_normal((1, Hkv, a, D)).astype(np.float32))) for a in pos]
+    q, k, v = (mx.array(rng.standard_normal((3, h, L, D)).astype(np.float32)) for h in (Hkv * G, Hkv, Hkv))
+    outs, bufs = [], []
+    for in_place in (True, False):
+        store = QuantizedStore(1, Hkv, D, P, mx.float32, bits, 32, tail_slots=3, k_axis=k_axis)
+        store.grow(12)
+        route = QuantRoute(store, Geometry(P, Hkv, D, Hkv * G), [None], in_place=in_place)
+        rows = [CacheRow(f"r{i}", pages=[3 * i + j for j in range(3)][::-1] + [9 + i], tail=i) for i in range(3)]
+        for r, a, (pk, pv) in zip(rows, pos, prefix):  # each row's prefix, one prefill pass a row
+            meta = route.plan([r], a, [0], 0, [a])
+            route.write(0, meta, pk, pv)
+            route.end()
+            r.length = a
+        meta = route.plan(rows, L, pos, 0, lens)
+        assert isinstance(meta, QuantPagedDecode if in_place else QuantPrefill)
+        route.write(0, meta, k, v)
+        outs.append(route.attend(0, meta, q, D ** -0.5))
+        route.end()
+        # the packed pages, and the tails' tokens (a sealed tail's slots are dead; the paths leave them differently)
+        bufs.append(store.q[0] + [t[i, :, :(a + n) % P] for t in (store.tk[0], store.tv[0])
+                                  for i, (a, n) in enumerate(zip(pos, lens))])
+    for x, y in zip(*bufs):
+        assert mx.array_equal(x, y).item()
+    for b, n in enumerate(lens):
+        assert mx.allclose(outs[0][b, :, :n], outs[1][b, :, :n], atol=1e-4).item(), b

@@ -82,8 +82,9 @@ def test_ngram_proposes_what_followed_the_latest_longest_match():
 
 
 def test_quantized_window_never_seals_an_unverified_token(tiny_model):
-    """q8/q4: the verified window ends before the row's page is complete (only the row's own first
-    token may complete it), so a rollback only ever cuts into the dense tail page."""
+    """q8/q4: the verified window stays in the row's tail page and ends before the page is complete
+    (a row whose own token completes it proposes nothing), so a rollback only ever cuts into the
+    dense tail page."""
     row = Row(Request("k", [1] * 10, SamplingParams(max_tokens=100)), CacheRow("k"), RowSampler(SamplingParams()),
               110, 0.0, out=[3])
     P = 16
@@ -93,6 +94,8 @@ def test_quantized_window_never_seals_an_unverified_token(tiny_model):
         last = length + k  # the pass writes positions length..last
         sealed = [b for b in range(P - 1, last + 1, P) if b >= length]  # page ends the pass writes
         assert all(b == length for b in sealed), (length, k)
+        assert last // P == length // P, (length, k)  # one page
+        assert k == min(8, P - 2 - length % P) if length % P < P - 1 else k == 0
         assert max_proposal(row, 8, 4096, P, quantized=False) == 8
     row.kv.length = 5
     assert max_proposal(row, 8, 4096, 1, quantized=True) == 0  # page size 1: every token seals its page

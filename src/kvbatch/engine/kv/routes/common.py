@@ -66,10 +66,14 @@ class TailWrites:
 
 
 def tail_writes(P: int, H: int, k_axis: str, rows: list[CacheRow], pos: list[int], tails: list[int],
-                fill: list[int]) -> TailWrites:
-    """The TailWrites of one token per row at positions `pos` (fill: tokens in each tail before it)."""
-    tail_write = mx.array(head_rows([a * P + f for a, f in zip(tails, fill)], P, H), dtype=mx.int32)
-    done = [i for i, f in enumerate(fill) if f == P - 1]
+                fill: list[int], counts: list[int] | None = None) -> TailWrites:
+    """The TailWrites of one token per row at positions `pos` (fill: tokens in each tail before it),
+    or of counts[i] tokens of row i from there, all in its tail page (a row's written tokens in order,
+    row after row); a row whose tokens complete the page seals it."""
+    n = counts or [1] * len(rows)
+    slots = [a * P + f + j for a, f, c in zip(tails, fill, n) for j in range(c)]
+    tail_write = mx.array(head_rows(slots, P, H), dtype=mx.int32)
+    done = [i for i, (f, c) in enumerate(zip(fill, n)) if f + c == P]
     if done and k_axis == "token":
         return TailWrites(tail_write, seal_pages=(mx.array([tails[i] for i in done], dtype=mx.int32),
                                                   mx.array([rows[i].pages[pos[i] // P] for i in done], dtype=mx.int32)))

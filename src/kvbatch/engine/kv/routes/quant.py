@@ -25,10 +25,10 @@ import numpy as np
 
 from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.kv.store import QuantizedStore, head_rows
-from kvbatch.engine.kv.routes.base import Geometry, Route, flat_tokens
+from kvbatch.engine.kv.routes.base import Geometry, Route, flat_tokens, real_tokens
 from kvbatch.engine.kv.routes.common import TailWrites, causal_mask, page_heads, page_table, tail_writes, token_slots
 from kvbatch.engine.kv.routes.cpu_streams import stream_split
-from kvbatch.engine.kv.routes.dense import dense_attention
+from kvbatch.engine.kv.routes.dense import MULTI_QUERY, dense_attention
 from kvbatch.engine.kv.routes.softmax_cpu import masked_softmax
 
 ROUTE_QMM = "paged_qmm_f32"
@@ -121,12 +121,14 @@ def quantized_paged_decode(q: mx.array, kq: list[mx.array], vq: list[mx.array], 
                            first: tuple[mx.array, mx.array] | None = None) -> mx.array:
     """`quantized_decode_attention` read from the packed pages in place (CPU, float32 stores).
 
-    q (B, Hq, 1, D); kq: the layer's K pool triplet, K^T pages (pages, Hkv, D, ·) quantized
+    q (B, Hq, L, D): decode's one query a row, or a few (a verification window, each query
+    masked to its own keys by `mask`); kq: the layer's K pool triplet, K^T pages (pages, Hkv, D, ·) quantized
     per channel (k_transposed, QuantizedStore k_axis="channel") or K pages (pages, Hkv, P, ·)
     quantized per token; vq: its V triplet, (pages, Hkv, P, ·);
     tk, tv (B, Hkv, P, D): the rows' dense tail pages; page_heads (B, Hkv, n): the
     (page * Hkv + head) of each row's sealed pages; query_of (B, Hkv, 1): b * Hkv + head;
-    mask (B, 1, 1 + n, 1, P): the tail's valid keys, then the sealed pages'.
+    mask (B, 1, 1 + n, Q, P): the tail's valid keys, then the sealed pages' (Q = 1: the same for
+    every query; Q = G * L: each query's, `quantized_paged_plan` with lens).
 
     `mx.gather_qmm` multiplies each packed page where it lies by its (row, KV head)'s query
     group: no page-table gather of the packed K/V (and no K^T transpose copy). Scores come
@@ -142,9 +144,9 @@ def quantized_paged_decode(q: mx.array, kq: list[mx.array], vq: list[mx.array], 
     padded to m whole pages and attended after the tail; mask then has 1 + m + n pages (the copy's
     valid keys after the tail's; those tokens masked out of the sealed pages).
     """
-    B, Hq, _, D = q.shape
+    B, Hq, L, D = q.shape
     Hkv = tk.shape[1]
-    G, n = Hq // Hkv, page_heads.shape[-1]
+    G, n = Hq // Hkv * L, page_heads.shape[-1]  # a KV head's queries: its group's, at each of the L positions
     kbits, vbits = _split_bits(bits)
     streams = streams or [None]
     runs = list(zip(cuts, cuts[1:])) if cuts else [(0, n)]
@@ -173,31 +175,42 @@ def quantized_paged_decode(q: mx.array, kq: list[mx.array], vq: list[mx.array], 
                         group_size=group_size, bits=vbits, stream=streams[i % len(streams)])
           for i, (a, z) in enumerate(runs)]  # (B, Hkv, z - a, G, D) each
     out = out + (mx.concatenate(pv, axis=2) if len(pv) > 1 else pv[0]).sum(axis=2)
-    out = out.reshape(B, Hq, 1, D)
+    out = out.reshape(B, Hq, L, D)
     return out if out.dtype == q.dtype else out.astype(q.dtype)
 
 
 def quantized_paged_plan(table: mx.array, n_before: list[int], fill: list[int], P: int, H: int, D: int,
-                         streams: list, first: list[int] | None = None, N: int = 0) -> dict:
+                         streams: list, first: list[int] | None = None, N: int = 0,
+                         lens: list[int] | None = None, group: int = 1) -> dict:
     """The per-step inputs of `attention.quantized_paged_decode`, built once for every layer:
     table (B, n) the rows' sealed pages (padded with their first), n_before their sealed page
     counts and fill their tail's tokens before this step's. first: each row's tokens read from its
-    dense copy of N first tokens (masked out of the sealed pages), None: none."""
+    dense copy of N first tokens (masked out of the sealed pages), None: none. lens: a pass of
+    lens[b] tokens a row in its tail (padded to the longest, L), whose query j sees the tail up to
+    its own token; group: query heads per KV head (the mask then has one column per query)."""
     B, width = table.shape
     n = stream_split(B * H, width * P, D, min(len(streams), width))
-    tail = mx.arange(P)[None] <= mx.array(fill)[:, None]  # (B, P): this step's token included
+    if lens is None:
+        last = mx.array(fill)[:, None]  # (B, 1): this step's token included
+    else:  # a padding position sees the row's real tokens
+        last = mx.array([[f + min(j, c - 1) for j in range(max(lens))] for f, c in zip(fill, lens)])
+    tail = mx.arange(P)[None, None] <= last[:, :, None]  # (B, L, P)
+    if lens is not None:
+        tail = mx.tile(tail, (1, group, 1))  # (B, G * L, P): a KV head's queries, group-major
+    Q = tail.shape[1]
     pages = mx.arange(width)[None] < mx.array(n_before)[:, None]  # (B, width)
-    pages = mx.broadcast_to(pages[:, :, None], (B, width, P))
+    pages = mx.broadcast_to(pages[:, :, None, None], (B, width, Q, P))
     blocks = [tail[:, None]]
     if first is not None:
         m = -(-N // P)
         f = mx.array(first)[:, None]
-        blocks.append((mx.arange(m * P)[None] < f).reshape(B, m, P))  # the copy's valid keys
-        pages = pages & (mx.arange(width * P)[None] >= f).reshape(B, width, P)
+        copy = (mx.arange(m * P)[None] < f).reshape(B, m, 1, P)  # the copy's valid keys
+        blocks.append(mx.broadcast_to(copy, (B, m, Q, P)))
+        pages = pages & (mx.arange(width * P)[None] >= f).reshape(B, width, 1, P)
     mask = mx.concatenate(blocks + [pages], axis=1)
     heads, query_of = page_heads(table, H)
     return {"q_page_heads": heads, "query_of": query_of, "cuts": [width * i // n for i in range(n + 1)],
-            "mask_p": mask.reshape(B, 1, mask.shape[1], 1, P)}
+            "mask_p": mask.reshape(B, 1, mask.shape[1], Q, P)}
 
 
 @dataclass(frozen=True)
@@ -262,6 +275,7 @@ class QuantPagedDecode:
     cuts: list
     mask_p: mx.array
     first: bool = False  # see QuantDecode
+    take: Optional[mx.array] = None  # a few-token pass: its real tokens (base.real_tokens)
 
 
 class QuantRoute(Route):
@@ -282,6 +296,9 @@ class QuantRoute(Route):
         p = np.array(pos, dtype=np.int32)
         n_before = p // P  # pages sealed before this pass
         if L > 1:
+            if self.in_place and L <= MULTI_QUERY and n_before.max() > 0 and all(
+                    a % P + n <= P for a, n in zip(pos, lens)):
+                return self._multi_plan(rows, L, pos, lens)
             return self._prefill_plan(rows, L, p, lens)
         tails = [r.tail_slot for r in rows]
         tails_a = mx.array(tails, dtype=mx.int32)
@@ -313,6 +330,23 @@ class QuantRoute(Route):
         mask_t = (mx.arange(P)[None] <= mx.array(fill)[:, None]).reshape(len(rows), 1, 1, P)
         mask_all = mx.concatenate([m for m in (mask_f, mask_q, mask_t) if m is not None], axis=-1)
         return QuantDecode(tails_a, table_q, writes, mask_q, runs_q, mask_t, mask_all, use_first)
+
+    def _multi_plan(self, rows: list[CacheRow], L: int, pos: list[int], lens: list[int]) -> QuantPagedDecode:
+        """A few tokens a row, all in its tail page (a verification window: speculative/window.py):
+        written into the tails as decode writes its token (a row that completes its page seals it),
+        and read in place like decode, each query over the sealed pages and the tail up to itself."""
+        P, H, D = self.geom.page_size, self.geom.kv_heads, self.geom.head_dim
+        n_before = [a // P for a in pos]
+        fill = [a % P for a in pos]
+        tails = [r.tail_slot for r in rows]
+        writes = tail_writes(P, H, self.store.k_axis, rows, pos, tails, fill, lens)
+        N = self.store.full_precision
+        first = [min(N, n * P) for n in n_before]
+        use_first = max(first) > 0
+        t = quantized_paged_plan(page_table(rows, n_before), n_before, fill, P, H, D, self.streams,
+                                 first if use_first else None, N, lens, self.geom.query_heads // H)
+        return QuantPagedDecode(mx.array(tails, dtype=mx.int32), writes, t["q_page_heads"], t["query_of"], t["cuts"],
+                                t["mask_p"], use_first, real_tokens(L, lens))
 
     def _prefill_plan(self, rows, L, p, lens) -> QuantPrefill:
         P, H, runs = self.geom.page_size, self.geom.kv_heads, []
@@ -366,6 +400,9 @@ class QuantRoute(Route):
                 segments.insert(0, (keys if whole else keys[f.idx], values if whole else values[f.idx]))
             self._segment[layer] = segments
         else:
+            take = meta.take if isinstance(meta, QuantPagedDecode) else None
+            if take is not None:
+                k, v = k[take], v[take]
             meta.writes.apply(self.store, layer, k, v)
 
     def attend(self, layer: int, meta, queries: mx.array, scale: float) -> mx.array:
