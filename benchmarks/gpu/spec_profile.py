@@ -28,6 +28,7 @@ SMOKE = ["--model", "tiny", "--rows", "2", "--max-tokens", "4", "--warm", "1", "
 
 def add_args(ap) -> None:
     ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--mode", default="none", help="KV mode (harness.parse_mode), e.g. q8")
     ap.add_argument("--rows", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--warm", type=int, default=8, help="rows of the untimed warm-up run")
@@ -47,7 +48,7 @@ def run(a) -> dict:
     out = {}
     for side in a.sides.split(","):
         sp = {"method": "ngram", "num_tokens": a.num_tokens} if side == "spec" else None
-        eng = Engine(model, tok, spec, h.mode_config("none", speculative=sp, max_batch="auto"))
+        eng = Engine(model, tok, spec, h.mode_config(a.mode, speculative=sp, max_batch="auto"))
         eng.generate(_requests(tok, a.warm, 32, "w"))
         s0 = eng.stats()
         prof = cProfile.Profile()
