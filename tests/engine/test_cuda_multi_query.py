@@ -1,5 +1,5 @@
 """MLX CUDA: a few-token pass (a speculative verification window, a short prompt tail) attends
-through the fused decode kernel, one query per (row, position) (engine.options.cuda.multi_query):
+through the fused decode kernel, one query per (row, position) (engine.options.multi_query):
 it stores the same K/V as the prefill path and each real query's output matches the prefill
 path's (gathered pages, composed matmuls) within bf16 rounding; rows at different positions, one
 crossing into a new page, one with a single token beside rows of five. Skipped off CUDA (the CPU
@@ -41,7 +41,7 @@ def test_multi_query_pass_matches_prefill_path(page):
         for i, n in enumerate(n_pages):  # pages not in order, none shared
             rows.append(CacheRow(f"r{i}", pages=list(range(first + n - 1, first - 1, -1)), length=pos[i]))
             first += n
-        route = CudaDenseRoute(store, Geometry(page, Hkv, D, Hq), False, CudaLaunch(multi_query=multi), False)
+        route = CudaDenseRoute(store, Geometry(page, Hkv, D, Hq), False, CudaLaunch(), False, multi)
         meta = route.plan(rows, L, pos, 0, lens)
         assert isinstance(meta, CudaMulti if multi > 1 else DenseStep)
         q = mx.random.normal((len(pos), Hq, L, D)).astype(mx.bfloat16)

@@ -146,8 +146,9 @@ def test_few_token_pass_in_place_equals_gathered(P, G, route):
             rows.append(CacheRow(f"r{i}", pages=list(range(first + n - 1, first - 1, -1)), length=pos[i]))
             first += n
         geom = Geometry(P, Hkv, D, Hkv * G)
-        r: DenseRoute = (PortableDenseRoute(store, geom, upcast=False) if in_place and route == "portable" else
-                         DenseRoute(store, geom, upcast=False, cpu=True, in_place=in_place))
+        portable = in_place and route == "portable"
+        r: DenseRoute = (PortableDenseRoute(store, geom, upcast=False, multi_query=8) if portable
+                         else DenseRoute(store, geom, upcast=False, cpu=True, in_place=in_place, multi_query=8))
         meta = r.plan(rows, L, pos, 0, lens)
         if route == "portable" and in_place:
             assert isinstance(meta, PortableStep) and meta.take is not None
@@ -181,7 +182,7 @@ def test_few_token_quantized_pass_in_place_equals_gathered(k_axis, bits):
     for in_place in (True, False):
         store = QuantizedStore(1, Hkv, D, P, mx.float32, bits, 32, tail_slots=3, k_axis=k_axis)
         store.grow(12)
-        route = QuantRoute(store, Geometry(P, Hkv, D, Hkv * G), [None], in_place=in_place)
+        route = QuantRoute(store, Geometry(P, Hkv, D, Hkv * G), [None], in_place=in_place, multi_query=8)
         rows = [CacheRow(f"r{i}", pages=[3 * i + j for j in range(3)][::-1] + [9 + i], tail=i) for i in range(3)]
         for r, a, (pk, pv) in zip(rows, pos, prefix):  # each row's prefix, one prefill pass a row
             meta = route.plan([r], a, [0], 0, [a])

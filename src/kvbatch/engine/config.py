@@ -94,9 +94,6 @@ class CudaLaunch:
     unroll: int = 0  # tokens per lane per loop step; 0: the kernel kind's default (dense 2, q8/q4 4)
     warps: int = 0  # most warps per block; 0: the kernel kind's default (dense 8, q8/q4 4)
     kernel_writes: bool = True  # decode stores the step's new K/V inside the kernel (else scatters first)
-    # passes of 2..multi_query tokens a row (speculative verification windows, short prompt tails)
-    # attend through the decode kernel, one query per (row, position); 1: always the prefill path
-    multi_query: int = 8
 
 
 # Options that never change a row's tokens (they change how fast, or what is printed): left out of
@@ -122,6 +119,10 @@ class EngineOptions:
     rope_table: bool = True  # CPU decode RoPE from one cos/sin table per step (else MLX's kernel per call)
     cpu_swiglu: bool = True  # CPU SwiGLU MLPs take e^x by a compiled polynomial (else mlx-lm's swiglu: scalar exp)
     step_reuse: bool = True  # CUDA decode reuses the last step's page table while no row gains a page
+    # passes of 2..multi_query tokens a row (speculative verification windows, short prompt tails) read
+    # the pages as decode does, each query over the keys up to its own position (kv none; q8/q4 on the
+    # CPU when the window stays in the row's tail page); 1: such passes take the prefill path
+    multi_query: int = 8
     # CPU decode attention spreads over this many streams (kv none: groups of rows; q8/q4: runs of
     # pages); 0: min(cores, 4); 1: off
     attention_threads: int = 0

@@ -13,7 +13,7 @@ keys up to its own position: the decode kernel computes exactly that when each (
 is one of its rows, with the row's page table and its own key count (`CudaMulti`). Its K/V are
 scattered into the pages first, as a prefill chunk's are. So verification reads the pages in
 place like decode, with decode's numerics, instead of gathering every row's pages into a
-contiguous copy and composing matmuls over it (`CudaLaunch.multi_query`).
+contiguous copy and composing matmuls over it (`EngineOptions.multi_query`).
 """
 from __future__ import annotations
 
@@ -90,8 +90,9 @@ def multi_lengths(pos: list[int], lens: list[int], L: int) -> list[int]:
 class CudaDenseRoute(DenseRoute):
     """kv none on MLX CUDA: decode by the fused paged kernel, prefill as the dense route with composed attention."""
 
-    def __init__(self, store, geom: Geometry, upcast: bool, launch: CudaLaunch, step_reuse: bool):
-        super().__init__(store, geom, upcast, cpu=False, in_place=False)
+    def __init__(self, store, geom: Geometry, upcast: bool, launch: CudaLaunch, step_reuse: bool,
+                 multi_query: int = 1):
+        super().__init__(store, geom, upcast, cpu=False, in_place=False, multi_query=multi_query)
         self.name, self.launch, self.reuse = ROUTE_CUDA, launch, StepReuse(step_reuse)  # not DenseRoute's name
         self.composed = True  # prefill: no cuDNN graph per pass shape (dense.composed_attention)
         self._new_kv: dict[int, tuple[mx.array, mx.array]] = {}  # decode K/V the kernel stores
@@ -99,7 +100,7 @@ class CudaDenseRoute(DenseRoute):
     def plan(self, rows, L, pos, epoch, lens):
         """Decode: a page table and lengths for the kernel (reused from the previous step while no row gains a page);
         prefill: the dense route's plan."""
-        if L > self.launch.multi_query:
+        if L > self.multi_query:
             return self.prefill_plan(rows, L, pos, lens)
         if L > 1:
             step = self.prefill_plan(rows, L, pos, lens, mask=False)

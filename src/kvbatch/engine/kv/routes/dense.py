@@ -116,11 +116,6 @@ def multi_query_mask(pos: list[int], lens: list[int], L: int, T: int, group: int
     return mx.tile(mask, (1, 1, group))[:, None]
 
 
-# Passes of 2..MULTI_QUERY tokens a row (a speculative verification window, a short prompt tail)
-# read the pages in place as decode does, each query with its own keys, instead of gathering them.
-MULTI_QUERY = 8
-
-
 @dataclass(frozen=True)
 class InPlaceGroup:
     """One group of a decode step's rows, read in place on its own CPU stream."""
@@ -148,11 +143,12 @@ class DenseRoute(Route):
     """kv none: attention over dense pages, gathered through the page table (or read in place on the CPU)."""
 
     def __init__(self, store: DenseStore, geom: Geometry, upcast: bool, cpu: bool, in_place: bool,
-                 streams: Optional[list] = None):
+                 streams: Optional[list] = None, multi_query: int = 1):
         """cpu: the CPU's decode (grouped matmul); in_place: also read float32 pages in place;
-        streams: CPU streams that in-place decode spreads its rows over (cpu_streams.py)."""
+        streams: CPU streams that in-place decode spreads its rows over (cpu_streams.py);
+        multi_query: passes of 2 to this many tokens a row are read like decode (EngineOptions.multi_query)."""
         self.store, self.geom, self.upcast, self.grouped = store, geom, upcast, cpu
-        self.in_place, self.streams = in_place, streams or [None]
+        self.in_place, self.streams, self.multi_query = in_place, streams or [None], multi_query
         self.composed = False  # multi-token passes through composed_attention (the CUDA route)
         self.name = ROUTE_DENSE_F32 if upcast else ROUTE_DENSE
 
@@ -161,7 +157,7 @@ class DenseRoute(Route):
         reads with each query's own keys (`multi_plan`); a prefill plan otherwise."""
         if L == 1:
             return self.decode_plan(rows, pos)
-        if self.in_place and L <= MULTI_QUERY:
+        if self.in_place and L <= self.multi_query:
             return self.multi_plan(rows, L, pos, lens)
         return self.prefill_plan(rows, L, pos, lens)
 

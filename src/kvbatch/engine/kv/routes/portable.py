@@ -31,7 +31,7 @@ from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.kv.store import DenseStore, QuantizedStore
 from kvbatch.engine.kv.routes.base import Geometry, flat_tokens
 from kvbatch.engine.kv.routes.common import TailWrites, page_heads, page_table, tail_writes
-from kvbatch.engine.kv.routes.dense import MULTI_QUERY, DenseRoute, DenseStep, multi_query_mask
+from kvbatch.engine.kv.routes.dense import DenseRoute, DenseStep, multi_query_mask
 from kvbatch.engine.kv.routes.quant import QuantRoute, quantized_paged_plan
 
 # The most bytes a block's per-page work (G x D products; for q8/q4 also its float32 scores) may take,
@@ -186,12 +186,12 @@ class PortableDenseRoute(DenseRoute):
     """kv none on the portable route: decode reads the pages in place (`portable_paged_decode`);
     prefill, and fp16 models (whose scores are taken in float32, DenseRoute's upcast), gather + SDPA."""
 
-    def __init__(self, store: DenseStore, geom: Geometry, upcast: bool):
-        super().__init__(store, geom, upcast, cpu=False, in_place=False)
+    def __init__(self, store: DenseStore, geom: Geometry, upcast: bool, multi_query: int = 1):
+        super().__init__(store, geom, upcast, cpu=False, in_place=False, multi_query=multi_query)
 
     def plan(self, rows: list[CacheRow], L: int, pos: list[int], epoch: int, lens: list[int]) -> object:
         """A few tokens a row read in place, each query over its own keys; other passes as DenseRoute plans them."""
-        if 1 < L <= MULTI_QUERY and not self.upcast:
+        if 1 < L <= self.multi_query and not self.upcast:
             step = self.prefill_plan(rows, L, pos, lens, mask=False)
             P, G = self.geom.page_size, self.geom.query_heads // self.geom.kv_heads
             width = step.table.shape[1]

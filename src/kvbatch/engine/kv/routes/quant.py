@@ -28,7 +28,7 @@ from kvbatch.engine.kv.store import QuantizedStore, head_rows
 from kvbatch.engine.kv.routes.base import Geometry, Route, flat_tokens, real_tokens
 from kvbatch.engine.kv.routes.common import TailWrites, causal_mask, page_heads, page_table, tail_writes, token_slots
 from kvbatch.engine.kv.routes.cpu_streams import stream_split
-from kvbatch.engine.kv.routes.dense import MULTI_QUERY, dense_attention
+from kvbatch.engine.kv.routes.dense import dense_attention
 from kvbatch.engine.kv.routes.softmax_cpu import masked_softmax
 
 ROUTE_QMM = "paged_qmm_f32"
@@ -283,9 +283,11 @@ class QuantRoute(Route):
 
     name = ROUTE_QMM
 
-    def __init__(self, store: QuantizedStore, geom: Geometry, streams: list, in_place: bool):
-        """streams: see cpu_streams.py; in_place: CPU decode reads the packed pages in place."""
+    def __init__(self, store: QuantizedStore, geom: Geometry, streams: list, in_place: bool, multi_query: int = 1):
+        """streams: see cpu_streams.py; in_place: CPU decode reads the packed pages in place; multi_query:
+        in place, passes of 2 to this many tokens a row, each in its tail page, are read like decode."""
         self.store, self.geom, self.streams, self.in_place = store, geom, streams, in_place
+        self.multi_query = multi_query
         self.composed = False  # prefill attention through dense.composed_attention (the CUDA route)
         self._segment: dict[int, list[tuple[mx.array, mx.array]]] = {}  # prefill: each row's K/V as written
 
@@ -296,7 +298,7 @@ class QuantRoute(Route):
         p = np.array(pos, dtype=np.int32)
         n_before = p // P  # pages sealed before this pass
         if L > 1:
-            if self.in_place and L <= MULTI_QUERY and n_before.max() > 0 and all(
+            if self.in_place and L <= self.multi_query and n_before.max() > 0 and all(
                     a % P + n <= P for a, n in zip(pos, lens)):
                 return self._multi_plan(rows, L, pos, lens)
             return self._prefill_plan(rows, L, p, lens)

@@ -74,14 +74,15 @@ def select_route(layout: KVLayout, num_layers: int, dtype: mx.Dtype, tail_slots:
             return store, CudaQuantRoute(store, geom, options.cuda, options.step_reuse)
         if not cpu:
             return store, PortableQuantRoute(store, geom)
-        return store, QuantRoute(store, geom, _streams(cpu, options), in_place=cpu_pages and options.q_in_place)
+        return store, QuantRoute(store, geom, _streams(cpu, options), in_place=cpu_pages and options.q_in_place,
+                                 multi_query=options.multi_query)
     store = DenseStore(num_layers, layout.num_kv_heads, layout.head_dim, layout.page_size, dtype)
     if fused:
-        return store, CudaDenseRoute(store, geom, upcast, options.cuda, options.step_reuse)
+        return store, CudaDenseRoute(store, geom, upcast, options.cuda, options.step_reuse, options.multi_query)
     if not cpu:
-        return store, PortableDenseRoute(store, geom, upcast)
+        return store, PortableDenseRoute(store, geom, upcast, options.multi_query)
     return store, DenseRoute(store, geom, upcast, cpu=cpu, in_place=cpu_pages and not upcast and options.in_place,
-                             streams=_streams(cpu, options))
+                             streams=_streams(cpu, options), multi_query=options.multi_query)
 
 
 def _streams(cpu: bool, options: EngineOptions) -> list:
