@@ -282,20 +282,25 @@ def median_ms(f: Callable, n: int = 30, warm: int = 3) -> float:
 
 # --- the mlx-lm baseline --------------------------------------------------------------------------------
 
+def mlx_lm_generator(model, batch: int, prefill_batch: int | None = None):
+    """mlx-lm's BatchGenerator for `batch` rows, EOS off, over the model as it ships (kvbatch's Engine wraps
+    its RoPE and MLPs on the CPU)."""
+    from mlx_lm.generate import BatchGenerator
+
+    from kvbatch.engine.mlx_lm_bridge import as_shipped
+
+    as_shipped(model)
+    return BatchGenerator(model, stop_tokens=[], completion_batch_size=batch, prefill_batch_size=prefill_batch or batch)
+
+
 def run_mlx_lm(model, prompts: list[list[int]], new: int, prefill_batch: int | None = None,
                kv_held: bool = False) -> dict:
     """mlx-lm's BatchGenerator on the same token ids, EOS off, greedy: decode tok/s by its own counter
     (`decode_tps`) and by wall time less prefill (`decode_tps_wall`), peak memory, outputs; kv_held: the
     BatchKVCache's allocated bytes at their peak (reads the generator's batch: mlx-lm's insides)."""
-    from mlx_lm.generate import BatchGenerator
-
-    from kvbatch.engine.mlx_lm_bridge import as_shipped
-
-    as_shipped(model)  # mlx-lm runs the model as it ships (kvbatch's Engine wraps its RoPE and MLPs on the CPU)
     mx.clear_cache()
     mx.reset_peak_memory()
-    gen = BatchGenerator(model, stop_tokens=[], completion_batch_size=len(prompts),
-                         prefill_batch_size=prefill_batch or len(prompts))
+    gen = mlx_lm_generator(model, len(prompts), prefill_batch)
     t0 = time.perf_counter()
     uids = gen.insert(prompts, [new] * len(prompts))
     out: dict = {u: [] for u in uids}
@@ -589,14 +594,8 @@ class MlxLmStepper:
     for nothing, so a warm-up of n steps ends with the whole batch decoding)."""
 
     def __init__(self, model, prompts: list[list[int]], new: int, prefill_batch: int | None = None):
-        from mlx_lm.generate import BatchGenerator
-
-        from kvbatch.engine.mlx_lm_bridge import as_shipped
-
-        as_shipped(model)  # mlx-lm runs the model as it ships (kvbatch's Engine wraps its RoPE and MLPs on the CPU)
         self.batch, self.steps, self.done = len(prompts), 0, False
-        self.gen = BatchGenerator(model, stop_tokens=[], completion_batch_size=len(prompts),
-                                  prefill_batch_size=prefill_batch or len(prompts))
+        self.gen = mlx_lm_generator(model, len(prompts), prefill_batch)
         self.uids = self.gen.insert(prompts, [new] * len(prompts))
         self.tokens: dict[int, list[int]] = {u: [] for u in self.uids}
         self._live = len(prompts)
