@@ -49,7 +49,7 @@ def run(a) -> dict:
     out: dict = {"model": a.model, "batch": a.batch, "window": a.window}
     for name, L in (("decode", 1), ("verify", a.window)):
         B = a.batch
-        tokens = mx.random.randint(0, 1000, (B, L))
+        tokens = mx.random.randint(0, spec.vocab_size, (B, L))
         x = mx.random.normal((B * L, hid)).astype(dtype)
         head = model.lm_head if hasattr(model, "lm_head") else inner.embed_tokens.as_linear
         out[name] = {

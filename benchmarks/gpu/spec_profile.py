@@ -23,7 +23,8 @@ from kvbatch.engine.engine import Engine
 from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.types import Request
 
-SMOKE = ["--model", "tiny", "--rows", "2", "--max-tokens", "4", "--warm", "1", "--top", "3"]
+SMOKE = ["--model", "tiny", "--rows", "2", "--max-tokens", "4", "--warm", "1", "--top", "3", "--min-chars", "100",
+         "--max-chars", "200"]
 
 
 def add_args(ap) -> None:
@@ -35,10 +36,12 @@ def add_args(ap) -> None:
     ap.add_argument("--sides", default="spec,plain")
     ap.add_argument("--num-tokens", type=int, default=4)
     ap.add_argument("--top", type=int, default=25, help="functions listed per side")
+    ap.add_argument("--min-chars", type=int, default=1200, help="shortest passage (~300 tokens)")
+    ap.add_argument("--max-chars", type=int, default=6000, help="longest passage (~1,500 tokens)")
 
 
-def _requests(tok, n: int, max_tokens: int, tag: str) -> list[Request]:
-    texts = passages(n, 0, 1200, 6000)
+def _requests(tok, n: int, max_tokens: int, tag: str, chars: tuple[int, int]) -> list[Request]:
+    texts = passages(n, 0, *chars)
     return [Request(f"{tag}{i}", tok.encode(INSTRUCTION + t), SamplingParams(max_tokens=max_tokens))
             for i, t in enumerate(texts)]
 
@@ -49,7 +52,8 @@ def run(a) -> dict:
     for side in a.sides.split(","):
         sp = {"method": "ngram", "num_tokens": a.num_tokens} if side == "spec" else None
         eng = Engine(model, tok, spec, h.mode_config(a.mode, speculative=sp, max_batch="auto"))
-        eng.generate(_requests(tok, a.warm, 32, "w"))
+        chars = (a.min_chars, a.max_chars)
+        eng.generate(_requests(tok, a.warm, 32, "w", chars))
         s0 = eng.stats()
         prof = cProfile.Profile()
         trims = [0]
@@ -61,7 +65,7 @@ def run(a) -> dict:
         mx.clear_cache = counted  # type: ignore[assignment]  (counts the engine's buffer-cache trims)
         t0 = time.perf_counter()
         prof.enable()
-        res = eng.generate(_requests(tok, a.rows, a.max_tokens, "r"))
+        res = eng.generate(_requests(tok, a.rows, a.max_tokens, "r", chars))
         prof.disable()
         wall = time.perf_counter() - t0
         mx.clear_cache = clear  # type: ignore[assignment]
