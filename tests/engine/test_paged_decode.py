@@ -162,14 +162,18 @@ def test_few_token_pass_in_place_equals_gathered(P, G, route):
         assert mx.allclose(outs[0][b, :, :n], outs[1][b, :, :n], atol=2e-5).item(), b
 
 
-@pytest.mark.parametrize("k_axis,bits", [("channel", 8), ("token", 4)])
-def test_few_token_quantized_pass_in_place_equals_gathered(k_axis, bits):
-    """q8/q4 (CPU, float32 stores): a verification window in each row's tail page (one row's one
-    token completing its page, which it seals) read in place like decode (QuantRoute._multi_plan),
-    against the prefill path (sealed pages dequantized, the chunk as written): the same buffers
-    after the pass, the same outputs within float32 rounding of the quantized products."""
+@pytest.mark.parametrize("k_axis,bits,route,first", [("channel", 8, "cpu", 0), ("token", 4, "cpu", 0),
+                                                     ("token", 8, "portable", 0), ("token", 4, "portable", 40)])
+def test_few_token_quantized_pass_in_place_equals_gathered(k_axis, bits, route, first):
+    """q8/q4 (float32 stores): a verification window in each row's tail page (one row's one token
+    completing its page, which it seals) read in place like decode (the CPU route's
+    QuantRoute._multi_plan, the portable route's PortableQuantRoute.plan; with `first`, the rows'
+    first tokens read from their dense copies), against the prefill path (sealed pages dequantized,
+    the chunk as written): the same buffers after the pass, the same outputs within float32
+    rounding of the quantized products."""
     from kvbatch.engine.kv.pages import CacheRow
     from kvbatch.engine.kv.routes.base import Geometry
+    from kvbatch.engine.kv.routes.portable import PortableQuantRoute, PortableQuantStep
     from kvbatch.engine.kv.routes.quant import QuantPagedDecode, QuantPrefill, QuantRoute
 
     P, Hkv, G, D, L = 32, 2, 3, 64, 4
@@ -180,20 +184,23 @@ def test_few_token_quantized_pass_in_place_equals_gathered(k_axis, bits):
     q, k, v = (mx.array(rng.standard_normal((3, h, L, D)).astype(np.float32)) for h in (Hkv * G, Hkv, Hkv))
     outs, bufs = [], []
     for in_place in (True, False):
-        store = QuantizedStore(1, Hkv, D, P, mx.float32, bits, 32, tail_slots=3, k_axis=k_axis)
+        store = QuantizedStore(1, Hkv, D, P, mx.float32, bits, 32, tail_slots=3, k_axis=k_axis, full_precision=first)
         store.grow(12)
-        route = QuantRoute(store, Geometry(P, Hkv, D, Hkv * G), [None], in_place=in_place, multi_query=8)
+        geom = Geometry(P, Hkv, D, Hkv * G)
+        r = (PortableQuantRoute(store, geom, multi_query=8) if in_place and route == "portable" else
+             QuantRoute(store, geom, [None], in_place=in_place, multi_query=8))
         rows = [CacheRow(f"r{i}", pages=[3 * i + j for j in range(3)][::-1] + [9 + i], tail=i) for i in range(3)]
-        for r, a, (pk, pv) in zip(rows, pos, prefix):  # each row's prefix, one prefill pass a row
-            meta = route.plan([r], a, [0], 0, [a])
-            route.write(0, meta, pk, pv)
-            route.end()
-            r.length = a
-        meta = route.plan(rows, L, pos, 0, lens)
-        assert isinstance(meta, QuantPagedDecode if in_place else QuantPrefill)
-        route.write(0, meta, k, v)
-        outs.append(route.attend(0, meta, q, D ** -0.5))
-        route.end()
+        for row, a, (pk, pv) in zip(rows, pos, prefix):  # each row's prefix, one prefill pass a row
+            meta = r.plan([row], a, [0], 0, [a])
+            r.write(0, meta, pk, pv)
+            r.end()
+            row.length = a
+        meta = r.plan(rows, L, pos, 0, lens)
+        assert isinstance(meta, (PortableQuantStep if route == "portable" else QuantPagedDecode) if in_place
+                          else QuantPrefill)
+        r.write(0, meta, k, v)
+        outs.append(r.attend(0, meta, q, D ** -0.5))
+        r.end()
         # the packed pages, and the tails' tokens (a sealed tail's slots are dead; the paths leave them differently)
         bufs.append(store.q[0] + [t[i, :, :(a + n) % P] for t in (store.tk[0], store.tv[0])
                                   for i, (a, n) in enumerate(zip(pos, lens))])

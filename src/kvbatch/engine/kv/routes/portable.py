@@ -29,7 +29,7 @@ import mlx.core as mx
 
 from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.kv.store import DenseStore, QuantizedStore
-from kvbatch.engine.kv.routes.base import Geometry, flat_tokens
+from kvbatch.engine.kv.routes.base import Geometry, flat_tokens, real_tokens
 from kvbatch.engine.kv.routes.common import TailWrites, page_heads, page_table, tail_writes
 from kvbatch.engine.kv.routes.dense import DenseRoute, DenseStep, multi_query_mask
 from kvbatch.engine.kv.routes.quant import QuantRoute, quantized_paged_plan
@@ -102,29 +102,33 @@ def portable_quantized_decode(q: mx.array, kq: list[mx.array], vq: list[mx.array
                               dense: list[tuple[mx.array, mx.array]], dense_heads: mx.array, heads: mx.array,
                               query_of: mx.array, mask: mx.array, scale: float, group_size: int,
                               bits: tuple[int, int], cuts: list[int]) -> mx.array:
-    """One-query attention over packed pages and each row's dense pages (its tail and, with
-    kv.full_precision_tokens, its first-token copy), all read where they lie.
+    """Attention of each row's query (decode) or few queries (a verification window in its tail page)
+    over packed pages and each row's dense pages (its tail and, with kv.full_precision_tokens, its
+    first-token copy), all read where they lie.
 
     kq, vq: the layer's K and V pool triplets, (pages * Hkv, P, ·); dense: the tail pages (slots, Hkv, P, D)
     and, when attended, the first-token copies (slots, Hkv, N, D), each as (K, V); dense_heads (B, Hkv, 1):
     tail slot * Hkv + head; heads, query_of as in `portable_paged_decode` (of the rows' sealed pages);
-    mask (B, 1, 1 [+ m] + n, 1, P): the tail's valid keys[, the copy's, m pages' worth] and the sealed
-    pages' (routes/quant.py quantized_paged_plan). The dense pages first, then the sealed pages block by
-    block (`cuts`) with a running softmax: float32 scores are G x 4 bytes a key and KV head, large beside
-    8- and 4-bit pages, so only one block's scores exist at a time. The tail holds the step's own token,
+    mask (B, 1, 1 [+ m] + n, Q, P): the tail's valid keys[, the copy's, m pages' worth] and the sealed
+    pages' (routes/quant.py quantized_paged_plan), Q = 1 (the same for every query) or G * L (each
+    query's). The dense pages first, then the sealed pages block by block (`cuts`) with a running
+    softmax: float32 scores are G x 4 bytes a key and KV head, large beside 8- and 4-bit pages, so only
+    one block's scores exist at a time. The tail holds the step's own token,
     so the running maximum is finite from the first block on and a block with no valid key adds nothing."""
-    B, Hq, _, D = q.shape
+    B, Hq, L, D = q.shape
     _, Hkv, P, _ = dense[0][0].shape
-    G, dt = Hq // Hkv, dense[0][0].dtype
+    G, dt = Hq // Hkv * L, dense[0][0].dtype  # a KV head's queries: its group's, at each of the L positions
     kbits, vbits = bits
     qs = (q * mx.array(scale, q.dtype)).astype(dt).reshape(B * Hkv, G, D)
     qt = qs.swapaxes(-1, -2)  # (B*Hkv, D, G)
     neg = mx.array(-mx.inf, mx.float32)
     top = total = out = None
-    valid = [mask[:, :, :1].reshape(B, 1, 1, P, 1)]  # key-major, as gather_mm gives the dense scores
+    Q = mask.shape[3]
+    valid = [mask[:, :, :1].swapaxes(-1, -2)]  # (B, 1, 1, P, Q) key-major, as gather_mm gives the dense scores
     if len(dense) > 1:
-        N = dense[1][0].shape[2]
-        valid.append(mask[:, :, 1:1 - (-N // P)].reshape(B, 1, 1, -1, 1)[:, :, :, :N])
+        N, m = dense[1][0].shape[2], -(-dense[1][0].shape[2] // P)
+        copy = mask[:, :, 1:1 + m].transpose(0, 1, 3, 2, 4).reshape(B, 1, Q, m * P)  # the copy's keys, in order
+        valid.append(copy.swapaxes(-1, -2)[:, :, None, :N])
     for (keys, values), ok in zip(dense, valid):
         # key-major here: a transposed view of the tail pages, rewritten this step, costs a copy of them
         K = keys.shape[2]
@@ -155,7 +159,7 @@ def portable_quantized_decode(q: mx.array, kq: list[mx.array], vq: list[mx.array
         out = out * keep[..., None] + part.astype(mx.float32).sum(axis=2)
         total = total * keep + p.sum(axis=(2, 4))
         top = new_top
-    return (out / total[..., None]).reshape(B, Hq, 1, D).astype(q.dtype)
+    return (out / total[..., None]).reshape(B, Hq, L, D).astype(q.dtype)
 
 
 def _page_bytes(arrays: list[mx.array]) -> int:
@@ -239,6 +243,7 @@ class PortableQuantStep:
     cuts: list[int]
     groups: list[tuple[int, int]]  # the rows of each attention call (row_groups)
     first: bool = False  # attend to the rows' dense first-token copies (kv.full_precision_tokens)
+    take: Optional[mx.array] = None  # a few-token pass: its real tokens (base.real_tokens)
 
 
 class PortableQuantRoute(QuantRoute):
@@ -246,37 +251,45 @@ class PortableQuantRoute(QuantRoute):
     place (`portable_quantized_decode`); steps with no sealed page, prefill, and fp16 models (whose
     scores are taken in float32) as QuantRoute."""
 
-    def __init__(self, store: QuantizedStore, geom: Geometry):
-        super().__init__(store, geom, [None], in_place=False)
+    def __init__(self, store: QuantizedStore, geom: Geometry, multi_query: int = 1):
+        super().__init__(store, geom, [None], in_place=False, multi_query=multi_query)
 
     def plan(self, rows: list[CacheRow], L: int, pos: list[int], epoch: int, lens: list[int]) -> object:
-        """Decode steps whose rows hold sealed pages read them in place; other passes as QuantRoute plans them."""
+        """Decode steps whose rows hold sealed pages read them in place, and so do passes of a few tokens a
+        row that stay in each row's tail page (verification windows); other passes as QuantRoute plans them."""
         P, H, D = self.geom.page_size, self.geom.kv_heads, self.geom.head_dim
         n_before = [a // P for a in pos]
         st = self.store
+        few = 1 < L <= self.multi_query and all(a % P + n <= P for a, n in zip(pos, lens))
         # fp16 stores: scores past fp16's range; QuantRoute's gathered decode takes them in float32
-        if L > 1 or max(n_before) == 0 or st.dtype == mx.float16:
+        if (L > 1 and not few) or max(n_before) == 0 or st.dtype == mx.float16:
             return super().plan(rows, L, pos, epoch, lens)
         tails = [r.tail_slot for r in rows]
         fill = [a % P for a in pos]
-        writes = tail_writes(P, H, st.k_axis, rows, pos, tails, fill)
+        counts = lens if L > 1 else None
+        writes = tail_writes(P, H, st.k_axis, rows, pos, tails, fill, counts)
         N = st.full_precision
         first = [min(N, n * P) for n in n_before]
         use_first = max(first) > 0
         table = page_table(rows, n_before)
-        t = quantized_paged_plan(table, n_before, fill, P, H, D, [None], first if use_first else None, N)
-        G = self.geom.query_heads // H
+        t = quantized_paged_plan(table, n_before, fill, P, H, D, [None], first if use_first else None, N, counts,
+                                 self.geom.query_heads // H)
+        G = self.geom.query_heads // H * L
         # a block's float32 scores, their exponentials and mask (3 x 4 bytes a key) beside its products
         cuts = value_cuts(table.shape[1], G * (D * st.dtype.size + 12 * P), _page_bytes(st.q[0]))
         tail_heads, _ = page_heads(mx.array(tails, dtype=mx.int32)[:, None], H)
         heads = t["q_page_heads"]
         return PortableQuantStep(tail_heads, writes, heads, t["query_of"], t["mask_p"], cuts,
-                                 row_groups(len(rows), H * heads.shape[-1]), use_first)
+                                 row_groups(len(rows), H * heads.shape[-1]), use_first,
+                                 real_tokens(L, lens) if counts else None)
 
     def write(self, layer: int, meta, keys: mx.array, values: mx.array) -> None:
         """A step read in place writes into the rows' tails (sealing full ones); others as QuantRoute."""
         if isinstance(meta, PortableQuantStep):
-            meta.writes.apply(self.store, layer, *flat_tokens(keys, values))
+            k, v = flat_tokens(keys, values)
+            if meta.take is not None:
+                k, v = k[meta.take], v[meta.take]
+            meta.writes.apply(self.store, layer, k, v)
             return
         super().write(layer, meta, keys, values)
 
