@@ -121,7 +121,7 @@ class EngineOptions:
     step_reuse: bool = True  # CUDA decode reuses the last step's page table while no row gains a page
     # passes of 2..multi_query tokens a row (speculative verification windows, short prompt tails) read
     # the pages as decode does, each query over the keys up to its own position (kv none; q8/q4 on the
-    # CPU when the window stays in the row's tail page); 1: such passes take the prefill path
+    # CPU and the portable route when the window stays in the row's tail page); 1: the prefill path
     multi_query: int = 8
     # CPU decode attention spreads over this many streams (kv none: groups of rows; q8/q4: runs of
     # pages); 0: min(cores, 4); 1: off

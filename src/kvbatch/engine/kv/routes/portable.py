@@ -13,10 +13,10 @@ own `mx.softmax`, then the values in blocks of pages (`value_cuts`), each block'
 summed before the next. q8/q4,
 whose pages are 2-4x smaller than their float32 scores' share would allow, take scores and values
 block by block with a running softmax (as flash-decoding does), reading the rows' dense tail pages
-in place too. Either way the workspace stays a small share of the KV read. A kv-none pass of a few
-tokens a row (a speculative verification window: the row's token and its proposals) reads the pages
-the same way, each page's products taking the group's G x L queries, each query masked to the keys
-up to its own position. Longer passes (prefill) keep gather + MLX's SDPA (routes/dense.py,
+in place too. Either way the workspace stays a small share of the KV read. A pass of a few tokens a
+row (a speculative verification window: the row's token and its proposals; for q8/q4 one that stays
+in each row's tail page) reads the pages the same way, each page's products taking the group's
+G x L queries, each query masked to the keys up to its own position. Longer passes (prefill) keep gather + MLX's SDPA (routes/dense.py,
 routes/quant.py): a chunk's many queries amortize the gather, and SDPA's fused kernel is Metal's
 fastest attention.
 """
