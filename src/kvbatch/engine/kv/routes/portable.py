@@ -16,9 +16,9 @@ block by block with a running softmax (as flash-decoding does), reading the rows
 in place too. Either way the workspace stays a small share of the KV read. A pass of a few tokens a
 row (a speculative verification window: the row's token and its proposals; for q8/q4 one that stays
 in each row's tail page) reads the pages the same way, each page's products taking the group's
-G x L queries, each query masked to the keys up to its own position. Longer passes (prefill) keep gather + MLX's SDPA (routes/dense.py,
-routes/quant.py): a chunk's many queries amortize the gather, and SDPA's fused kernel is Metal's
-fastest attention.
+G x L queries, each query masked to the keys up to its own position. Longer passes (prefill) keep
+gather + MLX's SDPA (routes/dense.py, routes/quant.py): a chunk's many queries amortize the gather,
+and SDPA's fused kernel is Metal's fastest attention.
 """
 from __future__ import annotations
 
