@@ -326,3 +326,35 @@ def test_bad_speculative_setting_fails_at_once(tiny_model):
         _engine(tiny_model(), {"method": "eagle"})
     with pytest.raises(KvbatchConfigError, match="speculative.prompt_lookup_max"):
         _engine(tiny_model(), {"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2})
+
+
+@pytest.mark.parametrize("route,mode,in_place", [("auto", "none", "DenseStep"), ("auto", "q8", "QuantPagedDecode"),
+                                                 ("portable", "none", "PortableStep"),
+                                                 ("portable", "q8", "PortableQuantStep")])
+def test_multi_query_option_decides_how_windows_are_read(tiny_model, route, mode, in_place):
+    """engine.options.multi_query reaches the route: with the default, verification windows are read in
+    place like decode (the route's decode-kind plan); with 1, every multi-token pass takes the prefill
+    path. The tokens are the same either way; 0 is refused in one line."""
+    from tests.conftest import kv_cache
+
+    seen: dict[int, set] = {}
+    for mq in (8, 1):
+        eng = _engine(tiny_model(), NGRAM, mode=mode, options=EngineOptions(route=route, multi_query=mq))
+        attention = kv_cache(eng).attention
+        plan, kinds = attention.plan, set()
+
+        def watch(rows, L, pos, epoch, lens, plan=plan, kinds=kinds):
+            meta = plan(rows, L, pos, epoch, lens)
+            if 1 < L <= 5 and all(a > 0 for a in pos):  # verification windows (k = 4), no prompt chunk
+                name = type(meta).__name__  # a DenseStep with groups: read in place on the CPU
+                kinds.add(name + ("+groups" if name == "DenseStep" and getattr(meta, "groups", None) else ""))
+            return meta
+        attention.plan = watch
+        ref = _engine(tiny_model(), None, mode=mode, options=EngineOptions(route=route)).generate(_requests())
+        _same(ref, eng.generate(_requests()))
+        assert eng.summary()["spec_accepted"] > 0
+        seen[mq] = kinds
+    in_place_kind = in_place + ("+groups" if in_place == "DenseStep" else "")
+    assert in_place_kind in seen[8] and in_place_kind not in seen[1], seen
+    with pytest.raises(KvbatchConfigError, match="engine.options.multi_query"):
+        _engine(tiny_model(), NGRAM, options=EngineOptions(multi_query=0))

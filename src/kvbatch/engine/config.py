@@ -264,6 +264,7 @@ def check_settings(s: EngineSettings) -> None:
         _need(getattr(o, name) in choices, f"engine.options.{name}", getattr(o, name),
               f"choose one of {', '.join(choices)}")
     _need(o.attention_threads >= 0, "engine.options.attention_threads", o.attention_threads, "must be >= 0 (0 = auto)")
+    _need(o.multi_query >= 1, "engine.options.multi_query", o.multi_query, "must be >= 1 (1 = the prefill path)")
     c = o.cuda
     for f in fields(c):
         if f.type in ("int", int):

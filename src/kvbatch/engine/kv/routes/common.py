@@ -22,6 +22,12 @@ def page_table(rows: list[CacheRow], n_pages: list[int]) -> mx.array:
     return mx.array(table, dtype=mx.int32)
 
 
+def window_last(starts: list[int], lens: list[int], L: int) -> list[list[int]]:
+    """A few-token pass (lens[b] tokens of row b from position starts[b], right-padded to L): the position
+    of the last key each query j sees, starts[b] + j; a padding position sees the row's real tokens."""
+    return [[a + min(j, n - 1) for j in range(L)] for a, n in zip(starts, lens)]
+
+
 def token_slots(r: CacheRow, P: int, start: int, stop: int) -> np.ndarray:
     """Pool slots (page * P + offset) of row r's tokens start..stop-1."""
     p = np.arange(start, stop)

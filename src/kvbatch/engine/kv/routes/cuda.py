@@ -25,7 +25,7 @@ import mlx.core as mx
 from kvbatch.engine.config import CudaLaunch
 from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.kv.routes.base import Geometry, flat_tokens
-from kvbatch.engine.kv.routes.common import TailWrites, page_table, tail_writes
+from kvbatch.engine.kv.routes.common import TailWrites, page_table, tail_writes, window_last
 from kvbatch.engine.kv.routes.cuda_kernels import QuantPages, paged_decode_attention, paged_decode_attention_quantized
 from kvbatch.engine.kv.routes.dense import DenseRoute, DenseStep
 from kvbatch.engine.kv.routes.quant import QuantRoute
@@ -84,7 +84,7 @@ class CudaMulti:
 def multi_lengths(pos: list[int], lens: list[int], L: int) -> list[int]:
     """Keys seen by query j of each row of a pass right-padded to L (row b stores lens[b] tokens
     from pos[b]): pos[b] + j + 1, and for padding positions all the row's keys (read, unused)."""
-    return [a + min(j, n - 1) + 1 for a, n in zip(pos, lens) for j in range(L)]
+    return [last + 1 for row in window_last(pos, lens, L) for last in row]
 
 
 class CudaDenseRoute(DenseRoute):

@@ -20,7 +20,7 @@ from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.kv.store import DenseStore, head_rows
 from kvbatch.engine.kv.routes.base import Geometry, Route, flat_tokens, real_tokens
 from kvbatch.engine.kv.routes.cpu_streams import stream_split
-from kvbatch.engine.kv.routes.common import causal_mask, page_heads, page_table, token_slots
+from kvbatch.engine.kv.routes.common import causal_mask, page_heads, page_table, token_slots, window_last
 from kvbatch.engine.kv.routes.softmax_cpu import masked_softmax
 
 ROUTE_DENSE = "paged_sdpa"
@@ -111,7 +111,7 @@ def paged_grouped_decode(q: mx.array, k_pages: mx.array, v_pages: mx.array, page
 def multi_query_mask(pos: list[int], lens: list[int], L: int, T: int, group: int) -> mx.array:
     """(B, 1, T, group * L) key-major: query j of row b (each of its KV heads' `group` query heads)
     sees keys 0..pos[b] + j; a padding position (j >= lens[b]) sees the row's real keys."""
-    last = mx.array([[a + min(j, n - 1) for j in range(L)] for a, n in zip(pos, lens)])  # (B, L)
+    last = mx.array(window_last(pos, lens, L))  # (B, L)
     mask = mx.arange(T)[None, :, None] <= last[:, None, :]  # (B, T, L)
     return mx.tile(mask, (1, 1, group))[:, None]
 

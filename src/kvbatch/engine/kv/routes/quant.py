@@ -26,7 +26,8 @@ import numpy as np
 from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.kv.store import QuantizedStore, head_rows
 from kvbatch.engine.kv.routes.base import Geometry, Route, flat_tokens, real_tokens
-from kvbatch.engine.kv.routes.common import TailWrites, causal_mask, page_heads, page_table, tail_writes, token_slots
+from kvbatch.engine.kv.routes.common import (TailWrites, causal_mask, page_heads, page_table, tail_writes, token_slots,
+                                             window_last)
 from kvbatch.engine.kv.routes.cpu_streams import stream_split
 from kvbatch.engine.kv.routes.dense import dense_attention
 from kvbatch.engine.kv.routes.softmax_cpu import masked_softmax
@@ -193,7 +194,7 @@ def quantized_paged_plan(table: mx.array, n_before: list[int], fill: list[int], 
     if lens is None:
         last = mx.array(fill)[:, None]  # (B, 1): this step's token included
     else:  # a padding position sees the row's real tokens
-        last = mx.array([[f + min(j, c - 1) for j in range(max(lens))] for f, c in zip(fill, lens)])
+        last = mx.array(window_last(fill, lens, max(lens)))
     tail = mx.arange(P)[None, None] <= last[:, :, None]  # (B, L, P)
     if lens is not None:
         tail = mx.tile(tail, (1, group, 1))  # (B, G * L, P): a KV head's queries, group-major
