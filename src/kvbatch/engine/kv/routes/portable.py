@@ -30,9 +30,9 @@ import mlx.core as mx
 from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.kv.store import DenseStore, QuantizedStore
 from kvbatch.engine.kv.routes.base import Geometry, flat_tokens, real_tokens
-from kvbatch.engine.kv.routes.common import TailWrites, page_heads, page_table, tail_writes
+from kvbatch.engine.kv.routes.common import TailWrites, page_heads
 from kvbatch.engine.kv.routes.dense import DenseRoute, DenseStep, multi_query_mask
-from kvbatch.engine.kv.routes.quant import QuantRoute, quantized_paged_plan
+from kvbatch.engine.kv.routes.quant import QuantRoute
 
 # The most bytes a block's per-page work (G x D products; for q8/q4 also its float32 scores) may take,
 # as a share of the bytes its pages hold: more blocks keep the step's workspace down, fewer keep its
@@ -258,27 +258,17 @@ class PortableQuantRoute(QuantRoute):
         """Decode steps whose rows hold sealed pages read them in place, and so do passes of a few tokens a
         row that stay in each row's tail page (verification windows); other passes as QuantRoute plans them."""
         P, H, D = self.geom.page_size, self.geom.kv_heads, self.geom.head_dim
-        n_before = [a // P for a in pos]
         st = self.store
-        few = 1 < L <= self.multi_query and all(a % P + n <= P for a, n in zip(pos, lens))
         # fp16 stores: scores past fp16's range; QuantRoute's gathered decode takes them in float32
-        if (L > 1 and not few) or max(n_before) == 0 or st.dtype == mx.float16:
+        if (L > 1 and not self.window_in_tails(L, pos, lens)) or max(pos) < P or st.dtype == mx.float16:
             return super().plan(rows, L, pos, epoch, lens)
-        tails = [r.tail_slot for r in rows]
-        fill = [a % P for a in pos]
         counts = lens if L > 1 else None
-        writes = tail_writes(P, H, st.k_axis, rows, pos, tails, fill, counts)
-        N = st.full_precision
-        first = [min(N, n * P) for n in n_before]
-        use_first = max(first) > 0
-        table = page_table(rows, n_before)
-        t = quantized_paged_plan(table, n_before, fill, P, H, D, [None], first if use_first else None, N, counts,
-                                 self.geom.query_heads // H)
+        tails, writes, t, use_first = self.tail_plan(rows, pos, counts, [None])
+        heads = t["q_page_heads"]
         G = self.geom.query_heads // H * L
         # a block's float32 scores, their exponentials and mask (3 x 4 bytes a key) beside its products
-        cuts = value_cuts(table.shape[1], G * (D * st.dtype.size + 12 * P), _page_bytes(st.q[0]))
+        cuts = value_cuts(heads.shape[-1], G * (D * st.dtype.size + 12 * P), _page_bytes(st.q[0]))
         tail_heads, _ = page_heads(mx.array(tails, dtype=mx.int32)[:, None], H)
-        heads = t["q_page_heads"]
         return PortableQuantStep(tail_heads, writes, heads, t["query_of"], t["mask_p"], cuts,
                                  row_groups(len(rows), H * heads.shape[-1]), use_first,
                                  real_tokens(L, lens) if counts else None)

@@ -299,8 +299,7 @@ class QuantRoute(Route):
         p = np.array(pos, dtype=np.int32)
         n_before = p // P  # pages sealed before this pass
         if L > 1:
-            if self.in_place and L <= self.multi_query and n_before.max() > 0 and all(
-                    a % P + n <= P for a, n in zip(pos, lens)):
+            if self.in_place and self.window_in_tails(L, pos, lens) and n_before.max() > 0:
                 return self._multi_plan(rows, L, pos, lens)
             return self._prefill_plan(rows, L, p, lens)
         tails = [r.tail_slot for r in rows]
@@ -334,20 +333,34 @@ class QuantRoute(Route):
         mask_all = mx.concatenate([m for m in (mask_f, mask_q, mask_t) if m is not None], axis=-1)
         return QuantDecode(tails_a, table_q, writes, mask_q, runs_q, mask_t, mask_all, use_first)
 
-    def _multi_plan(self, rows: list[CacheRow], L: int, pos: list[int], lens: list[int]) -> QuantPagedDecode:
-        """A few tokens a row, all in its tail page (a verification window: speculative/window.py):
-        written into the tails as decode writes its token (a row that completes its page seals it),
-        and read in place like decode, each query over the sealed pages and the tail up to itself."""
+    def window_in_tails(self, L: int, pos: list[int], lens: list[int]) -> bool:
+        """Whether a pass of 2..multi_query tokens a row keeps each row's tokens in its tail page (a
+        verification window always does: speculative/window.py), so it can be read like decode."""
+        P = self.geom.page_size
+        return 1 < L <= self.multi_query and all(a % P + n <= P for a, n in zip(pos, lens))
+
+    def tail_plan(self, rows: list[CacheRow], pos: list[int], counts: Optional[list[int]],
+                  streams: list) -> tuple[list[int], TailWrites, dict, bool]:
+        """Reading the sealed pages in place, for one token a row (counts None) or counts[b] in row b's
+        tail page: the rows' tail slots, the tail writes (a row that completes its page seals it), the
+        `quantized_paged_plan` inputs and whether the rows' first-token copies are attended."""
         P, H, D = self.geom.page_size, self.geom.kv_heads, self.geom.head_dim
         n_before = [a // P for a in pos]
         fill = [a % P for a in pos]
         tails = [r.tail_slot for r in rows]
-        writes = tail_writes(P, H, self.store.k_axis, rows, pos, tails, fill, lens)
+        writes = tail_writes(P, H, self.store.k_axis, rows, pos, tails, fill, counts)
         N = self.store.full_precision
         first = [min(N, n * P) for n in n_before]
         use_first = max(first) > 0
-        t = quantized_paged_plan(page_table(rows, n_before), n_before, fill, P, H, D, self.streams,
-                                 first if use_first else None, N, lens, self.geom.query_heads // H)
+        t = quantized_paged_plan(page_table(rows, n_before), n_before, fill, P, H, D, streams,
+                                 first if use_first else None, N, counts, self.geom.query_heads // H)
+        return tails, writes, t, use_first
+
+    def _multi_plan(self, rows: list[CacheRow], L: int, pos: list[int], lens: list[int]) -> QuantPagedDecode:
+        """A few tokens a row, all in its tail page (a verification window): written into the tails as
+        decode writes its token, and read in place like decode, each query over the sealed pages and
+        the tail up to itself."""
+        tails, writes, t, use_first = self.tail_plan(rows, pos, lens, self.streams)
         return QuantPagedDecode(mx.array(tails, dtype=mx.int32), writes, t["q_page_heads"], t["query_of"], t["cuts"],
                                 t["mask_p"], use_first, real_tokens(L, lens))
 
