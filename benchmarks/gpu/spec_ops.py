@@ -2,7 +2,9 @@
 whole forward without a cache (all but attention over the cache) at B rows x L tokens, its MLP and
 lm_head alone, and the fused paged decode kernel reading each row's pages once (decode) or once per
 position (a verification window of L tokens as B * L one-query rows). Medians of --iters timed
-calls, each evaluated and synchronized.
+calls, each evaluated and synchronized. The kernel is also timed as --chain launches in one
+evaluation (`kernel_chained_ms`: the GPU's time a launch once the host is out of the way) with the
+K/V bytes it reads each launch over that time (`kernel_gb_s`).
 
     python -m benchmarks gpu.spec_ops --model smollm2 --batch 256 --window 5 --context 1500
 """
@@ -25,6 +27,7 @@ def add_args(ap) -> None:
     ap.add_argument("--window", type=int, default=5, help="tokens a row in the verification pass (k + 1)")
     ap.add_argument("--context", type=int, default=1500, help="keys a row for the kernel's part")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--chain", type=int, default=20, help="kernel launches in one evaluation")
     ap.add_argument("--no-kernel", action="store_true", help="leave out the fused kernel's part (off CUDA)")
 
 
@@ -72,6 +75,10 @@ def run(a) -> dict:
             t = mx.repeat(table, L, axis=0)
             lens = mx.full((a.batch * L,), a.context, dtype=mx.int32)
             ms = _time(lambda: paged_decode_attention(q, pool, vpool, t, lens, D ** -0.5, CudaLaunch()), a.iters)
-            out[name]["kernel_one_layer_ms"] = ms
-            print(json.dumps({name: {"kernel_one_layer_ms": ms}}), flush=True)
+            chained = _time(lambda: [paged_decode_attention(q, pool, vpool, t, lens, D ** -0.5, CudaLaunch())
+                                     for _ in range(a.chain)], a.iters) / a.chain
+            read = a.batch * L * a.context * Hkv * D * 2 * pool.dtype.size  # K and V, once per kernel row
+            out[name].update(kernel_one_layer_ms=ms, kernel_chained_ms=chained, kernel_gb_s=read / chained / 1e6)
+            print(json.dumps({name: {k: out[name][k] for k in ("kernel_one_layer_ms", "kernel_chained_ms",
+                                                                "kernel_gb_s")}}), flush=True)
     return out

@@ -147,19 +147,21 @@ def run_mlx_lm(python: str, input_path: Path, model_cfg: dict, new: int, batch: 
                              timeout)
 
 
-def profile_kvbatch(a, inp: Path, tmp: Path, model_args: dict, extra: list[str]) -> None:
-    """Where the command's own time goes (imports, config, model load, queue, engine, results)."""
+def profile_kvbatch(python: str, inp: Path, out_dir: Path, model: str, model_args: dict, new: int, extra: list[str],
+                    path: str) -> None:
+    """One untimed run of the command under cProfile, its top functions to `path`: where the command's own time
+    goes (imports, config, model load, queue, engine, results)."""
     import io
     import pstats
 
-    prof = tmp / "kvbatch.prof"
-    r = run_kvbatch([a.python, "-m", "cProfile", "-o", str(prof), "-m", "kvbatch"], inp, tmp / "profiled", a.model,
-                    model_args, a.new, extra)
+    prof = out_dir.parent / f"{out_dir.name}.prof"
+    r = run_kvbatch([python, "-m", "cProfile", "-o", str(prof), "-m", "kvbatch"], inp, out_dir, model, model_args, new,
+                    extra)
     buf = io.StringIO()
     st = pstats.Stats(str(prof), stream=buf)
     st.sort_stats("cumulative").print_stats(60)
     st.sort_stats("tottime").print_stats(30)
-    Path(a.profile).write_text(f"wall {r['wall_s']:.1f}s engine {json.dumps(r['engine'])[:2000]}\n" + buf.getvalue())
+    Path(path).write_text(f"wall {r['wall_s']:.1f}s engine {json.dumps(r['engine'])[:2000]}\n" + buf.getvalue())
 
 
 def add_args(ap) -> None:
@@ -227,7 +229,7 @@ def run(a) -> dict:
         warm.write_text(inp.read_text().splitlines()[0] + "\n")
         run_mlx_lm(a.python, warm, model_cfg, 1, None)
     if a.profile:
-        profile_kvbatch(a, inp, tmp, model_args, extra)
+        profile_kvbatch(a.python, inp, tmp / "profiled", a.model, model_args, a.new, extra, a.profile)
     rounds = [_round(a, k, inp, tmp, model_cfg, model_args, extra) for k in range(a.rounds)]
     result = {"median_ratio": statistics.median(r["ratio"] for r in rounds),
               **{f"median_{k}": statistics.median(r[k] for r in rounds)

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from benchmarks import harness
-from benchmarks.job.job_vs_mlx_lm import run_kvbatch, run_mlx_lm
+from benchmarks.job.job_vs_mlx_lm import profile_kvbatch, run_kvbatch, run_mlx_lm
 
 SMOKE = ["--model", "tiny", "--rows", "2", "--max-tokens", "4", "--min-chars", "200", "--max-chars", "400",
          "--rounds", "1", "--no-warm", "--no-mlx-lm"]
@@ -76,6 +76,9 @@ def add_args(ap) -> None:
     ap.add_argument("--side-timeout", type=float, default=0,
                     help="seconds one side may take (0: no limit); a side cut there is recorded as timed_out")
     ap.add_argument("--no-warm", action="store_true", help="no untimed first run (that builds or converts the model)")
+    ap.add_argument("--profile", help="first one untimed run of the side --profile-side under cProfile; its top "
+                                      "functions to this file")
+    ap.add_argument("--profile-side", default="plain", choices=("spec", "plain"))
 
 
 SIDES = ("spec", "plain", "mlx_lm")
@@ -149,6 +152,9 @@ def run(a) -> dict:
         warm = tmp / "warm.jsonl"
         warm.write_text(inp.read_text().splitlines()[0] + "\n")
         run_mlx_lm(a.python, warm, model_cfg, 1, None)
+    if a.profile:
+        extra = shlex.split(a.kvbatch_args) + (shlex.split(a.spec_args) if a.profile_side == "spec" else [])
+        profile_kvbatch(a.python, inp, tmp / "profiled", a.model, {}, a.max_tokens, extra, a.profile)
     rounds: list[dict] = []
     for k in range(a.rounds):
         rounds.append(_round(a, k, sides, inp, tmp, model_cfg, rounds))

@@ -79,3 +79,19 @@ def test_quantized_variant_keeps_gguf_packing(tmp_path):
     assert config["quantization"]["group_size"] == 32
     assert spec.dtype == "float16" and spec.weights_bytes < 120e6
     assert not os.path.exists(tmp_path / "smollm2-135m-instruct-float32")
+
+
+def test_auto_dtype_follows_the_backend(monkeypatch):
+    """model.dtype=auto converts the GGUF as GGUF_AUTO says for the backend MLX runs on: float32 here (the CPU),
+    bfloat16 on MLX CUDA, the packed weights on Metal; a named variant is taken as it is, anything else refused."""
+    from kvbatch.engine import backend as backend_mod
+    from kvbatch.engine.errors import KvbatchConfigError
+    from kvbatch.engine.models import sources
+
+    assert sources.gguf_variant("auto") == "float32"
+    for name, want in (("cuda", "bfloat16"), ("metal", "quantized"), ("cpu", "float32")):
+        monkeypatch.setattr(sources, "backend", lambda name=name: backend_mod.Backend(name, False))
+        assert sources.gguf_variant("auto") == want
+        assert sources.gguf_variant("float16") == "float16"
+    with pytest.raises(KvbatchConfigError, match="model.dtype='int8'"):
+        sources.gguf_variant("int8")

@@ -19,7 +19,7 @@ class ModelConfig:
     name: str = "SmolLM2-135M-Instruct"
     path: Optional[str] = None  # source=local: directory or repo id
     cache_dir: Optional[str] = None  # where converted/built models live; default ~/.cache/kvbatch/models
-    # "auto": float32 on the CPU backend (fast there), keep quantized/bf16 on a GPU.
+    # "auto": a GGUF as models/sources.py GGUF_AUTO says for the backend (CPU float32, CUDA bfloat16, Metal quantized)
     dtype: str = "auto"
     # an mlx-lm LoRA adapter folder (adapter_config.json, adapters.safetensors) applied to every row
     adapter_path: Optional[str] = None

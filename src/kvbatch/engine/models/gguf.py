@@ -5,8 +5,9 @@ as MLX affine-quantized triplets (weight, scales, biases; group 32). We rename
 llama.cpp's tensors to mlx-lm's llama names, write config.json (with
 `rope_traditional: true`, since llama.cpp permutes the Q/K rows) and rebuild
 the tokenizer from the metadata. Variant "quantized" keeps the packed weights
-(fast on a GPU); "float32"/"float16"/"bfloat16" dequantize (float32 is ~7x
-faster on the CPU backend with OpenBLAS: docs/getting-started.md, "Your own model").
+(Metal's choice: decode there is bound by reading weights); "float32"/"float16"/"bfloat16"
+dequantize (float32 is ~7x faster on the CPU backend with OpenBLAS: docs/getting-started.md,
+"Your own model"). Which one model.dtype=auto picks: models/sources.py GGUF_AUTO.
 """
 from __future__ import annotations
 
