@@ -5,9 +5,8 @@ device time is spent. Needs nvcc on PATH; imports no MLX CUDA.
 
     python -m benchmarks gpu.cuda_compile_check [--warps 4] [--unroll 1]
 
-Kernel names: dense_/quant_<D>_<rep>_<dtype>[_split][_store][_q8|_q4|_k8v4];
-window_<D>_<rep>x<positions>_<dtype>[_split] (a verification window's kernel rows). Registers above
-128 a thread leave one 256-thread block per SM instead of two.
+Kernel names: dense_/quant_<D>_<rep>_<dtype>[_split][_store][_q8|_q4|_k8v4]. Registers above 128 a
+thread leave one 256-thread block per SM instead of two.
 """
 from __future__ import annotations
 
@@ -46,7 +45,6 @@ def add_args(ap) -> None:
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--variants", default="plain,split,store,split_store")
     ap.add_argument("--bits", default="8x8,4x4,8x4", help="quantized kernels: key x value bits")
-    ap.add_argument("--window", type=int, default=5, help="verification window (k + 1 tokens) of the window kernels")
     ap.add_argument("--frontend-only", action="store_true",
                     help="nvcc -cuda: parse and type-check only (no ptxas: no registers, spills)")
 
@@ -59,7 +57,7 @@ def sources(a) -> list[str]:
         for dt in a.dtypes.split(","):
             T = TYPES[dt]
             nw = ca.warps_for(D, rep, a.warps)
-            base = dict(T=T, S=T, D=D, P=64, REP=rep, HKV=8, NW=nw, LPT=ca._lanes(D), NE=ca.NE, U=a.unroll, QW=1)
+            base = dict(T=T, S=T, D=D, P=64, REP=rep, HKV=8, NW=nw, LPT=ca._lanes(D), NE=ca.NE, U=a.unroll)
             for split, new_kv in (variants[v] for v in a.variants.split(",")):
                 i = f"{D}_{rep}_{dt}{'_split' if split else ''}{'_store' if new_kv else ''}"
                 store = [("kn", T), ("vn", T)] if new_kv else []  # the kernel also stores the new token
@@ -78,19 +76,7 @@ def sources(a) -> list[str]:
             for ql in (0, 1):
                 src.append(wrap(f"reduce_{D}_{rep}_{dt}_{ql}", [("pm", "float"), ("pl", "float"), ("pacc", "float"),
                                                      ("meta", "int32_t"), ("lens", "int32_t")], [("out", T)],
-                                dict(T=T, D=D, REP=rep, HKV=8, QL=ql, QW=1), cs._REDUCE))
-            # a verification window: kernel rows of `qw` positions (cuda_kernels.window_group for a 5-token window)
-            qw = ca.window_group(D, rep, a.window)
-            if qw > 1:
-                wrep = rep * qw
-                wb = dict(base, REP=wrep, NW=ca.warps_for(D, wrep, a.warps), QW=qw)
-                for split in (False, True):
-                    outs = [("pm", "float"), ("pl", "float"), ("pacc", "float")] if split else [("out", T)]
-                    src.append(wrap(f"window_{D}_{rep}x{qw}_{dt}{'_split' if split else ''}", dense_in, outs, wb,
-                                    cs.kernel_source(False, split)))
-                src.append(wrap(f"reduce_{D}_{rep}x{qw}_{dt}_0", [("pm", "float"), ("pl", "float"), ("pacc", "float"),
-                                                        ("meta", "int32_t"), ("lens", "int32_t")], [("out", T)],
-                                dict(T=T, D=D, REP=wrep, HKV=8, QL=0, QW=qw), cs._REDUCE))
+                                dict(T=T, D=D, REP=rep, HKV=8, QL=ql), cs._REDUCE))
     return src + ["}\n"]
 
 
@@ -108,7 +94,7 @@ def run(a) -> dict:
             print(line)
             problems.append(line)
         elif "Compiling entry function" in line:
-            m = re.search(r"cu\d+((?:dense|quant|reduce|window)_\w+?)E", line)
+            m = re.search(r"cu\d+((?:dense|quant|reduce)_\w+?)E", line)
             name = m.group(1) if m else line
         elif "spill" in line and "0 bytes spill stores, 0 bytes spill loads" not in line:
             print(f"{name}: {line.strip()}")

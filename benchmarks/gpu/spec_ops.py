@@ -1,8 +1,7 @@
 """What the pieces of a verification pass cost against a decode step's, on the model itself: the
 whole forward without a cache (all but attention over the cache) at B rows x L tokens, its MLP and
 lm_head alone, and the fused paged decode kernel reading each row's pages once (decode) or once per
-kernel row of a verification window (--groups: window positions a kernel row; 1 is one kernel row per
-position). Medians of --iters timed
+position (a verification window of L tokens as B * L one-query rows). Medians of --iters timed
 calls, each evaluated and synchronized. The kernel is also timed as --chain launches in one
 evaluation (`kernel_chained_ms`: the GPU's time a launch once the host is out of the way) with the
 K/V bytes it reads each launch over that time (`kernel_gb_s`).
@@ -28,7 +27,6 @@ def add_args(ap) -> None:
     ap.add_argument("--window", type=int, default=5, help="tokens a row in the verification pass (k + 1)")
     ap.add_argument("--context", type=int, default=1500, help="keys a row for the kernel's part")
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--groups", default="1,2,5", help="window positions a kernel row (window_group's choices)")
     ap.add_argument("--chain", type=int, default=20, help="kernel launches in one evaluation")
     ap.add_argument("--no-kernel", action="store_true", help="leave out the fused kernel's part (off CUDA)")
 
@@ -65,30 +63,22 @@ def run(a) -> dict:
         print(json.dumps({name: out[name]}), flush=True)
     if not a.no_kernel:
         from kvbatch.engine.config import CudaLaunch
-        from kvbatch.engine.kv.routes.cuda_kernels import paged_decode_attention, paged_window_attention
+        from kvbatch.engine.kv.routes.cuda_kernels import paged_decode_attention
 
         P, Hkv, D, Hq = 64, spec.num_kv_heads, spec.head_dim, spec.num_heads
         n = -(-a.context // P)
         pool = mx.random.normal((a.batch * n, Hkv, P, D)).astype(dtype)
         vpool = mx.random.normal((a.batch * n, Hkv, P, D)).astype(dtype)
         table = mx.arange(a.batch * n, dtype=mx.int32).reshape(a.batch, n)
-        scale = D ** -0.5
-        q1 = mx.random.normal((a.batch, Hq, 1, D)).astype(dtype)
-        lens1 = mx.full((a.batch,), a.context, dtype=mx.int32)
-        cases = {"decode": (1, lambda: paged_decode_attention(q1, pool, vpool, table, lens1, scale, CudaLaunch()))}
-        for group in sorted({int(x) for x in a.groups.split(",")}):
-            Lp = -(-a.window // group) * group  # the window padded to whole kernel rows
-            qw = mx.random.normal((a.batch, Hq, Lp, D)).astype(dtype)
-            tw = mx.repeat(table, Lp // group, axis=0)
-            lw = mx.array([a.context - a.window + min(j, a.window - 1) + 1 for _ in range(a.batch) for j in range(Lp)],
-                          dtype=mx.int32)
-            cases[f"verify_g{group}"] = (Lp // group, lambda qw=qw, tw=tw, lw=lw, group=group: paged_window_attention(
-                qw, pool, vpool, tw, lw, scale, CudaLaunch(), group))
-        for name, (reads, fn) in cases.items():
-            ms = _time(fn, a.iters)
-            chained = _time(lambda fn=fn: [fn() for _ in range(a.chain)], a.iters) / a.chain
-            read = a.batch * reads * a.context * Hkv * D * 2 * pool.dtype.size  # K and V, once per kernel row
-            out.setdefault(name, {}).update(kernel_one_layer_ms=ms, kernel_chained_ms=chained,
-                                            kernel_gb_s=read / chained / 1e6)
-            print(json.dumps({name: out[name]}), flush=True)
+        for name, L in (("decode", 1), ("verify", a.window)):
+            q = mx.random.normal((a.batch * L, Hq, 1, D)).astype(dtype)
+            t = mx.repeat(table, L, axis=0)
+            lens = mx.full((a.batch * L,), a.context, dtype=mx.int32)
+            ms = _time(lambda: paged_decode_attention(q, pool, vpool, t, lens, D ** -0.5, CudaLaunch()), a.iters)
+            chained = _time(lambda: [paged_decode_attention(q, pool, vpool, t, lens, D ** -0.5, CudaLaunch())
+                                     for _ in range(a.chain)], a.iters) / a.chain
+            read = a.batch * L * a.context * Hkv * D * 2 * pool.dtype.size  # K and V, once per kernel row
+            out[name].update(kernel_one_layer_ms=ms, kernel_chained_ms=chained, kernel_gb_s=read / chained / 1e6)
+            print(json.dumps({name: {k: out[name][k] for k in ("kernel_one_layer_ms", "kernel_chained_ms",
+                                                                "kernel_gb_s")}}), flush=True)
     return out

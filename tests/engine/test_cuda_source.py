@@ -68,10 +68,8 @@ def test_every_kernel_variant_compiles(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "nvcc exit 0" in r.stdout
-    # every kernel (dense and q8/q4/k8v4 for 4 head geometries x 2 dtypes x split/store, and the merges; and a
-    # verification window's kernel rows, plain and split, with their merge)
-    assert r.stdout.count(" registers") == 4 * 2 * (4 * 4 + 2 + 3)
-    assert "window_64_4x4_bfloat16" in r.stdout and "window_96_3x5_float32_split" in r.stdout
+    # every kernel (dense and q8/q4/k8v4 for 4 head geometries x 2 dtypes x split/store, and the merges)
+    assert r.stdout.count(" registers") == 4 * 2 * (4 * 4 + 2)
 
 
 def _cache_as_on_cuda(mode: str, P: int, H: int, kernel_writes: bool, step_reuse: bool = True):
@@ -277,84 +275,3 @@ def test_launch_settings_per_kernel_kind(monkeypatch):
         want_d = (warps or 8, unroll or 2)
         want_q = (warps or 4, unroll or 4)
         assert got == [("dense", *want_d, 32 * want_d[0]), ("quant", *want_q, 32 * want_q[0])]
-
-
-def _reference_dense_kernel(monkeypatch) -> None:
-    """Replace the dense kernel by its contract computed in numpy (unsplit launches only): kernel row b, KV
-    head h, query r (position r % QW) attends over the first lengths[b * QW + r % QW] keys of its pages."""
-    import mlx.core as mx
-    import numpy as np
-
-    class Ref:
-        def __call__(self, inputs, output_shapes, output_dtypes, template, **kw):
-            t = dict(template)
-            q, k, v, table, lengths, _, scale = (np.array(x) for x in inputs[:7])
-            B, Hq, D = q.shape
-            rep, qw, P = t["REP"], t["QW"], t["P"]
-            out = np.zeros((B, Hq, D), dtype=np.float32)
-            for b in range(B):
-                for hq in range(Hq):
-                    h, r = divmod(hq, rep)
-                    n = int(lengths[b * qw + r % qw])
-                    slots = [(int(table[b, i // P]), i % P) for i in range(n)]
-                    ks = np.stack([k[p, h, s] for p, s in slots])
-                    vs = np.stack([v[p, h, s] for p, s in slots])
-                    w = ks @ q[b, hq] * float(scale[0])
-                    w = np.exp(w - w.max())
-                    out[b, hq] = (w / w.sum()) @ vs
-            return [mx.array(out).astype(output_dtypes[0])]
-
-    monkeypatch.setattr(ca, "_kernel", lambda *key: Ref())
-    monkeypatch.setattr(ca, "_launches", {})
-
-
-@pytest.mark.parametrize("group", [None, 1, 2, 3])
-def test_window_kernel_rows_fold_positions_into_the_query_group(monkeypatch, group):
-    """A verification window through paged_window_attention (as CudaDenseRoute runs it): kernel rows of
-    `group` consecutive positions (None: window_group's choice), the window padded to whole kernel rows,
-    each position's query masked to its own keys. With the kernel replaced by its contract in numpy, every
-    real position's output equals attention over that row's first pos + j + 1 keys, whatever the grouping;
-    so the layout of queries, tables, key counts and outputs is what the kernel reads."""
-    import mlx.core as mx
-    import numpy as np
-
-    from kvbatch.engine.kv.routes.cuda import multi_lengths
-
-    _reference_dense_kernel(monkeypatch)
-    Hkv, rep, D, P, L = 2, 3, 16, 8, 5
-    pos, lens = [3, 17, 40], [5, 2, 1]
-    rng = np.random.default_rng(0)
-    k = rng.standard_normal((16, Hkv, P, D)).astype(np.float32)
-    v = rng.standard_normal((16, Hkv, P, D)).astype(np.float32)
-    pages = [[9, 2, 14], [5, 0, 11, 3], [7, 1, 12, 4, 6, 8, 10]]  # out of order, none shared
-    q = rng.standard_normal((3, Hkv * rep, L, D)).astype(np.float32)
-    g = group or ca.window_group(D, rep, L)
-    n = -(-L // g)
-    width = max(map(len, pages))
-    table = mx.array([p + [0] * (width - len(p)) for p in pages], dtype=mx.int32)
-    qp = np.concatenate([q, np.zeros((3, Hkv * rep, n * g - L, D), np.float32)], axis=2)
-    out = ca.paged_window_attention(mx.array(qp), mx.array(k), mx.array(v), mx.repeat(table, n, axis=0),
-                                    mx.array(multi_lengths(pos, lens, n * g), dtype=mx.int32), 0.25,
-                                    CudaLaunch(chunk=0, unsplit=0), g)
-    assert out.shape == (3, Hkv * rep, n * g, D)
-    got = np.array(out)
-    for b, (a, m) in enumerate(zip(pos, lens)):
-        for j in range(m):
-            seen = a + j + 1
-            for hq in range(Hkv * rep):
-                ks = np.stack([k[pages[b][i // P], hq // rep, i % P] for i in range(seen)])
-                vs = np.stack([v[pages[b][i // P], hq // rep, i % P] for i in range(seen)])
-                w = np.exp(ks @ q[b, hq, j] * 0.25 - (ks @ q[b, hq, j] * 0.25).max())
-                np.testing.assert_allclose(got[b, hq, j], (w / w.sum()) @ vs, rtol=1e-4, atol=1e-5)
-
-
-def test_window_group_keeps_queries_and_merge_buffers_in_bounds():
-    """Positions a window's kernel row holds: as many as keep rep x positions within MAX_WINDOW_QUERIES and
-    the merge buffers in shared memory; never more than the window; 1 where no two fit."""
-    cap = ca.MAX_WINDOW_QUERIES
-    for D, rep in ((64, 3), (64, 4), (128, 4), (128, 8), (64, 1)):
-        for L in (2, 5, 8):
-            n = ca.window_group(D, rep, L)
-            assert 1 <= n <= L and (n == 1 or (rep * n <= cap and ca.warps_for(D, rep * n) > 0))
-            assert n == L or n == 1 or rep * (n + 1) > cap or not ca.warps_for(D, rep * (n + 1))
-    assert ca.window_group(64, cap, 5) == 1  # a query group of the cap's size alone: one position a kernel row

@@ -9,13 +9,11 @@ device with one add (`options.step_reuse`).
 
 A dense pass of a few tokens a row (a speculative verification window: the row's token and its
 k proposals) is attention of several queries per row over the row's pages, each query seeing the
-keys up to its own position. The decode kernel computes that with a kernel row per group of
-consecutive positions of a row (`CudaMulti`, cuda_kernels.window_group): the group's queries
-share each K/V load, each masked to its own key count, so a window reads its row's pages once
-(or once a group) rather than once per position. Its K/V are scattered into the pages first, as
-a prefill chunk's are. So verification reads the pages in place like decode, with decode's
-numerics, instead of gathering every row's pages into a contiguous copy and composing matmuls
-over it (`EngineOptions.multi_query`).
+keys up to its own position: the decode kernel computes exactly that when each (row, position)
+is one of its rows, with the row's page table and its own key count (`CudaMulti`). Its K/V are
+scattered into the pages first, as a prefill chunk's are. So verification reads the pages in
+place like decode, with decode's numerics, instead of gathering every row's pages into a
+contiguous copy and composing matmuls over it (`EngineOptions.multi_query`).
 """
 from __future__ import annotations
 
@@ -28,8 +26,7 @@ from kvbatch.engine.config import CudaLaunch
 from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.kv.routes.base import Geometry, flat_tokens
 from kvbatch.engine.kv.routes.common import TailWrites, page_table, tail_writes, window_last
-from kvbatch.engine.kv.routes.cuda_kernels import (QuantPages, paged_decode_attention, paged_decode_attention_quantized,
-                                                   paged_window_attention, window_group)
+from kvbatch.engine.kv.routes.cuda_kernels import QuantPages, paged_decode_attention, paged_decode_attention_quantized
 from kvbatch.engine.kv.routes.dense import DenseRoute, DenseStep
 from kvbatch.engine.kv.routes.quant import QuantRoute
 from kvbatch.engine.kv.store import head_rows
@@ -77,13 +74,11 @@ class CudaDecode:
 @dataclass(frozen=True)
 class CudaMulti:
     """A few-token dense pass read by the decode kernel: the pass's writes (as a prefill chunk's),
-    and per kernel row (`group` consecutive positions of a row) the row's page table, and per
-    position the keys it sees."""
+    and per (row, position) the row's page table and the keys that position sees."""
 
     step: DenseStep  # head rows of the real tokens, and which of the padded pass's tokens are real
-    table: mx.array  # (B * L / group, width): row b's table at each of its kernel rows
-    lengths: mx.array  # (B * L,) pos[b] + j + 1 (a padding position: the row's real keys), L padded to a multiple
-    group: int  # positions a kernel row
+    table: mx.array  # (B * L, width): row b's table at b * L + j
+    lengths: mx.array  # (B * L,) pos[b] + j + 1 (a padding position: the row's real keys)
 
 
 def multi_lengths(pos: list[int], lens: list[int], L: int) -> list[int]:
@@ -109,12 +104,8 @@ class CudaDenseRoute(DenseRoute):
             return self.prefill_plan(rows, L, pos, lens)
         if L > 1:
             step = self.prefill_plan(rows, L, pos, lens, mask=False)
-            g = self.geom
-            group = window_group(g.head_dim, g.query_heads // g.kv_heads, L)
-            n = -(-L // group)
-            table = step.table.astype(mx.int32)
-            return CudaMulti(step, mx.repeat(table, n, axis=0) if n > 1 else table,
-                             mx.array(multi_lengths(pos, lens, n * group), dtype=mx.int32), group)
+            return CudaMulti(step, mx.repeat(step.table, L, axis=0),
+                             mx.array(multi_lengths(pos, lens, L), dtype=mx.int32))
         P = self.geom.page_size
         new_len = [a + 1 for a in pos]
         n_pages = [-(-n // P) for n in new_len]
@@ -143,13 +134,11 @@ class CudaDenseRoute(DenseRoute):
     def attend(self, layer: int, meta: object, queries: mx.array, scale: float) -> mx.array:
         """Decode: the fused paged kernel over the rows' pages; prefill: the dense route's attention."""
         st = self.store
-        if isinstance(meta, CudaMulti):  # (B, Hq, L, D): kernel rows of `group` positions
+        if isinstance(meta, CudaMulti):  # (B, Hq, L, D) as B * L one-query rows
             B, Hq, L, D = queries.shape
-            Lp = meta.lengths.shape[0] // B
-            q = queries if Lp == L else mx.pad(queries, [(0, 0), (0, 0), (0, Lp - L), (0, 0)])
-            out = paged_window_attention(q, st.k[layer], st.v[layer], meta.table, meta.lengths, scale, self.launch,
-                                         meta.group)
-            return out if Lp == L else out[:, :, :L]
+            q = queries.transpose(0, 2, 1, 3).reshape(B * L, Hq, 1, D)
+            out = paged_decode_attention(q, st.k[layer], st.v[layer], meta.table, meta.lengths, scale, self.launch)
+            return out.reshape(B, L, Hq, D).transpose(0, 2, 1, 3)
         if isinstance(meta, DenseStep):
             return super().attend(layer, meta, queries, scale)
         assert isinstance(meta, CudaDecode)

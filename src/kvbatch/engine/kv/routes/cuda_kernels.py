@@ -33,9 +33,6 @@ from kvbatch.engine.config import CudaLaunch
 from kvbatch.engine.kv.routes.cuda_source import _REDUCE, kernel_source
 
 NE = 8  # head elements per lane
-# Most queries one block takes for a verification window (the query group x its positions): each holds
-# 2 x NE floats a thread (its query and output parts), so more would spill registers.
-MAX_WINDOW_QUERIES = 16
 # Per kernel kind: tokens per lane per loop step and most warps per block (CudaLaunch.unroll /
 # warps override both kinds). q8/q4 take 4 warps x 4 tokens: their per-token loads are small (8 or
 # 4 bytes a lane), so more tokens in flight per lane pays, and half the warps halve the block's
@@ -161,14 +158,13 @@ _launches: dict = {}
 
 
 def _launch_for(kind: str, B: int, Hq: int, D: int, dtype: mx.Dtype, g: _Geometry, new_kv: bool,
-                launch: CudaLaunch, qw: int) -> _Launch:
-    rep = Hq // g.kv_heads  # queries a block: the query group x qw window positions
+                launch: CudaLaunch) -> _Launch:
+    rep = Hq // g.kv_heads
     nw = warps_for(D, rep, launch.warps or WARPS[kind]) or warps_for(D, rep)  # fewer than 4 warps: the most that fit
     ns, chunk, unsplit = splits_for(g.max_tokens, launch.chunk, launch.unsplit)
     meta = _const((g.maxp, ns, chunk, unsplit), mx.int32)
     template = [("T", dtype), ("S", g.store_dtype), ("D", D), ("P", g.page), ("REP", rep), ("HKV", g.kv_heads),
-                ("NW", nw), ("LPT", _lanes(D)), ("NE", NE), ("U", launch.unroll or UNROLL[kind]),
-                ("QW", qw)] + list(g.extra)
+                ("NW", nw), ("LPT", _lanes(D)), ("NE", NE), ("U", launch.unroll or UNROLL[kind])] + list(g.extra)
     call = dict(template=template, grid=(B * g.kv_heads * ns * 32 * nw, 1, 1), threadgroup=(32 * nw, 1, 1))
     consts = [meta, _const((float(g.scale),), mx.float32)]
     if ns == 1:
@@ -179,21 +175,20 @@ def _launch_for(kind: str, B: int, Hq: int, D: int, dtype: mx.Dtype, g: _Geometr
                    dict(call, output_shapes=[(n,), (n,), (n * D,)], output_dtypes=[mx.float32] * 3), consts,
                    _kernel("reduce", False),
                    dict(template=[("T", dtype), ("D", D), ("REP", rep), ("HKV", g.kv_heads),
-                                  ("QL", int(kind == "quant")), ("QW", qw)],
+                                  ("QL", int(kind == "quant"))],
                         grid=(B * g.kv_heads * 128, 1, 1), threadgroup=(128, 1, 1),
                         output_shapes=[(B, Hq, D)], output_dtypes=[dtype]))
 
 
 def _launch(kind: str, inputs: list, q: mx.array, g: _Geometry, launch: CudaLaunch,
-            new_kv: Optional[tuple[mx.array, mx.array]], qw: int = 1) -> mx.array:
+            new_kv: Optional[tuple[mx.array, mx.array]]) -> mx.array:
     B, Hq, _, D = q.shape
-    key = (kind, B, Hq, D, q.dtype, g, new_kv is not None, launch.chunk, launch.unsplit, launch.unroll, launch.warps,
-           qw)
+    key = (kind, B, Hq, D, q.dtype, g, new_kv is not None, launch.chunk, launch.unsplit, launch.unroll, launch.warps)
     run = _launches.get(key)
     if run is None:
         if len(_launches) > 256:
             _launches.clear()
-        run = _launches[key] = _launch_for(kind, B, Hq, D, q.dtype, g, new_kv is not None, launch, qw)
+        run = _launches[key] = _launch_for(kind, B, Hq, D, q.dtype, g, new_kv is not None, launch)
     args = [q.reshape(B, Hq, D)] + inputs + run.consts
     if new_kv is not None:
         args += [a.reshape(B, g.kv_heads, D).astype(g.store_dtype) for a in new_kv]
@@ -216,33 +211,6 @@ def paged_decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, tabl
     maxp = table.shape[1]
     g = _Geometry(k_pool.dtype, Hkv, P, maxp * P, maxp, scale, ())
     return _launch("dense", [k_pool, v_pool, table.astype(mx.int32), lengths.astype(mx.int32)], q, g, launch, new_kv)
-
-
-def window_group(head_dim: int, rep: int, positions: int) -> int:
-    """Window positions one kernel row holds (1: one kernel row per position): as many as keep the block's
-    queries (rep x positions) within MAX_WINDOW_QUERIES and its merge buffers in shared memory."""
-    for n in range(min(positions, MAX_WINDOW_QUERIES // rep), 1, -1):
-        if warps_for(head_dim, rep * n):
-            return n
-    return 1
-
-
-def paged_window_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array,
-                           scale: float, launch: CudaLaunch, group: int) -> mx.array:
-    """A verification window's attention over the rows' pages: q (B, Hq, L, D) with L a multiple of
-    `group` (window_group); table (B * L / group, maxp) int32: each kernel row's page table (its row's);
-    lengths (B * L,) int32: the keys query j of row b sees at b * L + j, nondecreasing in j (padding
-    positions: all the row's keys) -> (B, Hq, L, D). Each kernel row is `group` consecutive positions
-    of one row, whose queries read the row's pages once."""
-    B, Hq, L, D = q.shape
-    Hkv = k_pool.shape[1]
-    n = L // group
-    # (B, Hkv, rep, n, group, D) -> kernel rows (B * n) of Hkv x (rep x group) queries, position = r % group
-    qk = q.reshape(B, Hkv, Hq // Hkv, n, group, D).transpose(0, 3, 1, 2, 4, 5).reshape(B * n, Hq * group, 1, D)
-    maxp = table.shape[1]
-    g = _Geometry(k_pool.dtype, Hkv, k_pool.shape[2], maxp * k_pool.shape[2], maxp, scale, ())
-    out = _launch("dense", [k_pool, v_pool, table, lengths], qk, g, launch, None, qw=group)
-    return out.reshape(B, n, Hkv, Hq // Hkv, group, D).transpose(0, 2, 3, 1, 4, 5).reshape(B, Hq, L, D)
 
 
 def paged_decode_attention_quantized(q: mx.array, pages: QuantPages, tails: mx.array, table: mx.array,

@@ -3,15 +3,11 @@
 Kept apart from the launch code so the text can be read (and compiled by
 benchmarks/gpu/cuda_compile_check.py) on its own. `kernel_source` assembles one kernel body from
 the pieces below; MLX's `mx.fast.cuda_kernel` wraps it in the signature and the template
-constants (T, S, D, P, REP, HKV, NW, LPT, NE, U, QW; KBITS, VBITS, GS for quantized pages).
+constants (T, S, D, P, REP, HKV, NW, LPT, NE, U; KBITS, VBITS, GS for quantized pages).
 
 Layout of a launch: one block per (row, KV head, split); 8 head elements per lane, LPT lanes
-per token, TPW = 32 / LPT tokens per warp and U of them per lane per loop step; the block's REP
-queries share each K/V load; online softmax in float32. In decode (QW = 1) the REP queries are
-the KV head's query group (GQA). A kernel row of a verification window holds QW consecutive
-positions of one row: its REP = group x QW queries (query r at position r % QW) read the row's
-pages once, each query masked to the keys up to its own position (`lengths` has QW entries a
-kernel row: position j sees lengths[row * QW + j] keys, the last entry the most).
+per token, TPW = 32 / LPT tokens per warp and U of them per lane per loop step; the query group
+(GQA, REP heads) shares each K/V load; online softmax in float32.
 """
 from __future__ import annotations
 
@@ -29,9 +25,7 @@ _HEAD = r"""
     if (sp > 0 && t0 >= len) return;  // past this row's own splits (the whole block: no sync below)
     const float sc = scale[0];
     float qr[REP][NE], m[REP], l[REP], acc[REP][NE];
-    int lim[REP];  // keys query r sees (QW > 1: its window position's)
     for (int r = 0; r < REP; ++r) {{
-        lim[r] = QW == 1 ? len : {lim};
         for (int e = 0; e < NE; ++e) {{
             qr[r][e] = on ? static_cast<float>(q[((size_t)bh * REP + r) * D + li * NE + e]) * sc : 0.f;
             acc[r][e] = 0.f;
@@ -114,7 +108,7 @@ _WRITE_PART = r"""
 _REDUCE = r"""
     const int ns = meta[1];
     const int bh = blockIdx.x, b = bh / HKV;
-    const int len = QL ? lens[2 * b] + lens[2 * b + 1] : lens[b * QW + QW - 1];
+    const int len = QL ? lens[2 * b] + lens[2 * b + 1] : lens[b];
     const int nr = len > meta[3] ? min(ns, (len + meta[2] - 1) / meta[2]) : 1;  // this row's own splits
     for (int i = threadIdx.x; i < REP * D; i += blockDim.x) {
         const int r = i / D, d = i % D;
@@ -178,12 +172,10 @@ _RAW_LOOP = r"""
             }}
             for (int r = 0; r < REP; ++r) {{
                 float mn = m[r];
-                bool see[U];  // token u is one query r sees
                 for (int u = 0; u < U; ++u) {{
-                    see[u] = valid[u] && (QW == 1 || tb + u * TPW + sub < lim[r]);
                     {score}
                     for (int o = LPT / 2; o > 0; o >>= 1) x[r][u] += __shfl_xor_sync(0xffffffff, x[r][u], o);
-                    if (see[u]) mn = fmaxf(mn, x[r][u]);
+                    if (valid[u]) mn = fmaxf(mn, x[r][u]);
                 }}
                 if (mn > m[r]) {{  // rescale only when the running max moves (rarely, once warm)
                     const float corr = __expf(m[r] - mn);
@@ -193,7 +185,7 @@ _RAW_LOOP = r"""
                     m[r] = mn;
                 }}
                 for (int u = 0; u < U; ++u) {{  // x becomes the value weight; NaN scores stay NaN
-                    const float p = see[u] ? __expf(x[r][u] - m[r]) : 0.f;
+                    const float p = valid[u] ? __expf(x[r][u] - m[r]) : 0.f;
                     l[r] += p;
                     {weight}
                 }}
@@ -266,11 +258,11 @@ def kernel_source(quantized: bool, split: bool, new_kv: bool = False) -> str:
         load = (load.replace(f"({k} + base)", _NEW_SEL.format(n="kn", p=k))
                 .replace(f"({v} + base)", _NEW_SEL.format(n="vn", p=v)))
     if quantized:
-        head = _HEAD.format(lens="const int n_main = lens[2 * b], len = n_main + lens[2 * b + 1];", lim="len")
+        head = _HEAD.format(lens="const int n_main = lens[2 * b], len = n_main + lens[2 * b + 1];")
         sealed = _QW + _FOLD_START + _RAW_LOOP.format(start="t0", stop="min(t1, n_main)", load=_RAW_QUANT_LOAD,
                                                       **_RAW_QUANT) + _FOLD_END
         body = sealed + _RAW_LOOP.format(start="max(t0, n_main)", stop="t1", load=load, **_RAW_DENSE)
     else:
-        head = _HEAD.format(lens="const int len = lengths[b * QW + QW - 1];", lim="lengths[b * QW + r % QW]")
+        head = _HEAD.format(lens="const int len = lengths[b];")
         body = _RAW_LOOP.format(start="t0", stop="t1", load=load, **_RAW_DENSE)
     return head + store + body + _MERGE + (_WRITE_PART if split else _WRITE_OUT)
