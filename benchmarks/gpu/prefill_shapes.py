@@ -28,16 +28,22 @@ def add_args(ap) -> None:
     ap.add_argument("--max-len", type=int, default=996, help="longest prompt (shortest: 20)")
     ap.add_argument("--modes", default="none")
     ap.add_argument("--new", type=int, default=1, help="new tokens per row (1: prefill only)")
+    ap.add_argument("--min-len", type=int, default=20, help="shortest prompt")
+    ap.add_argument("--chunk", type=int, default=2048,
+                    help="engine.prefill_chunk (the command's default is 512: longer prompts continue over passes)")
+    ap.add_argument("--pass-tokens", default="auto", help="engine.prefill_tokens: tokens of one pass, all rows")
 
 
-def mixed_prompts(n: int, vocab: int, longest: int, seed: int = 0) -> list[list[int]]:
+def mixed_prompts(n: int, vocab: int, longest: int, seed: int = 0, shortest: int = 20) -> list[list[int]]:
     rnd = random.Random(seed)
-    return [[rnd.randrange(vocab) for _ in range(20 + int((longest - 20) * rnd.random() ** 2))] for _ in range(n)]
+    return [[rnd.randrange(vocab) for _ in range(shortest + int((longest - shortest) * rnd.random() ** 2))]
+            for _ in range(n)]
 
 
-def one(model, spec, ps, mode: str, budget: int, new: int) -> dict:
+def one(model, spec, ps, mode: str, budget: int, new: int, chunk: int = 2048, pass_tokens: str = "auto") -> dict:
     passes = h.PrefillPasses()
-    eng = h.engine(model, h.NoEos(), spec, mode, hooks=passes, page_size=64, max_batch=len(ps), prefill_chunk=2048,
+    eng = h.engine(model, h.NoEos(), spec, mode, hooks=passes, page_size=64, max_batch=len(ps), prefill_chunk=chunk,
+                   prefill_tokens=pass_tokens if pass_tokens == "auto" else int(pass_tokens),
                    memory_budget=budget, allow_unvalidated=True)
     t0 = time.perf_counter()
     res = eng.generate(h.requests(ps, new))
@@ -51,14 +57,14 @@ def one(model, spec, ps, mode: str, budget: int, new: int) -> dict:
 
 def run(a) -> dict:
     model, spec = h.build_random(a.geometry)
-    ps = mixed_prompts(a.rows, spec.vocab_size, a.max_len)
+    ps = mixed_prompts(a.rows, spec.vocab_size, a.max_len, shortest=a.min_len)
     budget = int(mx.device_info().get("memory_size", 80 << 30) * 0.8)
     out = []
     for mode in a.modes.split(","):
         h.parse_mode(mode)  # fail early on a bad mode string
         for attempt, prompts in (("cold", ps), ("warm", ps),
-                                 ("new_shapes", mixed_prompts(a.rows, spec.vocab_size, a.max_len, 1))):
-            r = one(model, spec, prompts, mode, budget, a.new)
+                                 ("new_shapes", mixed_prompts(a.rows, spec.vocab_size, a.max_len, 1, a.min_len))):
+            r = one(model, spec, prompts, mode, budget, a.new, a.chunk, a.pass_tokens)
             r["attempt"] = attempt
             out.append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "passes"}), flush=True)

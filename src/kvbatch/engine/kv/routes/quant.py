@@ -4,10 +4,11 @@ Decode scores the packed pages with `mx.quantized_matmul`, never dequantizing th
 float32 matmul on the tail page; scores and softmax in float32 (on the CPU the quantized matmuls
 are spread over several streams, see `cpu_streams.py`). CPU decode over float32 stores reads the
 packed pages in place instead (`quantized_paged_decode`, `mx.gather_qmm`). Prefill attends in float32
-to what the pass wrote at full precision plus, dequantized once per chunk, the pages sealed before
-it. Rows whose chunk starts the prompt (nothing sealed, empty tail: most rows of most passes) are
-written and attended all together; rows further in go row by row (each has its own sealed prefix
-and tail).
+to each row's segment at full precision (the tokens its tail page held before the pass, then the
+pass's own) plus, dequantized once per pass, the pages sealed before it. Every row of a pass is
+written and attended together, whatever its prompt position (as kv none's prefill is): one gather
+builds the rows' segments, one quantizes the pages the pass completes, one writes the rest into the
+tails, and one attention reads them, rows right-padded to the longest and masked.
 
 kv.full_precision_tokens=N: each row's first N tokens are stored quantized like the rest and also
 copied dense (kv/cache.py writes the copy, QuantizedStore.fk/fv). Wherever they are sealed, attention
@@ -26,7 +27,7 @@ import numpy as np
 from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.kv.store import QuantizedStore, head_rows
 from kvbatch.engine.kv.routes.base import Geometry, Route, flat_tokens, real_tokens
-from kvbatch.engine.kv.routes.common import (TailWrites, causal_mask, page_heads, page_table, tail_writes, token_slots,
+from kvbatch.engine.kv.routes.common import (TailWrites, page_heads, page_table, tail_writes, token_slots,
                                              window_last)
 from kvbatch.engine.kv.routes.cpu_streams import stream_split
 from kvbatch.engine.kv.routes.dense import dense_attention
@@ -215,40 +216,24 @@ def quantized_paged_plan(table: mx.array, n_before: list[int], fill: list[int], 
 
 
 @dataclass(frozen=True)
-class PrefillRun:
-    """One row of a prefill pass that does not start at position 0."""
-
-    b: int  # its row in the pass
-    n: int  # real tokens of the row in this pass
-    tail: int  # its tail slot
-    fill: int  # tokens in its tail before the pass
-    slots: Optional[mx.array]  # pool slots of the pages the pass fills, or None
-    table_q: Optional[mx.array]  # (1, n) its pages sealed before the pass
-    mask: mx.array  # (1, 1, n, sealed + fill + n) causal
-    first: int = 0  # its sealed first tokens read from the dense copy (kv.full_precision_tokens)
-
-
-@dataclass(frozen=True)
-class FreshPrefill:
-    """The rows of a prefill pass that start at position 0, written and attended together."""
-
-    idx: mx.array  # their rows in the pass
-    page_tok: Optional[mx.array]  # flat token indices (b * L + i) of the tokens that fill whole pages
-    page_slots: Optional[mx.array]  # those tokens' pool slots (each page's tokens consecutive)
-    tail_tok: Optional[mx.array]  # flat token indices of the rest (into the rows' tails)
-    tail_rows: Optional[mx.array]  # head rows of their tail slots
-    mask: mx.array  # (Bf, 1, L, L) causal
-
-
-@dataclass(frozen=True)
 class QuantPrefill:
-    """A quantized prefill pass's metadata: rows continuing a prompt (runs), rows starting one (fresh), and the output
-    order."""
+    """A quantized prefill pass, every row together. Row b's segment is the tokens its tail page held
+    before the pass (`fill` of them) and then its pass tokens, full precision, right-padded to S; the
+    pass's sources are the rows' tail pages' tokens (b * P + i, when any row has some) followed by the
+    pass's tokens (b * L + i)."""
 
     L: int
-    runs: tuple[PrefillRun, ...]
-    fresh: Optional[FreshPrefill]
-    order: Optional[mx.array]  # pass row -> its output among [fresh rows..., runs...] (None: already in order)
+    S: int  # segment width: the longest fill + tokens
+    tails: mx.array  # (B,) the rows' tail slots
+    from_tails: bool  # whether any row's segment starts with tokens from its tail page
+    seg: Optional[mx.array]  # (B * S,) each segment position's source (None: the pass's tokens as they are)
+    page_src: Optional[mx.array]  # sources of the tokens of the pages the pass completes, page by page
+    page_slots: Optional[mx.array]  # their pool slots (page * P + offset)
+    tail_src: Optional[mx.array]  # sources of the tokens the tails keep
+    tail_rows: Optional[mx.array]  # head rows of their tail slots
+    table_q: Optional[mx.array]  # (B, n) pages sealed before the pass (padded with the row's own first page)
+    mask: mx.array  # (B, 1, L, n * P + S): sealed keys, then the segment (causal)
+    first: Optional[mx.array]  # (B, 1, F, 1): sealed first tokens read from the dense copies (F = min(N, n * P))
 
 
 @dataclass(frozen=True)
@@ -290,7 +275,7 @@ class QuantRoute(Route):
         self.store, self.geom, self.streams, self.in_place = store, geom, streams, in_place
         self.multi_query = multi_query
         self.composed = False  # prefill attention through dense.composed_attention (the CUDA route)
-        self._segment: dict[int, list[tuple[mx.array, mx.array]]] = {}  # prefill: each row's K/V as written
+        self._segment: dict[int, tuple[mx.array, ...]] = {}  # prefill: the rows' segments (K, V) as written
 
     def plan(self, rows: list[CacheRow], L: int, pos: list[int], epoch: int, lens: list[int]) -> object:
         """A pass attends to pages sealed before it (quantized) and to everything it wrote or that is
@@ -364,57 +349,70 @@ class QuantRoute(Route):
         return QuantPagedDecode(mx.array(tails, dtype=mx.int32), writes, t["q_page_heads"], t["query_of"], t["cuts"],
                                 t["mask_p"], use_first, real_tokens(L, lens))
 
-    def _prefill_plan(self, rows, L, p, lens) -> QuantPrefill:
-        P, H, runs = self.geom.page_size, self.geom.kv_heads, []
-        fresh = [b for b, p0 in enumerate(p.tolist()) if p0 == 0]
-        for b, (r, p0, n) in enumerate(zip(rows, p.tolist(), lens)):
-            if p0 == 0:
-                continue
-            fill = p0 % P
-            done_pages = (fill + n) // P
-            start = p0 - fill
-            slots = mx.array(token_slots(r, P, start, start + done_pages * P).astype(np.int32)) if done_pages else None
-            table_q = page_table([r], [p0 // P]) if p0 // P else None
-            runs.append(PrefillRun(b, n, r.tail, fill, slots, table_q, causal_mask(np.array([p0]), n, p0 + n, 1),
-                                   min(self.store.full_precision, (p0 // P) * P)))
-        f = None
-        if fresh:
-            page_tok, page_slots, tail_tok, tail_slots = [], [], [], []
-            for b in fresh:
-                r, n = rows[b], lens[b]
-                full = (n // P) * P
-                page_tok += range(b * L, b * L + full)
-                page_slots += token_slots(r, P, 0, full).tolist()
-                tail_tok += range(b * L + full, b * L + n)
-                tail_slots += [r.tail * P + j for j in range(n - full)]
-            arr = lambda x: mx.array(x, dtype=mx.int32) if x else None  # noqa: E731
-            f = FreshPrefill(mx.array(fresh, dtype=mx.int32), arr(page_tok), arr(page_slots), arr(tail_tok),
-                             arr(head_rows(tail_slots, P, H)), causal_mask(np.zeros(len(fresh), np.int32), L, L, 1))
-        placed = fresh + [run.b for run in runs]  # the outputs' order before `order`
-        order = None
-        if placed != list(range(len(rows))):
-            where = {b: i for i, b in enumerate(placed)}
-            order = mx.array([where[b] for b in range(len(rows))], dtype=mx.int32)
-        return QuantPrefill(L, tuple(runs), f, order)
+    def _prefill_plan(self, rows: list[CacheRow], L: int, p: np.ndarray, lens: list[int]) -> QuantPrefill:
+        P, H, B = self.geom.page_size, self.geom.kv_heads, len(rows)
+        pos = p.tolist()
+        fill = [a % P for a in pos]
+        sealed = [a // P for a in pos]
+        S = max(f + n for f, n in zip(fill, lens))
+        base = B * P if any(fill) else 0  # where the pass's tokens start among the sources
+        seg: list[int] = []
+        page_src: list[int] = []
+        page_slots: list[int] = []
+        tail_src: list[int] = []
+        tail_slots: list[int] = []
+        for b, (r, a, f, n) in enumerate(zip(rows, pos, fill, lens)):
+            src = [b * P + i for i in range(f)] + [base + b * L + i for i in range(n)]
+            seg += src + [src[0]] * (S - len(src))  # padding: the row's own token (masked), never another row's
+            done = (f + n) // P * P  # the segment's tokens on pages the pass completes
+            if done:
+                page_src += src[:done]
+                page_slots += token_slots(r, P, a - f, a - f + done).tolist()
+            keep = range(done, f + n) if done else range(f, f + n)  # an open tail keeps its earlier tokens
+            tail_src += [src[i] for i in keep]
+            tail_slots += [r.tail_slot * P + i - done for i in keep]
+        arr = lambda x: mx.array(x, dtype=mx.int32) if x else None  # noqa: E731
+        n_q = max(sealed)
+        i, t = mx.arange(L)[None, :, None], mx.arange(S)[None, None, :]
+        f_a, n_a = mx.array(fill)[:, None, None], mx.array(lens)[:, None, None]
+        mask = (t <= f_a + i) & (t < f_a + n_a)  # (B, L, S): a padding query sees the row's real tokens
+        first = None
+        if n_q:
+            seen = mx.arange(n_q * P)[None, None, :] < (mx.array(sealed) * P)[:, None, None]
+            mask = mx.concatenate([mx.broadcast_to(seen, (B, L, n_q * P)), mask], axis=-1)
+            F = min(self.store.full_precision, n_q * P)
+            if F:
+                n_first = mx.minimum(mx.array(sealed) * P, F)
+                first = (mx.arange(F)[None, :] < n_first[:, None]).reshape(B, 1, F, 1)
+        return QuantPrefill(L, S, mx.array([r.tail_slot for r in rows], dtype=mx.int32), base > 0,
+                            arr(seg) if base or S != L else None, arr(page_src), arr(page_slots), arr(tail_src),
+                            arr(head_rows(tail_slots, P, H)), page_table(rows, sealed) if n_q else None,
+                            mask.reshape(B, 1, L, -1), first)
 
     def write(self, layer: int, meta, keys: mx.array, values: mx.array) -> None:
         """Store the pass's K/V: prefill runs into tails and sealed pages, decode tokens into tails (sealing the full
         ones)."""
         k, v = flat_tokens(keys, values)
         if isinstance(meta, QuantPrefill):
-            L, f, st = meta.L, meta.fresh, self.store
-            segments = [st.write_run(layer, run.tail, run.fill, run.slots, k[run.b * L:run.b * L + run.n],
-                                     v[run.b * L:run.b * L + run.n]) for run in meta.runs]
-            if f is not None:
-                if f.page_tok is not None:
-                    assert f.page_slots is not None  # built with page_tok
-                    st.store_pages(layer, f.page_slots, k[f.page_tok], v[f.page_tok])
-                if f.tail_tok is not None:
-                    assert f.tail_rows is not None  # built with tail_tok
-                    st.write_tokens(layer, f.tail_rows, k[f.tail_tok], v[f.tail_tok])
-                whole = len(meta.runs) == 0
-                segments.insert(0, (keys if whole else keys[f.idx], values if whole else values[f.idx]))
-            self._segment[layer] = segments
+            st = self.store
+            k, v = k.astype(st.dtype), v.astype(st.dtype)
+            if meta.from_tails:  # the sources: the rows' tail pages' tokens, then the pass's
+                B, P = meta.tails.shape[0], self.geom.page_size
+                tk, tv = (buf[meta.tails].transpose(0, 2, 1, 3).reshape(B * P, *k.shape[1:])
+                          for buf in (st.tk[layer], st.tv[layer]))
+                k, v = mx.concatenate([tk, k]), mx.concatenate([tv, v])
+            if meta.page_src is not None:
+                assert meta.page_slots is not None  # built with page_src
+                st.store_pages(layer, meta.page_slots, k[meta.page_src], v[meta.page_src])
+            if meta.tail_src is not None:
+                assert meta.tail_rows is not None  # built with tail_src
+                st.write_tokens(layer, meta.tail_rows, k[meta.tail_src], v[meta.tail_src])
+            if meta.seg is None:  # the pass's tokens are the segments: (B, H, L, D) as computed
+                self._segment[layer] = (keys[:, :, :meta.S].astype(st.dtype), values[:, :, :meta.S].astype(st.dtype))
+            else:
+                B = meta.tails.shape[0]
+                self._segment[layer] = tuple(x[meta.seg].reshape(B, meta.S, *x.shape[1:]).transpose(0, 2, 1, 3)
+                                             for x in (k, v))
         else:
             take = meta.take if isinstance(meta, QuantPagedDecode) else None
             if take is not None:
@@ -451,35 +449,22 @@ class QuantRoute(Route):
                                           first=st.gather_first(layer, meta.tails) if meta.first else None)
 
     def _prefill_attend(self, layer: int, meta: QuantPrefill, queries: mx.array, scale: float) -> mx.array:
-        """The fresh rows together, over their chunk as written; the others row by row, over their
-        sealed pages dequantized once for the chunk and the rest as written (padded queries get
-        zeros: their outputs are never read)."""
-        st, outs, segments = self.store, [], self._segment.pop(layer)
-        if meta.fresh is not None:  # their chunk attends to itself, as written (B, H, L, D)
-            fk, fv = segments.pop(0)
-            q = queries if not meta.runs else queries[meta.fresh.idx]
-            outs.append(dense_attention(q, fk, fv, meta.fresh.mask, scale, upcast=True, composed=self.composed))
-        for run, (sk, sv) in zip(meta.runs, segments):
-            b = run.b
-            sk, sv = sk.transpose(1, 0, 2)[None], sv.transpose(1, 0, 2)[None]
-            if run.table_q is not None:
-                qk = st.gather_quantized(layer, run.table_q)
-                dk, dv = st.dequantize_k(*qk[:3]), st.dequantize_v(*qk[3:])
-                if run.first:  # the sealed first tokens from the dense copy, not dequantized
-                    f = run.first
-                    dk = mx.concatenate([st.fk[layer][run.tail:run.tail + 1, :, :f].astype(dk.dtype), dk[:, :, f:]],
-                                        axis=2)
-                    dv = mx.concatenate([st.fv[layer][run.tail:run.tail + 1, :, :f].astype(dv.dtype), dv[:, :, f:]],
-                                        axis=2)
-                sk = mx.concatenate([dk, sk], axis=2)
-                sv = mx.concatenate([dv, sv], axis=2)
-            q = queries[b:b + 1] if run.n == meta.L else queries[b:b + 1, :, :run.n]
-            out = dense_attention(q, sk, sv, run.mask, scale, upcast=True, composed=self.composed)
-            if run.n < meta.L:
-                out = mx.pad(out, [(0, 0), (0, 0), (0, meta.L - run.n), (0, 0)])
-            outs.append(out)
-        out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
-        return out if meta.order is None else out[meta.order]
+        """Every row over its sealed pages, dequantized once for the pass (its sealed first tokens from the
+        dense copy), and its segment as written; padded keys and queries masked."""
+        st = self.store
+        sk, sv = self._segment.pop(layer)
+        if meta.table_q is not None:
+            qk = st.gather_quantized(layer, meta.table_q)
+            dk, dv = st.dequantize_k(*qk[:3]), st.dequantize_v(*qk[3:])
+            if meta.first is not None:  # the sealed first tokens from the dense copy, not dequantized
+                F = meta.first.shape[2]
+                fk, fv = st.gather_first(layer, meta.tails)
+                dk = mx.concatenate([mx.where(meta.first, fk[:, :, :F].astype(dk.dtype), dk[:, :, :F]), dk[:, :, F:]],
+                                    axis=2)
+                dv = mx.concatenate([mx.where(meta.first, fv[:, :, :F].astype(dv.dtype), dv[:, :, :F]), dv[:, :, F:]],
+                                    axis=2)
+            sk, sv = mx.concatenate([dk, sk], axis=2), mx.concatenate([dv, sv], axis=2)
+        return dense_attention(queries, sk, sv, meta.mask, scale, upcast=True, composed=self.composed)
 
     def end(self) -> None:
         """Drop the prefill K/V kept for the pass's attention."""
