@@ -15,7 +15,6 @@ import os
 import re
 from pathlib import Path
 
-
 from kvbatch.engine.backend import backend
 from kvbatch.engine.errors import KvbatchConfigError
 from kvbatch.engine.models.config import ModelConfig
@@ -32,8 +31,8 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"
 
 # model.dtype=auto for a GGUF, by backend. CPU: float32 (OpenBLAS; ~7x the quantized matmuls). MLX CUDA: bfloat16:
 # batches of hundreds of rows make the matmuls compute-bound, where MLX CUDA's dense GEMMs beat its quantized
-# matmuls (SmolLM2-135M rewrite job on the H200, 512 rows: decode 1.55x faster than with the Q4_1 weights kept,
-# docs/performance.md). Metal: the packed weights, since a Mac's decode is bound by reading them.
+# matmuls (SmolLM2-135M rewrite job on the H200, 512 rows: decode 1.55x faster than with the Q4_1 weights kept;
+# benchmarks/notebook/README.md, session G). Metal: the packed weights, since a Mac's decode is bound by reading them.
 GGUF_AUTO = {"cpu": "float32", "cuda": "bfloat16", "metal": "quantized"}
 
 
