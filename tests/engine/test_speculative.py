@@ -26,7 +26,7 @@ from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.row import Row
 from kvbatch.engine.samples import samples
 from kvbatch.engine.sampling import RowSampler, sample_batch
-from kvbatch.engine.speculative.ngram import ngram_propose
+from kvbatch.engine.speculative.ngram import NgramIndex
 from kvbatch.engine.speculative.state import RowSpec
 from kvbatch.engine.speculative.verify import accepted_prefix, key_chain
 from kvbatch.engine.speculative.window import max_proposal
@@ -70,15 +70,52 @@ def _same(ref, got):
 
 
 # ---- proposals, windows, the sampler -----------------------------------------------------------
+def _scan_propose(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """The n-gram rule by its definition: the longest suffix (n_max down to n_min tokens) that occurred
+    before, its latest earlier occurrence, and up to k tokens after it."""
+    L = len(tokens)
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        for p in range(L - 2, n - 2, -1):  # p: where an earlier occurrence ends
+            if tokens[p - n + 1:p + 1] == tokens[L - n:]:
+                return tokens[p + 1:p + 1 + k]
+    return []
+
+
+def _propose(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    idx = NgramIndex(n_min)
+    idx.extend(tokens)
+    return idx.propose(k, n_max)
+
+
 def test_ngram_proposes_what_followed_the_latest_longest_match():
-    t = np.array([1, 2, 3, 9, 1, 2, 3, 4, 5, 7, 2, 3], dtype=np.int32)
+    t = [1, 2, 3, 9, 1, 2, 3, 4, 5, 7, 2, 3]
     # suffix (2, 3): latest earlier occurrence at 5..6, followed by 4 5 7
-    assert ngram_propose(t, 3, 2, 4) == [4, 5, 7]
+    assert _propose(t, 3, 2, 4) == [4, 5, 7]
     # the 3-gram (7, 2, 3) never occurred before; with n_min 3 nothing is proposed
-    assert ngram_propose(t, 3, 3, 4) == []
-    assert ngram_propose(np.array([5, 6, 7], dtype=np.int32), 2, 1, 2) == []
+    assert _propose(t, 3, 3, 4) == []
+    assert _propose([5, 6, 7], 2, 1, 2) == []
     # the proposal stops at the sequence's end
-    assert ngram_propose(np.array([8, 8, 8], dtype=np.int32), 4, 1, 2) == [8]
+    assert _propose([8, 8, 8], 4, 1, 2) == [8]
+    # a longer match wins over a later shorter one: (9, 2, 3) at 1..3 against (2, 3) at 6..7
+    assert _propose([1, 9, 2, 3, 5, 4, 2, 3, 6, 9, 2, 3], 2, 2, 4) == [5, 4]
+
+
+@pytest.mark.parametrize("n_min,n_max", [(1, 1), (2, 4), (3, 3), (1, 5)])
+def test_ngram_index_extended_step_by_step_proposes_as_a_full_scan(n_min, n_max):
+    """The row's index, extended by a few tokens at a time as steps add them, proposes exactly what scanning
+    the whole sequence would, after every extension (small vocabularies: many matches, long and short)."""
+    rng = np.random.default_rng(n_min * 10 + n_max)
+    for vocab in (3, 8, 50):
+        toks = rng.integers(0, vocab, 40).tolist()
+        toks += toks[5:25]  # a copied stretch, as a rewrite copies its source
+        idx = NgramIndex(n_min)
+        at = 0
+        while at < len(toks):
+            step = int(rng.integers(1, 6))
+            idx.extend(toks[at:at + step])
+            at += step
+            for k in (1, 4):
+                assert idx.propose(k, n_max) == _scan_propose(toks[:at], k, n_min, n_max), (vocab, at, k)
 
 
 def test_quantized_window_never_seals_an_unverified_token(tiny_model):

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import numpy as np
+if TYPE_CHECKING:
+    from kvbatch.engine.speculative.ngram import NgramIndex
 
 # A row whose proposals were all rejected this many times in a row stops proposing for a while:
 # 2, 4, ... up to MAX_PAUSE steps, doubling at each further miss; one accepted token resets it.
@@ -24,8 +25,7 @@ class RowSpec:
     # tokens to propose next: one more than the last verification accepted, or one more than
     # last time when all were accepted (so a row pays for positions it is likely to keep)
     want: int = 1 << 30
-    buf: Optional[np.ndarray] = None  # ngram: the row's tokens as int32, the first `have` filled
-    have: int = 0
+    ngram: Optional["NgramIndex"] = None  # ngram: the row's tokens and where their n-grams end
 
     def may_propose(self) -> bool:
         """Whether the row proposes this step (a paused row counts the step down)."""
