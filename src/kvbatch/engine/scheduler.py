@@ -85,10 +85,14 @@ class Scheduler:
             else:
                 admitted.append(row)
         ready, no_room = [], []
-        for row, n in self.prefill_batch():
+        batch = self.prefill_batch()
+        # one scan of the running rows for the whole pass: a chunk's reservation stays within its row's
+        # target, so it changes no row's price (make_room refreshes them after a preemption)
+        limits = self.limits() if batch else None
+        for row, n in batch:
             if not row.active:  # preempted to make room for a row before it in this pass
                 continue
-            if self._room(row, n, None, no_room):
+            if self._room(row, n, limits, no_room):
                 ready.append(Chunk(row, n))
         return StepPlan(tuple(admitted), tuple(refused), tuple(no_room), self._take_preempted(),
                         tuple(c for c in ready if c.row.active))
