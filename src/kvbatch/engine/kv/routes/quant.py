@@ -390,8 +390,8 @@ class QuantRoute(Route):
                             mask.reshape(B, 1, L, -1), first)
 
     def write(self, layer: int, meta, keys: mx.array, values: mx.array) -> None:
-        """Store the pass's K/V: prefill runs into tails and sealed pages, decode tokens into tails (sealing the full
-        ones)."""
+        """Store the pass's K/V: a prefill pass's completed pages quantized and the rest into the tails (keeping each
+        row's segment for its attention); decode tokens into tails (sealing the full ones)."""
         k, v = flat_tokens(keys, values)
         if isinstance(meta, QuantPrefill):
             st = self.store
