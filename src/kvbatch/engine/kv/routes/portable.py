@@ -29,7 +29,7 @@ import mlx.core as mx
 
 from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.kv.store import DenseStore, QuantizedStore
-from kvbatch.engine.kv.routes.base import Geometry, flat_tokens, real_tokens
+from kvbatch.engine.kv.routes.base import Geometry, real_tokens
 from kvbatch.engine.kv.routes.common import TailWrites, page_heads
 from kvbatch.engine.kv.routes.dense import DenseRoute, DenseStep, multi_query_mask
 from kvbatch.engine.kv.routes.quant import QuantRoute
@@ -272,16 +272,6 @@ class PortableQuantRoute(QuantRoute):
         return PortableQuantStep(tail_heads, writes, heads, t["query_of"], t["mask_p"], cuts,
                                  row_groups(len(rows), H * heads.shape[-1]), use_first,
                                  real_tokens(L, lens) if counts else None)
-
-    def write(self, layer: int, meta, keys: mx.array, values: mx.array) -> None:
-        """A step read in place writes into the rows' tails (sealing full ones); others as QuantRoute."""
-        if isinstance(meta, PortableQuantStep):
-            k, v = flat_tokens(keys, values)
-            if meta.take is not None:
-                k, v = k[meta.take], v[meta.take]
-            meta.writes.apply(self.store, layer, k, v)
-            return
-        super().write(layer, meta, keys, values)
 
     def attend(self, layer: int, meta, queries: mx.array, scale: float) -> mx.array:
         """A step read in place; other passes as QuantRoute attends them."""

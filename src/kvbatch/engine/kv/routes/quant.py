@@ -414,7 +414,7 @@ class QuantRoute(Route):
                 self._segment[layer] = tuple(x[meta.seg].reshape(B, meta.S, *x.shape[1:]).transpose(0, 2, 1, 3)
                                              for x in (k, v))
         else:
-            take = meta.take if isinstance(meta, QuantPagedDecode) else None
+            take = getattr(meta, "take", None)  # a few-token pass read in place writes its real tokens only
             if take is not None:
                 k, v = k[take], v[take]
             meta.writes.apply(self.store, layer, k, v)
