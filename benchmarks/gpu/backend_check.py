@@ -183,7 +183,8 @@ def parse_variants(spec: str) -> list[tuple[str, dict]]:
 
 
 def kernel_bench(contexts=(8192,), batches=(1, 8, 64), geometries=((64, 8, 4), (128, 8, 4)),
-                 variants=(("default", {}),), portable: bool = False, n: int = 20) -> dict:
+                 variants=(("default", {}),), portable: bool = False, n: int = 20,
+                 modes=("none", "q8", "q4", "k8v4")) -> dict:
     """Decode attention time of one layer at long context: the fused kernels (none/q8/q4) under
     each variant of the launch settings (CudaLaunch), the
     first variant's outputs as the reference for the others (max |difference|; 0 = same bits), and
@@ -223,7 +224,7 @@ def kernel_bench(contexts=(8192,), batches=(1, 8, 64), geometries=((64, 8, 4), (
                     print(f"{head} gather+sdpa {t * 1e6:.0f}us", flush=True)
                 calls = {"none": (lambda tune: ca.paged_decode_attention(q, kp, vp, table, lengths, 0.1, tune),
                                   dense_bytes)}
-                for name in ("q8", "q4", "k8v4"):
+                for name in (m for m in modes if m != "none"):
                     kb, vb = KV_BITS[name]
                     packed = list(mx.quantize(kp, group_size=64, bits=kb)) + \
                         list(mx.quantize(vp, group_size=64, bits=vb))
@@ -240,7 +241,7 @@ def kernel_bench(contexts=(8192,), batches=(1, 8, 64), geometries=((64, 8, 4), (
                 for label, settings in variants:
                     line = f"{head} {label:>10s}:"
                     tune = CudaLaunch(**settings)
-                    for mode, (fn, nbytes) in calls.items():
+                    for mode, (fn, nbytes) in ((m, c) for m, c in calls.items() if m in modes):
                         try:
                             out = fn(tune)
                             diff = float(mx.abs(out.astype(mx.float32) - ref[mode]).max()) if mode in ref else 0.0
@@ -258,8 +259,8 @@ def kernel_bench(contexts=(8192,), batches=(1, 8, 64), geometries=((64, 8, 4), (
     return times
 
 
-def pick_variant(times: dict, checked: dict, batches=(8, 64)) -> str | None:
-    """The variant with the least total kernel time over none/q8/q4 at these batch sizes, among
+def pick_variant(times: dict, checked: dict, batches=(8, 64), modes=("none", "q8", "q4", "k8v4")) -> str | None:
+    """The variant with the least total kernel time over `modes` at these batch sizes, among
     those that ran every case and whose checks passed (a label's checks: its own, or those of the
     label before its last '_' part, e.g. raw_mb2_c512 -> raw_mb2)."""
     best, best_t = None, float("inf")
@@ -267,7 +268,7 @@ def pick_variant(times: dict, checked: dict, batches=(8, 64)) -> str | None:
         base = label if label in checked else label.rsplit("_", 1)[0]
         if not checked.get(base, False) or not ts or any(v is None for v in ts.values()):
             continue
-        total = sum(v for (D, ctx, B, mode), v in ts.items() if B in batches)
+        total = sum(v for (D, ctx, B, mode), v in ts.items() if B in batches and mode in modes)
         print(f"pick: {label:>14s} total {total * 1e6:8.0f}us (batches {batches})", flush=True)
         if total < best_t:
             best, best_t = label, total
@@ -283,11 +284,15 @@ def add_args(ap) -> None:
                     help="bench: launch settings to compare, 'label:chunk=256,warps=4;label2:...' (CudaLaunch)")
     ap.add_argument("--check-variants", default="default:", help="kernels: run the checks under each of these")
     ap.add_argument("--bench-batches", default="1,8,64")
-    ap.add_argument("--bench-dims", default="64,128", help="head sizes (Hkv 8, GQA 4)")
+    ap.add_argument("--bench-modes", default="none,q8,q4,k8v4")
+    ap.add_argument("--bench-dims", default="64,128",
+                    help="head sizes (Hkv 8, GQA 4), or DxHKVxREP (SmolLM2: 64x3x3)")
     ap.add_argument("--bench-contexts", default="8192",
                     help="tokens per row (a short one, e.g. 64, runs unsplit: the per-call floor)")
     ap.add_argument("--portable", action="store_true", help="bench: also the portable gather + SDPA")
     ap.add_argument("--pick-out", default="", help="write the fastest checked variant's settings as config lines")
+    ap.add_argument("--pick-batches", default="8,64", help="the batch sizes whose total time picks the variant")
+    ap.add_argument("--pick-modes", default="none,q8,q4,k8v4", help="the modes whose total time picks the variant")
     ap.add_argument("--engine-families", default="llama:64,llama:128,qwen3:128", help="engine: family:head size")
     ap.add_argument("--engine-modes", default="none,q8,q4")
     ap.add_argument("--engine-pages", default="16,64")
@@ -307,15 +312,22 @@ def _kernels(a) -> dict:
     return checked
 
 
+def _geometry(text: str) -> tuple[int, int, int]:
+    """"64" -> (64, 8, 4): head size, KV heads, query heads per KV head; "64x3x3" as written."""
+    parts = [int(x) for x in text.split("x")]
+    return (parts[0], 8, 4) if len(parts) == 1 else (parts[0], parts[1], parts[2])
+
+
 def _bench(a, checked: dict | None) -> str | None:
     variants = parse_variants(a.variants)
     times = kernel_bench(contexts=tuple(map(int, a.bench_contexts.split(","))),
                          batches=tuple(map(int, a.bench_batches.split(","))),
-                         geometries=tuple((int(d), 8, 4) for d in a.bench_dims.split(",")),
-                         variants=variants, portable=a.portable)
+                         geometries=tuple(_geometry(d) for d in a.bench_dims.split(",")),
+                         variants=variants, portable=a.portable, modes=tuple(a.bench_modes.split(",")))
     if not a.pick_out:
         return None
-    best = pick_variant(times, checked if checked is not None else {k: True for k, _ in variants})
+    best = pick_variant(times, checked if checked is not None else {k: True for k, _ in variants},
+                        tuple(map(int, a.pick_batches.split(","))), tuple(a.pick_modes.split(",")))
     settings = dict(variants)[best] if best else {}
     print(f"picked: {best} {settings}", flush=True)
     with open(a.pick_out, "w") as f:

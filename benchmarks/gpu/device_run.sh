@@ -4,9 +4,13 @@
 # Installs MLX CUDA from the wheels that shared/tools/mlx-cuda-stage.sh staged (call 1 copies
 # .gpu/a to $HOME/kvbatch-stage; this script joins it with .gpu/b) once per machine. Each
 # stage writes its log (and JSON) under $OUT and is cut at SECONDS (default 300).
-#   kernels  kernel checks (float64 reference; modes $CHECK_MODES, default none,q8,q4,k8v4) and the one-layer
-#            bench of the launch settings (VARIANTS below) at 128 tokens (unsplit: the per-call floor)
-#            and at 8k
+#   kernels  kernel checks (float64 reference; modes $CHECK_MODES, default none,q8,q4,k8v4; launch settings $CHECKS,
+#            default the defaults) and the one-layer bench of the launch settings ($VARIANTS, default below) at
+#            $KBENCH_CONTEXTS tokens (128,8192: unsplit, the per-call floor, and long), head geometries $KBENCH_DIMS
+#            (64,128 with 8 KV heads x 4; DxHKVxREP, e.g. SmolLM2's 64x3x3), batches $KBENCH_BATCHES (1,8,64), modes
+#            $KBENCH_MODES; $KPARTS (kernels,bench) picks the parts; the log is kernels$KTAG.txt; KPICK=BATCHES:
+#            the fastest variant at those batch sizes, modes $KPICK_MODES (none), among those whose checks passed, as config lines in
+#            $HOME/kvbatch-picked.conf, for later calls on the same machine
 #   pytest   the engine's correctness tests on MLX CUDA
 #   gpu8b / gpu1b  engine.vs_mlx_lm on the random geometry, 2 order-alternating rounds (8B with 5 modes took ~120 s a
 #            case in the fifth session: give it 600 s for b1-b64, or fewer modes)
@@ -38,7 +42,9 @@
 #            uniform), 512 new tokens, kvbatch's overrides $JOB_KV (e.g. kv=q8; default kv none);
 #            installs the wheels in .gpu/c (pyarrow, hydra-core,
 #            omegaconf, antlr4, tqdm: `pip download --only-binary ... --python-version 3.12`); JOB_PROFILE=1 first
-#            profiles one kvbatch run (job_profile.txt), JOB_ROUNDS (default 2; medians of the rounds)
+#            profiles one kvbatch run (job_profile.txt), JOB_ROUNDS (default 2; medians of the rounds); JOB_OTHER (e.g.
+#            kv=q8): a second kvbatch side with these overrides too, in the same alternation (its wall against the
+#            first side's); JOB_MATCH=0 leaves out mlx-lm at kvbatch's batch size
 #   shared   job.shared_prompts (issue 21), Llama-1B geometry (random bf16, the job stage's): $SHARED_ROWS
 #            (default 512) rows behind one ~1,000-token system prompt (180 words: the random model's tokenizer spends ~5.5 tokens a word), 128 new tokens each, prefix cache on / off /
 #            mlx-lm batch_generate; then n=8 samples of 64 prompts against 512 duplicated rows; SHARED_ROUNDS (2)
@@ -96,10 +102,10 @@ if [ "${NO_TORCH:-0}" = 1 ]; then
 fi
 git log -1 --format='commit %h %s' 2>/dev/null; git status --short 2>/dev/null | head -20
 # the checks of one variant take ~2.5 min (60 cases, most of it compiling): check the default only
-CHECKS="default:" CHECK_MODES=${CHECK_MODES:-none,q8,q4,k8v4}
+CHECKS=${CHECKS:-"default:"} CHECK_MODES=${CHECK_MODES:-none,q8,q4,k8v4}
 # launch settings (engine.options.cuda, CudaLaunch): backend_check variants are label:key=value,...; a
 # benchmark mode takes them after '@' as cuda.key=value+... (harness.parse_mode)
-VARIANTS="default:;u4:unroll=4;c256:chunk=256,unsplit=1024;c512:chunk=512,unsplit=1024;w4u4:warps=4,unroll=4;c2048:chunk=2048,unsplit=1024"
+VARIANTS=${VARIANTS:-"default:;u4:unroll=4;c256:chunk=256,unsplit=1024;c512:chunk=512,unsplit=1024;w4u4:warps=4,unroll=4;c2048:chunk=2048,unsplit=1024"}
 C256=cuda.chunk=256+cuda.unsplit=1024
 QVARIANT=${QVARIANT:-"w8u2:warps=8,unroll=2"} QENV=${QENV:-cuda.warps=8+cuda.unroll=2}
 # engine.vs_mlx_lm as the GPU runs it (what gpu.py did by default): roofline, 2k prefill chunks, 120 GB budget,
@@ -116,9 +122,13 @@ for arg in "$@"; do
   stage=${arg%%:*} secs=${arg#*:}; [ "$secs" = "$arg" ] && secs=300
   echo "== stage $stage (${secs}s) $(date -u +%T) $(env | grep ^KVBATCH_ | tr '\n' ' ')"
   case $stage in
-    kernels) timeout "$secs" python3 -m benchmarks gpu.backend_check --parts kernels,bench --kernel-dtypes bfloat16,float32 \
-               --kernel-modes "$CHECK_MODES" --kernel-chunks default,48 --check-variants "$CHECKS" \
-               --variants "$VARIANTS" --bench-contexts 128,8192 2>&1 | tee "$OUT/kernels.txt" | grep -v "^ok   kernel" ;;
+    kernels) timeout "$secs" python3 -m benchmarks gpu.backend_check --parts ${KPARTS:-kernels,bench} \
+               --kernel-dtypes bfloat16,float32 --kernel-modes "$CHECK_MODES" --kernel-chunks default,48 \
+               --check-variants "$CHECKS" --variants "$VARIANTS" --bench-contexts ${KBENCH_CONTEXTS:-128,8192} \
+               --bench-dims ${KBENCH_DIMS:-64,128} --bench-batches ${KBENCH_BATCHES:-1,8,64} \
+               --bench-modes ${KBENCH_MODES:-none,q8,q4,k8v4} ${KPICK:+--pick-out $HOME/kvbatch-picked.conf} \
+               ${KPICK:+--pick-batches $KPICK --pick-modes ${KPICK_MODES:-none}} 2>&1 | tee "$OUT/kernels${KTAG:-}.txt" |
+               grep -v "^ok   kernel" ;;
     pytest) timeout "$secs" python3 -m pytest -q -p no:cacheprovider -rs --durations=8 $TESTS 2>&1 | tee "$OUT/pytest.txt" ;;
     gpu8b|gpu1b) g=${stage#gpu}; timeout "$secs" $VS --models "random-$g" --rounds 2 --batches 1,8,64,256 \
                --long 8192 --long-batches 1,8 --modes none,q8,q4 --out "$OUT/gpu_$g.json" 2>&1 | tee "$OUT/gpu_$g.txt" | cut -c1-400 ;;
@@ -160,8 +170,8 @@ for arg in "$@"; do
     job) python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$C"/*.whl || exit 1
       g=${JOB_GEOM:-1b}; [ "$g" = 8b ] && geom=$GEOM8B || geom=$GEOM1B; tag=${g}${JOB_KV:+_${JOB_KV//[^a-z0-9]/}}
       timeout "$secs" python3 -m benchmarks job.job_vs_mlx_lm --model tiny --model-args "$geom" --rows 256 --new 512 \
-        --prompt-tokens ${JOB_PROMPT_TOKENS:-32-1999} --rounds ${JOB_ROUNDS:-2} ${JOB_KV:+--kvbatch-args "$JOB_KV"} \
-        ${JOB_PROFILE:+--profile $OUT/job_profile.txt} --match --kvbatch-cmd "python3 -m kvbatch" --python python3 \
+        --prompt-tokens ${JOB_PROMPT_TOKENS:-32-1999} --rounds ${JOB_ROUNDS:-2} ${JOB_KV:+--kvbatch-args "$JOB_KV"} ${JOB_OTHER:+--other-args "$JOB_OTHER"} \
+        ${JOB_PROFILE:+--profile $OUT/job_profile.txt} $([ "${JOB_MATCH:-1}" = 1 ] && echo --match) --kvbatch-cmd "python3 -m kvbatch" --python python3 \
         --out "$OUT/job_$tag.json" 2>&1 | tee "$OUT/job_$tag.txt" | cut -c1-1500 ;;
     shared) python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$C"/*.whl || exit 1
       timeout "$secs" python3 -m benchmarks job.shared_prompts --model tiny --model-args "$GEOM1B" --python python3 \

@@ -9,6 +9,9 @@ mlx-lm, mlx-lm, kvbatch, ...) so drift on a shared machine is spread over both; 
 ratio is reported and the median of those ratios is the number to read (with each side's median tok/s and
 wall; the prompts' token lengths in `prompt_tokens`).
 
+With --other-args, a second kvbatch side (the same overrides plus these, e.g. kv=q8) runs in the same
+alternation, and its wall is compared with the first side's (`other_vs_kvbatch_wall`).
+
 mlx-lm runs at its defaults and, with --match, also with completion_batch_size set to the batch
 kvbatch ran at (read from its summary.json).
 
@@ -29,7 +32,8 @@ from pathlib import Path
 
 from benchmarks.harness import ROOT
 
-SMOKE = ["--model", "tiny", "--rows", "2", "--new", "4", "--prompt-tokens", "8-40", "--rounds", "1", "--no-warm"]
+SMOKE = ["--model", "tiny", "--rows", "2", "--new", "4", "--prompt-tokens", "8-40", "--rounds", "1", "--no-warm",
+         "--other-args", "kv=q8"]
 WORDS = ("the of and to in is that for it as with was on be by at this from or an which are have not can all "
          "water river mountain history science market engine garden music theory village storm letter window "
          "explain describe compare why how what summarize list write story poem plan steps reasons example").split()
@@ -177,19 +181,23 @@ def add_args(ap) -> None:
     ap.add_argument("--kvbatch-cmd", default=f"{sys.executable} -m kvbatch")
     ap.add_argument("--python", default=sys.executable, help="runs the mlx-lm side")
     ap.add_argument("--match", action="store_true", help="also mlx-lm with completion_batch_size = kvbatch's batch")
+    ap.add_argument("--other-args", default="",
+                    help="a second kvbatch side with these overrides as well (e.g. kv=q8), in the same alternation")
     ap.add_argument("--profile", help="first one untimed kvbatch run under cProfile; its top functions to this file")
     ap.add_argument("--no-warm", action="store_true", help="no untimed first run (that builds or converts the model)")
 
 
 def _round(a, k: int, inp: Path, tmp: Path, model_cfg: dict, model_args: dict, extra: list[str]) -> dict:
-    order = ["kvbatch", "mlx_lm"] if k % 2 == 0 else ["mlx_lm", "kvbatch"]
+    order = ["kvbatch"] + (["other"] if a.other_args else []) + ["mlx_lm"]
+    order = order if k % 2 == 0 else order[::-1]
     rnd = {}
     for side in order:
-        if side == "kvbatch":
-            rnd["kvbatch"] = run_kvbatch(shlex.split(a.kvbatch_cmd), inp, tmp / f"out{k}", a.model, model_args, a.new,
-                                         extra)
-        else:
+        if side == "mlx_lm":
             rnd["mlx_lm"] = run_mlx_lm(a.python, inp, model_cfg, a.new, None)
+        else:
+            more = shlex.split(a.other_args) if side == "other" else []
+            rnd[side] = run_kvbatch(shlex.split(a.kvbatch_cmd), inp, tmp / f"{side}{k}", a.model, model_args, a.new,
+                                    extra + more)
     if a.match:
         rnd["mlx_lm_matched"] = run_mlx_lm(a.python, inp, model_cfg, a.new, rnd["kvbatch"]["engine"].get("max_batch"))
     kv, ml = rnd["kvbatch"], rnd["mlx_lm"]
@@ -205,6 +213,13 @@ def _round(a, k: int, inp: Path, tmp: Path, model_cfg: dict, model_args: dict, e
     if a.match:
         mm = rnd["mlx_lm_matched"]
         line.update(mlx_lm_matched_tok_s=mm["tok_s"], ratio_matched=kv["tok_s"] / mm["tok_s"])
+    if a.other_args:  # the second kvbatch side: its wall against the first's (>= 1: as fast or faster)
+        ot = rnd["other"]
+        line.update(other_tok_s=ot["tok_s"], other_wall_s=ot["wall_s"], other_tokens=ot["tokens"],
+                    other_ratio=ot["tok_s"] / ml["tok_s"], other_vs_kvbatch_wall=kv["wall_s"] / ot["wall_s"],
+                    other_identical_rows=sum(ot["outputs"].get(key) == toks for key, toks in kv["outputs"].items()),
+                    other_engine={key: ot["engine"].get(key) for key in (
+                        "max_batch", "prefill_s", "decode_s", "prefill_tokens_per_s", "decode_tokens_per_s")})
     print(json.dumps(line), flush=True)
     return line
 
@@ -237,5 +252,8 @@ def run(a) -> dict:
               "prompt_tokens": prompt_lengths(texts, model_cfg), "rounds": rounds}
     if a.match:
         result["median_ratio_matched"] = statistics.median(r["ratio_matched"] for r in rounds)
+    if a.other_args:
+        result.update({f"median_{key}": statistics.median(r[key] for r in rounds)
+                       for key in ("other_tok_s", "other_ratio", "other_vs_kvbatch_wall")})
     print(json.dumps({k: result[k] for k in result if k != "rounds"}))
     return result
