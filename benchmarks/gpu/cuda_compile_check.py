@@ -65,7 +65,8 @@ def sources(a) -> list[str]:
                 outs = [("pm", "float"), ("pl", "float"), ("pacc", "float")] if split else [("out", T)]
                 dense_in = [("q", T), ("k", T), ("v", T), ("table", "int32_t"), ("lengths", "int32_t"),
                             ("meta", "int32_t"), ("scale", "float")]
-                src.append(wrap(f"dense_{i}", dense_in + store, outs, base, cs.kernel_source(False, split, new_kv, a.prefetch)))
+                src.append(wrap(f"dense_{i}", dense_in + store, outs, base,
+                                cs.kernel_source(False, split, new_kv, a.prefetch)))
                 for kbits, vbits in (tuple(map(int, b.split("x"))) for b in a.bits.split(",")):
                     qin = [("q", T), ("kw", "uint32_t"), ("ks", T), ("kb", T), ("vw", "uint32_t"), ("vs", T),
                            ("vb", T), ("tk", T), ("tv", T), ("tails", "int32_t")] + ints[:1] + \
