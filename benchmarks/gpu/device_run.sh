@@ -4,7 +4,8 @@
 # Installs MLX CUDA from the wheels that shared/tools/mlx-cuda-stage.sh staged (call 1 copies
 # .gpu/a to $HOME/kvbatch-stage; this script joins it with .gpu/b) once per machine. Each
 # stage writes its log (and JSON) under $OUT and is cut at SECONDS (default 300).
-#   kernels  kernel checks (float64 reference; modes $CHECK_MODES, default none,q8,q4,k8v4; launch settings $CHECKS,
+#   kernels  kernel checks (float64 reference; modes $CHECK_MODES, default none,q8,q4,k8v4; dtypes $CHECK_DTYPES,
+#            bfloat16,float32; launch settings $CHECKS,
 #            default the defaults) and the one-layer bench of the launch settings ($VARIANTS, default below) at
 #            $KBENCH_CONTEXTS tokens (128,8192: unsplit, the per-call floor, and long), head geometries $KBENCH_DIMS
 #            (64,128 with 8 KV heads x 4; DxHKVxREP, e.g. SmolLM2's 64x3x3), batches $KBENCH_BATCHES (1,8,64), modes
@@ -54,7 +55,7 @@
 #            $SPEC_SIDES (spec,plain,mlx_lm): the sides this call runs; $SPEC_SIDE_S: seconds one side may take
 #            (default: the stage's seconds less 90, over the sides); spec_<sides>.json is rewritten as each side ends;
 #            $SPEC_KV: both kvbatch sides' overrides; SPEC_PROFILE=plain|spec: first one untimed run of that side
-#            under cProfile (spec_cmd_profile.txt)
+#            under cProfile (spec_cmd_profile.txt); $SPEC_TAG: a suffix of the JSON's name
 #   specprobe  where a verification pass's time goes on the GPU (issue 41): gpu.spec_ops at batches $PROBE_BATCH (256)
 #            (the pass's pieces against a decode step's), then gpu.spec_profile of the rewrite job's engine ($PROBE_ROWS
 #            rows, 256, x 512 tokens, ngram then plain) once as MLX is and once with MLX_USE_CUDA_GRAPHS=0; SECONDS is
@@ -123,7 +124,7 @@ for arg in "$@"; do
   echo "== stage $stage (${secs}s) $(date -u +%T) $(env | grep ^KVBATCH_ | tr '\n' ' ')"
   case $stage in
     kernels) timeout "$secs" python3 -m benchmarks gpu.backend_check --parts ${KPARTS:-kernels,bench} \
-               --kernel-dtypes bfloat16,float32 --kernel-modes "$CHECK_MODES" --kernel-chunks default,48 \
+               --kernel-dtypes ${CHECK_DTYPES:-bfloat16,float32} --kernel-modes "$CHECK_MODES" --kernel-chunks default,48 \
                --check-variants "$CHECKS" --variants "$VARIANTS" --bench-contexts ${KBENCH_CONTEXTS:-128,8192} \
                --bench-dims ${KBENCH_DIMS:-64,128} --bench-batches ${KBENCH_BATCHES:-1,8,64} \
                --bench-modes ${KBENCH_MODES:-none,q8,q4,k8v4} ${KPICK:+--pick-out $HOME/kvbatch-picked.conf} \
@@ -183,7 +184,7 @@ for arg in "$@"; do
         --max-tokens ${SPEC_NEW:-1024} --rounds ${SPEC_ROUNDS:-2} --kvbatch-cmd "python3 -m kvbatch" --python python3 \
         --sides "$sides" --side-timeout ${SPEC_SIDE_S:-$(( (secs - 90) / n ))} \
         ${SPEC_ARGS:+--spec-args "$SPEC_ARGS"} ${SPEC_KV:+--kvbatch-args "$SPEC_KV"} \
-        ${SPEC_PROFILE:+--profile "$OUT/spec_cmd_profile.txt" --profile-side $SPEC_PROFILE} --out "$OUT/spec_${sides//,/_}.json" 2>&1 | tee -a "$OUT/spec.txt" |
+        ${SPEC_PROFILE:+--profile "$OUT/spec_cmd_profile.txt" --profile-side $SPEC_PROFILE} --out "$OUT/spec_${sides//,/_}${SPEC_TAG:-}.json" 2>&1 | tee -a "$OUT/spec.txt" |
         cut -c1-1500 ;;
     specprobe) python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$C"/*.whl || exit 1
       for b in ${PROBE_BATCH:-256}; do
