@@ -41,7 +41,6 @@ def wrap(name: str, inputs: list[tuple[str, str]], outputs: list[tuple[str, str]
 def add_args(ap) -> None:
     ap.add_argument("--warps", type=int, default=8, help="most warps per block (engine.options.cuda.warps)")
     ap.add_argument("--unroll", type=int, default=ca.UNROLL["dense"])
-    ap.add_argument("--prefetch", action="store_true", help="the loop with the next step's loads in flight")
     ap.add_argument("--geometries", default="64x4,128x4,64x2,96x3", help="head size x query heads per KV head")
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--variants", default="plain,split,store,split_store")
@@ -65,8 +64,7 @@ def sources(a) -> list[str]:
                 outs = [("pm", "float"), ("pl", "float"), ("pacc", "float")] if split else [("out", T)]
                 dense_in = [("q", T), ("k", T), ("v", T), ("table", "int32_t"), ("lengths", "int32_t"),
                             ("meta", "int32_t"), ("scale", "float")]
-                src.append(wrap(f"dense_{i}", dense_in + store, outs, base,
-                                cs.kernel_source(False, split, new_kv, a.prefetch)))
+                src.append(wrap(f"dense_{i}", dense_in + store, outs, base, cs.kernel_source(False, split, new_kv)))
                 for kbits, vbits in (tuple(map(int, b.split("x"))) for b in a.bits.split(",")):
                     qin = [("q", T), ("kw", "uint32_t"), ("ks", T), ("kb", T), ("vw", "uint32_t"), ("vs", T),
                            ("vb", T), ("tk", T), ("tv", T), ("tails", "int32_t")] + ints[:1] + \
@@ -74,7 +72,7 @@ def sources(a) -> list[str]:
                     consts = dict(base, KBITS=kbits, VBITS=vbits, GS=32 if D % 64 else 64)
                     tag = f"q{kbits}" if kbits == vbits else f"k{kbits}v{vbits}"
                     src.append(wrap(f"quant_{i}_{tag}", qin + store, outs, consts,
-                                    cs.kernel_source(True, split, new_kv, a.prefetch)))
+                                    cs.kernel_source(True, split, new_kv)))
             for ql in (0, 1):
                 src.append(wrap(f"reduce_{D}_{rep}_{dt}_{ql}", [("pm", "float"), ("pl", "float"), ("pacc", "float"),
                                                      ("meta", "int32_t"), ("lens", "int32_t")], [("out", T)],

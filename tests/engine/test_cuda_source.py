@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_launch_defaults_and_never_split():
     """The launch settings are engine options (engine.options.cuda.*): their defaults are the
     measured best, 0 chunk tokens never splits, 0 unroll/warps mean the kernel kind's defaults."""
-    assert CudaLaunch() == CudaLaunch(chunk=1024, unsplit=1024, unroll=0, warps=0, kernel_writes=True, prefetch=False)
+    assert CudaLaunch() == CudaLaunch(chunk=1024, unsplit=1024, unroll=0, warps=0, kernel_writes=True)
     assert ca.splits_for(100_000, 0, 0)[0] == 1  # 0 = never split
     assert ca.splits_for(100_000, 48, 48) == (-(-100_000 // 48), 48, 48)
     assert ca.splits_for(1000, 256, 1024)[0] == 1  # rows up to `unsplit` tokens are not split
@@ -60,10 +60,6 @@ def test_kernel_variants_differ_where_they_should():
                 assert ("pacc[" in lean) == split and ("kn +" in lean) == store
                 assert ("qs[r]" in lean) == q  # q8/q4: scales folded into the dot products
     assert len(sources) == 8
-    for q in (False, True):  # prefetch: a second register set, loaded a step ahead and moved in after the math
-        ahead = cs.kernel_source(q, True, True, prefetch=True)
-        assert ahead not in sources and "krn[u] = *reinterpret_cast" in ahead and "kr[u] = krn[u];" in ahead
-        assert ("ksc[u] = ksc" + "n[u];" in ahead) == q
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CUDA toolkit) to compile the kernels")
@@ -74,11 +70,6 @@ def test_every_kernel_variant_compiles(tmp_path):
     assert "nvcc exit 0" in r.stdout
     # every kernel (dense and q8/q4/k8v4 for 4 head geometries x 2 dtypes x split/store, and the merges)
     assert r.stdout.count(" registers") == 4 * 2 * (4 * 4 + 2)
-    # the prefetching loop (engine.options.cuda.prefetch) in SmolLM2's geometry, dense and q8/q4/k8v4
-    r = subprocess.run(cmd[:-2] + ["--prefetch", "--geometries", "64x3", "--dtypes", "bfloat16", "--out",
-                                   str(tmp_path / "p.json")], capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert r.returncode == 0 and "nvcc exit 0" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.stdout.count(" registers") == 4 * 4 + 2
 
 
 def _cache_as_on_cuda(mode: str, P: int, H: int, kernel_writes: bool, step_reuse: bool = True):
@@ -245,7 +236,7 @@ def test_launch_parameters_follow_each_call(monkeypatch):
         nw = ca.warps_for(D, rep)
         ns = 1 if maxp * P <= 64 else -(-maxp * P // 64)
         first = calls[0]
-        assert first["key"] == ("dense", ns > 1, False, False)
+        assert first["key"] == ("dense", ns > 1, False)
         assert first["grid"] == (B * Hkv * ns * 32 * nw, 1, 1) and first["threadgroup"] == (32 * nw, 1, 1)
         assert dict(first["template"])["P"] == P and dict(first["template"])["REP"] == rep
         meta = first["inputs"][5]

@@ -48,17 +48,17 @@ _Kernel = Callable[..., list[mx.array]]
 _kernels: dict[tuple, _Kernel] = {}
 
 
-def _kernel(kind: str, split: bool, new_kv: bool = False, prefetch: bool = False) -> _Kernel:
+def _kernel(kind: str, split: bool, new_kv: bool = False) -> _Kernel:
     """One compiled kernel per variant. The name carries a hash of the source: MLX caches
     compiled kernels on disk by name (/tmp/mlx/<version>/ptx), so a changed source must not
     reuse an old binary."""
-    key = (kind, split, new_kv, prefetch)
+    key = (kind, split, new_kv)
     if key not in _kernels:
         if kind == "reduce":
             src, inputs, outputs = _REDUCE, ["pm", "pl", "pacc", "meta", "lens"], ["out"]
         else:
             q = kind == "quant"
-            src = kernel_source(q, split, new_kv, prefetch)
+            src = kernel_source(q, split, new_kv)
             inputs = (_QUANT_INPUTS if q else _DENSE_INPUTS) + (["kn", "vn"] if new_kv else [])
             outputs = ["pm", "pl", "pacc"] if split else ["out"]
         tag = hashlib.sha1(src.encode()).hexdigest()[:12]
@@ -77,7 +77,7 @@ def _lanes(head_dim: int) -> int:
 
 def warps_for(head_dim: int, rep: int, most: int = 8) -> int:
     """Warps per block (at most `most`) whose merge buffers fit in static shared memory (0: none do)."""
-    for nw in (8, 4, 2):
+    for nw in (8, 4):  # (2 warps would fit larger groups; not run on a GPU)
         if nw <= most and nw * rep * (head_dim + 2) * 4 <= 44 * 1024:
             return nw
     return 0
@@ -168,10 +168,10 @@ def _launch_for(kind: str, B: int, Hq: int, D: int, dtype: mx.Dtype, g: _Geometr
     call = dict(template=template, grid=(B * g.kv_heads * ns * 32 * nw, 1, 1), threadgroup=(32 * nw, 1, 1))
     consts = [meta, _const((float(g.scale),), mx.float32)]
     if ns == 1:
-        return _Launch(_kernel(kind, False, new_kv, launch.prefetch),
+        return _Launch(_kernel(kind, False, new_kv),
                        dict(call, output_shapes=[(B, Hq, D)], output_dtypes=[dtype]), consts, None, {})
     n = B * g.kv_heads * ns * rep
-    return _Launch(_kernel(kind, True, new_kv, launch.prefetch),
+    return _Launch(_kernel(kind, True, new_kv),
                    dict(call, output_shapes=[(n,), (n,), (n * D,)], output_dtypes=[mx.float32] * 3), consts,
                    _kernel("reduce", False),
                    dict(template=[("T", dtype), ("D", D), ("REP", rep), ("HKV", g.kv_heads),
@@ -183,8 +183,7 @@ def _launch_for(kind: str, B: int, Hq: int, D: int, dtype: mx.Dtype, g: _Geometr
 def _launch(kind: str, inputs: list, q: mx.array, g: _Geometry, launch: CudaLaunch,
             new_kv: Optional[tuple[mx.array, mx.array]]) -> mx.array:
     B, Hq, _, D = q.shape
-    key = (kind, B, Hq, D, q.dtype, g, new_kv is not None, launch.chunk, launch.unsplit, launch.unroll, launch.warps,
-           launch.prefetch)
+    key = (kind, B, Hq, D, q.dtype, g, new_kv is not None, launch.chunk, launch.unsplit, launch.unroll, launch.warps)
     run = _launches.get(key)
     if run is None:
         if len(_launches) > 256:

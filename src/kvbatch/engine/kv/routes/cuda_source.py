@@ -11,8 +11,6 @@ per token, TPW = 32 / LPT tokens per warp and U of them per lane per loop step; 
 """
 from __future__ import annotations
 
-import re
-
 _HEAD = r"""
     constexpr int TPW = 32 / LPT;
     const int maxp = meta[0], ns = meta[1];
@@ -164,48 +162,7 @@ _RAW_LOOP = r"""
                     {zero}
                 }}
             }}
-{math}
-        }}
-    }}
-"""
-
-# The loop with the next step's loads in flight during this step's math (engine.options.cuda.prefetch):
-# a lane holds two steps' K/V registers, so its loads wait on memory while the warp computes instead
-# of before it. The first step's loads come before the loop; `{nxt}` names the second set.
-_PREFETCH_LOOP = r"""
-    {{
-        const int ta = {start}, tz = {stop};
-        {decl}
-        {decl_next}
-        int tb = ta + warp * TPW * U;
-        for (int u = 0; u < U; ++u) {{
-            const int t = tb + u * TPW + sub;
-            if (t < tz && on) {{
-                {load}
-            }} else {{
-                {zero}
-            }}
-        }}
-        for (; tb < tz; tb += NW * TPW * U) {{
-            bool valid[U];
-            for (int u = 0; u < U; ++u) {{
-                valid[u] = tb + u * TPW + sub < tz;
-                const int t = tb + NW * TPW * U + u * TPW + sub;
-                if (t < tz && on) {{
-                    {load_next}
-                }} else {{
-                    {zero_next}
-                }}
-            }}
-{math}
-            for (int u = 0; u < U; ++u) {{
-                {swap}
-            }}
-        }}
-    }}
-"""
-
-_MATH = r"""            float x[REP][U];
+            float x[REP][U];
             for (int r = 0; r < REP; ++r) for (int u = 0; u < U; ++u) x[r][u] = 0.f;
             for (int e = 0; e < NE; ++e) {{
                 for (int u = 0; u < U; ++u) {{
@@ -238,7 +195,10 @@ _MATH = r"""            float x[REP][U];
                     const float vv = {vconv};
                     for (int r = 0; r < REP; ++r) acc[r][e] += x[r][u] * vv;
                 }}
-            }}"""
+            }}
+        }}
+    }}
+"""
 
 _RAW_DENSE_LOAD = r"""
                     const int page = table[(size_t)b * maxp + t / P];
@@ -285,25 +245,9 @@ _QW = r"""
 """
 
 
-_REGS = re.compile(r"\b(kr|vr|ksc|kbi|vsc|vbi)\[")
-
-
-def _loop(start: str, stop: str, load: str, prefetch: bool, decl: str, zero: str, kconv: str, vconv: str,
-          score: str, rescale: str, weight: str) -> str:
-    """One token loop over [start, stop): loads (`load`, `zero` for tokens past the range) into
-    the registers `decl` declares, then the scores, softmax and value sums."""
-    math = _MATH.format(kconv=kconv, vconv=vconv, score=score, rescale=rescale, weight=weight)
-    if not prefetch:
-        return _RAW_LOOP.format(start=start, stop=stop, decl=decl, load=load, zero=zero, math=math)
-    nxt = lambda text: _REGS.sub(r"\1n[", text)  # noqa: E731  the second register set: kr -> krn
-    swap = " ".join(f"{n}[u] = {n}n[u];" for n in _REGS.findall(decl))
-    return _PREFETCH_LOOP.format(start=start, stop=stop, decl=decl, decl_next=nxt(decl), load=load, zero=zero,
-                                 load_next=nxt(load), zero_next=nxt(zero), math=math, swap=swap)
-
-
-def kernel_source(quantized: bool, split: bool, new_kv: bool = False, prefetch: bool = False) -> str:
+def kernel_source(quantized: bool, split: bool, new_kv: bool = False) -> str:
     """The kernel body. new_kv: the kernel also stores the step's token (inputs kn, vn) into
-    its dense page / tail page; prefetch: each step's loads are issued during the step before."""
+    its dense page / tail page."""
     k, v = ("tk", "tv") if quantized else ("k", "v")
     load = _RAW_TAIL_LOAD if quantized else _RAW_DENSE_LOAD
     store = ""
@@ -315,10 +259,10 @@ def kernel_source(quantized: bool, split: bool, new_kv: bool = False, prefetch: 
                 .replace(f"({v} + base)", _NEW_SEL.format(n="vn", p=v)))
     if quantized:
         head = _HEAD.format(lens="const int n_main = lens[2 * b], len = n_main + lens[2 * b + 1];")
-        sealed = _QW + _FOLD_START + _loop("t0", "min(t1, n_main)", _RAW_QUANT_LOAD, prefetch,
-                                           **_RAW_QUANT) + _FOLD_END
-        body = sealed + _loop("max(t0, n_main)", "t1", load, prefetch, **_RAW_DENSE)
+        sealed = _QW + _FOLD_START + _RAW_LOOP.format(start="t0", stop="min(t1, n_main)", load=_RAW_QUANT_LOAD,
+                                                      **_RAW_QUANT) + _FOLD_END
+        body = sealed + _RAW_LOOP.format(start="max(t0, n_main)", stop="t1", load=load, **_RAW_DENSE)
     else:
         head = _HEAD.format(lens="const int len = lengths[b];")
-        body = _loop("t0", "t1", load, prefetch, **_RAW_DENSE)
+        body = _RAW_LOOP.format(start="t0", stop="t1", load=load, **_RAW_DENSE)
     return head + store + body + _MERGE + (_WRITE_PART if split else _WRITE_OUT)
