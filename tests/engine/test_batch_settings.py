@@ -58,3 +58,38 @@ def test_a_prefill_pass_prices_the_running_rows_once(tiny_model, admission):
     assert per_step[0] <= 2  # the first step admits all 8 and prefills their first chunks in one pass
     assert max(per_step) <= 2, per_step
     assert eng.summary()["peak_concurrency"] == 8
+
+
+@pytest.mark.parametrize("admission", ["optimistic", "reserve"])
+def test_host_work_a_step_grows_with_rows_not_their_square(tiny_model, admission):
+    """A step's host work stays linear in the running rows: admitting N rows prices each running row about
+    once (the running rows' totals are kept through the admission loop, not summed again for every row it
+    admits: that was N * (N + 1) / 2 prices), and a decode step reserves through make_room only the rows
+    whose next token needs a new page (the others' pages already hold it). The tokens are those of a batch
+    of one row at a time."""
+    model, tok, spec = tiny_model()
+    prompts = [[1 + (i * 7 + j) % 250 for j in range(5 + 3 * i)] for i in range(48)]
+
+    def run(max_batch: int):
+        eng = Engine(model, tok, spec, engine_config(max_batch=max_batch, memory_budget=1 << 30, prefill_tokens=8192,
+                                                     prefill_chunk=64, admission=admission, page_size=16))
+        s = eng.scheduler
+        counts = {"priced": [0], "make_room": [0]}
+        for name in counts:
+            real = getattr(s, name)
+            setattr(s, name, lambda *a, _real=real, _n=name, **k: counts[_n].__setitem__(-1, counts[_n][-1] + 1)
+                    or _real(*a, **k))
+        for i, p in enumerate(prompts):
+            eng.add(Request(f"r{i}", p, SamplingParams(max_tokens=24)))
+        tokens = {}
+        while eng.has_unfinished():
+            tokens.update((r.key, r.tokens) for r in eng.step())
+            for c in counts.values():
+                c.append(0)
+        return counts, tokens
+
+    counts, tokens = run(48)
+    assert counts["priced"][0] <= 6 * 48, counts["priced"]  # the first step admits all 48 and prefills them
+    # 48 rows x 24 tokens in 16-token pages: a row asks for a page at most 3 times in its decode
+    assert sum(counts["make_room"]) <= 4 * 48, counts["make_room"]
+    assert tokens == run(1)[1]

@@ -217,8 +217,15 @@ class MemoryModel:
         holds of a page beyond its first (pages several rows share are priced once)."""
         if not worst_tokens:
             return self.weights_bytes
-        kv = (sum(self.layout.pages_for(t) for t in worst_tokens) - shared_pages) * self.page_bytes
-        return self._total(kv, len(worst_tokens), max(worst_tokens), max_prompt)
+        return self.bytes_for_pages(sum(self.layout.pages_for(t) for t in worst_tokens) - shared_pages,
+                                    len(worst_tokens), max(worst_tokens), max_prompt)
+
+    def bytes_for_pages(self, pages: int, rows: int, max_tokens: int, max_prompt: int | None = None) -> int:
+        """bytes_for from the rows' totals: their worst-case pages (shared holds taken off), how many
+        rows, and the largest worst case (the scheduler keeps these as rows are admitted)."""
+        if rows <= 0:
+            return self.weights_bytes
+        return self._total(pages * self.page_bytes, rows, max_tokens, max_prompt)
 
     def bytes_for_rows(self, n: int, worst_tokens: int, max_prompt: int | None = None) -> int:
         """bytes_for([worst_tokens] * n) without building the list (the plan searches up to millions of rows)."""

@@ -57,6 +57,9 @@ class Scheduler:
         self.peak_concurrency = 0
         self.preemptions = 0
         self._preempted: list[Row] = []  # since the last plan
+        # during one admission loop: the running rows' priced totals, [rows counted, pages, largest price,
+        # largest target] (admission only appends to `running`, so each admitted row is added once)
+        self._totals: Optional[list[int]] = None
         self.sharing = Sharing(self, cache)
 
     def add(self, row: Row) -> None:
@@ -78,12 +81,16 @@ class Scheduler:
         """Admit what fits, choose the prefill pass and reserve its chunks' pages: the step's plan
         up to its decode rows (schedule_decode)."""
         admitted, refused = [], []
-        while (decision := self.next_admission()) is not None:
-            row, problem = decision
-            if problem:
-                refused.append(Refusal(row, *problem))
-            else:
-                admitted.append(row)
+        self._totals = [0, 0, 0, 0]
+        try:
+            while (decision := self.next_admission()) is not None:
+                row, problem = decision
+                if problem:
+                    refused.append(Refusal(row, *problem))
+                else:
+                    admitted.append(row)
+        finally:
+            self._totals = None
         ready, no_room = [], []
         batch = self.prefill_batch()
         # one scan of the running rows for the whole pass: a chunk's reservation stays within its row's
@@ -101,11 +108,20 @@ class Scheduler:
         """The plan completed with its decode rows: room for one more token in each of `rows`
         (in admission order) that is still running; windows: tokens a row's verification writes
         instead (by id(row); speculative decoding)."""
-        ok, no_room, limits = [], [], self.limits()
+        ok, no_room = [], []
+        limits: Optional[list[int]] = None  # scanned once, when the first row needs a page
+        held = self.page_size
         for r in rows:
             if not r.active:  # preempted for an earlier row, or ended by a flush
                 continue
-            if self._room(r, windows.get(id(r), 1) if windows else 1, limits, no_room):
+            n = windows.get(id(r), 1) if windows else 1
+            kv = r.kv
+            if kv.length + n <= len(kv.pages) * held:  # its pages hold the step: nothing to allocate or price
+                kv.reserved = max(kv.reserved, kv.length + n)
+                ok.append(r)
+                continue
+            limits = self.limits() if limits is None else limits
+            if self._room(r, n, limits, no_room):
                 ok.append(r)
         return replace(plan, no_room=plan.no_room + tuple(no_room),
                        preempted=plan.preempted + self._take_preempted(),
@@ -133,10 +149,21 @@ class Scheduler:
 
     def fits(self, extra: list[Row], shared_pages: int = 0) -> bool:
         """Whether the running rows and `extra` fit the budget together, the pages they share
-        (beyond those shared now) priced once."""
-        rows = self.running + extra
-        return self.memory.fits([self.priced(r) for r in rows], max(r.target for r in rows),
-                                self.cache.pool.shared + shared_pages)
+        (beyond those shared now) priced once. In an admission loop the running rows' totals are
+        kept (`_totals`), not summed again for every row it admits."""
+        t = self._totals
+        if t is None:
+            t = [0, 0, 0, 0]
+        pages_for = self.memory.layout.pages_for
+        for r in self.running[t[0]:]:
+            price = self.priced(r)
+            t[1] += pages_for(price)
+            t[2], t[3] = max(t[2], price), max(t[3], r.target)
+        t[0] = len(self.running)
+        prices = [self.priced(r) for r in extra]
+        pages = t[1] + sum(pages_for(p) for p in prices) - self.cache.pool.shared - shared_pages
+        top, target = max([t[2], *prices]), max([t[3], *(r.target for r in extra)])
+        return self.memory.bytes_for_pages(pages, t[0] + len(extra), top, target) <= self.memory.budget
 
     def next_admission(self) -> Optional[tuple[Row, Optional[tuple[str, str]]]]:
         """The next waiting row that can be decided now: (row, None) = admitted (its cache row

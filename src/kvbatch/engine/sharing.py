@@ -52,9 +52,12 @@ class Sharing:
 
     def first_admissible(self, waiting: Iterable[Row]) -> Optional[Row]:
         """The first waiting row that is not a sample waiting to be forked from its group's first."""
-        leaders = self._leaders()
+        leaders: Optional[dict[str, Row]] = None  # scanned only when a waiting sample needs it
         for r in waiting:
-            lead = leaders.get(r.req.group) if r.req.group is not None and not r.out else None
+            lead = None
+            if r.req.group is not None and not r.out:
+                leaders = self._leaders() if leaders is None else leaders
+                lead = leaders.get(r.req.group)
             if lead is None or lead.req.prompt_tokens != r.req.prompt_tokens:
                 return r
         return None
