@@ -275,3 +275,51 @@ def test_launch_settings_per_kernel_kind(monkeypatch):
         want_d = (warps or 8, unroll or 2)
         want_q = (warps or 4, unroll or 4)
         assert got == [("dense", *want_d, 32 * want_d[0]), ("quant", *want_q, 32 * want_q[0])]
+
+
+def test_page_tables_built_from_the_step_before_match_whole_builds():
+    """PageTables (the CUDA decode's tables, only changed rows written again) gives page_table's entries at
+    every step: rows starting pages at different steps, the table widening, rows leaving and joining, a row
+    preempted and admitted again in the same place with other pages, a count that drops (a rollback)."""
+    import random
+
+    import mlx.core as mx
+
+    from kvbatch.engine.kv.pages import CacheRow
+    from kvbatch.engine.kv.routes.common import PageTables, page_table
+
+    rnd = random.Random(3)
+    next_page = [0]
+
+    def new_row(i: int) -> CacheRow:
+        r = CacheRow(f"r{i}", admissions=1)
+        grow(r, rnd.randint(0, 3))
+        return r
+
+    def grow(r: CacheRow, k: int) -> None:
+        r.pages += list(range(next_page[0], next_page[0] + k))
+        next_page[0] += k
+
+    rows = [new_row(i) for i in range(12)]
+    tables = PageTables()
+    for step in range(300):
+        for r in rows:
+            if rnd.random() < 0.2:
+                grow(r, 1)
+        event = rnd.random()
+        if event < 0.05:  # a row ends, another joins at the end
+            rows.pop(rnd.randrange(len(rows)))
+            rows.append(new_row(100 + step))
+        elif event < 0.08:  # preempted and admitted again in its place: new pages, maybe as many
+            r = rnd.choice(rows)
+            n = len(r.pages)
+            r.pages, r.admissions = [], r.admissions + 1
+            grow(r, n)
+        elif event < 0.10:  # a rollback: the count drops
+            r = rnd.choice(rows)
+            del r.pages[max(len(r.pages) - 1, 0):]
+        counts = [len(r.pages) if rnd.random() < 0.9 else max(len(r.pages) - 1, 0) for r in rows]
+        got = tables.table(rows, counts)
+        want = page_table(rows, counts)
+        assert mx.array_equal(got, want).item(), (step, got.tolist(), want.tolist())
+    assert next_page[0] > 100

@@ -131,6 +131,7 @@ class PagedKVCache:
     def admit(self, row: CacheRow) -> None:
         """Give a newly admitted row its claim on the cache (and, for quantized modes, a tail page)."""
         self.epoch += 1
+        row.admissions += 1
         if self.store.quantized:
             if not self.free_tails:
                 raise RuntimeError("no free tail page: more rows admitted than tail slots")

@@ -31,6 +31,7 @@ class CacheRow:
     hashes: list[PageHash] = field(default_factory=list)  # of its token sequence's full pages, as far as known
     # what else its K/V depends on (a per-row adapter's name): the root of its page hash chain
     salt: Optional[PageHash] = None
+    admissions: int = 0  # times the cache admitted it (a row admitted again after a preemption has new pages)
 
     @property
     def tail_slot(self) -> int:

@@ -22,6 +22,39 @@ def page_table(rows: list[CacheRow], n_pages: list[int]) -> mx.array:
     return mx.array(table, dtype=mx.int32)
 
 
+class PageTables:
+    """Decode steps' page tables, each built from the step before while the same rows run in the same order:
+    only the rows whose page count changed are written again. At a large batch some row starts a page at
+    nearly every step, and a table built whole from the host's lists costs ~1 ms a step at 1,024 rows.
+
+    A row's first n pages never change while its count stays at n or above: pages are only appended, and a
+    rollback keeps every page a decode step has read. A row admitted again (after a preemption) holds new
+    pages: CacheRow.admissions tells it from its earlier self."""
+
+    def __init__(self) -> None:
+        self._rows: list[CacheRow] = []
+        self._admissions: list[int] = []
+        self._counts: list[int] = []
+        self._table: Optional[np.ndarray] = None
+
+    def table(self, rows: list[CacheRow], n_pages: list[int]) -> mx.array:
+        """page_table(rows, n_pages), the same entries."""
+        width = max(max(n_pages), 1)
+        last, admissions = self._table, [r.admissions for r in rows]
+        if (last is None or last.shape[1] > width or len(rows) != len(self._rows) or admissions != self._admissions
+                or any(a is not b for a, b in zip(rows, self._rows))):
+            table = np.array([r.pages[:n] + [r.pages[0] if r.pages else 0] * (width - n)
+                              for r, n in zip(rows, n_pages)], dtype=np.int32).reshape(len(rows), width)
+        else:  # padding columns repeat each row's first entry (its first page, or 0 for a row without pages)
+            table = np.concatenate([last, np.repeat(last[:, :1], width - last.shape[1], axis=1)], axis=1)
+            for i, (r, n, before) in enumerate(zip(rows, n_pages, self._counts)):
+                if n != before:
+                    table[i, :n] = r.pages[:n]
+                    table[i, n:] = r.pages[0] if r.pages else 0
+        self._rows, self._admissions, self._counts, self._table = list(rows), admissions, list(n_pages), table
+        return mx.array(table)
+
+
 def window_last(starts: list[int], lens: list[int], L: int) -> list[list[int]]:
     """A few-token pass (lens[b] tokens of row b from position starts[b], right-padded to L): the position
     of the last key each query j sees, starts[b] + j; a padding position sees the row's real tokens."""

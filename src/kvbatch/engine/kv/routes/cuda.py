@@ -25,7 +25,7 @@ import mlx.core as mx
 from kvbatch.engine.config import CudaLaunch
 from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.kv.routes.base import Geometry, flat_tokens
-from kvbatch.engine.kv.routes.common import TailWrites, page_table, tail_writes, window_last
+from kvbatch.engine.kv.routes.common import PageTables, TailWrites, page_table, tail_writes, window_last
 from kvbatch.engine.kv.routes.cuda_kernels import QuantPages, paged_decode_attention, paged_decode_attention_quantized
 from kvbatch.engine.kv.routes.dense import DenseRoute, DenseStep
 from kvbatch.engine.kv.routes.quant import QuantRoute
@@ -94,6 +94,7 @@ class CudaDenseRoute(DenseRoute):
                  multi_query: int = 1):
         super().__init__(store, geom, upcast, cpu=False, in_place=False, multi_query=multi_query)
         self.name, self.launch, self.reuse = ROUTE_CUDA, launch, StepReuse(step_reuse)  # not DenseRoute's name
+        self.tables = PageTables()
         self.composed = True  # prefill: no cuDNN graph per pass shape (dense.composed_attention)
         self._new_kv: dict[int, tuple[mx.array, mx.array]] = {}  # decode K/V the kernel stores
 
@@ -111,7 +112,7 @@ class CudaDenseRoute(DenseRoute):
         n_pages = [-(-n // P) for n in new_len]
         if self.launch.kernel_writes:  # the kernel stores the token (slot len - 1)
             table, lengths = self.reuse.arrays(epoch, rows, tuple(n_pages), new_len, pos, _ONE, lambda: (
-                page_table(rows, n_pages), mx.array(new_len, dtype=mx.int32)))
+                self.tables.table(rows, n_pages), mx.array(new_len, dtype=mx.int32)))
             return CudaDecode(table, lengths)
         table = page_table(rows, n_pages)
         slots = [r.pages[a // P] * P + a % P for r, a in zip(rows, pos)]
@@ -167,7 +168,7 @@ class CudaQuantRoute(QuantRoute):
 
     def __init__(self, store, geom: Geometry, launch: CudaLaunch, step_reuse: bool):
         super().__init__(store, geom, streams=[None], in_place=False)
-        self.launch, self.reuse = launch, StepReuse(step_reuse)
+        self.launch, self.reuse, self.tables = launch, StepReuse(step_reuse), PageTables()
         self.composed = True
         self._new_kv: dict[int, tuple[mx.array, mx.array]] = {}
 
@@ -181,7 +182,7 @@ class CudaQuantRoute(QuantRoute):
         fill = [a % P for a in pos]  # tokens in the tail before this one
 
         def build() -> tuple:
-            return (mx.array(tails, dtype=mx.int32), page_table(rows, n_before),
+            return (mx.array(tails, dtype=mx.int32), self.tables.table(rows, n_before),
                     mx.array([[n * P, f + 1] for n, f in zip(n_before, fill)], dtype=mx.int32))
 
         arrays = self.reuse.arrays(epoch, rows, (tuple(n_before), tuple(tails)), [f + 1 for f in fill], fill,
