@@ -216,8 +216,11 @@ def test_a_pass_never_writes_into_a_shared_page(tiny_model):
     assert b.pages[0] == a.pages[0] and b.pages[1] != a.pages[1] and b.length == 20
     b.length = 10  # as if b were to write inside the shared page
     c.reserve(b, 1, 1 << 30)
-    with pytest.raises(UnreservedWriteError, match="shared"):
+    with pytest.raises(UnreservedWriteError, match=f"row b: a write into page {b.pages[0]}, which is shared"):
         c.begin([b], 1)
+    c.reserve(a, 1, 1 << 30)  # in a pass of several rows the check names the row that writes the page
+    with pytest.raises(UnreservedWriteError, match=f"row b: a write into page {b.pages[0]}, which is shared"):
+        c.begin([a, b], 1)
 
 
 def test_prompt_logprobs_rows_compute_their_prompt(tiny_model):

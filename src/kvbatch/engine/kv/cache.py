@@ -300,18 +300,20 @@ class PagedKVCache:
         if self.pool.capacity > self.capacity_pages:  # every page id the pool hands out is in the buffers
             raise UnreservedWriteError(f"the page pool ({self.pool.capacity} pages) exceeds the live buffers "
                                        f"({self.capacity_pages})")
-        P, pos = self.P, []
+        P, pos, written = self.P, [], []
         for r, n in zip(rows, lens):
             if r.length + n > r.reserved:
                 raise UnreservedWriteError(
                     f"row {r.key}: forward of {n} tokens at {r.length} but only {r.reserved} reserved")
             if r.reserved > len(r.pages) * P:
                 raise UnreservedWriteError(f"row {r.key}: {r.reserved} tokens reserved in {len(r.pages)} pages")
-            for i in range(r.length // P, (r.length + n - 1) // P + 1):
-                if self.pool.ref(r.pages[i]) != 1 or self.pool.is_cached(r.pages[i]):
-                    raise UnreservedWriteError(f"row {r.key}: a write into page {r.pages[i]}, which is shared "
-                                               f"or cached (held {self.pool.ref(r.pages[i])}x)")
+            written += r.pages[r.length // P:(r.length + n - 1) // P + 1]
             pos.append(r.length)
+        bad = self.pool.not_private(written)
+        if bad:
+            r = next(r for r, n in zip(rows, lens) if bad[0] in r.pages[r.length // P:(r.length + n - 1) // P + 1])
+            raise UnreservedWriteError(f"row {r.key}: a write into page {bad[0]}, which is shared "
+                                       f"or cached (held {self.pool.ref(bad[0])}x)")
         offset = pos[0] if len(rows) == 1 else mx.array(pos, dtype=mx.int32)
         self.plan = _Pass(rows, L, lens, offset, self.attention.plan(rows, L, pos, self.epoch, lens),
                           first=self._first_writes(rows, L, pos, lens))

@@ -161,3 +161,9 @@ class PagePool:
     def is_cached(self, page: int) -> bool:
         """Whether `page` holds a cached full page of known tokens (has a hash)."""
         return page in self._hash_of
+
+    def not_private(self, pages: list[int]) -> list[int]:
+        """Those of `pages` that a write may not touch: held by another row too, or cached (one call for a
+        whole pass's pages: the per-page calls cost a step ~1 ms at a thousand rows)."""
+        ref, named = self._ref, self._hash_of
+        return [p for p in pages if ref[p] != 1 or p in named]
