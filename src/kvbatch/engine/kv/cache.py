@@ -137,19 +137,29 @@ class PagedKVCache:
                 raise RuntimeError("no free tail page: more rows admitted than tail slots")
             row.tail = self.free_tails.pop()
 
+    def reserve_held(self, row: CacheRow, n_tokens: int) -> bool:
+        """Reserve the row's next n_tokens where its pages already hold them (no page to take, nothing
+        to price); False: they need a page (`reserve`)."""
+        need_tokens = row.length + n_tokens
+        if need_tokens > len(row.pages) * self.P:
+            return False
+        row.reserved = max(row.reserved, need_tokens)
+        return True
+
     def reserve(self, row: CacheRow, n_tokens: int, kv_limit_bytes: int, want_pages: int = 0) -> None:
         """Make room for the next n_tokens of row, growing the pool if needed (priced first).
 
         want_pages: the most pages the running rows can ever hold together (their worst
         cases); a geometric growth stops there instead of doubling past it."""
+        if self.reserve_held(row, n_tokens):
+            return
         need_tokens = row.length + n_tokens
         need_pages = -(-need_tokens // self.P) - len(row.pages)
-        if need_pages > 0:
-            self.epoch += 1
-            if need_pages > self.pool.num_free:
-                self._grow(self.pool.in_use + need_pages, kv_limit_bytes, want_pages)
-            row.pages += self.pool.allocate(need_pages)
-            row.peak_pages = max(row.peak_pages, len(row.pages))
+        self.epoch += 1
+        if need_pages > self.pool.num_free:
+            self._grow(self.pool.in_use + need_pages, kv_limit_bytes, want_pages)
+        row.pages += self.pool.allocate(need_pages)
+        row.peak_pages = max(row.peak_pages, len(row.pages))
         row.reserved = max(row.reserved, need_tokens)
 
     def release(self, row: CacheRow, scrub: bool = False, tokens: Optional[list[int]] = None) -> None:
