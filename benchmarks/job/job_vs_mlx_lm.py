@@ -187,6 +187,18 @@ def add_args(ap) -> None:
     ap.add_argument("--no-warm", action="store_true", help="no untimed first run (that builds or converts the model)")
 
 
+def _same_rows(a: dict, b: dict) -> int:
+    """Rows whose generated tokens are the same on both sides."""
+    return sum(a["outputs"].get(key) == toks for key, toks in b["outputs"].items())
+
+
+def _engine_fields(side: dict) -> dict:
+    """A kvbatch side's engine figures from its summary.json."""
+    return {key: side["engine"].get(key) for key in (
+        "max_batch", "peak_concurrency", "prefill_s", "decode_s", "prefill_tokens_per_s", "decode_tokens_per_s",
+        "prefill_passes", "prefill_rows_max", "preemptions")}
+
+
 def _round(a, k: int, inp: Path, tmp: Path, model_cfg: dict, model_args: dict, extra: list[str]) -> dict:
     order = ["kvbatch"] + (["other"] if a.other_args else []) + ["mlx_lm"]
     order = order if k % 2 == 0 else order[::-1]
@@ -201,13 +213,11 @@ def _round(a, k: int, inp: Path, tmp: Path, model_cfg: dict, model_args: dict, e
     if a.match:
         rnd["mlx_lm_matched"] = run_mlx_lm(a.python, inp, model_cfg, a.new, rnd["kvbatch"]["engine"].get("max_batch"))
     kv, ml = rnd["kvbatch"], rnd["mlx_lm"]
-    same = sum(kv["outputs"].get(key) == toks for key, toks in ml["outputs"].items())
+    same = _same_rows(kv, ml)
     line = {"round": k, "order": order, "kvbatch_tok_s": kv["tok_s"], "mlx_lm_tok_s": ml["tok_s"],
             "ratio": kv["tok_s"] / ml["tok_s"], "kvbatch_wall_s": kv["wall_s"], "mlx_lm_wall_s": ml["wall_s"],
             "kvbatch_tokens": kv["tokens"], "mlx_lm_tokens": ml["tokens"], "identical_rows": same,
-            "kvbatch_engine": {key: kv["engine"].get(key) for key in (
-                "max_batch", "peak_concurrency", "prefill_s", "decode_s", "prefill_tokens_per_s",
-                "decode_tokens_per_s", "prefill_passes", "prefill_rows_max", "preemptions")},
+            "kvbatch_engine": _engine_fields(kv),
             "mlx_lm_prompt_time": ml["prompt_time"], "mlx_lm_generation_time": ml["generation_time"],
             "kvbatch_plan": kv["plan"]}
     if a.match:
@@ -217,9 +227,7 @@ def _round(a, k: int, inp: Path, tmp: Path, model_cfg: dict, model_args: dict, e
         ot = rnd["other"]
         line.update(other_tok_s=ot["tok_s"], other_wall_s=ot["wall_s"], other_tokens=ot["tokens"],
                     other_ratio=ot["tok_s"] / ml["tok_s"], other_vs_kvbatch_wall=kv["wall_s"] / ot["wall_s"],
-                    other_identical_rows=sum(ot["outputs"].get(key) == toks for key, toks in kv["outputs"].items()),
-                    other_engine={key: ot["engine"].get(key) for key in (
-                        "max_batch", "prefill_s", "decode_s", "prefill_tokens_per_s", "decode_tokens_per_s")})
+                    other_identical_rows=_same_rows(ot, kv), other_engine=_engine_fields(ot))
     print(json.dumps(line), flush=True)
     return line
 

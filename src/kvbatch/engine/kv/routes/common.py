@@ -14,12 +14,14 @@ from kvbatch.engine.kv.store import head_rows
 
 def page_table(rows: list[CacheRow], n_pages: list[int]) -> mx.array:
     """(B, width) int32: each row's first n_pages pages."""
-    width = max(max(n_pages), 1)
-    # padding repeats the row's own first page (masked out): never another row's page,
-    # whose K/V may be NaN in this very pass (masked slots still meet probs @ V)
-    # (built as Python lists: per-row numpy slice assignments cost ~0.2 ms a step at batch 32)
-    table = [r.pages[:n] + [r.pages[0] if r.pages else 0] * (width - n) for r, n in zip(rows, n_pages)]
-    return mx.array(table, dtype=mx.int32)
+    return mx.array(_padded(rows, n_pages, max(max(n_pages), 1)), dtype=mx.int32)
+
+
+def _padded(rows: list[CacheRow], n_pages: list[int], width: int) -> list[list[int]]:
+    """Each row's first n pages, padded to `width` with its own first page (masked out): never another
+    row's page, whose K/V may be NaN in this very pass (masked slots still meet probs @ V). Built as
+    Python lists: per-row numpy slice assignments cost ~0.2 ms a step at batch 32."""
+    return [r.pages[:n] + [r.pages[0] if r.pages else 0] * (width - n) for r, n in zip(rows, n_pages)]
 
 
 class PageTables:
@@ -43,8 +45,7 @@ class PageTables:
         last, admissions = self._table, [r.admissions for r in rows]
         if (last is None or last.shape[1] > width or len(rows) != len(self._rows) or admissions != self._admissions
                 or any(a is not b for a, b in zip(rows, self._rows))):
-            table = np.array([r.pages[:n] + [r.pages[0] if r.pages else 0] * (width - n)
-                              for r, n in zip(rows, n_pages)], dtype=np.int32).reshape(len(rows), width)
+            table = np.array(_padded(rows, n_pages, width), dtype=np.int32).reshape(len(rows), width)
         else:  # padding columns repeat each row's first entry (its first page, or 0 for a row without pages)
             table = np.concatenate([last, np.repeat(last[:, :1], width - last.shape[1], axis=1)], axis=1)
             for i, (r, n, before) in enumerate(zip(rows, n_pages, self._counts)):
