@@ -235,7 +235,9 @@ class Queue:
         `isolate_after` crashes (and fewer than `max_crashes`) are claimed only alone, and only
         by an `idle` worker (nothing in flight): a row that kills its worker then takes no
         batch mates with it. Rows at `max_crashes` are claimed like any other (the worker ends
-        them without running them). PostgreSQL: rows another claimer has locked are skipped.
+        them without running them). PostgreSQL: rows another claimer has locked are skipped, and
+        a claim locks only the rows it may take (a page of at most what is still wanted), so
+        workers claiming at once split the pending rows instead of one finding them all locked.
         A worker never takes its own rows for another's: whatever its clock says of their leases
         (a clock step), a row it holds is still in its hands, never claimed again or charged."""
         if n <= 0:
@@ -257,7 +259,7 @@ class Queue:
                     "LEFT JOIN checkpoints c ON c.job=r.job AND c.key=r.key "
                     "WHERE r.job=? AND r.state IN ('pending','leased') "
                     "AND (r.state='pending' OR (r.lease_until < ? AND r.worker <> ?)) AND r.pos > ? "
-                    "ORDER BY r.pos LIMIT ?" + self.s.lock_rows, (j, now, worker, after, max(4 * n, 64))).fetchall()
+                    "ORDER BY r.pos LIMIT ?" + self.s.lock_rows, (j, now, worker, after, n - len(picked))).fetchall()
                 if not page:
                     break
                 after = page[-1][1]

@@ -75,6 +75,7 @@ from kvbatch.pipeline.results import ResultRecord, fit
 _UNSET = object()
 HEARTBEAT_S = 0.5  # deadline and flush checks between engine steps at least this often
 WAIT_S = 2.0  # nothing to claim, rows leased on other hosts: look again this often
+LOCKED_WAIT_S = 0.1  # nothing claimed while rows are pending: another worker's claim held them a moment
 
 
 class StorageError(Exception):
@@ -587,8 +588,12 @@ class Worker:
 
     def _take_over(self, host: str) -> bool:
         """Nothing left to claim: rows still leased by dead or ended workers come back to this one; rows
-        leased by workers on other hosts are waited for (they come back when their leases expire)."""
+        pending but locked by another worker's claim at that moment are claimed again; rows leased by
+        workers on other hosts are waited for (they come back when their leases expire)."""
         if self.q.expire_dead_workers(host, procs.alive) > 0:
+            return True
+        if self.q.counts()["pending"]:  # an idle worker claims any pending row it can see: these were
+            time.sleep(LOCKED_WAIT_S)  # locked by a claim on another connection (PostgreSQL), now over
             return True
         until = self.q.leased_elsewhere(host)
         if until is None:
