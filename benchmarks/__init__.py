@@ -27,6 +27,8 @@ BENCHMARKS = {
     "engine.spec_cost": "a verification pass's cost against plain decode (draft model, acceptance forced to "
                         "0/50%/100%)",
     "engine.decoding_controls": "decode tok/s free, with logprobs, and held to a JSON schema",
+    "engine.host_step": "the host's own work a decode step at large batches (scheduler, cache, route arrays, "
+                         "output), without the device's; a commit side by side",
     "engine.ngram_cost": "the host time of one pass's n-gram proposals over hundreds of rows (a rewrite job's shape)",
     "cpu.decode_attention": "one layer's CPU decode attention: dense routes (--kv none) and packed pages "
                             "gathered vs in place (--kv q8,q4)",

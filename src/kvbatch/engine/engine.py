@@ -122,7 +122,7 @@ class Engine:
         # need each row's tokens on the host, so speculation never overlaps either
         self.lookahead = (opts.lookahead == "on" or (opts.lookahead == "auto" and not on_cpu())) \
             and not self.cache.trace and self.speculator is None
-        self.stepper = LookaheadStepper(self.runner, spec.context_length) if self.lookahead \
+        self.stepper = LookaheadStepper(self.runner) if self.lookahead \
             else SyncStepper(self.runner)
         # a preemption first lands the decode step in flight: its rows still write the pages it frees
         self.scheduler = Scheduler(spec, self.memory, self.cache, self.max_batch, kv.page_size,
@@ -368,7 +368,8 @@ class Engine:
             n = len(plan.no_room)
             rows = st.candidates(s.decoding())
             props = self.speculator.propose(rows) if self.speculator else {}
-            plan = s.schedule_decode(plan, rows, {id(r): 1 + len(p) for r in rows if (p := props.get(id(r)))})
+            windows = {id(r): 1 + len(p) for r in rows if (p := props.get(id(r)))} if props else None
+            plan = s.schedule_decode(plan, rows, windows)
             if self.speculator and any(id(r) in props for r in plan.decode):
                 out = self.speculator.verify(list(plan.decode), props)
             else:

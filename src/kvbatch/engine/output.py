@@ -83,7 +83,7 @@ class OutputProcessor:
                 end(r, "stop", stop_reason=hit)
             elif matcher is not None and matcher.is_stopped():
                 end(r, "stop")  # the grammar is complete: only EOS could follow
-            elif r.ends_after(len(r.out), self.spec.context_length):
+            elif len(r.out) >= r.end_at:
                 end(r, "length")
         return ended
 

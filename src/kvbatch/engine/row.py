@@ -16,7 +16,7 @@ class Row:
     req: Request
     kv: CacheRow
     sampler: RowSampler
-    worst: int  # prompt + max_tokens, capped at the context: what `reserve` admission prices
+    worst: int  # prompt + max(max_tokens, 0), capped at the context: what `reserve` admission prices
     t_submit: float
     forced: Optional[list[int]] = None  # hooks: teacher-forced tokens
     out: list[int] = field(default_factory=list)
@@ -36,6 +36,14 @@ class Row:
     score: Optional[Any] = None  # a teacher-forced scorer (engine/scoring.py): its text is scored, nothing sampled
     spec: Optional[Any] = None  # speculative decoding's state of the row (engine/speculative/state.py RowSpec)
     adapter: int = 0  # its per-row LoRA adapter's index (engine/lora.py; 0: the base model)
+    # output tokens at which it ends whatever they are: max_tokens or the context (what `worst` holds beyond
+    # the prompt), or the end of its forced tokens; read for every row at every step, so computed once
+    end_at: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.end_at = self.worst - self.prompt_len
+        if self.forced is not None:
+            self.end_at = min(self.end_at, len(self.forced))
 
     @property
     def prompt_len(self) -> int:
@@ -59,8 +67,3 @@ class Row:
         if done + n > len(seq):
             seq = seq + self.out
         return seq[done:done + n]
-
-    def ends_after(self, n: int, context_length: int) -> bool:
-        """Whether the row ends once it holds n output tokens, whatever they are."""
-        return (n >= self.req.sampling.max_tokens or self.prompt_len + n >= context_length
-                or (self.forced is not None and n >= len(self.forced)))

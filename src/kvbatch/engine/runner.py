@@ -258,8 +258,8 @@ class LookaheadStepper:
     (EOS, stop string, non-finite logits) is found one step late: that extra step's output is
     dropped (its K/V went to the row's own pages, released after it in stream order)."""
 
-    def __init__(self, runner: Runner, context_length: int):
-        self.r, self.context_length = runner, context_length
+    def __init__(self, runner: Runner):
+        self.r = runner
         self._step: Optional[TokenPass] = None
 
     @property
@@ -276,23 +276,20 @@ class LookaheadStepper:
         step, self._step = self._step, None
         return step
 
-    def _last(self, row: Row) -> bool:
-        """Whether the row's in-flight token ends it whatever that token is (see OutputProcessor.accept)."""
-        return row.ends_after(len(row.out) + 1, self.context_length)
+    def _ending(self) -> list[Row]:
+        """The rows of the step in flight that its token ends whatever that token is (see OutputProcessor.accept)."""
+        prev = self._step
+        return [] if prev is None else [row for row in prev.rows if len(row.out) + 1 >= row.end_at]
 
     def frees_slot(self) -> bool:
         """Whether a row of the step in flight ends with it whatever its token: with rows waiting,
         the engine reads that step now instead of dispatching another, so they join the next one."""
-        prev = self._step
-        return prev is not None and any(self._last(row) for row in prev.rows)
+        return bool(self._ending())
 
     def candidates(self, decoding: list[Row]) -> list[Row]:
         """The decoding rows that take part in the next step: not those whose in-flight token is their last."""
-        prev = self._step
-        if prev is None:
-            return decoding
-        ahead = {id(row) for row in prev.rows}
-        return [row for row in decoding if not (id(row) in ahead and self._last(row))]
+        ending = {id(row) for row in self._ending()}
+        return [row for row in decoding if id(row) not in ending] if ending else decoding
 
     def step(self, rows: list[Row]) -> Decoded:
         """Dispatch the next step of `rows` (room reserved) and return the step in flight before it
@@ -325,6 +322,8 @@ class LookaheadStepper:
     def _next_inputs(self, rows: list[Row], prev: Optional[TokenPass], ahead: frozenset) -> mx.array:
         """(B, 1) input tokens: a forced token or a token the host holds, else the row's token
         from the in-flight step (lazy)."""
+        if prev is not None and rows == prev.rows and all(row.forced is None for row in rows):
+            return prev.sampled.tokens[:, None]  # the same rows as the step in flight: its tokens as they are
         host, pick = [], []
         at = {id(row): i for i, row in enumerate(prev.rows)} if prev else {}
         for row in rows:

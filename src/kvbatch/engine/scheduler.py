@@ -239,8 +239,11 @@ class Scheduler:
         little; returned in admission order. Before it, rows take the cached pages that continue
         them, and rows whose next page an earlier row is computing are left out (Sharing)."""
         chunk = self.memory.prefill_chunk
-        waits = self.sharing.before_prefill()
-        cands = sorted((r for r in self.running if r.prefilling and id(r) not in waits),
+        prefilling = [r for r in self.running if r.prefilling]
+        if not prefilling:  # decode alone: nothing to take from the prefix cache either
+            return []
+        waits = self.sharing.before_prefill(prefilling)
+        cands = sorted((r for r in prefilling if r.prefilling and id(r) not in waits),
                        key=lambda r: -self._chunk(r, chunk))
         if not cands:
             return []

@@ -116,16 +116,14 @@ class Sharing:
             row.cached_tokens = min(row.cached_tokens + n, row.prompt_len)
 
     # ---- prefill ---------------------------------------------------------------------------
-    def before_prefill(self) -> set[int]:
-        """Before a prefill pass: every prefilling row takes the cached pages that continue it;
-        returns the ids of rows that wait for a page an earlier row is computing."""
+    def before_prefill(self, prefilling: list[Row]) -> set[int]:
+        """Before a prefill pass: every prefilling row (in admission order) takes the cached pages that
+        continue it; returns the ids of rows that wait for a page an earlier row is computing."""
         if not self.cache.prefix_cache:
             return set()
         owners: dict[bytes, Row] = {}
         waits: set[int] = set()
-        for r in self.sched.running:  # admission order: the earlier row computes a shared page
-            if not r.prefilling:
-                continue
+        for r in prefilling:  # admission order: the earlier row computes a shared page
             seq, limit = r.seq, self._limit(r)
             self.take(r, self.cache.computed(r.kv, seq, limit))
             h = next_hash(r.kv, seq, self.P, limit)

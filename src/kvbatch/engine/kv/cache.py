@@ -310,15 +310,16 @@ class PagedKVCache:
         if self.pool.capacity > self.capacity_pages:  # every page id the pool hands out is in the buffers
             raise UnreservedWriteError(f"the page pool ({self.pool.capacity} pages) exceeds the live buffers "
                                        f"({self.capacity_pages})")
-        P, pos, written = self.P, [], []
-        for r, n in zip(rows, lens):
-            if r.length + n > r.reserved:
-                raise UnreservedWriteError(
-                    f"row {r.key}: forward of {n} tokens at {r.length} but only {r.reserved} reserved")
+        P, pos = self.P, [r.length for r in rows]
+        for r, a, n in zip(rows, pos, lens):
+            if a + n > r.reserved:
+                raise UnreservedWriteError(f"row {r.key}: forward of {n} tokens at {a} but only {r.reserved} reserved")
             if r.reserved > len(r.pages) * P:
                 raise UnreservedWriteError(f"row {r.key}: {r.reserved} tokens reserved in {len(r.pages)} pages")
-            written += r.pages[r.length // P:(r.length + n - 1) // P + 1]
-            pos.append(r.length)
+        if L == 1:  # a decode step writes one page a row
+            written = [r.pages[a // P] for r, a in zip(rows, pos)]
+        else:
+            written = [p for r, a, n in zip(rows, pos, lens) for p in r.pages[a // P:(a + n - 1) // P + 1]]
         bad = self.pool.not_private(written)
         if bad:
             r = next(r for r, n in zip(rows, lens) if bad[0] in r.pages[r.length // P:(r.length + n - 1) // P + 1])

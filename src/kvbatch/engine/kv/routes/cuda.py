@@ -25,7 +25,7 @@ import mlx.core as mx
 from kvbatch.engine.config import CudaLaunch
 from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.kv.routes.base import Geometry, flat_tokens
-from kvbatch.engine.kv.routes.common import PageTables, TailWrites, page_table, tail_writes, window_last
+from kvbatch.engine.kv.routes.common import TailWrites, page_table, tail_writes, window_last
 from kvbatch.engine.kv.routes.cuda_kernels import QuantPages, paged_decode_attention, paged_decode_attention_quantized
 from kvbatch.engine.kv.routes.dense import DenseRoute, DenseStep
 from kvbatch.engine.kv.routes.quant import QuantRoute
@@ -94,7 +94,6 @@ class CudaDenseRoute(DenseRoute):
                  multi_query: int = 1):
         super().__init__(store, geom, upcast, cpu=False, in_place=False, multi_query=multi_query)
         self.name, self.launch, self.reuse = ROUTE_CUDA, launch, StepReuse(step_reuse)  # not DenseRoute's name
-        self.tables = PageTables()
         self.composed = True  # prefill: no cuDNN graph per pass shape (dense.composed_attention)
         self._new_kv: dict[int, tuple[mx.array, mx.array]] = {}  # decode K/V the kernel stores
 
@@ -168,7 +167,7 @@ class CudaQuantRoute(QuantRoute):
 
     def __init__(self, store, geom: Geometry, launch: CudaLaunch, step_reuse: bool):
         super().__init__(store, geom, streams=[None], in_place=False)
-        self.launch, self.reuse, self.tables = launch, StepReuse(step_reuse), PageTables()
+        self.launch, self.reuse = launch, StepReuse(step_reuse)
         self.composed = True
         self._new_kv: dict[int, tuple[mx.array, mx.array]] = {}
 

@@ -20,7 +20,7 @@ from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.kv.store import DenseStore, head_rows
 from kvbatch.engine.kv.routes.base import Geometry, Route, flat_tokens, real_tokens
 from kvbatch.engine.kv.routes.cpu_streams import stream_split
-from kvbatch.engine.kv.routes.common import causal_mask, page_heads, page_table, token_slots, window_last
+from kvbatch.engine.kv.routes.common import PageTables, causal_mask, page_heads, page_table, token_slots, window_last
 from kvbatch.engine.kv.routes.softmax_cpu import masked_softmax
 
 ROUTE_DENSE = "paged_sdpa"
@@ -151,6 +151,7 @@ class DenseRoute(Route):
         self.in_place, self.streams, self.multi_query = in_place, streams or [None], multi_query
         self.composed = False  # multi-token passes through composed_attention (the CUDA route)
         self.name = ROUTE_DENSE_F32 if upcast else ROUTE_DENSE
+        self.tables = PageTables()  # decode steps' page tables
 
     def plan(self, rows: list[CacheRow], L: int, pos: list[int], epoch: int, lens: list[int]) -> object:
         """A decode plan for one-token passes; for a few tokens a row read in place, the decode plan's
@@ -187,7 +188,7 @@ class DenseRoute(Route):
         ~10 us an op on arrays of a few rows (cold caches), and these are a few dozen numbers."""
         P, H = self.geom.page_size, self.geom.kv_heads
         new_len = [a + 1 for a in pos]
-        table = page_table(rows, [-(-n // P) for n in new_len])
+        table = self.tables.table(rows, [-(-n // P) for n in new_len])
         slots = [r.pages[a // P] * P + a % P for r, a in zip(rows, pos)]
         hrows = mx.array(head_rows(slots, P, H), dtype=mx.int32)
         mask = mx.arange(table.shape[1] * P) < mx.array(new_len, dtype=mx.int32)[:, None]

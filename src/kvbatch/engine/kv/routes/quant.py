@@ -27,7 +27,7 @@ import numpy as np
 from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.kv.store import QuantizedStore, head_rows
 from kvbatch.engine.kv.routes.base import Geometry, Route, flat_tokens, real_tokens
-from kvbatch.engine.kv.routes.common import (TailWrites, page_heads, page_table, tail_writes, token_slots,
+from kvbatch.engine.kv.routes.common import (PageTables, TailWrites, page_heads, page_table, tail_writes, token_slots,
                                              window_last)
 from kvbatch.engine.kv.routes.cpu_streams import stream_split
 from kvbatch.engine.kv.routes.dense import dense_attention
@@ -276,6 +276,7 @@ class QuantRoute(Route):
         self.multi_query = multi_query
         self.composed = False  # prefill attention through dense.composed_attention (the CUDA route)
         self._segment: dict[int, tuple[mx.array, ...]] = {}  # prefill: the rows' segments (K, V) as written
+        self.tables = PageTables()  # decode steps' tables of sealed pages
 
     def plan(self, rows: list[CacheRow], L: int, pos: list[int], epoch: int, lens: list[int]) -> object:
         """A pass attends to pages sealed before it (quantized) and to everything it wrote or that is
@@ -289,7 +290,7 @@ class QuantRoute(Route):
             return self._prefill_plan(rows, L, p, lens)
         tails = [r.tail_slot for r in rows]
         tails_a = mx.array(tails, dtype=mx.int32)
-        table_q = page_table(rows, n_before.tolist()) if n_before.max() > 0 else None
+        table_q = self.tables.table(rows, n_before.tolist()) if n_before.max() > 0 else None
         fill = p % P  # decode: one token per row into its tail; rows that fill their page seal it
         writes = tail_writes(P, H, self.store.k_axis, rows, pos, tails, fill.tolist())
         N = self.store.full_precision

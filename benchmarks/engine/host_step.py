@@ -1,0 +1,144 @@
+"""The host's share of a decode step at large batches: the engine's own Python work a step (scheduler,
+cache bookkeeping, the route's step arrays, output), without the device's.
+
+At batch 1,024 on the H200 a SmolLM2 decode step waits ~8.5 ms for the GPU and spends ~15 ms on the host
+(docs/performance.md), so the rewrite job's speed follows the host's work a step. This measures that work
+on any machine: a one-layer model 64 wide (its forward is a small part of the step), `--rows` rows of mixed
+prompt lengths, each generating `--new` tokens, the lookahead stepper (the GPU backends' decode loop) with
+every evaluation made synchronous and timed apart. `host_ms_per_step` = (the decode steps' wall - time
+inside mx.eval / mx.async_eval) / steps, the median over rounds.
+
+`--base COMMIT` measures that commit's tree too, side by side in one run (alternating order, each side a
+process of its own, the same rows): `base_over_head` is the median of the rounds' base/head ratios, and the
+tokens of both sides are compared.
+
+    python -m benchmarks engine.host_step --rows 1024 --new 64 --base HEAD --rounds 3
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SMOKE = ["--rows", "8", "--new", "4", "--rounds", "1"]
+NANO = dict(hidden_size=64, num_hidden_layers=1, intermediate_size=128, num_attention_heads=1, num_key_value_heads=1,
+            head_dim=64, vocab_size=512, rope_theta=10000.0, tie_word_embeddings=True)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def add_args(ap) -> None:
+    ap.add_argument("--rows", type=int, default=1024)
+    ap.add_argument("--new", type=int, default=64, help="tokens each row generates")
+    ap.add_argument("--mode", default="none", help="a KV mode (none, q8, q4, k8v4)")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--base", default="", help="a commit measured side by side with this tree")
+    ap.add_argument("--side", action="store_true", help="(internal) one measurement, one JSON line")
+
+
+def measure(rows: int, new: int, mode: str, page_size: int) -> dict:
+    """One engine run in this process: host ms a decode step and a digest of every row's tokens."""
+    import mlx.core as mx
+    from mlx_lm.models import llama
+
+    from benchmarks import harness as h
+    from kvbatch.engine.models.spec import model_spec
+
+    mx.random.seed(0)
+    model = llama.Model(llama.ModelArgs(model_type="llama", rms_norm_eps=1e-5, max_position_embeddings=131072,
+                                        **NANO))
+    model.set_dtype(mx.bfloat16)
+    mx.eval(model.parameters())
+    spec = model_spec("llama-nano-random", model, dict(NANO, model_type="llama", max_position_embeddings=131072))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(8, 90))] for _ in range(rows)]
+    kv, opts = h.parse_mode(mode)
+    opts.lookahead = "on"
+    eng = h.engine(model, h.NoEos(), spec, mode, options=opts, page_size=page_size, max_batch=rows,
+                   prefill_chunk=1 << 16, memory_budget=int(8e9), allow_unvalidated=True)
+    device = [0.0]
+    real_eval, real_async = mx.eval, mx.async_eval
+
+    def timed_eval(*a):
+        t = time.perf_counter()
+        real_eval(*a)
+        device[0] += time.perf_counter() - t
+
+    mx.eval = mx.async_eval = timed_eval  # every evaluation synchronous, its time apart from the host's
+    try:
+        for r in h.requests(prompts, new):
+            eng.add(r)
+        results, wall, steps = [], 0.0, 0
+        while eng.has_unfinished():
+            decoding = not any(row.prefilling for row in eng.scheduler.running) and not eng.scheduler.waiting
+            before, t = device[0], time.perf_counter()
+            results += eng.step()
+            if decoding:  # steps of decode alone: every row past its prompt
+                wall += time.perf_counter() - t - (device[0] - before)
+                steps += 1
+    finally:
+        mx.eval, mx.async_eval = real_eval, real_async
+    tokens = [r.tokens for r in sorted(results, key=lambda r: int(r.key))]
+    assert all(len(t) == new for t in tokens), "every row generates --new tokens"
+    return {"host_ms_per_step": wall / max(steps, 1) * 1e3, "steps": steps,
+            "tokens_sha": hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]}
+
+
+def _tree(commit: str) -> Path:
+    """A checkout of `commit` (its src/ is put first on the side's path)."""
+    d = Path(tempfile.gettempdir()) / f"kvbatch-host-step-{commit}"
+    if not d.exists():
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(d), commit], check=True,
+                       capture_output=True)
+    return d
+
+
+def _side(src: Path, a) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src), str(ROOT)]))
+    cmd = [sys.executable, "-m", "benchmarks.engine.host_step", "--side", "--rows", str(a.rows), "--new", str(a.new),
+           "--mode", a.mode, "--page-size", str(a.page_size)]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if p.returncode:
+        raise RuntimeError(p.stderr[-2000:])
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def run(a) -> dict:
+    from benchmarks import harness as h
+
+    sides = {"head": lambda: _side(ROOT / "src", a)}
+    if a.base:
+        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", a.base], check=True,
+                                capture_output=True, text=True).stdout.strip()
+        base_src = _tree(commit) / "src"
+        sides = {"base": lambda: _side(base_src, a), **sides}
+    runs = h.alternate(sides, a.rounds)
+    out: dict = {"rows": a.rows, "new": a.new, "mode": a.mode, "page_size": a.page_size}
+    for name, rs in runs.items():
+        out[name] = h.median_run(rs, "host_ms_per_step")
+    if a.base:
+        out["base_commit"] = commit
+        ratios = [b["host_ms_per_step"] / x["host_ms_per_step"] for b, x in zip(runs["base"], runs["head"])
+                  if "error" not in b and "error" not in x]
+        out["base_over_head"] = statistics.median(ratios) if ratios else None
+        out["base_over_head_runs"] = ratios
+        out["same_tokens"] = {r["tokens_sha"] for r in runs["base"] + runs["head"] if "tokens_sha" in r}.__len__() == 1
+    return out
+
+
+if __name__ == "__main__":  # one side (--side): the measurement of the tree on PYTHONPATH
+    import argparse
+
+    import kvbatch.engine  # noqa: F401  (OpenBLAS before mlx)
+
+    ap = argparse.ArgumentParser()
+    add_args(ap)
+    args = ap.parse_args()
+    print(json.dumps(measure(args.rows, args.new, args.mode, args.page_size)))
