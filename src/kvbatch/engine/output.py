@@ -39,7 +39,8 @@ class OutputProcessor:
         now = time.perf_counter()
         toks, ok = cast(list[int], sampled.tokens.tolist()), cast(list[bool], finite.tolist())
         lps = self._logprobs(sampled)
-        capture = self.hooks.capture_logits
+        capture, eos = self.hooks.capture_logits, self.eos_ids
+        accepted = 0
         for i, r in enumerate(rows):
             if r.ended:  # lookahead: the row stopped on its previous token; this step's output is dropped
                 continue
@@ -60,12 +61,12 @@ class OutputProcessor:
             if forced is None and tok in p.stop_token_ids:
                 end(r, "stop", stop_reason=str(tok))
                 continue
-            if forced is None and tok in self.eos_ids and not p.ignore_eos:
+            if forced is None and tok in eos and not p.ignore_eos:
                 end(r, "stop")
                 continue
             r.out.append(tok)
-            self.generated_tokens += 1
-            if i in lps and r.logprobs is not None:
+            accepted += 1
+            if lps and i in lps and r.logprobs is not None:
                 lp, top = lps[i]
                 r.logprobs.tokens.append(lp)
                 r.logprobs.top.append(top[:p.logprobs])
@@ -85,6 +86,7 @@ class OutputProcessor:
                 end(r, "stop")  # the grammar is complete: only EOS could follow
             elif len(r.out) >= r.end_at:
                 end(r, "length")
+        self.generated_tokens += accepted
         return ended
 
     def _ender(self, ended: list[Row]):

@@ -95,18 +95,27 @@ def sample_batch(logits: mx.array, rows: list, grammars: Optional[Grammars] = No
     several entries, engine/speculative/verify.py): each entry's output step, and each sampled
     entry's key (the rows' own keys are then left as they are)."""
     samplers = [r.sampler for r in rows]
+    pen, maybe_masked, sampled, lp_rows = [], [], [], []  # one pass over the rows: at large batches most are plain
+    for i, s in enumerate(samplers):
+        if s.penalized:
+            pen.append(i)
+        if s.matcher is not None or s.min_tokens_ban is not None or s.reasoning is not None:
+            maybe_masked.append(i)
+        if not s.greedy:
+            sampled.append(i)
+        if s.params.logprobs:
+            lp_rows.append(i)
     x = logits
-    pen = [i for i, s in enumerate(samplers) if s.penalized]
     if pen:
         x = penalties.apply(x, [(i, samplers[i].params, samplers[i].prompt_ids, rows[i].out) for i in pen])
-    steps = steps if steps is not None else [len(r.out) + (id(r) in ahead) for r in rows]
-    masked = [i for i, s in enumerate(samplers)
-              if s.matcher is not None or (s.min_tokens_ban is not None and steps[i] < s.params.min_tokens)
-              or (s.reasoning is not None and s.reasoning.force is not None)]
+    if steps is None:  # read only for rows with a mask or logprobs
+        steps = [len(r.out) + (id(r) in ahead) for r in rows] if maybe_masked or lp_rows else []
+    masked = [i for i in maybe_masked if samplers[i].matcher is not None
+              or (samplers[i].min_tokens_ban is not None and steps[i] < samplers[i].params.min_tokens)
+              or (samplers[i].reasoning is not None and samplers[i].reasoning.force is not None)]
     if masked:
         x = mx.where(allowed_mask(rows, masked, steps, grammars, x.shape[-1]), x, -mx.inf)
     tokens = mx.argmax(x, axis=-1)
-    sampled = [i for i, s in enumerate(samplers) if not s.greedy]
     if sampled:
         picks = _draw(x if len(sampled) == len(rows) else x[mx.array(sampled)], [samplers[i] for i in sampled],
                       None if keys is None else [keys[i] for i in sampled])
@@ -115,7 +124,6 @@ def sample_batch(logits: mx.array, rows: list, grammars: Optional[Grammars] = No
         else:
             tokens[mx.array(sampled)] = picks
     out = Sampled(tokens)
-    lp_rows = [i for i, s in enumerate(samplers) if s.params.logprobs]
     if lp_rows:
         out.lp_rows = lp_rows
         chosen = [rows[i].forced[steps[i]] if rows[i].forced is not None and steps[i] < len(rows[i].forced)

@@ -110,11 +110,12 @@ class Scheduler:
         instead (by id(row); speculative decoding)."""
         ok, no_room = [], []
         limits: Optional[list[int]] = None  # scanned once, when the first row needs a page
+        held = self.cache.reserve_held
         for r in rows:
             if not r.active:  # preempted for an earlier row, or ended by a flush
                 continue
             n = windows.get(id(r), 1) if windows else 1
-            if self.cache.reserve_held(r.kv, n):  # most rows: their pages hold the step
+            if held(r.kv, n):  # most rows: their pages hold the step
                 ok.append(r)
                 continue
             limits = self.limits() if limits is None else limits
