@@ -30,7 +30,7 @@ from kvbatch.engine.testing import engine_config
 from kvbatch.engine.types import Request
 from tests.engine.test_speculative import _chi2_ok, _same, prompts
 
-DRAFT = {"method": "draft", "num_tokens": 4}
+DRAFT = {"method": "draft", "num_tokens": 4, "adaptive": False}  # every step, as NGRAM
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +146,7 @@ def test_draft_is_priced_and_checked(models):
     without the draft but not with it is refused; a draft with another vocabulary fails in one line."""
     m, drafts = models
     # the same verification window without a draft (ngram): what the draft adds is the difference
-    plain, eng = _engine(m, drafts["other"], spec={"method": "ngram"}), _engine(m, drafts["other"])
+    plain, eng = _engine(m, drafts["other"], spec={"method": "ngram", "adaptive": False}), _engine(m, drafts["other"])
     d_spec = drafts["other"][2]
     assert eng.memory.weights_bytes == m[2].weights_bytes + d_spec.weights_bytes
     assert eng.memory.page_bytes == plain.memory.page_bytes + eng.memory.draft.layout.page_bytes  # type: ignore

@@ -27,6 +27,10 @@ def test_job_with_ngram_speculation_records_acceptance_and_matches_without(run_a
     assert s["spec_accepted"] == sum(r["spec_accepted"] for r in b) and 0 < s["spec_acceptance"] <= 1
     assert s["engine"]["speculative"] == "ngram" and s["engine"]["spec_passes"] > 0
     assert "spec acceptance" in one_line(s)
+    assert "spec_plain_steps" in s["engine"]  # speculative.adaptive (default on): steps it kept plain
+    # which steps verify is not what they keep: adaptive on or off, the same job and the same folder
+    fixed, _ = run_app(f"job.input={src}", "job.max_tokens=24", "speculative.method=ngram", "speculative.adaptive=false")
+    assert fixed == spec
 
 
 def test_progress_line_shows_the_acceptance_rate():

@@ -175,6 +175,9 @@ class SpeculativeConfig:
     # no proposals in a step with more decoding rows than this (vLLM's disable_by_batch_size): where a
     # batch already keeps the device's compute busy, verifying k more tokens a row costs about k steps
     disable_by_batch_size: Optional[int] = None
+    # measure the output tokens a second of steps that verify proposals and of steps that do not, per
+    # batch size, and propose only while verifying is at least as fast (engine/speculative/payoff.py)
+    adaptive: bool = True
 
 
 @dataclass

@@ -359,7 +359,7 @@ class Engine:
 
     def _decode(self, plan: StepPlan) -> StepPlan:
         """One decode step of the rows past their prompt (the plan completed with them)."""
-        s, st = self.scheduler, self.stepper
+        s, st, sp = self.scheduler, self.stepper, self.speculator
         if not (st.inflight or any(not r.prefilling for r in s.running)):
             return plan
         if s.waiting and st.frees_slot():
@@ -367,11 +367,13 @@ class Engine:
         else:
             n = len(plan.no_room)
             rows = st.candidates(s.decoding())
-            props = self.speculator.propose(rows) if self.speculator else {}
+            t0, made = self.hooks.clock(), self.output.generated_tokens
+            props = sp.propose(rows) if sp else {}
             windows = {id(r): 1 + len(p) for r in rows if (p := props.get(id(r)))} if props else None
             plan = s.schedule_decode(plan, rows, windows)
-            if self.speculator and any(id(r) in props for r in plan.decode):
-                out = self.speculator.verify(list(plan.decode), props)
+            verified = any(id(r) in props for r in plan.decode) if props else False
+            if sp and verified:
+                out = sp.verify(list(plan.decode), props)
             else:
                 out = st.step(list(plan.decode))
             for step in out.landed:
@@ -384,6 +386,8 @@ class Engine:
                 for row in plan.decode:
                     if not row.ended:
                         self._end(row, "error", INTERNAL_ERROR, out.failed)
+            if sp:  # what this step cost, for whether speculating pays (speculative.adaptive)
+                sp.record(len(rows), verified, self.output.generated_tokens - made, self.hooks.clock() - t0)
         self.hooks.on_decode_step()
         return plan
 

@@ -8,8 +8,9 @@ and profilers).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import mlx.core as mx
 
@@ -33,6 +34,8 @@ class EngineHooks:
     # share of each row's proposed tokens (rounded down) whatever the model samples, and rows always propose
     # k tokens (no back-off); the kept tokens are the proposals, so outputs are not the model's
     force_acceptance: Optional[float] = None
+    # the clock a decode step's cost is measured with (speculative.adaptive); tests move a clock of their own
+    clock: Callable[[], float] = time.perf_counter
 
     def force(self, key: str, tokens: list[int], capture: bool = True) -> None:
         """Teacher-force row `key` with `tokens` (and keep its logits, unless capture=False)."""

@@ -6,6 +6,7 @@ from kvbatch.engine.config import SpeculativeConfig
 from kvbatch.engine.row import Row
 from kvbatch.engine.runner import Decoded, Runner
 from kvbatch.engine.speculative import Proposer
+from kvbatch.engine.speculative.payoff import Payoff
 from kvbatch.engine.speculative.state import RowSpec
 from kvbatch.engine.speculative.verify import Verifier
 from kvbatch.engine.speculative.window import max_proposal, speculates
@@ -19,6 +20,7 @@ class Speculator:
         self.cfg, self.proposer = cfg, proposer
         self.verifier = Verifier(runner)
         self.context_length, self.page_size, self.quantized = context_length, page_size, quantized
+        self.payoff = Payoff() if cfg.adaptive else None
 
     def propose(self, rows: list[Row]) -> dict[int, list[int]]:
         """Proposed tokens by id(row), for the rows that propose this step."""
@@ -26,6 +28,8 @@ class Speculator:
         out: dict[int, list[int]] = {}
         cap = self.cfg.disable_by_batch_size
         if cap is not None and len(rows) > cap:
+            return out
+        if self.payoff is not None and not self.payoff.speculate(len(rows)):
             return out
         asked, ks = [], []
         for row in rows:
@@ -50,8 +54,14 @@ class Speculator:
         """One verification pass over `rows` (windows reserved)."""
         return self.verifier.step(rows, proposals)
 
+    def record(self, rows: int, verified: bool, tokens: int, seconds: float) -> None:
+        """A decode step ran (see Payoff.record)."""
+        if self.payoff is not None:
+            self.payoff.record(rows, verified, tokens, seconds)
+
     def stats(self) -> dict:
         """Totals for summary.json: tokens proposed and accepted, verification passes, acceptance rate."""
         v = self.verifier
         return {"spec_proposed": v.proposed, "spec_accepted": v.accepted, "spec_passes": v.passes,
-                "spec_acceptance": v.accepted / v.proposed if v.proposed else None, **self.proposer.stats()}
+                "spec_acceptance": v.accepted / v.proposed if v.proposed else None,
+                "spec_plain_steps": self.payoff.plain_steps if self.payoff is not None else 0, **self.proposer.stats()}

@@ -1,0 +1,90 @@
+"""speculative.adaptive: a step speculates while steps that verify proposals give at least the output tokens
+a second of steps that do not, per batch-size band (engine/speculative/payoff.py). Costs come from clocks
+moved by hand: the same decisions on any machine."""
+from __future__ import annotations
+
+from kvbatch.engine import Engine
+from kvbatch.engine.hooks import EngineHooks
+from kvbatch.engine.speculative.payoff import MIN_STEPS, PROBE_EVERY, Payoff
+from kvbatch.engine.testing import engine_config
+from tests.engine.test_speculative import _requests, _same
+
+
+def _run(p: Payoff, rows: int, steps: int, verify_rate: float, plain_rate: float) -> list[bool]:
+    """`steps` decisions for `rows` rows, each step recorded at the rate of the mode it ran (tokens a second)."""
+    out = []
+    for _ in range(steps):
+        go = p.speculate(rows)
+        out.append(go)
+        p.record(rows, go, rows * 2, rows * 2 / (verify_rate if go else plain_rate))
+    return out
+
+
+def test_both_modes_measured_first_then_the_faster_with_one_probe_in_every_probe_every():
+    p = Payoff()
+    got = _run(p, 64, MIN_STEPS * 2 + 3 * PROBE_EVERY, verify_rate=50.0, plain_rate=100.0)
+    assert got[:MIN_STEPS] == [True] * MIN_STEPS and got[MIN_STEPS:2 * MIN_STEPS] == [False] * MIN_STEPS
+    after = got[2 * MIN_STEPS:]
+    assert after.count(True) == 3 and all(after[i] for i in range(PROBE_EVERY - 1, len(after), PROBE_EVERY))
+    assert p.plain_steps == got.count(False)
+
+    p = Payoff()  # verifying faster: it keeps speculating, plain runs once in every PROBE_EVERY
+    after = _run(p, 64, MIN_STEPS * 2 + 3 * PROBE_EVERY, verify_rate=150.0, plain_rate=100.0)[2 * MIN_STEPS:]
+    assert after.count(False) == 3
+
+
+def test_each_batch_size_band_decides_for_itself():
+    p = Payoff()
+    small = _run(p, 4, 40, verify_rate=300.0, plain_rate=100.0)  # memory-bound: verifying pays
+    large = _run(p, 1000, 40, verify_rate=60.0, plain_rate=100.0)  # compute-bound: it does not
+    assert small[-30:].count(True) >= 29 and large[-30:].count(False) >= 29
+    assert _run(p, 5, 1, verify_rate=300.0, plain_rate=100.0) == [True]  # 4 and 5 rows: one band
+    assert _run(p, 700, 1, verify_rate=60.0, plain_rate=100.0) == [False]  # 700 and 1,000: one band (512-1,023)
+
+
+def test_a_change_in_the_rates_is_followed_through_the_probes():
+    p = Payoff()
+    _run(p, 64, 40, verify_rate=150.0, plain_rate=100.0)
+    got = _run(p, 64, 4 * PROBE_EVERY, verify_rate=150.0, plain_rate=400.0)  # plain decode got 4x faster
+    assert got[-PROBE_EVERY + 1:].count(True) <= 1  # by the probes, the choice moved to plain
+
+
+class _CostClock:
+    """A clock that moves, at each reading, by the cost of what ran since the reading before: `verify`
+    seconds when a verification pass ran, `plain` seconds otherwise."""
+
+    def __init__(self, verify: float, plain: float):
+        self.verify, self.plain, self.t, self.passes = verify, plain, 0.0, 0
+        self.eng: Engine | None = None
+
+    def __call__(self) -> float:
+        passes = self.eng.speculator.verifier.passes if self.eng and self.eng.speculator else 0
+        self.t += self.verify if passes > self.passes else self.plain
+        self.passes = passes
+        return self.t
+
+
+def _engine(m, clock: _CostClock | None, adaptive: bool = True) -> Engine:
+    model, tok, spec = m
+    cfg = engine_config(page_size=16, max_batch=4, memory_budget=2 << 30, allow_unvalidated=True,
+                        speculative={"method": "ngram", "num_tokens": 4, "adaptive": adaptive} if clock else None)
+    eng = Engine(model, tok, spec, cfg, hooks=EngineHooks(clock=clock) if clock else None)
+    if clock:
+        clock.eng = eng
+    return eng
+
+
+def test_an_engine_stops_verifying_where_it_costs_more_and_keeps_where_it_pays_same_tokens(tiny_model):
+    m = tiny_model()
+    ref = _engine(m, None).generate(_requests(max_tokens=60))
+    slow = _engine(m, _CostClock(verify=10.0, plain=1.0))  # a pass costs 10 steps: plain decode is faster
+    _same(ref, slow.generate(_requests(max_tokens=60)))
+    s = slow.summary()
+    assert s["spec_plain_steps"] > 2 * s["spec_passes"] and s["spec_accepted"] > 0
+    fast = _engine(m, _CostClock(verify=1.0, plain=10.0))  # a pass costs what a step does: verifying pays
+    _same(ref, fast.generate(_requests(max_tokens=60)))
+    f = fast.summary()
+    assert f["spec_passes"] > 2 * f["spec_plain_steps"] and f["spec_passes"] > s["spec_passes"]
+    fixed = _engine(m, _CostClock(verify=10.0, plain=1.0), adaptive=False)  # off: every step may propose
+    _same(ref, fixed.generate(_requests(max_tokens=60)))
+    assert fixed.summary()["spec_plain_steps"] == 0 and fixed.summary()["spec_passes"] >= f["spec_passes"]
