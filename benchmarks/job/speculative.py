@@ -67,11 +67,14 @@ def add_args(ap) -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--spec-args", default="speculative.method=ngram",
                     help="what the speculating side adds (e.g. 'speculative.method=ngram speculative.num_tokens=6')")
+    ap.add_argument("--spec-b-args", default="speculative.method=ngram speculative.adaptive=false",
+                    help="what a second speculating side, spec_b (in --sides only when named), adds")
     ap.add_argument("--kvbatch-args", default="", help="both kvbatch sides")
     ap.add_argument("--kvbatch-cmd", default=f"{sys.executable} -m kvbatch")
     ap.add_argument("--python", default=sys.executable, help="runs the mlx-lm side")
-    ap.add_argument("--sides", default=",".join(SIDES),
-                    help="the sides to run, in round 0's order (spec, plain, mlx_lm): one a call where a call is short")
+    ap.add_argument("--sides", default=",".join(SIDES[:3]),
+                    help="the sides to run, in round 0's order (spec, plain, mlx_lm, spec_b): one a call where a call "
+                         "is short")
     ap.add_argument("--no-mlx-lm", action="store_true", help="only the two kvbatch sides")
     ap.add_argument("--side-timeout", type=float, default=0,
                     help="seconds one side may take (0: no limit); a side cut there is recorded as timed_out")
@@ -81,7 +84,7 @@ def add_args(ap) -> None:
     ap.add_argument("--profile-side", default="plain", choices=("spec", "plain"))
 
 
-SIDES = ("spec", "plain", "mlx_lm")
+SIDES = ("spec", "plain", "mlx_lm", "spec_b")
 
 
 def _side(a, side: str, k: int, inp: Path, tmp: Path, model_cfg: dict) -> dict:
@@ -91,7 +94,8 @@ def _side(a, side: str, k: int, inp: Path, tmp: Path, model_cfg: dict) -> dict:
     try:
         if side == "mlx_lm":
             return run_mlx_lm(a.python, inp, model_cfg, a.max_tokens, None, limit)
-        extra = shlex.split(a.kvbatch_args) + (shlex.split(a.spec_args) if side == "spec" else [])
+        own = {"spec": a.spec_args, "spec_b": a.spec_b_args}.get(side, "")
+        extra = shlex.split(a.kvbatch_args) + shlex.split(own)
         return run_kvbatch(shlex.split(a.kvbatch_cmd), inp, tmp / f"{side}{k}", a.model, {}, a.max_tokens, extra,
                            limit)
     except subprocess.TimeoutExpired:
@@ -107,7 +111,8 @@ def _brief(r: dict) -> dict:
     keep = {k: r[k] for k in ("wall_s", "tokens", "tok_s", "rows", "ok", "prompt_tps", "generation_tps",
                               "prompt_time", "generation_time") if k in r}
     keep.update({k: eng[k] for k in ("decode_s", "prefill_s", "spec_acceptance", "spec_proposed", "spec_accepted",
-                                     "spec_passes", "max_batch", "peak_concurrency") if k in eng})
+                                     "spec_passes", "spec_plain_steps", "max_batch", "peak_concurrency")
+                 if k in eng})
     keep["digests"] = {key: hashlib.sha1(json.dumps(t).encode()).hexdigest()[:10]
                        for key, t in sorted(r["outputs"].items())}
     return keep
@@ -125,11 +130,16 @@ def _round(a, k: int, sides: list[str], inp: Path, tmp: Path, model_cfg: dict, d
         print(json.dumps({"round": k, "side": side, **{x: v for x, v in line[side].items() if x != "digests"}}),
               flush=True)
     ok = {side: r for side, r in rnd.items() if not r.get("timed_out")}
-    sp, pl, ml = ok.get("spec"), ok.get("plain"), ok.get("mlx_lm")
+    sp, pl, ml, sb = ok.get("spec"), ok.get("plain"), ok.get("mlx_lm"), ok.get("spec_b")
     if sp and pl:
         line.update(ratio_plain=sp["tok_s"] / pl["tok_s"],
                     identical_rows=sum(sp["outputs"].get(key) == t for key, t in pl["outputs"].items()),
                     rows=len(pl["outputs"]))
+    if sb and pl:
+        line.update(ratio_spec_b_plain=sb["tok_s"] / pl["tok_s"],
+                    identical_rows_spec_b=sum(sb["outputs"].get(key) == t for key, t in pl["outputs"].items()))
+    if sp and sb:
+        line.update(ratio_spec_spec_b=sp["tok_s"] / sb["tok_s"])
     if sp and ml:
         line.update(ratio_mlx_lm=sp["tok_s"] / ml["tok_s"],
                     identical_rows_mlx_lm=sum(sp["outputs"].get(key) == t for key, t in ml["outputs"].items()))
@@ -159,11 +169,11 @@ def run(a) -> dict:
     for k in range(a.rounds):
         rounds.append(_round(a, k, sides, inp, tmp, model_cfg, rounds))
     result: dict = {"rows": a.rows, "sides": sides, "rounds": rounds}
-    for key in ("ratio_plain", "ratio_mlx_lm"):
+    for key in ("ratio_plain", "ratio_mlx_lm", "ratio_spec_b_plain", "ratio_spec_spec_b"):
         got = [r[key] for r in rounds if key in r]
         if got:
             result["median_" + key] = statistics.median(got)
-    for key in ("identical_rows", "identical_rows_mlx_lm"):
+    for key in ("identical_rows", "identical_rows_mlx_lm", "identical_rows_spec_b"):
         got = [r[key] for r in rounds if key in r]
         if got:
             result[key] = min(got)

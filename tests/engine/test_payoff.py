@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvbatch.engine import Engine
 from kvbatch.engine.hooks import EngineHooks
-from kvbatch.engine.speculative.payoff import MIN_STEPS, PROBE_EVERY, Payoff
+from kvbatch.engine.speculative.payoff import LEARN_EVERY, MIN_STEPS, PROBE_EVERY, Payoff
 from kvbatch.engine.testing import engine_config
 from tests.engine.test_speculative import _requests, _same
 
@@ -88,3 +88,18 @@ def test_an_engine_stops_verifying_where_it_costs_more_and_keeps_where_it_pays_s
     fixed = _engine(m, _CostClock(verify=10.0, plain=1.0), adaptive=False)  # off: every step may propose
     _same(ref, fixed.generate(_requests(max_tokens=60)))
     assert fixed.summary()["spec_plain_steps"] == 0 and fixed.summary()["spec_passes"] >= f["spec_passes"]
+
+
+def test_a_band_entered_later_starts_from_its_neighbours_choice_and_learns_its_own():
+    p = Payoff()
+    _run(p, 64, 20, verify_rate=110.0, plain_rate=100.0)  # 64-127 rows: verifying pays, narrowly
+    got = _run(p, 40, 3 * LEARN_EVERY + 10, verify_rate=50.0, plain_rate=100.0)  # 32-63 rows: it does not
+    assert got[:LEARN_EVERY - 1] == [True] * (LEARN_EVERY - 1)  # the neighbour's choice, no steps spent measuring
+    assert got[-10:] == [False] * 10  # its own, measured through a probe every LEARN_EVERY steps
+
+    p = Payoff()
+    _run(p, 64, 20, verify_rate=300.0, plain_rate=100.0)  # 3x: a clear verdict
+    got = _run(p, 40, PROBE_EVERY, verify_rate=300.0, plain_rate=100.0)
+    assert got.count(False) == 1  # trusted: one probe in PROBE_EVERY, none of the warm-up's plain steps
+    assert _run(p, 4, MIN_STEPS + 1, verify_rate=300.0, plain_rate=100.0)[:MIN_STEPS] == [True] * MIN_STEPS
+    assert p.bands[3].plain.steps == 1  # a band far from any measured one measures both itself

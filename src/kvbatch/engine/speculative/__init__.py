@@ -3,7 +3,8 @@ verification pass with the rest of the batch (engine/speculative/verify.py).
 
 A proposer is anything with `propose(rows, ks)`: n-gram lookup in each row's own tokens (ngram.py)
 or a draft model's small decode steps over its own paged cache (draft.py); a model's
-multi-token-prediction heads plug in at the same seam.
+multi-token-prediction heads plug in at the same seam. Whether a step proposes at all follows what
+verifying was measured to pay at the batch size running (payoff.py, speculative.adaptive).
 """
 from __future__ import annotations
 

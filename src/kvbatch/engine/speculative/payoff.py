@@ -7,17 +7,23 @@ rows n-gram speculation ran at 0.63x plain decode with 88.5% of its proposals ac
 that line a job is on depends on the model, the backend, the rows' contexts and the acceptance, so it
 is measured: per batch-size band (powers of two) the output tokens a second of steps that verified
 proposals and of steps that did not, and a step speculates while the first rate is at least the
-second. A band measures both first; then the mode not chosen runs one step in every PROBE_EVERY, so
-the choice follows acceptance and context as they change. Outputs do not depend on the choice (a
-verification pass keeps exactly the tokens decode steps would give); only the speed does.
+second. A band measures both first (MIN_STEPS steps each), unless it is entered next to a band that
+has (rows finishing, rows joining): then it starts from that band's choice, since half or twice the
+rows pay alike. In a band the mode not chosen runs one step in every PROBE_EVERY, so the choice
+follows acceptance and context as they change (one in every LEARN_EVERY while the band has no figures
+of its own and its neighbour's two rates were within CLEAR of each other). Outputs do not depend on
+the choice (a verification pass keeps exactly the tokens decode steps would give); only the speed does.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Optional
 
 MIN_STEPS = 3  # steps of each mode measured in a band before the two are compared
 PROBE_EVERY = 32  # in a band, one step in this many runs the mode not chosen, to measure it again
+LEARN_EVERY = 4  # ... one in this many while the band has not measured both modes itself, unless
+CLEAR = 1.25  # the nearest measured band found one mode this many times faster than the other
 DECAY = 0.8  # weight of a band's earlier steps against each new one (recent steps count most)
 
 
@@ -33,10 +39,6 @@ class _Rate:
         self.tokens = self.tokens * DECAY + tokens
         self.seconds = self.seconds * DECAY + seconds
         self.steps += 1
-
-    @property
-    def per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else math.inf
 
 
 @dataclass
@@ -55,19 +57,33 @@ class Payoff:
 
     def speculate(self, rows: int) -> bool:
         """Whether a step of `rows` decoding rows proposes tokens."""
-        b = self.bands.setdefault(rows.bit_length(), _Band())
-        if b.verified.steps < MIN_STEPS:
-            go = True
-        elif b.plain.steps < MIN_STEPS:
-            go = False
+        key = rows.bit_length()
+        b = self.bands.setdefault(key, _Band())
+        ratio = self._ratio(key)
+        if ratio is None:  # nothing measured yet: both modes, verifying first
+            go = b.verified.steps < MIN_STEPS
         else:
-            go = b.verified.per_s >= b.plain.per_s
+            go = ratio >= 1.0
             b.since_probe += 1
-            if b.since_probe >= PROBE_EVERY:  # the other mode, once, to follow changes
+            own = b.verified.steps >= MIN_STEPS and b.plain.steps >= MIN_STEPS
+            every = PROBE_EVERY if own or not 1 / CLEAR < ratio < CLEAR else LEARN_EVERY
+            if b.since_probe >= every:  # the other mode, once
                 b.since_probe = 0
                 go = not go
         self.plain_steps += not go
         return go
+
+    def _ratio(self, key: int) -> Optional[float]:
+        """Verifying steps' tokens a second over plain steps' in band `key`: from its own steps once both modes
+        have MIN_STEPS there, else from a neighbouring band's (half or twice the rows) where they have (None:
+        neither has)."""
+        near = [k for k in (key, key - 1, key + 1) if k in self.bands
+                and self.bands[k].verified.steps >= MIN_STEPS and self.bands[k].plain.steps >= MIN_STEPS]
+        if not near:
+            return None
+        v, p = self.bands[near[0]].verified, self.bands[near[0]].plain
+        num, den = v.tokens * p.seconds, p.tokens * v.seconds  # (v.tokens / v.seconds) / (p.tokens / p.seconds)
+        return num / den if den > 0 else (math.inf if num > 0 else 1.0)
 
     def record(self, rows: int, verified: bool, tokens: int, seconds: float) -> None:
         """A step of `rows` decoding rows ran (`verified`: proposals were checked in it) and gave `tokens` output
