@@ -29,7 +29,8 @@ def test_job_with_ngram_speculation_records_acceptance_and_matches_without(run_a
     assert "spec acceptance" in one_line(s)
     assert "spec_plain_steps" in s["engine"]  # speculative.adaptive (default on): steps it kept plain
     # which steps verify is not what they keep: adaptive on or off, the same job and the same folder
-    fixed, _ = run_app(f"job.input={src}", "job.max_tokens=24", "speculative.method=ngram", "speculative.adaptive=false")
+    fixed, _ = run_app(f"job.input={src}", "job.max_tokens=24", "speculative.method=ngram",
+                       "speculative.adaptive=false")
     assert fixed == spec
 
 
