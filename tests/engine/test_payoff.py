@@ -103,3 +103,18 @@ def test_a_band_entered_later_starts_from_its_neighbours_choice_and_learns_its_o
     assert got.count(False) == 1  # trusted: one probe in PROBE_EVERY, none of the warm-up's plain steps
     assert _run(p, 4, MIN_STEPS + 1, verify_rate=300.0, plain_rate=100.0)[:MIN_STEPS] == [True] * MIN_STEPS
     assert p.bands[3].plain.steps == 1  # a band far from any measured one measures both itself
+
+
+def test_a_draft_model_follows_rows_through_steps_kept_plain(tiny_model):
+    """speculative.method=draft: the draft's own cache catches up on the tokens of steps the payoff kept plain
+    (its proposals after them are still accepted), and the tokens are those without speculation."""
+    m, draft = tiny_model(), tiny_model()  # the model as its own draft: every proposal it makes is right
+    model, tok, spec = m
+    clock = _CostClock(verify=1.0, plain=1.0)  # a close call: plain steps and passes alternate in probes
+    cfg = engine_config(page_size=16, max_batch=4, memory_budget=2 << 30, allow_unvalidated=True,
+                        speculative={"method": "draft", "num_tokens": 4})
+    eng = Engine(model, tok, spec, cfg, hooks=EngineHooks(clock=clock), draft=draft)
+    clock.eng = eng
+    _same(_engine(m, None).generate(_requests(max_tokens=60)), eng.generate(_requests(max_tokens=60)))
+    s = eng.summary()
+    assert s["spec_plain_steps"] > 0 and s["spec_accepted"] == s["spec_proposed"] > 0
