@@ -129,7 +129,7 @@ def run(a) -> dict:
                   if "error" not in b and "error" not in x]
         out["base_over_head"] = statistics.median(ratios) if ratios else None
         out["base_over_head_runs"] = ratios
-        out["same_tokens"] = {r["tokens_sha"] for r in runs["base"] + runs["head"] if "tokens_sha" in r}.__len__() == 1
+        out["same_tokens"] = len({r["tokens_sha"] for r in runs["base"] + runs["head"] if "tokens_sha" in r}) == 1
     return out
 
 

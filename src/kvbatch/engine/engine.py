@@ -367,7 +367,7 @@ class Engine:
         else:
             n = len(plan.no_room)
             rows = st.candidates(s.decoding())
-            t0, made = self.hooks.clock(), self.output.generated_tokens
+            t0, made = (self.hooks.clock(), self.output.generated_tokens) if sp else (0.0, 0)
             props = sp.propose(rows) if sp else {}
             windows = {id(r): 1 + len(p) for r in rows if (p := props.get(id(r)))} if props else None
             plan = s.schedule_decode(plan, rows, windows)

@@ -110,9 +110,9 @@ def sample_batch(logits: mx.array, rows: list, grammars: Optional[Grammars] = No
         x = penalties.apply(x, [(i, samplers[i].params, samplers[i].prompt_ids, rows[i].out) for i in pen])
     if steps is None:  # read only for rows with a mask or logprobs
         steps = [len(r.out) + (id(r) in ahead) for r in rows] if maybe_masked or lp_rows else []
-    masked = [i for i in maybe_masked if samplers[i].matcher is not None
-              or (samplers[i].min_tokens_ban is not None and steps[i] < samplers[i].params.min_tokens)
-              or (samplers[i].reasoning is not None and samplers[i].reasoning.force is not None)]
+    masked = [i for i in maybe_masked if (s := samplers[i]).matcher is not None
+              or (s.min_tokens_ban is not None and steps[i] < s.params.min_tokens)
+              or (s.reasoning is not None and s.reasoning.force is not None)]
     if masked:
         x = mx.where(allowed_mask(rows, masked, steps, grammars, x.shape[-1]), x, -mx.inf)
     tokens = mx.argmax(x, axis=-1)

@@ -23,7 +23,7 @@ from typing import Optional
 MIN_STEPS = 3  # steps of each mode measured in a band before the two are compared
 PROBE_EVERY = 32  # in a band, one step in this many runs the mode not chosen, to measure it again
 LEARN_EVERY = 4  # ... one in this many while the band has not measured both modes itself, unless
-CLEAR = 1.25  # the nearest measured band found one mode this many times faster than the other
+CLEAR = 1.25  # the neighbouring band found one mode this many times faster than the other
 DECAY = 0.8  # weight of a band's earlier steps against each new one (recent steps count most)
 
 
@@ -47,6 +47,11 @@ class _Band:
     plain: _Rate = field(default_factory=_Rate)
     since_probe: int = 0
 
+    @property
+    def measured(self) -> bool:
+        """Whether both modes have MIN_STEPS steps here."""
+        return self.verified.steps >= MIN_STEPS and self.plain.steps >= MIN_STEPS
+
 
 class Payoff:
     """Says whether the next step speculates (`speculate`) from the steps measured so far (`record`)."""
@@ -65,8 +70,7 @@ class Payoff:
         else:
             go = ratio >= 1.0
             b.since_probe += 1
-            own = b.verified.steps >= MIN_STEPS and b.plain.steps >= MIN_STEPS
-            every = PROBE_EVERY if own or not 1 / CLEAR < ratio < CLEAR else LEARN_EVERY
+            every = PROBE_EVERY if b.measured or not 1 / CLEAR < ratio < CLEAR else LEARN_EVERY
             if b.since_probe >= every:  # the other mode, once
                 b.since_probe = 0
                 go = not go
@@ -77,8 +81,7 @@ class Payoff:
         """Verifying steps' tokens a second over plain steps' in band `key`: from its own steps once both modes
         have MIN_STEPS there, else from a neighbouring band's (half or twice the rows) where they have (None:
         neither has)."""
-        near = [k for k in (key, key - 1, key + 1) if k in self.bands
-                and self.bands[k].verified.steps >= MIN_STEPS and self.bands[k].plain.steps >= MIN_STEPS]
+        near = [k for k in (key, key - 1, key + 1) if k in self.bands and self.bands[k].measured]
         if not near:
             return None
         v, p = self.bands[near[0]].verified, self.bands[near[0]].plain
