@@ -109,8 +109,10 @@ def test_latin1_csv_row_is_invalid_json_array_read_duplicate_header_refused(tmp_
 
 
 def test_memory_of_this_job_and_this_run(run_app, tmp_path):
-    """A 1-row q8 job pays for one dense tail slot, not max_batch of them: its MLX peak within 10% of
-    kv=none's plus its KV; the plan prices the rows that run; a rerun reports no peak of its own."""
+    """A 1-row q8 job pays for one dense tail slot, not one per possible batch slot (128 on the CPU): its MLX
+    peak is kv=none's plus its KV and at most a few tails' worth of quantizing temporaries (~2 MB measured;
+    an absolute bound, since the peak's baseline depends on what the process ran before); the plan prices
+    the rows that run; a rerun reports no peak of its own."""
     src = tmp_path / "one.jsonl"
     src.write_text('{"id": "a", "prompt": "Tell me a story"}\n')
     peaks, pools = {}, {}
@@ -118,13 +120,14 @@ def test_memory_of_this_job_and_this_run(run_app, tmp_path):
         _, out, err, path = run_app(f"job.input={src}", "job.max_tokens=32", f"kv={kv}")
         s = json.loads((path.parent / "summary.json").read_text())
         peaks[kv], pools[kv] = s["this_run"]["peak_memory_bytes"], s["engine"]["pool_bytes"]
+        tail = s["engine"]["kv_tail_bytes"]  # q8: the one slot's dense tail pages
         # every setting is recorded, the ones added with it too (reasoning, adapters, scoring, shards)
         c = s["config"]
         assert c["kv"]["mode"] == kv and c["job"]["max_tokens"] == 32 and c["job"]["reasoning"] == "auto"
         assert c["model"]["adapters"] is None and c["job"]["score_columns"] == ["completion"]
         assert c["queue"]["shards"] == 0
         assert "with 1 running" in err and "MLX peak" in out and "this run: 1 rows, " in out
-    assert peaks["q8"] <= 1.1 * (peaks["none"] + pools["q8"]), (peaks, pools)
+    assert tail and peaks["q8"] <= peaks["none"] + pools["q8"] + 32 * tail, (peaks, pools, tail)  # 128 tails: 127 more
     _, out, _, path = run_app(f"job.input={src}", "job.max_tokens=32", "kv=q8")  # nothing to generate
     assert json.loads((path.parent / "summary.json").read_text())["this_run"]["peak_memory_bytes"] is None
     assert "MLX peak" not in out and "1 rows (1 ok); this run: 0 rows, 0 tokens" in out
