@@ -59,7 +59,12 @@ def test_kernel_variants_differ_where_they_should():
                 sources.add(lean)
                 assert ("pacc[" in lean) == split and ("kn +" in lean) == store
                 assert ("qs[r]" in lean) == q  # q8/q4: scales folded into the dot products
-    assert len(sources) == 8
+    for split in (False, True):  # a verification window: each query slot stops at its own key count
+        window = cs.kernel_source(False, split, multi=True)
+        sources.add(window)
+        assert "lim[r]" in window and "firsts[b]" in window and ("pacc[" in window) == split
+    assert "lim[r]" not in cs.kernel_source(False, False) and cs.reduce_source(True) != cs.reduce_source()
+    assert len(sources) == 10
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CUDA toolkit) to compile the kernels")
@@ -69,7 +74,7 @@ def test_every_kernel_variant_compiles(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "nvcc exit 0" in r.stdout
     # every kernel (dense and q8/q4/k8v4 for 4 head geometries x 2 dtypes x split/store, and the merges)
-    assert r.stdout.count(" registers") == 4 * 2 * (4 * 4 + 2)
+    assert r.stdout.count(" registers") == 4 * 2 * (4 * 4 + 2 + 2 * 3)  # and 2 window_slots x (plain, split, merge)
 
 
 def _cache_as_on_cuda(mode: str, P: int, H: int, kernel_writes: bool, step_reuse: bool = True):
@@ -249,6 +254,41 @@ def test_launch_parameters_follow_each_call(monkeypatch):
             red = calls[1]
             assert red["key"] == ("reduce", False) and red["grid"] == (B * Hkv * 128, 1, 1)
             assert red["inputs"][3] is meta and red["inputs"][4].tolist() == lens
+
+
+def test_window_launch_follows_its_positions(monkeypatch):
+    """A verification window's launch: blocks of window_positions(...) positions a (row, KV head), slots
+    of heads x positions, output (B, Hq, L, D); a split window merges by (row, KV head, positions) with
+    the rows' key counts."""
+    import mlx.core as mx
+
+    calls = _recording_kernels(monkeypatch)
+    B, Hkv, rep, D, P, L = 3, 2, 3, 64, 16, 5
+    q = mx.zeros((B, Hkv * rep, L, D))
+    pool = mx.zeros((40, Hkv, P, D))
+    firsts, lengths = mx.array([4, 30, 90], dtype=mx.int32), mx.array([9, 33, 95], dtype=mx.int32)
+    for slots, maxp in ((8, 2), (16, 2), (0, 7)):
+        calls.clear()
+        tune = CudaLaunch(chunk=64, unsplit=64, window_slots=slots)
+        out = ca.paged_window_attention(q, pool, pool, mx.zeros((B, maxp), dtype=mx.int32), firsts, lengths, 0.5,
+                                        tune)
+        assert out.shape == (B, Hkv * rep, L, D)
+        qc = ca.window_positions(L, rep, D, slots)
+        assert qc == {8: 2, 16: 5, 0: 1}[slots]
+        nqc, ns = -(-L // qc), (1 if maxp * P <= 64 else -(-maxp * P // 64))
+        t = dict(calls[0]["template"])
+        assert calls[0]["key"] == ("multi", ns > 1, False)
+        assert (t["REP"], t["NL"], t["QC"], t["NQC"], t["NE"]) == (rep * qc, L, qc, nqc, ca.WINDOW_NE)
+        assert t["LPT"] * t["NE"] == D
+        assert calls[0]["grid"] == (B * Hkv * nqc * ns * 32 * t["NW"], 1, 1)
+        assert calls[0]["inputs"][4] is firsts or calls[0]["inputs"][4].tolist() == firsts.tolist()
+        if ns == 1:
+            assert len(calls) == 1 and calls[0]["shapes"] == [(B, Hkv * rep, L, D)]
+        else:
+            red = calls[1]
+            assert red["key"] == ("reduce_multi", False) and red["grid"] == (B * Hkv * nqc * 128, 1, 1)
+            assert dict(red["template"])["NQC"] == nqc and red["shapes"] == [(B, Hkv * rep, L, D)]
+            assert red["inputs"][4].tolist() == lengths.tolist()
 
 
 def test_launch_settings_per_kernel_kind(monkeypatch):

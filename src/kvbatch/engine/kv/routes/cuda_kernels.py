@@ -30,18 +30,23 @@ from typing import Callable, NamedTuple, Optional, cast
 import mlx.core as mx
 
 from kvbatch.engine.config import CudaLaunch
-from kvbatch.engine.kv.routes.cuda_source import _REDUCE, kernel_source
+from kvbatch.engine.kv.routes.cuda_source import kernel_source, reduce_source
 
 NE = 8  # head elements per lane
+# A window kernel's lane holds 4 elements of each of its query slots (and their sums), where decode's
+# holds 8: its registers stay near decode's with several positions' queries a block
+# (gpu.cuda_compile_check prints them). Head sizes over 32 * 4 keep 8.
+WINDOW_NE = 4
 # Per kernel kind: tokens per lane per loop step and most warps per block (CudaLaunch.unroll /
 # warps override both kinds). q8/q4 take 4 warps x 4 tokens: their per-token loads are small (8 or
 # 4 bytes a lane), so more tokens in flight per lane pays, and half the warps halve the block's
 # merge; dense stays at 8 x 2 (measured side by side on the H200: docs/performance.md).
-UNROLL = {"dense": 2, "quant": 4}
-WARPS = {"dense": 8, "quant": 4}
+UNROLL = {"dense": 2, "quant": 4, "multi": 2}
+WARPS = {"dense": 8, "quant": 4, "multi": 8}
 
 _DENSE_INPUTS = ["q", "k", "v", "table", "lengths", "meta", "scale"]
 _QUANT_INPUTS = ["q", "kw", "ks", "kb", "vw", "vs", "vb", "tk", "tv", "tails", "table", "lens", "meta", "scale"]
+_MULTI_INPUTS = ["q", "k", "v", "table", "firsts", "lengths", "meta", "scale"]
 
 # mx.fast.cuda_kernel's object: called with inputs= and the launch's keywords, returns the outputs
 _Kernel = Callable[..., list[mx.array]]
@@ -49,17 +54,19 @@ _kernels: dict[tuple, _Kernel] = {}
 
 
 def _kernel(kind: str, split: bool, new_kv: bool = False) -> _Kernel:
-    """One compiled kernel per variant. The name carries a hash of the source: MLX caches
-    compiled kernels on disk by name (/tmp/mlx/<version>/ptx), so a changed source must not
+    """One compiled kernel per variant (kind: dense, quant, multi: a verification window over dense
+    pages; reduce, reduce_multi: the merges of split rows). The name carries a hash of the source: MLX
+    caches compiled kernels on disk by name (/tmp/mlx/<version>/ptx), so a changed source must not
     reuse an old binary."""
     key = (kind, split, new_kv)
     if key not in _kernels:
-        if kind == "reduce":
-            src, inputs, outputs = _REDUCE, ["pm", "pl", "pacc", "meta", "lens"], ["out"]
+        if kind.startswith("reduce"):
+            src, inputs, outputs = reduce_source(kind == "reduce_multi"), ["pm", "pl", "pacc", "meta", "lens"], ["out"]
         else:
             q = kind == "quant"
-            src = kernel_source(q, split, new_kv)
-            inputs = (_QUANT_INPUTS if q else _DENSE_INPUTS) + (["kn", "vn"] if new_kv else [])
+            src = kernel_source(q, split, new_kv, multi=kind == "multi")
+            inputs = {"dense": _DENSE_INPUTS, "quant": _QUANT_INPUTS, "multi": _MULTI_INPUTS}[kind] + (
+                ["kn", "vn"] if new_kv else [])
             outputs = ["pm", "pl", "pacc"] if split else ["out"]
         tag = hashlib.sha1(src.encode()).hexdigest()[:12]
         kernel = mx.fast.cuda_kernel(name=f"kvbatch_{kind}{'_split' if split else ''}_{tag}",
@@ -68,9 +75,14 @@ def _kernel(kind: str, split: bool, new_kv: bool = False) -> _Kernel:
     return _kernels[key]
 
 
-def _lanes(head_dim: int) -> int:
+def _elements(kind: str, head_dim: int) -> int:
+    """Head elements a lane holds."""
+    return WINDOW_NE if kind == "multi" and head_dim <= 32 * WINDOW_NE else NE
+
+
+def _lanes(head_dim: int, ne: int = NE) -> int:
     lpt = 1
-    while lpt * NE < head_dim:
+    while lpt * ne < head_dim:
         lpt *= 2
     return lpt
 
@@ -157,47 +169,67 @@ class _Launch(NamedTuple):
 _launches: dict = {}
 
 
-def _launch_for(kind: str, B: int, Hq: int, D: int, dtype: mx.Dtype, g: _Geometry, new_kv: bool,
+def window_positions(window: int, heads: int, head_dim: int, slots: int) -> int:
+    """Positions of a verification window one block takes (QC): as many as keep its query slots
+    (heads x positions) within `slots` and its merge buffers within shared memory, at least 1."""
+    qc = max(1, min(window, slots // heads))
+    while qc > 1 and warps_for(head_dim, heads * qc) == 0:
+        qc -= 1
+    return qc
+
+
+def _launch_for(kind: str, B: int, Hq: int, D: int, L: int, dtype: mx.Dtype, g: _Geometry, new_kv: bool,
                 launch: CudaLaunch) -> _Launch:
-    rep = Hq // g.kv_heads
+    heads = Hq // g.kv_heads
+    qc = window_positions(L, heads, D, launch.window_slots) if kind == "multi" else 1
+    nqc = -(-L // qc)
+    rep = heads * qc  # query slots a block
+    window = [("NL", L), ("QC", qc), ("NQC", nqc)] if kind == "multi" else []
+    ne = _elements(kind, D)
     nw = warps_for(D, rep, launch.warps or WARPS[kind]) or warps_for(D, rep)  # fewer than 4 warps: the most that fit
     ns, chunk, unsplit = splits_for(g.max_tokens, launch.chunk, launch.unsplit)
     meta = _const((g.maxp, ns, chunk, unsplit), mx.int32)
     template = [("T", dtype), ("S", g.store_dtype), ("D", D), ("P", g.page), ("REP", rep), ("HKV", g.kv_heads),
-                ("NW", nw), ("LPT", _lanes(D)), ("NE", NE), ("U", launch.unroll or UNROLL[kind])] + list(g.extra)
-    call = dict(template=template, grid=(B * g.kv_heads * ns * 32 * nw, 1, 1), threadgroup=(32 * nw, 1, 1))
+                ("NW", nw), ("LPT", _lanes(D, ne)), ("NE", ne), ("U", launch.unroll or UNROLL[kind])]
+    template += list(g.extra) + window
+    blocks = B * g.kv_heads * nqc  # before splits
+    call = dict(template=template, grid=(blocks * ns * 32 * nw, 1, 1), threadgroup=(32 * nw, 1, 1))
     consts = [meta, _const((float(g.scale),), mx.float32)]
+    shape = (B, Hq, L, D) if kind == "multi" else (B, Hq, D)
     if ns == 1:
-        return _Launch(_kernel(kind, False, new_kv),
-                       dict(call, output_shapes=[(B, Hq, D)], output_dtypes=[dtype]), consts, None, {})
-    n = B * g.kv_heads * ns * rep
+        return _Launch(_kernel(kind, False, new_kv), dict(call, output_shapes=[shape], output_dtypes=[dtype]), consts,
+                       None, {})
+    n = blocks * ns * rep
     return _Launch(_kernel(kind, True, new_kv),
                    dict(call, output_shapes=[(n,), (n,), (n * D,)], output_dtypes=[mx.float32] * 3), consts,
-                   _kernel("reduce", False),
+                   _kernel("reduce_multi" if kind == "multi" else "reduce", False),
                    dict(template=[("T", dtype), ("D", D), ("REP", rep), ("HKV", g.kv_heads),
-                                  ("QL", int(kind == "quant"))],
-                        grid=(B * g.kv_heads * 128, 1, 1), threadgroup=(128, 1, 1),
-                        output_shapes=[(B, Hq, D)], output_dtypes=[dtype]))
+                                  ("QL", int(kind == "quant"))] + window,
+                        grid=(blocks * 128, 1, 1), threadgroup=(128, 1, 1),
+                        output_shapes=[shape], output_dtypes=[dtype]))
 
 
 def _launch(kind: str, inputs: list, q: mx.array, g: _Geometry, launch: CudaLaunch,
             new_kv: Optional[tuple[mx.array, mx.array]]) -> mx.array:
-    B, Hq, _, D = q.shape
-    key = (kind, B, Hq, D, q.dtype, g, new_kv is not None, launch.chunk, launch.unsplit, launch.unroll, launch.warps)
+    """Run one kernel kind over q (B, Hq, L, D) (L = 1 but for a window); inputs end with the rows'
+    key counts, which the merge of split rows reads too."""
+    B, Hq, L, D = q.shape
+    key = (kind, B, Hq, D, L, q.dtype, g, new_kv is not None, launch.chunk, launch.unsplit, launch.unroll,
+           launch.warps, launch.window_slots)
     run = _launches.get(key)
     if run is None:
         if len(_launches) > 256:
             _launches.clear()
-        run = _launches[key] = _launch_for(kind, B, Hq, D, q.dtype, g, new_kv is not None, launch)
-    args = [q.reshape(B, Hq, D)] + inputs + run.consts
+        run = _launches[key] = _launch_for(kind, B, Hq, D, L, q.dtype, g, new_kv is not None, launch)
+    args = [q if kind == "multi" else q.reshape(B, Hq, D)] + inputs + run.consts
     if new_kv is not None:
         args += [a.reshape(B, g.kv_heads, D).astype(g.store_dtype) for a in new_kv]
     if run.reduce is None:
         (out,) = run.kernel(inputs=args, **run.call)
     else:
         pm, pl, pacc = run.kernel(inputs=args, **run.call)
-        (out,) = run.reduce(inputs=[pm, pl, pacc, run.consts[0], inputs[-1]], **run.reduce_call)  # lens last
-    return out.reshape(B, Hq, 1, D)
+        (out,) = run.reduce(inputs=[pm, pl, pacc, run.consts[0], inputs[-1]], **run.reduce_call)
+    return out.reshape(B, Hq, L, D)
 
 
 def paged_decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array,
@@ -227,3 +259,17 @@ def paged_decode_attention_quantized(q: mx.array, pages: QuantPages, tails: mx.a
     inputs = [*pages.packed, pages.tail_k, pages.tail_v, tails.astype(mx.int32), table.astype(mx.int32),
               lens.astype(mx.int32)]
     return _launch("quant", inputs, q, g, launch, new_kv)
+
+
+def paged_window_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, firsts: mx.array,
+                           lengths: mx.array, scale: float, launch: CudaLaunch) -> mx.array:
+    """A verification window: q (B, Hq, L, D), row b's L queries at its positions firsts[b]..;
+    pools (pages, Hkv, P, D) with the window's keys already stored; table (B, maxp) int32; firsts
+    (B,) keys before the window; lengths (B,) keys stored, the window's real tokens included ->
+    (B, Hq, L, D). Query j sees min(firsts[b] + j + 1, lengths[b]) keys (a padding position: all
+    of them). Each block reads its row's pages once for window_positions(...) positions."""
+    _, Hkv, P, _ = k_pool.shape
+    maxp = table.shape[1]
+    g = _Geometry(k_pool.dtype, Hkv, P, maxp * P, maxp, scale, ())
+    return _launch("multi", [k_pool, v_pool, table.astype(mx.int32), firsts.astype(mx.int32),
+                             lengths.astype(mx.int32)], q, g, launch, None)

@@ -14,7 +14,7 @@ from __future__ import annotations
 _HEAD = r"""
     constexpr int TPW = 32 / LPT;
     const int maxp = meta[0], ns = meta[1];
-    const int bh = blockIdx.x / ns, sp = blockIdx.x % ns;
+    {index}
     const int b = bh / HKV, hk = bh % HKV;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int sub = lane / LPT, li = lane % LPT;
@@ -25,16 +25,36 @@ _HEAD = r"""
     if (sp > 0 && t0 >= len) return;  // past this row's own splits (the whole block: no sync below)
     const float sc = scale[0];
     float qr[REP][NE], m[REP], l[REP], acc[REP][NE];
+    {slots}
     for (int r = 0; r < REP; ++r) {{
+        {slot}
         for (int e = 0; e < NE; ++e) {{
-            qr[r][e] = on ? static_cast<float>(q[((size_t)bh * REP + r) * D + li * NE + e]) * sc : 0.f;
+            qr[r][e] = on {real} ? static_cast<float>(q[{qoff} + li * NE + e]) * sc : 0.f;
             acc[r][e] = 0.f;
         }}
         m[r] = -INFINITY;
         l[r] = 0.f;
     }}
-    struct alignas(16) V8 {{ S x[NE]; }};
+    struct alignas(sizeof(S) * NE < 16 ? sizeof(S) * NE : 16) V8 {{ S x[NE]; }};  // one load (two: float32 x 8)
 """
+
+# Decode: one block per (row, KV head, split), one query per query head (REP of them).
+_DECODE = dict(index="const int bh = blockIdx.x / ns, sp = blockIdx.x % ns;", slots="", slot="", real="",
+               qoff="((size_t)bh * REP + r) * D")
+
+# A verification window (`multi`): NL queries a row (its token and its proposals), query j seeing
+# the row's keys up to first + j (`firsts`: keys before the window; padding positions see all the
+# row's `lengths` keys). A block takes QC of a row's positions for all REP / QC query heads of its
+# KV head, so each K/V load serves REP query slots instead of one position's heads: the pages are
+# read once per QC positions instead of once per position. Slot r is head r / QC at position
+# qc * QC + r % QC; a slot past the window (the last block of a window not a multiple of QC) sees no
+# key and writes nothing. Keys past a slot's limit weigh exactly 0, so a slot's output has the bits
+# of a decode launch at its own length wherever both run the same token ranges and warps.
+_MQOFF = "(((size_t)bh * (REP / QC) + r / QC) * NL + qc * QC + r % QC) * D"
+_MREAL = "(qc * QC + r % QC < NL)"
+_MULTI = dict(index="const int bq = blockIdx.x / ns, sp = blockIdx.x % ns, bh = bq / NQC, qc = bq % NQC;",
+              slots="int lim[REP];", slot=f"lim[r] = {_MREAL} ? min(first + qc * QC + r % QC + 1, len) : 0;",
+              real=f"&& {_MREAL}", qoff=_MQOFF)
 
 # The step's new token (t == len - 1), when the kernel also stores it (`new_kv`): the block
 # whose token range holds it writes it from the projections (kn/vn, (B, HKV, D)) into its page
@@ -94,37 +114,52 @@ _MERGE = r"""
 """
 
 _WRITE_OUT = r"""
-        out[((size_t)bh * REP + r) * D + d] = static_cast<T>(A / L);
-    }
+        {guard}out[{qoff} + d] = static_cast<T>(A / L);
+    }}
 """
 
 _WRITE_PART = r"""
-        const size_t pr = ((size_t)bh * ns + sp) * REP + r;
-        if (d == 0) { pm[pr] = M; pl[pr] = L; }
+        const size_t pr = ((size_t){blk} * ns + sp) * REP + r;
+        if (d == 0) {{ pm[pr] = M; pl[pr] = L; }}
         pacc[pr * D + d] = A;
-    }
+    }}
 """
 
+# The merge of a split row's partials (one block per (row, KV head), or per (row, KV head, position
+# chunk) for a verification window).
 _REDUCE = r"""
     const int ns = meta[1];
-    const int bh = blockIdx.x, b = bh / HKV;
+    {index}
     const int len = QL ? lens[2 * b] + lens[2 * b + 1] : lens[b];
     const int nr = len > meta[3] ? min(ns, (len + meta[2] - 1) / meta[2]) : 1;  // this row's own splits
-    for (int i = threadIdx.x; i < REP * D; i += blockDim.x) {
+    for (int i = threadIdx.x; i < REP * D; i += blockDim.x) {{
         const int r = i / D, d = i % D;
         float M = -INFINITY;
-        for (int s = 0; s < nr; ++s) M = fmaxf(M, pm[((size_t)bh * ns + s) * REP + r]);
+        for (int s = 0; s < nr; ++s) M = fmaxf(M, pm[((size_t){blk} * ns + s) * REP + r]);
         float L = 0.f, A = 0.f;
-        for (int s = 0; s < nr; ++s) {
-            const size_t pr = ((size_t)bh * ns + s) * REP + r;
+        for (int s = 0; s < nr; ++s) {{
+            const size_t pr = ((size_t){blk} * ns + s) * REP + r;
             // weight exactly 1 for the split that holds the max: one split = the unsplit kernel's bits
             const float c = (pm[pr] == M) ? 1.f : (pm[pr] == -INFINITY) ? 0.f : __expf(pm[pr] - M);
             L += pl[pr] * c;
             A += pacc[pr * D + d] * c;
-        }
-        out[((size_t)bh * REP + r) * D + d] = static_cast<T>(A / L);
-    }
+        }}
+        {guard}out[{qoff} + d] = static_cast<T>(A / L);
+    }}
 """
+_REDUCE_INDEX = {False: "const int bh = blockIdx.x, b = bh / HKV;",
+                 True: "const int bq = blockIdx.x, bh = bq / NQC, qc = bq % NQC, b = bh / HKV;"}
+
+
+def _outputs(multi: bool) -> dict:
+    return dict(blk="bq", guard=f"if {_MREAL} ", qoff=_MQOFF) if multi else dict(blk="bh", guard="",
+                                                                                 qoff=_DECODE["qoff"])
+
+
+def reduce_source(multi: bool = False) -> str:
+    """The merge kernel's body (template constants T, D, REP, HKV, QL; NQC, QC, NL for a window)."""
+    return _REDUCE.format(index=_REDUCE_INDEX[multi], **_outputs(multi))
+
 
 # q8/q4 pages in the lean loop: a lane's 8 elements share one group's scale s and bias b, so
 # q.(s*c + b) = s*(q.c) + b*sum(q) and sum_t p*(s*c + b) = sum_t (p*s)*c + sum_t p*b. The loop
@@ -175,7 +210,7 @@ _RAW_LOOP = r"""
                 for (int u = 0; u < U; ++u) {{
                     {score}
                     for (int o = LPT / 2; o > 0; o >>= 1) x[r][u] += __shfl_xor_sync(0xffffffff, x[r][u], o);
-                    if (valid[u]) mn = fmaxf(mn, x[r][u]);
+                    if ({ok}) mn = fmaxf(mn, x[r][u]);
                 }}
                 if (mn > m[r]) {{  // rescale only when the running max moves (rarely, once warm)
                     const float corr = __expf(m[r] - mn);
@@ -185,7 +220,7 @@ _RAW_LOOP = r"""
                     m[r] = mn;
                 }}
                 for (int u = 0; u < U; ++u) {{  // x becomes the value weight; NaN scores stay NaN
-                    const float p = valid[u] ? __expf(x[r][u] - m[r]) : 0.f;
+                    const float p = {ok} ? __expf(x[r][u] - m[r]) : 0.f;
                     l[r] += p;
                     {weight}
                 }}
@@ -245,9 +280,10 @@ _QW = r"""
 """
 
 
-def kernel_source(quantized: bool, split: bool, new_kv: bool = False) -> str:
+def kernel_source(quantized: bool, split: bool, new_kv: bool = False, multi: bool = False) -> str:
     """The kernel body. new_kv: the kernel also stores the step's token (inputs kn, vn) into
-    its dense page / tail page."""
+    its dense page / tail page; multi: a verification window's queries (dense pages; inputs
+    firsts, and template constants NL, QC, NQC)."""
     k, v = ("tk", "tv") if quantized else ("k", "v")
     load = _RAW_TAIL_LOAD if quantized else _RAW_DENSE_LOAD
     store = ""
@@ -257,12 +293,15 @@ def kernel_source(quantized: bool, split: bool, new_kv: bool = False) -> str:
         store = _NEW_KV.format(k=k, v=v, base=base)
         load = (load.replace(f"({k} + base)", _NEW_SEL.format(n="kn", p=k))
                 .replace(f"({v} + base)", _NEW_SEL.format(n="vn", p=v)))
+    assert not (multi and (quantized or new_kv)), "a window reads dense pages its pass has written"
+    ok = "(valid[u] && tb + u * TPW + sub < lim[r])" if multi else "valid[u]"
     if quantized:
-        head = _HEAD.format(lens="const int n_main = lens[2 * b], len = n_main + lens[2 * b + 1];")
+        head = _HEAD.format(lens="const int n_main = lens[2 * b], len = n_main + lens[2 * b + 1];", **_DECODE)
         sealed = _QW + _FOLD_START + _RAW_LOOP.format(start="t0", stop="min(t1, n_main)", load=_RAW_QUANT_LOAD,
-                                                      **_RAW_QUANT) + _FOLD_END
-        body = sealed + _RAW_LOOP.format(start="max(t0, n_main)", stop="t1", load=load, **_RAW_DENSE)
+                                                      ok=ok, **_RAW_QUANT) + _FOLD_END
+        body = sealed + _RAW_LOOP.format(start="max(t0, n_main)", stop="t1", load=load, ok=ok, **_RAW_DENSE)
     else:
-        head = _HEAD.format(lens="const int len = lengths[b];")
-        body = _RAW_LOOP.format(start="t0", stop="t1", load=load, **_RAW_DENSE)
-    return head + store + body + _MERGE + (_WRITE_PART if split else _WRITE_OUT)
+        lens = "const int len = lengths[b], first = firsts[b];" if multi else "const int len = lengths[b];"
+        head = _HEAD.format(lens=lens, **(_MULTI if multi else _DECODE))
+        body = _RAW_LOOP.format(start="t0", stop="t1", load=load, ok=ok, **_RAW_DENSE)
+    return head + store + body + _MERGE + (_WRITE_PART if split else _WRITE_OUT).format(**_outputs(multi))
