@@ -95,6 +95,14 @@ def sources(a) -> list[str]:
                                     consts, cs.kernel_source(False, split, multi=True)))
                 src.append(wrap(f"reducem_{D}_{rep}_{dt}_w{slots}", merge_in, [("out", T)],
                                 dict(T=T, D=D, REP=rep * qc, HKV=8, QL=0, **window), cs.reduce_source(True)))
+            if dt != "float32":  # the tensor-core window kernel (bf16 / fp16 pages)
+                qc = min(a.window, ca.MMA_ROWS // rep)
+                window = dict(NL=a.window, QC=qc, NQC=-(-a.window // qc))
+                consts = dict(T=T, S=T, D=D, P=64, REP=rep * qc, HKV=8, NW=ca.mma_warps(D, rep * qc), **window)
+                for split in (False, True):
+                    outs = [("pm", "float"), ("pl", "float"), ("pacc", "float")] if split else [("out", T)]
+                    src.append(wrap(f"mma_{D}_{rep}_{dt}{'_split' if split else ''}", multi_in, outs, consts,
+                                    cs.mma_window_source(split, dt == "float16")))
     return src + ["}\n"]
 
 
@@ -112,7 +120,7 @@ def run(a) -> dict:
             print(line)
             problems.append(line)
         elif "Compiling entry function" in line:
-            m = re.search(r"cu\d+((?:dense|quant|reduce|reducem|multi)_\w+?)E", line)
+            m = re.search(r"cu\d+((?:dense|quant|reduce|reducem|multi|mma)_\w+?)E", line)
             name = m.group(1) if m else line
         elif "spill" in line and "0 bytes spill stores, 0 bytes spill loads" not in line:
             print(f"{name}: {line.strip()}")

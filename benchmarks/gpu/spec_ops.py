@@ -2,8 +2,9 @@
 whole forward without a cache (all but attention over the cache) at B rows x L tokens, its MLP and
 lm_head alone, and the fused paged decode kernel reading each row's pages once (decode) or once per
 position (a verification window of L tokens as B * L one-query rows), against the window kernel
-reading them once per block of positions (`window_s<N>`: engine.options.cuda.window_slots=N; its
-largest difference from the per-position launch in `max_abs_vs_verify`). Medians of --iters timed
+reading them once per block of positions, on the tensor cores (`window_mma`) and in decode's loop
+(`window_s<N>`: engine.options.cuda.window_slots=N); each one's largest difference from the
+per-position launch in `max_abs_vs_verify`. Medians of --iters timed
 calls, each evaluated and synchronized. The kernel is also timed as --chain launches in one
 evaluation (`kernel_chained_ms`: the GPU's time a launch once the host is out of the way) with the
 K/V bytes it reads each launch over that time (`kernel_gb_s`).
@@ -30,8 +31,8 @@ def add_args(ap) -> None:
     ap.add_argument("--context", type=int, default=1500, help="keys a row for the kernel's part")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--chain", type=int, default=20, help="kernel launches in one evaluation")
-    ap.add_argument("--window-slots", default="0,8,12,16",
-                    help="window kernel variants (engine.options.cuda.window_slots)")
+    ap.add_argument("--window-slots", default="0,8,16",
+                    help="decode-style window kernel variants (engine.options.cuda.window_slots)")
     ap.add_argument("--no-kernel", action="store_true", help="leave out the fused kernel's part (off CUDA)")
 
 
@@ -86,9 +87,10 @@ def run(a) -> dict:
                  "verify": (L, lambda launch: paged_decode_attention(
                      qw.transpose(0, 2, 1, 3).reshape(a.batch * L, Hq, 1, D), pool, vpool, mx.repeat(table, L, axis=0),
                      per_position, D ** -0.5, launch), CudaLaunch())}
+        window = (L, lambda launch: paged_window_attention(qw, pool, vpool, table, firsts, lengths, D ** -0.5, launch))
+        cases["window_mma"] = window + (CudaLaunch(),)
         for slots in map(int, a.window_slots.split(",")):
-            cases[f"window_s{slots}"] = (L, lambda launch: paged_window_attention(
-                qw, pool, vpool, table, firsts, lengths, D ** -0.5, launch), CudaLaunch(window_slots=slots))
+            cases[f"window_s{slots}"] = window + (CudaLaunch(window_slots=slots, window_mma=False),)
         for name, (reads, fn, launch) in cases.items():
             ms = _time(lambda: fn(launch), a.iters)
             chained = _time(lambda: [fn(launch) for _ in range(a.chain)], a.iters) / a.chain
@@ -98,9 +100,9 @@ def run(a) -> dict:
             print(json.dumps({name: {k: out[name][k] for k in ("kernel_one_layer_ms", "kernel_chained_ms",
                                                                 "kernel_gb_s")}}), flush=True)
         ref = cases["verify"][1](CudaLaunch()).reshape(a.batch, L, Hq, D).transpose(0, 2, 1, 3).astype(mx.float32)
-        for slots in map(int, a.window_slots.split(",")):  # the same numbers as the decode kernel's
-            got = paged_window_attention(qw, pool, vpool, table, firsts, lengths, D ** -0.5,
-                                         CudaLaunch(window_slots=slots)).astype(mx.float32)
-            out[f"window_s{slots}"]["max_abs_vs_verify"] = mx.abs(got - ref).max().item()
-        print(json.dumps({k: v.get("max_abs_vs_verify") for k, v in out.items() if k.startswith("window")}))
+        for name, (_, fn, launch) in cases.items():  # the same numbers as the decode kernel's
+            if name.startswith("window"):
+                got = fn(launch).astype(mx.float32)
+                out[name]["max_abs_vs_verify"] = mx.abs(got - ref).max().item()
+        print(json.dumps({k: out[k]["max_abs_vs_verify"] for k in cases if k.startswith("window")}))
     return out

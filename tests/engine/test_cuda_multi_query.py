@@ -55,14 +55,16 @@ def test_multi_query_pass_matches_prefill_path(page):
     pos, lens = [5, 60, 130, 2000], [5, 3, 1, 5]
     n_pages = [-(-(a + n) // page) for a, n in zip(pos, lens)]
     outs, stores = [], []
-    for multi, slots in ((8, 8), (8, 0), (8, 20), (1, 8)):  # window kernel: 2, 1, 5 positions a block; prefill path
+    # the window kernel on the tensor cores, in decode's loop with 2, 1 and 5 positions a block; the prefill path
+    for multi, launch in ((8, CudaLaunch()), (8, CudaLaunch(window_mma=False)), (8, CudaLaunch(window_slots=0, window_mma=False)),
+                          (8, CudaLaunch(window_slots=20, window_mma=False)), (1, CudaLaunch())):
         mx.random.seed(3)
         store = DenseStore(1, Hkv, D, page, mx.bfloat16)
         store.grow(sum(n_pages) + 2)
         store.k[0] = mx.random.normal(store.k[0].shape).astype(mx.bfloat16)
         store.v[0] = mx.random.normal(store.v[0].shape).astype(mx.bfloat16)
         rows = _rows(pos, n_pages)
-        route = CudaDenseRoute(store, Geometry(page, Hkv, D, Hq), False, CudaLaunch(window_slots=slots), False, multi)
+        route = CudaDenseRoute(store, Geometry(page, Hkv, D, Hq), False, launch, False, multi)
         meta = route.plan(rows, L, pos, 0, lens)
         assert isinstance(meta, CudaMulti if multi > 1 else DenseStep)
         q = mx.random.normal((len(pos), Hq, L, D)).astype(mx.bfloat16)
@@ -78,7 +80,7 @@ def test_multi_query_pass_matches_prefill_path(page):
                                              CudaLaunch())
                 want = [b for b, m in enumerate(lens) if j < m]
                 a, r = out[want, :, j].astype(mx.float32), one[want, :, 0].astype(mx.float32)
-                assert mx.allclose(a, r, atol=1e-2, rtol=1e-2).item(), (slots, j, mx.abs(a - r).max().item())
+                assert mx.allclose(a, r, atol=1e-2, rtol=1e-2).item(), (launch, j, mx.abs(a - r).max().item())
         route.end()
         mx.eval(out, store.k[0], store.v[0])
         outs.append(out)

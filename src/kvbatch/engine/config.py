@@ -97,6 +97,7 @@ class CudaLaunch:
     # a verification window's block holds up to this many query slots (query heads x window positions):
     # more reads a row's pages fewer times, at more registers a thread
     window_slots: int = 8
+    window_mma: bool = True  # bf16/fp16 windows on the tensor cores (mma.sync), else the decode-style loop
 
 
 # Options that never change a row's tokens (they change how fast, or what is printed): left out of

@@ -30,7 +30,7 @@ from typing import Callable, NamedTuple, Optional, cast
 import mlx.core as mx
 
 from kvbatch.engine.config import CudaLaunch
-from kvbatch.engine.kv.routes.cuda_source import kernel_source, reduce_source
+from kvbatch.engine.kv.routes.cuda_source import kernel_source, mma_window_source, reduce_source
 
 NE = 8  # head elements per lane
 # A window kernel's lane holds 4 elements of each of its query slots (and their sums), where decode's
@@ -60,7 +60,10 @@ def _kernel(kind: str, split: bool, new_kv: bool = False) -> _Kernel:
     reuse an old binary."""
     key = (kind, split, new_kv)
     if key not in _kernels:
-        if kind.startswith("reduce"):
+        if kind.startswith("mma"):  # mma_bf16, mma_f16
+            src, inputs = mma_window_source(split, kind == "mma_f16"), _MULTI_INPUTS
+            outputs = ["pm", "pl", "pacc"] if split else ["out"]
+        elif kind.startswith("reduce"):
             src, inputs, outputs = reduce_source(kind == "reduce_multi"), ["pm", "pl", "pacc", "meta", "lens"], ["out"]
         else:
             q = kind == "quant"
@@ -178,31 +181,52 @@ def window_positions(window: int, heads: int, head_dim: int, slots: int) -> int:
     return qc
 
 
+MMA_ROWS = 16  # query slots of the tensor-core window kernel's block (mma.m16n8k16's rows)
+
+
+def mma_warps(head_dim: int, slots: int) -> int:
+    """Warps of a tensor-core window block: 4, or 2 where 4 warps' V tiles and merge buffers pass 44 KiB."""
+    for nw in (4, 2):
+        if nw * (16 * (head_dim + 8) * 2 + slots * (head_dim + 2) * 4) <= 44 * 1024:
+            return nw
+    return 1
+
+
+def mma_window(dtype: mx.Dtype, store: mx.Dtype, head_dim: int, heads: int, page: int, chunk: int) -> bool:
+    """Whether a window takes the tensor-core kernel: bf16/fp16 queries and pages alike, heads of a
+    multiple of 16 elements, at most 16 query heads a KV head, 16-token tiles that never cross a page
+    or a split."""
+    return (dtype == store and dtype in (mx.bfloat16, mx.float16) and head_dim % 16 == 0 and head_dim <= 256
+            and heads <= MMA_ROWS and page % 16 == 0 and chunk % 16 == 0)
+
+
 def _launch_for(kind: str, B: int, Hq: int, D: int, L: int, dtype: mx.Dtype, g: _Geometry, new_kv: bool,
                 launch: CudaLaunch) -> _Launch:
     heads = Hq // g.kv_heads
-    qc = window_positions(L, heads, D, launch.window_slots) if kind == "multi" else 1
+    mma = kind.startswith("mma")
+    qc = (min(L, MMA_ROWS // heads) if mma else window_positions(L, heads, D, launch.window_slots)) \
+        if mma or kind == "multi" else 1
     nqc = -(-L // qc)
     rep = heads * qc  # query slots a block
-    window = [("NL", L), ("QC", qc), ("NQC", nqc)] if kind == "multi" else []
+    window = [("NL", L), ("QC", qc), ("NQC", nqc)] if mma or kind == "multi" else []
     ne = _elements(kind, D)
-    nw = warps_for(D, rep, launch.warps or WARPS[kind]) or warps_for(D, rep)  # fewer than 4 warps: the most that fit
+    nw = mma_warps(D, rep) if mma else (warps_for(D, rep, launch.warps or WARPS[kind]) or warps_for(D, rep))
     ns, chunk, unsplit = splits_for(g.max_tokens, launch.chunk, launch.unsplit)
     meta = _const((g.maxp, ns, chunk, unsplit), mx.int32)
     template = [("T", dtype), ("S", g.store_dtype), ("D", D), ("P", g.page), ("REP", rep), ("HKV", g.kv_heads),
-                ("NW", nw), ("LPT", _lanes(D, ne)), ("NE", ne), ("U", launch.unroll or UNROLL[kind])]
+                ("NW", nw), ("LPT", _lanes(D, ne)), ("NE", ne), ("U", launch.unroll or UNROLL.get(kind, 1))]
     template += list(g.extra) + window
     blocks = B * g.kv_heads * nqc  # before splits
     call = dict(template=template, grid=(blocks * ns * 32 * nw, 1, 1), threadgroup=(32 * nw, 1, 1))
     consts = [meta, _const((float(g.scale),), mx.float32)]
-    shape = (B, Hq, L, D) if kind == "multi" else (B, Hq, D)
+    shape = (B, Hq, L, D) if window else (B, Hq, D)
     if ns == 1:
         return _Launch(_kernel(kind, False, new_kv), dict(call, output_shapes=[shape], output_dtypes=[dtype]), consts,
                        None, {})
     n = blocks * ns * rep
     return _Launch(_kernel(kind, True, new_kv),
                    dict(call, output_shapes=[(n,), (n,), (n * D,)], output_dtypes=[mx.float32] * 3), consts,
-                   _kernel("reduce_multi" if kind == "multi" else "reduce", False),
+                   _kernel("reduce_multi" if window else "reduce", False),
                    dict(template=[("T", dtype), ("D", D), ("REP", rep), ("HKV", g.kv_heads),
                                   ("QL", int(kind == "quant"))] + window,
                         grid=(blocks * 128, 1, 1), threadgroup=(128, 1, 1),
@@ -221,7 +245,7 @@ def _launch(kind: str, inputs: list, q: mx.array, g: _Geometry, launch: CudaLaun
         if len(_launches) > 256:
             _launches.clear()
         run = _launches[key] = _launch_for(kind, B, Hq, D, L, q.dtype, g, new_kv is not None, launch)
-    args = [q if kind == "multi" else q.reshape(B, Hq, D)] + inputs + run.consts
+    args = [q if L > 1 else q.reshape(B, Hq, D)] + inputs + run.consts
     if new_kv is not None:
         args += [a.reshape(B, g.kv_heads, D).astype(g.store_dtype) for a in new_kv]
     if run.reduce is None:
@@ -271,5 +295,9 @@ def paged_window_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, tabl
     _, Hkv, P, _ = k_pool.shape
     maxp = table.shape[1]
     g = _Geometry(k_pool.dtype, Hkv, P, maxp * P, maxp, scale, ())
-    return _launch("multi", [k_pool, v_pool, table.astype(mx.int32), firsts.astype(mx.int32),
+    B, Hq, L, D = q.shape
+    kind = "multi"
+    if launch.window_mma and mma_window(q.dtype, k_pool.dtype, D, Hq // Hkv, P, launch.chunk):
+        kind = "mma_f16" if q.dtype == mx.float16 else "mma_bf16"
+    return _launch(kind, [k_pool, v_pool, table.astype(mx.int32), firsts.astype(mx.int32),
                              lengths.astype(mx.int32)], q, g, launch, None)
