@@ -5,10 +5,9 @@ device time is spent. Needs nvcc on PATH; imports no MLX CUDA.
 
     python -m benchmarks gpu.cuda_compile_check [--warps 4] [--unroll 1]
 
-Kernel names: dense_/quant_<D>_<rep>_<dtype>[_split][_store][_q8|_q4|_k8v4]; a verification window's
-multi_<D>_<rep>_<dtype>_w<slots>[_split] (a window of --window tokens, engine.options.cuda.window_slots
-= slots) and its merge reducem_. Registers above 128 a thread leave one 256-thread block per SM instead
-of two.
+Kernel names: dense_/quant_<D>_<rep>_<dtype>[_split][_store][_q8|_q4|_k8v4]; the tensor-core
+verification window's mma_<D>_<rep>_<dtype>[_split] (bf16/fp16, a window of --window tokens) and its
+merge reducew_. Registers above 128 a thread leave one 256-thread block per SM instead of two.
 """
 from __future__ import annotations
 
@@ -48,7 +47,6 @@ def add_args(ap) -> None:
     ap.add_argument("--variants", default="plain,split,store,split_store")
     ap.add_argument("--bits", default="8x8,4x4,8x4", help="quantized kernels: key x value bits")
     ap.add_argument("--window", type=int, default=5, help="verification window tokens (k + 1)")
-    ap.add_argument("--window-slots", default="8,16", help="window kernels: engine.options.cuda.window_slots values")
     ap.add_argument("--frontend-only", action="store_true",
                     help="nvcc -cuda: parse and type-check only (no ptxas: no registers, spills)")
 
@@ -81,28 +79,18 @@ def sources(a) -> list[str]:
             for ql in (0, 1):
                 src.append(wrap(f"reduce_{D}_{rep}_{dt}_{ql}", merge_in, [("out", T)],
                                 dict(T=T, D=D, REP=rep, HKV=8, QL=ql), cs.reduce_source()))
-            for slots in map(int, a.window_slots.split(",")):
-                qc = ca.window_positions(a.window, rep, D, slots)
-                window = dict(NL=a.window, QC=qc, NQC=-(-a.window // qc))
-                ne = ca._elements("multi", D)
-                consts = dict(base, REP=rep * qc, NW=ca.warps_for(D, rep * qc, a.warps), NE=ne, LPT=ca._lanes(D, ne),
-                              **window)
-                multi_in = [("q", T), ("k", T), ("v", T), ("table", "int32_t"), ("firsts", "int32_t"),
-                            ("lengths", "int32_t"), ("meta", "int32_t"), ("scale", "float")]
-                for split in (False, True):
-                    outs = [("pm", "float"), ("pl", "float"), ("pacc", "float")] if split else [("out", T)]
-                    src.append(wrap(f"multi_{D}_{rep}_{dt}_w{slots}{'_split' if split else ''}", multi_in, outs,
-                                    consts, cs.kernel_source(False, split, multi=True)))
-                src.append(wrap(f"reducem_{D}_{rep}_{dt}_w{slots}", merge_in, [("out", T)],
-                                dict(T=T, D=D, REP=rep * qc, HKV=8, QL=0, **window), cs.reduce_source(True)))
             if dt != "float32":  # the tensor-core window kernel (bf16 / fp16 pages)
                 qc = min(a.window, ca.MMA_ROWS // rep)
                 window = dict(NL=a.window, QC=qc, NQC=-(-a.window // qc))
                 consts = dict(T=T, S=T, D=D, P=64, REP=rep * qc, HKV=8, NW=ca.mma_warps(D, rep * qc), **window)
+                window_in = [("q", T), ("k", T), ("v", T), ("table", "int32_t"), ("firsts", "int32_t"),
+                             ("lengths", "int32_t"), ("meta", "int32_t"), ("scale", "float")]
                 for split in (False, True):
                     outs = [("pm", "float"), ("pl", "float"), ("pacc", "float")] if split else [("out", T)]
-                    src.append(wrap(f"mma_{D}_{rep}_{dt}{'_split' if split else ''}", multi_in, outs, consts,
+                    src.append(wrap(f"mma_{D}_{rep}_{dt}{'_split' if split else ''}", window_in, outs, consts,
                                     cs.mma_window_source(split, dt == "float16")))
+                src.append(wrap(f"reducew_{D}_{rep}_{dt}", merge_in, [("out", T)],
+                                dict(T=T, D=D, REP=rep * qc, HKV=8, QL=0, **window), cs.reduce_source(True)))
     return src + ["}\n"]
 
 
@@ -120,7 +108,7 @@ def run(a) -> dict:
             print(line)
             problems.append(line)
         elif "Compiling entry function" in line:
-            m = re.search(r"cu\d+((?:dense|quant|reduce|reducem|multi|mma)_\w+?)E", line)
+            m = re.search(r"cu\d+((?:dense|quant|reduce|reducew|mma)_\w+?)E", line)
             name = m.group(1) if m else line
         elif "spill" in line and "0 bytes spill stores, 0 bytes spill loads" not in line:
             print(f"{name}: {line.strip()}")

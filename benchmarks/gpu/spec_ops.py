@@ -2,9 +2,8 @@
 whole forward without a cache (all but attention over the cache) at B rows x L tokens, its MLP and
 lm_head alone, and the fused paged decode kernel reading each row's pages once (decode) or once per
 position (a verification window of L tokens as B * L one-query rows), against the window kernel
-reading them once per block of positions, on the tensor cores (`window_mma`) and in decode's loop
-(`window_s<N>`: engine.options.cuda.window_slots=N); each one's largest difference from the
-per-position launch in `max_abs_vs_verify`. Medians of --iters timed
+reading them once for all of a row's window on the tensor cores (`window_mma`, bf16/fp16: its largest
+difference from the per-position launch in `max_abs_vs_verify`). Medians of --iters timed
 calls, each evaluated and synchronized. The kernel is also timed as --chain launches in one
 evaluation (`kernel_chained_ms`: the GPU's time a launch once the host is out of the way) with the
 K/V bytes it reads each launch over that time (`kernel_gb_s`).
@@ -31,8 +30,6 @@ def add_args(ap) -> None:
     ap.add_argument("--context", type=int, default=1500, help="keys a row for the kernel's part")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--chain", type=int, default=20, help="kernel launches in one evaluation")
-    ap.add_argument("--window-slots", default="0,8,16",
-                    help="decode-style window kernel variants (engine.options.cuda.window_slots)")
     ap.add_argument("--no-kernel", action="store_true", help="leave out the fused kernel's part (off CUDA)")
 
 
@@ -80,21 +77,19 @@ def run(a) -> dict:
         lengths = mx.full((a.batch,), a.context, dtype=mx.int32)
         qw = mx.random.normal((a.batch, Hq, L, D)).astype(dtype)
         per_position = (firsts[:, None] + mx.arange(1, L + 1, dtype=mx.int32)).reshape(-1)  # query j: firsts + j + 1
-        # decode: one query a row; verify: the window as B * L one-query rows of the decode kernel;
-        # window_s<N>: the window kernel with engine.options.cuda.window_slots=N
+        # (pages read a row, kernel): decode: one query a row; verify: the window as B * L one-query rows of
+        # the decode kernel; window_mma: the tensor-core window kernel, each row's pages read once
         cases = {"decode": (1, lambda launch: paged_decode_attention(
                      qw[:, :, :1], pool, vpool, table, lengths, D ** -0.5, launch), CudaLaunch()),
                  "verify": (L, lambda launch: paged_decode_attention(
                      qw.transpose(0, 2, 1, 3).reshape(a.batch * L, Hq, 1, D), pool, vpool, mx.repeat(table, L, axis=0),
                      per_position, D ** -0.5, launch), CudaLaunch())}
-        window = (L, lambda launch: paged_window_attention(qw, pool, vpool, table, firsts, lengths, D ** -0.5, launch))
-        cases["window_mma"] = window + (CudaLaunch(),)
-        for slots in map(int, a.window_slots.split(",")):
-            cases[f"window_s{slots}"] = window + (CudaLaunch(window_slots=slots, window_mma=False),)
+        cases["window_mma"] = (1, lambda launch: paged_window_attention(qw, pool, vpool, table, firsts, lengths,
+                                                                         D ** -0.5, launch), CudaLaunch())
         for name, (reads, fn, launch) in cases.items():
             ms = _time(lambda: fn(launch), a.iters)
             chained = _time(lambda: [fn(launch) for _ in range(a.chain)], a.iters) / a.chain
-            read = a.batch * reads * a.context * Hkv * D * 2 * pool.dtype.size  # K and V, once per kernel row
+            read = a.batch * reads * a.context * Hkv * D * 2 * pool.dtype.size  # K and V bytes the kernel reads
             out.setdefault(name, {}).update(kernel_one_layer_ms=ms, kernel_chained_ms=chained,
                                             kernel_gb_s=read / chained / 1e6)
             print(json.dumps({name: {k: out[name][k] for k in ("kernel_one_layer_ms", "kernel_chained_ms",

@@ -1,9 +1,9 @@
 """MLX CUDA: a few-token pass (a speculative verification window, a short prompt tail) attends
-through the window kernel (engine.options.multi_query): it stores the same K/V as the prefill path
-and each real query's output matches the prefill path's (gathered pages, composed matmuls) within
-bf16 rounding, and the decode kernel's at that query's own length, however many positions a block
-takes (engine.options.cuda.window_slots); rows at different positions, one crossing into a new page,
-one with a single token beside rows of five, one long enough to split. The plan's counts are checked
+through paged_window_attention (engine.options.multi_query): it stores the same K/V as the prefill
+path and each real query's output matches the prefill path's (gathered pages, composed matmuls) within
+bf16 rounding, and the decode kernel's at that query's own length, on the tensor cores and without
+(engine.options.cuda.window_mma); rows at different positions, one crossing into a new page, one with
+a single token beside rows of five, one long enough to split. The plan's counts are checked
 on any backend; the kernel runs on MLX CUDA only (the speculative tests run it there end to end)."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from kvbatch.engine.config import CudaLaunch
 from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.kv.routes.base import Geometry
 from kvbatch.engine.kv.routes.cuda import CudaDenseRoute, CudaMulti
-from kvbatch.engine.kv.routes.cuda_kernels import paged_decode_attention, window_positions
+from kvbatch.engine.kv.routes.cuda_kernels import paged_decode_attention
 from kvbatch.engine.kv.routes.dense import DenseStep
 from kvbatch.engine.kv.store import DenseStore
 from tests.conftest import ON_CUDA
@@ -41,13 +41,6 @@ def test_window_plan_counts_each_rows_keys():
     assert meta.step.table.shape[0] == 2  # one table row a row, not one a position
 
 
-def test_window_positions_keep_slots_and_shared_memory():
-    assert window_positions(5, 3, 64, 8) == 2  # SmolLM2: 3 heads a KV head, 2 positions = 6 slots
-    assert window_positions(5, 3, 64, 16) == 5
-    assert window_positions(5, 4, 128, 0) == 1  # 0: one position a block
-    assert window_positions(5, 4, 128, 64) == 5 and window_positions(8, 8, 128, 64) == 2  # shared memory
-
-
 @pytest.mark.skipif(not ON_CUDA, reason="the fused kernels run on MLX CUDA only")
 @pytest.mark.parametrize("page", [16, 64])
 def test_multi_query_pass_matches_prefill_path(page):
@@ -55,9 +48,8 @@ def test_multi_query_pass_matches_prefill_path(page):
     pos, lens = [5, 60, 130, 2000], [5, 3, 1, 5]
     n_pages = [-(-(a + n) // page) for a, n in zip(pos, lens)]
     outs, stores = [], []
-    # the window kernel on the tensor cores, in decode's loop with 2, 1 and 5 positions a block; the prefill path
-    for multi, launch in ((8, CudaLaunch()), (8, CudaLaunch(window_mma=False)), (8, CudaLaunch(window_slots=0, window_mma=False)),
-                          (8, CudaLaunch(window_slots=20, window_mma=False)), (1, CudaLaunch())):
+    # the window on the tensor cores, through the decode kernel once a position, the prefill path
+    for multi, launch in ((8, CudaLaunch()), (8, CudaLaunch(window_mma=False)), (1, CudaLaunch())):
         mx.random.seed(3)
         store = DenseStore(1, Hkv, D, page, mx.bfloat16)
         store.grow(sum(n_pages) + 2)

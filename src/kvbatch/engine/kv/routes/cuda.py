@@ -9,11 +9,12 @@ device with one add (`options.step_reuse`).
 
 A dense pass of a few tokens a row (a speculative verification window: the row's token and its
 k proposals) is attention of several queries per row over the row's pages, each query seeing the
-keys up to its own position (`CudaMulti`): the window kernel (cuda_kernels.paged_window_attention)
-reads each row's pages once for several positions' queries, with decode's loop and numerics. Its
-K/V are scattered into the pages first, as a prefill chunk's are. So verification reads the pages
-in place like decode instead of gathering every row's pages into a contiguous copy and composing
-matmuls over it (`EngineOptions.multi_query`).
+keys up to its own position (`CudaMulti`): cuda_kernels.paged_window_attention computes it over
+the pages in place, on the tensor cores for bf16/fp16 (each row's pages read once for all its
+window's queries), else with the decode kernel once per position. Its K/V are scattered into the
+pages first, as a prefill chunk's are. So verification reads the pages in place like decode instead
+of gathering every row's pages into a contiguous copy and composing matmuls over it
+(`EngineOptions.multi_query`).
 """
 from __future__ import annotations
 
@@ -74,8 +75,8 @@ class CudaDecode:
 
 @dataclass(frozen=True)
 class CudaMulti:
-    """A few-token dense pass read by the window kernel: the pass's writes (as a prefill chunk's),
-    and per row its keys before the window and its keys with the window's real tokens."""
+    """A few-token dense pass read in place (paged_window_attention): the pass's writes (as a prefill
+    chunk's), and per row its keys before the window and its keys with the window's real tokens."""
 
     step: DenseStep  # head rows of the real tokens, which of the padded pass's tokens are real, page table
     firsts: mx.array  # (B,) pos[b]: query j sees pos[b] + j + 1 keys

@@ -33,20 +33,16 @@ from kvbatch.engine.config import CudaLaunch
 from kvbatch.engine.kv.routes.cuda_source import kernel_source, mma_window_source, reduce_source
 
 NE = 8  # head elements per lane
-# A window kernel's lane holds 4 elements of each of its query slots (and their sums), where decode's
-# holds 8: its registers stay near decode's with several positions' queries a block
-# (gpu.cuda_compile_check prints them). Head sizes over 32 * 4 keep 8.
-WINDOW_NE = 4
 # Per kernel kind: tokens per lane per loop step and most warps per block (CudaLaunch.unroll /
 # warps override both kinds). q8/q4 take 4 warps x 4 tokens: their per-token loads are small (8 or
 # 4 bytes a lane), so more tokens in flight per lane pays, and half the warps halve the block's
 # merge; dense stays at 8 x 2 (measured side by side on the H200: docs/performance.md).
-UNROLL = {"dense": 2, "quant": 4, "multi": 2}
-WARPS = {"dense": 8, "quant": 4, "multi": 8}
+UNROLL = {"dense": 2, "quant": 4}
+WARPS = {"dense": 8, "quant": 4}
 
 _DENSE_INPUTS = ["q", "k", "v", "table", "lengths", "meta", "scale"]
 _QUANT_INPUTS = ["q", "kw", "ks", "kb", "vw", "vs", "vb", "tk", "tv", "tails", "table", "lens", "meta", "scale"]
-_MULTI_INPUTS = ["q", "k", "v", "table", "firsts", "lengths", "meta", "scale"]
+_WINDOW_INPUTS = ["q", "k", "v", "table", "firsts", "lengths", "meta", "scale"]
 
 # mx.fast.cuda_kernel's object: called with inputs= and the launch's keywords, returns the outputs
 _Kernel = Callable[..., list[mx.array]]
@@ -54,22 +50,21 @@ _kernels: dict[tuple, _Kernel] = {}
 
 
 def _kernel(kind: str, split: bool, new_kv: bool = False) -> _Kernel:
-    """One compiled kernel per variant (kind: dense, quant, multi: a verification window over dense
-    pages; reduce, reduce_multi: the merges of split rows). The name carries a hash of the source: MLX
-    caches compiled kernels on disk by name (/tmp/mlx/<version>/ptx), so a changed source must not
-    reuse an old binary."""
+    """One compiled kernel per variant (kind: dense, quant; mma_bf16, mma_f16: a verification window
+    on the tensor cores; reduce, reduce_window: the merges of split rows). The name carries a hash of the
+    source: MLX caches compiled kernels on disk by name (/tmp/mlx/<version>/ptx), so a changed source
+    must not reuse an old binary."""
     key = (kind, split, new_kv)
     if key not in _kernels:
         if kind.startswith("mma"):  # mma_bf16, mma_f16
-            src, inputs = mma_window_source(split, kind == "mma_f16"), _MULTI_INPUTS
+            src, inputs = mma_window_source(split, kind == "mma_f16"), _WINDOW_INPUTS
             outputs = ["pm", "pl", "pacc"] if split else ["out"]
         elif kind.startswith("reduce"):
-            src, inputs, outputs = reduce_source(kind == "reduce_multi"), ["pm", "pl", "pacc", "meta", "lens"], ["out"]
+            src, inputs, outputs = reduce_source(kind == "reduce_window"), ["pm", "pl", "pacc", "meta", "lens"], ["out"]
         else:
             q = kind == "quant"
-            src = kernel_source(q, split, new_kv, multi=kind == "multi")
-            inputs = {"dense": _DENSE_INPUTS, "quant": _QUANT_INPUTS, "multi": _MULTI_INPUTS}[kind] + (
-                ["kn", "vn"] if new_kv else [])
+            src = kernel_source(q, split, new_kv)
+            inputs = (_QUANT_INPUTS if q else _DENSE_INPUTS) + (["kn", "vn"] if new_kv else [])
             outputs = ["pm", "pl", "pacc"] if split else ["out"]
         tag = hashlib.sha1(src.encode()).hexdigest()[:12]
         kernel = mx.fast.cuda_kernel(name=f"kvbatch_{kind}{'_split' if split else ''}_{tag}",
@@ -78,14 +73,9 @@ def _kernel(kind: str, split: bool, new_kv: bool = False) -> _Kernel:
     return _kernels[key]
 
 
-def _elements(kind: str, head_dim: int) -> int:
-    """Head elements a lane holds."""
-    return WINDOW_NE if kind == "multi" and head_dim <= 32 * WINDOW_NE else NE
-
-
-def _lanes(head_dim: int, ne: int = NE) -> int:
+def _lanes(head_dim: int) -> int:
     lpt = 1
-    while lpt * ne < head_dim:
+    while lpt * NE < head_dim:
         lpt *= 2
     return lpt
 
@@ -172,15 +162,6 @@ class _Launch(NamedTuple):
 _launches: dict = {}
 
 
-def window_positions(window: int, heads: int, head_dim: int, slots: int) -> int:
-    """Positions of a verification window one block takes (QC): as many as keep its query slots
-    (heads x positions) within `slots` and its merge buffers within shared memory, at least 1."""
-    qc = max(1, min(window, slots // heads))
-    while qc > 1 and warps_for(head_dim, heads * qc) == 0:
-        qc -= 1
-    return qc
-
-
 MMA_ROWS = 16  # query slots of the tensor-core window kernel's block (mma.m16n8k16's rows)
 
 
@@ -204,17 +185,15 @@ def _launch_for(kind: str, B: int, Hq: int, D: int, L: int, dtype: mx.Dtype, g: 
                 launch: CudaLaunch) -> _Launch:
     heads = Hq // g.kv_heads
     mma = kind.startswith("mma")
-    qc = (min(L, MMA_ROWS // heads) if mma else window_positions(L, heads, D, launch.window_slots)) \
-        if mma or kind == "multi" else 1
+    qc = min(L, MMA_ROWS // heads) if mma else 1  # a window's positions a block
     nqc = -(-L // qc)
     rep = heads * qc  # query slots a block
-    window = [("NL", L), ("QC", qc), ("NQC", nqc)] if mma or kind == "multi" else []
-    ne = _elements(kind, D)
+    window = [("NL", L), ("QC", qc), ("NQC", nqc)] if mma else []
     nw = mma_warps(D, rep) if mma else (warps_for(D, rep, launch.warps or WARPS[kind]) or warps_for(D, rep))
     ns, chunk, unsplit = splits_for(g.max_tokens, launch.chunk, launch.unsplit)
     meta = _const((g.maxp, ns, chunk, unsplit), mx.int32)
     template = [("T", dtype), ("S", g.store_dtype), ("D", D), ("P", g.page), ("REP", rep), ("HKV", g.kv_heads),
-                ("NW", nw), ("LPT", _lanes(D, ne)), ("NE", ne), ("U", launch.unroll or UNROLL.get(kind, 1))]
+                ("NW", nw), ("LPT", _lanes(D)), ("NE", NE), ("U", launch.unroll or UNROLL.get(kind, 1))]
     template += list(g.extra) + window
     blocks = B * g.kv_heads * nqc  # before splits
     call = dict(template=template, grid=(blocks * ns * 32 * nw, 1, 1), threadgroup=(32 * nw, 1, 1))
@@ -226,7 +205,7 @@ def _launch_for(kind: str, B: int, Hq: int, D: int, L: int, dtype: mx.Dtype, g: 
     n = blocks * ns * rep
     return _Launch(_kernel(kind, True, new_kv),
                    dict(call, output_shapes=[(n,), (n,), (n * D,)], output_dtypes=[mx.float32] * 3), consts,
-                   _kernel("reduce_multi" if window else "reduce", False),
+                   _kernel("reduce_window" if window else "reduce", False),
                    dict(template=[("T", dtype), ("D", D), ("REP", rep), ("HKV", g.kv_heads),
                                   ("QL", int(kind == "quant"))] + window,
                         grid=(blocks * 128, 1, 1), threadgroup=(128, 1, 1),
@@ -239,7 +218,7 @@ def _launch(kind: str, inputs: list, q: mx.array, g: _Geometry, launch: CudaLaun
     key counts, which the merge of split rows reads too."""
     B, Hq, L, D = q.shape
     key = (kind, B, Hq, D, L, q.dtype, g, new_kv is not None, launch.chunk, launch.unsplit, launch.unroll,
-           launch.warps, launch.window_slots)
+           launch.warps)
     run = _launches.get(key)
     if run is None:
         if len(_launches) > 256:
@@ -290,14 +269,19 @@ def paged_window_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, tabl
     """A verification window: q (B, Hq, L, D), row b's L queries at its positions firsts[b]..;
     pools (pages, Hkv, P, D) with the window's keys already stored; table (B, maxp) int32; firsts
     (B,) keys before the window; lengths (B,) keys stored, the window's real tokens included ->
-    (B, Hq, L, D). Query j sees min(firsts[b] + j + 1, lengths[b]) keys (a padding position: all
-    of them). Each block reads its row's pages once for window_positions(...) positions."""
-    _, Hkv, P, _ = k_pool.shape
+    (B, Hq, L, D). Query j sees min(firsts[b] + j + 1, lengths[b]) keys (a padding position: all of
+    them). On the tensor cores where `mma_window` allows (each row's pages read once for up to 16
+    query slots); else the decode kernel with each (row, position) as one of its rows (pages read
+    once per position, decode's numerics)."""
+    _, Hkv, P, D = k_pool.shape
+    B, Hq, L, _ = q.shape
     maxp = table.shape[1]
     g = _Geometry(k_pool.dtype, Hkv, P, maxp * P, maxp, scale, ())
-    B, Hq, L, D = q.shape
-    kind = "multi"
     if launch.window_mma and mma_window(q.dtype, k_pool.dtype, D, Hq // Hkv, P, launch.chunk):
-        kind = "mma_f16" if q.dtype == mx.float16 else "mma_bf16"
-    return _launch(kind, [k_pool, v_pool, table.astype(mx.int32), firsts.astype(mx.int32),
-                             lengths.astype(mx.int32)], q, g, launch, None)
+        return _launch("mma_f16" if q.dtype == mx.float16 else "mma_bf16",
+                       [k_pool, v_pool, table.astype(mx.int32), firsts.astype(mx.int32), lengths.astype(mx.int32)],
+                       q, g, launch, None)
+    seen = mx.minimum(firsts[:, None] + mx.arange(1, L + 1, dtype=mx.int32), lengths[:, None]).reshape(-1)
+    one = q.transpose(0, 2, 1, 3).reshape(B * L, Hq, 1, D)
+    out = paged_decode_attention(one, k_pool, v_pool, mx.repeat(table, L, axis=0), seen, scale, launch)
+    return out.reshape(B, L, Hq, D).transpose(0, 2, 1, 3)

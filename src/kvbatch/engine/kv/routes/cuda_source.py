@@ -14,7 +14,7 @@ from __future__ import annotations
 _HEAD = r"""
     constexpr int TPW = 32 / LPT;
     const int maxp = meta[0], ns = meta[1];
-    {index}
+    const int bh = blockIdx.x / ns, sp = blockIdx.x % ns;
     const int b = bh / HKV, hk = bh % HKV;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int sub = lane / LPT, li = lane % LPT;
@@ -25,36 +25,16 @@ _HEAD = r"""
     if (sp > 0 && t0 >= len) return;  // past this row's own splits (the whole block: no sync below)
     const float sc = scale[0];
     float qr[REP][NE], m[REP], l[REP], acc[REP][NE];
-    {slots}
     for (int r = 0; r < REP; ++r) {{
-        {slot}
         for (int e = 0; e < NE; ++e) {{
-            qr[r][e] = on {real} ? static_cast<float>(q[{qoff} + li * NE + e]) * sc : 0.f;
+            qr[r][e] = on ? static_cast<float>(q[((size_t)bh * REP + r) * D + li * NE + e]) * sc : 0.f;
             acc[r][e] = 0.f;
         }}
         m[r] = -INFINITY;
         l[r] = 0.f;
     }}
-    struct alignas(sizeof(S) * NE < 16 ? sizeof(S) * NE : 16) V8 {{ S x[NE]; }};  // one load (two: float32 x 8)
+    struct alignas(16) V8 {{ S x[NE]; }};
 """
-
-# Decode: one block per (row, KV head, split), one query per query head (REP of them).
-_DECODE = dict(index="const int bh = blockIdx.x / ns, sp = blockIdx.x % ns;", slots="", slot="", real="",
-               qoff="((size_t)bh * REP + r) * D")
-
-# A verification window (`multi`): NL queries a row (its token and its proposals), query j seeing
-# the row's keys up to first + j (`firsts`: keys before the window; padding positions see all the
-# row's `lengths` keys). A block takes QC of a row's positions for all REP / QC query heads of its
-# KV head, so each K/V load serves REP query slots instead of one position's heads: the pages are
-# read once per QC positions instead of once per position. Slot r is head r / QC at position
-# qc * QC + r % QC; a slot past the window (the last block of a window not a multiple of QC) sees no
-# key and writes nothing. Keys past a slot's limit weigh exactly 0, so a slot's output has the bits
-# of a decode launch at its own length wherever both run the same token ranges and warps.
-_MQOFF = "(((size_t)bh * (REP / QC) + r / QC) * NL + qc * QC + r % QC) * D"
-_MREAL = "(qc * QC + r % QC < NL)"
-_MULTI = dict(index="const int bq = blockIdx.x / ns, sp = blockIdx.x % ns, bh = bq / NQC, qc = bq % NQC;",
-              slots="int lim[REP];", slot=f"lim[r] = {_MREAL} ? min(first + qc * QC + r % QC + 1, len) : 0;",
-              real=f"&& {_MREAL}", qoff=_MQOFF)
 
 # The step's new token (t == len - 1), when the kernel also stores it (`new_kv`): the block
 # whose token range holds it writes it from the projections (kn/vn, (B, HKV, D)) into its page
@@ -155,14 +135,19 @@ _REDUCE_INDEX = {False: "const int bh = blockIdx.x, b = bh / HKV;",
                  True: "const int bq = blockIdx.x, bh = bq / NQC, qc = bq % NQC, b = bh / HKV;"}
 
 
-def _outputs(multi: bool) -> dict:
-    return dict(blk="bq", guard=f"if {_MREAL} ", qoff=_MQOFF) if multi else dict(blk="bh", guard="",
-                                                                                 qoff=_DECODE["qoff"])
+# Where query slot r's output goes. Decode: one block per (row, KV head), slot r = query head r of
+# its group. A window (the tensor-core kernel): one block per (row, KV head, chunk of QC positions),
+# slot r = head r / QC at position qc * QC + r % QC of the NL positions of q / out (B, Hq, NL, D); a slot
+# past the window (the last chunk of a window not a multiple of QC) writes nothing.
+_MREAL = "(qc * QC + r % QC < NL)"
+_OUTPUTS = {False: dict(blk="bh", guard="", qoff="((size_t)bh * REP + r) * D"),
+            True: dict(blk="bq", guard=f"if {_MREAL} ",
+                       qoff="(((size_t)bh * (REP / QC) + r / QC) * NL + qc * QC + r % QC) * D")}
 
 
 def reduce_source(multi: bool = False) -> str:
     """The merge kernel's body (template constants T, D, REP, HKV, QL; NQC, QC, NL for a window)."""
-    return _REDUCE.format(index=_REDUCE_INDEX[multi], **_outputs(multi))
+    return _REDUCE.format(index=_REDUCE_INDEX[multi], **_OUTPUTS[multi])
 
 
 # q8/q4 pages in the lean loop: a lane's 8 elements share one group's scale s and bias b, so
@@ -214,7 +199,7 @@ _RAW_LOOP = r"""
                 for (int u = 0; u < U; ++u) {{
                     {score}
                     for (int o = LPT / 2; o > 0; o >>= 1) x[r][u] += __shfl_xor_sync(0xffffffff, x[r][u], o);
-                    if ({ok}) mn = fmaxf(mn, x[r][u]);
+                    if (valid[u]) mn = fmaxf(mn, x[r][u]);
                 }}
                 if (mn > m[r]) {{  // rescale only when the running max moves (rarely, once warm)
                     const float corr = __expf(m[r] - mn);
@@ -224,7 +209,7 @@ _RAW_LOOP = r"""
                     m[r] = mn;
                 }}
                 for (int u = 0; u < U; ++u) {{  // x becomes the value weight; NaN scores stay NaN
-                    const float p = {ok} ? __expf(x[r][u] - m[r]) : 0.f;
+                    const float p = valid[u] ? __expf(x[r][u] - m[r]) : 0.f;
                     l[r] += p;
                     {weight}
                 }}
@@ -284,10 +269,9 @@ _QW = r"""
 """
 
 
-def kernel_source(quantized: bool, split: bool, new_kv: bool = False, multi: bool = False) -> str:
+def kernel_source(quantized: bool, split: bool, new_kv: bool = False) -> str:
     """The kernel body. new_kv: the kernel also stores the step's token (inputs kn, vn) into
-    its dense page / tail page; multi: a verification window's queries (dense pages; inputs
-    firsts, and template constants NL, QC, NQC)."""
+    its dense page / tail page."""
     k, v = ("tk", "tv") if quantized else ("k", "v")
     load = _RAW_TAIL_LOAD if quantized else _RAW_DENSE_LOAD
     store = ""
@@ -297,19 +281,16 @@ def kernel_source(quantized: bool, split: bool, new_kv: bool = False, multi: boo
         store = _NEW_KV.format(k=k, v=v, base=base)
         load = (load.replace(f"({k} + base)", _NEW_SEL.format(n="kn", p=k))
                 .replace(f"({v} + base)", _NEW_SEL.format(n="vn", p=v)))
-    assert not (multi and (quantized or new_kv)), "a window reads dense pages its pass has written"
-    ok = "(valid[u] && tb + u * TPW + sub < lim[r])" if multi else "valid[u]"
     if quantized:
-        head = _HEAD.format(lens="const int n_main = lens[2 * b], len = n_main + lens[2 * b + 1];", **_DECODE)
+        head = _HEAD.format(lens="const int n_main = lens[2 * b], len = n_main + lens[2 * b + 1];")
         sealed = _QW + _FOLD_START + _RAW_LOOP.format(start="t0", stop="min(t1, n_main)", load=_RAW_QUANT_LOAD,
-                                                      ok=ok, **_RAW_QUANT) + _FOLD_END
-        body = sealed + _RAW_LOOP.format(start="max(t0, n_main)", stop="t1", load=load, ok=ok, **_RAW_DENSE)
+                                                      **_RAW_QUANT) + _FOLD_END
+        body = sealed + _RAW_LOOP.format(start="max(t0, n_main)", stop="t1", load=load, **_RAW_DENSE)
     else:
-        lens = "const int len = lengths[b], first = firsts[b];" if multi else "const int len = lengths[b];"
-        head = _HEAD.format(lens=lens, **(_MULTI if multi else _DECODE))
-        body = _RAW_LOOP.format(start="t0", stop="t1", load=load, ok=ok, **_RAW_DENSE)
+        head = _HEAD.format(lens="const int len = lengths[b];")
+        body = _RAW_LOOP.format(start="t0", stop="t1", load=load, **_RAW_DENSE)
     return head + store + body + _MERGE + _MERGE_WARPS + (_WRITE_PART if split else _WRITE_OUT).format(
-        **_outputs(multi))
+        **_OUTPUTS[False])
 
 
 # A verification window on the tensor cores (bf16/fp16 pages, page size a multiple of 16): a block
@@ -428,4 +409,4 @@ def mma_window_source(split: bool, half: bool) -> str:
     """The tensor-core window kernel's body (template constants S, T, D, P, REP, HKV, NW, NL, QC, NQC);
     half: fp16 pages, else bf16."""
     body = _MMA_WINDOW.replace("{ty}", "f16" if half else "bf16").replace("{{", "{").replace("}}", "}")
-    return body + _MERGE_WARPS + (_WRITE_PART if split else _WRITE_OUT).format(**_outputs(True))
+    return body + _MERGE_WARPS + (_WRITE_PART if split else _WRITE_OUT).format(**_OUTPUTS[True])
