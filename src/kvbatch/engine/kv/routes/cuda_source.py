@@ -83,8 +83,7 @@ _MERGE = r"""
 """
 
 # The block's warps' (max, sum, output) per query slot, from shared memory, merged per (slot, element).
-_MERGE_WARPS = r"""
-    __syncthreads();
+_MERGE_WARPS = r"""    __syncthreads();
     for (int i = threadIdx.x; i < REP * D; i += blockDim.x) {
         const int r = i / D, d = i % D;
         float M = -INFINITY;
