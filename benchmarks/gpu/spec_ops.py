@@ -1,9 +1,7 @@
 """What the pieces of a verification pass cost against a decode step's, on the model itself: the
 whole forward without a cache (all but attention over the cache) at B rows x L tokens, its MLP and
 lm_head alone, and the fused paged decode kernel reading each row's pages once (decode) or once per
-position (a verification window of L tokens as B * L one-query rows), against the window kernel
-reading them once for all of a row's window on the tensor cores (`window_mma`, bf16/fp16: its largest
-difference from the per-position launch in `max_abs_vs_verify`). Medians of --iters timed
+position (a verification window of L tokens as B * L one-query rows). Medians of --iters timed
 calls, each evaluated and synchronized. The kernel is also timed as --chain launches in one
 evaluation (`kernel_chained_ms`: the GPU's time a launch once the host is out of the way) with the
 K/V bytes it reads each launch over that time (`kernel_gb_s`).
@@ -65,39 +63,22 @@ def run(a) -> dict:
         print(json.dumps({name: out[name]}), flush=True)
     if not a.no_kernel:
         from kvbatch.engine.config import CudaLaunch
-        from kvbatch.engine.kv.routes.cuda_kernels import paged_decode_attention, paged_window_attention
+        from kvbatch.engine.kv.routes.cuda_kernels import paged_decode_attention
 
         P, Hkv, D, Hq = 64, spec.num_kv_heads, spec.head_dim, spec.num_heads
         n = -(-a.context // P)
         pool = mx.random.normal((a.batch * n, Hkv, P, D)).astype(dtype)
         vpool = mx.random.normal((a.batch * n, Hkv, P, D)).astype(dtype)
         table = mx.arange(a.batch * n, dtype=mx.int32).reshape(a.batch, n)
-        L = a.window
-        firsts = mx.full((a.batch,), a.context - L, dtype=mx.int32)
-        lengths = mx.full((a.batch,), a.context, dtype=mx.int32)
-        qw = mx.random.normal((a.batch, Hq, L, D)).astype(dtype)
-        per_position = (firsts[:, None] + mx.arange(1, L + 1, dtype=mx.int32)).reshape(-1)  # query j: firsts + j + 1
-        # (pages read a row, kernel): decode: one query a row; verify: the window as B * L one-query rows of
-        # the decode kernel; window_mma: the tensor-core window kernel, each row's pages read once
-        cases = {"decode": (1, lambda launch: paged_decode_attention(
-                     qw[:, :, :1], pool, vpool, table, lengths, D ** -0.5, launch), CudaLaunch()),
-                 "verify": (L, lambda launch: paged_decode_attention(
-                     qw.transpose(0, 2, 1, 3).reshape(a.batch * L, Hq, 1, D), pool, vpool, mx.repeat(table, L, axis=0),
-                     per_position, D ** -0.5, launch), CudaLaunch())}
-        cases["window_mma"] = (1, lambda launch: paged_window_attention(qw, pool, vpool, table, firsts, lengths,
-                                                                         D ** -0.5, launch), CudaLaunch())
-        for name, (reads, fn, launch) in cases.items():
-            ms = _time(lambda: fn(launch), a.iters)
-            chained = _time(lambda: [fn(launch) for _ in range(a.chain)], a.iters) / a.chain
-            read = a.batch * reads * a.context * Hkv * D * 2 * pool.dtype.size  # K and V bytes the kernel reads
-            out.setdefault(name, {}).update(kernel_one_layer_ms=ms, kernel_chained_ms=chained,
-                                            kernel_gb_s=read / chained / 1e6)
+        for name, L in (("decode", 1), ("verify", a.window)):
+            q = mx.random.normal((a.batch * L, Hq, 1, D)).astype(dtype)
+            t = mx.repeat(table, L, axis=0)
+            lens = mx.full((a.batch * L,), a.context, dtype=mx.int32)
+            ms = _time(lambda: paged_decode_attention(q, pool, vpool, t, lens, D ** -0.5, CudaLaunch()), a.iters)
+            chained = _time(lambda: [paged_decode_attention(q, pool, vpool, t, lens, D ** -0.5, CudaLaunch())
+                                     for _ in range(a.chain)], a.iters) / a.chain
+            read = a.batch * L * a.context * Hkv * D * 2 * pool.dtype.size  # K and V, once per kernel row
+            out[name].update(kernel_one_layer_ms=ms, kernel_chained_ms=chained, kernel_gb_s=read / chained / 1e6)
             print(json.dumps({name: {k: out[name][k] for k in ("kernel_one_layer_ms", "kernel_chained_ms",
                                                                 "kernel_gb_s")}}), flush=True)
-        ref = cases["verify"][1](CudaLaunch()).reshape(a.batch, L, Hq, D).transpose(0, 2, 1, 3).astype(mx.float32)
-        for name, (_, fn, launch) in cases.items():  # the same numbers as the decode kernel's
-            if name.startswith("window"):
-                got = fn(launch).astype(mx.float32)
-                out[name]["max_abs_vs_verify"] = mx.abs(got - ref).max().item()
-        print(json.dumps({k: out[k]["max_abs_vs_verify"] for k in cases if k.startswith("window")}))
     return out

@@ -94,9 +94,6 @@ class CudaLaunch:
     unroll: int = 0  # tokens per lane per loop step; 0: the kernel kind's default (dense 2, q8/q4 4)
     warps: int = 0  # most warps per block; 0: the kernel kind's default (dense 8, q8/q4 4)
     kernel_writes: bool = True  # decode stores the step's new K/V inside the kernel (else scatters first)
-    # bf16/fp16 speculative verification windows on the tensor cores (each row's pages read once for all
-    # its window's queries), else the decode kernel once per window position
-    window_mma: bool = True
 
 
 # Options that never change a row's tokens (they change how fast, or what is printed): left out of
