@@ -8,6 +8,10 @@ prompt lengths, each generating `--new` tokens, the lookahead stepper (the GPU b
 every evaluation made synchronous and timed apart. `host_ms_per_step` = (the decode steps' wall - time
 inside mx.eval / mx.async_eval) / steps, the median over rounds.
 
+`--spec ngram` measures the same with n-gram speculation (fixed: `speculative.adaptive=false`), a step being a
+verification pass or a plain step: the random model's greedy tokens fall into loops its own n-grams predict, so
+most proposals are accepted, as in a rewrite job. `tokens_per_step` is the output tokens a decode step.
+
 `--base COMMIT` measures that commit's tree too, side by side in one run (alternating order, each side a
 process of its own, the same rows): `base_over_head` is the median of the rounds' base/head ratios, and the
 tokens of both sides are compared.
@@ -39,11 +43,12 @@ def add_args(ap) -> None:
     ap.add_argument("--mode", default="none", help="a KV mode (none, q8, q4, k8v4)")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--spec", default="", help="a speculative.method (ngram), fixed, or none")
     ap.add_argument("--base", default="", help="a commit measured side by side with this tree")
     ap.add_argument("--side", action="store_true", help="(internal) one measurement, one JSON line")
 
 
-def measure(rows: int, new: int, mode: str, page_size: int) -> dict:
+def measure(rows: int, new: int, mode: str, page_size: int, spec_method: str = "") -> dict:
     """One engine run in this process: host ms a decode step and a digest of every row's tokens."""
     import mlx.core as mx
     from mlx_lm.models import llama
@@ -61,8 +66,9 @@ def measure(rows: int, new: int, mode: str, page_size: int) -> dict:
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(8, 90))] for _ in range(rows)]
     kv, opts = h.parse_mode(mode)
     opts.lookahead = "on"
+    speculative = {"method": spec_method, "adaptive": False} if spec_method else None
     eng = h.engine(model, h.NoEos(), spec, mode, options=opts, page_size=page_size, max_batch=rows,
-                   prefill_chunk=1 << 16, memory_budget=int(8e9), allow_unvalidated=True)
+                   prefill_chunk=1 << 16, memory_budget=int(8e9), allow_unvalidated=True, speculative=speculative)
     device = [0.0]
     real_eval, real_async = mx.eval, mx.async_eval
 
@@ -75,19 +81,24 @@ def measure(rows: int, new: int, mode: str, page_size: int) -> dict:
     try:
         for r in h.requests(prompts, new):
             eng.add(r)
-        results, wall, steps = [], 0.0, 0
+        results, wall, steps, made = [], 0.0, 0, 0
         while eng.has_unfinished():
             decoding = not any(row.prefilling for row in eng.scheduler.running) and not eng.scheduler.waiting
             before, t = device[0], time.perf_counter()
+            out_before = eng.output.generated_tokens
             results += eng.step()
             if decoding:  # steps of decode alone: every row past its prompt
                 wall += time.perf_counter() - t - (device[0] - before)
                 steps += 1
+                made += eng.output.generated_tokens - out_before
     finally:
         mx.eval, mx.async_eval = real_eval, real_async
     tokens = [r.tokens for r in sorted(results, key=lambda r: int(r.key))]
     assert all(len(t) == new for t in tokens), "every row generates --new tokens"
+    stats = eng.summary()
     return {"host_ms_per_step": wall / max(steps, 1) * 1e3, "steps": steps,
+            "tokens_per_step": made / max(steps, 1),
+            **{k: stats[k] for k in ("spec_passes", "spec_acceptance") if k in stats},
             "tokens_sha": hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]}
 
 
@@ -103,7 +114,7 @@ def _tree(commit: str) -> Path:
 def _side(src: Path, a) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src), str(ROOT)]))
     cmd = [sys.executable, "-m", "benchmarks.engine.host_step", "--side", "--rows", str(a.rows), "--new", str(a.new),
-           "--mode", a.mode, "--page-size", str(a.page_size)]
+           "--mode", a.mode, "--page-size", str(a.page_size), "--spec", a.spec]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if p.returncode:
         raise RuntimeError(p.stderr[-2000:])
@@ -120,7 +131,7 @@ def run(a) -> dict:
         base_src = _tree(commit) / "src"
         sides = {"base": lambda: _side(base_src, a), **sides}
     runs = h.alternate(sides, a.rounds)
-    out: dict = {"rows": a.rows, "new": a.new, "mode": a.mode, "page_size": a.page_size}
+    out: dict = {"rows": a.rows, "new": a.new, "mode": a.mode, "page_size": a.page_size, "spec": a.spec}
     for name, rs in runs.items():
         out[name] = h.median_run(rs, "host_ms_per_step")
     if a.base:
@@ -141,4 +152,4 @@ if __name__ == "__main__":  # one side (--side): the measurement of the tree on 
     ap = argparse.ArgumentParser()
     add_args(ap)
     args = ap.parse_args()
-    print(json.dumps(measure(args.rows, args.new, args.mode, args.page_size)))
+    print(json.dumps(measure(args.rows, args.new, args.mode, args.page_size, args.spec)))

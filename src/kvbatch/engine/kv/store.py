@@ -16,6 +16,7 @@ batch slot; with kv.full_precision_tokens=N also a dense copy of each slot's fir
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 
 def dequantize(w: mx.array, s: mx.array, b: mx.array, group_size: int, bits: int) -> mx.array:
@@ -36,6 +37,13 @@ def head_rows(slots: list[int], page_size: int, kv_heads: int) -> list[int]:
     row per (slot, head), slot-major. Built on the host once per pass for every layer, as a
     list (numpy costs ~10 us an op on a few numbers right after a step's compute)."""
     return [((s // page_size) * kv_heads + h) * page_size + s % page_size for s in slots for h in range(kv_heads)]
+
+
+def head_rows_array(slots: np.ndarray, page_size: int, kv_heads: int) -> np.ndarray:
+    """head_rows of many slots at once (int32): a multi-token pass at a large batch has thousands."""
+    s = np.asarray(slots, dtype=np.int64)[:, None]
+    rows = ((s // page_size) * kv_heads + np.arange(kv_heads)) * page_size + s % page_size
+    return rows.reshape(-1).astype(np.int32)
 
 
 def scatter_rows(buf: mx.array, rows: mx.array, x: mx.array) -> mx.array:

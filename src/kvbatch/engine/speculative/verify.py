@@ -84,11 +84,13 @@ class Verifier:
         lens = [1 + len(p) for p in props]
         L = max(lens)
         offs, flat, rep, steps, keys, afters = [], [], [], [], [], []
+        sampled_rows = False
         for i, (row, n) in enumerate(zip(rows, lens)):
             offs.append(len(flat))
-            flat += [i * L + j for j in range(n)]
+            flat.extend(range(i * L, i * L + n))
             rep += [row] * n
-            steps += [len(row.out) + j for j in range(n)]
+            m = len(row.out)
+            steps.extend(range(m, m + n))
             key = row.sampler.key
             if key is None:
                 keys += [None] * n
@@ -97,6 +99,7 @@ class Verifier:
                 use, after = key_chain(key, n)
                 keys += use
                 afters.append(after)
+                sampled_rows = True
         before = [row.kv.length for row in rows]
         try:
             inputs = mx.array([[row.out[-1]] + p + [0] * (L - n) for row, p, n in zip(rows, props, lens)])
@@ -107,8 +110,7 @@ class Verifier:
                 if len(flat) < len(rows) * L:
                     h = h[mx.array(flat)]
                 logits = head(h).astype(mx.float32)  # (N, V): every kept position
-                sampled = sample_batch(logits, rep, r.grammars, steps=steps,
-                                       keys=keys if any(k is not None for k in keys) else None)
+                sampled = sample_batch(logits, rep, r.grammars, steps=steps, keys=keys if sampled_rows else None)
                 finite = mx.isfinite(logits).all(axis=-1)
                 mx.eval(*sampled.arrays(), finite, *[k for a in afters if a for k in a])
             finally:
@@ -147,12 +149,14 @@ class Verifier:
         j-th token), for the OutputProcessor in order."""
         lp_at = {e: q for q, e in enumerate(sampled.lp_rows)} if sampled.lp_rows else {}
         out = []
+        idx = list(range(len(rows)))
         for j in range(max(acc) + 1):
-            idx = [i for i, a in enumerate(acc) if a >= j]
+            if j:  # the rows that keep a j-th token: fewer at each step
+                idx = [i for i in idx if acc[i] >= j]
             ent = [offs[i] + j for i in idx]
             sel = mx.array(ent)
             sub = Sampled(sampled.tokens[sel])
-            lp_rows = [q for q, e in enumerate(ent) if e in lp_at]
+            lp_rows = [q for q, e in enumerate(ent) if e in lp_at] if lp_at else []
             if lp_rows:
                 assert sampled.lp is not None and sampled.top_ids is not None and sampled.top_lps is not None
                 at = mx.array([lp_at[ent[q]] for q in lp_rows])

@@ -62,6 +62,19 @@ def window_last(starts: list[int], lens: list[int], L: int) -> list[list[int]]:
     return [[a + min(j, n - 1) for j in range(L)] for a, n in zip(starts, lens)]
 
 
+def pass_slots(rows: list[CacheRow], P: int, pos: list[int], lens: list[int]) -> tuple[np.ndarray, mx.array]:
+    """A multi-token pass (row b writes lens[b] tokens from pos[b]): the pool slots (page * P + offset) of
+    its tokens, row after row, and its page table (page_table's, each row's pages up to its last
+    token). From one padded table for all rows: a verification window at 1,024 rows is a few tokens a
+    row, where numpy calls per row cost more than the tokens."""
+    n_pages = [-(-(a + n) // P) for a, n in zip(pos, lens)]
+    padded = np.array(_padded(rows, n_pages, max(max(n_pages), 1)), dtype=np.int64).reshape(len(rows), -1)
+    which = np.repeat(np.arange(len(rows)), lens)
+    starts = np.cumsum(lens) - np.asarray(lens)  # each row's first token in the pass's list
+    t = np.arange(len(which)) - starts[which] + np.asarray(pos, dtype=np.int64)[which]
+    return padded[which, t // P] * P + t % P, mx.array(padded.astype(np.int32))
+
+
 def token_slots(r: CacheRow, P: int, start: int, stop: int) -> np.ndarray:
     """Pool slots (page * P + offset) of row r's tokens start..stop-1."""
     p = np.arange(start, stop)

@@ -17,10 +17,10 @@ import mlx.core as mx
 import numpy as np
 
 from kvbatch.engine.kv.pages import CacheRow
-from kvbatch.engine.kv.store import DenseStore, head_rows
+from kvbatch.engine.kv.store import DenseStore, head_rows, head_rows_array
 from kvbatch.engine.kv.routes.base import Geometry, Route, flat_tokens, real_tokens
 from kvbatch.engine.kv.routes.cpu_streams import stream_split
-from kvbatch.engine.kv.routes.common import PageTables, causal_mask, page_heads, page_table, token_slots, window_last
+from kvbatch.engine.kv.routes.common import PageTables, causal_mask, page_heads, pass_slots, window_last
 from kvbatch.engine.kv.routes.softmax_cpu import masked_softmax
 
 ROUTE_DENSE = "paged_sdpa"
@@ -175,12 +175,11 @@ class DenseRoute(Route):
         """A multi-token pass (prefill chunks of several rows, right-padded to L): only the real
         tokens are stored; a real query sees only keys at or before it, all real. mask=False: no
         causal mask (a route that attends by key counts)."""
-        P, p, n = self.geom.page_size, np.array(pos, dtype=np.int32), np.array(lens, dtype=np.int32)
-        tokens = np.concatenate([token_slots(r, P, int(a), int(a + k)) for r, a, k in zip(rows, p, n)]).tolist()
-        table = page_table(rows, (-(-(p + n) // P)).tolist())
-        hrows = head_rows(tokens, P, self.geom.kv_heads)
-        return DenseStep(mx.array(hrows, dtype=mx.int32), table,
-                         causal_mask(p, L, table.shape[1] * P, 1) if mask else None, take=real_tokens(L, lens))
+        P = self.geom.page_size
+        tokens, table = pass_slots(rows, P, pos, lens)
+        return DenseStep(mx.array(head_rows_array(tokens, P, self.geom.kv_heads)), table,
+                         causal_mask(np.array(pos, dtype=np.int32), L, table.shape[1] * P, 1) if mask else None,
+                         take=real_tokens(L, lens))
 
     def decode_slots(self, rows: list[CacheRow], pos: list[int]) -> tuple[mx.array, mx.array, mx.array]:
         """A one-token pass's page table, the head rows its new token is written to, and the (B, T) mask of
