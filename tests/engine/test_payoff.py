@@ -33,6 +33,21 @@ def test_both_modes_measured_first_then_the_faster_with_one_probe_in_every_probe
     assert after.count(False) == 3
 
 
+def test_one_slow_step_does_not_decide_a_band():
+    """The first verification pass of a shape compiles kernels on a GPU: seconds where the others take
+    milliseconds. A band's rates are medians of recent steps, so that one step leaves verifying chosen
+    where it pays (a sum over the steps would keep it plain for a hundred steps)."""
+    p = Payoff()
+    out = []
+    for i in range(80):
+        go = p.speculate(64)
+        out.append(go)
+        seconds = 128 / (150.0 if go else 100.0) * (100 if i == 0 else 1)  # step 0: the compile
+        p.record(64, go, 128, seconds)
+    assert out[:MIN_STEPS] == [True] * MIN_STEPS
+    assert out[2 * MIN_STEPS:].count(True) >= len(out) - 2 * MIN_STEPS - 3  # verifying, but the probes
+
+
 def test_each_batch_size_band_decides_for_itself():
     p = Payoff()
     small = _run(p, 4, 40, verify_rate=300.0, plain_rate=100.0)  # memory-bound: verifying pays

@@ -6,8 +6,9 @@ batches) that pays; where the batch already keeps the device busy it may not: on
 rows n-gram speculation ran at 0.63x plain decode with 88.5% of its proposals accepted. Which side of
 that line a job is on depends on the model, the backend, the rows' contexts and the acceptance, so it
 is measured: per batch-size band (powers of two) the output tokens a second of steps that verified
-proposals and of steps that did not, and a step speculates while the first rate is at least the
-second. A band measures both first (MIN_STEPS steps each), unless it is entered next to a band that
+proposals and of steps that did not (the median of each mode's last RECENT steps: one step that
+compiled kernels for a new shape, seconds where the others take milliseconds, must not decide a
+band), and a step speculates while the first rate is at least the second. A band measures both first (MIN_STEPS steps each), unless it is entered next to a band that
 has (rows finishing, rows joining): then it starts from that band's choice, since half or twice the
 rows pay alike. In a band the mode not chosen runs one step in every PROBE_EVERY, so the choice
 follows acceptance and context as they change (one in every LEARN_EVERY while the band has no figures
@@ -16,7 +17,8 @@ the choice (a verification pass keeps exactly the tokens decode steps would give
 """
 from __future__ import annotations
 
-import math
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -24,21 +26,23 @@ MIN_STEPS = 3  # steps of each mode measured in a band before the two are compar
 PROBE_EVERY = 32  # in a band, one step in this many runs the mode not chosen, to measure it again
 LEARN_EVERY = 4  # ... one in this many while the band has not measured both modes itself, unless
 CLEAR = 1.25  # the neighbouring band found one mode this many times faster than the other
-DECAY = 0.8  # weight of a band's earlier steps against each new one (recent steps count most)
+RECENT = 5  # a mode's rate in a band: the median of its last this many steps' tokens a second
 
 
 @dataclass
 class _Rate:
-    """Output tokens and seconds of one mode's steps in a band, recent steps weighted most."""
+    """One mode's steps in a band: how many, and the output tokens a second of the most recent."""
 
-    tokens: float = 0.0
-    seconds: float = 0.0
+    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT))
     steps: int = 0
 
     def add(self, tokens: int, seconds: float) -> None:
-        self.tokens = self.tokens * DECAY + tokens
-        self.seconds = self.seconds * DECAY + seconds
+        self.recent.append(tokens / seconds if seconds > 0 else float("inf"))
         self.steps += 1
+
+    @property
+    def rate(self) -> float:
+        return statistics.median(self.recent)
 
 
 @dataclass
@@ -84,9 +88,8 @@ class Payoff:
         near = [k for k in (key, key - 1, key + 1) if k in self.bands and self.bands[k].measured]
         if not near:
             return None
-        v, p = self.bands[near[0]].verified, self.bands[near[0]].plain
-        num, den = v.tokens * p.seconds, p.tokens * v.seconds  # (v.tokens / v.seconds) / (p.tokens / p.seconds)
-        return num / den if den > 0 else (math.inf if num > 0 else 1.0)
+        v, p = self.bands[near[0]].verified.rate, self.bands[near[0]].plain.rate
+        return v / p if p > 0 else (float("inf") if v > 0 else 1.0)
 
     def record(self, rows: int, verified: bool, tokens: int, seconds: float) -> None:
         """A step of `rows` decoding rows ran (`verified`: proposals were checked in it) and gave `tokens` output
