@@ -8,12 +8,13 @@ that line a job is on depends on the model, the backend, the rows' contexts and 
 is measured: per batch-size band (powers of two) the output tokens a second of steps that verified
 proposals and of steps that did not (the median of each mode's last RECENT steps: one step that
 compiled kernels for a new shape, seconds where the others take milliseconds, must not decide a
-band), and a step speculates while the first rate is at least the second. A band measures both first (MIN_STEPS steps each), unless it is entered next to a band that
-has (rows finishing, rows joining): then it starts from that band's choice, since half or twice the
-rows pay alike. In a band the mode not chosen runs one step in every PROBE_EVERY, so the choice
-follows acceptance and context as they change (one in every LEARN_EVERY while the band has no figures
-of its own and its neighbour's two rates were within CLEAR of each other). Outputs do not depend on
-the choice (a verification pass keeps exactly the tokens decode steps would give); only the speed does.
+band), and a step speculates while the first rate is at least the second. A band measures both
+first (MIN_STEPS steps each), unless it is entered next to a band that has (rows finishing, rows
+joining): then it starts from that band's choice, since half or twice the rows pay alike. In a band
+the mode not chosen runs one step in every PROBE_EVERY, so the choice follows acceptance and context
+as they change (one in every LEARN_EVERY while the band has no figures of its own and its
+neighbour's two rates were within CLEAR of each other). Outputs do not depend on the choice (a
+verification pass keeps exactly the tokens decode steps would give); only the speed does.
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ class _Rate:
 
     @property
     def rate(self) -> float:
+        """The median of the recent steps' tokens a second (one outlier among them moves it not at all)."""
         return statistics.median(self.recent)
 
 
