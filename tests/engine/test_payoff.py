@@ -3,11 +3,16 @@ a second of steps that do not, per batch-size band (engine/speculative/payoff.py
 moved by hand: the same decisions on any machine."""
 from __future__ import annotations
 
+import pytest
+
+
 from kvbatch.engine import Engine
+from kvbatch.engine.config import EngineOptions
 from kvbatch.engine.hooks import EngineHooks
 from kvbatch.engine.speculative.payoff import LEARN_EVERY, MIN_STEPS, PROBE_EVERY, Payoff
 from kvbatch.engine.testing import engine_config
-from tests.engine.test_speculative import _requests, _same
+from kvbatch.engine.types import Request, SamplingParams
+from tests.engine.test_speculative import _requests, _same, prompts
 
 
 def _run(p: Payoff, rows: int, steps: int, verify_rate: float, plain_rate: float) -> list[bool]:
@@ -79,10 +84,11 @@ class _CostClock:
         return self.t
 
 
-def _engine(m, clock: _CostClock | None, adaptive: bool = True) -> Engine:
+def _engine(m, clock: _CostClock | None, adaptive: bool = True, lookahead: str = "auto") -> Engine:
     model, tok, spec = m
     cfg = engine_config(page_size=16, max_batch=4, memory_budget=2 << 30, allow_unvalidated=True,
-                        speculative={"method": "ngram", "num_tokens": 4, "adaptive": adaptive} if clock else None)
+                        speculative={"method": "ngram", "num_tokens": 4, "adaptive": adaptive} if clock else None,
+                        options=EngineOptions(lookahead=lookahead))
     eng = Engine(model, tok, spec, cfg, hooks=EngineHooks(clock=clock) if clock else None)
     if clock:
         clock.eng = eng
@@ -105,6 +111,37 @@ def test_an_engine_stops_verifying_where_it_costs_more_and_keeps_where_it_pays_s
     assert fixed.summary()["spec_plain_steps"] == 0 and fixed.summary()["spec_passes"] >= f["spec_passes"]
 
 
+def test_steps_kept_plain_keep_the_lookahead_and_passes_land_it_first(tiny_model):
+    """With the lookahead (the GPU backends' decode loop; on here by hand), a speculating engine decodes the
+    steps it keeps plain with a step in flight, and a step that proposes lands that step first (its
+    proposals read every row's tokens): the tokens are those without speculation, kept plain or verified,
+    adaptive or fixed, greedy or sampled (each seed's own stream through both kinds of step), and plain
+    steps' costs reach the payoff."""
+    m = tiny_model()
+    for sampled in (False, True):
+        def reqs():
+            greedy = _requests(max_tokens=60)
+            if not sampled:
+                return greedy
+            return _requests(3, temperature=1.0, top_k=2) + [
+                Request(f"t{i}", p, SamplingParams(max_tokens=40, temperature=0.15, seed=10 + i))
+                for i, p in enumerate(prompts(3))]
+        ref = _engine(m, None, lookahead="off").generate(reqs())
+        inflight = []
+        slow = _engine(m, _CostClock(verify=10.0, plain=1.0), lookahead="on")
+        slow.hooks.on_decode_step = lambda: inflight.append(slow.stepper.inflight)
+        _same(ref, slow.generate(reqs()))
+        s = slow.summary()
+        assert s["lookahead"] and s["spec_plain_steps"] > 2 * s["spec_passes"] > 0 and s["spec_accepted"] > 0
+        assert sum(inflight) > s["spec_plain_steps"] // 2  # plain steps left their step in flight
+        assert sum(b.plain.steps for b in slow.speculator.payoff.bands.values()) > 0
+        for adaptive in (True, False):
+            fast = _engine(m, _CostClock(verify=1.0, plain=10.0), adaptive=adaptive, lookahead="on")
+            _same(ref, fast.generate(reqs()))
+            f = fast.summary()
+            assert f["spec_passes"] > f["spec_plain_steps"] and f["spec_accepted"] > 0
+
+
 def test_a_band_entered_later_starts_from_its_neighbours_choice_and_learns_its_own():
     p = Payoff()
     _run(p, 64, 20, verify_rate=110.0, plain_rate=100.0)  # 64-127 rows: verifying pays, narrowly
@@ -120,14 +157,16 @@ def test_a_band_entered_later_starts_from_its_neighbours_choice_and_learns_its_o
     assert p.bands[3].plain.steps == 1  # a band far from any measured one measures both itself
 
 
-def test_a_draft_model_follows_rows_through_steps_kept_plain(tiny_model):
+@pytest.mark.parametrize("lookahead", ["off", "on"])
+def test_a_draft_model_follows_rows_through_steps_kept_plain(tiny_model, lookahead):
     """speculative.method=draft: the draft's own cache catches up on the tokens of steps the payoff kept plain
-    (its proposals after them are still accepted), and the tokens are those without speculation."""
+    (its proposals after them are still accepted), and the tokens are those without speculation; with the
+    lookahead too (plain steps with a step in flight)."""
     m, draft = tiny_model(), tiny_model()  # the model as its own draft: every proposal it makes is right
     model, tok, spec = m
     clock = _CostClock(verify=1.0, plain=1.0)  # a close call: plain steps and passes alternate in probes
     cfg = engine_config(page_size=16, max_batch=4, memory_budget=2 << 30, allow_unvalidated=True,
-                        speculative={"method": "draft", "num_tokens": 4})
+                        speculative={"method": "draft", "num_tokens": 4}, options=EngineOptions(lookahead=lookahead))
     eng = Engine(model, tok, spec, cfg, hooks=EngineHooks(clock=clock), draft=draft)
     clock.eng = eng
     _same(_engine(m, None).generate(_requests(max_tokens=60)), eng.generate(_requests(max_tokens=60)))

@@ -118,10 +118,12 @@ class Engine:
         self.speculator = Speculator(cfg.speculative, proposer, self.runner, spec.context_length, kv.page_size,
                                      self.layout.quantized) if proposer else None
         # lookahead overlaps the host's graph building with the device: GPU backends only by default
-        # (the CPU does both); the attention trace reads every layer, so it never overlaps; proposals
-        # need each row's tokens on the host, so speculation never overlaps either
+        # (the CPU does both); the attention trace reads every layer, so it never overlaps. Proposals
+        # need each row's tokens on the host: a step that proposes lands the step in flight first, and
+        # the steps that do not propose (speculative.adaptive, disable_by_batch_size) keep the overlap
         self.lookahead = (opts.lookahead == "on" or (opts.lookahead == "auto" and not on_cpu())) \
-            and not self.cache.trace and self.speculator is None
+            and not self.cache.trace
+        self._plain_mark: Optional[float] = None  # since when landed plain tokens' cost is unrecorded (Payoff)
         self.stepper = LookaheadStepper(self.runner) if self.lookahead \
             else SyncStepper(self.runner)
         # a preemption first lands the decode step in flight: its rows still write the pages it frees
@@ -367,8 +369,12 @@ class Engine:
         else:
             n = len(plan.no_room)
             rows = st.candidates(s.decoding())
+            speculate = sp is not None and sp.wants(len(rows))
+            if speculate and st.inflight:  # proposals need every row's tokens on the host
+                self._flush()
+                rows = st.candidates(s.decoding())
             t0, made = (self.hooks.clock(), self.output.generated_tokens) if sp else (0.0, 0)
-            props = sp.propose(rows) if sp else {}
+            props = sp.propose(rows) if sp and speculate else {}
             windows = {id(r): 1 + len(p) for r in rows if (p := props.get(id(r)))} if props else None
             plan = s.schedule_decode(plan, rows, windows)
             verified = any(id(r) in props for r in plan.decode) if props else False
@@ -387,16 +393,38 @@ class Engine:
                     if not row.ended:
                         self._end(row, "error", INTERNAL_ERROR, out.failed)
             if sp:  # what this step cost, for whether speculating pays (speculative.adaptive)
-                sp.record(len(rows), verified, self.output.generated_tokens - made, self.hooks.clock() - t0)
+                self._record_cost(sp, len(rows), verified, self.output.generated_tokens - made, t0)
         self.hooks.on_decode_step()
         return plan
 
+    def _record_cost(self, sp: Speculator, rows: int, verified: bool, tokens: int, t0: float) -> None:
+        """Tell the speculator what a decode step gave and cost. A lookahead step lands the step before
+        it: its tokens cost the time since the last landed tokens were counted (steady state: one step),
+        and a step that lands none (nothing was in flight) starts that count. A verification pass costs
+        its own time; it starts with nothing in flight."""
+        now = self.hooks.clock()
+        if verified or not self.lookahead:
+            sp.record(rows, verified, tokens, now - t0)
+            self._plain_mark = None
+        elif tokens:
+            sp.record(rows, False, tokens, now - (t0 if self._plain_mark is None else self._plain_mark))
+            self._plain_mark = now
+        elif self._plain_mark is None:
+            self._plain_mark = t0
+
     def _flush(self) -> None:
-        """Land the decode step in flight, if any (the Scheduler calls this before a preemption)."""
+        """Land the decode step in flight, if any (the Scheduler calls this before a preemption). Its
+        tokens' cost is counted for the speculator as a plain step's (the wait included)."""
         step = self.stepper.take()
         if step is not None:
+            made = self.output.generated_tokens
             self.runner.land(step)
             self._accept(step)
+            sp = self.speculator
+            if sp is not None and self.lookahead and self._plain_mark is not None:
+                now = self.hooks.clock()
+                sp.record(len(step.rows), False, self.output.generated_tokens - made, now - self._plain_mark)
+                self._plain_mark = None
 
     def _accept(self, p: TokenPass) -> None:
         for row in self.output.accept(p.rows, p.logits, p.sampled, p.finite):

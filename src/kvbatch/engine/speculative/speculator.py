@@ -22,15 +22,19 @@ class Speculator:
         self.context_length, self.page_size, self.quantized = context_length, page_size, quantized
         self.payoff = Payoff() if cfg.adaptive else None
 
+    def wants(self, rows: int) -> bool:
+        """Whether a decode step of `rows` rows proposes at all (speculative.disable_by_batch_size, then
+        whether verifying pays at that batch: Payoff). Asked once a step, before its proposals: a step
+        that does not propose runs as plain decode (the lookahead's, where the backend has it)."""
+        cap = self.cfg.disable_by_batch_size
+        if cap is not None and rows > cap:
+            return False
+        return self.payoff is None or self.payoff.speculate(rows)
+
     def propose(self, rows: list[Row]) -> dict[int, list[int]]:
-        """Proposed tokens by id(row), for the rows that propose this step."""
+        """Proposed tokens by id(row), for the rows that propose this step (one `wants` allowed)."""
         self.proposer.forget()
         out: dict[int, list[int]] = {}
-        cap = self.cfg.disable_by_batch_size
-        if cap is not None and len(rows) > cap:
-            return out
-        if self.payoff is not None and not self.payoff.speculate(len(rows)):
-            return out
         asked, ks = [], []
         for row in rows:
             if not speculates(row):
