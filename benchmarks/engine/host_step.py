@@ -42,13 +42,14 @@ def add_args(ap) -> None:
     ap.add_argument("--new", type=int, default=64, help="tokens each row generates")
     ap.add_argument("--mode", default="none", help="a KV mode (none, q8, q4, k8v4)")
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--prompt-tokens", default="8-90", help="each row's prompt length, drawn from MIN-MAX")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--spec", default="", help="a speculative.method (ngram), fixed, or none")
     ap.add_argument("--base", default="", help="a commit measured side by side with this tree")
     ap.add_argument("--side", action="store_true", help="(internal) one measurement, one JSON line")
 
 
-def measure(rows: int, new: int, mode: str, page_size: int, spec_method: str = "") -> dict:
+def measure(rows: int, new: int, mode: str, page_size: int, spec_method: str = "", prompt_tokens: str = "8-90") -> dict:
     """One engine run in this process: host ms a decode step and a digest of every row's tokens."""
     import mlx.core as mx
     from mlx_lm.models import llama
@@ -63,7 +64,8 @@ def measure(rows: int, new: int, mode: str, page_size: int, spec_method: str = "
     mx.eval(model.parameters())
     spec = model_spec("llama-nano-random", model, dict(NANO, model_type="llama", max_position_embeddings=131072))
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(8, 90))] for _ in range(rows)]
+    lo, hi = (int(x) for x in prompt_tokens.split("-"))
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(lo, hi))] for _ in range(rows)]
     kv, opts = h.parse_mode(mode)
     opts.lookahead = "on"
     speculative = {"method": spec_method, "adaptive": False} if spec_method else None
@@ -114,7 +116,7 @@ def _tree(commit: str) -> Path:
 def _side(src: Path, a) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src), str(ROOT)]))
     cmd = [sys.executable, "-m", "benchmarks.engine.host_step", "--side", "--rows", str(a.rows), "--new", str(a.new),
-           "--mode", a.mode, "--page-size", str(a.page_size), "--spec", a.spec]
+           "--mode", a.mode, "--page-size", str(a.page_size), "--spec", a.spec, "--prompt-tokens", a.prompt_tokens]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if p.returncode:
         raise RuntimeError(p.stderr[-2000:])
@@ -131,7 +133,8 @@ def run(a) -> dict:
         base_src = _tree(commit) / "src"
         sides = {"base": lambda: _side(base_src, a), **sides}
     runs = h.alternate(sides, a.rounds)
-    out: dict = {"rows": a.rows, "new": a.new, "mode": a.mode, "page_size": a.page_size, "spec": a.spec}
+    out: dict = {"rows": a.rows, "new": a.new, "mode": a.mode, "page_size": a.page_size, "spec": a.spec,
+                 "prompt_tokens": a.prompt_tokens}
     for name, rs in runs.items():
         out[name] = h.median_run(rs, "host_ms_per_step")
     if a.base:
@@ -152,4 +155,4 @@ if __name__ == "__main__":  # one side (--side): the measurement of the tree on 
     ap = argparse.ArgumentParser()
     add_args(ap)
     args = ap.parse_args()
-    print(json.dumps(measure(args.rows, args.new, args.mode, args.page_size, args.spec)))
+    print(json.dumps(measure(args.rows, args.new, args.mode, args.page_size, args.spec, args.prompt_tokens)))

@@ -278,9 +278,10 @@ def test_launch_settings_per_kernel_kind(monkeypatch):
 
 
 def test_page_tables_built_from_the_step_before_match_whole_builds():
-    """PageTables (the CUDA decode's tables, only changed rows written again) gives page_table's entries at
-    every step: rows starting pages at different steps, the table widening, rows leaving and joining, a row
-    preempted and admitted again in the same place with other pages, a count that drops (a rollback)."""
+    """PageTables (decode steps' and verification windows' tables, only changed rows written again) gives
+    page_table's entries at every step: rows starting pages at different steps, the table widening and
+    narrowing, rows leaving and joining, a row preempted and admitted again in the same place with other
+    pages, a count that drops (a rollback), pages freed by a rollback and others taken at the same count."""
     import random
 
     import mlx.core as mx
@@ -318,6 +319,13 @@ def test_page_tables_built_from_the_step_before_match_whole_builds():
         elif event < 0.10:  # a rollback: the count drops
             r = rnd.choice(rows)
             del r.pages[max(len(r.pages) - 1, 0):]
+            r.cuts += 1
+        elif event < 0.14:  # a window's pages freed by its rollback, others reserved by the next: the same count
+            r = rnd.choice(rows)
+            k = min(len(r.pages), rnd.randint(1, 3))
+            del r.pages[len(r.pages) - k:]
+            r.cuts += 1
+            grow(r, k)
         counts = [len(r.pages) if rnd.random() < 0.9 else max(len(r.pages) - 1, 0) for r in rows]
         got = tables.table(rows, counts)
         want = page_table(rows, counts)

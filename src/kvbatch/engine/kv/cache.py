@@ -194,6 +194,7 @@ class PagedKVCache:
         keep = -(-length // self.P)
         if keep < len(row.pages):
             self.epoch += 1
+            row.cuts += 1
             self.pool.free(row.pages[keep:])
             del row.pages[keep:]
 

@@ -32,6 +32,7 @@ class CacheRow:
     # what else its K/V depends on (a per-row adapter's name): the root of its page hash chain
     salt: Optional[PageHash] = None
     admissions: int = 0  # times the cache admitted it (a row admitted again after a preemption has new pages)
+    cuts: int = 0  # times pages past its length went back to the pool (a rollback): later pages may be others
 
     @property
     def tail_slot(self) -> int:

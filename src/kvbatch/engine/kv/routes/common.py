@@ -29,31 +29,38 @@ class PageTables:
     only the rows whose page count changed are written again. At a large batch some row starts a page at
     nearly every step, and a table built whole from the host's lists costs ~1 ms a step at 1,024 rows.
 
-    A row's first n pages never change while its count stays at n or above: pages are only appended, and a
-    rollback keeps every page a decode step has read. A row admitted again (after a preemption) holds new
-    pages: CacheRow.admissions tells it from its earlier self."""
+    A row's first n pages never change while its count stays at n or above: pages are only appended. Two
+    things give a row other pages: an admission after a preemption (CacheRow.admissions) and a rollback
+    that frees pages a verification window had reserved (CacheRow.cuts); a row whose count of either
+    moved is written again whole, as is one whose first page (its padding) is another."""
 
     def __init__(self) -> None:
         self._rows: list[CacheRow] = []
-        self._admissions: list[int] = []
+        self._marks: list[tuple[int, int, int]] = []
         self._counts: list[int] = []
         self._table: Optional[np.ndarray] = None
 
     def table(self, rows: list[CacheRow], n_pages: list[int]) -> mx.array:
         """page_table(rows, n_pages), the same entries."""
+        return mx.array(self.padded(rows, n_pages))
+
+    def padded(self, rows: list[CacheRow], n_pages: list[int]) -> np.ndarray:
+        """The same table as an int32 array of the host's (a new one each call). Decode steps and
+        verification windows take turns here: a window reaches a page further for some rows, so the
+        table narrows and widens by a column between calls and only those rows change."""
         width = max(max(n_pages), 1)
-        last, admissions = self._table, [r.admissions for r in rows]
-        if (last is None or last.shape[1] > width or len(rows) != len(self._rows) or admissions != self._admissions
-                or any(a is not b for a, b in zip(rows, self._rows))):
+        last, marks = self._table, [(r.admissions, r.cuts, r.pages[0] if r.pages else -1) for r in rows]
+        if last is None or len(rows) != len(self._rows) or any(a is not b for a, b in zip(rows, self._rows)):
             table = np.array(_padded(rows, n_pages, width), dtype=np.int32).reshape(len(rows), width)
         else:  # padding columns repeat each row's first entry (its first page, or 0 for a row without pages)
-            table = np.concatenate([last, np.repeat(last[:, :1], width - last.shape[1], axis=1)], axis=1)
-            for i, (r, n, before) in enumerate(zip(rows, n_pages, self._counts)):
-                if n != before:
+            table = np.concatenate([last[:, :width], np.repeat(last[:, :1], max(width - last.shape[1], 0), axis=1)],
+                                   axis=1)
+            for i, (r, n, before, mark, was) in enumerate(zip(rows, n_pages, self._counts, marks, self._marks)):
+                if n != before or mark != was:
                     table[i, :n] = r.pages[:n]
                     table[i, n:] = r.pages[0] if r.pages else 0
-        self._rows, self._admissions, self._counts, self._table = list(rows), admissions, list(n_pages), table
-        return mx.array(table)
+        self._rows, self._marks, self._counts, self._table = list(rows), marks, list(n_pages), table
+        return table
 
 
 def window_last(starts: list[int], lens: list[int], L: int) -> list[list[int]]:
@@ -62,17 +69,20 @@ def window_last(starts: list[int], lens: list[int], L: int) -> list[list[int]]:
     return [[a + min(j, n - 1) for j in range(L)] for a, n in zip(starts, lens)]
 
 
-def pass_slots(rows: list[CacheRow], P: int, pos: list[int], lens: list[int]) -> tuple[np.ndarray, mx.array]:
+def pass_slots(rows: list[CacheRow], P: int, pos: list[int], lens: list[int],
+               tables: PageTables) -> tuple[np.ndarray, mx.array]:
     """A multi-token pass (row b writes lens[b] tokens from pos[b]): the pool slots (page * P + offset) of
     its tokens, row after row, and its page table (page_table's, each row's pages up to its last
-    token). From one padded table for all rows: a verification window at 1,024 rows is a few tokens a
-    row, where numpy calls per row cost more than the tokens."""
+    token, from `tables`: a verification window's rows are the decode step's, so only the rows whose
+    page count moved are written again; ~4 ms a pass at 1,024 rows of 100 pages built whole). The slots
+    from that one table for all rows: a window is a few tokens a row, where numpy calls per row cost
+    more than the tokens."""
     n_pages = [-(-(a + n) // P) for a, n in zip(pos, lens)]
-    padded = np.array(_padded(rows, n_pages, max(max(n_pages), 1)), dtype=np.int64).reshape(len(rows), -1)
+    padded = tables.padded(rows, n_pages)
     which = np.repeat(np.arange(len(rows)), lens)
     starts = np.cumsum(lens) - np.asarray(lens)  # each row's first token in the pass's list
     t = np.arange(len(which)) - starts[which] + np.asarray(pos, dtype=np.int64)[which]
-    return padded[which, t // P] * P + t % P, mx.array(padded.astype(np.int32))
+    return padded[which, t // P].astype(np.int64) * P + t % P, mx.array(padded)
 
 
 def token_slots(r: CacheRow, P: int, start: int, stop: int) -> np.ndarray:
