@@ -25,7 +25,9 @@ class Speculator:
     def wants(self, rows: int) -> bool:
         """Whether a decode step of `rows` rows proposes at all (speculative.disable_by_batch_size, then
         whether verifying pays at that batch: Payoff). Asked once a step, before its proposals: a step
-        that does not propose runs as plain decode (the lookahead's, where the backend has it)."""
+        that does not propose runs as plain decode (the lookahead's, where the backend has it). Every
+        step, the proposer first gives back what it held for rows no longer running (a draft's pages)."""
+        self.proposer.forget()
         cap = self.cfg.disable_by_batch_size
         if cap is not None and rows > cap:
             return False
@@ -33,7 +35,6 @@ class Speculator:
 
     def propose(self, rows: list[Row]) -> dict[int, list[int]]:
         """Proposed tokens by id(row), for the rows that propose this step (one `wants` allowed)."""
-        self.proposer.forget()
         out: dict[int, list[int]] = {}
         asked, ks = [], []
         for row in rows:
