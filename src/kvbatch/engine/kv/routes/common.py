@@ -70,15 +70,18 @@ def window_last(starts: list[int], lens: list[int], L: int) -> list[list[int]]:
 
 
 def pass_slots(rows: list[CacheRow], P: int, pos: list[int], lens: list[int],
-               tables: PageTables) -> tuple[np.ndarray, mx.array]:
+               tables: Optional[PageTables]) -> tuple[np.ndarray, mx.array]:
     """A multi-token pass (row b writes lens[b] tokens from pos[b]): the pool slots (page * P + offset) of
     its tokens, row after row, and its page table (page_table's, each row's pages up to its last
-    token, from `tables`: a verification window's rows are the decode step's, so only the rows whose
-    page count moved are written again; ~4 ms a pass at 1,024 rows of 100 pages built whole). The slots
-    from that one table for all rows: a window is a few tokens a row, where numpy calls per row cost
-    more than the tokens."""
+    token; from `tables` where given: a verification window's rows are the decode step's, so only the
+    rows whose page count moved are written again, where a whole build costs ~4 ms a pass at 1,024 rows
+    of 100 pages). The slots from that one table for all rows: a window is a few tokens a row, where
+    numpy calls per row cost more than the tokens."""
     n_pages = [-(-(a + n) // P) for a, n in zip(pos, lens)]
-    padded = tables.padded(rows, n_pages)
+    if tables is not None:
+        padded = tables.padded(rows, n_pages)
+    else:
+        padded = np.array(_padded(rows, n_pages, max(max(n_pages), 1)), dtype=np.int32).reshape(len(rows), -1)
     which = np.repeat(np.arange(len(rows)), lens)
     starts = np.cumsum(lens) - np.asarray(lens)  # each row's first token in the pass's list
     t = np.arange(len(which)) - starts[which] + np.asarray(pos, dtype=np.int64)[which]

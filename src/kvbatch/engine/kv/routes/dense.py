@@ -176,7 +176,10 @@ class DenseRoute(Route):
         tokens are stored; a real query sees only keys at or before it, all real. mask=False: no
         causal mask (a route that attends by key counts)."""
         P = self.geom.page_size
-        tokens, table = pass_slots(rows, P, pos, lens, self.tables)
+        # a window-sized pass (a verification window) runs the decode step's rows: their table is the decode
+        # tables' with a few rows moved; a prefill chunk's rows are others, built apart so as not to cost the
+        # next decode step a whole table
+        tokens, table = pass_slots(rows, P, pos, lens, self.tables if L <= self.multi_query else None)
         return DenseStep(mx.array(head_rows_array(tokens, P, self.geom.kv_heads)), table,
                          causal_mask(np.array(pos, dtype=np.int32), L, table.shape[1] * P, 1) if mask else None,
                          take=real_tokens(L, lens))
