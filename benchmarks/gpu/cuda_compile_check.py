@@ -5,8 +5,10 @@ device time is spent. Needs nvcc on PATH; imports no MLX CUDA.
 
     python -m benchmarks gpu.cuda_compile_check [--warps 4] [--unroll 1]
 
-Kernel names: dense_/quant_<D>_<rep>_<dtype>[_split][_store][_q8|_q4|_k8v4]. Registers above 128 a
-thread leave one 256-thread block per SM instead of two.
+Kernel names: dense_/quant_<D>_<rep>_<dtype>[_split][_store][_q8|_q4|_k8v4]; the tensor-core kernels
+mmaw_ (a window of --window tokens), mmad_ (decode), mmads_ (decode storing its token), bf16/fp16,
+<D>_<rep>_<dtype>[_split], and their merges reducew<tag>_. Registers above 128 a thread leave one
+256-thread block per SM instead of two.
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ def add_args(ap) -> None:
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--variants", default="plain,split,store,split_store")
     ap.add_argument("--bits", default="8x8,4x4,8x4", help="quantized kernels: key x value bits")
+    ap.add_argument("--window", type=int, default=5, help="verification window tokens (k + 1)")
     ap.add_argument("--frontend-only", action="store_true",
                     help="nvcc -cuda: parse and type-check only (no ptxas: no registers, spills)")
 
@@ -73,10 +76,26 @@ def sources(a) -> list[str]:
                     tag = f"q{kbits}" if kbits == vbits else f"k{kbits}v{vbits}"
                     src.append(wrap(f"quant_{i}_{tag}", qin + store, outs, consts,
                                     cs.kernel_source(True, split, new_kv)))
+            merge_in = [("pm", "float"), ("pl", "float"), ("pacc", "float"), ("meta", "int32_t"), ("lens", "int32_t")]
             for ql in (0, 1):
-                src.append(wrap(f"reduce_{D}_{rep}_{dt}_{ql}", [("pm", "float"), ("pl", "float"), ("pacc", "float"),
-                                                     ("meta", "int32_t"), ("lens", "int32_t")], [("out", T)],
-                                dict(T=T, D=D, REP=rep, HKV=8, QL=ql), cs._REDUCE))
+                src.append(wrap(f"reduce_{D}_{rep}_{dt}_{ql}", merge_in, [("out", T)],
+                                dict(T=T, D=D, REP=rep, HKV=8, QL=ql), cs.reduce_source()))
+            if dt != "float32":  # the tensor-core kernels (bf16 / fp16 pages): a window, decode (storing or not)
+                for L, store in ((a.window, False), (1, False), (1, True)):
+                    qc = min(L, ca.MMA_ROWS // rep)
+                    window = dict(NL=L, QC=qc, NQC=-(-L // qc))
+                    consts = dict(T=T, S=T, D=D, P=64, REP=rep * qc, HKV=8, NW=ca.mma_warps(D), **window)
+                    ins = [("q", T), ("k", T), ("v", T), ("table", "int32_t")] + \
+                        ([("firsts", "int32_t")] if L > 1 else []) + \
+                        [("lengths", "int32_t"), ("meta", "int32_t"), ("scale", "float")] + \
+                        ([("kn", T), ("vn", T)] if store else [])
+                    tag = "w" if L > 1 else "d" + ("s" if store else "")
+                    for split in (False, True):
+                        outs = [("pm", "float"), ("pl", "float"), ("pacc", "float")] if split else [("out", T)]
+                        src.append(wrap(f"mma{tag}_{D}_{rep}_{dt}{'_split' if split else ''}", ins, outs, consts,
+                                        cs.mma_source(split, dt == "float16", L > 1, store)))
+                    src.append(wrap(f"reducew{tag}_{D}_{rep}_{dt}", merge_in, [("out", T)],
+                                    dict(T=T, D=D, REP=rep * qc, HKV=8, QL=0, **window), cs.reduce_source(True)))
     return src + ["}\n"]
 
 
@@ -94,7 +113,7 @@ def run(a) -> dict:
             print(line)
             problems.append(line)
         elif "Compiling entry function" in line:
-            m = re.search(r"cu\d+((?:dense|quant|reduce)_\w+?)E", line)
+            m = re.search(r"cu\d+((?:dense|quant|reduce|reducew\w*|mma\w*)_\w+?)E", line)
             name = m.group(1) if m else line
         elif "spill" in line and "0 bytes spill stores, 0 bytes spill loads" not in line:
             print(f"{name}: {line.strip()}")

@@ -60,6 +60,14 @@ def test_kernel_variants_differ_where_they_should():
                 assert ("pacc[" in lean) == split and ("kn +" in lean) == store
                 assert ("qs[r]" in lean) == q  # q8/q4: scales folded into the dot products
     assert len(sources) == 8
+    for split in (False, True):  # the tensor cores: each query row stops at its own key count
+        for half in (False, True):
+            for window, store in ((True, False), (False, False), (False, True)):
+                src = cs.mma_source(split, half, window, store)
+                assert "lim[h]" in src and ("pacc[" in src) == split and ("firsts[b]" in src) == window
+                assert (".f16.f16." in src) == half and (".bf16.bf16." in src) != half
+                assert ("kn +" in src or "? kn :" in src) == store
+    assert cs.reduce_source(True) != cs.reduce_source()
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CUDA toolkit) to compile the kernels")
@@ -69,7 +77,8 @@ def test_every_kernel_variant_compiles(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "nvcc exit 0" in r.stdout
     # every kernel (dense and q8/q4/k8v4 for 4 head geometries x 2 dtypes x split/store, and the merges)
-    assert r.stdout.count(" registers") == 4 * 2 * (4 * 4 + 2)
+    # and for bf16 the tensor-core kernels (window, decode, decode storing: plain, split, merge)
+    assert r.stdout.count(" registers") == 4 * 2 * (4 * 4 + 2) + 4 * 3 * 3
 
 
 def _cache_as_on_cuda(mode: str, P: int, H: int, kernel_writes: bool, step_reuse: bool = True):
@@ -249,6 +258,77 @@ def test_launch_parameters_follow_each_call(monkeypatch):
             red = calls[1]
             assert red["key"] == ("reduce", False) and red["grid"] == (B * Hkv * 128, 1, 1)
             assert red["inputs"][3] is meta and red["inputs"][4].tolist() == lens
+
+
+def test_window_launch_follows_its_positions(monkeypatch):
+    """A verification window's launch: bf16/fp16 windows on the tensor cores in blocks of as many
+    positions as keep heads x positions within 16 rows, output (B, Hq, L, D), a split window merged per
+    (row, KV head, positions) with the rows' key counts; float32 (or tensor_cores=false) through the
+    decode kernel, one (row, position) a row, each position's own key count."""
+    import mlx.core as mx
+
+    calls = _recording_kernels(monkeypatch)
+    B, Hkv, rep, D, P, L = 3, 2, 3, 64, 16, 5
+    firsts, lengths = mx.array([4, 30, 90], dtype=mx.int32), mx.array([9, 33, 95], dtype=mx.int32)
+    for maxp in (2, 7):  # unsplit, split (64-token ranges)
+        calls.clear()
+        q = mx.zeros((B, Hkv * rep, L, D), dtype=mx.bfloat16)
+        pool = mx.zeros((40, Hkv, P, D), dtype=mx.bfloat16)
+        out = ca.paged_window_attention(q, pool, pool, mx.zeros((B, maxp), dtype=mx.int32), firsts, lengths, 0.5,
+                                        CudaLaunch(chunk=64, unsplit=64))
+        assert out.shape == (B, Hkv * rep, L, D)
+        qc = 16 // rep
+        nqc, ns = -(-L // qc), (1 if maxp * P <= 64 else -(-maxp * P // 64))
+        t = dict(calls[0]["template"])
+        assert calls[0]["key"] == ("mma_window_bf16", ns > 1, False)
+        assert t["NW"] == ca.mma_warps(D)
+        assert (t["REP"], t["NL"], t["QC"], t["NQC"]) == (rep * qc, L, qc, nqc)
+        assert calls[0]["grid"] == (B * Hkv * nqc * ns * 32 * t["NW"], 1, 1)
+        assert calls[0]["inputs"][4].tolist() == firsts.tolist() and calls[0]["inputs"][5].tolist() == lengths.tolist()
+        if ns == 1:
+            assert len(calls) == 1 and calls[0]["shapes"] == [(B, Hkv * rep, L, D)]
+        else:
+            red = calls[1]
+            assert red["key"] == ("reduce_window", False) and red["grid"] == (B * Hkv * nqc * 128, 1, 1)
+            assert dict(red["template"])["NQC"] == nqc and red["shapes"] == [(B, Hkv * rep, L, D)]
+            assert red["inputs"][4].tolist() == lengths.tolist()
+    for dtype, launch in ((mx.float32, CudaLaunch()), (mx.bfloat16, CudaLaunch(tensor_cores=False))):
+        calls.clear()
+        q = mx.zeros((B, Hkv * rep, L, D), dtype=dtype)
+        pool = mx.zeros((40, Hkv, P, D), dtype=dtype)
+        out = ca.paged_window_attention(q, pool, pool, mx.zeros((B, 2), dtype=mx.int32), firsts, lengths, 0.5, launch)
+        assert out.shape == (B, Hkv * rep, L, D) and [c["key"] for c in calls] == [("dense", False, False)]
+        want = [min(f + j + 1, n) for f, n in zip(firsts.tolist(), lengths.tolist()) for j in range(L)]
+        assert calls[0]["inputs"][4].tolist() == want  # one (row, position) a row
+
+
+def test_bf16_decode_runs_on_the_tensor_cores_like_a_window(monkeypatch):
+    """bf16/fp16 dense decode takes the tensor-core kernel (one position, its queries at len - 1) with the
+    warps a window of the same head size takes, storing the step's K/V when asked; float32, a page size
+    not a multiple of 16 or tensor_cores=false keep the decode-style kernel."""
+    import mlx.core as mx
+
+    calls = _recording_kernels(monkeypatch)
+    B, Hkv, rep, D, P = 2, 2, 4, 64, 16
+    lengths = mx.array([40, 48], dtype=mx.int32)
+    for dtype, page, launch, kind in ((mx.bfloat16, P, CudaLaunch(), "mma_decode_bf16"),
+                                      (mx.float16, P, CudaLaunch(), "mma_decode_f16"),
+                                      (mx.float32, P, CudaLaunch(), "dense"),
+                                      (mx.bfloat16, 8, CudaLaunch(), "dense"),
+                                      (mx.bfloat16, P, CudaLaunch(tensor_cores=False), "dense")):
+        for new_kv in (None, (mx.zeros((B, Hkv, 1, D), dtype=dtype),) * 2):
+            calls.clear()
+            q = mx.zeros((B, Hkv * rep, 1, D), dtype=dtype)
+            pool = mx.zeros((12, Hkv, page, D), dtype=dtype)
+            out = ca.paged_decode_attention(q, pool, pool, mx.zeros((B, 3), dtype=mx.int32), lengths, 0.5, launch,
+                                            new_kv=new_kv)
+            assert out.shape == (B, Hkv * rep, 1, D)
+            assert calls[0]["key"] == (kind, False, new_kv is not None)
+            assert len(calls[0]["inputs"]) == 7 + 2 * (new_kv is not None)  # q, k, v, table, lengths, meta, scale
+            if kind != "dense":
+                t = dict(calls[0]["template"])
+                assert (t["NL"], t["QC"], t["NQC"], t["REP"], t["NW"]) == (1, 1, 1, rep, ca.mma_warps(D))
+                assert calls[0]["grid"] == (B * Hkv * 32 * t["NW"], 1, 1) and calls[0]["shapes"] == [(B, Hkv * rep, D)]
 
 
 def test_launch_settings_per_kernel_kind(monkeypatch):

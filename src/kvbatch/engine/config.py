@@ -94,6 +94,9 @@ class CudaLaunch:
     unroll: int = 0  # tokens per lane per loop step; 0: the kernel kind's default (dense 2, q8/q4 4)
     warps: int = 0  # most warps per block; 0: the kernel kind's default (dense 8, q8/q4 4)
     kernel_writes: bool = True  # decode stores the step's new K/V inside the kernel (else scatters first)
+    # bf16/fp16 dense decode and speculative verification windows on the tensor cores (mma.sync: a window's
+    # pages read once for all its queries, with decode's numbers), else the decode-style kernel
+    tensor_cores: bool = True
 
 
 # Options that never change a row's tokens (they change how fast, or what is printed): left out of

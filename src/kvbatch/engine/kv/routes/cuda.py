@@ -9,11 +9,12 @@ device with one add (`options.step_reuse`).
 
 A dense pass of a few tokens a row (a speculative verification window: the row's token and its
 k proposals) is attention of several queries per row over the row's pages, each query seeing the
-keys up to its own position: the decode kernel computes exactly that when each (row, position)
-is one of its rows, with the row's page table and its own key count (`CudaMulti`). Its K/V are
-scattered into the pages first, as a prefill chunk's are. So verification reads the pages in
-place like decode, with decode's numerics, instead of gathering every row's pages into a
-contiguous copy and composing matmuls over it (`EngineOptions.multi_query`).
+keys up to its own position (`CudaMulti`): cuda_kernels.paged_window_attention computes it over
+the pages in place, on the tensor cores for bf16/fp16 (each row's pages read once for all its
+window's queries), else with the decode kernel once per position. Its K/V are scattered into the
+pages first, as a prefill chunk's are. So verification reads the pages in place like decode instead
+of gathering every row's pages into a contiguous copy and composing matmuls over it
+(`EngineOptions.multi_query`).
 """
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ import mlx.core as mx
 from kvbatch.engine.config import CudaLaunch
 from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.kv.routes.base import Geometry, flat_tokens
-from kvbatch.engine.kv.routes.common import TailWrites, page_table, tail_writes, window_last
-from kvbatch.engine.kv.routes.cuda_kernels import QuantPages, paged_decode_attention, paged_decode_attention_quantized
+from kvbatch.engine.kv.routes.common import TailWrites, page_table, tail_writes
+from kvbatch.engine.kv.routes.cuda_kernels import (QuantPages, paged_decode_attention, paged_decode_attention_quantized,
+                                                   paged_window_attention)
 from kvbatch.engine.kv.routes.dense import DenseRoute, DenseStep
 from kvbatch.engine.kv.routes.quant import QuantRoute
 from kvbatch.engine.kv.store import head_rows
@@ -73,18 +75,12 @@ class CudaDecode:
 
 @dataclass(frozen=True)
 class CudaMulti:
-    """A few-token dense pass read by the decode kernel: the pass's writes (as a prefill chunk's),
-    and per (row, position) the row's page table and the keys that position sees."""
+    """A few-token dense pass read in place (paged_window_attention): the pass's writes (as a prefill
+    chunk's), and per row its keys before the window and its keys with the window's real tokens."""
 
-    step: DenseStep  # head rows of the real tokens, and which of the padded pass's tokens are real
-    table: mx.array  # (B * L, width): row b's table at b * L + j
-    lengths: mx.array  # (B * L,) pos[b] + j + 1 (a padding position: the row's real keys)
-
-
-def multi_lengths(pos: list[int], lens: list[int], L: int) -> list[int]:
-    """Keys seen by query j of each row of a pass right-padded to L (row b stores lens[b] tokens
-    from pos[b]): pos[b] + j + 1, and for padding positions all the row's keys (read, unused)."""
-    return [last + 1 for row in window_last(pos, lens, L) for last in row]
+    step: DenseStep  # head rows of the real tokens, which of the padded pass's tokens are real, page table
+    firsts: mx.array  # (B,) pos[b]: query j sees pos[b] + j + 1 keys
+    lengths: mx.array  # (B,) pos[b] + lens[b] (what a padding position sees)
 
 
 class CudaDenseRoute(DenseRoute):
@@ -104,8 +100,8 @@ class CudaDenseRoute(DenseRoute):
             return self.prefill_plan(rows, L, pos, lens)
         if L > 1:
             step = self.prefill_plan(rows, L, pos, lens, mask=False)
-            return CudaMulti(step, mx.repeat(step.table, L, axis=0),
-                             mx.array(multi_lengths(pos, lens, L), dtype=mx.int32))
+            return CudaMulti(step, mx.array(pos, dtype=mx.int32),
+                             mx.array([a + n for a, n in zip(pos, lens)], dtype=mx.int32))
         P = self.geom.page_size
         new_len = [a + 1 for a in pos]
         n_pages = [-(-n // P) for n in new_len]
@@ -134,11 +130,9 @@ class CudaDenseRoute(DenseRoute):
     def attend(self, layer: int, meta: object, queries: mx.array, scale: float) -> mx.array:
         """Decode: the fused paged kernel over the rows' pages; prefill: the dense route's attention."""
         st = self.store
-        if isinstance(meta, CudaMulti):  # (B, Hq, L, D) as B * L one-query rows
-            B, Hq, L, D = queries.shape
-            q = queries.transpose(0, 2, 1, 3).reshape(B * L, Hq, 1, D)
-            out = paged_decode_attention(q, st.k[layer], st.v[layer], meta.table, meta.lengths, scale, self.launch)
-            return out.reshape(B, L, Hq, D).transpose(0, 2, 1, 3)
+        if isinstance(meta, CudaMulti):
+            return paged_window_attention(queries, st.k[layer], st.v[layer], meta.step.table, meta.firsts,
+                                          meta.lengths, scale, self.launch)
         if isinstance(meta, DenseStep):
             return super().attend(layer, meta, queries, scale)
         assert isinstance(meta, CudaDecode)

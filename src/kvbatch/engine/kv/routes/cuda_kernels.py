@@ -30,7 +30,7 @@ from typing import Callable, NamedTuple, Optional, cast
 import mlx.core as mx
 
 from kvbatch.engine.config import CudaLaunch
-from kvbatch.engine.kv.routes.cuda_source import _REDUCE, kernel_source
+from kvbatch.engine.kv.routes.cuda_source import kernel_source, mma_source, reduce_source
 
 NE = 8  # head elements per lane
 # Per kernel kind: tokens per lane per loop step and most warps per block (CudaLaunch.unroll /
@@ -42,6 +42,7 @@ WARPS = {"dense": 8, "quant": 4}
 
 _DENSE_INPUTS = ["q", "k", "v", "table", "lengths", "meta", "scale"]
 _QUANT_INPUTS = ["q", "kw", "ks", "kb", "vw", "vs", "vb", "tk", "tv", "tails", "table", "lens", "meta", "scale"]
+_WINDOW_INPUTS = ["q", "k", "v", "table", "firsts", "lengths", "meta", "scale"]
 
 # mx.fast.cuda_kernel's object: called with inputs= and the launch's keywords, returns the outputs
 _Kernel = Callable[..., list[mx.array]]
@@ -49,13 +50,19 @@ _kernels: dict[tuple, _Kernel] = {}
 
 
 def _kernel(kind: str, split: bool, new_kv: bool = False) -> _Kernel:
-    """One compiled kernel per variant. The name carries a hash of the source: MLX caches
-    compiled kernels on disk by name (/tmp/mlx/<version>/ptx), so a changed source must not
-    reuse an old binary."""
+    """One compiled kernel per variant (kind: dense, quant; mma_{decode,window}_{bf16,f16}: decode and
+    verification windows on the tensor cores; reduce, reduce_window: the merges of split rows). The name
+    carries a hash of the source: MLX caches compiled kernels on disk by name (/tmp/mlx/<version>/ptx), so
+    a changed source must not reuse an old binary."""
     key = (kind, split, new_kv)
     if key not in _kernels:
-        if kind == "reduce":
-            src, inputs, outputs = _REDUCE, ["pm", "pl", "pacc", "meta", "lens"], ["out"]
+        if kind.startswith("mma"):
+            window = kind.startswith("mma_window")
+            src = mma_source(split, kind.endswith("_f16"), window, new_kv)
+            inputs = _WINDOW_INPUTS if window else _DENSE_INPUTS + (["kn", "vn"] if new_kv else [])
+            outputs = ["pm", "pl", "pacc"] if split else ["out"]
+        elif kind.startswith("reduce"):
+            src, inputs, outputs = reduce_source(kind == "reduce_window"), ["pm", "pl", "pacc", "meta", "lens"], ["out"]
         else:
             q = kind == "quant"
             src = kernel_source(q, split, new_kv)
@@ -157,47 +164,78 @@ class _Launch(NamedTuple):
 _launches: dict = {}
 
 
-def _launch_for(kind: str, B: int, Hq: int, D: int, dtype: mx.Dtype, g: _Geometry, new_kv: bool,
+MMA_ROWS = 16  # query slots of the tensor-core kernel's block (mma.m16n8k16's rows)
+
+
+def mma_warps(head_dim: int) -> int:
+    """Warps of a tensor-core block: 4, or 2 where 4 warps' V tiles and merge buffers (16 slots) pass 44 KiB.
+    From the head size alone: decode and a window assign a row's tiles to the same warps (same bits)."""
+    for nw in (4, 2):
+        if nw * (16 * (head_dim + 8) * 2 + MMA_ROWS * (head_dim + 2) * 4) <= 44 * 1024:
+            return nw
+    return 1
+
+
+def tensor_cores(dtype: mx.Dtype, store: mx.Dtype, head_dim: int, heads: int, page: int, chunk: int) -> bool:
+    """Whether dense decode and windows run on the tensor cores: bf16/fp16 queries and pages alike, heads of
+    a multiple of 16 elements, at most 16 query heads a KV head, 16-token tiles that never cross a page
+    or a split. Decode and windows decide alike, so a verification pass has decode's numbers."""
+    return (dtype == store and dtype in (mx.bfloat16, mx.float16) and head_dim % 16 == 0 and head_dim <= 256
+            and heads <= MMA_ROWS and page % 16 == 0 and chunk % 16 == 0)
+
+
+def _launch_for(kind: str, B: int, Hq: int, D: int, L: int, dtype: mx.Dtype, g: _Geometry, new_kv: bool,
                 launch: CudaLaunch) -> _Launch:
-    rep = Hq // g.kv_heads
-    nw = warps_for(D, rep, launch.warps or WARPS[kind]) or warps_for(D, rep)  # fewer than 4 warps: the most that fit
+    heads = Hq // g.kv_heads
+    mma = kind.startswith("mma")
+    qc = min(L, MMA_ROWS // heads) if mma else 1  # a window's positions a block
+    nqc = -(-L // qc)
+    rep = heads * qc  # query slots a block
+    window = [("NL", L), ("QC", qc), ("NQC", nqc)] if mma else []
+    nw = mma_warps(D) if mma else (warps_for(D, rep, launch.warps or WARPS[kind]) or warps_for(D, rep))
     ns, chunk, unsplit = splits_for(g.max_tokens, launch.chunk, launch.unsplit)
     meta = _const((g.maxp, ns, chunk, unsplit), mx.int32)
     template = [("T", dtype), ("S", g.store_dtype), ("D", D), ("P", g.page), ("REP", rep), ("HKV", g.kv_heads),
-                ("NW", nw), ("LPT", _lanes(D)), ("NE", NE), ("U", launch.unroll or UNROLL[kind])] + list(g.extra)
-    call = dict(template=template, grid=(B * g.kv_heads * ns * 32 * nw, 1, 1), threadgroup=(32 * nw, 1, 1))
+                ("NW", nw), ("LPT", _lanes(D)), ("NE", NE), ("U", launch.unroll or UNROLL.get(kind, 1))]
+    template += list(g.extra) + window
+    blocks = B * g.kv_heads * nqc  # before splits
+    call = dict(template=template, grid=(blocks * ns * 32 * nw, 1, 1), threadgroup=(32 * nw, 1, 1))
     consts = [meta, _const((float(g.scale),), mx.float32)]
+    shape = (B, Hq, L, D) if L > 1 else (B, Hq, D)
     if ns == 1:
-        return _Launch(_kernel(kind, False, new_kv),
-                       dict(call, output_shapes=[(B, Hq, D)], output_dtypes=[dtype]), consts, None, {})
-    n = B * g.kv_heads * ns * rep
+        return _Launch(_kernel(kind, False, new_kv), dict(call, output_shapes=[shape], output_dtypes=[dtype]), consts,
+                       None, {})
+    n = blocks * ns * rep
     return _Launch(_kernel(kind, True, new_kv),
                    dict(call, output_shapes=[(n,), (n,), (n * D,)], output_dtypes=[mx.float32] * 3), consts,
-                   _kernel("reduce", False),
+                   _kernel("reduce_window" if window else "reduce", False),
                    dict(template=[("T", dtype), ("D", D), ("REP", rep), ("HKV", g.kv_heads),
-                                  ("QL", int(kind == "quant"))],
-                        grid=(B * g.kv_heads * 128, 1, 1), threadgroup=(128, 1, 1),
-                        output_shapes=[(B, Hq, D)], output_dtypes=[dtype]))
+                                  ("QL", int(kind == "quant"))] + window,
+                        grid=(blocks * 128, 1, 1), threadgroup=(128, 1, 1),
+                        output_shapes=[shape], output_dtypes=[dtype]))
 
 
 def _launch(kind: str, inputs: list, q: mx.array, g: _Geometry, launch: CudaLaunch,
             new_kv: Optional[tuple[mx.array, mx.array]]) -> mx.array:
-    B, Hq, _, D = q.shape
-    key = (kind, B, Hq, D, q.dtype, g, new_kv is not None, launch.chunk, launch.unsplit, launch.unroll, launch.warps)
+    """Run one kernel kind over q (B, Hq, L, D) (L = 1 but for a window); inputs end with the rows'
+    key counts, which the merge of split rows reads too."""
+    B, Hq, L, D = q.shape
+    key = (kind, B, Hq, D, L, q.dtype, g, new_kv is not None, launch.chunk, launch.unsplit, launch.unroll,
+           launch.warps)
     run = _launches.get(key)
     if run is None:
         if len(_launches) > 256:
             _launches.clear()
-        run = _launches[key] = _launch_for(kind, B, Hq, D, q.dtype, g, new_kv is not None, launch)
-    args = [q.reshape(B, Hq, D)] + inputs + run.consts
+        run = _launches[key] = _launch_for(kind, B, Hq, D, L, q.dtype, g, new_kv is not None, launch)
+    args = [q if L > 1 else q.reshape(B, Hq, D)] + inputs + run.consts
     if new_kv is not None:
         args += [a.reshape(B, g.kv_heads, D).astype(g.store_dtype) for a in new_kv]
     if run.reduce is None:
         (out,) = run.kernel(inputs=args, **run.call)
     else:
         pm, pl, pacc = run.kernel(inputs=args, **run.call)
-        (out,) = run.reduce(inputs=[pm, pl, pacc, run.consts[0], inputs[-1]], **run.reduce_call)  # lens last
-    return out.reshape(B, Hq, 1, D)
+        (out,) = run.reduce(inputs=[pm, pl, pacc, run.consts[0], inputs[-1]], **run.reduce_call)
+    return out.reshape(B, Hq, L, D)
 
 
 def paged_decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array,
@@ -207,10 +245,13 @@ def paged_decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, tabl
     (keys stored, the new token included) -> (B, Hq, 1, D). new_kv: this step's (keys, values),
     (B, Hkv, 1, D), which the kernel stores into each row's slot len - 1 (then not stored
     before the call)."""
-    _, Hkv, P, _ = k_pool.shape
+    _, Hkv, P, D = k_pool.shape
     maxp = table.shape[1]
     g = _Geometry(k_pool.dtype, Hkv, P, maxp * P, maxp, scale, ())
-    return _launch("dense", [k_pool, v_pool, table.astype(mx.int32), lengths.astype(mx.int32)], q, g, launch, new_kv)
+    kind = "dense"
+    if launch.tensor_cores and tensor_cores(q.dtype, k_pool.dtype, D, q.shape[1] // Hkv, P, launch.chunk):
+        kind = "mma_decode_f16" if q.dtype == mx.float16 else "mma_decode_bf16"
+    return _launch(kind, [k_pool, v_pool, table.astype(mx.int32), lengths.astype(mx.int32)], q, g, launch, new_kv)
 
 
 def paged_decode_attention_quantized(q: mx.array, pages: QuantPages, tails: mx.array, table: mx.array,
@@ -227,3 +268,27 @@ def paged_decode_attention_quantized(q: mx.array, pages: QuantPages, tails: mx.a
     inputs = [*pages.packed, pages.tail_k, pages.tail_v, tails.astype(mx.int32), table.astype(mx.int32),
               lens.astype(mx.int32)]
     return _launch("quant", inputs, q, g, launch, new_kv)
+
+
+def paged_window_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, firsts: mx.array,
+                           lengths: mx.array, scale: float, launch: CudaLaunch) -> mx.array:
+    """A verification window: q (B, Hq, L, D), row b's L queries at its positions firsts[b]..;
+    pools (pages, Hkv, P, D) with the window's keys already stored; table (B, maxp) int32; firsts
+    (B,) keys before the window; lengths (B,) keys stored, the window's real tokens included ->
+    (B, Hq, L, D). Query j sees min(firsts[b] + j + 1, lengths[b]) keys (a padding position: all of
+    them). On the tensor cores where `tensor_cores` allows, as decode then runs (each row's pages read
+    once for up to 16 query slots); else the decode kernel with each (row, position) as one of its
+    rows (pages read once per position). Either way a position gets the numbers a decode step at its
+    length would give it."""
+    _, Hkv, P, D = k_pool.shape
+    B, Hq, L, _ = q.shape
+    maxp = table.shape[1]
+    g = _Geometry(k_pool.dtype, Hkv, P, maxp * P, maxp, scale, ())
+    if launch.tensor_cores and tensor_cores(q.dtype, k_pool.dtype, D, Hq // Hkv, P, launch.chunk):
+        return _launch("mma_window_f16" if q.dtype == mx.float16 else "mma_window_bf16",
+                       [k_pool, v_pool, table.astype(mx.int32), firsts.astype(mx.int32), lengths.astype(mx.int32)],
+                       q, g, launch, None)
+    seen = mx.minimum(firsts[:, None] + mx.arange(1, L + 1, dtype=mx.int32), lengths[:, None]).reshape(-1)
+    one = q.transpose(0, 2, 1, 3).reshape(B * L, Hq, 1, D)
+    out = paged_decode_attention(one, k_pool, v_pool, mx.repeat(table, L, axis=0), seen, scale, launch)
+    return out.reshape(B, L, Hq, D).transpose(0, 2, 1, 3)

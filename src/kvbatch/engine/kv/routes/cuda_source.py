@@ -80,7 +80,10 @@ _MERGE = r"""
             if (on) for (int e = 0; e < NE; ++e) sacc[warp][r][li * NE + e] = acc[r][e];
         }
     }
-    __syncthreads();
+"""
+
+# The block's warps' (max, sum, output) per query slot, from shared memory, merged per (slot, element).
+_MERGE_WARPS = r"""    __syncthreads();
     for (int i = threadIdx.x; i < REP * D; i += blockDim.x) {
         const int r = i / D, d = i % D;
         float M = -INFINITY;
@@ -94,37 +97,57 @@ _MERGE = r"""
 """
 
 _WRITE_OUT = r"""
-        out[((size_t)bh * REP + r) * D + d] = static_cast<T>(A / L);
-    }
+        {guard}out[{qoff} + d] = static_cast<T>(A / L);
+    }}
 """
 
 _WRITE_PART = r"""
-        const size_t pr = ((size_t)bh * ns + sp) * REP + r;
-        if (d == 0) { pm[pr] = M; pl[pr] = L; }
+        const size_t pr = ((size_t){blk} * ns + sp) * REP + r;
+        if (d == 0) {{ pm[pr] = M; pl[pr] = L; }}
         pacc[pr * D + d] = A;
-    }
+    }}
 """
 
+# The merge of a split row's partials (one block per (row, KV head), or per (row, KV head, position
+# chunk) for a verification window).
 _REDUCE = r"""
     const int ns = meta[1];
-    const int bh = blockIdx.x, b = bh / HKV;
+    {index}
     const int len = QL ? lens[2 * b] + lens[2 * b + 1] : lens[b];
     const int nr = len > meta[3] ? min(ns, (len + meta[2] - 1) / meta[2]) : 1;  // this row's own splits
-    for (int i = threadIdx.x; i < REP * D; i += blockDim.x) {
+    for (int i = threadIdx.x; i < REP * D; i += blockDim.x) {{
         const int r = i / D, d = i % D;
         float M = -INFINITY;
-        for (int s = 0; s < nr; ++s) M = fmaxf(M, pm[((size_t)bh * ns + s) * REP + r]);
+        for (int s = 0; s < nr; ++s) M = fmaxf(M, pm[((size_t){blk} * ns + s) * REP + r]);
         float L = 0.f, A = 0.f;
-        for (int s = 0; s < nr; ++s) {
-            const size_t pr = ((size_t)bh * ns + s) * REP + r;
+        for (int s = 0; s < nr; ++s) {{
+            const size_t pr = ((size_t){blk} * ns + s) * REP + r;
             // weight exactly 1 for the split that holds the max: one split = the unsplit kernel's bits
             const float c = (pm[pr] == M) ? 1.f : (pm[pr] == -INFINITY) ? 0.f : __expf(pm[pr] - M);
             L += pl[pr] * c;
             A += pacc[pr * D + d] * c;
-        }
-        out[((size_t)bh * REP + r) * D + d] = static_cast<T>(A / L);
-    }
+        }}
+        {guard}out[{qoff} + d] = static_cast<T>(A / L);
+    }}
 """
+_REDUCE_INDEX = {False: "const int bh = blockIdx.x, b = bh / HKV;",
+                 True: "const int bq = blockIdx.x, bh = bq / NQC, qc = bq % NQC, b = bh / HKV;"}
+
+
+# Where query slot r's output goes. Decode: one block per (row, KV head), slot r = query head r of
+# its group. A window (the tensor-core kernel): one block per (row, KV head, chunk of QC positions),
+# slot r = head r / QC at position qc * QC + r % QC of the NL positions of q / out (B, Hq, NL, D); a slot
+# past the window (the last chunk of a window not a multiple of QC) writes nothing.
+_MREAL = "(qc * QC + r % QC < NL)"
+_OUTPUTS = {False: dict(blk="bh", guard="", qoff="((size_t)bh * REP + r) * D"),
+            True: dict(blk="bq", guard=f"if {_MREAL} ",
+                       qoff="(((size_t)bh * (REP / QC) + r / QC) * NL + qc * QC + r % QC) * D")}
+
+
+def reduce_source(multi: bool = False) -> str:
+    """The merge kernel's body (template constants T, D, REP, HKV, QL; NQC, QC, NL for a window)."""
+    return _REDUCE.format(index=_REDUCE_INDEX[multi], **_OUTPUTS[multi])
+
 
 # q8/q4 pages in the lean loop: a lane's 8 elements share one group's scale s and bias b, so
 # q.(s*c + b) = s*(q.c) + b*sum(q) and sum_t p*(s*c + b) = sum_t (p*s)*c + sum_t p*b. The loop
@@ -265,4 +288,152 @@ def kernel_source(quantized: bool, split: bool, new_kv: bool = False) -> str:
     else:
         head = _HEAD.format(lens="const int len = lengths[b];")
         body = _RAW_LOOP.format(start="t0", stop="t1", load=load, **_RAW_DENSE)
-    return head + store + body + _MERGE + (_WRITE_PART if split else _WRITE_OUT)
+    return head + store + body + _MERGE + _MERGE_WARPS + (_WRITE_PART if split else _WRITE_OUT).format(
+        **_OUTPUTS[False])
+
+
+# Decode and verification windows on the tensor cores (bf16/fp16 pages, page size a multiple of 16): a
+# block holds REP = (query heads of its KV head) x QC positions (decode: 1) as the 16 rows of
+# mma.m16n8k16's A operand
+# (rows past REP are zero and never written); each warp takes 16-token tiles of the block's range
+# (a tile never crosses a page: it starts at a multiple of 16), computes S = Q K^T from K read in
+# place, keeps an online softmax per row in float32 (FlashAttention-2's layout: a lane holds rows g
+# and g + 8, columns 2c and 2c + 1 of each 8-column tile), and adds P V with P rounded to the page
+# type and V staged in shared memory (tokens past the row's end as zeros: a zero weight times an
+# unwritten slot's bits could be NaN). Query slot r sees keys below lim (its position's own count).
+# Where the decode-style loop spends a shuffle reduction per (query, token), this spends one mma per
+# 8 tokens x 16 element columns for all of the block's queries at once.
+# A query's numbers depend on its own row of A, its key count and the block's token range only: keys
+# past its count weigh exactly 0, a range with none of its keys merges with weight 0, and the warps
+# (NW) depend on the head size alone. So a (row, position) gets the same bits in a decode step and in a
+# verification window: speculation keeps decode's tokens.
+_MMA = r"""
+    const int maxp = meta[0], ns = meta[1];
+    const int bq = blockIdx.x / ns, sp = blockIdx.x % ns, bh = bq / NQC, qc = bq % NQC;
+    const int b = bh / HKV, hk = bh % HKV;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+    const int len = lengths[b], first = {first};
+    const int chunk = len > meta[3] ? meta[2] : len;
+    const int t0 = sp * chunk, t1 = min(len, t0 + chunk);
+    if (sp > 0 && t0 >= len) return;
+    const float sc = scale[0];
+    {store}
+    struct alignas(4) T2 { S x, y; };
+    auto pack = [](float lo, float hi) -> uint32_t {
+        T2 t{static_cast<S>(lo), static_cast<S>(hi)};
+        return *reinterpret_cast<uint32_t*>(&t);
+    };
+    auto mma = [](float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 {{%0,%1,%2,%3}}, {{%4,%5,%6,%7}}, "
+                     "{{%8,%9}}, {{%0,%1,%2,%3}};\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    };
+    // this lane's rows g and g + 8: slot, position, keys seen
+    int lim[2];
+    uint32_t qa[D / 16][4];
+    for (int h = 0; h < 2; ++h) {
+        const int r = g + 8 * h, j = qc * QC + r % QC;
+        const bool real = r < REP && j < NL;
+        lim[h] = real ? min(first + j + 1, len) : 0;
+        const T* qp = q + (real ? (((size_t)bh * (REP / QC) + r / QC) * NL + j) * D : 0);
+        for (int kk = 0; kk < D / 16; ++kk) {
+            qa[kk][h] = real ? *reinterpret_cast<const uint32_t*>(qp + kk * 16 + 2 * c) : 0u;
+            qa[kk][2 + h] = real ? *reinterpret_cast<const uint32_t*>(qp + kk * 16 + 8 + 2 * c) : 0u;
+        }
+    }
+    float o[D / 8][4], m[2] = {{-INFINITY, -INFINITY}}, l[2] = {{0.f, 0.f}};
+    for (int nd = 0; nd < D / 8; ++nd) for (int i = 0; i < 4; ++i) o[nd][i] = 0.f;
+    __shared__ __align__(16) S sv[NW][16][D + 8];  // a row stride of D + 8 keeps the fragment reads off one bank
+    for (int ts = t0 + warp * 16; ts < t1; ts += NW * 16) {
+        const size_t base = (((size_t)table[(size_t)b * maxp + ts / P] * HKV + hk) * P + ts % P) * D;
+        for (int i = lane; i < 2 * D; i += 32) {  // V tile, 16-byte pieces
+            const int row = i / (D / 8), col = (i % (D / 8)) * 8;
+            uint4 w = make_uint4(0u, 0u, 0u, 0u);
+            if (ts + row < len) w = *reinterpret_cast<const uint4*>(v + base + (size_t)row * D + col);
+            *reinterpret_cast<uint4*>(&sv[warp][row][col]) = w;
+        }
+        float s[2][4] = {{{{0.f, 0.f, 0.f, 0.f}}, {{0.f, 0.f, 0.f, 0.f}}}};
+        for (int nt = 0; nt < 2; ++nt) {
+            const S* kr = k + base + (size_t)(nt * 8 + g) * D + 2 * c;
+            for (int kk = 0; kk < D / 16; ++kk)
+                mma(s[nt], qa[kk], *reinterpret_cast<const uint32_t*>(kr + kk * 16),
+                    *reinterpret_cast<const uint32_t*>(kr + kk * 16 + 8));
+        }
+        for (int h = 0; h < 2; ++h) {
+            float mx = m[h];
+            for (int nt = 0; nt < 2; ++nt) for (int e = 0; e < 2; ++e) {
+                const int t = ts + nt * 8 + 2 * c + e;
+                const float x = t < lim[h] ? s[nt][2 * h + e] * sc : -INFINITY;
+                s[nt][2 * h + e] = x;
+                mx = fmaxf(mx, x);
+            }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+            const float mu = mx == -INFINITY ? 0.f : mx;
+            const float corr = __expf(m[h] - mu);
+            l[h] *= corr;
+            for (int nd = 0; nd < D / 8; ++nd) { o[nd][2 * h] *= corr; o[nd][2 * h + 1] *= corr; }
+            for (int nt = 0; nt < 2; ++nt) for (int e = 0; e < 2; ++e) {
+                const float pv = __expf(s[nt][2 * h + e] - mu);
+                s[nt][2 * h + e] = pv;
+                l[h] += pv;
+            }
+            m[h] = mx;
+        }
+        const uint32_t pa[4] = {{pack(s[0][0], s[0][1]), pack(s[0][2], s[0][3]), pack(s[1][0], s[1][1]),
+                                 pack(s[1][2], s[1][3])}};
+        __syncwarp();
+        for (int nd = 0; nd < D / 8; ++nd) {
+            const int d = nd * 8 + g;
+            mma(o[nd], pa, pack(static_cast<float>(sv[warp][2 * c][d]), static_cast<float>(sv[warp][2 * c + 1][d])),
+                pack(static_cast<float>(sv[warp][2 * c + 8][d]), static_cast<float>(sv[warp][2 * c + 9][d])));
+        }
+        __syncwarp();
+    }
+    for (int h = 0; h < 2; ++h) {
+        l[h] += __shfl_xor_sync(0xffffffff, l[h], 1);
+        l[h] += __shfl_xor_sync(0xffffffff, l[h], 2);
+    }
+    __shared__ float sm[NW][REP];
+    __shared__ float sl[NW][REP];
+    __shared__ float sacc[NW][REP][D];
+    for (int h = 0; h < 2; ++h) {
+        const int r = g + 8 * h;
+        if (r >= REP) continue;
+        if (c == 0) {{ sm[warp][r] = m[h]; sl[warp][r] = l[h]; }}
+        for (int nd = 0; nd < D / 8; ++nd) {{
+            sacc[warp][r][nd * 8 + 2 * c] = o[nd][2 * h];
+            sacc[warp][r][nd * 8 + 2 * c + 1] = o[nd][2 * h + 1];
+        }}
+    }
+"""
+
+
+# Decode's new token (`new_kv`, inputs kn / vn (B, HKV, D)): the block whose range holds it stores it into
+# its page slot before any warp reads its tile (the barrier; no other block of the launch reads that slot).
+_MMA_STORE = r"""
+    if (t0 <= len - 1 && len - 1 < t1) {
+        const size_t dst = (((size_t)table[(size_t)b * maxp + (len - 1) / P] * HKV + hk) * P + (len - 1) % P) * D;
+        const size_t src = ((size_t)b * HKV + hk) * D;
+        for (int i = threadIdx.x; i < D / 4; i += blockDim.x) {  // K then V, 16-byte pieces
+            const int col = (i % (D / 8)) * 8;
+            const S* from = (i < D / 8 ? kn : vn) + src + col;
+            S* to = const_cast<S*>(i < D / 8 ? k : v) + dst + col;
+            *reinterpret_cast<uint4*>(to) = *reinterpret_cast<const uint4*>(from);
+        }
+    }
+    __syncthreads();
+"""
+
+
+def mma_source(split: bool, half: bool, window: bool, new_kv: bool = False) -> str:
+    """The tensor-core kernel's body (template constants S, T, D, P, REP, HKV, NW, NL, QC, NQC); half: fp16
+    pages, else bf16; window: row b's queries start at firsts[b] (else decode: one query, at len - 1);
+    new_kv: decode stores its token (kn, vn) first."""
+    assert not (window and new_kv), "a window's K/V are stored by its pass before it attends"
+    body = (_MMA.replace("{ty}", "f16" if half else "bf16")
+            .replace("{first}", "firsts[b]" if window else "len - 1")
+            .replace("{store}", _MMA_STORE if new_kv else "")
+            .replace("{{", "{").replace("}}", "}"))
+    return body + _MERGE_WARPS + (_WRITE_PART if split else _WRITE_OUT).format(**_OUTPUTS[True])
