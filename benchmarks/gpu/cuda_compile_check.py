@@ -7,7 +7,8 @@ device time is spent. Needs nvcc on PATH; imports no MLX CUDA.
 
 Kernel names: dense_/quant_<D>_<rep>_<dtype>[_split][_store][_q8|_q4|_k8v4]; the tensor-core kernels
 mmaw_ (a window of --window tokens), mmad_ (decode), mmads_ (decode storing its token), bf16/fp16,
-<D>_<rep>_<dtype>[_split], and their merges reducew<tag>_. Registers above 128 a thread leave one
+<D>_<rep>_<dtype>[_split], and their merges reducew<tag>_; seal_<D>_<rep>_<dtype>_<bits> (q8/q4 tails into the
+pool). Registers above 128 a thread leave one
 256-thread block per SM instead of two.
 """
 from __future__ import annotations
@@ -76,6 +77,12 @@ def sources(a) -> list[str]:
                     tag = f"q{kbits}" if kbits == vbits else f"k{kbits}v{vbits}"
                     src.append(wrap(f"quant_{i}_{tag}", qin + store, outs, consts,
                                     cs.kernel_source(True, split, new_kv)))
+                    if not split and not new_kv:  # the seal of filled tails after a q8/q4 decode step
+                        seal_in = [("a", T), *qin[1:9], ("tails", "int32_t"), ("pages", "int32_t"),
+                                   ("meta", "int32_t")]
+                        src.append(wrap(f"seal_{i}_{tag}", seal_in, [("o", T)],
+                                        dict(T=T, HKV=8, P=64, D=D, GS=consts["GS"], KBITS=kbits, VBITS=vbits),
+                                        cs.SEAL))
             merge_in = [("pm", "float"), ("pl", "float"), ("pacc", "float"), ("meta", "int32_t"), ("lens", "int32_t")]
             for ql in (0, 1):
                 src.append(wrap(f"reduce_{D}_{rep}_{dt}_{ql}", merge_in, [("out", T)],
@@ -113,7 +120,7 @@ def run(a) -> dict:
             print(line)
             problems.append(line)
         elif "Compiling entry function" in line:
-            m = re.search(r"cu\d+((?:dense|quant|reduce|reducew\w*|mma\w*)_\w+?)E", line)
+            m = re.search(r"cu\d+((?:dense|quant|seal|reduce|reducew\w*|mma\w*)_\w+?)E", line)
             name = m.group(1) if m else line
         elif "spill" in line and "0 bytes spill stores, 0 bytes spill loads" not in line:
             print(f"{name}: {line.strip()}")

@@ -1,9 +1,10 @@
 """MLX CUDA: decode's new K/V stored by the fused kernel (engine.options.cuda.kernel_writes) gives
 the same bits as storing them with scatters before the kernel (kernel_writes=false):
 the same logits at every step, the same tokens, and the same pool and tail buffers after the
-run. Rows cross several page seals (q8/q4: a step that seals a page stores with scatters, the
-others in the kernel), rows are split (24-token splits) and unsplit, and more rows than slots
-run (freed pages reused). Skipped off CUDA (the CPU path never takes this route)."""
+run. Rows cross several page seals (q8/q4: the kernel stores the token that fills a tail and one
+more launch seals it, against scatters and mx.quantize), rows are split (24-token splits) and
+unsplit, and more rows than slots run (freed pages reused). Skipped off CUDA (the CPU path never
+takes this route)."""
 from __future__ import annotations
 
 import random
@@ -57,3 +58,40 @@ def test_kernel_write_matches_scatter_write(tiny_model, monkeypatch, mode, page,
     assert len(bufs_a) == len(bufs_b)
     for x, y in zip(bufs_a, bufs_b):
         assert x.shape == y.shape and mx.array_equal(x, y).item()
+
+
+@pytest.mark.parametrize("bits", [8, 4, (8, 4)], ids=["q8", "q4", "k8v4"])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_seal_kernel_gives_the_bits_of_mx_quantize(bits, dtype):
+    """cuda_kernels.seal_tail_pages against QuantizedStore.seal_tail_pages (mx.quantize) on the same tails:
+    groups of mixed signs, all negative, all positive, constant and zero; the pool's other pages untouched;
+    the attention output passed through unchanged."""
+    from kvbatch.engine.kv.routes.cuda_kernels import QuantPages, seal_tail_pages
+    from kvbatch.engine.kv.store import QuantizedStore
+
+    H, P, D, gs = 3, 16, 128, 64
+    stores = [QuantizedStore(1, H, D, P, dtype, bits, gs, tail_slots=5) for _ in range(2)]
+    mx.random.seed(3)
+    tk = mx.random.normal((5, H, P, D)) * 3
+    tv = mx.random.normal((5, H, P, D))
+    tk[1] = mx.abs(tk[1]) + 0.5  # all positive
+    tk[2] = -mx.abs(tk[2]) - 0.5  # all negative
+    tv[3] = 0.25  # constant
+    tv[4] = 0.0
+    pool = [mx.random.randint(0, 1 << 30, (7, *a.shape[1:])).astype(a.dtype) for a in stores[0].q[0]]
+    for st in stores:
+        st.tk[0], st.tv[0] = tk.astype(dtype), tv.astype(dtype)
+        st.q[0] = [a + 0 for a in pool]  # own buffers: the kernel writes its pool in place
+        mx.eval(st.q[0])
+    tails, dest = mx.array([4, 1, 2, 3, 0], dtype=mx.int32), mx.array([6, 0, 2, 5, 3], dtype=mx.int32)
+    stores[0].seal_tail_pages(0, tails, dest)
+    st = stores[1]
+    out = mx.random.normal((2, 4, 1, 8)).astype(dtype)
+    kb, vb = (bits, bits) if isinstance(bits, int) else bits
+    got = seal_tail_pages(out, QuantPages(st.q[0], st.tk[0], st.tv[0], kb, gs, vb), tails, dest)
+    mx.eval(got)
+    assert mx.array_equal(got, out).item()
+    for name, want, have, before in zip(("kw", "ks", "kb", "vw", "vs", "vb"), stores[0].q[0], st.q[0], pool):
+        assert mx.array_equal(want, have).item(), name
+        assert mx.array_equal(have[mx.array([1, 4])], before[mx.array([1, 4])]).item(), name  # not sealed into
+        assert not mx.array_equal(have[6], before[6]).item(), name

@@ -76,9 +76,9 @@ def test_every_kernel_variant_compiles(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "nvcc exit 0" in r.stdout
-    # every kernel (dense and q8/q4/k8v4 for 4 head geometries x 2 dtypes x split/store, and the merges)
-    # and for bf16 the tensor-core kernels (window, decode, decode storing: plain, split, merge)
-    assert r.stdout.count(" registers") == 4 * 2 * (4 * 4 + 2) + 4 * 3 * 3
+    # every kernel (dense and q8/q4/k8v4 for 4 head geometries x 2 dtypes x split/store, the merges and the
+    # q8/q4/k8v4 seals) and for bf16 the tensor-core kernels (window, decode, decode storing: plain, split, merge)
+    assert r.stdout.count(" registers") == 4 * 2 * (4 * 4 + 2 + 3) + 4 * 3 * 3
 
 
 def _cache_as_on_cuda(mode: str, P: int, H: int, kernel_writes: bool, step_reuse: bool = True):
@@ -129,15 +129,19 @@ def test_quantized_fused_decode_plan(kernel_writes):
     assert t.lens.tolist() == [[0, 1], [0, P], [P, 1], [2 * P, 3]]
     assert [x[:n] for x, n in zip(t.table_q.tolist(), [0, 0, 1, 2])] == [r.pages[:n] for r, n in
                                                                         zip(rows, [0, 0, 1, 2])]
-    assert t.writes is not None  # row 1 fills its tail: this step writes first, then seals
     tails = [r.tail for r in rows]
-    assert t.writes.tail_write.tolist() == head_rows([a * P + p % P for a, p in zip(tails, pos)], P, H)
     assert cache.store.k_axis == "token"  # keys per token, as on MLX CUDA: the seal comes as whole pages
-    src, dst = t.writes.seal_pages
+    if kernel_writes:  # row 1 fills its tail: the kernel still stores the tokens, then one launch seals
+        assert t.writes is None
+        src, dst = t.seal
+    else:  # this step writes first, then seals
+        assert t.writes is not None and t.seal is None
+        assert t.writes.tail_write.tolist() == head_rows([a * P + p % P for a, p in zip(tails, pos)], P, H)
+        src, dst = t.writes.seal_pages
     assert src.tolist() == [tails[1]] and dst.tolist() == [rows[1].pages[0]]
     rest = [rows[0], rows[2], rows[3]]  # no row seals: the kernel stores the token, if it may
     t = cache.attention.plan(rest, 1, [0, P, 2 * P + 2], cache.epoch, [1] * 3)
-    assert (t.writes is None) == kernel_writes  # None: the kernel stores it; else the step writes it
+    assert (t.writes is None) == kernel_writes and t.seal is None  # None: the kernel stores it; else the step
     assert t.writes is None or (t.writes.seal_pages is None and t.writes.seal_from is None)
 
 

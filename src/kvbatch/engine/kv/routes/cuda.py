@@ -28,7 +28,7 @@ from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.kv.routes.base import Geometry, flat_tokens
 from kvbatch.engine.kv.routes.common import TailWrites, page_table, tail_writes
 from kvbatch.engine.kv.routes.cuda_kernels import (QuantPages, paged_decode_attention, paged_decode_attention_quantized,
-                                                   paged_window_attention)
+                                                   paged_window_attention, seal_tail_pages)
 from kvbatch.engine.kv.routes.dense import DenseRoute, DenseStep
 from kvbatch.engine.kv.routes.quant import QuantRoute
 from kvbatch.engine.kv.store import head_rows
@@ -152,6 +152,7 @@ class CudaQuantDecode:
     table_q: mx.array  # (B, n) sealed pages
     lens: mx.array  # (B, 2) tokens on sealed pages and in the tail, the new one included
     writes: Optional[TailWrites] = None  # None: the kernel stores the token in the tail
+    seal: Optional[tuple[mx.array, mx.array]] = None  # (tails, pool pages) that fill this step, sealed after it
 
 
 class CudaQuantRoute(QuantRoute):
@@ -182,6 +183,14 @@ class CudaQuantRoute(QuantRoute):
                                    _TAIL_STEP, build)
         if self.launch.kernel_writes and P - 1 not in fill:
             return CudaQuantDecode(*arrays)
+        if self.launch.kernel_writes and self.store.k_axis == "token":
+            # With 256 rows at random lengths some row fills its tail at nearly every step: the kernel still
+            # stores the tokens, and one launch a layer seals the filled tails, where TailWrites' scatters and
+            # quantizations are ~12 launches a layer
+            done = [i for i, f in enumerate(fill) if f == P - 1]
+            return CudaQuantDecode(*arrays, seal=(mx.array([tails[i] for i in done], dtype=mx.int32),
+                                                  mx.array([rows[i].pages[pos[i] // P] for i in done],
+                                                           dtype=mx.int32)))
         return CudaQuantDecode(*arrays, writes=tail_writes(P, self.geom.kv_heads, self.store.k_axis, rows, pos, tails,
                                                            fill))
 
@@ -202,8 +211,9 @@ class CudaQuantRoute(QuantRoute):
             return super().attend(layer, meta, queries, scale)
         st = self.store
         pages = QuantPages(st.q[layer], st.tk[layer], st.tv[layer], st.key_bits, st.group_size, st.value_bits)
-        return paged_decode_attention_quantized(queries, pages, meta.tails, meta.table_q, meta.lens, scale,
-                                                self.launch, new_kv=self._new_kv.pop(layer, None))
+        out = paged_decode_attention_quantized(queries, pages, meta.tails, meta.table_q, meta.lens, scale,
+                                               self.launch, new_kv=self._new_kv.pop(layer, None))
+        return out if meta.seal is None else seal_tail_pages(out, pages, *meta.seal)
 
     def end(self):
         """Drop the pass's state, the decode K/V held for the kernel included."""

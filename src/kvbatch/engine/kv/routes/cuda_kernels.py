@@ -30,7 +30,7 @@ from typing import Callable, NamedTuple, Optional, cast
 import mlx.core as mx
 
 from kvbatch.engine.config import CudaLaunch
-from kvbatch.engine.kv.routes.cuda_source import kernel_source, mma_source, reduce_source
+from kvbatch.engine.kv.routes.cuda_source import SEAL, kernel_source, mma_source, reduce_source
 
 NE = 8  # head elements per lane
 # Per kernel kind: tokens per lane per loop step and most warps per block (CudaLaunch.unroll /
@@ -43,6 +43,7 @@ WARPS = {"dense": 8, "quant": 4}
 _DENSE_INPUTS = ["q", "k", "v", "table", "lengths", "meta", "scale"]
 _QUANT_INPUTS = ["q", "kw", "ks", "kb", "vw", "vs", "vb", "tk", "tv", "tails", "table", "lens", "meta", "scale"]
 _WINDOW_INPUTS = ["q", "k", "v", "table", "firsts", "lengths", "meta", "scale"]
+_SEAL_INPUTS = ["a", "kw", "ks", "kb", "vw", "vs", "vb", "tk", "tv", "tails", "pages", "meta"]
 
 # mx.fast.cuda_kernel's object: called with inputs= and the launch's keywords, returns the outputs
 _Kernel = Callable[..., list[mx.array]]
@@ -51,12 +52,15 @@ _kernels: dict[tuple, _Kernel] = {}
 
 def _kernel(kind: str, split: bool, new_kv: bool = False) -> _Kernel:
     """One compiled kernel per variant (kind: dense, quant; mma_{decode,window}_{bf16,f16}: decode and
-    verification windows on the tensor cores; reduce, reduce_window: the merges of split rows). The name
+    verification windows on the tensor cores; reduce, reduce_window: the merges of split rows; seal: q8/q4
+    tail pages quantized into the pool). The name
     carries a hash of the source: MLX caches compiled kernels on disk by name (/tmp/mlx/<version>/ptx), so
     a changed source must not reuse an old binary."""
     key = (kind, split, new_kv)
     if key not in _kernels:
-        if kind.startswith("mma"):
+        if kind == "seal":
+            src, inputs, outputs = SEAL, _SEAL_INPUTS, ["o"]
+        elif kind.startswith("mma"):
             window = kind.startswith("mma_window")
             src = mma_source(split, kind.endswith("_f16"), window, new_kv)
             inputs = _WINDOW_INPUTS if window else _DENSE_INPUTS + (["kn", "vn"] if new_kv else [])
@@ -292,3 +296,19 @@ def paged_window_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, tabl
     one = q.transpose(0, 2, 1, 3).reshape(B * L, Hq, 1, D)
     out = paged_decode_attention(one, k_pool, v_pool, mx.repeat(table, L, axis=0), seen, scale, launch)
     return out.reshape(B, L, Hq, D).transpose(0, 2, 1, 3)
+
+
+def seal_tail_pages(out: mx.array, pages: QuantPages, tails: mx.array, dest: mx.array) -> mx.array:
+    """Quantize the q8/q4 tail pages `tails` (int32, N) into pool pages `dest` (N), keys stored per token,
+    in place; returns `out` (the layer's attention output) passed through, so the seal runs after the
+    decode kernel that stored the pages' last tokens (cuda_source.SEAL). Bits as mx.quantize gives."""
+    _, Hkv, P, D = pages.tail_k.shape
+    n, gs = tails.shape[0], pages.group_size
+    threads = max(2 * n * Hkv * P * (D // gs), -(-out.size // 8))
+    call = dict(template=[("T", pages.tail_k.dtype), ("HKV", Hkv), ("P", P), ("D", D), ("GS", gs),
+                          ("KBITS", pages.key_bits), ("VBITS", pages.value_bits or pages.key_bits)],
+                grid=(-(-threads // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
+                output_shapes=[out.shape], output_dtypes=[out.dtype])
+    meta = _const((out.size, n), mx.int32)
+    (o,) = _kernel("seal", False)(inputs=[out, *pages.packed, pages.tail_k, pages.tail_v, tails, dest, meta], **call)
+    return o

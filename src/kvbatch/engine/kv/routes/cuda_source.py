@@ -437,3 +437,58 @@ def mma_source(split: bool, half: bool, window: bool, new_kv: bool = False) -> s
             .replace("{store}", _MMA_STORE if new_kv else "")
             .replace("{{", "{").replace("}}", "}"))
     return body + _MERGE_WARPS + (_WRITE_PART if split else _WRITE_OUT).format(**_OUTPUTS[True])
+
+
+# Sealing a q8/q4 decode step's filled tail pages, after the decode kernel stored their last tokens
+# (kernel_writes). One thread quantizes one group of GS elements of one token of one KV head, keys
+# (the first half of the threads, KBITS) or values (VBITS), from tail page tails[n] into pool page
+# pages[n], with MLX's affine quantization (mlx/backend/cuda/quantized/affine_quantize.cu: the same
+# min / max, scale, edge and rounding steps, so a page sealed here holds the bits mx.quantize gives
+# it in prefill). The pool's arrays are written in place through the input pointers, as the decode
+# kernel stores its token. The launch also passes the layer's attention output through (a -> o):
+# that makes the seal part of the step's graph, ordered after the decode kernel, at no other cost.
+# Template constants: T (the tails', scales' and biases' dtype), HKV, P, D, GS, KBITS, VBITS.
+SEAL = r"""
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x, stride = (size_t)gridDim.x * blockDim.x;
+    const size_t n_out = meta[0];
+    for (size_t e = i; e < n_out; e += stride) o[e] = a[e];
+    constexpr int G = D / GS;
+    const size_t work = (size_t)meta[1] * HKV * P * G;
+    if (i >= 2 * work) return;
+    const bool is_v = i >= work;
+    size_t r = is_v ? i - work : i;
+    const int g = r % G; r /= G;
+    const int t = r % P; r /= P;
+    const int h = r % HKV;
+    const int n = r / HKV;
+    const int bits = is_v ? VBITS : KBITS;
+    const T* src = (is_v ? tv : tk) + (((size_t)tails[n] * HKV + h) * P + t) * D + g * GS;
+    float lo = 3.402823466e+38f, hi = 0.f;  // as MLX: the max starts at 0
+    for (int e = 0; e < GS; ++e) {
+        const float x = static_cast<float>(src[e]);
+        lo = fminf(lo, x);
+        hi = fmaxf(hi, x);
+    }
+    const float n_bins = (float)((1 << bits) - 1);
+    float sc = fmaxf((hi - lo) / n_bins, 1e-7f);
+    const bool side = fabsf(lo) > fabsf(hi);
+    sc = side ? sc : -sc;
+    const float edge = side ? lo : hi;
+    const float q0 = roundf(edge / sc);
+    const bool at_zero = q0 == 0.0f;
+    sc = at_zero ? sc : edge / q0;
+    const float bias = at_zero ? 0.f : edge;
+    const size_t dst = ((size_t)pages[n] * HKV + h) * P + t;  // (page, head, token) of the pool
+    const_cast<T*>(is_v ? vs : ks)[dst * G + g] = static_cast<T>(sc);
+    const_cast<T*>(is_v ? vb : kb)[dst * G + g] = static_cast<T>(bias);
+    const int per = 32 / bits;  // codes a uint32 word, the first in the lowest bits
+    uint32_t* w = const_cast<uint32_t*>(is_v ? vw : kw) + dst * (D * bits / 32) + g * (GS * bits / 32);
+    for (int wd = 0; wd < GS / per; ++wd) {
+        uint32_t word = 0;
+        for (int j = 0; j < per; ++j) {
+            const float c = fminf(roundf((static_cast<float>(src[wd * per + j]) - bias) / sc), n_bins);
+            word |= (uint32_t)c << (bits * j);  // c in [0, n_bins]
+        }
+        w[wd] = word;
+    }
+"""
