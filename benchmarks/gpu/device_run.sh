@@ -45,7 +45,11 @@
 #            omegaconf, antlr4, tqdm: `pip download --only-binary ... --python-version 3.12`); JOB_PROFILE=1 first
 #            profiles one kvbatch run (job_profile.txt), JOB_ROUNDS (default 2; medians of the rounds); JOB_OTHER (e.g.
 #            kv=q8): a second kvbatch side with these overrides too, in the same alternation (its wall against the
-#            first side's); JOB_MATCH=0 leaves out mlx-lm at kvbatch's batch size
+#            first side's); JOB_MATCH=0 leaves out mlx-lm at kvbatch's batch size; JOB_ROWS / JOB_NEW (256 / 512): the
+#            rows and new tokens; JOB_TAG: a suffix of the JSON's name
+#   trtgrid  the job stage at TensorRT-LLM's input/output grid ($TRT_PAIRS, default 128/128 2048/2048 128/2048
+#            128/4096 tokens), Llama-$JOB_GEOM geometry (default 8b), $TRT_ROWS rows (256), kvbatch against mlx-lm
+#            batch_generate, 2 rounds each; SECONDS is per pair (the job stage's JSON job_8b_trt<in>x<out>.json)
 #   shared   job.shared_prompts (issue 21), Llama-1B geometry (random bf16, the job stage's): $SHARED_ROWS
 #            (default 512) rows behind one ~1,000-token system prompt (180 words: the random model's tokenizer spends ~5.5 tokens a word), 128 new tokens each, prefix cache on / off /
 #            mlx-lm batch_generate; then n=8 samples of 64 prompts against 512 duplicated rows; SHARED_ROUNDS (2)
@@ -170,11 +174,17 @@ for arg in "$@"; do
                --batches 8,64,256 --modes none --rounds 2 --out $OUT/gpu_1b_throughput.json" 2>&1 |
         tee "$OUT/throughput.txt" | cut -c1-400 ;;
     job) python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$C"/*.whl || exit 1
-      g=${JOB_GEOM:-1b}; [ "$g" = 8b ] && geom=$GEOM8B || geom=$GEOM1B; tag=${g}${JOB_KV:+_${JOB_KV//[^a-z0-9]/}}
-      timeout "$secs" python3 -m benchmarks job.job_vs_mlx_lm --model tiny --model-args "$geom" --rows 256 --new 512 \
+      g=${JOB_GEOM:-1b}; [ "$g" = 8b ] && geom=$GEOM8B || geom=$GEOM1B; tag=${g}${JOB_KV:+_${JOB_KV//[^a-z0-9]/}}${JOB_TAG:-}
+      timeout "$secs" python3 -m benchmarks job.job_vs_mlx_lm --model tiny --model-args "$geom" --rows ${JOB_ROWS:-256} \
+        --new ${JOB_NEW:-512} \
         --prompt-tokens ${JOB_PROMPT_TOKENS:-32-1999} --rounds ${JOB_ROUNDS:-2} ${JOB_KV:+--kvbatch-args "$JOB_KV"} ${JOB_OTHER:+--other-args "$JOB_OTHER"} \
         ${JOB_PROFILE:+--profile $OUT/job_profile.txt} $([ "${JOB_MATCH:-1}" = 1 ] && echo --match) --kvbatch-cmd "python3 -m kvbatch" --python python3 \
         --out "$OUT/job_$tag.json" 2>&1 | tee "$OUT/job_$tag.txt" | cut -c1-1500 ;;
+    trtgrid) for io in ${TRT_PAIRS:-128/128 2048/2048 128/2048 128/4096}; do  # TensorRT-LLM's input/output grid
+        i=${io%/*} o=${io#*/}; echo "-- $i in / $o out, ${TRT_ROWS:-256} rows"
+        JOB_GEOM=${JOB_GEOM:-8b} JOB_PROMPT_TOKENS=$i-$i JOB_NEW=$o JOB_ROWS=${TRT_ROWS:-256} JOB_MATCH=0 \
+          JOB_TAG=_trt${i}x${o} bash "$0" job:"$secs"
+      done ;;
     shared) python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$C"/*.whl || exit 1
       timeout "$secs" python3 -m benchmarks job.shared_prompts --model tiny --model-args "$GEOM1B" --python python3 \
         --rows ${SHARED_ROWS:-512} --system-words ${SHARED_WORDS:-180} --prompts 64 --n 8 --rounds ${SHARED_ROUNDS:-2} --parts ${SHARED_PARTS:-system,samples} \
