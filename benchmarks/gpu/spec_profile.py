@@ -126,7 +126,7 @@ class _Capture:
     def __init__(self, n: int) -> None:
         from kvbatch.engine.kv.routes import cuda as cmod
 
-        self.n, self.seen, self.args = n, 0, None
+        self.n, self.seen, self.args, self.in_situ_ms = n, 0, None, 0.0
         self.cls, self.orig = cmod.CudaDenseRoute, cmod.CudaDenseRoute.attend
         cap = self
 
@@ -136,16 +136,41 @@ class _Capture:
                 cap.seen += 1
                 if cap.seen == cap.n:
                     table = meta.step.table
-                    mx.eval(queries, table, meta.firsts, meta.lengths)
+                    mx.eval(out, queries, table, meta.firsts, meta.lengths)
                     cap.args = (queries, route.store.k[0], route.store.v[0], table, meta.firsts, meta.lengths,
                                 scale, route.launch)
+                    # the same call again, in the job's state (its allocator's cache, its pools), one call
+                    # after a sync: the in-situ figure the chained ones after the job are compared with
+                    cap.in_situ_ms = cap.single(lambda: cap.call(cap.args))
             return out
         self.cls.attend = attend  # type: ignore[method-assign]
+
+    @staticmethod
+    def call(args) -> mx.array:
+        from kvbatch.engine.kv.routes.cuda_kernels import paged_window_attention
+
+        return paged_window_attention(*args)
+
+    @staticmethod
+    def single(fn, clear: bool = False) -> float:
+        """Milliseconds of one call after a sync (median of 20); clear: MLX's buffer cache emptied first, so the
+        call's outputs are fresh allocations."""
+        ts = []
+        for _ in range(22):
+            if clear:
+                mx.clear_cache()
+            mx.synchronize()
+            t = time.perf_counter()
+            mx.eval(fn())
+            mx.synchronize()
+            ts.append(time.perf_counter() - t)
+        return round(sorted(ts[2:])[10] * 1e3, 3)
 
     def report(self) -> dict:
         """The captured window's shapes, and the kernel's milliseconds on them (median of 20, chained x10):
         as captured, on the decode-style kernel, one decode query a row, and with each row's pages renumbered
-        contiguous (the same pages' count, another order)."""
+        contiguous (the same pages' count, another order); and one call after a sync, in the job's state at
+        the capture, after the job, and after the job with MLX's buffer cache emptied before each call."""
         from dataclasses import replace
 
         from kvbatch.engine.kv.routes.cuda_kernels import (paged_decode_attention, paged_window_attention,
@@ -171,6 +196,9 @@ class _Capture:
             return round(sorted(ts[2:])[10] * 1e3, 3)
         contiguous = mx.arange(B * table.shape[1], dtype=mx.int32).reshape(table.shape) % k.shape[0]
         rec["window_ms"] = ms(lambda: paged_window_attention(q, k, v, table, firsts, lengths, scale, launch))
+        rec["window_in_situ_single_ms"] = self.in_situ_ms
+        rec["window_single_ms"] = self.single(lambda: self.call(self.args))
+        rec["window_single_fresh_buffers_ms"] = self.single(lambda: self.call(self.args), clear=True)
         rec["window_decode_style_ms"] = ms(lambda: paged_window_attention(
             q, k, v, table, firsts, lengths, scale, replace(launch, tensor_cores=False)))
         rec["decode_ms"] = ms(lambda: paged_decode_attention(q[:, :, :1], k, v, table, firsts + 1, scale, launch))
@@ -252,10 +280,10 @@ def run(a) -> dict:
         tokens = sum(len(r.tokens) for r in res)
         rec = {"side": side, "wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "trims": trims[0],
                "max_batch": s1.get("max_batch"), **figs}
+        if capture:  # first: its patch wraps the phases' one
+            rec["window"] = capture.report()
         if phases:
             rec["phases"] = phases.uninstall()
-        if capture:
-            rec["window"] = capture.report()
         print(json.dumps(rec), flush=True)
         if not phases:
             buf = io.StringIO()
