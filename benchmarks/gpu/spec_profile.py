@@ -152,13 +152,23 @@ class _Capture:
         return paged_window_attention(*args)
 
     @staticmethod
-    def single(fn, clear: bool = False) -> float:
+    def host_arrays(B: int, width: int, L: int, kv_heads: int) -> None:
+        """Build and drop arrays from host lists of the sizes a verification pass makes (positions, lengths, the
+        page table, the head rows of its K/V, its tokens): MLX CUDA allocates these stream-less, in managed
+        memory, and their freed buffers join the cache that kernel outputs are then taken from."""
+        for n in (B, B, B * width, B * L * kv_heads, B * L, B * L):
+            mx.array(list(range(n)), dtype=mx.int32)
+
+    @staticmethod
+    def single(fn, clear: bool = False, before=None) -> float:
         """Milliseconds of one call after a sync (median of 20); clear: MLX's buffer cache emptied first, so the
-        call's outputs are fresh allocations."""
+        call's outputs are fresh allocations; before: run ahead of each call, outside the clock."""
         ts = []
         for _ in range(22):
             if clear:
                 mx.clear_cache()
+            if before is not None:
+                before()
             mx.synchronize()
             t = time.perf_counter()
             mx.eval(fn())
@@ -170,7 +180,8 @@ class _Capture:
         """The captured window's shapes, and the kernel's milliseconds on them (median of 20, chained x10):
         as captured, on the decode-style kernel, one decode query a row, and with each row's pages renumbered
         contiguous (the same pages' count, another order); and one call after a sync, in the job's state at
-        the capture, after the job, and after the job with MLX's buffer cache emptied before each call."""
+        the capture, after the job, after the job with MLX's buffer cache emptied before each call, and after
+        building and dropping the host arrays a pass makes (window and decode)."""
         from dataclasses import replace
 
         from kvbatch.engine.kv.routes.cuda_kernels import (paged_decode_attention, paged_window_attention,
@@ -199,6 +210,10 @@ class _Capture:
         rec["window_in_situ_single_ms"] = self.in_situ_ms
         rec["window_single_ms"] = self.single(lambda: self.call(self.args))
         rec["window_single_fresh_buffers_ms"] = self.single(lambda: self.call(self.args), clear=True)
+        churn = lambda: self.host_arrays(B, table.shape[1], L, k.shape[1])  # noqa: E731
+        rec["window_single_after_host_arrays_ms"] = self.single(lambda: self.call(self.args), before=churn)
+        rec["decode_single_after_host_arrays_ms"] = self.single(
+            lambda: paged_decode_attention(q[:, :, :1], k, v, table, firsts + 1, scale, launch), before=churn)
         rec["window_decode_style_ms"] = ms(lambda: paged_window_attention(
             q, k, v, table, firsts, lengths, scale, replace(launch, tensor_cores=False)))
         rec["decode_ms"] = ms(lambda: paged_decode_attention(q[:, :, :1], k, v, table, firsts + 1, scale, launch))
