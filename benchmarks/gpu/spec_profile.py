@@ -13,6 +13,8 @@ piece evaluated and waited for: what each costs on the device, without the overl
 --capture-window N keeps the layer-0 inputs of the spec side's N-th verification window and times the
 kernel on them afterwards (as captured, decode-style, one decode query a row, pages renumbered contiguous):
 the kernel in the job's own shapes, apart from everything around it.
+--host-array-probe times a device op right after an array of its output's size was built from host data and
+dropped, against the op alone.
 --scatter-pages times DenseStore.write of a verification pass's window into pools of these many pages a
 layer, idle and with a reader of the pool still in flight: a write that grows with the pool copies it.
 """
@@ -34,7 +36,7 @@ from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.types import Request
 
 SMOKE = ["--model", "tiny", "--rows", "2", "--max-tokens", "4", "--warm", "1", "--top", "3", "--min-chars", "100",
-         "--max-chars", "200", "--phases", "--scatter-pages", "8"]
+         "--max-chars", "200", "--phases", "--scatter-pages", "8", "--host-array-probe"]
 
 
 def add_args(ap) -> None:
@@ -51,6 +53,8 @@ def add_args(ap) -> None:
     ap.add_argument("--phases", action="store_true", help="synchronized timers around a pass's pieces, no cProfile")
     ap.add_argument("--capture-window", type=int, default=0,
                     help="time the kernel on the N-th verification window's layer-0 inputs, as captured from the job")
+    ap.add_argument("--host-array-probe", action="store_true",
+                    help="a device op's time with and without a freed host-built array of its output's size before it")
     ap.add_argument("--scatter-pages", default="", help="pool sizes (pages a layer) for the write probe")
 
 
@@ -224,6 +228,33 @@ class _Capture:
         return rec
 
 
+def _host_array_probe(sizes_kib=(16, 256, 6144)) -> list[dict]:
+    """One device op (x * 2 over a device array) timed after a sync, as it is and right after an array of its
+    output's size was built from a host list and dropped (its buffer back in MLX's cache): milliseconds, median
+    of 20. Where host-built arrays get another kind of memory (MLX CUDA: managed) and the cache hands it to
+    the next output of that size, the second is slower."""
+    out = []
+    for kib in sizes_kib:
+        n = kib * 1024 // 4
+        x = mx.random.normal((n,))
+        mx.eval(x)
+        rec: dict = {"kib": kib}
+        for case in ("plain", "after_host_array"):
+            ts = []
+            for _ in range(22):
+                if case == "after_host_array":
+                    mx.array(list(range(n)), dtype=mx.float32)
+                mx.synchronize()
+                t = time.perf_counter()
+                mx.eval(x * 2)
+                mx.synchronize()
+                ts.append(time.perf_counter() - t)
+            rec[f"{case}_ms"] = round(sorted(ts[2:])[10] * 1e3, 3)
+        print(json.dumps({"host_array": rec}), flush=True)
+        out.append(rec)
+    return out
+
+
 def _scatter_probe(pages_list: list[int], window_rows: int = 256 * 5, kv_heads: int = 3, page: int = 16,
                    dim: int = 64) -> list[dict]:
     """DenseStore.write of one window (window_rows tokens) into pools of each size, idle and with a reader in
@@ -261,6 +292,8 @@ def _scatter_probe(pages_list: list[int], window_rows: int = 256 * 5, kv_heads: 
 def run(a) -> dict:
     model, tok, spec = h.load(a.model)
     out: dict = {}
+    if a.host_array_probe:
+        out["host_array"] = _host_array_probe()
     if a.scatter_pages:
         out["scatter"] = _scatter_probe([int(x) for x in a.scatter_pages.split(",")])
     for side in a.sides.split(","):
