@@ -268,12 +268,14 @@ def median_run(runs: list[dict], key: str = "decode_tps") -> dict:
     return pick
 
 
-def median_ms(f: Callable, n: int = 30, warm: int = 3) -> float:
-    """Median ms of n evaluations of f() after `warm` untimed ones."""
+def median_ms(f: Callable, n: int = 30, warm: int = 3, before: Callable | None = None) -> float:
+    """Median ms of n evaluations of f() after `warm` untimed ones; before: run ahead of each, off the clock."""
     for _ in range(warm):
         mx.eval(f())
     ts = []
     for _ in range(n):
+        if before is not None:
+            before()
         t = time.perf_counter()
         mx.eval(f())
         ts.append(time.perf_counter() - t)

@@ -124,6 +124,11 @@ class _Phases:
                 for k, v in sorted(self.s.items(), key=lambda kv: -kv[1])}
 
 
+def _single_ms(fn, before=None) -> float:
+    """Milliseconds of one evaluation of fn() (median of 20); before: run ahead of each, off the clock."""
+    return round(h.median_ms(fn, n=20, warm=2, before=before), 3)
+
+
 class _Capture:
     """The layer-0 inputs of the n-th verification window (CudaDenseRoute.attend of a CudaMulti pass)."""
 
@@ -145,7 +150,7 @@ class _Capture:
                                 scale, route.launch)
                     # the same call again, in the job's state (its allocator's cache, its pools), one call
                     # after a sync: the in-situ figure the chained ones after the job are compared with
-                    cap.in_situ_ms = cap.single(lambda: cap.call(cap.args))
+                    cap.in_situ_ms = _single_ms(lambda: cap.call(cap.args))
             return out
         self.cls.attend = attend  # type: ignore[method-assign]
 
@@ -162,23 +167,6 @@ class _Capture:
         memory, and their freed buffers join the cache that kernel outputs are then taken from."""
         for n in (B, B, B * width, B * L * kv_heads, B * L, B * L):
             mx.array(list(range(n)), dtype=mx.int32)
-
-    @staticmethod
-    def single(fn, clear: bool = False, before=None) -> float:
-        """Milliseconds of one call after a sync (median of 20); clear: MLX's buffer cache emptied first, so the
-        call's outputs are fresh allocations; before: run ahead of each call, outside the clock."""
-        ts = []
-        for _ in range(22):
-            if clear:
-                mx.clear_cache()
-            if before is not None:
-                before()
-            mx.synchronize()
-            t = time.perf_counter()
-            mx.eval(fn())
-            mx.synchronize()
-            ts.append(time.perf_counter() - t)
-        return round(sorted(ts[2:])[10] * 1e3, 3)
 
     def report(self) -> dict:
         """The captured window's shapes, and the kernel's milliseconds on them (median of 20, chained x10):
@@ -200,23 +188,16 @@ class _Capture:
                "max_keys": int(lengths.max().item()), "mean_keys": float(lengths.astype(mx.float32).mean().item()),
                "tensor_cores": tensor_cores(q.dtype, k.dtype, D, Hq // k.shape[1], k.shape[2], launch.chunk)}
 
-        def ms(fn) -> float:
-            ts = []
-            for _ in range(22):
-                mx.synchronize()
-                t = time.perf_counter()
-                mx.eval([fn() for _ in range(10)])
-                mx.synchronize()
-                ts.append((time.perf_counter() - t) / 10)
-            return round(sorted(ts[2:])[10] * 1e3, 3)
+        def ms(fn) -> float:  # chained x10, per call
+            return round(h.median_ms(lambda: [fn() for _ in range(10)], n=20, warm=2) / 10, 3)
         contiguous = mx.arange(B * table.shape[1], dtype=mx.int32).reshape(table.shape) % k.shape[0]
         rec["window_ms"] = ms(lambda: paged_window_attention(q, k, v, table, firsts, lengths, scale, launch))
         rec["window_in_situ_single_ms"] = self.in_situ_ms
-        rec["window_single_ms"] = self.single(lambda: self.call(self.args))
-        rec["window_single_fresh_buffers_ms"] = self.single(lambda: self.call(self.args), clear=True)
+        rec["window_single_ms"] = _single_ms(lambda: self.call(self.args))
+        rec["window_single_fresh_buffers_ms"] = _single_ms(lambda: self.call(self.args), before=mx.clear_cache)
         churn = lambda: self.host_arrays(B, table.shape[1], L, k.shape[1])  # noqa: E731
-        rec["window_single_after_host_arrays_ms"] = self.single(lambda: self.call(self.args), before=churn)
-        rec["decode_single_after_host_arrays_ms"] = self.single(
+        rec["window_single_after_host_arrays_ms"] = _single_ms(lambda: self.call(self.args), before=churn)
+        rec["decode_single_after_host_arrays_ms"] = _single_ms(
             lambda: paged_decode_attention(q[:, :, :1], k, v, table, firsts + 1, scale, launch), before=churn)
         rec["window_decode_style_ms"] = ms(lambda: paged_window_attention(
             q, k, v, table, firsts, lengths, scale, replace(launch, tensor_cores=False)))
@@ -229,27 +210,18 @@ class _Capture:
 
 
 def _host_array_probe(sizes_kib=(16, 256, 6144)) -> list[dict]:
-    """One device op (x * 2 over a device array) timed after a sync, as it is and right after an array of its
-    output's size was built from a host list and dropped (its buffer back in MLX's cache): milliseconds, median
-    of 20. Where host-built arrays get another kind of memory (MLX CUDA: managed) and the cache hands it to
-    the next output of that size, the second is slower."""
+    """One device op (x * 2 over a device array), as it is and right after an array of its output's size was
+    built from a host list and dropped (its buffer back in MLX's cache): milliseconds. Where host-built arrays
+    get another kind of memory (MLX CUDA: managed) and the cache hands it to the next output of that size, the
+    second is slower."""
     out = []
     for kib in sizes_kib:
         n = kib * 1024 // 4
         x = mx.random.normal((n,))
         mx.eval(x)
-        rec: dict = {"kib": kib}
-        for case in ("plain", "after_host_array"):
-            ts = []
-            for _ in range(22):
-                if case == "after_host_array":
-                    mx.array(list(range(n)), dtype=mx.float32)
-                mx.synchronize()
-                t = time.perf_counter()
-                mx.eval(x * 2)
-                mx.synchronize()
-                ts.append(time.perf_counter() - t)
-            rec[f"{case}_ms"] = round(sorted(ts[2:])[10] * 1e3, 3)
+        host = list(range(n))
+        rec = {"kib": kib, "plain_ms": _single_ms(lambda: x * 2),
+               "after_host_array_ms": _single_ms(lambda: x * 2, before=lambda: mx.array(host, dtype=mx.float32))}
         print(json.dumps({"host_array": rec}), flush=True)
         out.append(rec)
     return out
@@ -258,7 +230,7 @@ def _host_array_probe(sizes_kib=(16, 256, 6144)) -> list[dict]:
 def _scatter_probe(pages_list: list[int], window_rows: int = 256 * 5, kv_heads: int = 3, page: int = 16,
                    dim: int = 64) -> list[dict]:
     """DenseStore.write of one window (window_rows tokens) into pools of each size, idle and with a reader in
-    flight: milliseconds a write (median of 20)."""
+    flight: milliseconds a write."""
     from kvbatch.engine.kv.store import DenseStore, head_rows
 
     out = []
@@ -271,19 +243,12 @@ def _scatter_probe(pages_list: list[int], window_rows: int = 256 * 5, kv_heads: 
         rows = mx.array(head_rows(slots, page, kv_heads), dtype=mx.int32)
         x = mx.ones((window_rows, kv_heads, dim), dtype=mx.bfloat16)
         rec = {"pages": pages, "pool_mb_layer": round(2 * st.k[0].nbytes / 1e6, 1)}
-        for case in ("idle", "reader_in_flight"):
-            ts = []
-            for _ in range(22):
-                if case == "reader_in_flight":
-                    mx.async_eval(st.k[0][:64].sum() + st.v[0][:64].sum())
-                else:
-                    mx.synchronize()
-                t = time.perf_counter()
-                st.write(0, rows, x, x)
-                mx.eval(st.all_arrays())
-                mx.synchronize()
-                ts.append(time.perf_counter() - t)
-            rec[f"{case}_ms"] = round(sorted(ts[2:])[len(ts[2:]) // 2] * 1e3, 3)
+        def write() -> list[mx.array]:
+            st.write(0, rows, x, x)
+            return st.all_arrays()
+        rec["idle_ms"] = _single_ms(write)
+        rec["reader_in_flight_ms"] = _single_ms(write, before=lambda: mx.async_eval(st.k[0][:64].sum() +
+                                                                                 st.v[0][:64].sum()))
         print(json.dumps({"scatter": rec}), flush=True)
         out.append(rec)
     return out
