@@ -71,6 +71,8 @@ def add_args(ap) -> None:
                     help="what a second speculating side, spec_b (in --sides only when named), adds")
     ap.add_argument("--kvbatch-args", default="", help="both kvbatch sides")
     ap.add_argument("--kvbatch-cmd", default=f"{sys.executable} -m kvbatch")
+    ap.add_argument("--spec-b-cmd", default="", help="the spec_b side's kvbatch command (default --kvbatch-cmd), "
+                    "e.g. another tree's: env PYTHONPATH=TREE/src python -m kvbatch")
     ap.add_argument("--python", default=sys.executable, help="runs the mlx-lm side")
     ap.add_argument("--sides", default=",".join(SIDES[:3]),
                     help="the sides to run, in round 0's order (spec, plain, mlx_lm, spec_b): one a call where a call "
@@ -96,7 +98,8 @@ def _side(a, side: str, k: int, inp: Path, tmp: Path, model_cfg: dict) -> dict:
             return run_mlx_lm(a.python, inp, model_cfg, a.max_tokens, None, limit)
         own = {"spec": a.spec_args, "spec_b": a.spec_b_args}.get(side, "")
         extra = shlex.split(a.kvbatch_args) + shlex.split(own)
-        return run_kvbatch(shlex.split(a.kvbatch_cmd), inp, tmp / f"{side}{k}", a.model, {}, a.max_tokens, extra,
+        cmd = a.spec_b_cmd if side == "spec_b" and a.spec_b_cmd else a.kvbatch_cmd
+        return run_kvbatch(shlex.split(cmd), inp, tmp / f"{side}{k}", a.model, {}, a.max_tokens, extra,
                            limit)
     except subprocess.TimeoutExpired:
         return {"timed_out": True, "wall_s": time.perf_counter() - t0}

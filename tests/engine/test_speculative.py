@@ -209,6 +209,54 @@ def test_greedy_tokens_identical(tiny_model, family, mode, page):
     assert s["pages_in_use"] == 0 and s["rows_running"] == 0
 
 
+@pytest.mark.parametrize("mode,split", [("none", 0), ("q8", 0), ("none", None), ("none", 2)])
+def test_rows_without_a_proposal_decode_beside_the_windows(tiny_model, mode, split):
+    """speculative.split_pass_tokens: a verification pass whose rows without a proposal pad at least
+    that many positions runs them as a one-token forward (L = 1) and only the proposing rows as the
+    window (every row of it proposed); below it (null: always) one forward holds every row. Passes of
+    both kinds happen, and the tokens are those without speculation."""
+    m = tiny_model()
+    ref = _engine(m, None, mode=mode).generate(_requests())
+    eng = _engine(m, dict(NGRAM, split_pass_tokens=split), mode=mode)
+    verifier, begin = eng.speculator.verifier, eng.cache.begin
+    forwards: list[list[tuple[int, list[int]]]] = []
+    in_pass = [False]
+
+    def spy_begin(rows, L, poison=None, lens=None):
+        if in_pass[0]:
+            forwards[-1].append((L, list(lens or [L] * len(rows))))
+        return begin(rows, L, poison, lens)
+
+    def spy_step(rows, proposals):
+        forwards.append([])
+        in_pass[0] = True
+        try:
+            return step(rows, proposals)
+        finally:
+            in_pass[0] = False
+
+    step = verifier.step
+    eng.cache.begin, verifier.step = spy_begin, spy_step
+    _same(ref, eng.generate(_requests()))
+    assert eng.summary()["spec_accepted"] > 0
+    padding = []  # per pass: positions the rows without a proposal would pad in one forward
+    for f in forwards:
+        lens = [n for _, ls in f for n in ls]
+        padding.append(sum(n == 1 for n in lens) * (max(lens) - 1))
+        if len(f) == 2:
+            (L1, plain), (L2, window) = f
+            assert L1 == 1 and set(plain) == {1} and L2 > 1 and min(window) > 1
+        else:
+            assert len(f) == 1
+    split_passes = [p for f, p in zip(forwards, padding) if len(f) == 2]
+    one_forward = [p for f, p in zip(forwards, padding) if len(f) == 1]
+    if split is None:
+        assert not split_passes and any(one_forward), "rows with and without a proposal shared a forward"
+    else:
+        assert split_passes and all(p >= split for p in split_passes) and all(p < split or p == 0
+                                                                                for p in one_forward)
+
+
 @pytest.mark.parametrize("mode,page", [("none", 16), ("q8", 16), ("none", 64)])
 def test_greedy_tokens_identical_on_the_portable_route(tiny_model, mode, page):
     """engine.options.route=portable (what Metal runs): kv-none verification windows read the pages in

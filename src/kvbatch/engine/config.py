@@ -181,6 +181,11 @@ class SpeculativeConfig:
     # measure the output tokens a second of steps that verify proposals and of steps that do not, per
     # batch size, and propose only while verifying is at least as fast (engine/speculative/payoff.py)
     adaptive: bool = True
+    # a verification pass runs the rows that proposed nothing as a separate one-token forward when that
+    # saves at least this many padded window positions (those rows x (window - 1)); a second forward
+    # reads the weights again, which costs a CPU about 45 positions' work (docs/decoding.md); 0: always;
+    # null: never (every row padded to the longest window)
+    split_pass_tokens: Optional[int] = 48
 
 
 @dataclass
@@ -255,6 +260,8 @@ def check_speculative(sp: SpeculativeConfig) -> None:
           f"must be >= speculative.prompt_lookup_min ({sp.prompt_lookup_min})")
     n = sp.disable_by_batch_size
     _need(n is None or n >= 1, "speculative.disable_by_batch_size", n, "must be >= 1 or null")
+    n = sp.split_pass_tokens
+    _need(n is None or n >= 0, "speculative.split_pass_tokens", n, "must be >= 0 or null")
 
 
 def check_settings(s: EngineSettings) -> None:

@@ -499,7 +499,8 @@ def run_identity(cfg: Config, input_path: str, include_kv: bool) -> str:
             keyed["prefix_cache"] = False
         if cfg.speculative.method != "none":  # the verification pass's numerics can move a near-tie
             keyed["speculative"] = asdict(cfg.speculative)
-            keyed["speculative"].pop("adaptive")  # which steps verify, not what they keep: the same job
+            for key in ("adaptive", "split_pass_tokens"):  # which steps verify and how, not what they keep
+                keyed["speculative"].pop(key)
             if cfg.speculative.method == "draft":
                 keyed["speculative"]["model"].pop("cache_dir", None)
             else:

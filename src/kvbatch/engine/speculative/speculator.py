@@ -18,7 +18,7 @@ class Speculator:
     def __init__(self, cfg: SpeculativeConfig, proposer: Proposer, runner: Runner, context_length: int,
                  page_size: int, quantized: bool):
         self.cfg, self.proposer = cfg, proposer
-        self.verifier = Verifier(runner)
+        self.verifier = Verifier(runner, cfg.split_pass_tokens)
         self.context_length, self.page_size, self.quantized = context_length, page_size, quantized
         self.payoff = Payoff() if cfg.adaptive else None
 

@@ -1,6 +1,8 @@
-"""The verification pass: every decoding row of the step in one forward, each with its last token
-and its proposed tokens (ragged: a row proposing nothing has one token), a multi-token pass over the
-rows' cached pages with logits kept at every position. The attention route decides how such a pass
+"""The verification pass: every decoding row of the step, each with its last token and its proposed
+tokens, a multi-token pass over the rows' cached pages with logits kept at every position. A forward
+is right-padded to its longest window; where the rows that proposed nothing would pad enough
+positions (`speculative.split_pass_tokens`) they run as a forward of their own, one token a row as a
+decode step, and only the proposing rows run the window. The attention route decides how such a pass
 reads the pages: with kv none in place, as a decode step does, each query over the keys up to its
 own position (routes/dense.py `multi_plan`, routes/portable.py, routes/cuda.py `CudaMulti`).
 
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import cast
+from typing import Callable, Optional, cast
 
 import mlx.core as mx
 
@@ -70,8 +72,9 @@ def _forced(toks: list[int], offs: list[int], props: list[list[int]], share: flo
 class Verifier:
     """Runs verification passes for the engine, and counts what they proposed and accepted."""
 
-    def __init__(self, runner: Runner):
-        self.r = runner
+    def __init__(self, runner: Runner, split_tokens: Optional[int]):
+        """split_tokens: speculative.split_pass_tokens (None: every row in one padded forward)."""
+        self.r, self.split_tokens = runner, split_tokens
         self.passes = 0
         self.proposed = 0
         self.accepted = 0
@@ -80,14 +83,19 @@ class Verifier:
         """Verify the proposals (by id(row); rows without one take part with their one token) of
         `rows` (their windows reserved); the accepted tokens as one TokenPass per output step."""
         r, t0 = self.r, time.perf_counter()
+        # Rows without a proposal first: where they would pad enough window positions
+        # (speculative.split_pass_tokens) they take their one token through a forward of their own, a
+        # decode step's, so that only the proposing rows pay for the window in every layer.
+        plain = [row for row in rows if not proposals.get(id(row))]
+        rows = plain + [row for row in rows if proposals.get(id(row))]
         props = [proposals.get(id(row), []) for row in rows]
         lens = [1 + len(p) for p in props]
-        L = max(lens)
-        offs, flat, rep, steps, keys, afters = [], [], [], [], [], []
+        cut = len(plain) if self.split_tokens is not None and 0 < len(plain) < len(rows) and \
+            len(plain) * (max(lens) - 1) >= self.split_tokens else 0
+        offs, rep, steps, keys, afters = [], [], [], [], []
         sampled_rows = False
-        for i, (row, n) in enumerate(zip(rows, lens)):
-            offs.append(len(flat))
-            flat.extend(range(i * L, i * L + n))
+        for row, n in zip(rows, lens):
+            offs.append(len(rep))
             rep += [row] * n
             m = len(row.out)
             steps.extend(range(m, m + n))
@@ -101,20 +109,21 @@ class Verifier:
                 afters.append(after)
                 sampled_rows = True
         before = [row.kv.length for row in rows]
+        groups = [(0, cut), (cut, len(rows))] if cut else [(0, len(rows))]
         try:
-            inputs = mx.array([[row.out[-1]] + p + [0] * (L - n) for row, p, n in zip(rows, props, lens)])
-            r.begin(rows, L, r.poison(rows), lens)
-            try:
-                h, head = forward_hidden(r.model, inputs, r.cache.views)
-                h = h.reshape(len(rows) * L, h.shape[-1])
-                if len(flat) < len(rows) * L:
-                    h = h[mx.array(flat)]
-                logits = head(h).astype(mx.float32)  # (N, V): every kept position
-                sampled = sample_batch(logits, rep, r.grammars, steps=steps, keys=keys if sampled_rows else None)
-                finite = mx.isfinite(logits).all(axis=-1)
-                mx.eval(*sampled.arrays(), finite, *[k for a in afters if a for k in a])
-            finally:
-                r.cache.end()
+            hidden, head = [], None
+            for lo, hi in groups:
+                h, head = self._forward(rows[lo:hi], props[lo:hi], lens[lo:hi])
+                if hi < len(rows):
+                    # the first forward's pool writes land before the second's are scheduled: a write
+                    # behind a queued reader of the same pool copies the pool instead of updating it
+                    mx.eval(h)
+                hidden.append(h)
+            assert head is not None
+            logits = head(hidden[0] if len(hidden) == 1 else mx.concatenate(hidden)).astype(mx.float32)
+            sampled = sample_batch(logits, rep, r.grammars, steps=steps, keys=keys if sampled_rows else None)
+            finite = mx.isfinite(logits).all(axis=-1)
+            mx.eval(*sampled.arrays(), finite, *[k for a in afters if a for k in a])
         except Exception as e:
             for row, n in zip(rows, before):
                 row.kv.length = n
@@ -141,6 +150,21 @@ class Verifier:
                 self.accepted += a
         self.passes += 1
         return Decoded(self._by_step(rows, acc, offs, logits, sampled, finite, t0))
+
+    def _forward(self, rows: list[Row], props: list[list[int]], lens: list[int]) -> tuple[mx.array, Callable]:
+        """One forward of `rows`, each with its last token and its proposal (right-padded to the longest):
+        the hidden states of the real positions, row after row (N, ·), and the vocab projection."""
+        r, L = self.r, max(lens)
+        inputs = mx.array([[row.out[-1]] + p + [0] * (L - n) for row, p, n in zip(rows, props, lens)])
+        r.begin(rows, L, r.poison(rows), lens)
+        try:
+            h, head = forward_hidden(r.model, inputs, r.cache.views)
+        finally:
+            r.cache.end()
+        h = h.reshape(len(rows) * L, h.shape[-1])
+        if sum(lens) < len(rows) * L:
+            h = h[mx.array([i * L + j for i, n in enumerate(lens) for j in range(n)])]
+        return h, head
 
     @staticmethod
     def _by_step(rows: list[Row], acc: list[int], offs: list[int], logits: mx.array, sampled: Sampled,
