@@ -57,10 +57,10 @@ def _requests(n=6, **sp) -> list[Request]:
             for i, p in enumerate(prompts(n))]
 
 
-def _both(m, reqs_fn, **kw):
+def _both(m, reqs_fn, spec=NGRAM, **kw):
     """Results without and with speculation (same requests, same settings), and the speculating engine."""
     ref = _engine(m, None, **kw).generate(reqs_fn())
-    eng = _engine(m, NGRAM, **kw)
+    eng = _engine(m, spec, **kw)
     return ref, eng.generate(reqs_fn()), eng
 
 
@@ -359,9 +359,11 @@ def test_samples_stop_rules_and_logprobs(tiny_model):
     assert eng.summary()["spec_accepted"] > 0
 
 
-def test_constrained_and_penalized_rows_beside_speculating_rows(tiny_model):
+@pytest.mark.parametrize("split", [48, 0])
+def test_constrained_and_penalized_rows_beside_speculating_rows(tiny_model, split):
     """Constrained (json_object) and penalized rows never propose; in a verification pass they take part with
-    their one token and get what they get without speculation, as do the speculating rows beside them."""
+    their one token (in the window's forward, or split into a one-token forward of their own) and get what
+    they get without speculation, as do the speculating rows beside them."""
     m = tiny_model()
 
     def reqs():
@@ -370,7 +372,7 @@ def test_constrained_and_penalized_rows_beside_speculating_rows(tiny_model):
                                                              grammar=grammar_from_format("json_object"))))
         out.append(Request("pen", prompts(1)[0], SamplingParams(max_tokens=20, presence_penalty=1.5)))
         return out
-    ref, got, eng = _both(m, reqs)
+    ref, got, eng = _both(m, reqs, spec=dict(NGRAM, split_pass_tokens=split))
     _same(ref, got)
     assert got[3].stats.spec_proposed == got[4].stats.spec_proposed == 0
     assert eng.summary()["spec_accepted"] > 0
@@ -412,6 +414,8 @@ def test_bad_speculative_setting_fails_at_once(tiny_model):
         _engine(tiny_model(), {"method": "eagle"})
     with pytest.raises(KvbatchConfigError, match="speculative.prompt_lookup_max"):
         _engine(tiny_model(), {"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2})
+    with pytest.raises(KvbatchConfigError, match="speculative.split_pass_tokens"):
+        _engine(tiny_model(), {"method": "ngram", "split_pass_tokens": -1})
 
 
 @pytest.mark.parametrize("route,mode,in_place", [("auto", "none", "DenseStep"), ("auto", "q8", "QuantPagedDecode"),

@@ -32,6 +32,9 @@ def test_job_with_ngram_speculation_records_acceptance_and_matches_without(run_a
     fixed, _ = run_app(f"job.input={src}", "job.max_tokens=24", "speculative.method=ngram",
                        "speculative.adaptive=false")
     assert fixed == spec
+    split, _ = run_app(f"job.input={src}", "job.max_tokens=24", "speculative.method=ngram",
+                       "speculative.split_pass_tokens=0")  # how a pass runs its rows, not what they keep
+    assert split == spec
 
 
 def test_progress_line_shows_the_acceptance_rate():
