@@ -36,6 +36,9 @@ from tests.conftest import ON_CUDA, ON_CPU
 
 # the mechanism under test, every step: which steps speculate is not left to measured speed (test_payoff.py)
 NGRAM = {"method": "ngram", "num_tokens": 4, "adaptive": False}
+# how a verification pass runs the rows without a proposal: in the window's padded forward (null) or in a
+# one-token forward of their own whenever a pass has both kinds of rows (0); the engine tests below run both
+SPLITS = pytest.mark.parametrize("split", [None, 0], ids=["padded", "split"])
 
 
 def prompts(n: int = 6) -> list[list[int]]:
@@ -196,13 +199,14 @@ def test_verification_at_temperature_1_keeps_the_distribution():
     assert params.temperature == 1.0
 
 
+@SPLITS
 # ---- the engine: same tokens -----------------------------------------------------------------
 @pytest.mark.parametrize("family,mode,page", [("llama", "none", 1), ("llama", "none", 16), ("qwen3", "none", 64),
                                               ("llama", "q8", 16), ("qwen3", "q4", 64), ("qwen3", "q8", 16)])
-def test_greedy_tokens_identical(tiny_model, family, mode, page):
+def test_greedy_tokens_identical(tiny_model, family, mode, page, split):
     """Six rows through four slots (rows join and leave), greedy: the same tokens, and the pool empty after."""
     m = tiny_model(family=family)
-    ref, got, eng = _both(m, _requests, mode=mode, page=page)
+    ref, got, eng = _both(m, _requests, spec=dict(NGRAM, split_pass_tokens=split), mode=mode, page=page)
     _same(ref, got)
     s = eng.summary()
     assert s["spec_accepted"] > 0 and sum(r.stats.spec_accepted for r in got) == s["spec_accepted"]
@@ -266,8 +270,9 @@ def test_greedy_tokens_identical_on_the_portable_route(tiny_model, mode, page):
     assert eng.summary()["spec_accepted"] > 0
 
 
+@SPLITS
 @pytest.mark.parametrize("mode,page", [("none", 1), ("q8", 16)])
-def test_sampled_tokens_identical_with_rejections(tiny_model, mode, page):
+def test_sampled_tokens_identical_with_rejections(tiny_model, mode, page, split):
     """Sampled rows (temperature 1 with top_k 2, and temperature 0.15): the tokens each seed gets
     without speculation, with proposals accepted and rejected."""
     m = tiny_model()
@@ -276,7 +281,7 @@ def test_sampled_tokens_identical_with_rejections(tiny_model, mode, page):
         out = _requests(3, temperature=1.0, top_k=2)
         return out + [Request(f"t{i}", p, SamplingParams(max_tokens=40, temperature=0.15, seed=10 + i))
                       for i, p in enumerate(prompts(3))]
-    ref, got, eng = _both(m, reqs, mode=mode, page=page)
+    ref, got, eng = _both(m, reqs, spec=dict(NGRAM, split_pass_tokens=split), mode=mode, page=page)
     _same(ref, got)
     s = eng.summary()
     assert s["spec_accepted"] > 0 and s["spec_proposed"] > s["spec_accepted"]
@@ -303,7 +308,8 @@ def test_no_page_holds_a_rejected_token_after_a_step(tiny_model):
     assert rejected > 0 and eng.summary()["pages_in_use"] == 0
 
 
-def test_preemption_mid_speculation_keeps_only_accepted_tokens(tiny_model):
+@SPLITS
+def test_preemption_mid_speculation_keeps_only_accepted_tokens(tiny_model, split):
     """Optimistic admission in a budget for about two rows: rows are preempted while speculating and
     resume with their accepted tokens only; the same tokens as without speculation."""
     m = tiny_model()
@@ -313,13 +319,15 @@ def test_preemption_mid_speculation_keeps_only_accepted_tokens(tiny_model):
     def reqs():
         return [Request(f"r{i}", p, SamplingParams(max_tokens=60, temperature=0.15, seed=i))
                 for i, p in enumerate(prompts(6))]
-    ref, got, eng = _both(m, reqs, max_batch=6, admission="optimistic", memory_budget=budget)
+    ref, got, eng = _both(m, reqs, spec=dict(NGRAM, split_pass_tokens=split), max_batch=6, admission="optimistic",
+                          memory_budget=budget)
     _same(ref, got)
     s = eng.summary()
     assert s["preemptions"] > 0 and s["spec_accepted"] > 0 and all(r.ok for r in got)
 
 
-def test_prefix_cache_holds_only_accepted_tokens(tiny_model):
+@SPLITS
+def test_prefix_cache_holds_only_accepted_tokens(tiny_model, split):
     """A second wave whose prompts are the first wave's prompts and outputs takes the cached pages
     (including pages of generated tokens) and continues exactly as without speculation."""
     m = tiny_model()
@@ -330,12 +338,13 @@ def test_prefix_cache_holds_only_accepted_tokens(tiny_model):
         again = [Request(f"b{r.key}", p + r.tokens, SamplingParams(max_tokens=20, temperature=0.15, seed=3))
                  for r, p in zip(first, prompts(4))]
         return first + eng.generate(again), eng.summary()
-    (ref, s0), (got, s1) = run(None), run(NGRAM)
+    (ref, s0), (got, s1) = run(None), run(dict(NGRAM, split_pass_tokens=split))
     _same(ref, got)
     assert s1["prompt_tokens_cached"] == s0["prompt_tokens_cached"] > 0 and s1["spec_accepted"] > 0
 
 
-def test_samples_stop_rules_and_logprobs(tiny_model):
+@SPLITS
+def test_samples_stop_rules_and_logprobs(tiny_model, split):
     """n samples forked from one prefill, a stop string, min_tokens and logprobs: as without speculation."""
     m = tiny_model()
     tok = m[1]
@@ -349,7 +358,7 @@ def test_samples_stop_rules_and_logprobs(tiny_model):
         out.append(Request("lp", ps[2], SamplingParams(max_tokens=25, logprobs=3)))
         out.append(Request("min", ps[0], SamplingParams(max_tokens=25, min_tokens=20, temperature=0.15, seed=9)))
         return out
-    ref, got, eng = _both(m, reqs)
+    ref, got, eng = _both(m, reqs, spec=dict(NGRAM, split_pass_tokens=split))
     _same(ref, got)
     assert got[3].finish_reason == "stop" and len(got[3].tokens) >= 6
     lp_ref, lp_got = ref[4].logprobs, got[4].logprobs
