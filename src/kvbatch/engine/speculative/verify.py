@@ -86,12 +86,12 @@ class Verifier:
         # Rows without a proposal first: where they would pad enough window positions
         # (speculative.split_pass_tokens) they take their one token through a forward of their own, a
         # decode step's, so that only the proposing rows pay for the window in every layer.
-        plain = [row for row in rows if not proposals.get(id(row))]
-        rows = plain + [row for row in rows if proposals.get(id(row))]
+        rows = sorted(rows, key=lambda row: bool(proposals.get(id(row))))  # stable: each kind keeps its order
         props = [proposals.get(id(row), []) for row in rows]
         lens = [1 + len(p) for p in props]
-        cut = len(plain) if self.split_tokens is not None and 0 < len(plain) < len(rows) and \
-            len(plain) * (max(lens) - 1) >= self.split_tokens else 0
+        plain = lens.count(1)
+        cut = plain if self.split_tokens is not None and 0 < plain < len(rows) and \
+            plain * (max(lens) - 1) >= self.split_tokens else 0
         offs, rep, steps, keys, afters = [], [], [], [], []
         sampled_rows = False
         for row, n in zip(rows, lens):
