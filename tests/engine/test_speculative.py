@@ -253,6 +253,7 @@ def test_rows_without_a_proposal_decode_beside_the_windows(tiny_model, mode, spl
         else:
             assert len(f) == 1
     split_passes = [p for f, p in zip(forwards, padding) if len(f) == 2]
+    assert eng.summary()["spec_split_passes"] == len(split_passes)  # recorded in summary.json's engine part
     one_forward = [p for f, p in zip(forwards, padding) if len(f) == 1]
     if split is None:
         assert not split_passes and any(one_forward), "rows with and without a proposal shared a forward"

@@ -26,6 +26,7 @@ def test_job_with_ngram_speculation_records_acceptance_and_matches_without(run_a
     s = json.loads((spec.parent / "summary.json").read_text())
     assert s["spec_accepted"] == sum(r["spec_accepted"] for r in b) and 0 < s["spec_acceptance"] <= 1
     assert s["engine"]["speculative"] == "ngram" and s["engine"]["spec_passes"] > 0
+    assert 0 <= s["engine"]["spec_split_passes"] <= s["engine"]["spec_passes"]
     assert "spec acceptance" in one_line(s)
     assert "spec_plain_steps" in s["engine"]  # speculative.adaptive (default on): steps it kept plain
     # which steps verify is not what they keep: adaptive on or off, the same job and the same folder

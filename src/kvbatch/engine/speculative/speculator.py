@@ -65,8 +65,10 @@ class Speculator:
             self.payoff.record(rows, verified, tokens, seconds)
 
     def stats(self) -> dict:
-        """Totals for summary.json: tokens proposed and accepted, verification passes, acceptance rate."""
+        """Totals for summary.json: tokens proposed and accepted, verification passes (and those split), acceptance
+        rate."""
         v = self.verifier
         return {"spec_proposed": v.proposed, "spec_accepted": v.accepted, "spec_passes": v.passes,
+                "spec_split_passes": v.split_passes,
                 "spec_acceptance": v.accepted / v.proposed if v.proposed else None,
                 "spec_plain_steps": self.payoff.plain_steps if self.payoff is not None else 0, **self.proposer.stats()}

@@ -76,6 +76,7 @@ class Verifier:
         """split_tokens: speculative.split_pass_tokens (None: every row in one padded forward)."""
         self.r, self.split_tokens = runner, split_tokens
         self.passes = 0
+        self.split_passes = 0  # passes whose rows without a proposal ran as a forward of their own
         self.proposed = 0
         self.accepted = 0
 
@@ -110,6 +111,7 @@ class Verifier:
                 sampled_rows = True
         before = [row.kv.length for row in rows]
         groups = [(0, cut), (cut, len(rows))] if cut else [(0, len(rows))]
+        self.split_passes += bool(cut)
         try:
             hidden, head = [], None
             for lo, hi in groups:
