@@ -288,6 +288,30 @@ def test_sampled_tokens_identical_with_rejections(tiny_model, mode, page, split)
     assert s["spec_accepted"] > 0 and s["spec_proposed"] > s["spec_accepted"]
 
 
+def test_output_steps_take_the_tokens_the_pass_read(tiny_model):
+    """A verification pass reads its tokens and finite flags once; each output step it hands on carries
+    its rows' share of them (TokenPass.read) for the OutputProcessor, which then reads no device array:
+    every such share equals what the step's own arrays hold, and verification passes hand on only such
+    steps."""
+    m = tiny_model()
+    eng = _engine(m, NGRAM)
+    accept, shares = eng.output.accept, []
+
+    def spy(rows, logits, sampled, finite, read=None):
+        if read is not None:
+            shares.append((read, (sampled.tokens.tolist(), finite.tolist())))
+        return accept(rows, logits, sampled, finite, read)
+
+    eng.output.accept = spy
+    eng.generate(_requests(3, temperature=1.0, top_k=2)
+                 + [Request(f"g{i}", p, SamplingParams(max_tokens=40)) for i, p in enumerate(prompts(3))])
+    s = eng.summary()
+    assert s["spec_passes"] > 0 and s["spec_accepted"] > 0
+    assert len(shares) >= s["spec_passes"]  # at least one output step a pass, each with its share
+    for read, held in shares:
+        assert read == held
+
+
 def test_no_page_holds_a_rejected_token_after_a_step(tiny_model):
     """Page size 1 (each rejected token had a page of its own): after every step each running row
     holds exactly the pages of its stored tokens, reserves nothing beyond them, and the pool's pages

@@ -427,7 +427,7 @@ class Engine:
                 self._plain_mark = None
 
     def _accept(self, p: TokenPass) -> None:
-        for row in self.output.accept(p.rows, p.logits, p.sampled, p.finite):
+        for row in self.output.accept(p.rows, p.logits, p.sampled, p.finite, p.read):
             self.scheduler.unschedule(row)
 
     def _end(self, row: Row, reason: str, code: str, message: str) -> None:

@@ -32,12 +32,15 @@ class OutputProcessor:
         self.generated_tokens = 0
         self.results_by_code: dict[str, int] = {}
 
-    def accept(self, rows: list[Row], logits: mx.array, sampled: Sampled, finite: mx.array) -> list[Row]:
-        """Apply a pass's tokens to its rows (row i: token i, logits i); the rows that ended."""
+    def accept(self, rows: list[Row], logits: mx.array, sampled: Sampled, finite: mx.array,
+               read: Optional[tuple[list[int], list[bool]]] = None) -> list[Row]:
+        """Apply a pass's tokens to its rows (row i: token i, logits i); the rows that ended. read: the
+        tokens and finite flags, where the host holds them already (else read from the arrays)."""
         ended: list[Row] = []
         end = self._ender(ended)
         now = time.perf_counter()
-        toks, ok = cast(list[int], sampled.tokens.tolist()), cast(list[bool], finite.tolist())
+        toks, ok = read if read is not None else \
+            (cast(list[int], sampled.tokens.tolist()), cast(list[bool], finite.tolist()))
         lps = self._logprobs(sampled)
         capture, eos = self.hooks.capture_logits, self.eos_ids
         accepted = 0

@@ -42,6 +42,9 @@ class TokenPass:
     sampled: Sampled
     finite: mx.array
     t0: float = 0.0  # when a decode step was dispatched
+    # the tokens and finite flags as host lists, where the pass has read them already (a verification
+    # pass reads all its positions at once): the OutputProcessor then reads nothing from the device
+    read: Optional[tuple[list[int], list[bool]]] = None
 
 
 @dataclass

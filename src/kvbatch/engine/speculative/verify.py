@@ -59,14 +59,14 @@ def key_chain(key: mx.array, n: int) -> tuple[list[mx.array], list[mx.array]]:
     return use, after
 
 
-def _forced(toks: list[int], offs: list[int], props: list[list[int]], share: float) -> mx.array:
+def _forced(toks: list[int], offs: list[int], props: list[list[int]], share: float) -> list[int]:
     """EngineHooks.force_acceptance: the pass's tokens with each row's first int(share * k) positions
     holding its proposed tokens (kept as if sampled; the position after them keeps the model's draw)."""
     out = list(toks)
     for o, p in zip(offs, props):
         a = int(share * len(p))
         out[o:o + a] = p[:a]
-    return mx.array(out)
+    return out
 
 
 class Verifier:
@@ -131,10 +131,11 @@ class Verifier:
                 row.kv.length = n
             logger.exception("verification pass of %d rows failed", len(rows))
             return Decoded([], f"{type(e).__name__}: {e}")
-        toks = cast(list[int], sampled.tokens.tolist())
+        toks, ok = cast(list[int], sampled.tokens.tolist()), cast(list[bool], finite.tolist())
         force = r.hooks.force_acceptance
         if force is not None:
-            sampled.tokens = _forced(toks, offs, props, force)
+            toks = _forced(toks, offs, props, force)
+            sampled.tokens = mx.array(toks)
         acc = []
         for i, row in enumerate(rows):
             a = accepted_prefix(toks[offs[i]:offs[i] + lens[i]], props[i]) if force is None \
@@ -151,7 +152,7 @@ class Verifier:
                 self.proposed += len(props[i])
                 self.accepted += a
         self.passes += 1
-        return Decoded(self._by_step(rows, acc, offs, logits, sampled, finite, t0))
+        return Decoded(self._by_step(rows, acc, offs, logits, sampled, finite, (toks, ok), t0))
 
     def _forward(self, rows: list[Row], props: list[list[int]], lens: list[int]) -> tuple[mx.array, Callable]:
         """One forward of `rows`, each with its last token and its proposal (right-padded to the longest):
@@ -170,9 +171,12 @@ class Verifier:
 
     @staticmethod
     def _by_step(rows: list[Row], acc: list[int], offs: list[int], logits: mx.array, sampled: Sampled,
-                 finite: mx.array, t0: float) -> list[TokenPass]:
+                 finite: mx.array, read: tuple[list[int], list[bool]], t0: float) -> list[TokenPass]:
         """The pass's kept tokens as one TokenPass per output step (step j: the rows that keep a
-        j-th token), for the OutputProcessor in order."""
+        j-th token), for the OutputProcessor in order. read: every position's token and finite flag,
+        read by the host once for the pass; each output step takes its rows' from there, where reading
+        each step's gathered arrays would be a device round trip per output step."""
+        toks, ok = read
         lp_at = {e: q for q, e in enumerate(sampled.lp_rows)} if sampled.lp_rows else {}
         out = []
         idx = list(range(len(rows)))
@@ -188,6 +192,7 @@ class Verifier:
                 at = mx.array([lp_at[ent[q]] for q in lp_rows])
                 sub.lp_rows, sub.lp = lp_rows, sampled.lp[at]
                 sub.top_ids, sub.top_lps = sampled.top_ids[at], sampled.top_lps[at]
-            out.append(TokenPass([rows[i] for i in idx], logits[sel], sub, finite[sel], t0))
+            out.append(TokenPass([rows[i] for i in idx], logits[sel], sub, finite[sel], t0,
+                                 read=([toks[e] for e in ent], [ok[e] for e in ent])))
         return out
 
