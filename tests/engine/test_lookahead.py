@@ -119,3 +119,57 @@ def test_lookahead_gives_the_step_by_step_results(tiny_model, monkeypatch, mode)
     assert s1["generated_tokens"] == s0["generated_tokens"]
     assert s1["rows_by_error_code"] == s0["rows_by_error_code"] == {"ok": 13, NON_FINITE_LOGITS: 1}
     assert s1["decode_tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize("lookahead,spec", [("off", None), ("on", None), ("off", "ngram")])
+def test_passes_reach_the_device_every_dispatch_layers(tiny_model, monkeypatch, lookahead, spec):
+    """engine.options.dispatch_layers=2 on a 5-layer model: a pass the host waits for (prefill, a decode step
+    without the lookahead, a verification pass) is handed to the device after layers 1 and 3 (never after the
+    last: its end evaluates it), while a lookahead step, dispatched behind the step in flight, goes whole; the
+    tokens are those of dispatch_layers=0, which hands over no pass before its end."""
+    m = tiny_model(num_layers=5)
+    model, tok, mspec = m
+    sp = {"method": spec, "num_tokens": 3, "adaptive": False} if spec else None
+
+    def run(n: int):
+        eng = Engine(model, tok, mspec, engine_config(page_size=8, max_batch=4, memory_budget=2 << 30, speculative=sp,
+                                                      options=EngineOptions(lookahead=lookahead, dispatch_layers=n)))
+        cache, events, now = eng.cache, [], [None]
+        begin, attend, async_eval = cache.begin, cache.attend, mx.async_eval
+
+        def spy_begin(rows, L, poison=None, lens=None, dispatch=True):
+            events.append((L, dispatch, []))
+            return begin(rows, L, poison, lens, dispatch)
+
+        def spy_attend(layer, queries, scale):
+            now[0] = layer
+            try:
+                return attend(layer, queries, scale)
+            finally:
+                now[0] = None
+
+        def spy_async_eval(*arrays):
+            if now[0] is not None:
+                events[-1][2].append(now[0])
+            return async_eval(*arrays)
+
+        cache.begin, cache.attend = spy_begin, spy_attend
+        monkeypatch.setattr(mx, "async_eval", spy_async_eval)
+        try:
+            base = [(7 * j) % 40 + 60 for j in range(6)]
+            res = eng.generate([Request(f"r{i}", base * 3 + [_prompt(i)[0]] * (i + 1), SamplingParams(max_tokens=24))
+                                for i in range(4)])
+        finally:
+            monkeypatch.setattr(mx, "async_eval", async_eval)
+        return [r.tokens for r in res], events, eng
+
+    want, events0, _ = run(0)
+    got, events, eng = run(2)
+    assert got == want
+    assert all(not layers for _, _, layers in events0)
+    assert all(layers == ([1, 3] if dispatch else []) for _, dispatch, layers in events)
+    decode = [d for L, d, _ in events if L == 1]
+    assert any(L > 1 for L, _, _ in events) and decode
+    assert all(d == (lookahead == "off") for d in decode)  # a lookahead step goes whole
+    if spec:
+        assert eng.summary()["spec_passes"] > 0

@@ -88,10 +88,11 @@ class Runner:
         return [r.req.key == inj[0] and len(r.out) + (id(r) in ahead) == int(inj[1]) for r in rows]
 
     def begin(self, rows: list[Row], length: int, poison: Optional[list[bool]],
-              lens: Optional[list[int]] = None) -> None:
+              lens: Optional[list[int]] = None, dispatch: bool = True) -> None:
         """Before a forward pass of `rows` (each `length` positions; `lens`: each row's real ones): the
-        cache's views of their pages, and with per-row adapters, which adapter each row uses."""
-        self.cache.begin([row.kv for row in rows], length, poison, lens)
+        cache's views of their pages, and with per-row adapters, which adapter each row uses. dispatch:
+        see PagedKVCache.begin."""
+        self.cache.begin([row.kv for row in rows], length, poison, lens, dispatch)
         if self.adapters is not None:
             self.adapters.select([row.adapter for row in rows])
 
@@ -305,7 +306,7 @@ class LookaheadStepper:
             t0 = time.perf_counter()
             try:
                 inputs = self._next_inputs(rows, prev, ahead)
-                r.begin(rows, 1, r.poison(rows, ahead))
+                r.begin(rows, 1, r.poison(rows, ahead), dispatch=False)
                 try:
                     logits, tokens, finite = r.forward_sample(rows, inputs, ahead)
                     mx.async_eval(*tokens.arrays(), finite)
