@@ -128,8 +128,9 @@ class EngineOptions:
     multi_query: int = 8
     # a pass the host waits for (prefill, a verification window, a draft's step, a decode step without the
     # lookahead) goes to the device every this many layers, so the device runs its first layers while the
-    # host builds the rest; 0: the whole pass at its end
-    dispatch_layers: int = 4
+    # host builds the rest; 0: the whole pass at its end (on the CPU, where the host's thread shares the
+    # cores with the compute, handing over early gains nothing: docs/performance.md)
+    dispatch_layers: int = 0
     # CPU decode attention spreads over this many streams (kv none: groups of rows; q8/q4: runs of
     # pages); 0: min(cores, 4); 1: off
     attention_threads: int = 0
