@@ -9,7 +9,7 @@ fair share of a pass, and MLX's CPU stream runs the layers handed over on a thre
 host builds the next ones. Each setting is an engine of its own in this process, rounds alternate, every
 row's tokens are compared.
 
-    python -m benchmarks engine.dispatch --rows 1024 --layers 30 --width 64 --settings 0,4 --rounds 2
+    python -m benchmarks dispatch --rows 1024 --layers 30 --width 64 --settings 0,4 --rounds 2
 """
 from __future__ import annotations
 
