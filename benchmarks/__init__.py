@@ -29,8 +29,6 @@ BENCHMARKS = {
     "engine.decoding_controls": "decode tok/s free, with logprobs, and held to a JSON schema",
     "engine.host_step": "the host's own work a decode step at large batches (scheduler, cache, route arrays, "
                          "output), without the device's; a commit side by side",
-    "engine.dispatch": "a pass the host waits for, handed to the device every N layers against whole "
-                       "(engine.options.dispatch_layers; many thin layers at a large batch)",
     "engine.ngram_cost": "the host time of one pass's n-gram proposals over hundreds of rows (a rewrite job's shape)",
     "cpu.decode_attention": "one layer's CPU decode attention: dense routes (--kv none) and packed pages "
                             "gathered vs in place (--kv q8,q4)",

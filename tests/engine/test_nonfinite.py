@@ -66,10 +66,10 @@ def spy_passes(eng):
     cache = kv_cache(eng)
     begin = cache.begin
 
-    def recording_begin(rows, L, poison=None, lens=None, dispatch=True):
+    def recording_begin(rows, L, poison=None, lens=None):
         passes.append(([r.key for r in rows], [r.length for r in rows], L,
                        cache.capacity_pages * cache.P, list(poison) if poison else [False] * len(rows)))
-        return begin(rows, L, poison, lens, dispatch)
+        return begin(rows, L, poison, lens)
 
     cache.begin = recording_begin
     return passes

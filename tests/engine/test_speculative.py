@@ -226,10 +226,10 @@ def test_rows_without_a_proposal_decode_beside_the_windows(tiny_model, mode, spl
     forwards: list[list[tuple[int, list[int]]]] = []
     in_pass = [False]
 
-    def spy_begin(rows, L, poison=None, lens=None, dispatch=True):
+    def spy_begin(rows, L, poison=None, lens=None):
         if in_pass[0]:
             forwards[-1].append((L, list(lens or [L] * len(rows))))
-        return begin(rows, L, poison, lens, dispatch)
+        return begin(rows, L, poison, lens)
 
     def spy_step(rows, proposals):
         forwards.append([])

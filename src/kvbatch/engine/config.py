@@ -101,7 +101,7 @@ class CudaLaunch:
 
 # Options that never change a row's tokens (they change how fast, or what is printed): left out of
 # a run's identity (`identity()`), so they do not move results to another output folder.
-_SAME_OUTPUTS = frozenset({"lookahead", "step_reuse", "attention_trace", "attention_threads", "dispatch_layers"})
+_SAME_OUTPUTS = frozenset({"lookahead", "step_reuse", "attention_trace", "attention_threads"})
 _CHOICES = {"route": ("auto", "portable"), "lookahead": ("auto", "on", "off"),
             "attention_trace": ("off", "nonfinite", "all")}
 
@@ -126,11 +126,6 @@ class EngineOptions:
     # the pages as decode does, each query over the keys up to its own position (kv none; q8/q4 on the
     # CPU and the portable route when the window stays in the row's tail page); 1: the prefill path
     multi_query: int = 8
-    # a pass the host waits for (prefill, a verification window, a draft's step, a decode step without the
-    # lookahead) goes to the device every this many layers, so the device runs its first layers while the
-    # host builds the rest; 0: the whole pass at its end (on the CPU, where the host's thread shares the
-    # cores with the compute, handing over early gains nothing: docs/performance.md)
-    dispatch_layers: int = 0
     # CPU decode attention spreads over this many streams (kv none: groups of rows; q8/q4: runs of
     # pages); 0: min(cores, 4); 1: off
     attention_threads: int = 0
@@ -188,9 +183,9 @@ class SpeculativeConfig:
     adaptive: bool = True
     # a verification pass runs the rows that proposed nothing as a separate one-token forward when that
     # saves at least this many padded window positions (those rows x (window - 1)); a second forward
-    # reads the weights again, which costs a CPU about 45 positions' work (docs/decoding.md); 0: always;
-    # null: never (every row padded to the longest window)
-    split_pass_tokens: Optional[int] = 48
+    # reads the weights again, which costs a CPU about 45 positions' work, and on the H200 it never paid
+    # (docs/decoding.md); 0: always; null: never (every row padded to the longest window)
+    split_pass_tokens: Optional[int] = None
 
 
 @dataclass
@@ -283,8 +278,6 @@ def check_settings(s: EngineSettings) -> None:
               f"choose one of {', '.join(choices)}")
     _need(o.attention_threads >= 0, "engine.options.attention_threads", o.attention_threads, "must be >= 0 (0 = auto)")
     _need(o.multi_query >= 1, "engine.options.multi_query", o.multi_query, "must be >= 1 (1 = the prefill path)")
-    _need(o.dispatch_layers >= 0, "engine.options.dispatch_layers", o.dispatch_layers,
-          "must be >= 0 (0 = a pass goes to the device whole)")
     c = o.cuda
     for f in fields(c):
         if f.type in ("int", int):

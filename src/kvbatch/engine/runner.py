@@ -88,11 +88,10 @@ class Runner:
         return [r.req.key == inj[0] and len(r.out) + (id(r) in ahead) == int(inj[1]) for r in rows]
 
     def begin(self, rows: list[Row], length: int, poison: Optional[list[bool]],
-              lens: Optional[list[int]] = None, dispatch: bool = True) -> None:
+              lens: Optional[list[int]] = None) -> None:
         """Before a forward pass of `rows` (each `length` positions; `lens`: each row's real ones): the
-        cache's views of their pages, and with per-row adapters, which adapter each row uses. dispatch:
-        see PagedKVCache.begin."""
-        self.cache.begin([row.kv for row in rows], length, poison, lens, dispatch)
+        cache's views of their pages, and with per-row adapters, which adapter each row uses."""
+        self.cache.begin([row.kv for row in rows], length, poison, lens)
         if self.adapters is not None:
             self.adapters.select([row.adapter for row in rows])
 
@@ -306,7 +305,7 @@ class LookaheadStepper:
             t0 = time.perf_counter()
             try:
                 inputs = self._next_inputs(rows, prev, ahead)
-                r.begin(rows, 1, r.poison(rows, ahead), dispatch=False)
+                r.begin(rows, 1, r.poison(rows, ahead))
                 try:
                     logits, tokens, finite = r.forward_sample(rows, inputs, ahead)
                     mx.async_eval(*tokens.arrays(), finite)

@@ -42,7 +42,6 @@ class _Pass:
     offset: object
     meta: object  # the route's metadata of this pass
     poison: Optional[mx.array] = None
-    dispatch: int = 0  # engine.options.dispatch_layers for this pass (0: not handed over layer by layer)
     # kv.full_precision_tokens: the pass's tokens at positions < N (flat b * L + i) and the head rows
     # of their places in the rows' dense first-token copies (QuantizedStore.write_first)
     first: Optional[tuple[mx.array, mx.array]] = None
@@ -97,7 +96,6 @@ class PagedKVCache:
         self.prefix_cache = prefix_cache and not self.first
         self.layout, self.P = layout, layout.page_size
         self.num_layers = num_layers
-        self.dispatch_layers = options.dispatch_layers
         self.store, self.attention = select_route(layout, num_layers, dtype, tail_slots, upcast, query_heads, options)
         # kv.rotate_keys: keys stored, and queries attending, in one rotated basis (kv/rotation.py)
         self.rotation = KeyRotation(layout.head_dim) if layout.rotate_keys else None
@@ -305,12 +303,10 @@ class PagedKVCache:
 
     # ---- one forward pass ------------------------------------------------------------------
     def begin(self, rows: list[CacheRow], L: int, poison: Optional[list[bool]] = None,
-              lens: Optional[list[int]] = None, dispatch: bool = True) -> None:
+              lens: Optional[list[int]] = None) -> None:
         """A pass of L tokens per row; lens: each row's real tokens (a prefill pass of rows with
         different chunks is right-padded to L; None: all L). poison: testing only
-        (EngineHooks.nonfinite), rows whose layer-0 attention turns NaN. dispatch: hand the pass to the
-        device every engine.options.dispatch_layers layers (False: a pass dispatched while the device
-        runs the one before, the lookahead's, whose graph building overlaps the device already)."""
+        (EngineHooks.nonfinite), rows whose layer-0 attention turns NaN."""
         lens = lens or [L] * len(rows)
         if self.pool.capacity > self.capacity_pages:  # every page id the pool hands out is in the buffers
             raise UnreservedWriteError(f"the page pool ({self.pool.capacity} pages) exceeds the live buffers "
@@ -335,8 +331,6 @@ class PagedKVCache:
                           first=self._first_writes(rows, L, pos, lens))
         if poison is not None and any(poison):
             self.plan.poison = mx.array(poison)
-        if dispatch:
-            self.plan.dispatch = self.dispatch_layers
         self._reported = set()
 
     def _first_writes(self, rows: list[CacheRow], L: int, pos: list[int], lens: list[int]):
@@ -391,9 +385,6 @@ class PagedKVCache:
             out = mx.where(plan.poison[:, None, None, None], mx.array(mx.nan, out.dtype), out)
         if self.trace:
             self._trace(layer, out)
-        n = plan.dispatch
-        if n and layer % n == n - 1 and layer < self.num_layers - 1:
-            mx.async_eval(out)  # the device starts on the layers so far while the host builds the next ones
         return out
 
     def _trace(self, layer: int, out: mx.array) -> None:
