@@ -59,7 +59,8 @@
 #            $SPEC_SIDES (spec,plain,mlx_lm): the sides this call runs; $SPEC_SIDE_S: seconds one side may take
 #            (default: the stage's seconds less 90, over the sides; under 60 the stage is refused);
 #            spec_<sides>.json is rewritten as each side ends;
-#            $SPEC_KV: both kvbatch sides' overrides; $SPEC_B_ARGS: the spec_b side's; SPEC_PROFILE=plain|spec: first one untimed run of that side
+#            $SPEC_KV: both kvbatch sides' overrides; $SPEC_B_ARGS: the spec_b side's; $SPEC_B_CMD: the spec_b side's command
+#            (e.g. an older tree's src/ on PYTHONPATH); SPEC_PROFILE=plain|spec: first one untimed run of that side
 #            under cProfile (spec_cmd_profile.txt); $SPEC_TAG: a suffix of the JSON's name
 #   specprobe  where a verification pass's time goes on the GPU (issue 41): gpu.spec_ops at batches $PROBE_BATCH (256)
 #            (the pass's pieces against a decode step's), then gpu.spec_profile of the rewrite job's engine ($PROBE_ROWS
@@ -202,7 +203,7 @@ for arg in "$@"; do
       timeout "$secs" python3 -m benchmarks job.speculative --model ${SPEC_MODEL:-smollm2} --rows ${SPEC_ROWS:-256} \
         --max-tokens ${SPEC_NEW:-1024} --rounds ${SPEC_ROUNDS:-2} --kvbatch-cmd "python3 -m kvbatch" --python python3 \
         --sides "$sides" --side-timeout "$side_s" \
-        ${SPEC_ARGS:+--spec-args "$SPEC_ARGS"} ${SPEC_B_ARGS:+--spec-b-args "$SPEC_B_ARGS"} ${SPEC_KV:+--kvbatch-args "$SPEC_KV"} \
+        ${SPEC_ARGS:+--spec-args "$SPEC_ARGS"} ${SPEC_B_ARGS:+--spec-b-args "$SPEC_B_ARGS"} ${SPEC_B_CMD:+--spec-b-cmd "$SPEC_B_CMD"} ${SPEC_KV:+--kvbatch-args "$SPEC_KV"} \
         ${SPEC_PROFILE:+--profile "$OUT/spec_cmd_profile.txt" --profile-side $SPEC_PROFILE} --out "$OUT/spec_${sides//,/_}${SPEC_TAG:-}.json" 2>&1 | tee -a "$OUT/spec.txt" |
         cut -c1-1500 ;;
     specprobe) python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$C"/*.whl || exit 1

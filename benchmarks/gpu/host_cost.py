@@ -6,7 +6,10 @@ eighth session: `cache.begin` 0.22 ms none / 0.58 ms q8, graph build 1.1 / 1.4 m
 - `array`: mx.array from Python lists of a step plan's sizes (lengths, lens, a page table),
   with the GPU idle and with it busy (a step's host work overlaps the previous step's kernels);
 - `kernel`: async_eval of a chain of custom-kernel calls taking 4, 9 or 16 inputs (the dense
-  kernel takes 9, the q8/q4 one 16), per call.
+  kernel takes 9, the q8/q4 one 16), per call;
+- `upload`: int32 arrays of 1k, 16k and 262k entries (a page table at 1,024 rows is ~70k), with the GPU
+  busy: `mx.array` (a new managed buffer each call) against a write into an array that already exists
+  (through numpy's view of it) plus the device's copy of it, and whether that copy holds the values.
 
     python -m benchmarks gpu.host_cost
 """
@@ -17,6 +20,7 @@ import statistics
 import time
 
 import mlx.core as mx
+import numpy as np
 
 NEEDS = "cuda"
 SMOKE = ["--reps", "20"]
@@ -76,8 +80,37 @@ def kernel_cost(n_inputs: int, calls: int = 16, reps: int = 200) -> float:
     return round(statistics.median(ts) / calls * 1e6, 2)
 
 
+def upload_cost(reps: int, sizes: tuple[int, ...] = (1024, 16384, 262144)) -> dict:
+    big = _busy()
+    out: dict = {}
+    for n in sizes:
+        data = np.arange(n, dtype=np.int32)
+        kept = mx.array(data)
+        mx.eval(kept)
+        view = np.array(kept, copy=False)  # the array's own memory: written in place, no allocation
+        for how in ("mx_array", "in_place"):
+            ts, ok = [], True
+            for i in range(max(reps // 8, 4)):
+                mx.synchronize()
+                mx.async_eval(big @ big @ big)  # ~ms of GPU work in flight, as while the host builds a pass
+                t = time.perf_counter()
+                if how == "in_place":
+                    view[:] = data + i
+                    a = kept + 0  # the device's own copy, what a pass would read
+                else:
+                    a = mx.array(data + i)
+                ts.append(time.perf_counter() - t)
+                mx.eval(a)
+                ok = ok and a[-1].item() == n - 1 + i
+            out[f"upload_{how}_{n}_us"] = round(statistics.median(ts) * 1e6, 2)
+            out[f"upload_{how}_{n}_values_ok"] = ok
+    mx.synchronize()
+    return out
+
+
 def run(a) -> dict:
     row = array_cost(a.reps)
+    row.update(upload_cost(a.reps))
     print(json.dumps(row), flush=True)
     for n in (4, 9, 16, 4, 9, 16):
         row.setdefault(f"kernel_{n}_inputs_us_per_call", []).append(kernel_cost(n, reps=max(a.reps // 2, 2)))
