@@ -76,7 +76,10 @@ def run(a) -> dict:
         row = {"batch": b, "plain": plain}
         print(json.dumps({"batch": b, "side": "plain", **plain}), flush=True)
         for share in map(float, a.accept.split(",")):
-            cfg = h.mode_config(a.mode, **kw, speculative={"method": "draft", "num_tokens": a.num_tokens})
+            # adaptive off: the payoff would keep most steps plain where verifying does not pay (at acceptance
+            # 0, always), and the passes measured would be a handful
+            cfg = h.mode_config(a.mode, **kw, speculative={"method": "draft", "num_tokens": a.num_tokens,
+                                                          "adaptive": False})
             eng = Engine(model, tok, spec, cfg, hooks=EngineHooks(force_acceptance=share), draft=draft)
             got = _timed(eng, a, b, spec.vocab_size)
             base = plain["verify_tok_s"]  # plain decode: tokens over its decode steps' own time
