@@ -8,8 +8,9 @@ eighth session: `cache.begin` 0.22 ms none / 0.58 ms q8, graph build 1.1 / 1.4 m
 - `kernel`: async_eval of a chain of custom-kernel calls taking 4, 9 or 16 inputs (the dense
   kernel takes 9, the q8/q4 one 16), per call;
 - `upload`: int32 arrays of 1k, 16k and 262k entries (a page table at 1,024 rows is ~70k), with the GPU
-  busy: `mx.array` (a new managed buffer each call) against a write into an array that already exists
-  (through numpy's view of it) plus the device's copy of it, and whether that copy holds the values.
+  busy, host time: `mx.array` (a new managed buffer each call) against a write into an array that already
+  exists (through numpy's view of it) and the op that copies it on the device; and whether that copy holds
+  the values.
 
     python -m benchmarks gpu.host_cost
 """
