@@ -46,6 +46,8 @@ BENCHMARKS = {
     "job.shared_prompts": "a shared system prompt and n samples: prefix cache on/off against mlx-lm",
     "job.speculative": "speculative decoding (ngram) on a rewrite job: with and without it, and mlx-lm; the record "
                        "written as each side ends",
+    "job.ngram_ceiling": "the most n-gram speculation can gain on a job already run: its greedy outputs replayed "
+                         "through the proposer, plain steps against verification passes",
     "job.many_workers": "many workers on one PostgreSQL queue: rows/s, queue cost, claim latency",
     "job.commits": "the whole `kvbatch` command at two commits side by side: speed ratio and identical rows",
     "job.kill_soak": "many random kill -9 of real workers, then a final run: nothing lost or changed",

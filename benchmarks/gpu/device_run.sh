@@ -61,7 +61,11 @@
 #            spec_<sides>.json is rewritten as each side ends;
 #            $SPEC_KV: both kvbatch sides' overrides; $SPEC_B_ARGS: the spec_b side's; $SPEC_B_CMD: the spec_b side's command
 #            (e.g. an older tree's src/ on PYTHONPATH); SPEC_PROFILE=plain|spec: first one untimed run of that side
-#            under cProfile (spec_cmd_profile.txt); $SPEC_TAG: a suffix of the JSON's name
+#            under cProfile (spec_cmd_profile.txt); $SPEC_TAG: a suffix of the JSON's name; $SPEC_KEEP: a folder to keep
+#            the prompts and the last plain side's results in, for the ceiling stage
+#   ceiling  job.ngram_ceiling (issue 41): the plain outputs kept by spec ($SPEC_KEEP, default $HOME/kept) replayed
+#            through the n-gram proposer at engine.max_batch $CEIL_BATCH (1024), settings $CEIL_SETTINGS (the
+#            benchmark's); the results file comes back as kept_results.parquet where it is under 16 MB
 #   specprobe  where a verification pass's time goes on the GPU (issue 41): gpu.spec_ops at batches $PROBE_BATCH (256)
 #            (the pass's pieces against a decode step's), then gpu.spec_profile of the rewrite job's engine ($PROBE_ROWS
 #            rows, 256, x 512 tokens, ngram then plain) once as MLX is and once with MLX_USE_CUDA_GRAPHS=0; SECONDS is
@@ -203,7 +207,7 @@ for arg in "$@"; do
       timeout "$secs" python3 -m benchmarks job.speculative --model ${SPEC_MODEL:-smollm2} --rows ${SPEC_ROWS:-256} \
         --max-tokens ${SPEC_NEW:-1024} --rounds ${SPEC_ROUNDS:-2} --kvbatch-cmd "python3 -m kvbatch" --python python3 \
         --sides "$sides" --side-timeout "$side_s" \
-        ${SPEC_ARGS:+--spec-args "$SPEC_ARGS"} ${SPEC_B_ARGS:+--spec-b-args "$SPEC_B_ARGS"} ${SPEC_B_CMD:+--spec-b-cmd "$SPEC_B_CMD"} ${SPEC_KV:+--kvbatch-args "$SPEC_KV"} \
+        ${SPEC_ARGS:+--spec-args "$SPEC_ARGS"} ${SPEC_B_ARGS:+--spec-b-args "$SPEC_B_ARGS"} ${SPEC_B_CMD:+--spec-b-cmd "$SPEC_B_CMD"} ${SPEC_KV:+--kvbatch-args "$SPEC_KV"} ${SPEC_KEEP:+--keep "$SPEC_KEEP"} \
         ${SPEC_PROFILE:+--profile "$OUT/spec_cmd_profile.txt" --profile-side $SPEC_PROFILE} --out "$OUT/spec_${sides//,/_}${SPEC_TAG:-}.json" 2>&1 | tee -a "$OUT/spec.txt" |
         cut -c1-1500 ;;
     specprobe) python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$C"/*.whl || exit 1
@@ -222,6 +226,11 @@ for arg in "$@"; do
         --host-array-probe --capture-window ${PROBE_CAPTURE:-30} --sides ${PHASE_SIDES:-spec} \
         --out "$OUT/spec_phases.json" 2>&1 |
         tee -a "$OUT/specphases.txt" | grep '^{' | cut -c1-2500 ;;
+    ceiling) python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$C"/*.whl || exit 1
+      kept=${SPEC_KEEP:-$HOME/kept}
+      timeout "$secs" python3 -m benchmarks job.ngram_ceiling --kept "$kept" --batch ${CEIL_BATCH:-1024} --workers $(nproc) \
+        ${CEIL_SETTINGS:+--settings "$CEIL_SETTINGS"} --out "$OUT/ceiling.json" 2>&1 | tee -a "$OUT/ceiling.txt" | cut -c1-2500
+      [ "$(stat -c %s "$kept/results.parquet")" -lt 16000000 ] && cp "$kept/results.parquet" "$OUT/kept_results.parquet" ;;
     speccost) timeout "$secs" python3 -m benchmarks engine.spec_cost ${SPECCOST_ARGS:---model random-1b \
         --draft random-draft1b --batches 8,64,256 --prompt 512 --new 256} --out "$OUT/spec_cost.json" 2>&1 |
         tee -a "$OUT/spec_cost.txt" | cut -c1-1500 ;;

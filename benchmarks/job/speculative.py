@@ -22,6 +22,7 @@ import hashlib
 import json
 import random
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -84,6 +85,8 @@ def add_args(ap) -> None:
     ap.add_argument("--profile", help="first one untimed run of the side --profile-side under cProfile; its top "
                                       "functions to this file")
     ap.add_argument("--profile-side", default="plain", choices=("spec", "plain"))
+    ap.add_argument("--keep", help="a folder to keep the prompts and the last plain side's results in (for "
+                                   "job.ngram_ceiling)")
 
 
 SIDES = ("spec", "plain", "mlx_lm", "spec_b")
@@ -150,6 +153,18 @@ def _round(a, k: int, sides: list[str], inp: Path, tmp: Path, model_cfg: dict, d
     return line
 
 
+def _keep(a, tmp: Path, inp: Path, model_cfg: dict) -> None:
+    """Copy the prompts and the last round's plain results (outputs are the same on every side) to --keep."""
+    done = [tmp / f"plain{k}" for k in range(a.rounds) if (tmp / f"plain{k}" / "results.parquet").exists()]
+    if not done:
+        return
+    keep = Path(a.keep)
+    keep.mkdir(parents=True, exist_ok=True)
+    shutil.copy(inp, keep / "prompts.jsonl")
+    shutil.copy(done[-1] / "results.parquet", keep / "results.parquet")
+    (keep / "kept.json").write_text(json.dumps({"model": model_cfg, "max_tokens": a.max_tokens, "rows": a.rows}))
+
+
 def run(a) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="kvbatch-spec-"))
     inp = tmp / "prompts.jsonl"
@@ -172,6 +187,8 @@ def run(a) -> dict:
     for k in range(a.rounds):
         rounds.append(_round(a, k, sides, inp, tmp, model_cfg, rounds))
     result: dict = {"rows": a.rows, "sides": sides, "rounds": rounds}
+    if a.keep:
+        _keep(a, tmp, inp, model_cfg)
     for key in ("ratio_plain", "ratio_mlx_lm", "ratio_spec_b_plain", "ratio_spec_spec_b"):
         got = [r[key] for r in rounds if key in r]
         if got:
