@@ -62,10 +62,10 @@
 #            $SPEC_KV: both kvbatch sides' overrides; $SPEC_B_ARGS: the spec_b side's; $SPEC_B_CMD: the spec_b side's command
 #            (e.g. an older tree's src/ on PYTHONPATH); SPEC_PROFILE=plain|spec: first one untimed run of that side
 #            under cProfile (spec_cmd_profile.txt); $SPEC_TAG: a suffix of the JSON's name; $SPEC_KEEP: a folder to keep
-#            the prompts and the last plain side's results in, for the ceiling stage
+#            the prompts and the last round's results in (plain where it ran), for the ceiling stage
 #   ceiling  job.ngram_ceiling (issue 41): the plain outputs kept by spec ($SPEC_KEEP, default $HOME/kept) replayed
 #            through the n-gram proposer at engine.max_batch $CEIL_BATCH (1024), settings $CEIL_SETTINGS (the
-#            benchmark's); the results file comes back as kept_results.parquet where it is under 16 MB
+#            benchmark's); the prompts and the rows' tokens come back in kept/ (job.ngram_ceiling --kept reads them)
 #   specprobe  where a verification pass's time goes on the GPU (issue 41): gpu.spec_ops at batches $PROBE_BATCH (256)
 #            (the pass's pieces against a decode step's), then gpu.spec_profile of the rewrite job's engine ($PROBE_ROWS
 #            rows, 256, x 512 tokens, ngram then plain) once as MLX is and once with MLX_USE_CUDA_GRAPHS=0; SECONDS is
@@ -228,9 +228,15 @@ for arg in "$@"; do
         tee -a "$OUT/specphases.txt" | grep '^{' | cut -c1-2500 ;;
     ceiling) python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$C"/*.whl || exit 1
       kept=${SPEC_KEEP:-$HOME/kept}
+      # what comes back: the prompts and each row's tokens alone (uint16, zstd), for replays on another machine
+      mkdir -p "$OUT/kept" && cp "$kept/prompts.jsonl" "$kept/kept.json" "$OUT/kept/" &&
+        python3 -c "import sys, pyarrow as pa, pyarrow.parquet as pq
+t = pq.read_table(sys.argv[1], columns=['row_key', 'prompt_tokens', 'output_token_ids'])
+t = t.set_column(2, 'output_token_ids', t['output_token_ids'].cast(pa.list_(pa.uint16())))
+pq.write_table(t, sys.argv[2], compression='zstd', compression_level=19)" "$kept/results.parquet" "$OUT/kept/results.parquet"
+      ls -l "$OUT/kept"
       timeout "$secs" python3 -m benchmarks job.ngram_ceiling --kept "$kept" --batch ${CEIL_BATCH:-1024} --workers $(nproc) \
-        ${CEIL_SETTINGS:+--settings "$CEIL_SETTINGS"} --out "$OUT/ceiling.json" 2>&1 | tee -a "$OUT/ceiling.txt" | cut -c1-2500
-      [ "$(stat -c %s "$kept/results.parquet")" -lt 16000000 ] && cp "$kept/results.parquet" "$OUT/kept_results.parquet" ;;
+        ${CEIL_SETTINGS:+--settings "$CEIL_SETTINGS"} --out "$OUT/ceiling.json" 2>&1 | tee -a "$OUT/ceiling.txt" | cut -c1-2500 ;;
     speccost) timeout "$secs" python3 -m benchmarks engine.spec_cost ${SPECCOST_ARGS:---model random-1b \
         --draft random-draft1b --batches 8,64,256 --prompt 512 --new 256} --out "$OUT/spec_cost.json" 2>&1 |
         tee -a "$OUT/spec_cost.txt" | cut -c1-1500 ;;

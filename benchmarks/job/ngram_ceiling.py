@@ -9,6 +9,9 @@ plus one. A pass costs at least a plain decode step (it runs the same rows with 
 a job's decode can gain at most its plain steps over its passes. The job's steps are counted as
 continuous batching runs it: rows admitted in input order whenever a slot of --batch frees, every
 running row advancing one step (or pass) at a time; prefill is left out (speculation does not change it).
+Where a step's cost does not depend on its rows, the job's steps bound the gain (`decode_ceiling`: the
+slowest rows set it once the batch empties); where it is in proportion to them, the rows' steps do
+(`tokens_per_step`).
 
 Every row proposes at every pass here (no speculative.adaptive, no disable_by_batch_size), which is
 the proposer's best case. --settings lists k:lookup_min:lookup_max triples to replay.
@@ -99,6 +102,8 @@ def ceiling(prompts: list[list[int]], outputs: list[list[int]], settings: list[t
                 "row_steps": sum(passes), "tokens_per_step": sum(steps) / max(sum(passes), 1),
                 "proposed": sum(g[1] for g in got), "accepted": sum(g[2] for g in got),
                 "job_steps": spec, "decode_ceiling": plain / max(spec, 1)})
+            # a step's cost lies between flat (job_steps: the ceiling above) and in proportion to its rows
+            # (tokens_per_step: the ceiling where every step is full)
     return res
 
 

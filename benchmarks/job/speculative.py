@@ -85,8 +85,8 @@ def add_args(ap) -> None:
     ap.add_argument("--profile", help="first one untimed run of the side --profile-side under cProfile; its top "
                                       "functions to this file")
     ap.add_argument("--profile-side", default="plain", choices=("spec", "plain"))
-    ap.add_argument("--keep", help="a folder to keep the prompts and the last plain side's results in (for "
-                                   "job.ngram_ceiling)")
+    ap.add_argument("--keep", help="a folder to keep the prompts and the last round's results in, the plain "
+                                   "side's where it ran (for job.ngram_ceiling)")
 
 
 SIDES = ("spec", "plain", "mlx_lm", "spec_b")
@@ -154,15 +154,18 @@ def _round(a, k: int, sides: list[str], inp: Path, tmp: Path, model_cfg: dict, d
 
 
 def _keep(a, tmp: Path, inp: Path, model_cfg: dict) -> None:
-    """Copy the prompts and the last round's plain results (outputs are the same on every side) to --keep."""
-    done = [tmp / f"plain{k}" for k in range(a.rounds) if (tmp / f"plain{k}" / "results.parquet").exists()]
+    """Copy the prompts and the last round's kvbatch results to --keep: the plain side's where it ran, else a
+    speculating side's (greedy outputs are the same with and without speculation)."""
+    done = [tmp / f"{side}{k}" for side in ("spec_b", "spec", "plain") for k in range(a.rounds)
+            if (tmp / f"{side}{k}" / "results.parquet").exists()]
     if not done:
         return
     keep = Path(a.keep)
     keep.mkdir(parents=True, exist_ok=True)
     shutil.copy(inp, keep / "prompts.jsonl")
     shutil.copy(done[-1] / "results.parquet", keep / "results.parquet")
-    (keep / "kept.json").write_text(json.dumps({"model": model_cfg, "max_tokens": a.max_tokens, "rows": a.rows}))
+    (keep / "kept.json").write_text(json.dumps({"model": model_cfg, "max_tokens": a.max_tokens, "rows": a.rows,
+                                                "side": done[-1].name}))
 
 
 def run(a) -> dict:
