@@ -21,6 +21,7 @@ the proposer's best case. --settings lists k:lookup_min:lookup_max triples to re
 """
 from __future__ import annotations
 
+import gzip
 import heapq
 import json
 from concurrent.futures import ProcessPoolExecutor
@@ -147,7 +148,11 @@ def run(a) -> dict:
     kept = _kept(a)
     meta = json.loads((kept / "kept.json").read_text())
     _, tok, _ = engine.load_model(ModelConfig(**meta["model"]))
-    texts = {json.loads(ln)["id"]: json.loads(ln)["prompt"] for ln in (kept / "prompts.jsonl").read_text().splitlines()}
+    # prompts.jsonl, or gzipped where it is kept in the repository (pydoc's text differs between Pythons,
+    # so the prompts of a run elsewhere are kept, not made again)
+    plain = kept / "prompts.jsonl"
+    raw = plain.read_text() if plain.exists() else gzip.decompress((kept / "prompts.jsonl.gz").read_bytes()).decode()
+    texts = {json.loads(ln)["id"]: json.loads(ln)["prompt"] for ln in raw.splitlines()}
     rows = sorted(pq.read_table(kept / "results.parquet").to_pylist(), key=lambda r: int(r["row_key"][1:]))
     job = JobConfig()
     prompts = [encode(tok, {"prompt": texts[r["row_key"]]}, job) for r in rows]

@@ -456,15 +456,18 @@ def test_bad_speculative_setting_fails_at_once(tiny_model):
                                                  ("portable", "none", "PortableStep"),
                                                  ("portable", "q8", "PortableQuantStep")])
 def test_multi_query_option_decides_how_windows_are_read(tiny_model, route, mode, in_place):
-    """engine.options.multi_query reaches the route: with the default, verification windows are read in
-    place like decode (the route's decode-kind plan); with 1, every multi-token pass takes the prefill
-    path. The tokens are the same either way; 0 is refused in one line."""
+    """The route's multi_query decides how windows are read: with the default, verification windows are
+    read in place like decode (the route's decode-kind plan); with 1, every multi-token pass takes the
+    prefill path (set on the route: the engine refuses speculation whose windows do not fit
+    engine.options.multi_query, the test below). On the CPU in float32 the tokens are the same either way;
+    0 is refused in one line."""
     from tests.conftest import kv_cache
 
     seen: dict[int, set] = {}
     for mq in (8, 1):
-        eng = _engine(tiny_model(), NGRAM, mode=mode, options=EngineOptions(route=route, multi_query=mq))
+        eng = _engine(tiny_model(), NGRAM, mode=mode, options=EngineOptions(route=route))
         attention = kv_cache(eng).attention
+        attention.multi_query = mq
         plan, kinds = attention.plan, set()
 
         def watch(rows, L, pos, epoch, lens, plan=plan, kinds=kinds):
@@ -485,3 +488,16 @@ def test_multi_query_option_decides_how_windows_are_read(tiny_model, route, mode
         assert in_place_kind in seen[8] and in_place_kind not in seen[1], seen
     with pytest.raises(KvbatchConfigError, match="engine.options.multi_query"):
         _engine(tiny_model(), NGRAM, options=EngineOptions(multi_query=0))
+
+
+def test_windows_wider_than_multi_query_are_refused_and_fit_once_it_is_raised(tiny_model):
+    """num_tokens 8 makes windows of 9 tokens: past the default multi_query (8) they would take the prefill
+    path, whose rounding differs from decode's, so the setting is refused in one line naming the fix; with
+    multi_query 9 the windows read like decode and the tokens are those without speculation."""
+    wide = dict(NGRAM, num_tokens=8)
+    with pytest.raises(KvbatchConfigError, match=r"speculative.num_tokens=8: .*engine.options.multi_query \(8\)"):
+        _engine(tiny_model(), wide)
+    ref, got, eng = _both(tiny_model(), _requests, spec=wide, options=EngineOptions(multi_query=9))
+    _same(ref, got)
+    assert eng.summary()["spec_accepted"] > 0
+    _engine(tiny_model(), None)  # without speculation the window never matters

@@ -202,11 +202,18 @@ class EngineConfig:
     rows: Optional[int] = None
 
     def check(self) -> None:
-        """Raise KvbatchConfigError naming the first setting out of range (kv, memory, engine, max_prompt_tokens)."""
+        """Raise KvbatchConfigError naming the first setting out of range (kv, memory, engine, speculative,
+        max_prompt_tokens)."""
         check_kv(self.kv)
         check_memory(self.memory)
         check_settings(self.engine)
         check_speculative(self.speculative)
+        sp, mq = self.speculative, self.engine.options.multi_query
+        # a window wider than multi_query takes the prefill path, whose rounding differs from decode's: on
+        # bf16 the greedy tokens then change (on the H200, 634 of 1,024 rewrite rows at num_tokens 8)
+        _need(sp.method == "none" or sp.num_tokens + 1 <= mq, "speculative.num_tokens", sp.num_tokens,
+              f"a verification window (num_tokens + 1 tokens) must fit engine.options.multi_query ({mq}), "
+              "the passes read like decode; raise engine.options.multi_query to at least num_tokens + 1")
         _need(self.max_prompt_tokens is None or self.max_prompt_tokens >= 1, "job.max_prompt_tokens",
               self.max_prompt_tokens, "must be >= 1 or null")
 
