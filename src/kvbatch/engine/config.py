@@ -212,8 +212,9 @@ class EngineConfig:
         # a window wider than multi_query takes the prefill path, whose rounding differs from decode's: on
         # bf16 the greedy tokens then change (on the H200, 634 of 1,024 rewrite rows at num_tokens 8)
         _need(sp.method == "none" or sp.num_tokens + 1 <= mq, "speculative.num_tokens", sp.num_tokens,
-              f"a verification window (num_tokens + 1 tokens) must fit engine.options.multi_query ({mq}), "
-              "the passes read like decode; raise engine.options.multi_query to at least num_tokens + 1")
+              f"a verification window (num_tokens + 1 tokens) must fit engine.options.multi_query ({mq}) to be "
+              "read as decode reads, so greedy tokens stay those without speculation; set "
+              f"engine.options.multi_query={sp.num_tokens + 1} or lower speculative.num_tokens")
         _need(self.max_prompt_tokens is None or self.max_prompt_tokens >= 1, "job.max_prompt_tokens",
               self.max_prompt_tokens, "must be >= 1 or null")
 
