@@ -13,8 +13,10 @@ Where a step's cost does not depend on its rows, the job's steps bound the gain 
 slowest rows set it once the batch empties); where it is in proportion to them, the rows' steps do
 (`tokens_per_step`).
 
-Every row proposes at every pass here (no speculative.adaptive, no disable_by_batch_size), which is
-the proposer's best case. --settings lists k:lookup_min:lookup_max triples to replay.
+Each setting is replayed twice: every step proposing k tokens (the proposer's best case), and under the
+engine's own back-off (RowSpec's window and pauses), whose proposed and accepted counts are the engine's
+with speculative.adaptive off. Neither has adaptive's plain steps or disable_by_batch_size. --settings lists
+k:lookup_min:lookup_max triples to replay.
 
     python -m benchmarks job.speculative --sides plain --rounds 1 --rows 64 --max-tokens 1024 --keep /tmp/kept
     python -m benchmarks job.ngram_ceiling --kept /tmp/kept --batch 1024 --out /tmp/ceiling.json
@@ -26,7 +28,6 @@ import heapq
 import json
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-
 from typing import Optional
 
 from kvbatch.engine.speculative.ngram import NgramIndex
@@ -103,8 +104,6 @@ def ceiling(prompts: list[list[int]], outputs: list[list[int]], settings: list[t
                 "row_steps": sum(passes), "tokens_per_step": sum(steps) / max(sum(passes), 1),
                 "proposed": sum(g[1] for g in got), "accepted": sum(g[2] for g in got),
                 "job_steps": spec, "decode_ceiling": plain / max(spec, 1)})
-            # a step's cost lies between flat (job_steps: the ceiling above) and in proportion to its rows
-            # (tokens_per_step: the ceiling where every step is full)
     return res
 
 
@@ -124,10 +123,11 @@ def _kept(a) -> Path:
     """The folder of a plain job's prompts and results: --kept, or a small job run now."""
     if a.kept:
         return Path(a.kept)
+    import argparse
     import tempfile
 
     from benchmarks.job import speculative
-    ap = __import__("argparse").ArgumentParser()
+    ap = argparse.ArgumentParser()
     speculative.add_args(ap)
     keep = Path(tempfile.mkdtemp(prefix="kvbatch-ceiling-"))
     sa = ap.parse_args(["--model", a.model, "--rows", str(a.rows), "--max-tokens", str(a.max_tokens), "--rounds", "1",

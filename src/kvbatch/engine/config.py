@@ -209,8 +209,8 @@ class EngineConfig:
         check_settings(self.engine)
         check_speculative(self.speculative)
         sp, mq = self.speculative, self.engine.options.multi_query
-        # a window wider than multi_query takes the prefill path, whose rounding differs from decode's: on
-        # bf16 the greedy tokens then change (on the H200, 634 of 1,024 rewrite rows at num_tokens 8)
+        # a window wider than multi_query takes the prefill path, whose rounding differs from decode's, and
+        # on bf16 models that changes greedy tokens (docs/decoding.md)
         _need(sp.method == "none" or sp.num_tokens + 1 <= mq, "speculative.num_tokens", sp.num_tokens,
               f"a verification window (num_tokens + 1 tokens) must fit engine.options.multi_query ({mq}) to be "
               "read as decode reads, so greedy tokens stay those without speculation; set "
