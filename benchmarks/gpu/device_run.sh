@@ -228,8 +228,8 @@ for arg in "$@"; do
         tee -a "$OUT/specphases.txt" | grep '^{' | cut -c1-2500 ;;
     ceiling) python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$C"/*.whl || exit 1
       kept=${SPEC_KEEP:-$HOME/kept}
-      # what comes back: the prompts and each row's tokens alone (uint16, zstd), for replays on another machine
-      mkdir -p "$OUT/kept" && cp "$kept/prompts.jsonl" "$kept/kept.json" "$OUT/kept/" &&
+      # what comes back: the passages and each row's tokens alone (uint16, zstd), for replays on another machine
+      mkdir -p "$OUT/kept" && cp "$kept/prompts.json.gz" "$kept/kept.json" "$OUT/kept/" &&
         python3 -c "import sys, pyarrow as pa, pyarrow.parquet as pq
 t = pq.read_table(sys.argv[1], columns=['row_key', 'prompt_tokens', 'output_token_ids'])
 t = t.set_column(2, 'output_token_ids', t['output_token_ids'].cast(pa.list_(pa.uint16())))

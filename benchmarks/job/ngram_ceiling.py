@@ -23,7 +23,6 @@ k:lookup_min:lookup_max triples to replay.
 """
 from __future__ import annotations
 
-import gzip
 import heapq
 import json
 from concurrent.futures import ProcessPoolExecutor
@@ -108,7 +107,7 @@ def ceiling(prompts: list[list[int]], outputs: list[list[int]], settings: list[t
 
 
 def add_args(ap) -> None:
-    ap.add_argument("--kept", help="a folder job.speculative --keep wrote (prompts.jsonl, results.parquet); "
+    ap.add_argument("--kept", help="a folder job.speculative --keep wrote (prompts.json.gz, results.parquet); "
                                    "without it, a plain job of --rows x --max-tokens is run first")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--rows", type=int, default=16)
@@ -141,6 +140,7 @@ def run(a) -> dict:
     import pyarrow.parquet as pq
 
     import kvbatch.engine as engine
+    from benchmarks.job import speculative
     from kvbatch.engine.models.config import ModelConfig
     from kvbatch.pipeline.config import JobConfig
     from kvbatch.pipeline.prompts import encode
@@ -148,11 +148,7 @@ def run(a) -> dict:
     kept = _kept(a)
     meta = json.loads((kept / "kept.json").read_text())
     _, tok, _ = engine.load_model(ModelConfig(**meta["model"]))
-    # prompts.jsonl, or gzipped where it is kept in the repository (pydoc's text differs between Pythons,
-    # so the prompts of a run elsewhere are kept, not made again)
-    plain = kept / "prompts.jsonl"
-    raw = plain.read_text() if plain.exists() else gzip.decompress((kept / "prompts.jsonl.gz").read_bytes()).decode()
-    texts = {json.loads(ln)["id"]: json.loads(ln)["prompt"] for ln in raw.splitlines()}
+    texts = speculative.kept_prompts(kept)
     rows = sorted(pq.read_table(kept / "results.parquet").to_pylist(), key=lambda r: int(r["row_key"][1:]))
     job = JobConfig()
     prompts = [encode(tok, {"prompt": texts[r["row_key"]]}, job) for r in rows]

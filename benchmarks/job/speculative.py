@@ -18,6 +18,7 @@ runs some of them only (one per call where a call is short: rows compare across 
 """
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import random
@@ -153,27 +154,45 @@ def _round(a, k: int, sides: list[str], inp: Path, tmp: Path, model_cfg: dict, d
     return line
 
 
-def _keep(a, tmp: Path, inp: Path, model_cfg: dict) -> None:
-    """Copy the prompts and the last round's kvbatch results to --keep: the plain side's where it ran, else a
-    speculating side's (greedy outputs are the same with and without speculation)."""
+def prompt_row(i: int, text: str) -> dict:
+    """Row i of the job's input: the instruction and its passage."""
+    return {"id": f"r{i}", "prompt": f"Document {i}. {INSTRUCTION}{text}"}
+
+
+def _keep(a, tmp: Path, texts: list[str], model_cfg: dict) -> None:
+    """Copy the last round's kvbatch results to --keep (the plain side's where it ran, else a speculating
+    side's: greedy outputs are the same with and without speculation) with the job's passages in
+    prompts.json.gz, each once (passages repeat past the topics' count) and the rows' order; pydoc's text
+    differs between Pythons, so a run elsewhere keeps its own."""
     done = [tmp / f"{side}{k}" for side in ("spec_b", "spec", "plain") for k in range(a.rounds)
             if (tmp / f"{side}{k}" / "results.parquet").exists()]
     if not done:
         return
     keep = Path(a.keep)
     keep.mkdir(parents=True, exist_ok=True)
-    shutil.copy(inp, keep / "prompts.jsonl")
+    unique = sorted(set(texts))
+    at = {t: j for j, t in enumerate(unique)}
+    (keep / "prompts.json.gz").write_bytes(gzip.compress(json.dumps(
+        {"passages": unique, "order": [at[t] for t in texts]}).encode(), 9))
     shutil.copy(done[-1] / "results.parquet", keep / "results.parquet")
     (keep / "kept.json").write_text(json.dumps({"model": model_cfg, "max_tokens": a.max_tokens, "rows": a.rows,
                                                 "side": done[-1].name}))
 
 
+def kept_prompts(keep: Path) -> dict[str, str]:
+    """The prompts of a job kept by --keep, by row id."""
+    got = json.loads(gzip.decompress((keep / "prompts.json.gz").read_bytes()))
+    rows = [prompt_row(i, got["passages"][j]) for i, j in enumerate(got["order"])]
+    return {r["id"]: r["prompt"] for r in rows}
+
+
 def run(a) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="kvbatch-spec-"))
     inp = tmp / "prompts.jsonl"
+    texts = passages(a.rows, 7, a.min_chars, a.max_chars)
     with open(inp, "w") as f:
-        for i, text in enumerate(passages(a.rows, 7, a.min_chars, a.max_chars)):
-            f.write(json.dumps({"id": f"r{i}", "prompt": f"Document {i}. {INSTRUCTION}{text}"}) + "\n")
+        for i, text in enumerate(texts):
+            f.write(json.dumps(prompt_row(i, text)) + "\n")
     sides = [s for s in a.sides.split(",") if s and not (a.no_mlx_lm and s == "mlx_lm")]
     bad = [s for s in sides if s not in SIDES]
     if bad or not sides:
@@ -191,7 +210,7 @@ def run(a) -> dict:
         rounds.append(_round(a, k, sides, inp, tmp, model_cfg, rounds))
     result: dict = {"rows": a.rows, "sides": sides, "rounds": rounds}
     if a.keep:
-        _keep(a, tmp, inp, model_cfg)
+        _keep(a, tmp, texts, model_cfg)
     for key in ("ratio_plain", "ratio_mlx_lm", "ratio_spec_b_plain", "ratio_spec_spec_b"):
         got = [r[key] for r in rounds if key in r]
         if got:
