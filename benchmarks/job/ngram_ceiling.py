@@ -27,7 +27,7 @@ import heapq
 import json
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from kvbatch.engine.speculative.ngram import NgramIndex
 from kvbatch.engine.speculative.state import RowSpec
@@ -66,6 +66,60 @@ def row_passes(prompt: list[int], out: list[int], k: int, n_min: int, n_max: int
     return steps, proposed, accepted
 
 
+def _propose_after(idx: NgramIndex, extra: list[int], k: int, n_max: int) -> list[int]:
+    """idx.propose(k, n_max) as if `extra` followed the indexed tokens; the index is left as it was."""
+    n0, n = len(idx.toks), idx.n_min
+    idx.extend(extra)
+    try:
+        return idx.propose(k, n_max)
+    finally:  # extend appended each new n-gram's end to its list, in order: take them off last first
+        for p in range(len(idx.toks) - 2, max(n0 - 1, n - 1) - 1, -1):
+            key = tuple(idx.toks[p - n + 1:p + 1])
+            idx.ends[key].pop()
+            if not idx.ends[key]:
+                del idx.ends[key]
+        del idx.toks[n0:]
+
+
+def row_passes_pipelined(prompt: list[int], out: list[int], k: int, n_min: int, n_max: int) -> tuple[int, int, int]:
+    """(passes, passes wasted, tokens accepted) for one row when the host is a pass behind: pass t+1 is built
+    before pass t's tokens are read, assuming pass t keeps every proposed token. Its first input is pass t's
+    last sampled token (on the device), its proposals follow the host's guess of that token (the n-gram
+    continuation of the row's tokens and pass t's proposal). Where pass t keeps fewer, pass t+1 ran on a
+    wrong context: it is wasted, and the row's next pass starts again from its read tokens."""
+    idx = NgramIndex(n_min)
+    idx.extend(prompt + out[:1])
+    N, pos = len(out), 1
+    inflight: Optional[tuple[int, list[int]]] = None  # (the output index of its first proposed token, proposal)
+    passes = wasted = accepted = 0
+    while pos < N or inflight is not None:
+        new: Optional[tuple[int, list[int]]] = None
+        if inflight is None:
+            new = (pos, idx.propose(min(k, N - pos - 1), n_max))
+        else:
+            b, p = inflight
+            base = b + len(p) + 1
+            if base < N:  # else the pass in flight ends the row if it keeps every token
+                guess = _propose_after(idx, p, min(k + 1, N - base), n_max)
+                new = (base, guess[1:])
+        passes += new is not None
+        if inflight is None:
+            inflight = new
+            continue
+        b, p = inflight
+        a = 0
+        while a < len(p) and p[a] == out[b + a]:
+            a += 1
+        accepted += a
+        idx.extend(out[b:b + a + 1])
+        pos = b + a + 1
+        if a < len(p):
+            wasted += new is not None
+            new = None
+        inflight = new
+    return passes, wasted, accepted
+
+
 def job_steps(costs: list[int], batch: int) -> int:
     """Steps of a job whose rows (in admission order) take costs[i] steps each, at most `batch` at a time."""
     ends: list[int] = []
@@ -79,6 +133,10 @@ def _replay(args: tuple) -> tuple[int, int, int]:
     return row_passes(*args)
 
 
+def _replay_pipelined(args: tuple) -> tuple[int, int, int]:
+    return row_passes_pipelined(*args)
+
+
 def ceiling(prompts: list[list[int]], outputs: list[list[int]], settings: list[tuple[int, int, int]], batch: int,
             workers: int = 1, max_tokens: Optional[int] = None) -> dict:
     """The plain job's decode steps against each setting's, per row summed and as the job's steps at `batch`:
@@ -88,21 +146,28 @@ def ceiling(prompts: list[list[int]], outputs: list[list[int]], settings: list[t
     res: dict = {"rows": len(outputs), "tokens": sum(len(o) for o in outputs), "batch": batch,
                  "plain_row_steps": sum(steps), "plain_job_steps": plain, "settings": []}
     for k, n_min, n_max in settings:
-        for backoff in [None] + ([max_tokens] if max_tokens else []):
-            jobs = [(p, o, k, n_min, n_max, backoff) for p, o in zip(prompts, outputs)]
+        policies: list[tuple[str, Callable, Optional[int]]] = [("every step", _replay, None)]
+        if max_tokens:
+            policies.append(("engine back-off", _replay, max_tokens))
+        policies.append(("a pass behind", _replay_pipelined, None))
+        for name, replay, backoff in policies:
+            jobs = [(p, o, k, n_min, n_max) + ((backoff,) if replay is _replay else ())
+                    for p, o in zip(prompts, outputs)]
             if workers > 1:
                 with ProcessPoolExecutor(workers) as ex:
-                    got = list(ex.map(_replay, jobs, chunksize=16))
+                    got = list(ex.map(replay, jobs, chunksize=16))
             else:
-                got = [_replay(j) for j in jobs]
+                got = [replay(j) for j in jobs]
             passes = [g[0] for g in got]
             spec = job_steps(passes, batch)
-            res["settings"].append({
-                "k": k, "prompt_lookup_min": n_min, "prompt_lookup_max": n_max,
-                "policy": "every step" if backoff is None else "engine back-off",
-                "row_steps": sum(passes), "tokens_per_step": sum(steps) / max(sum(passes), 1),
-                "proposed": sum(g[1] for g in got), "accepted": sum(g[2] for g in got),
-                "job_steps": spec, "decode_ceiling": plain / max(spec, 1)})
+            one = {"k": k, "prompt_lookup_min": n_min, "prompt_lookup_max": n_max, "policy": name,
+                   "row_steps": sum(passes), "tokens_per_step": sum(steps) / max(sum(passes), 1),
+                   "job_steps": spec, "decode_ceiling": plain / max(spec, 1)}
+            if replay is _replay:
+                one.update(proposed=sum(g[1] for g in got), accepted=sum(g[2] for g in got))
+            else:
+                one.update(wasted_passes=sum(g[1] for g in got), accepted=sum(g[2] for g in got))
+            res["settings"].append(one)
     return res
 
 
