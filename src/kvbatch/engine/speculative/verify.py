@@ -84,15 +84,19 @@ class Verifier:
         """Verify the proposals (by id(row); rows without one take part with their one token) of
         `rows` (their windows reserved); the accepted tokens as one TokenPass per output step."""
         r, t0 = self.r, time.perf_counter()
-        # Rows without a proposal first: where they would pad enough window positions
-        # (speculative.split_pass_tokens) they take their one token through a forward of their own, a
-        # decode step's, so that only the proposing rows pay for the window in every layer.
-        rows = sorted(rows, key=lambda row: bool(proposals.get(id(row))))  # stable: each kind keeps its order
         props = [proposals.get(id(row), []) for row in rows]
         lens = [1 + len(p) for p in props]
         plain = lens.count(1)
+        # Where the rows without a proposal would pad enough window positions (speculative.split_pass_tokens)
+        # they go first and take their one token through a forward of their own, a decode step's, so that only
+        # the proposing rows pay for the window in every layer. Otherwise the rows keep the decode step's
+        # order: the route then builds the pass's page table from the step before's (routes/common.py
+        # PageTables), where another order costs a whole table (rows x pages) every pass.
         cut = plain if self.split_tokens is not None and 0 < plain < len(rows) and \
             plain * (max(lens) - 1) >= self.split_tokens else 0
+        if cut:
+            order = sorted(range(len(rows)), key=lambda i: lens[i] > 1)  # stable: each kind keeps its order
+            rows, props, lens = [rows[i] for i in order], [props[i] for i in order], [lens[i] for i in order]
         offs, rep, steps, keys, afters = [], [], [], [], []
         sampled_rows = False
         for row, n in zip(rows, lens):
