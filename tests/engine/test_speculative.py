@@ -11,6 +11,7 @@ below is token for token, and each asserts that proposals were accepted (and, sa
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import kvbatch.engine  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
@@ -37,8 +38,12 @@ from tests.conftest import ON_CUDA, ON_CPU
 # the mechanism under test, every step: which steps speculate is not left to measured speed (test_payoff.py)
 NGRAM = {"method": "ngram", "num_tokens": 4, "adaptive": False}
 # how a verification pass runs the rows without a proposal: in the window's padded forward (null) or in a
-# one-token forward of their own whenever a pass has both kinds of rows (0); the engine tests below run both
-SPLITS = pytest.mark.parametrize("split", [None, 0], ids=["padded", "split"])
+# one-token forward of their own whenever a pass has both kinds of rows (0); and, IN_FLIGHT, padded with the
+# lookahead on (what GPUs run): each pass stays in flight while the next step reads the one before, builds
+# the next from its tokens and only then applies its outputs (engine.py _land_pass). The engine tests below
+# run all three
+IN_FLIGHT = "in flight"
+SPLITS = pytest.mark.parametrize("split", [None, 0, IN_FLIGHT], ids=["padded", "split", "in-flight"])
 
 
 def prompts(n: int = 6) -> list[list[int]]:
@@ -49,6 +54,9 @@ def prompts(n: int = 6) -> list[list[int]]:
 
 def _engine(m, spec=None, mode="none", page=16, **kw):
     model, tok, mspec = m
+    if spec and spec.get("split_pass_tokens") == IN_FLIGHT:
+        spec = dict(spec, split_pass_tokens=None)
+        kw["options"] = replace(kw.get("options") or EngineOptions(), lookahead="on")
     cfg = engine_config(kv_mode=mode, page_size=page, max_batch=kw.pop("max_batch", 4),
                         memory_budget=kw.pop("memory_budget", 2 << 30), speculative=spec,
                         allow_unvalidated=True, **kw)
@@ -211,6 +219,8 @@ def test_greedy_tokens_identical(tiny_model, family, mode, page, split):
     s = eng.summary()
     assert s["spec_accepted"] > 0 and sum(r.stats.spec_accepted for r in got) == s["spec_accepted"]
     assert s["pages_in_use"] == 0 and s["rows_running"] == 0
+    # in flight: most passes are read a step later, the rest (a slot freeing for a waiting row) at once
+    assert (s["spec_passes_in_flight"] > s["spec_passes"] // 2) == (split == IN_FLIGHT)
 
 
 @pytest.mark.parametrize("mode,split", [("none", 0), ("q8", 0), ("none", None), ("none", 2)])
@@ -312,25 +322,34 @@ def test_output_steps_take_the_tokens_the_pass_read(tiny_model):
         assert read == held
 
 
-def test_no_page_holds_a_rejected_token_after_a_step(tiny_model):
+@pytest.mark.parametrize("split", [None, IN_FLIGHT], ids=["padded", "in-flight"])
+def test_no_page_holds_a_rejected_token_after_a_step(tiny_model, split):
     """Page size 1 (each rejected token had a page of its own): after every step each running row
     holds exactly the pages of its stored tokens, reserves nothing beyond them, and the pool's pages
-    in use are the rows' pages and no more."""
+    in use are the rows' pages and no more. In flight, a row of the pass in flight also holds that
+    pass's window (not verified yet), and only it (a plain step in flight: its one token)."""
     m = tiny_model()
-    eng = _engine(m, NGRAM, page=1, prefix_cache=False)
+    eng = _engine(m, dict(NGRAM, split_pass_tokens=split), page=1, prefix_cache=False)
     for r in _requests(4, temperature=0.15):
         eng.add(r)
-    rejected = 0
+    rejected, flown = 0, 0
     while eng.has_unfinished():
         eng.step()
         running = eng.scheduler.running
+        sent = eng.speculator.inflight
+        window = {id(r): n for r, n in zip(sent.rows, sent.lens)} if sent is not None else {}
+        flown += bool(window)
+        step = eng.stepper._step if eng.lookahead else None  # a plain step in flight: one token a row
+        window.update((id(r), 1) for r in (step.rows if step is not None else ()))
         for row in running:
             if not row.prefilling:
-                assert len(row.kv.pages) == row.kv.length == row.kv.reserved == row.prompt_len + len(row.out) - 1
+                assert len(row.kv.pages) == row.kv.length == row.kv.reserved == \
+                    row.prompt_len + len(row.out) - 1 + window.get(id(row), 0)
         assert eng.cache.pool.in_use == len({p for row in running for p in row.kv.pages})
         s = eng.summary()
         rejected = s["spec_proposed"] - s["spec_accepted"]
     assert rejected > 0 and eng.summary()["pages_in_use"] == 0
+    assert (flown > 0) == (split == IN_FLIGHT)
 
 
 @SPLITS

@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from kvbatch.engine.config import EngineOptions
 from kvbatch.engine.engine import Engine
 from kvbatch.engine.errors import INSUFFICIENT_MEMORY, KvbatchConfigError
 from kvbatch.engine.hooks import EngineHooks
@@ -85,6 +86,17 @@ def test_sampled_tokens_identical(models, which):
         assert s["spec_accepted"] == s["spec_proposed"] > 0
     else:
         assert 0 < s["spec_accepted"] < s["spec_proposed"]
+
+
+@pytest.mark.parametrize("which,mode", [("self", "none"), ("other", "q8")])
+def test_passes_in_flight_keep_the_tokens(models, which, mode):
+    """With the lookahead (what GPUs run) each verification pass stays in flight while the host applies the
+    one before (engine.py _land_pass): the draft proposes from each row's tokens as they stand then, and
+    greedy and sampled rows keep the tokens they get without speculation."""
+    def reqs():
+        return _requests(3) + _requests(3, temperature=1.0, top_k=2)[::-1]
+    _, s = _both(models, which, reqs, mode=mode, page=16, options=EngineOptions(lookahead="on"))
+    assert s["spec_accepted"] > 0 and s["spec_passes_in_flight"] > s["spec_passes"] // 2
 
 
 def test_preemption_mid_row(models):

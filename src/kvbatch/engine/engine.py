@@ -15,7 +15,7 @@ Clients (the pipeline's worker, tests, benchmarks) use the public surface below 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any, Iterator, Optional, cast
 
 import mlx.core as mx
@@ -38,7 +38,7 @@ from kvbatch.engine.output import OutputProcessor
 from kvbatch.engine import resume
 from kvbatch.engine.plan import Chunk, StepPlan
 from kvbatch.engine.row import Row
-from kvbatch.engine.runner import LookaheadStepper, PrefillPass, Runner, SyncStepper, TokenPass
+from kvbatch.engine.runner import Decoded, LookaheadStepper, PrefillPass, Runner, SyncStepper, TokenPass
 from kvbatch.engine.sampling import RowSampler
 from kvbatch.engine.scheduler import Scheduler
 from kvbatch.engine.speculative import Proposer, make_proposer
@@ -47,6 +47,16 @@ from kvbatch.engine.speculative.speculator import Speculator
 from kvbatch.engine.types import Logprobs, ModelSpec, Request, Result, RowCheckpoint
 
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+@dataclass
+class _Unread:
+    """A verification pass read and its outputs not yet applied: what it gave, its rows, and the rows whose
+    kept tokens stand at the end of their `out` meanwhile (with how many)."""
+
+    done: Decoded
+    rows: list[Row]
+    extended: list[tuple[Row, int]]
 
 
 def _raise_cache_limit(step_bytes: int) -> None:
@@ -123,7 +133,12 @@ class Engine:
         # the steps that do not propose (speculative.adaptive, disable_by_batch_size) keep the overlap
         self.lookahead = (opts.lookahead == "on" or (opts.lookahead == "auto" and not on_cpu())) \
             and not self.cache.trace
-        self._plain_mark: Optional[float] = None  # since when landed plain tokens' cost is unrecorded (Payoff)
+        self._mark: Optional[float] = None  # since when landed tokens' cost is unrecorded (Payoff)
+        # with the lookahead, a verification pass stays in flight while the host builds nothing else (Speculator.send):
+        # the next step reads it, builds the next pass from its tokens and hands that to the device, and only
+        # then applies its outputs (stop rules, results), which the device no longer waits for. Between the read
+        # and the outputs: the pass read, and each row's kept tokens (_land_pass, _read_pass)
+        self._unread: Optional[_Unread] = None
         self.stepper = LookaheadStepper(self.runner) if self.lookahead \
             else SyncStepper(self.runner)
         # a preemption first lands the decode step in flight: its rows still write the pages it frees
@@ -179,6 +194,7 @@ class Engine:
         plan = self._decode(plan)
         if self.speculator and not self.scheduler.running:
             self.speculator.proposer.forget()  # the last rows' draft pages go back with theirs
+            self.speculator.inflight = None  # a pass whose rows all ended while it ran: nothing of it is kept
         self.hooks.on_step(plan, self.runner.times)
         done = list(self.output.done)
         self.output.done.clear()
@@ -202,6 +218,7 @@ class Engine:
         reqs = [r.req for r in s.waiting] + [r.req for r in s.running]
         self.stepper.drop()
         if self.speculator:
+            self.speculator.inflight = None
             self.speculator.proposer.forget(everything=True)
         for r in s.running:
             self.cache.release(r.kv)
@@ -362,26 +379,30 @@ class Engine:
     def _decode(self, plan: StepPlan) -> StepPlan:
         """One decode step of the rows past their prompt (the plan completed with them)."""
         s, st, sp = self.scheduler, self.stepper, self.speculator
-        if not (st.inflight or any(not r.prefilling for r in s.running)):
+        flying = sp is not None and sp.inflight is not None
+        if not (st.inflight or flying or any(not r.prefilling for r in s.running)):
             return plan
-        if s.waiting and st.frees_slot():
+        if s.waiting and (st.frees_slot() or (sp is not None and sp.frees_slot())):
             self._flush()  # a slot frees with the step in flight: read it now, so the waiting row joins the next step
         else:
             n = len(plan.no_room)
             rows = st.candidates(s.decoding())
             speculate = sp is not None and sp.wants(len(rows))
-            if speculate and st.inflight:  # proposals need every row's tokens on the host
+            if (speculate and st.inflight) or (flying and not speculate):  # proposals need every row's tokens
                 self._flush()
-                rows = st.candidates(s.decoding())
+                rows, flying = st.candidates(s.decoding()), False
             t0, made = (self.hooks.clock(), self.output.generated_tokens) if sp else (0.0, 0)
+            if flying:
+                rows = self._land_pass()
             props = sp.propose(rows) if sp and speculate else {}
             windows = {id(r): 1 + len(p) for r in rows if (p := props.get(id(r)))} if props else None
             plan = s.schedule_decode(plan, rows, windows)
             verified = any(id(r) in props for r in plan.decode) if props else False
             if sp and verified:
-                out = sp.verify(list(plan.decode), props)
+                out = sp.send(list(plan.decode), props) if self.lookahead else sp.verify(list(plan.decode), props)
             else:
                 out = st.step(list(plan.decode))
+            self._read_pass()  # the pass landed above: its outputs while the next runs
             for step in out.landed:
                 self.runner.land(step)
                 self._accept(step)
@@ -393,38 +414,74 @@ class Engine:
                     if not row.ended:
                         self._end(row, "error", INTERNAL_ERROR, out.failed)
             if sp:  # what this step cost, for whether speculating pays (speculative.adaptive)
-                self._record_cost(sp, len(rows), verified, self.output.generated_tokens - made, t0)
+                from_pass = flying or (verified and sp.inflight is None)
+                self._record_cost(sp, len(rows), from_pass, self.output.generated_tokens - made, t0)
         self.hooks.on_decode_step()
         return plan
 
+    def _land_pass(self, extend: bool = True) -> list[Row]:
+        """Read the verification pass in flight; its outputs wait for `_read_pass`. extend: the next pass is
+        built from its tokens first, and until its outputs are applied each row's kept tokens stand at the end
+        of its `out` (all that building a pass reads of them). The rows that decode next: not those whose
+        kept tokens end them whatever follows (their length, a stop or EOS token)."""
+        assert self.speculator is not None
+        done, kept, rows = self.speculator.land()
+        extended = []
+        for row in rows if extend else ():
+            toks = kept.get(id(row))
+            if toks:
+                row.out.extend(toks)
+                extended.append((row, len(toks)))
+        self._unread = _Unread(done, rows, extended)
+        return [r for r in self.stepper.candidates(self.scheduler.decoding())
+                if len(r.out) < r.end_at and not self.output.stops_on(r, kept.get(id(r), ()))]
+
+    def _read_pass(self) -> None:
+        """Apply the landed pass's outputs (stop rules, results): each row's kept tokens taken back off its
+        `out` first, and handed to the OutputProcessor one output step at a time."""
+        u, self._unread = self._unread, None
+        if u is None:
+            return
+        for row, n in u.extended:
+            del row.out[len(row.out) - n:]
+        for step in u.done.landed:
+            self.runner.land(step)
+            self._accept(step)
+        if u.done.failed:
+            for row in u.rows:
+                if not row.ended:
+                    self._end(row, "error", INTERNAL_ERROR, u.done.failed)
+
     def _record_cost(self, sp: Speculator, rows: int, verified: bool, tokens: int, t0: float) -> None:
-        """Tell the speculator what a decode step gave and cost. A lookahead step lands the step before
-        it: its tokens cost the time since the last landed tokens were counted (steady state: one step),
-        and a step that lands none (nothing was in flight) starts that count. A verification pass costs
-        its own time; it starts with nothing in flight."""
+        """Tell the speculator what a decode step gave and cost (verified: its tokens are a verification
+        pass's). Without the lookahead a step costs its own time. With it, a step's tokens are those of a step
+        or pass dispatched before, and they cost the time since the last landed tokens were counted (steady
+        state: one step); a step that lands none (nothing was in flight) starts that count."""
         now = self.hooks.clock()
-        if verified or not self.lookahead:
+        if not self.lookahead:
             sp.record(rows, verified, tokens, now - t0)
-            self._plain_mark = None
         elif tokens:
-            sp.record(rows, False, tokens, now - (t0 if self._plain_mark is None else self._plain_mark))
-            self._plain_mark = now
-        elif self._plain_mark is None:
-            self._plain_mark = t0
+            sp.record(rows, verified, tokens, now - (t0 if self._mark is None else self._mark))
+            self._mark = now
+        elif self._mark is None:
+            self._mark = t0
 
     def _flush(self) -> None:
         """Land the decode step in flight, if any (the Scheduler calls this before a preemption). Its
         tokens' cost is counted for the speculator as a plain step's (the wait included)."""
+        sp = self.speculator
+        if sp is not None and sp.inflight is not None and self._unread is None:
+            self._land_pass(extend=False)
+        self._read_pass()
         step = self.stepper.take()
         if step is not None:
             made = self.output.generated_tokens
             self.runner.land(step)
             self._accept(step)
-            sp = self.speculator
-            if sp is not None and self.lookahead and self._plain_mark is not None:
+            if sp is not None and self.lookahead and self._mark is not None:
                 now = self.hooks.clock()
-                sp.record(len(step.rows), False, self.output.generated_tokens - made, now - self._plain_mark)
-                self._plain_mark = None
+                sp.record(len(step.rows), False, self.output.generated_tokens - made, now - self._mark)
+                self._mark = None
 
     def _accept(self, p: TokenPass) -> None:
         for row in self.output.accept(p.rows, p.logits, p.sampled, p.finite, p.read):

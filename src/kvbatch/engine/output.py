@@ -92,6 +92,11 @@ class OutputProcessor:
         self.generated_tokens += accepted
         return ended
 
+    def stops_on(self, row: Row, tokens) -> bool:
+        """Whether one of these tokens, sampled for the row, ends it (a stop token, or EOS where it counts)."""
+        p = row.req.sampling
+        return any(t in p.stop_token_ids or (t in self.eos_ids and not p.ignore_eos) for t in tokens)
+
     def _ender(self, ended: list[Row]):
         """finish(), noting each row it ends in `ended`."""
         def end(row: Row, reason: str, code: Optional[str] = None, msg: Optional[str] = None,

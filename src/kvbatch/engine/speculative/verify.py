@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional, cast
 
 import mlx.core as mx
@@ -69,6 +70,24 @@ def _forced(toks: list[int], offs: list[int], props: list[list[int]], share: flo
     return out
 
 
+@dataclass
+class Pass:
+    """A verification pass handed to the device: its rows (in the pass's order), their proposals, window
+    lengths and first positions in the pass, their stored lengths before it, sampled rows' keys after each
+    output step, and the pass's lazy logits, tokens and finite flags."""
+
+    rows: list[Row]
+    props: list[list[int]]
+    lens: list[int]
+    offs: list[int]
+    before: list[int]
+    afters: list[Optional[list[mx.array]]]
+    logits: mx.array
+    sampled: Sampled
+    finite: mx.array
+    t0: float
+
+
 class Verifier:
     """Runs verification passes for the engine, and counts what they proposed and accepted."""
 
@@ -83,6 +102,12 @@ class Verifier:
     def step(self, rows: list[Row], proposals: dict[int, list[int]]) -> Decoded:
         """Verify the proposals (by id(row); rows without one take part with their one token) of
         `rows` (their windows reserved); the accepted tokens as one TokenPass per output step."""
+        sent = self.dispatch(rows, proposals, wait=True)
+        return sent if isinstance(sent, Decoded) else self.land(sent)[0]
+
+    def dispatch(self, rows: list[Row], proposals: dict[int, list[int]], wait: bool = False) -> Pass | Decoded:
+        """Build the verification pass of `rows` (as `step`) and hand it to the device: the pass in flight,
+        or the failed Decoded when it could not be built. wait: evaluate it now (else asynchronously)."""
         r, t0 = self.r, time.perf_counter()
         props = [proposals.get(id(row), []) for row in rows]
         lens = [1 + len(p) for p in props]
@@ -129,34 +154,56 @@ class Verifier:
             logits = head(hidden[0] if len(hidden) == 1 else mx.concatenate(hidden)).astype(mx.float32)
             sampled = sample_batch(logits, rep, r.grammars, steps=steps, keys=keys if sampled_rows else None)
             finite = mx.isfinite(logits).all(axis=-1)
-            mx.eval(*sampled.arrays(), finite, *[k for a in afters if a for k in a])
+            (mx.eval if wait else mx.async_eval)(*sampled.arrays(), finite, *[k for a in afters if a for k in a])
         except Exception as e:
-            for row, n in zip(rows, before):
+            return self._failed(rows, before, e)
+        return Pass(rows, props, lens, offs, before, afters, logits, sampled, finite, t0)
+
+    def _failed(self, rows: list[Row], before: list[int], e: Exception) -> Decoded:
+        """A pass that failed: its rows' stored lengths back to where it started; nothing accepted."""
+        for row, n in zip(rows, before):
+            if not row.ended:
                 row.kv.length = n
-            logger.exception("verification pass of %d rows failed", len(rows))
-            return Decoded([], f"{type(e).__name__}: {e}")
-        toks, ok = cast(list[int], sampled.tokens.tolist()), cast(list[bool], finite.tolist())
+        logger.exception("verification pass of %d rows failed", len(rows))
+        return Decoded([], f"{type(e).__name__}: {e}")
+
+    def land(self, p: Pass) -> tuple[Decoded, dict[int, list[int]]]:
+        """Read a pass's tokens (waiting for it): each row's stored length cut back to its verified tokens,
+        its random stream advanced by the output steps it takes, and the pass's counts. Returns the accepted
+        tokens as one TokenPass per output step, and by id(row) the tokens each row keeps (its accepted
+        proposal and the token after it). A row that ended while the pass was in flight keeps nothing."""
+        r, rows = self.r, p.rows
+        try:
+            toks, ok = cast(list[int], p.sampled.tokens.tolist()), cast(list[bool], p.finite.tolist())
+        except Exception as e:
+            return self._failed(rows, p.before, e), {}
         force = r.hooks.force_acceptance
         if force is not None:
-            toks = _forced(toks, offs, props, force)
-            sampled.tokens = mx.array(toks)
-        acc = []
+            toks = _forced(toks, p.offs, p.props, force)
+            p.sampled.tokens = mx.array(toks)
+        acc, kept = [], {}
         for i, row in enumerate(rows):
-            a = accepted_prefix(toks[offs[i]:offs[i] + lens[i]], props[i]) if force is None \
-                else int(force * len(props[i]))
+            if row.ended:  # its pages went back with its result; this pass's tokens are dropped
+                acc.append(0)
+                continue
+            props = p.props[i]
+            a = accepted_prefix(toks[p.offs[i]:p.offs[i] + p.lens[i]], props) if force is None \
+                else int(force * len(props))
             acc.append(a)
-            r.cache.rollback(row.kv, before[i] + a + 1)
-            if afters[i] is not None:
-                row.sampler.key = afters[i][a]  # the key after the a + 1 output steps it takes
-            if props[i] and row.spec is not None:  # a row that proposed has its RowSpec (Speculator.propose)
-                row.spec.verified(len(props[i]), a)
+            kept[id(row)] = toks[p.offs[i]:p.offs[i] + a + 1]
+            r.cache.rollback(row.kv, p.before[i] + a + 1)
+            after = p.afters[i]
+            if after is not None:
+                row.sampler.key = after[a]  # the key after the a + 1 output steps it takes
+            if props and row.spec is not None:  # a row that proposed has its RowSpec (Speculator.propose)
+                row.spec.verified(len(props), a)
                 if force is not None:  # the benchmark's rows propose k tokens every step
                     row.spec.misses = row.spec.pause = 0
                     row.spec.want = 1 << 30
-                self.proposed += len(props[i])
+                self.proposed += len(props)
                 self.accepted += a
         self.passes += 1
-        return Decoded(self._by_step(rows, acc, offs, logits, sampled, finite, (toks, ok), t0))
+        return Decoded(self._by_step(rows, acc, p.offs, p.logits, p.sampled, p.finite, (toks, ok), p.t0)), kept
 
     def _forward(self, rows: list[Row], props: list[list[int]], lens: list[int]) -> tuple[mx.array, Callable]:
         """One forward of `rows`, each with its last token and its proposal (right-padded to the longest):
