@@ -6,7 +6,10 @@ At batch 1,024 on the H200 a SmolLM2 decode step waits ~8.5 ms for the GPU and s
 on any machine: a one-layer model 64 wide (its forward is a small part of the step), `--rows` rows of mixed
 prompt lengths, each generating `--new` tokens, the lookahead stepper (the GPU backends' decode loop) with
 every evaluation made synchronous and timed apart. `host_ms_per_step` = (the decode steps' wall - time
-inside mx.eval / mx.async_eval) / steps, the median over rounds.
+inside mx.eval / mx.async_eval) / steps, the median over rounds. With speculation, `critical_ms_per_pass`
+is the median host time from a verification pass's tokens read to the next forward handed to the device:
+the part of a pass's host work the device waits for (the rest runs while the next pass computes, where
+the backend overlaps them, engine.options.lookahead).
 
 `--spec ngram` measures the same with n-gram speculation (fixed: `speculative.adaptive=false`), a step being a
 verification pass or a plain step: the random model's greedy tokens fall into loops its own n-grams predict, so
@@ -45,11 +48,13 @@ def add_args(ap) -> None:
     ap.add_argument("--prompt-tokens", default="8-90", help="each row's prompt length, drawn from MIN-MAX")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--spec", default="", help="a speculative.method (ngram), fixed, or none")
+    ap.add_argument("--lookahead", default="on", help="engine.options.lookahead (on: the GPUs' loop; off: the CPU's)")
     ap.add_argument("--base", default="", help="a commit measured side by side with this tree")
     ap.add_argument("--side", action="store_true", help="(internal) one measurement, one JSON line")
 
 
-def measure(rows: int, new: int, mode: str, page_size: int, spec_method: str = "", prompt_tokens: str = "8-90") -> dict:
+def measure(rows: int, new: int, mode: str, page_size: int, spec_method: str = "", prompt_tokens: str = "8-90",
+            lookahead: str = "on") -> dict:
     """One engine run in this process: host ms a decode step and a digest of every row's tokens."""
     import mlx.core as mx
     from mlx_lm.models import llama
@@ -67,17 +72,33 @@ def measure(rows: int, new: int, mode: str, page_size: int, spec_method: str = "
     lo, hi = (int(x) for x in prompt_tokens.split("-"))
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(lo, hi))] for _ in range(rows)]
     kv, opts = h.parse_mode(mode)
-    opts.lookahead = "on"
+    opts.lookahead = lookahead
     speculative = {"method": spec_method, "adaptive": False} if spec_method else None
     eng = h.engine(model, h.NoEos(), spec, mode, options=opts, page_size=page_size, max_batch=rows,
                    prefill_chunk=1 << 16, memory_budget=int(8e9), allow_unvalidated=True, speculative=speculative)
     device = [0.0]
     real_eval, real_async = mx.eval, mx.async_eval
+    # a verification pass's critical path: from its tokens read to the next forward handed to the device
+    # (the device waits meanwhile); work after that hand-off runs while the device computes
+    landed: list[float] = []
+    critical: list[float] = []
 
     def timed_eval(*a):
         t = time.perf_counter()
+        if landed:
+            critical.append(t - landed.pop())
         real_eval(*a)
         device[0] += time.perf_counter() - t
+
+    verifier = eng.speculator.verifier if eng.speculator is not None else None
+    if verifier is not None and hasattr(verifier, "land"):  # a tree whose passes are read by Verifier.land
+        real_land = verifier.land
+
+        def timed_land(p):
+            out = real_land(p)
+            landed[:] = [time.perf_counter()]
+            return out
+        verifier.land = timed_land  # type: ignore[method-assign]
 
     mx.eval = mx.async_eval = timed_eval  # every evaluation synchronous, its time apart from the host's
     try:
@@ -99,6 +120,7 @@ def measure(rows: int, new: int, mode: str, page_size: int, spec_method: str = "
     assert all(len(t) == new for t in tokens), "every row generates --new tokens"
     stats = eng.summary()
     return {"host_ms_per_step": wall / max(steps, 1) * 1e3, "steps": steps,
+            "critical_ms_per_pass": statistics.median(critical) * 1e3 if critical else None,
             "tokens_per_step": made / max(steps, 1),
             **{k: stats[k] for k in ("spec_passes", "spec_acceptance") if k in stats},
             "tokens_sha": hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]}
@@ -116,7 +138,8 @@ def _tree(commit: str) -> Path:
 def _side(src: Path, a) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src), str(ROOT)]))
     cmd = [sys.executable, "-m", "benchmarks.engine.host_step", "--side", "--rows", str(a.rows), "--new", str(a.new),
-           "--mode", a.mode, "--page-size", str(a.page_size), "--spec", a.spec, "--prompt-tokens", a.prompt_tokens]
+           "--mode", a.mode, "--page-size", str(a.page_size), "--spec", a.spec, "--prompt-tokens", a.prompt_tokens,
+           "--lookahead", a.lookahead]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if p.returncode:
         raise RuntimeError(p.stderr[-2000:])
@@ -134,7 +157,7 @@ def run(a) -> dict:
         sides = {"base": lambda: _side(base_src, a), **sides}
     runs = h.alternate(sides, a.rounds)
     out: dict = {"rows": a.rows, "new": a.new, "mode": a.mode, "page_size": a.page_size, "spec": a.spec,
-                 "prompt_tokens": a.prompt_tokens}
+                 "prompt_tokens": a.prompt_tokens, "lookahead": a.lookahead}
     for name, rs in runs.items():
         out[name] = h.median_run(rs, "host_ms_per_step")
     if a.base:
@@ -155,4 +178,5 @@ if __name__ == "__main__":  # one side (--side): the measurement of the tree on 
     ap = argparse.ArgumentParser()
     add_args(ap)
     args = ap.parse_args()
-    print(json.dumps(measure(args.rows, args.new, args.mode, args.page_size, args.spec, args.prompt_tokens)))
+    print(json.dumps(measure(args.rows, args.new, args.mode, args.page_size, args.spec, args.prompt_tokens,
+                             args.lookahead)))
