@@ -13,10 +13,12 @@ Where a step's cost does not depend on its rows, the job's steps bound the gain 
 slowest rows set it once the batch empties); where it is in proportion to them, the rows' steps do
 (`tokens_per_step`).
 
-Each setting is replayed twice: every step proposing k tokens (the proposer's best case), and under the
+Each setting is replayed three ways: every step proposing k tokens (the proposer's best case); under the
 engine's own back-off (RowSpec's window and pauses), whose proposed and accepted counts are the engine's
-with speculative.adaptive off. Neither has adaptive's plain steps or disable_by_batch_size. --settings lists
-k:lookup_min:lookup_max triples to replay.
+with speculative.adaptive off; and with the host a pass behind (`row_passes_pipelined`: each pass built
+before the one in flight is read, assuming it keeps every token, so that no host work waits for the
+device; a pass after one that kept part of its proposal is wasted). None has adaptive's plain steps or
+disable_by_batch_size. --settings lists k:lookup_min:lookup_max triples to replay.
 
     python -m benchmarks job.speculative --sides plain --rounds 1 --rows 64 --max-tokens 1024 --keep /tmp/kept
     python -m benchmarks job.ngram_ceiling --kept /tmp/kept --batch 1024 --out /tmp/ceiling.json

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import kvbatch.engine  # noqa: F401  (OpenBLAS before mlx)
 
-from benchmarks.job.ngram_ceiling import job_steps, row_passes
+import random
+
+from benchmarks.job.ngram_ceiling import job_steps, row_passes, row_passes_pipelined
 from kvbatch.engine.engine import Engine
 from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.testing import engine_config
@@ -41,6 +43,34 @@ def test_a_row_that_repeats_its_prompt_takes_a_step_per_window():
     # nothing and keeps out[1]; from (100, 101) on, each step accepts 4 and keeps 5 tokens: 20 in 4 steps
     assert (steps, proposed, accepted) == (1 + 4, 16, 16)
     assert row_passes(prompt, out, 8, 2, 4)[0] == 1 + 3  # 9 tokens a step: 9, 9, then the last 2
+
+
+def test_a_pass_behind_guesses_the_token_in_flight():
+    """The host a pass behind: each pass's proposal continues the host's guess of the pass in flight's last
+    token, so on the copied prompt the row takes one pass more than proposing after every read (its first
+    match needs one token more), and wastes none: every guess holds."""
+    prompt = list(range(100, 140))
+    out = list(range(100, 122))
+    # passes: [] (no match), [] (its guess has none either), then 103-106, 108-111, 113-116, 118-120
+    assert row_passes_pipelined(prompt, out, 4, 2, 4) == (6, 0, 4 + 4 + 4 + 3)
+
+
+def test_a_pass_behind_keeps_every_token_and_wastes_a_pass_per_partial_acceptance():
+    """On random rows (small vocabularies, copied stretches): every token comes from a pass that ran on the
+    right tokens (passes - wasted of them, each giving its accepted tokens and one more), and a pass is
+    wasted only after one that kept part of its proposal."""
+    rng = random.Random(0)
+    wasted = 0
+    for _ in range(300):
+        vocab = rng.choice([3, 6, 40])
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
+        out = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
+        out += out[:rng.randrange(0, len(out) + 1)]
+        passes, w, accepted = row_passes_pipelined(prompt, out, 4, 2, 4)
+        assert (passes - w) + accepted == len(out) - 1
+        assert passes <= 2 * max(len(out) - 1, 0)
+        wasted += w
+    assert wasted > 0
 
 
 def test_job_steps_is_continuous_batching():
