@@ -467,21 +467,23 @@ class Engine:
             self._mark = t0
 
     def _flush(self) -> None:
-        """Land the decode step in flight, if any (the Scheduler calls this before a preemption). Its
-        tokens' cost is counted for the speculator as a plain step's (the wait included)."""
-        sp = self.speculator
-        if sp is not None and sp.inflight is not None and self._unread is None:
+        """Land the decode step or verification pass in flight, if any, and apply its outputs (the Scheduler
+        calls this before a preemption). Its tokens' cost is counted for the speculator (the wait included)."""
+        sp, made = self.speculator, self.output.generated_tokens
+        rows, verified = 0, False
+        if sp is not None and sp.inflight is not None and self._unread is None:  # (else _decode read it already)
+            rows, verified = len(sp.inflight.rows), True
             self._land_pass(extend=False)
         self._read_pass()
         step = self.stepper.take()
         if step is not None:
-            made = self.output.generated_tokens
+            rows = len(step.rows)
             self.runner.land(step)
             self._accept(step)
-            if sp is not None and self.lookahead and self._mark is not None:
-                now = self.hooks.clock()
-                sp.record(len(step.rows), False, self.output.generated_tokens - made, now - self._mark)
-                self._mark = None
+        if rows and sp is not None and self.lookahead and self._mark is not None:
+            now = self.hooks.clock()
+            sp.record(rows, verified, self.output.generated_tokens - made, now - self._mark)
+            self._mark = None
 
     def _accept(self, p: TokenPass) -> None:
         for row in self.output.accept(p.rows, p.logits, p.sampled, p.finite, p.read):
