@@ -4,7 +4,9 @@ is right-padded to its longest window; where the rows that proposed nothing woul
 positions (`speculative.split_pass_tokens`) they run as a forward of their own, one token a row as a
 decode step, and only the proposing rows run the window. The attention route decides how such a pass
 reads the pages: with kv none in place, as a decode step does, each query over the keys up to its
-own position (routes/dense.py `multi_plan`, routes/portable.py, routes/cuda.py `CudaMulti`).
+own position (routes/dense.py `multi_plan`, routes/portable.py, routes/cuda.py `CudaMulti`). `dispatch`
+builds a pass and hands it to the device, `land` reads it: at once (`step`), or, with the lookahead, by
+the next engine step, which applies its outputs after it dispatched the next pass (engine.py `_land_pass`).
 
 Each position is sampled exactly as a decode step at that output step would be: the same
 controls, min_tokens masks at that step, and for sampled rows the key that step would use (the
