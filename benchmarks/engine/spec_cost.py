@@ -12,6 +12,11 @@ fresh engine warmed by a short run first; rows never stop early (no EOS: exactly
   verification pass's cost over a decode step's: the issue's figure.
 - `decode_tok_s`: tokens over the whole decode phase (wall less prefill: draft steps, verification, host),
   what a user sees; against plain decode's as `speedup`.
+- The speculating engines read each pass at once (`--spec-lookahead off`, the default here), so that decode_s
+  is the passes' own time. With the lookahead a pass stays in flight until the next step has proposed and
+  dispatched the next one (engine.py `_land_pass`), and decode_s then runs from landing to landing, the
+  draft's steps included; `--spec-lookahead auto` measures what a GPU runs by default (plain decode always
+  runs with the backend's default).
 
     python -m benchmarks engine.spec_cost --model random-1b --draft random-draft1b --batches 8,64 --prompt 512 --new 256
 """
@@ -21,6 +26,7 @@ import json
 import time
 
 from benchmarks import harness as h
+from kvbatch.engine.config import EngineOptions
 from kvbatch.engine.engine import Engine
 from kvbatch.engine.hooks import EngineHooks
 from kvbatch.engine.params import SamplingParams
@@ -41,6 +47,9 @@ def add_args(ap) -> None:
     ap.add_argument("--accept", default="0,0.5,1", help="forced acceptance shares")
     ap.add_argument("--warm", type=int, default=8, help="new tokens of the untimed warm-up run on each engine")
     ap.add_argument("--budget-gb", type=float, default=0, help="memory budget (0: auto)")
+    ap.add_argument("--spec-lookahead", default="off", choices=("off", "on", "auto"),
+                    help="engine.options.lookahead of the speculating engines (off: each pass read at once, so "
+                         "decode_s is the passes' own time; on: passes in flight, decode_s from landing to landing)")
 
 
 def _requests(b: int, prompt: int, new: int, vocab: int, tag: str) -> list[Request]:
@@ -79,7 +88,8 @@ def run(a) -> dict:
             # adaptive off: the payoff would keep most steps plain where verifying does not pay (at acceptance
             # 0, always), and the passes measured would be a handful
             cfg = h.mode_config(a.mode, **kw, speculative={"method": "draft", "num_tokens": a.num_tokens,
-                                                          "adaptive": False})
+                                                          "adaptive": False},
+                                options=EngineOptions(lookahead=a.spec_lookahead))
             eng = Engine(model, tok, spec, cfg, hooks=EngineHooks(force_acceptance=share), draft=draft)
             got = _timed(eng, a, b, spec.vocab_size)
             base = plain["verify_tok_s"]  # plain decode: tokens over its decode steps' own time
