@@ -194,9 +194,12 @@ class Runner:
         return logits, sample_batch(logits, rows, self.grammars, ahead), mx.isfinite(logits).all(axis=-1)
 
     def land(self, step: TokenPass) -> None:
-        """The host reads a decode step's tokens (waiting for that step only): its time and tokens counted."""
+        """The host reads a decode step's tokens (waiting for that step only): its time and tokens counted.
+        A step whose tokens were read already (a verification pass's output steps) reads nothing: its
+        gathered arrays are queued behind whatever was dispatched since, and reading them would wait for it."""
         t = self.times
-        step.sampled.tokens.tolist()
+        if step.read is None:
+            step.sampled.tokens.tolist()
         now = time.perf_counter()
         t.decode_time += now - max(step.t0, t.t_accepted)
         t.t_accepted = now

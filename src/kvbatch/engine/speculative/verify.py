@@ -245,6 +245,8 @@ class Verifier:
                 at = mx.array([lp_at[ent[q]] for q in lp_rows])
                 sub.lp_rows, sub.lp = lp_rows, sampled.lp[at]
                 sub.top_ids, sub.top_lps = sampled.top_ids[at], sampled.top_lps[at]
+                # now, while nothing else is queued: a pass in flight applies these after the next pass's dispatch
+                mx.eval(sub.lp, sub.top_ids, sub.top_lps)
             out.append(TokenPass([rows[i] for i in idx], logits[sel], sub, finite[sel], t0,
                                  read=([toks[e] for e in ent], [ok[e] for e in ent])))
         return out
