@@ -447,6 +447,10 @@ def test_a_row_that_never_fits_is_refused(tiny_model):
     assert mem.step_workspace(64, 1000) >= verification
     if ON_CPU:
         assert verification > probe.memory.step_workspace(64, 1000)
+    # passes in flight (the lookahead): the pass before keeps its float32 logits while the next one runs
+    flying = _engine(m, dict(NGRAM, split_pass_tokens=IN_FLIGHT), memory_budget=budget)
+    assert flying.memory.window_in_flight and not mem.window_in_flight
+    assert flying.memory.step_workspace(64, 1000) >= verification + 64 * W * vocab * 4
 
 
 def test_disable_by_batch_size(tiny_model):

@@ -101,12 +101,19 @@ class Engine:
             self.max_batch, self.max_batch_why = cfg.rows, f"the job's {cfg.rows} rows; {self.max_batch_why}"
         self.prefill_tokens = resolve_prefill_tokens(settings.prefill_tokens, settings.prefill_chunk)
         proposer: Optional[Proposer] = make_proposer(cfg.speculative)
+        # lookahead overlaps the host's graph building with the device: GPU backends only by default
+        # (the CPU does both); the attention trace reads every layer, so it never overlaps. Proposals
+        # need each row's tokens on the host: a step that proposes lands the step in flight first, and
+        # the steps that do not propose (speculative.adaptive, disable_by_batch_size) keep the overlap
+        self.lookahead = (opts.lookahead == "on" or (opts.lookahead == "auto" and not on_cpu())) \
+            and opts.attention_trace == "off"
         window = 1 + cfg.speculative.num_tokens if cfg.speculative.method != "none" else 1
         draft_memory = None if draft is None else MemoryModel(
             draft[2], layout_for(draft[2], kv), int(budget), settings.prefill_chunk, self.max_batch,
             self.prefill_tokens, window)
         self.memory = MemoryModel(spec, self.layout, int(budget), settings.prefill_chunk, self.max_batch,
-                                  self.prefill_tokens, window, draft=draft_memory)
+                                  self.prefill_tokens, window, draft=draft_memory,
+                                  window_in_flight=self.lookahead and window > 1)
         _raise_cache_limit(min(self.memory.workspace(self.max_batch, spec.context_length),
                                max(int(budget) - self.memory.weights_bytes, 0)))
         dtype = _DTYPES[spec.dtype]
@@ -127,12 +134,6 @@ class Engine:
                                      settings.prefill_chunk)
         self.speculator = Speculator(cfg.speculative, proposer, self.runner, spec.context_length, kv.page_size,
                                      self.layout.quantized) if proposer else None
-        # lookahead overlaps the host's graph building with the device: GPU backends only by default
-        # (the CPU does both); the attention trace reads every layer, so it never overlaps. Proposals
-        # need each row's tokens on the host: a step that proposes lands the step in flight first, and
-        # the steps that do not propose (speculative.adaptive, disable_by_batch_size) keep the overlap
-        self.lookahead = (opts.lookahead == "on" or (opts.lookahead == "auto" and not on_cpu())) \
-            and not self.cache.trace
         self._mark: Optional[float] = None  # since when landed tokens' cost is unrecorded (Payoff)
         # with the lookahead, a verification pass stays in flight while the host builds nothing else (Speculator.send):
         # the next step reads it, builds the next pass from its tokens and hands that to the device, and only

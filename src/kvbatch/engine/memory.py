@@ -153,6 +153,9 @@ class MemoryModel:
     # mode and page size, its passes); a row's draft pages never outnumber its pages here, so each page
     # here is priced with a draft page beside it
     draft: Optional["MemoryModel"] = None
+    # verification passes stay in flight (the lookahead): a pass's float32 logits live on while the next is
+    # computed, until its outputs are applied
+    window_in_flight: bool = False
 
     @property
     def weights_bytes(self) -> int:
@@ -181,7 +184,8 @@ class MemoryModel:
           row gathered from the pages (quantized pages: gathered and made contiguous, twice their
           bytes; dense: once, plus a float32 copy when a 2-byte dtype is upcast), float32 scores
           and probabilities, float32 logits (the engine computes last-position logits only); with
-          speculative decoding, a pass of decode_window tokens a row with logits at every one;
+          speculative decoding, a pass of decode_window tokens a row with logits at every one (and,
+          with window_in_flight, the logits of the pass before it, whose outputs are applied later);
         - prefill: the larger of a pass of one row's chunk (up to prefill_chunk tokens) at up to
           max_prompt tokens of context (None = max_tokens), and a pass of as many such chunks
           as prefill_tokens holds (up to `rows`) at the chunk's own length of context. The
@@ -198,7 +202,8 @@ class MemoryModel:
         decode = rows * T * per_token + 2 * rows * s.num_heads * T * 4 + 2 * rows * s.vocab_size * 4
         if self.decode_window > 1:  # a verification: a prefill pass of every decoding row, logits at each token
             W = self.decode_window
-            decode = max(decode, self.prefill_pass(rows, W, T) + 2 * rows * W * s.vocab_size * 4)
+            logits = (3 if self.window_in_flight else 2) * rows * W * s.vocab_size * 4
+            decode = max(decode, self.prefill_pass(rows, W, T) + logits)
         batched = min(rows, max(1, self.prefill_tokens // c))
         return max(decode, self.prefill_pass(1, c, Tp), self.prefill_pass(batched, c, c))
 
