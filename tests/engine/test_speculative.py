@@ -26,7 +26,8 @@ from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.row import Row
 from kvbatch.engine.samples import samples
-from kvbatch.engine.sampling import RowSampler, sample_batch
+from kvbatch.engine.runner import TokenPass
+from kvbatch.engine.sampling import RowSampler, Sampled, sample_batch
 from kvbatch.engine.speculative.ngram import NgramIndex
 from kvbatch.engine.speculative.state import RowSpec
 from kvbatch.engine.speculative.verify import accepted_prefix, key_chain
@@ -320,6 +321,24 @@ def test_output_steps_take_the_tokens_the_pass_read(tiny_model):
     assert len(shares) >= s["spec_passes"]  # at least one output step a pass, each with its share
     for read, held in shares:
         assert read == held
+
+
+def test_a_step_whose_tokens_were_read_is_landed_without_reading_the_device(tiny_model):
+    """Runner.land waits for a step by reading its tokens, except for a step whose tokens the host holds
+    already (a verification pass's output steps): with a pass in flight, those are applied after the next
+    pass's dispatch, and reading their gathered arrays would wait for that pass too."""
+    eng = _engine(tiny_model(), dict(NGRAM, split_pass_tokens=IN_FLIGHT))
+
+    class Unread:  # a token array that must not be read
+        def tolist(self):
+            raise AssertionError("the device was read")
+
+    step = TokenPass([], mx.zeros((0, 4)), Sampled(Unread()), mx.zeros((0,), dtype=mx.bool_),  # type: ignore[arg-type]
+                     read=([], []))
+    eng.runner.land(step)
+    step.read = None
+    with pytest.raises(AssertionError, match="the device was read"):
+        eng.runner.land(step)
 
 
 @pytest.mark.parametrize("split", [None, IN_FLIGHT], ids=["padded", "in-flight"])
