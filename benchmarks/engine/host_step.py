@@ -48,7 +48,8 @@ def add_args(ap) -> None:
     ap.add_argument("--prompt-tokens", default="8-90", help="each row's prompt length, drawn from MIN-MAX")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--spec", default="", help="a speculative.method (ngram), fixed, or none")
-    ap.add_argument("--lookahead", default="on", help="engine.options.lookahead (on: the GPUs' loop; off: the CPU's)")
+    ap.add_argument("--lookahead", default="on", choices=("on", "off"),
+                    help="engine.options.lookahead (on: the GPUs' loop; off: the CPU's)")
     ap.add_argument("--base", default="", help="a commit measured side by side with this tree")
     ap.add_argument("--side", action="store_true", help="(internal) one measurement, one JSON line")
 

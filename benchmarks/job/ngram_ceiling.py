@@ -148,13 +148,14 @@ def ceiling(prompts: list[list[int]], outputs: list[list[int]], settings: list[t
     res: dict = {"rows": len(outputs), "tokens": sum(len(o) for o in outputs), "batch": batch,
                  "plain_row_steps": sum(steps), "plain_job_steps": plain, "settings": []}
     for k, n_min, n_max in settings:
-        policies: list[tuple[str, Callable, Optional[int]]] = [("every step", _replay, None)]
+        # (policy, replay, its arguments after the row's, what the replay's 2nd and 3rd counts are)
+        policies: list[tuple[str, Callable, tuple, tuple[str, str]]] = [
+            ("every step", _replay, (None,), ("proposed", "accepted"))]
         if max_tokens:
-            policies.append(("engine back-off", _replay, max_tokens))
-        policies.append(("a pass behind", _replay_pipelined, None))
-        for name, replay, backoff in policies:
-            jobs = [(p, o, k, n_min, n_max) + ((backoff,) if replay is _replay else ())
-                    for p, o in zip(prompts, outputs)]
+            policies.append(("engine back-off", _replay, (max_tokens,), ("proposed", "accepted")))
+        policies.append(("a pass behind", _replay_pipelined, (), ("wasted_passes", "accepted")))
+        for name, replay, extra, counts in policies:
+            jobs = [(p, o, k, n_min, n_max, *extra) for p, o in zip(prompts, outputs)]
             if workers > 1:
                 with ProcessPoolExecutor(workers) as ex:
                     got = list(ex.map(replay, jobs, chunksize=16))
@@ -162,14 +163,11 @@ def ceiling(prompts: list[list[int]], outputs: list[list[int]], settings: list[t
                 got = [replay(j) for j in jobs]
             passes = [g[0] for g in got]
             spec = job_steps(passes, batch)
-            one = {"k": k, "prompt_lookup_min": n_min, "prompt_lookup_max": n_max, "policy": name,
-                   "row_steps": sum(passes), "tokens_per_step": sum(steps) / max(sum(passes), 1),
-                   "job_steps": spec, "decode_ceiling": plain / max(spec, 1)}
-            if replay is _replay:
-                one.update(proposed=sum(g[1] for g in got), accepted=sum(g[2] for g in got))
-            else:
-                one.update(wasted_passes=sum(g[1] for g in got), accepted=sum(g[2] for g in got))
-            res["settings"].append(one)
+            res["settings"].append({
+                "k": k, "prompt_lookup_min": n_min, "prompt_lookup_max": n_max, "policy": name,
+                "row_steps": sum(passes), "tokens_per_step": sum(steps) / max(sum(passes), 1),
+                counts[0]: sum(g[1] for g in got), counts[1]: sum(g[2] for g in got),
+                "job_steps": spec, "decode_ceiling": plain / max(spec, 1)})
     return res
 
 

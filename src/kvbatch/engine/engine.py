@@ -393,8 +393,10 @@ class Engine:
                 self._flush()
                 rows, flying = st.candidates(s.decoding()), False
             t0, made = (self.hooks.clock(), self.output.generated_tokens) if sp else (0.0, 0)
-            if flying:
-                rows = self._land_pass()
+            if flying:  # the rows that decode next: not those whose kept tokens end them whatever follows
+                kept = self._land_pass()
+                rows = [r for r in st.candidates(s.decoding())
+                        if len(r.out) < r.end_at and not self.output.stops_on(r, kept.get(id(r), ()))]
             props = sp.propose(rows) if sp and speculate else {}
             windows = {id(r): 1 + len(p) for r in rows if (p := props.get(id(r)))} if props else None
             plan = s.schedule_decode(plan, rows, windows)
@@ -420,11 +422,10 @@ class Engine:
         self.hooks.on_decode_step()
         return plan
 
-    def _land_pass(self, extend: bool = True) -> list[Row]:
+    def _land_pass(self, extend: bool = True) -> dict[int, list[int]]:
         """Read the verification pass in flight; its outputs wait for `_read_pass`. extend: the next pass is
         built from its tokens first, and until its outputs are applied each row's kept tokens stand at the end
-        of its `out` (all that building a pass reads of them). The rows that decode next: not those whose
-        kept tokens end them whatever follows (their length, a stop or EOS token)."""
+        of its `out` (all that building a pass reads of them). Returns the kept tokens by id(row)."""
         assert self.speculator is not None
         done, kept, rows = self.speculator.land()
         extended = []
@@ -434,8 +435,7 @@ class Engine:
                 row.out.extend(toks)
                 extended.append((row, len(toks)))
         self._unread = _Unread(done, rows, extended)
-        return [r for r in self.stepper.candidates(self.scheduler.decoding())
-                if len(r.out) < r.end_at and not self.output.stops_on(r, kept.get(id(r), ()))]
+        return kept
 
     def _read_pass(self) -> None:
         """Apply the landed pass's outputs (stop rules, results): each row's kept tokens taken back off its
