@@ -119,26 +119,3 @@ def test_lookahead_gives_the_step_by_step_results(tiny_model, monkeypatch, mode)
     assert s1["generated_tokens"] == s0["generated_tokens"]
     assert s1["rows_by_error_code"] == s0["rows_by_error_code"] == {"ok": 13, NON_FINITE_LOGITS: 1}
     assert s1["decode_tokens_per_s"] > 0
-
-
-def test_a_slot_that_frees_never_stops_the_steps_in_flight(tiny_model):
-    """Rows that end at max_tokens while others wait: each step still dispatches the next before reading
-    the last (the waiting row is admitted one step later, its prefill queued behind the step in flight),
-    and every row gets the step-by-step loop's tokens."""
-    model, tok, spec = tiny_model()
-    reqs = [Request(f"r{i}", _prompt(i), SamplingParams(max_tokens=2 + 3 * i, ignore_eos=True)) for i in range(10)]
-    by_mode = {}
-    for mode in ("off", "on"):
-        eng = Engine(model, tok, spec, engine_config(page_size=8, max_batch=3, memory_budget=2 << 30,
-                                                    options=EngineOptions(lookahead=mode)))
-        for r in reqs:
-            eng.add(r)
-        out, idle = {}, 0
-        while eng.has_unfinished():
-            out.update((res.key, res.tokens) for res in eng.step())
-            if eng.scheduler.waiting and eng.scheduler.decoding() and not eng.stepper.inflight:
-                idle += 1  # rows wait and decode, yet nothing was left running on the device
-        by_mode[mode] = (out, idle)
-    assert by_mode["on"][0] == by_mode["off"][0]
-    assert all(len(by_mode["on"][0][r.key]) == r.sampling.max_tokens for r in reqs)
-    assert by_mode["on"][1] == 0 and by_mode["off"][1] > 0  # step by step, nothing is ever in flight

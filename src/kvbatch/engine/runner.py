@@ -224,6 +224,10 @@ class SyncStepper:
         """Whether a decode step is in flight (never, for this stepper)."""
         return False
 
+    def frees_slot(self) -> bool:
+        """Whether a row ends with the step in flight whatever its token (none here)."""
+        return False
+
     def candidates(self, decoding: list[Row]) -> list[Row]:
         """The decoding rows that take part in the next step: all of them."""
         return decoding
@@ -258,10 +262,7 @@ class LookaheadStepper:
     """Decode with one step in flight. Rows whose in-flight step is known to be their last
     (max_tokens, context, forced tokens) are left out of the next; a row that stops on its token
     (EOS, stop string, non-finite logits) is found one step late: that extra step's output is
-    dropped (its K/V went to the row's own pages, released after it in stream order). A row that
-    ends frees its slot when its step is read, after the next is dispatched: a waiting row is admitted
-    at the next step, its prefill queued behind the step in flight, so the device never waits for the
-    host to refill a slot."""
+    dropped (its K/V went to the row's own pages, released after it in stream order)."""
 
     def __init__(self, runner: Runner):
         self.r = runner
@@ -285,6 +286,11 @@ class LookaheadStepper:
         """The rows of the step in flight that its token ends whatever that token is (see OutputProcessor.accept)."""
         prev = self._step
         return [] if prev is None else [row for row in prev.rows if len(row.out) + 1 >= row.end_at]
+
+    def frees_slot(self) -> bool:
+        """Whether a row of the step in flight ends with it whatever its token: with rows waiting,
+        the engine reads that step now instead of dispatching another, so they join the next one."""
+        return bool(self._ending())
 
     def candidates(self, decoding: list[Row]) -> list[Row]:
         """The decoding rows that take part in the next step: not those whose in-flight token is their last."""
