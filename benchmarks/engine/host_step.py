@@ -123,7 +123,8 @@ def measure(rows: int, new: int, mode: str, page_size: int, spec_method: str = "
     return {"host_ms_per_step": wall / max(steps, 1) * 1e3, "steps": steps,
             "critical_ms_per_pass": statistics.median(critical) * 1e3 if critical else None,
             "tokens_per_step": made / max(steps, 1),
-            **{k: stats[k] for k in ("spec_passes", "spec_acceptance") if k in stats},
+            **{k: stats[k] for k in ("spec_passes", "spec_acceptance", "ngram_prepared", "ngram_prepared_used")
+               if k in stats},
             "tokens_sha": hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]}
 
 

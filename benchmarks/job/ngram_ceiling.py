@@ -70,17 +70,12 @@ def row_passes(prompt: list[int], out: list[int], k: int, n_min: int, n_max: int
 
 def _propose_after(idx: NgramIndex, extra: list[int], k: int, n_max: int) -> list[int]:
     """idx.propose(k, n_max) as if `extra` followed the indexed tokens; the index is left as it was."""
-    n0, n = len(idx.toks), idx.n_min
+    n0 = len(idx.toks)
     idx.extend(extra)
     try:
         return idx.propose(k, n_max)
-    finally:  # extend appended each new n-gram's end to its list, in order: take them off last first
-        for p in range(len(idx.toks) - 2, max(n0 - 1, n - 1) - 1, -1):
-            key = tuple(idx.toks[p - n + 1:p + 1])
-            idx.ends[key].pop()
-            if not idx.ends[key]:
-                del idx.ends[key]
-        del idx.toks[n0:]
+    finally:
+        idx.truncate(n0)
 
 
 def row_passes_pipelined(prompt: list[int], out: list[int], k: int, n_min: int, n_max: int) -> tuple[int, int, int]:

@@ -28,7 +28,7 @@ from kvbatch.engine.row import Row
 from kvbatch.engine.samples import samples
 from kvbatch.engine.runner import TokenPass
 from kvbatch.engine.sampling import RowSampler, Sampled, sample_batch
-from kvbatch.engine.speculative.ngram import NgramIndex
+from kvbatch.engine.speculative.ngram import NgramIndex, NgramProposer
 from kvbatch.engine.speculative.state import RowSpec
 from kvbatch.engine.speculative.verify import accepted_prefix, key_chain
 from kvbatch.engine.speculative.window import max_proposal
@@ -129,6 +129,63 @@ def test_ngram_index_extended_step_by_step_proposes_as_a_full_scan(n_min, n_max)
             at += step
             for k in (1, 4):
                 assert idx.propose(k, n_max) == _scan_propose(toks[:at], k, n_min, n_max), (vocab, at, k)
+
+
+def _index_state(idx: NgramIndex) -> tuple:
+    return list(idx.toks), {k: list(v) for k, v in idx.ends.items()}
+
+
+def test_ngram_index_cut_back_is_the_index_of_the_tokens_left():
+    """truncate(n) leaves exactly the index that extending by the first n tokens builds."""
+    rng = np.random.default_rng(7)
+    for n_min in (1, 2, 3):
+        toks = rng.integers(0, 6, 60).tolist()
+        for n in (0, 1, n_min, n_min + 1, 30, 59, 60):
+            idx, ref = NgramIndex(n_min), NgramIndex(n_min)
+            idx.extend(toks[:25])
+            idx.extend(toks[25:])
+            idx.truncate(n)
+            ref.extend(toks[:n])
+            assert _index_state(idx) == _index_state(ref), (n_min, n)
+
+
+@pytest.mark.parametrize("n_min,n_max,k", [(1, 3, 4), (2, 4, 3), (2, 2, 8)])
+def test_ngram_proposals_prepared_in_flight_are_the_proposals_of_the_kept_tokens(n_min, n_max, k):
+    """With each pass's next proposals prepared while it is in flight (a guess of the tokens it keeps),
+    every proposal equals the one a proposer that never prepares makes from the same tokens, whether the
+    pass kept the guessed tokens, fewer, or others; and both paths are taken."""
+    rng = np.random.default_rng(n_min * 100 + k)
+    src = rng.integers(0, 40, 120).tolist()
+    rows, plain_rows = [], []
+    for i in range(6):
+        prompt, first = src[i * 10:i * 10 + 60], int(rng.integers(0, 40))
+        for lst in (rows, plain_rows):
+            r = Row(Request(f"r{i}", prompt, SamplingParams(max_tokens=400)), CacheRow(f"r{i}"),
+                    RowSampler(SamplingParams()), 500, 0.0, out=[first])
+            r.spec = RowSpec()
+            lst.append(r)
+    prepared, plain = NgramProposer(n_min, n_max, k), NgramProposer(n_min, n_max, k)
+    for _ in range(60):
+        ks = [int(rng.integers(1, k + 1)) for _ in rows]
+        props = prepared.propose(rows, ks)
+        assert props == plain.propose(plain_rows, ks)
+        prepared.prepare(rows, props)
+        for row, other, p in zip(rows, plain_rows, props):
+            cont = row.spec.ngram.continuation
+            roll = rng.random()
+            if p and roll < 0.6 and len(cont) > len(p):
+                kept = cont[:len(p) + 1]  # the pass kept the guessed tokens
+            elif p and roll < 0.8:
+                kept = p[:int(rng.integers(0, len(p) + 1))] + [int(rng.integers(0, 40))]  # fewer, then its own
+            else:
+                kept = [int(rng.integers(0, 40))]
+            row.out += kept
+            other.out += kept
+    for row, other in zip(rows, plain_rows):
+        prepared.index(row)
+        assert _index_state(row.spec.ngram) == _index_state(plain.index(other))
+    s = prepared.stats()
+    assert 0 < s["ngram_prepared_used"] < s["ngram_prepared"] and plain.stats()["ngram_prepared"] == 0
 
 
 def test_quantized_window_never_seals_an_unverified_token(tiny_model):

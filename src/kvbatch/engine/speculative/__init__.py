@@ -22,6 +22,11 @@ class Proposer(Protocol):
         """Up to ks[i] tokens to follow rows[i]'s tokens so far ([]: none this step)."""
         ...
 
+    def prepare(self, rows: list[Row], proposals: list[list[int]]) -> None:
+        """The pass of `rows` with these proposals is in flight: work toward the next proposals that can be
+        done before its tokens are read (while the device computes)."""
+        ...
+
     def forget(self, everything: bool = False) -> None:
         """Drop what is kept for rows no longer running (everything: for every row)."""
         ...
@@ -35,5 +40,5 @@ def make_proposer(cfg: SpeculativeConfig) -> Optional[Proposer]:
     """The proposer speculative.method names that needs nothing but the config (ngram); None:
     no speculation, or a draft model (the engine builds its DraftProposer over its own cache)."""
     if cfg.method == "ngram":
-        return NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        return NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max, cfg.num_tokens)
     return None

@@ -98,6 +98,9 @@ class DraftProposer:
         return {"spec_draft_passes": self.passes, "spec_draft_cached_tokens": self.cached_tokens,
                 "spec_draft_peak_pages": c.pool.peak_in_use, "spec_draft_pool_bytes": c.capacity_bytes}
 
+    def prepare(self, rows: list[Row], proposals: list[list[int]]) -> None:
+        """Nothing ahead of the pass's tokens: the draft's next steps start from the tokens it keeps."""
+
     # ---- the draft's rows --------------------------------------------------------------------
     def forget(self, everything: bool = False) -> None:
         """Give back the draft pages of rows no longer running (everything: of every row)."""

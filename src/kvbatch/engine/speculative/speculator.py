@@ -74,6 +74,7 @@ class Speculator:
             return self.verifier.land(sent)[0]
         self.inflight = sent
         self.passes_in_flight += 1
+        self.proposer.prepare(sent.rows, sent.props)  # while the device computes the pass
         return Decoded([])
 
     def land(self) -> tuple[Decoded, dict[int, list[int]], list[Row]]:
