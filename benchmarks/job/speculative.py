@@ -118,8 +118,8 @@ def _brief(r: dict) -> dict:
     keep = {k: r[k] for k in ("wall_s", "tokens", "tok_s", "rows", "ok", "prompt_tps", "generation_tps",
                               "prompt_time", "generation_time") if k in r}
     keep.update({k: eng[k] for k in ("decode_s", "prefill_s", "spec_acceptance", "spec_proposed", "spec_accepted",
-                                     "spec_passes", "spec_passes_in_flight", "spec_plain_steps", "max_batch",
-                                     "peak_concurrency")
+                                     "spec_passes", "spec_passes_in_flight", "spec_plain_steps", "ngram_prepared",
+                                     "ngram_prepared_used", "max_batch", "peak_concurrency")
                  if k in eng})
     keep["digests"] = {key: hashlib.sha1(json.dumps(t).encode()).hexdigest()[:10]
                        for key, t in sorted(r["outputs"].items())}

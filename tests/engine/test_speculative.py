@@ -164,17 +164,18 @@ def test_ngram_proposals_prepared_in_flight_are_the_proposals_of_the_kept_tokens
                     RowSampler(SamplingParams()), 500, 0.0, out=[first])
             r.spec = RowSpec()
             lst.append(r)
-    prepared, plain = NgramProposer(n_min, n_max, k), NgramProposer(n_min, n_max, k)
+    prepared, plain = NgramProposer(n_min, n_max), NgramProposer(n_min, n_max)
     for _ in range(60):
         ks = [int(rng.integers(1, k + 1)) for _ in rows]
         props = prepared.propose(rows, ks)
         assert props == plain.propose(plain_rows, ks)
         prepared.prepare(rows, props)
         for row, other, p in zip(rows, plain_rows, props):
-            cont = row.spec.ngram.continuation
+            idx = row.spec.ngram
+            guess = idx.toks[idx.confirmed:]
             roll = rng.random()
-            if p and roll < 0.6 and len(cont) > len(p):
-                kept = cont[:len(p) + 1]  # the pass kept the guessed tokens
+            if guess and roll < 0.6:
+                kept = guess  # the pass kept the guessed tokens
             elif p and roll < 0.8:
                 kept = p[:int(rng.integers(0, len(p) + 1))] + [int(rng.integers(0, 40))]  # fewer, then its own
             else:

@@ -40,5 +40,5 @@ def make_proposer(cfg: SpeculativeConfig) -> Optional[Proposer]:
     """The proposer speculative.method names that needs nothing but the config (ngram); None:
     no speculation, or a draft model (the engine builds its DraftProposer over its own cache)."""
     if cfg.method == "ngram":
-        return NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max, cfg.num_tokens)
+        return NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
     return None

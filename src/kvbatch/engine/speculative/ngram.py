@@ -26,15 +26,14 @@ from kvbatch.engine.row import Row
 class NgramIndex:
     """A row's tokens (prompt and output) and, for each n-gram of n_min tokens, the positions where it ends,
     in ascending order: all but the sequence's own last n-gram, which is the one looked up. The tokens from
-    `confirmed` on are a guess (`NgramProposer.prepare`); `ready` is the continuation after all of them."""
+    `confirmed` on are a guess (`NgramProposer.prepare`)."""
 
     n_min: int
     toks: list[int] = field(default_factory=list)
     ends: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
     confirmed: int = 0
-    ready: Optional[list[int]] = None
-    # what the last proposal was cut from: the continuation found for the row's confirmed tokens
-    continuation: list[int] = field(default_factory=list)
+    ready: Optional[int] = None  # match() of the tokens as they are, found ahead (None: not looked up)
+    place: int = -1  # where the last proposal was found (its tokens follow this position)
 
     def extend(self, new: list[int]) -> None:
         """Append tokens; index the n-grams that now end before the last token."""
@@ -58,33 +57,36 @@ class NgramIndex:
         del toks[length:]
         self.ready = None
 
-    def propose(self, k: int, n_max: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier occurrence of the longest suffix (n_max down to
-        n_min tokens) that occurred before; [] when none did. Asked for fewer tokens, the same place gives
-        the first of them."""
+    def match(self, n_max: int) -> int:
+        """Where the latest earlier occurrence of the longest suffix (n_max down to n_min tokens) that occurred
+        before ends; -1 when none did."""
         toks, n_min = self.toks, self.n_min
         L = len(toks)
-        if L < n_min + 1 or k <= 0:
-            return []
+        if L < n_min + 1:
+            return -1
         places = self.ends.get(tuple(toks[L - n_min:]))
         if not places:
-            return []
+            return -1
         for n in range(min(n_max, L - 1), n_min - 1, -1):
             suffix = toks[L - n:L - n_min]  # what the place must also be preceded by
             for p in reversed(places):
                 if p < n - 1:
                     break  # earlier places have fewer tokens before them
                 if toks[p - n + 1:p - n_min + 1] == suffix:
-                    return toks[p + 1:p + 1 + k]
-        return []
+                    return p
+        return -1
 
+    def propose(self, k: int, n_max: int) -> list[int]:
+        """Up to k tokens that followed the match (`match`); [] when there is none."""
+        p = self.match(n_max) if k > 0 else -1
+        return self.toks[p + 1:p + 1 + k] if p >= 0 else []
 
 class NgramProposer:
     """Proposals from each row's own tokens, through the row's NgramIndex (kept with the row in its
-    RowSpec and brought up to date with its new tokens each step). k_max: speculative.num_tokens."""
+    RowSpec and brought up to date with its new tokens each step)."""
 
-    def __init__(self, n_min: int, n_max: int, k_max: int):
-        self.n_min, self.n_max, self.k_max = n_min, n_max, k_max
+    def __init__(self, n_min: int, n_max: int):
+        self.n_min, self.n_max = n_min, n_max
         self.prepared = 0  # rows whose next proposal was looked up while their pass was in flight
         self.prepared_used = 0  # ... and was the proposal (the pass kept the guessed tokens)
 
@@ -118,27 +120,29 @@ class NgramProposer:
         out = []
         for row, k in zip(rows, ks):
             idx = self.index(row)
-            if idx.ready is not None and k <= self.k_max:
-                cont = idx.ready
+            if idx.ready is not None:
+                p = idx.ready
                 self.prepared_used += 1
             else:
-                cont = idx.propose(k + 1, self.n_max)
-            idx.ready, idx.continuation = None, cont
-            out.append(cont[:k])
+                p = idx.match(self.n_max)
+            idx.ready, idx.place = None, p
+            out.append(idx.toks[p + 1:p + 1 + k] if p >= 0 else [])
         return out
 
     def prepare(self, rows: list[Row], proposals: list[list[int]]) -> None:
-        """The pass of `rows` with these proposals is in flight: look up each proposing row's next proposal
-        as if the pass keeps its proposal and the token that followed it where it was found."""
+        """The pass of `rows` with these proposals is in flight: look up each proposing row's next match as if
+        the pass keeps its proposal and then the token that followed the proposal where it was found (where
+        the match ran to the sequence's end, the proposal's own first token: the repeat continues)."""
         for row, p in zip(rows, proposals):
             idx = row.spec.ngram if row.spec is not None else None
-            if not p or idx is None or idx.confirmed != len(idx.toks):
+            if not p or idx is None or idx.confirmed != len(idx.toks) or idx.place < 0:
                 continue
-            cont = idx.continuation
-            if len(cont) <= len(p) or cont[:len(p)] != p:
-                continue  # nothing known to follow the proposal
-            idx.extend(cont[:len(p) + 1])
-            idx.ready = idx.propose(self.k_max + 1, self.n_max)
+            toks, at = idx.toks, idx.place + 1
+            if toks[at:at + len(p)] != p:
+                continue  # not the proposal made from this place
+            j = at + len(p)
+            idx.extend(p + [toks[j] if j < len(toks) else p[j - len(toks)]])
+            idx.ready = idx.match(self.n_max)
             self.prepared += 1
 
     def forget(self, everything: bool = False) -> None:
