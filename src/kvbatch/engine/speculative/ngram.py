@@ -81,6 +81,7 @@ class NgramIndex:
         p = self.match(n_max) if k > 0 else -1
         return self.toks[p + 1:p + 1 + k] if p >= 0 else []
 
+
 class NgramProposer:
     """Proposals from each row's own tokens, through the row's NgramIndex (kept with the row in its
     RowSpec and brought up to date with its new tokens each step)."""
