@@ -280,6 +280,8 @@ def test_greedy_tokens_identical(tiny_model, family, mode, page, split):
     assert s["pages_in_use"] == 0 and s["rows_running"] == 0
     # in flight: most passes are read a step later, the rest (a slot freeing for a waiting row) at once
     assert (s["spec_passes_in_flight"] > s["spec_passes"] // 2) == (split == IN_FLIGHT)
+    # in flight, proposals looked up ahead (NgramProposer.prepare) were used, and the tokens stayed the same
+    assert (s["ngram_prepared_used"] > 0) == (split == IN_FLIGHT)
 
 
 @pytest.mark.parametrize("mode,split", [("none", 0), ("q8", 0), ("none", None), ("none", 2)])
