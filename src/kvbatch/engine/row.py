@@ -46,6 +46,11 @@ class Row:
             self.end_at = min(self.end_at, len(self.forced))
 
     @property
+    def last_step(self) -> bool:
+        """Whether its next token is its last whatever that token is (max_tokens, context, forced tokens)."""
+        return len(self.out) + 1 >= self.end_at
+
+    @property
     def prompt_len(self) -> int:
         """Tokens in the request's prompt."""
         return len(self.req.prompt_tokens)

@@ -285,7 +285,7 @@ class LookaheadStepper:
     def _ending(self) -> list[Row]:
         """The rows of the step in flight that its token ends whatever that token is (see OutputProcessor.accept)."""
         prev = self._step
-        return [] if prev is None else [row for row in prev.rows if len(row.out) + 1 >= row.end_at]
+        return [] if prev is None else [row for row in prev.rows if row.last_step]
 
     def frees_slot(self) -> bool:
         """Whether a row of the step in flight ends with it whatever its token: with rows waiting,

@@ -76,10 +76,13 @@ class NgramIndex:
                     return p
         return -1
 
+    def after(self, place: int, k: int) -> list[int]:
+        """Up to k tokens that follow position `place` ([] for no place, -1)."""
+        return self.toks[place + 1:place + 1 + k] if place >= 0 else []
+
     def propose(self, k: int, n_max: int) -> list[int]:
         """Up to k tokens that followed the match (`match`); [] when there is none."""
-        p = self.match(n_max) if k > 0 else -1
-        return self.toks[p + 1:p + 1 + k] if p >= 0 else []
+        return self.after(self.match(n_max), k) if k > 0 else []
 
 
 class NgramProposer:
@@ -127,7 +130,7 @@ class NgramProposer:
             else:
                 p = idx.match(self.n_max)
             idx.ready, idx.place = None, p
-            out.append(idx.toks[p + 1:p + 1 + k] if p >= 0 else [])
+            out.append(idx.after(p, k))
         return out
 
     def prepare(self, rows: list[Row], proposals: list[list[int]]) -> None:

@@ -86,7 +86,7 @@ class Speculator:
     def frees_slot(self) -> bool:
         """Whether a row of the pass in flight ends with it whatever its tokens (it gives each row one at least)."""
         sent = self.inflight
-        return sent is not None and any(len(row.out) + 1 >= row.end_at for row in sent.rows if not row.ended)
+        return sent is not None and any(row.last_step for row in sent.rows if not row.ended)
 
     def record(self, rows: int, verified: bool, tokens: int, seconds: float) -> None:
         """A decode step ran (see Payoff.record)."""
