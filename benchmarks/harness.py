@@ -373,6 +373,50 @@ def write_record(rec: dict, out: str) -> None:
     Path(out).write_text(json.dumps(rec, indent=1, default=str) + "\n")
 
 
+class Usage:
+    """What a child process used while it ran (`with Usage(gpu=...) as u: subprocess.run(...)`, then
+    `u.result`): its CPU seconds (user + system, from the children's rusage) and, with gpu, the GPU's
+    busy percent as `nvidia-smi` samples it every 100 ms (the share of the sample period in which some
+    kernel ran): the mean over the run and the mean of each tenth of it, so the decode part can be told from
+    start-up and prefill. A GPU that idles between a job's steps is a job bound by the host's work."""
+
+    def __init__(self, gpu: bool = False):
+        self.gpu, self.result = gpu, {}
+        self._proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "Usage":
+        import resource
+
+        self._cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
+        self._t0 = time.perf_counter()
+        if self.gpu:
+            self._log = tempfile.TemporaryFile(mode="w+")
+            try:
+                self._proc = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu",
+                                               "--format=csv,noheader,nounits", "-lms", "100"],
+                                              stdout=self._log, stderr=subprocess.DEVNULL)
+            except FileNotFoundError:
+                self.result["gpu_util"] = "no nvidia-smi here"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import resource
+
+        end = resource.getrusage(resource.RUSAGE_CHILDREN)
+        self.result["cpu_s"] = round(end.ru_utime + end.ru_stime - self._cpu.ru_utime - self._cpu.ru_stime, 2)
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait()
+            self._log.seek(0)
+            got = [int(x) for x in self._log.read().split() if x.strip().isdigit()]
+            self._log.close()
+            if got:
+                tenths = [got[len(got) * i // 10:max(len(got) * (i + 1) // 10, len(got) * i // 10 + 1)]
+                          for i in range(10)]
+                self.result.update(gpu_util_mean=round(statistics.mean(got), 1), gpu_util_samples=len(got),
+                                   gpu_util_tenths=[round(statistics.mean(t), 1) for t in tenths if t])
+
+
 _RUN: dict = {}  # this process's run (benchmarks/__main__.py): name, argv, args, out, smoke
 
 

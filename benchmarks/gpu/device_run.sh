@@ -208,7 +208,7 @@ for arg in "$@"; do
         --max-tokens ${SPEC_NEW:-1024} --rounds ${SPEC_ROUNDS:-2} --kvbatch-cmd "python3 -m kvbatch" --python python3 \
         --sides "$sides" --side-timeout "$side_s" \
         ${SPEC_ARGS:+--spec-args "$SPEC_ARGS"} ${SPEC_B_ARGS:+--spec-b-args "$SPEC_B_ARGS"} ${SPEC_B_CMD:+--spec-b-cmd "$SPEC_B_CMD"} ${SPEC_KV:+--kvbatch-args "$SPEC_KV"} ${SPEC_KEEP:+--keep "$SPEC_KEEP"} \
-        ${SPEC_PROFILE:+--profile "$OUT/spec_cmd_profile.txt" --profile-side $SPEC_PROFILE} --out "$OUT/spec_${sides//,/_}${SPEC_TAG:-}.json" 2>&1 | tee -a "$OUT/spec.txt" |
+        ${SPEC_PROFILE:+--profile "$OUT/spec_cmd_profile.txt" --profile-side $SPEC_PROFILE} --gpu-util --out "$OUT/spec_${sides//,/_}${SPEC_TAG:-}.json" 2>&1 | tee -a "$OUT/spec.txt" |
         cut -c1-1500 ;;
     specprobe) python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$C"/*.whl || exit 1
       for b in ${PROBE_BATCH:-256}; do

@@ -86,6 +86,8 @@ def add_args(ap) -> None:
     ap.add_argument("--profile", help="first one untimed run of the side --profile-side under cProfile; its top "
                                       "functions to this file")
     ap.add_argument("--profile-side", default="plain", choices=("spec", "plain"))
+    ap.add_argument("--gpu-util", action="store_true",
+                    help="sample the GPU's busy percent (nvidia-smi) while each side runs (gpu_util_mean, _tenths)")
     ap.add_argument("--keep", help="a folder to keep the prompts and the last round's results in, the plain "
                                    "side's where it ran (for job.ngram_ceiling)")
 
@@ -97,16 +99,19 @@ def _side(a, side: str, k: int, inp: Path, tmp: Path, model_cfg: dict) -> dict:
     """One side's whole process: what it generated and how fast; {"timed_out": ...} when cut at --side-timeout."""
     limit = a.side_timeout or None
     t0 = time.perf_counter()
-    try:
-        if side == "mlx_lm":
-            return run_mlx_lm(a.python, inp, model_cfg, a.max_tokens, None, limit)
-        own = {"spec": a.spec_args, "spec_b": a.spec_b_args}.get(side, "")
-        extra = shlex.split(a.kvbatch_args) + shlex.split(own)
-        cmd = a.spec_b_cmd if side == "spec_b" and a.spec_b_cmd else a.kvbatch_cmd
-        return run_kvbatch(shlex.split(cmd), inp, tmp / f"{side}{k}", a.model, {}, a.max_tokens, extra,
-                           limit)
-    except subprocess.TimeoutExpired:
-        return {"timed_out": True, "wall_s": time.perf_counter() - t0}
+    with harness.Usage(gpu=a.gpu_util) as use:
+        try:
+            if side == "mlx_lm":
+                got = run_mlx_lm(a.python, inp, model_cfg, a.max_tokens, None, limit)
+            else:
+                own = {"spec": a.spec_args, "spec_b": a.spec_b_args}.get(side, "")
+                extra = shlex.split(a.kvbatch_args) + shlex.split(own)
+                cmd = a.spec_b_cmd if side == "spec_b" and a.spec_b_cmd else a.kvbatch_cmd
+                got = run_kvbatch(shlex.split(cmd), inp, tmp / f"{side}{k}", a.model, {}, a.max_tokens, extra,
+                                  limit)
+        except subprocess.TimeoutExpired:
+            got = {"timed_out": True, "wall_s": time.perf_counter() - t0}
+    return {**got, **use.result}
 
 
 def _brief(r: dict) -> dict:
@@ -116,7 +121,8 @@ def _brief(r: dict) -> dict:
         return r
     eng = r.get("engine") or {}
     keep = {k: r[k] for k in ("wall_s", "tokens", "tok_s", "rows", "ok", "prompt_tps", "generation_tps",
-                              "prompt_time", "generation_time") if k in r}
+                              "prompt_time", "generation_time", "cpu_s", "gpu_util_mean", "gpu_util_tenths")
+            if k in r}
     keep.update({k: eng[k] for k in ("decode_s", "prefill_s", "spec_acceptance", "spec_proposed", "spec_accepted",
                                      "spec_passes", "spec_passes_in_flight", "spec_plain_steps", "ngram_prepared",
                                      "ngram_prepared_used", "max_batch", "peak_concurrency")
