@@ -50,15 +50,12 @@ def add_args(ap) -> None:
     ap.add_argument("--spec", default="", help="a speculative.method (ngram), fixed, or none")
     ap.add_argument("--lookahead", default="on", choices=("on", "off"),
                     help="engine.options.lookahead (on: the GPUs' loop; off: the CPU's)")
-    ap.add_argument("--ahead", action="store_true",
-                    help="speculative.pass_ahead (with --spec ngram --lookahead on): each pass built before the one "
-                         "in flight is read; critical_ms_per_pass is then not measured (no read precedes a build)")
     ap.add_argument("--base", default="", help="a commit measured side by side with this tree")
     ap.add_argument("--side", action="store_true", help="(internal) one measurement, one JSON line")
 
 
 def measure(rows: int, new: int, mode: str, page_size: int, spec_method: str = "", prompt_tokens: str = "8-90",
-            lookahead: str = "on", ahead: bool = False) -> dict:
+            lookahead: str = "on") -> dict:
     """One engine run in this process: host ms a decode step and a digest of every row's tokens."""
     import mlx.core as mx
     from mlx_lm.models import llama
@@ -78,8 +75,6 @@ def measure(rows: int, new: int, mode: str, page_size: int, spec_method: str = "
     kv, opts = h.parse_mode(mode)
     opts.lookahead = lookahead
     speculative = {"method": spec_method, "adaptive": False} if spec_method else None
-    if ahead and speculative is not None:
-        speculative["pass_ahead"] = True
     eng = h.engine(model, h.NoEos(), spec, mode, options=opts, page_size=page_size, max_batch=rows,
                    prefill_chunk=1 << 16, memory_budget=int(8e9), allow_unvalidated=True, speculative=speculative)
     device = [0.0]
@@ -97,7 +92,7 @@ def measure(rows: int, new: int, mode: str, page_size: int, spec_method: str = "
         device[0] += time.perf_counter() - t
 
     verifier = eng.speculator.verifier if eng.speculator is not None else None
-    if verifier is not None and hasattr(verifier, "land") and not ahead:  # passes read by Verifier.land
+    if verifier is not None and hasattr(verifier, "land"):  # a tree whose passes are read by Verifier.land
         real_land = verifier.land
 
         def timed_land(p):
@@ -128,8 +123,8 @@ def measure(rows: int, new: int, mode: str, page_size: int, spec_method: str = "
     return {"host_ms_per_step": wall / max(steps, 1) * 1e3, "steps": steps,
             "critical_ms_per_pass": statistics.median(critical) * 1e3 if critical else None,
             "tokens_per_step": made / max(steps, 1),
-            **{k: stats[k] for k in ("spec_passes", "spec_acceptance", "ngram_prepared", "ngram_prepared_used",
-                                     "spec_passes_ahead", "spec_ahead_void") if k in stats},
+            **{k: stats[k] for k in ("spec_passes", "spec_acceptance", "ngram_prepared", "ngram_prepared_used")
+               if k in stats},
             "tokens_sha": hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]}
 
 
@@ -146,7 +141,7 @@ def _side(src: Path, a) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src), str(ROOT)]))
     cmd = [sys.executable, "-m", "benchmarks.engine.host_step", "--side", "--rows", str(a.rows), "--new", str(a.new),
            "--mode", a.mode, "--page-size", str(a.page_size), "--spec", a.spec, "--prompt-tokens", a.prompt_tokens,
-           "--lookahead", a.lookahead] + (["--ahead"] if a.ahead else [])
+           "--lookahead", a.lookahead]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if p.returncode:
         raise RuntimeError(p.stderr[-2000:])
@@ -164,7 +159,7 @@ def run(a) -> dict:
         sides = {"base": lambda: _side(base_src, a), **sides}
     runs = h.alternate(sides, a.rounds)
     out: dict = {"rows": a.rows, "new": a.new, "mode": a.mode, "page_size": a.page_size, "spec": a.spec,
-                 "prompt_tokens": a.prompt_tokens, "lookahead": a.lookahead, "ahead": a.ahead}
+                 "prompt_tokens": a.prompt_tokens, "lookahead": a.lookahead}
     for name, rs in runs.items():
         out[name] = h.median_run(rs, "host_ms_per_step")
     if a.base:
@@ -186,4 +181,4 @@ if __name__ == "__main__":  # one side (--side): the measurement of the tree on 
     add_args(ap)
     args = ap.parse_args()
     print(json.dumps(measure(args.rows, args.new, args.mode, args.page_size, args.spec, args.prompt_tokens,
-                             args.lookahead, args.ahead)))
+                             args.lookahead)))

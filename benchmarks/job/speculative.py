@@ -124,8 +124,7 @@ def _brief(r: dict) -> dict:
                               "prompt_time", "generation_time", "cpu_s", "gpu_util_mean", "gpu_util_tenths")
             if k in r}
     keep.update({k: eng[k] for k in ("decode_s", "prefill_s", "spec_acceptance", "spec_proposed", "spec_accepted",
-                                     "spec_passes", "spec_passes_in_flight", "spec_passes_ahead", "spec_ahead_void",
-                                     "spec_plain_steps", "ngram_prepared",
+                                     "spec_passes", "spec_passes_in_flight", "spec_plain_steps", "ngram_prepared",
                                      "ngram_prepared_used", "max_batch", "peak_concurrency")
                  if k in eng})
     keep["digests"] = {key: hashlib.sha1(json.dumps(t).encode()).hexdigest()[:10]

@@ -43,10 +43,8 @@ NGRAM = {"method": "ngram", "num_tokens": 4, "adaptive": False}
 # lookahead on (what GPUs run): each pass stays in flight while the next step reads the one before, builds
 # the next from its tokens and only then applies its outputs (engine.py _land_pass). The engine tests below
 # run all three
-# AHEAD: in flight, and each pass built before the one in flight is read (speculative.pass_ahead)
-IN_FLIGHT, AHEAD = "in flight", "ahead"
-FLYING = (IN_FLIGHT, AHEAD)
-SPLITS = pytest.mark.parametrize("split", [None, 0, IN_FLIGHT, AHEAD], ids=["padded", "split", "in-flight", "ahead"])
+IN_FLIGHT = "in flight"
+SPLITS = pytest.mark.parametrize("split", [None, 0, IN_FLIGHT], ids=["padded", "split", "in-flight"])
 
 
 def prompts(n: int = 6) -> list[list[int]]:
@@ -57,8 +55,8 @@ def prompts(n: int = 6) -> list[list[int]]:
 
 def _engine(m, spec=None, mode="none", page=16, **kw):
     model, tok, mspec = m
-    if spec and spec.get("split_pass_tokens") in FLYING:
-        spec = dict(spec, split_pass_tokens=None, pass_ahead=spec["split_pass_tokens"] == AHEAD)
+    if spec and spec.get("split_pass_tokens") == IN_FLIGHT:
+        spec = dict(spec, split_pass_tokens=None)
         kw["options"] = replace(kw.get("options") or EngineOptions(), lookahead="on")
     cfg = engine_config(kv_mode=mode, page_size=page, max_batch=kw.pop("max_batch", 4),
                         memory_budget=kw.pop("memory_budget", 2 << 30), speculative=spec,
@@ -281,11 +279,9 @@ def test_greedy_tokens_identical(tiny_model, family, mode, page, split):
     assert s["spec_accepted"] > 0 and sum(r.stats.spec_accepted for r in got) == s["spec_accepted"]
     assert s["pages_in_use"] == 0 and s["rows_running"] == 0
     # in flight: most passes are read a step later, the rest (a slot freeing for a waiting row) at once
-    assert (s["spec_passes_in_flight"] > s["spec_passes"] // 2) == (split in FLYING)
+    assert (s["spec_passes_in_flight"] > s["spec_passes"] // 2) == (split == IN_FLIGHT)
     # in flight, proposals looked up ahead (NgramProposer.prepare) were used, and the tokens stayed the same
-    assert (s["ngram_prepared_used"] > 0) == (split in FLYING)
-    # ahead: most passes were built before the pass before them was read
-    assert (s["spec_passes_ahead"] > s["spec_passes"] // 2) == (split == AHEAD)
+    assert (s["ngram_prepared_used"] > 0) == (split == IN_FLIGHT)
 
 
 @pytest.mark.parametrize("mode,split", [("none", 0), ("q8", 0), ("none", None), ("none", 2)])
@@ -361,8 +357,6 @@ def test_sampled_tokens_identical_with_rejections(tiny_model, mode, page, split)
     _same(ref, got)
     s = eng.summary()
     assert s["spec_accepted"] > 0 and s["spec_proposed"] > s["spec_accepted"]
-    # ahead: rows whose pass kept fewer tokens than it proposed lost their place in the pass built ahead
-    assert (s["spec_passes_ahead"] > s["spec_passes"] // 2 and s["spec_ahead_void"] > 0) == (split == AHEAD)
 
 
 def test_output_steps_take_the_tokens_the_pass_read(tiny_model):
@@ -407,13 +401,12 @@ def test_a_step_whose_tokens_were_read_is_landed_without_reading_the_device(tiny
         eng.runner.land(step)
 
 
-@pytest.mark.parametrize("split", [None, IN_FLIGHT, AHEAD], ids=["padded", "in-flight", "ahead"])
+@pytest.mark.parametrize("split", [None, IN_FLIGHT], ids=["padded", "in-flight"])
 def test_no_page_holds_a_rejected_token_after_a_step(tiny_model, split):
     """Page size 1 (each rejected token had a page of its own): after every step each running row
     holds exactly the pages of its stored tokens, reserves nothing beyond them, and the pool's pages
     in use are the rows' pages and no more. In flight, a row of the pass in flight also holds that
-    pass's window (not verified yet), and only it (a plain step in flight: its one token); built ahead,
-    a row whose place in the pass in flight was dropped holds no window of it."""
+    pass's window (not verified yet), and only it (a plain step in flight: its one token)."""
     m = tiny_model()
     eng = _engine(m, dict(NGRAM, split_pass_tokens=split), page=1, prefix_cache=False)
     for r in _requests(4, temperature=0.15):
@@ -423,7 +416,7 @@ def test_no_page_holds_a_rejected_token_after_a_step(tiny_model, split):
         eng.step()
         running = eng.scheduler.running
         sent = eng.speculator.inflight
-        window = {id(r): n for r, n in zip(sent.rows, sent.lens) if id(r) not in sent.void} if sent else {}
+        window = {id(r): n for r, n in zip(sent.rows, sent.lens)} if sent is not None else {}
         flown += bool(window)
         step = eng.stepper._step if eng.lookahead else None  # a plain step in flight: one token a row
         window.update((id(r), 1) for r in (step.rows if step is not None else ()))
@@ -435,8 +428,7 @@ def test_no_page_holds_a_rejected_token_after_a_step(tiny_model, split):
         s = eng.summary()
         rejected = s["spec_proposed"] - s["spec_accepted"]
     assert rejected > 0 and eng.summary()["pages_in_use"] == 0
-    assert (flown > 0) == (split in FLYING)
-    assert (eng.summary()["spec_ahead_void"] > 0) == (split == AHEAD)
+    assert (flown > 0) == (split == IN_FLIGHT)
 
 
 @SPLITS
@@ -560,11 +552,6 @@ def test_bad_speculative_setting_fails_at_once(tiny_model):
         _engine(tiny_model(), {"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2})
     with pytest.raises(KvbatchConfigError, match="speculative.split_pass_tokens"):
         _engine(tiny_model(), {"method": "ngram", "split_pass_tokens": -1})
-    # built ahead: on n-gram guesses only, and only where passes run in flight
-    with pytest.raises(KvbatchConfigError, match="speculative.pass_ahead=True: builds passes on n-gram"):
-        _engine(tiny_model(), {"method": "draft", "pass_ahead": True})
-    with pytest.raises(KvbatchConfigError, match="engine.options.lookahead=on"):
-        _engine(tiny_model(), {"method": "ngram", "pass_ahead": True}, options=EngineOptions(lookahead="off"))
 
 
 @pytest.mark.parametrize("route,mode,in_place", [("auto", "none", "DenseStep"), ("auto", "q8", "QuantPagedDecode"),

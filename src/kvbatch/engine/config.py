@@ -186,11 +186,6 @@ class SpeculativeConfig:
     # reads the weights again, which costs a CPU about 45 positions' work, and on the H200 it never paid
     # (docs/decoding.md); 0: always; null: never (every row padded to the longest window)
     split_pass_tokens: Optional[int] = None
-    # with verification passes in flight (engine.options.lookahead), build the next pass before the one in
-    # flight is read, on the guess that it keeps every proposed token: the device then never waits for the
-    # host between passes, and a row whose guess fails loses its place in the pass built ahead (ngram only:
-    # a draft's proposals need the kept tokens; docs/decoding.md)
-    pass_ahead: bool = False
 
 
 @dataclass
@@ -275,9 +270,6 @@ def check_speculative(sp: SpeculativeConfig) -> None:
     _need(n is None or n >= 1, "speculative.disable_by_batch_size", n, "must be >= 1 or null")
     n = sp.split_pass_tokens
     _need(n is None or n >= 0, "speculative.split_pass_tokens", n, "must be >= 0 or null")
-    _need(not sp.pass_ahead or sp.method in ("none", "ngram"), "speculative.pass_ahead", sp.pass_ahead,
-          f"builds passes on n-gram guesses only; speculative.method={sp.method} needs the kept tokens first: "
-          "set speculative.pass_ahead=false")
 
 
 def check_settings(s: EngineSettings) -> None:

@@ -44,7 +44,6 @@ from kvbatch.engine.scheduler import Scheduler
 from kvbatch.engine.speculative import Proposer, make_proposer
 from kvbatch.engine.speculative.draft import DraftProposer, draft_model
 from kvbatch.engine.speculative.speculator import Speculator
-from kvbatch.engine.speculative.window import speculates
 from kvbatch.engine.types import Logprobs, ModelSpec, Request, Result, RowCheckpoint
 
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -108,9 +107,6 @@ class Engine:
         # the steps that do not propose (speculative.adaptive, disable_by_batch_size) keep the overlap
         self.lookahead = (opts.lookahead == "on" or (opts.lookahead == "auto" and not on_cpu())) \
             and opts.attention_trace == "off"
-        if cfg.speculative.pass_ahead and cfg.speculative.method != "none" and not self.lookahead:
-            raise KvbatchConfigError("speculative.pass_ahead=true: passes are built ahead only while they run in "
-                                     "flight; set engine.options.lookahead=on (it is off on the CPU by default)")
         window = 1 + cfg.speculative.num_tokens if cfg.speculative.method != "none" else 1
         draft_memory = None if draft is None else MemoryModel(
             draft[2], layout_for(draft[2], kv), int(budget), settings.prefill_chunk, self.max_batch,
@@ -199,7 +195,7 @@ class Engine:
         plan = self._decode(plan)
         if self.speculator and not self.scheduler.running:
             self.speculator.proposer.forget()  # the last rows' draft pages go back with theirs
-            self.speculator.drop()  # a pass whose rows all ended while it ran: nothing of it is kept
+            self.speculator.inflight = None  # a pass whose rows all ended while it ran: nothing of it is kept
         self.hooks.on_step(plan, self.runner.times)
         done = list(self.output.done)
         self.output.done.clear()
@@ -223,7 +219,7 @@ class Engine:
         reqs = [r.req for r in s.waiting] + [r.req for r in s.running]
         self.stepper.drop()
         if self.speculator:
-            self.speculator.drop()
+            self.speculator.inflight = None
             self.speculator.proposer.forget(everything=True)
         for r in s.running:
             self.cache.release(r.kv)
@@ -397,23 +393,18 @@ class Engine:
                 self._flush()
                 rows, flying = st.candidates(s.decoding()), False
             t0, made = (self.hooks.clock(), self.output.generated_tokens) if sp else (0.0, 0)
-            guessed = self._guess_ahead(rows) if flying else []
-            if flying:  # the rows that decode next: not those whose kept (or guessed) tokens end them whatever follows
-                ends = {id(r): g for r, g in guessed} if guessed else self._land_pass()
+            if flying:  # the rows that decode next: not those whose kept tokens end them whatever follows
+                kept = self._land_pass()
                 rows = [r for r in st.candidates(s.decoding())
-                        if len(r.out) < r.end_at and not self.output.stops_on(r, ends.get(id(r), ()))]
+                        if len(r.out) < r.end_at and not self.output.stops_on(r, kept.get(id(r), ()))]
             props = sp.propose(rows) if sp and speculate else {}
             windows = {id(r): 1 + len(p) for r in rows if (p := props.get(id(r)))} if props else None
             plan = s.schedule_decode(plan, rows, windows)
             verified = any(id(r) in props for r in plan.decode) if props else False
-            if sp and (verified or (guessed and plan.decode)):  # (built ahead: first tokens from the pass in flight)
-                out = sp.send(list(plan.decode), props, ahead=bool(guessed)) if self.lookahead \
-                    else sp.verify(list(plan.decode), props)
+            if sp and verified:
+                out = sp.send(list(plan.decode), props) if self.lookahead else sp.verify(list(plan.decode), props)
             else:
                 out = st.step(list(plan.decode))
-            if sp and guessed:  # the guesses off again; the pass in flight before this one is read now
-                sp.take_back(guessed)
-                self._land_pass(extend=False)
             self._read_pass()  # the pass landed above: its outputs while the next runs
             for step in out.landed:
                 self.runner.land(step)
@@ -430,24 +421,6 @@ class Engine:
                 self._record_cost(sp, len(rows), from_pass, self.output.generated_tokens - made, t0)
         self.hooks.on_decode_step()
         return plan
-
-    def _guess_ahead(self, rows: list[Row]) -> list[tuple[Row, list[int]]]:
-        """speculative.pass_ahead: the next pass is built before the pass in flight is read, so that the device
-        never waits for the host between them. Each row of the pass in flight gets the tokens it is expected
-        to keep at the end of its `out` (Speculator.guesses; RowSpec.guessed counts them), and its stored
-        length already stands past its whole window. Where the pass keeps fewer, the row's place in the pass
-        built ahead is dropped when the pass is read, and its next place is built from its own tokens.
-        Only while every window fits the pages already free (no pool growth, no preemption, which would read
-        the pass first) and every row speculates (a row that does not is read at once, in order). Returns
-        the rows guessed and their tokens ([]: the pass in flight is read first, as without it;
-        Speculator.take_back ends the guess)."""
-        sp = self.speculator
-        assert sp is not None and sp.inflight is not None
-        if not self.cfg.speculative.pass_ahead or not all(speculates(r) for r in rows):
-            return []
-        P, W = self.cache.P, 1 + self.cfg.speculative.num_tokens
-        need = sum(max(0, -(-(r.kv.length + W) // P) - len(r.kv.pages)) for r in rows)
-        return sp.stand_guesses() if need <= self.cache.pool.num_free else []
 
     def _land_pass(self, extend: bool = True) -> dict[int, list[int]]:
         """Read the verification pass in flight; its outputs wait for `_read_pass`. extend: the next pass is

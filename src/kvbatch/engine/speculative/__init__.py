@@ -22,10 +22,9 @@ class Proposer(Protocol):
         """Up to ks[i] tokens to follow rows[i]'s tokens so far ([]: none this step)."""
         ...
 
-    def prepare(self, rows: list[Row], proposals: list[list[int]]) -> list[Optional[list[int]]]:
+    def prepare(self, rows: list[Row], proposals: list[list[int]]) -> None:
         """The pass of `rows` with these proposals is in flight: work toward the next proposals that can be
-        done before its tokens are read (while the device computes). Returns, per row, the tokens the pass
-        is expected to keep (the proposal and a guess of the token after it), or None without a guess."""
+        done before its tokens are read (while the device computes)."""
         ...
 
     def forget(self, everything: bool = False) -> None:

@@ -98,9 +98,8 @@ class DraftProposer:
         return {"spec_draft_passes": self.passes, "spec_draft_cached_tokens": self.cached_tokens,
                 "spec_draft_peak_pages": c.pool.peak_in_use, "spec_draft_pool_bytes": c.capacity_bytes}
 
-    def prepare(self, rows: list[Row], proposals: list[list[int]]) -> list[Optional[list[int]]]:
+    def prepare(self, rows: list[Row], proposals: list[list[int]]) -> None:
         """Nothing ahead of the pass's tokens: the draft's next steps start from the tokens it keeps."""
-        return [None] * len(rows)
 
     # ---- the draft's rows --------------------------------------------------------------------
     def forget(self, everything: bool = False) -> None:

@@ -34,7 +34,6 @@ class NgramIndex:
     confirmed: int = 0
     ready: Optional[int] = None  # match() of the tokens as they are, found ahead (None: not looked up)
     place: int = -1  # where the last proposal was found (its tokens follow this position)
-    at: int = -1  # how many tokens the index held when that proposal was looked up
 
     def extend(self, new: list[int]) -> None:
         """Append tokens; index the n-grams that now end before the last token."""
@@ -117,7 +116,7 @@ class NgramProposer:
             have = P
         if have < total:
             idx.extend(list(out[have - P:]))
-        idx.confirmed = total - st.guessed
+        idx.confirmed = total
         return idx
 
     def propose(self, rows: list[Row], ks: list[int]) -> list[list[int]]:
@@ -130,30 +129,25 @@ class NgramProposer:
                 self.prepared_used += 1
             else:
                 p = idx.match(self.n_max)
-            idx.ready, idx.place, idx.at = None, p, len(idx.toks)
+            idx.ready, idx.place = None, p
             out.append(idx.after(p, k))
         return out
 
-    def prepare(self, rows: list[Row], proposals: list[list[int]]) -> list[Optional[list[int]]]:
+    def prepare(self, rows: list[Row], proposals: list[list[int]]) -> None:
         """The pass of `rows` with these proposals is in flight: look up each proposing row's next match as if
         the pass keeps its proposal and then the token that followed the proposal where it was found (where
-        the match ran to the sequence's end, the proposal's own first token: the repeat continues). Returns
-        those guessed tokens per row (None: not guessed)."""
-        out: list[Optional[list[int]]] = []
+        the match ran to the sequence's end, the proposal's own first token: the repeat continues)."""
         for row, p in zip(rows, proposals):
             idx = row.spec.ngram if row.spec is not None else None
-            out.append(None)
-            if not p or idx is None or idx.at != len(idx.toks) or idx.place < 0:
-                continue  # no proposal, or not one looked up in the index as it is
+            if not p or idx is None or idx.confirmed != len(idx.toks) or idx.place < 0:
+                continue
             toks, at = idx.toks, idx.place + 1
             if toks[at:at + len(p)] != p:
                 continue  # not the proposal made from this place
             j = at + len(p)
-            out[-1] = guess = p + [toks[j] if j < len(toks) else p[j - len(toks)]]
-            idx.extend(guess)
+            idx.extend(p + [toks[j] if j < len(toks) else p[j - len(toks)]])
             idx.ready = idx.match(self.n_max)
             self.prepared += 1
-        return out
 
     def forget(self, everything: bool = False) -> None:
         """Nothing to drop: a row's index lives with the row."""

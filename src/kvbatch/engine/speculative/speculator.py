@@ -24,10 +24,7 @@ class Speculator:
         self.context_length, self.page_size, self.quantized = context_length, page_size, quantized
         self.payoff = Payoff() if cfg.adaptive else None
         self.inflight: Optional[Pass] = None  # a pass dispatched and not yet read (`send`)
-        self.older: Optional[Pass] = None  # the pass before it, when that one was built ahead of its read
         self.passes_in_flight = 0  # passes left in flight by `send`
-        self.passes_ahead = 0  # passes built before the pass before them was read
-        self.ahead_void = 0  # rows' places in such passes dropped: the pass before kept less than its guess
 
     def wants(self, rows: int) -> bool:
         """Whether a decode step of `rows` rows proposes at all (speculative.disable_by_batch_size, then
@@ -66,75 +63,25 @@ class Speculator:
         """One verification pass over `rows` (windows reserved), read now."""
         return self.verifier.step(rows, proposals)
 
-    def stand_guesses(self) -> list[tuple[Row, list[int]]]:
-        """For a pass built ahead (`send(ahead=True)`): put at the end of each row's `out` the tokens the pass
-        in flight is expected to keep for it (RowSpec.guessed counts them) and return them, for the rows whose
-        place in that pass counts: its proposal and the proposer's guess of the token after it, or, where the
-        proposer made none, the row's own last token again (a guess only steers the next proposal: the next
-        pass's first token is the one the pass in flight samples). `take_back` removes them."""
-        sent = self.inflight
-        assert sent is not None, "stand_guesses() without a pass in flight"
-        out = []
-        for i, row in enumerate(sent.rows):
-            if row.ended or id(row) in sent.void or row.spec is None:
-                continue
-            g = sent.guess[i] if sent.guess else None
-            g = g or sent.props[i] + [(sent.props[i] or row.out)[-1]]
-            row.out.extend(g)
-            row.spec.guessed = len(g)
-            out.append((row, g))
-        return out
-
-    @staticmethod
-    def take_back(guessed: list[tuple[Row, list[int]]]) -> None:
-        """Remove the tokens `stand_guesses` put at the end of the rows' `out`."""
-        for row, g in guessed:
-            del row.out[len(row.out) - len(g):]
-            assert row.spec is not None  # (stand_guesses guesses only rows with their RowSpec)
-            row.spec.guessed = 0
-
-    def send(self, rows: list[Row], proposals: dict[int, list[int]], ahead: bool = False) -> Decoded:
+    def send(self, rows: list[Row], proposals: dict[int, list[int]]) -> Decoded:
         """Dispatch a verification pass over `rows` and leave it in flight (`land` reads it), unless a row
         needs its tokens on the host before its next step (a grammar, penalties, forced tokens): then it is
-        read now. ahead: the pass in flight is not read yet and its rows' `guesses` stand at the end of their
-        `out`; the new pass takes each such row's first token from it on the device, and `land` then reads
-        the older pass. The Decoded of what was read now (nothing, or the pass; or why it failed)."""
-        prev = self.inflight if ahead else None
-        sent = self.verifier.dispatch(rows, proposals, prev=prev)
+        read now. The Decoded of what was read now (nothing, or the pass; or why it failed)."""
+        sent = self.verifier.dispatch(rows, proposals)
         if isinstance(sent, Decoded):
             return sent
         if not all(speculates(row) for row in rows):
             return self.verifier.land(sent)[0]
-        if prev is not None:
-            self.older = prev
-            self.passes_ahead += 1
         self.inflight = sent
         self.passes_in_flight += 1
-        sent.guess = self.proposer.prepare(sent.rows, sent.props)  # while the device computes the pass
+        self.proposer.prepare(sent.rows, sent.props)  # while the device computes the pass
         return Decoded([])
 
     def land(self) -> tuple[Decoded, dict[int, list[int]], list[Row]]:
-        """Read the oldest pass in flight (Verifier.land); its rows too. A row that pass kept fewer tokens of
-        than it proposed has its place in a pass built ahead of it dropped (`Pass.void`): that place stood on
-        the guess that every proposed token is kept."""
-        if self.older is not None:
-            sent, self.older = self.older, None
-        else:
-            sent, self.inflight = self.inflight, None
+        """Read the pass in flight (Verifier.land); its rows too."""
+        sent, self.inflight = self.inflight, None
         assert sent is not None, "land() without a pass in flight"
-        done, kept = self.verifier.land(sent)
-        newer = self.inflight
-        if newer is not None:
-            short = {id(row) for i, row in enumerate(sent.rows)
-                     if id(row) in kept and len(kept[id(row)]) < sent.lens[i]}
-            dropped = short.intersection(map(id, newer.rows))
-            newer.void |= dropped
-            self.ahead_void += len(dropped)
-        return done, kept, sent.rows
-
-    def drop(self) -> None:
-        """Forget the passes in flight (their rows are gone)."""
-        self.inflight = self.older = None
+        return (*self.verifier.land(sent), sent.rows)
 
     def frees_slot(self) -> bool:
         """Whether a row of the pass in flight ends with it whatever its tokens (it gives each row one at least)."""
@@ -154,5 +101,4 @@ class Speculator:
                 "spec_split_passes": v.split_passes,
                 "spec_acceptance": v.accepted / v.proposed if v.proposed else None,
                 "spec_plain_steps": self.payoff.plain_steps if self.payoff is not None else 0,
-                "spec_passes_in_flight": self.passes_in_flight, "spec_passes_ahead": self.passes_ahead,
-                "spec_ahead_void": self.ahead_void, **self.proposer.stats()}
+                "spec_passes_in_flight": self.passes_in_flight, **self.proposer.stats()}

@@ -26,9 +26,6 @@ class RowSpec:
     # last time when all were accepted (so a row pays for positions it is likely to keep)
     want: int = 1 << 30
     ngram: Optional["NgramIndex"] = None  # ngram: the row's tokens and where their n-grams end
-    # tokens at the end of the row's `out` that are a guess: what a pass in flight is expected to keep,
-    # standing there while a pass is built ahead of its read (engine.py `_decode`)
-    guessed: int = 0
 
     def may_propose(self) -> bool:
         """Whether the row proposes this step (a paused row counts the step down)."""

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional, cast
 
 import mlx.core as mx
@@ -88,12 +88,6 @@ class Pass:
     sampled: Sampled
     finite: mx.array
     t0: float
-    # rows (by id) whose place in this pass was built on a guess the pass before did not keep
-    # (`Speculator.send` ahead): their tokens here are dropped and their stored length left as it is
-    void: set[int] = field(default_factory=set)
-    # the tokens each row is expected to keep (its proposal and a guess of the token after it), where a
-    # pass is built before this one is read (`Speculator.send` ahead)
-    guess: list[Optional[list[int]]] = field(default_factory=list)
 
 
 class Verifier:
@@ -113,21 +107,11 @@ class Verifier:
         sent = self.dispatch(rows, proposals, wait=True)
         return sent if isinstance(sent, Decoded) else self.land(sent)[0]
 
-    def dispatch(self, rows: list[Row], proposals: dict[int, list[int]], wait: bool = False,
-                 prev: Optional[Pass] = None) -> Pass | Decoded:
+    def dispatch(self, rows: list[Row], proposals: dict[int, list[int]], wait: bool = False) -> Pass | Decoded:
         """Build the verification pass of `rows` (as `step`) and hand it to the device: the pass in flight,
-        or the failed Decoded when it could not be built. wait: evaluate it now (else asynchronously).
-        prev: the pass in flight, not yet read, whose rows' tokens stand guessed at the end of their `out`
-        (Speculator.send ahead): such a row's first token is the one prev samples after the row's whole
-        proposal, taken on the device, and a sampled row's key the one after prev's window."""
+        or the failed Decoded when it could not be built. wait: evaluate it now (else asynchronously)."""
         r, t0 = self.r, time.perf_counter()
         props = [proposals.get(id(row), []) for row in rows]
-        first: dict[int, tuple[int, Optional[mx.array]]] = {}  # id(row): (prev's token index, key after it)
-        if prev is not None:
-            for i, row in enumerate(prev.rows):
-                if id(row) not in prev.void and not row.ended:
-                    after = prev.afters[i]
-                    first[id(row)] = (prev.offs[i] + prev.lens[i] - 1, after[-1] if after else None)
         lens = [1 + len(p) for p in props]
         plain = lens.count(1)
         # Where the rows without a proposal would pad enough window positions (speculative.split_pass_tokens)
@@ -147,7 +131,7 @@ class Verifier:
             rep += [row] * n
             m = len(row.out)
             steps.extend(range(m, m + n))
-            key = first[id(row)][1] if id(row) in first else row.sampler.key
+            key = row.sampler.key
             if key is None:
                 keys += [None] * n
                 afters.append(None)
@@ -162,7 +146,7 @@ class Verifier:
         try:
             hidden, head = [], None
             for lo, hi in groups:
-                h, head = self._forward(rows[lo:hi], props[lo:hi], lens[lo:hi], prev, first)
+                h, head = self._forward(rows[lo:hi], props[lo:hi], lens[lo:hi])
                 if hi < len(rows):
                     # the first forward's pool writes land before the second's are scheduled: a write
                     # behind a queued reader of the same pool copies the pool instead of updating it
@@ -201,16 +185,15 @@ class Verifier:
             p.sampled.tokens = mx.array(toks)
         acc, kept = [], {}
         for i, row in enumerate(rows):
-            if row.ended or id(row) in p.void:  # this pass's tokens are dropped (an ended row's pages went
-                acc.append(-1)  # back with its result; a void row's stored length was set by the pass before)
+            if row.ended:  # its pages went back with its result; this pass's tokens are dropped
+                acc.append(0)
                 continue
             props = p.props[i]
             a = accepted_prefix(toks[p.offs[i]:p.offs[i] + p.lens[i]], props) if force is None \
                 else int(force * len(props))
             acc.append(a)
             kept[id(row)] = toks[p.offs[i]:p.offs[i] + a + 1]
-            if a < len(props):  # rejected tokens: cut back (a pass built ahead on this one's guess goes with them)
-                r.cache.rollback(row.kv, p.before[i] + a + 1)
+            r.cache.rollback(row.kv, p.before[i] + a + 1)
             after = p.afters[i]
             if after is not None:
                 row.sampler.key = after[a]  # the key after the a + 1 output steps it takes
@@ -224,19 +207,11 @@ class Verifier:
         self.passes += 1
         return Decoded(self._by_step(rows, acc, p.offs, p.logits, p.sampled, p.finite, (toks, ok), p.t0)), kept
 
-    def _forward(self, rows: list[Row], props: list[list[int]], lens: list[int], prev: Optional[Pass] = None,
-                 first: Optional[dict[int, tuple[int, Optional[mx.array]]]] = None) -> tuple[mx.array, Callable]:
+    def _forward(self, rows: list[Row], props: list[list[int]], lens: list[int]) -> tuple[mx.array, Callable]:
         """One forward of `rows`, each with its last token and its proposal (right-padded to the longest):
-        the hidden states of the real positions, row after row (N, ·), and the vocab projection. first:
-        the rows whose last token is prev's, on the device (`dispatch`)."""
+        the hidden states of the real positions, row after row (N, ·), and the vocab projection."""
         r, L = self.r, max(lens)
         inputs = mx.array([[row.out[-1]] + p + [0] * (L - n) for row, p, n in zip(rows, props, lens)])
-        if prev is not None and first:
-            at = [first[id(row)][0] if id(row) in first else -1 for row in rows]
-            mine = mx.array([i >= 0 for i in at])
-            col = mx.where(mine, prev.sampled.tokens[mx.array([max(i, 0) for i in at])].astype(inputs.dtype),
-                           inputs[:, 0])
-            inputs = mx.concatenate([col[:, None], inputs[:, 1:]], axis=1)
         r.begin(rows, L, r.poison(rows), lens)
         try:
             h, head = forward_hidden(r.model, inputs, r.cache.views)
@@ -259,7 +234,8 @@ class Verifier:
         out = []
         idx = list(range(len(rows)))
         for j in range(max(acc) + 1):
-            idx = [i for i in idx if acc[i] >= j]  # the rows that keep a j-th token: fewer at each step
+            if j:  # the rows that keep a j-th token: fewer at each step
+                idx = [i for i in idx if acc[i] >= j]
             ent = [offs[i] + j for i in idx]
             sel = mx.array(ent)
             sub = Sampled(sampled.tokens[sel])
