@@ -63,6 +63,7 @@
 #            (e.g. an older tree's src/ on PYTHONPATH); SPEC_PROFILE=plain|spec: first one untimed run of that side
 #            under cProfile (spec_cmd_profile.txt); $SPEC_TAG: a suffix of the JSON's name; $SPEC_KEEP: a folder to keep
 #            the prompts and the last round's results in (plain where it ran), for the ceiling stage
+#            Every side records the GPU's busy percent (nvidia-smi, mean and by tenths of the run) and its CPU seconds
 #   ceiling  job.ngram_ceiling (issue 41): the plain outputs kept by spec ($SPEC_KEEP, default $HOME/kept) replayed
 #            through the n-gram proposer at engine.max_batch $CEIL_BATCH (1024), settings $CEIL_SETTINGS (the
 #            benchmark's); the prompts and the rows' tokens come back in kept/ (job.ngram_ceiling --kept reads them)
