@@ -35,7 +35,7 @@ from benchmarks import harness
 from benchmarks.job.job_vs_mlx_lm import profile_kvbatch, run_kvbatch, run_mlx_lm
 
 SMOKE = ["--model", "tiny", "--rows", "2", "--max-tokens", "4", "--min-chars", "200", "--max-chars", "400",
-         "--rounds", "1", "--no-warm", "--no-mlx-lm"]
+         "--rounds", "1", "--no-warm", "--no-mlx-lm", "--gpu-util"]
 INSTRUCTION = "Rewrite the following passage from the Python documentation in clear, plain English. " \
               "Keep every fact, name and code example.\n\n"
 
