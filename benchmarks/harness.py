@@ -388,7 +388,6 @@ class Usage:
         import resource
 
         self._cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
-        self._t0 = time.perf_counter()
         if self.gpu:
             self._log = tempfile.TemporaryFile(mode="w+")
             try:
@@ -411,8 +410,7 @@ class Usage:
             got = [int(x) for x in self._log.read().split() if x.strip().isdigit()]
             self._log.close()
             if got:
-                tenths = [got[len(got) * i // 10:max(len(got) * (i + 1) // 10, len(got) * i // 10 + 1)]
-                          for i in range(10)]
+                tenths = [got[len(got) * i // 10:len(got) * (i + 1) // 10] for i in range(10)]
                 self.result.update(gpu_util_mean=round(statistics.mean(got), 1), gpu_util_samples=len(got),
                                    gpu_util_tenths=[round(statistics.mean(t), 1) for t in tenths if t])
 

@@ -121,7 +121,8 @@ def _brief(r: dict) -> dict:
         return r
     eng = r.get("engine") or {}
     keep = {k: r[k] for k in ("wall_s", "tokens", "tok_s", "rows", "ok", "prompt_tps", "generation_tps",
-                              "prompt_time", "generation_time", "cpu_s", "gpu_util_mean", "gpu_util_tenths")
+                              "prompt_time", "generation_time", "cpu_s", "gpu_util", "gpu_util_mean",
+                              "gpu_util_tenths")
             if k in r}
     keep.update({k: eng[k] for k in ("decode_s", "prefill_s", "spec_acceptance", "spec_proposed", "spec_accepted",
                                      "spec_passes", "spec_passes_in_flight", "spec_plain_steps", "ngram_prepared",
