@@ -138,7 +138,8 @@ def _tree(commit: str) -> Path:
 
 
 def _side(src: Path, a) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src), str(ROOT)]))
+    # the tree's src/ first, then this checkout, then what the path held (a GPU machine's staged MLX)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src), str(ROOT), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "benchmarks.engine.host_step", "--side", "--rows", str(a.rows), "--new", str(a.new),
            "--mode", a.mode, "--page-size", str(a.page_size), "--spec", a.spec, "--prompt-tokens", a.prompt_tokens,
            "--lookahead", a.lookahead]

@@ -75,6 +75,9 @@
 #            one (--host-array-probe); a verification pass's pieces timed with syncs ($PHASE_SIDES, spec),
 #            $PROBE_ROWS rows (256) x 512, and the window kernel on the $PROBE_CAPTURE-th (30) window's captured inputs:
 #            chained after the job, and one call after a sync in the job's state, after it, and with fresh buffers
+#   hoststep engine.host_step (issues 41, 42): the engine's host work a decode step on this machine's cores, plain and
+#            n-gram, $HOST_ROWS rows (1024) of $HOST_PROMPT-token prompts (200-400), $HOST_NEW new tokens (64),
+#            $HOST_ROUNDS rounds (2) alternating; host_step.json (set against this CPU's figures: the GPU waits for it)
 #   speccost engine.spec_cost (issue 41): the verification pass's cost against plain decode with a draft model
 #            (Llama-1B geometry, random bf16, drafted by a 4-layer random model of its vocabulary), acceptance
 #            forced to 0, 50% and 100%, batches 8/64/256; $SPECCOST_ARGS replaces the arguments
@@ -222,6 +225,12 @@ for arg in "$@"; do
           --max-tokens 512 --top 15 --out "$OUT/spec_profile_graphs$g.json" 2>&1 | tee -a "$OUT/specprobe.txt" |
           grep '"side"' | cut -c1-600
       done ;;
+    hoststep) timeout "$secs" python3 -m benchmarks engine.host_step --rows ${HOST_ROWS:-1024} --new ${HOST_NEW:-64} \
+        --prompt-tokens ${HOST_PROMPT:-200-400} --rounds ${HOST_ROUNDS:-2} --spec ngram --out "$OUT/host_step_ngram.json" 2>&1 |
+        tail -3 | cut -c1-1500
+      timeout "$secs" python3 -m benchmarks engine.host_step --rows ${HOST_ROWS:-1024} --new ${HOST_NEW:-64} \
+        --prompt-tokens ${HOST_PROMPT:-200-400} --rounds ${HOST_ROUNDS:-2} --out "$OUT/host_step.json" 2>&1 |
+        tail -3 | cut -c1-1500 ;;
     specphases) python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$C"/*.whl || exit 1
       timeout "$secs" python3 -m benchmarks gpu.spec_profile --rows ${PROBE_ROWS:-256} --max-tokens 512 --phases \
         --host-array-probe --capture-window ${PROBE_CAPTURE:-30} --sides ${PHASE_SIDES:-spec} \
