@@ -373,6 +373,15 @@ def write_record(rec: dict, out: str) -> None:
     Path(out).write_text(json.dumps(rec, indent=1, default=str) + "\n")
 
 
+def children_cpu_s() -> float:
+    """CPU seconds (user + system) of this process's finished children (the kvbatch runs): on a shared machine
+    the work a run did, where its wall also counts the other sessions' load."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 class Usage:
     """What a child process used while it ran (`with Usage(gpu=...) as u: subprocess.run(...)`, then
     `u.result`): its CPU seconds (user + system, from the children's rusage) and, with gpu, the GPU's
@@ -385,9 +394,7 @@ class Usage:
         self._proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "Usage":
-        import resource
-
-        self._cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
+        self._cpu = children_cpu_s()
         if self.gpu:
             self._log = tempfile.TemporaryFile(mode="w+")
             try:
@@ -399,10 +406,7 @@ class Usage:
         return self
 
     def __exit__(self, *exc) -> None:
-        import resource
-
-        end = resource.getrusage(resource.RUSAGE_CHILDREN)
-        self.result["cpu_s"] = round(end.ru_utime + end.ru_stime - self._cpu.ru_utime - self._cpu.ru_stime, 2)
+        self.result["cpu_s"] = round(children_cpu_s() - self._cpu, 2)
         if self._proc is not None:
             self._proc.terminate()
             self._proc.wait()

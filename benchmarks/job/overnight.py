@@ -19,20 +19,13 @@ run's. The nights depend on each other; run it more than once on a shared machin
 from __future__ import annotations
 
 import json
-import resource
 import shlex
 import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.harness import children_cpu_s
 from benchmarks.job.job_vs_mlx_lm import prompts, run_kvbatch
-
-def _cpu_s() -> float:
-    """CPU seconds of this process's finished children (the kvbatch runs): on a shared machine the work a
-    run did, where its wall also counts the other sessions' load."""
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
-
 
 SMOKE = ["--model", "tiny", "--rows", "2", "--new", "8", "--max-words", "5", "--wall", "2", "--variants", "kept_kv"]
 
@@ -62,10 +55,10 @@ VARIANTS = {"kept_kv": ["worker.keep_kv=true"], "re_prefill": ["worker.keep_kv=f
 
 def _whole(a, cmd, inp, folder: Path, margs: dict, extra: list[str]) -> dict:
     """One uninterrupted run in `folder`: its wall, CPU seconds, worker wall, engine figures and outputs."""
-    c0 = _cpu_s()
+    c0 = children_cpu_s()
     whole = run_kvbatch(cmd, inp, folder, a.model, margs, a.new, extra)
     s0 = json.loads((folder / "summary.json").read_text())
-    return {"wall_s": whole["wall_s"], "cpu_s": _cpu_s() - c0, "outputs": whole["outputs"],
+    return {"wall_s": whole["wall_s"], "cpu_s": children_cpu_s() - c0, "outputs": whole["outputs"],
             "worker_wall_s": s0["this_run"]["wall_s"],
             "engine": {f: (s0.get("engine") or {}).get(f) for f in ("prefill_s", "decode_s", "prefill_tokens_total",
                                                                     "generated_tokens")}}
@@ -74,15 +67,15 @@ def _whole(a, cmd, inp, folder: Path, margs: dict, extra: list[str]) -> dict:
 def _nights(a, cmd, inp, folder: Path, margs: dict, extra: list[str], deadline: int) -> dict:
     """Night 1 (stopped by the deadline) and night 2 (to the end) in `folder`: their walls, CPU seconds and
     what the second one carried over, loaded and prefilled (ratios to an uninterrupted run: _ratios)."""
-    cpu = [_cpu_s()]
+    cpu = [children_cpu_s()]
     first = run_kvbatch(cmd, inp, folder, a.model, margs, a.new, extra + [f"worker.deadline={deadline}s"])
-    cpu.append(_cpu_s())
+    cpu.append(children_cpu_s())
     s1 = json.loads((folder / "summary.json").read_text())
     kv_dir = folder / "kv"
     kv_files = sorted(kv_dir.glob("*.safetensors")) if kv_dir.is_dir() else []
     kv_bytes = sum(f.stat().st_size for f in kv_files)
     second = run_kvbatch(cmd, inp, folder, a.model, margs, a.new, extra)
-    cpu.append(_cpu_s())
+    cpu.append(children_cpu_s())
     s2 = json.loads((folder / "summary.json").read_text())
     return {"first_wall_s": first["wall_s"], "second_wall_s": second["wall_s"],
             "first_rows_done": first["rows"], "stopped_by_deadline": first["rows"] < a.rows,

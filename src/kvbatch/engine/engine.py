@@ -385,40 +385,41 @@ class Engine:
             return plan
         if s.waiting and (st.frees_slot() or (sp is not None and sp.frees_slot())):
             self._flush()  # a slot frees with the step in flight: read it now, so the waiting row joins the next step
+            self.hooks.on_decode_step()
+            return plan
+        n = len(plan.no_room)
+        rows = st.candidates(s.decoding())
+        speculate = sp is not None and sp.wants(len(rows))
+        if (speculate and st.inflight) or (flying and not speculate):  # proposals need every row's tokens
+            self._flush()
+            rows, flying = st.candidates(s.decoding()), False
+        t0, made = (self.hooks.clock(), self.output.generated_tokens) if sp else (0.0, 0)
+        if flying:  # the rows that decode next: not those whose kept tokens end them whatever follows
+            kept = self._land_pass()
+            rows = [r for r in st.candidates(s.decoding())
+                    if len(r.out) < r.end_at and not self.output.stops_on(r, kept.get(id(r), ()))]
+        props = sp.propose(rows) if sp and speculate else {}
+        windows = {id(r): 1 + len(p) for r in rows if (p := props.get(id(r)))} if props else None
+        plan = s.schedule_decode(plan, rows, windows)
+        verified = any(id(r) in props for r in plan.decode) if props else False
+        if sp and verified:
+            out = sp.send(list(plan.decode), props) if self.lookahead else sp.verify(list(plan.decode), props)
         else:
-            n = len(plan.no_room)
-            rows = st.candidates(s.decoding())
-            speculate = sp is not None and sp.wants(len(rows))
-            if (speculate and st.inflight) or (flying and not speculate):  # proposals need every row's tokens
-                self._flush()
-                rows, flying = st.candidates(s.decoding()), False
-            t0, made = (self.hooks.clock(), self.output.generated_tokens) if sp else (0.0, 0)
-            if flying:  # the rows that decode next: not those whose kept tokens end them whatever follows
-                kept = self._land_pass()
-                rows = [r for r in st.candidates(s.decoding())
-                        if len(r.out) < r.end_at and not self.output.stops_on(r, kept.get(id(r), ()))]
-            props = sp.propose(rows) if sp and speculate else {}
-            windows = {id(r): 1 + len(p) for r in rows if (p := props.get(id(r)))} if props else None
-            plan = s.schedule_decode(plan, rows, windows)
-            verified = any(id(r) in props for r in plan.decode) if props else False
-            if sp and verified:
-                out = sp.send(list(plan.decode), props) if self.lookahead else sp.verify(list(plan.decode), props)
-            else:
-                out = st.step(list(plan.decode))
-            self._read_pass()  # the pass landed above: its outputs while the next runs
-            for step in out.landed:
-                self.runner.land(step)
-                self._accept(step)
-            for r in plan.no_room[n:]:  # after the in-flight token it may still have
-                if not r.row.ended:
-                    self.output.finish(r.row, "error", r.code, r.message)
-            if out.failed:
-                for row in plan.decode:
-                    if not row.ended:
-                        self._end(row, "error", INTERNAL_ERROR, out.failed)
-            if sp:  # what this step cost, for whether speculating pays (speculative.adaptive)
-                from_pass = flying or (verified and sp.inflight is None)
-                self._record_cost(sp, len(rows), from_pass, self.output.generated_tokens - made, t0)
+            out = st.step(list(plan.decode))
+        self._read_pass()  # the pass landed above: its outputs while the next runs
+        for step in out.landed:
+            self.runner.land(step)
+            self._accept(step)
+        for r in plan.no_room[n:]:  # after the in-flight token it may still have
+            if not r.row.ended:
+                self.output.finish(r.row, "error", r.code, r.message)
+        if out.failed:
+            for row in plan.decode:
+                if not row.ended:
+                    self._end(row, "error", INTERNAL_ERROR, out.failed)
+        if sp:  # what this step cost, for whether speculating pays (speculative.adaptive)
+            from_pass = flying or (verified and sp.inflight is None)
+            self._record_cost(sp, len(rows), from_pass, self.output.generated_tokens - made, t0)
         self.hooks.on_decode_step()
         return plan
 
