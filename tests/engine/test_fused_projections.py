@@ -77,7 +77,8 @@ def test_only_groups_of_one_plain_kind_are_fused():
     x = mx.random.normal((3, 64), key=mx.random.key(2))
     want = (quant.gate_proj(x), quant.up_proj(x))
     assert fp.install(quant) == 1 and isinstance(quant.fused_gate_up.layer, nn.QuantizedLinear)
-    assert all(mx.allclose(got, w, rtol=1e-5, atol=1e-6).item() for got, w in zip((quant.gate_proj(x), quant.up_proj(x)), want))
+    got = (quant.gate_proj(x), quant.up_proj(x))
+    assert all(mx.allclose(g, w, rtol=1e-5, atol=1e-6).item() for g, w in zip(got, want))
     lora = nn.Module()
     lora.gate_proj = RowLoRALinear(nn.Linear(8, 16, bias=False), mx.zeros((2, 8, 2)), mx.zeros((2, 2, 16)),
                                    mx.ones((2,)), Selection())
