@@ -103,7 +103,7 @@ class CudaLaunch:
 # a run's identity (`identity()`), so they do not move results to another output folder.
 _SAME_OUTPUTS = frozenset({"lookahead", "step_reuse", "attention_trace", "attention_threads"})
 _CHOICES = {"route": ("auto", "portable"), "lookahead": ("auto", "on", "off"),
-            "fuse_projections": ("auto", "on", "off"), "attention_trace": ("off", "nonfinite", "all")}
+            "attention_trace": ("off", "nonfinite", "all")}
 
 
 @dataclass
@@ -120,10 +120,6 @@ class EngineOptions:
     in_place: bool = True  # CPU kv none decode reads float32 pages in place (gather_mm), else gathers
     q_in_place: bool = True  # CPU q8/q4 decode reads packed pages in place (gather_qmm), else gathers
     rope_table: bool = True  # CPU decode RoPE from one cos/sin table per step (else MLX's kernel per call)
-    # an attention's q/k/v and an MLP's gate/up projections run as one matmul each, three kernels a layer
-    # fewer for a GPU's host to dispatch (engine/models/fused_projections.py): auto = on for GPU backends,
-    # off on the CPU (no dispatch cost to save there)
-    fuse_projections: str = "auto"
     cpu_swiglu: bool = True  # CPU SwiGLU MLPs take e^x by a compiled polynomial (else mlx-lm's swiglu: scalar exp)
     step_reuse: bool = True  # CUDA decode reuses the last step's page table while no row gains a page
     # passes of 2..multi_query tokens a row (speculative verification windows, short prompt tails) read

@@ -14,26 +14,19 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from kvbatch.engine.backend import backend
 from kvbatch.engine.config import EngineOptions
 from kvbatch.engine.kv.routes import rope_cpu, swiglu_cpu
 from kvbatch.engine.kv.routes.select import cpu_route
-from kvbatch.engine.models import fused_projections
 
 
 _CPU_KERNELS = (rope_cpu, swiglu_cpu)  # the modules prepare_model may wrap, in its options' order
 
 
 def prepare_model(model: nn.Module, options: EngineOptions) -> None:
-    """Route the model's attention to paged caches; run its q/k/v and gate/up projections as one matmul
-    each (`options.fuse_projections`); on the CPU route give its decode RoPE one cos/sin table per step
-    (`options.rope_table`) and its SwiGLU MLPs a polynomial e^x (`options.cpu_swiglu`); MLX's and mlx-lm's
-    own kernels elsewhere."""
+    """Route the model's attention to paged caches; on the CPU route give its decode RoPE one
+    cos/sin table per step (`options.rope_table`) and its SwiGLU MLPs a polynomial e^x
+    (`options.cpu_swiglu`); MLX's and mlx-lm's own kernels elsewhere."""
     install(model)
-    if options.fuse_projections == "on" or (options.fuse_projections == "auto" and not backend().on_cpu):
-        fused_projections.install(model)
-    else:
-        fused_projections.uninstall(model)
     cpu = cpu_route(options)
     for kernel, wanted in zip(_CPU_KERNELS, (options.rope_table, options.cpu_swiglu)):
         if cpu and wanted:
@@ -43,9 +36,8 @@ def prepare_model(model: nn.Module, options: EngineOptions) -> None:
 
 
 def as_shipped(model: nn.Module) -> None:
-    """Undo `prepare_model`'s fused projections and CPU kernels (benchmarks run mlx-lm on the model as it
-    ships; the attention hook only acts on kvbatch's own caches)."""
-    fused_projections.uninstall(model)
+    """Undo `prepare_model`'s CPU kernels (benchmarks run mlx-lm on the model as it ships; the
+    attention hook only acts on kvbatch's own caches)."""
     for kernel in _CPU_KERNELS:
         kernel.uninstall(model)
 
