@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, cast
+from typing import Container, Optional, Sequence, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -79,7 +79,7 @@ class Runner:
         self.budget = budget
         self.times = StepTimes()
 
-    def poison(self, rows: list[Row], ahead: frozenset = frozenset()) -> Optional[list[bool]]:
+    def poison(self, rows: list[Row], ahead: Container[int] = frozenset()) -> Optional[list[bool]]:
         """hooks.nonfinite: which rows get NaN attention this step. ahead: rows with one token in
         flight (their next output step is len(out) + 1)."""
         inj = self.hooks.nonfinite
@@ -188,7 +188,7 @@ class Runner:
 
     # ---- decode ----------------------------------------------------------------------------
     def forward_sample(self, rows: list[Row], inputs: mx.array,
-                       ahead: frozenset = frozenset()) -> tuple[mx.array, Sampled, mx.array]:
+                       ahead: Container[int] = frozenset()) -> tuple[mx.array, Sampled, mx.array]:
         """One decode forward of (B, 1) inputs, lazily: float32 logits, sampled tokens, finite flags."""
         logits = forward_last(self.model, inputs, self.cache.views).astype(mx.float32)
         return logits, sample_batch(logits, rows, self.grammars, ahead), mx.isfinite(logits).all(axis=-1)
@@ -258,6 +258,22 @@ class SyncStepper:
         """Forget any step in flight (cancel)."""
 
 
+class InFlight:
+    """The ids of a step's rows, as a set built on the first membership test: a step asks only for rows with
+    a mask, logprobs or an injected fault, and building it costs every step ~1 us a row at large batches."""
+
+    __slots__ = ("rows", "_ids")
+
+    def __init__(self, rows: list[Row]):
+        self.rows = rows
+        self._ids: Optional[frozenset[int]] = None
+
+    def __contains__(self, key: object) -> bool:
+        if self._ids is None:
+            self._ids = frozenset(map(id, self.rows))
+        return key in self._ids
+
+
 class LookaheadStepper:
     """Decode with one step in flight. Rows whose in-flight step is known to be their last
     (max_tokens, context, forced tokens) are left out of the next; a row that stops on its token
@@ -302,12 +318,12 @@ class LookaheadStepper:
         to be read; the new one stays in flight unless a row needs its token on the host first."""
         r = self.r
         prev, self._step = self._step, None  # None if a preemption landed it
-        ahead = frozenset(id(row) for row in prev.rows) if prev else frozenset()
+        ahead: Container[int] = InFlight(prev.rows) if prev else frozenset()
         failed = None
         if rows:
             t0 = time.perf_counter()
             try:
-                inputs = self._next_inputs(rows, prev, ahead)
+                inputs = self._next_inputs(rows, prev)
                 r.begin(rows, 1, r.poison(rows, ahead))
                 try:
                     logits, tokens, finite = r.forward_sample(rows, inputs, ahead)
@@ -325,16 +341,16 @@ class LookaheadStepper:
             landed.append(new)
         return Decoded(landed, failed)
 
-    def _next_inputs(self, rows: list[Row], prev: Optional[TokenPass], ahead: frozenset) -> mx.array:
+    def _next_inputs(self, rows: list[Row], prev: Optional[TokenPass]) -> mx.array:
         """(B, 1) input tokens: a forced token or a token the host holds, else the row's token
         from the in-flight step (lazy)."""
         if prev is not None and rows == prev.rows and all(row.forced is None for row in rows):
             return prev.sampled.tokens[:, None]  # the same rows as the step in flight: its tokens as they are
         host, pick = [], []
-        at = {id(row): i for i, row in enumerate(prev.rows)} if prev else {}
+        at = {id(row): i for i, row in enumerate(prev.rows)} if prev else {}  # rows with a token in flight
         for row in rows:
-            forced = row.forced
-            if id(row) not in ahead:
+            forced, i = row.forced, at.get(id(row), -1)
+            if i < 0:
                 host.append(row.out[-1])
                 pick.append(-1)
             elif forced is not None and len(row.out) < len(forced):
@@ -342,7 +358,7 @@ class LookaheadStepper:
                 pick.append(-1)
             else:
                 host.append(0)
-                pick.append(at[id(row)])
+                pick.append(i)
         if all(i < 0 for i in pick):
             return mx.array(host)[:, None]
         assert prev is not None  # a row's token from the step in flight

@@ -15,7 +15,7 @@ filters see the distribution before temperature.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Container, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -87,7 +87,7 @@ class Sampled:
 
 
 def sample_batch(logits: mx.array, rows: list, grammars: Optional[Grammars] = None,
-                 ahead: frozenset = frozenset(), steps: Optional[list[int]] = None,
+                 ahead: Container[int] = frozenset(), steps: Optional[list[int]] = None,
                  keys: Optional[list] = None) -> Sampled:
     """logits (B, V) float32 -> the step's tokens (and logprobs). rows: the step's engine Rows, in order;
     ahead: ids of rows with a token in flight (lookahead: their step is len(out) + 1; such rows never

@@ -108,22 +108,19 @@ class Scheduler:
         """The plan completed with its decode rows: room for one more token in each of `rows`
         (in admission order) that is still running; windows: tokens a row's verification writes
         instead (by id(row); speculative decoding)."""
-        ok, no_room = [], []
+        no_room: list[Refusal] = []
         limits: Optional[list[int]] = None  # scanned once, when the first row needs a page
-        held = self.cache.reserve_held
-        for r in rows:
+        # most rows: their pages hold the step; the others get room in order (a preemption may take a later row)
+        short = self.cache.hold([r.kv for r in rows], [windows.get(id(r), 1) for r in rows] if windows else None)
+        for i in short:
+            r = rows[i]
             if not r.active:  # preempted for an earlier row, or ended by a flush
                 continue
-            n = windows.get(id(r), 1) if windows else 1
-            if held(r.kv, n):  # most rows: their pages hold the step
-                ok.append(r)
-                continue
             limits = self.limits() if limits is None else limits
-            if self._room(r, n, limits, no_room):
-                ok.append(r)
+            self._room(r, windows.get(id(r), 1) if windows else 1, limits, no_room)
         return replace(plan, no_room=plan.no_room + tuple(no_room),
                        preempted=plan.preempted + self._take_preempted(),
-                       decode=tuple(r for r in ok if r.active))
+                       decode=tuple(r for r in rows if r.active))
 
     def _room(self, row: Row, n: int, limits: Optional[list[int]], no_room: list[Refusal]) -> bool:
         """make_room; a row that cannot fit alone leaves the batch and joins `no_room`."""

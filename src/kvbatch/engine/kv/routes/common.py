@@ -2,6 +2,7 @@
 indices, and the q8/q4 tail writes of a decode step."""
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Optional
 
@@ -26,17 +27,18 @@ def _padded(rows: list[CacheRow], n_pages: list[int], width: int) -> list[list[i
 
 class PageTables:
     """Decode steps' page tables, each built from the step before while the same rows run in the same order:
-    only the rows whose page count changed are written again. At a large batch some row starts a page at
-    nearly every step, and a table built whole from the host's lists costs ~1 ms a step at 1,024 rows.
+    only the entries that changed are written again. At a large batch some row starts a page at nearly every
+    step, and a table built whole from the host's lists costs ~1 ms a step at 1,024 rows.
 
-    A row's first n pages never change while its count stays at n or above: pages are only appended. Two
-    things give a row other pages: an admission after a preemption (CacheRow.admissions) and a rollback
-    that frees pages a verification window had reserved (CacheRow.cuts); a row whose count of either
-    moved is written again whole, as is one whose first page (its padding) is another."""
+    A row's first n pages never change while its count stays at n or above: pages are only appended. So a
+    row whose count grew needs its new entries written, one whose count dropped its padding. Two things give a
+    row other pages: an admission after a preemption (CacheRow.admissions) and a rollback that frees pages a
+    verification window had reserved (CacheRow.cuts); both only count up, so their sum moves whenever either
+    does, and a row whose sum moved is written again whole."""
 
     def __init__(self) -> None:
         self._rows: list[CacheRow] = []
-        self._marks: list[tuple[int, int, int]] = []
+        self._marks: list[int] = []
         self._counts: list[int] = []
         self._table: Optional[np.ndarray] = None
 
@@ -49,16 +51,33 @@ class PageTables:
         verification windows take turns here: a window reaches a page further for some rows, so the
         table narrows and widens by a column between calls and only those rows change."""
         width = max(max(n_pages), 1)
-        last, marks = self._table, [(r.admissions, r.cuts, r.pages[0] if r.pages else -1) for r in rows]
-        if last is None or len(rows) != len(self._rows) or any(a is not b for a, b in zip(rows, self._rows)):
+        last, marks, before = self._table, [r.admissions + r.cuts for r in rows], self._counts
+        if last is None or len(rows) != len(self._rows) or not all(map(operator.is_, rows, self._rows)):
             table = np.array(_padded(rows, n_pages, width), dtype=np.int32).reshape(len(rows), width)
         else:  # padding columns repeat each row's first entry (its first page, or 0 for a row without pages)
             table = np.concatenate([last[:, :width], np.repeat(last[:, :1], max(width - last.shape[1], 0), axis=1)],
                                    axis=1)
-            for i, (r, n, before, mark, was) in enumerate(zip(rows, n_pages, self._counts, marks, self._marks)):
-                if n != before or mark != was:
-                    table[i, :n] = r.pages[:n]
-                    table[i, n:] = r.pages[0] if r.pages else 0
+            moved: list[int] = []
+            if n_pages != before:  # one list comparison in C; most calls differ in a few rows only
+                moved = np.flatnonzero(np.asarray(n_pages) != np.asarray(before)).tolist()
+                at, col, page = [], [], []
+                for i in moved:
+                    r, n, b = rows[i], n_pages[i], before[i]
+                    new = range(b, n) if n > b else range(n, min(b, width))  # entries gained, or padding again
+                    at += [i] * len(new)
+                    col += new
+                    page += r.pages[b:n] if n > b else [r.pages[0] if r.pages else 0] * len(new)
+                table[at, col] = page
+            # written again whole: rows given other pages, and rows with no page in the table before or now (their
+            # padding, the first page they hold or 0, may be another)
+            whole = [i for i, (m, was) in enumerate(zip(marks, self._marks)) if m != was] if marks != self._marks \
+                else []
+            whole += [i for i in moved if before[i] == 0]
+            whole += [i for i, n in enumerate(n_pages) if n == 0] if 0 in n_pages else []
+            for i in whole:
+                r, n = rows[i], n_pages[i]
+                table[i, :n] = r.pages[:n]
+                table[i, n:] = r.pages[0] if r.pages else 0
         self._rows, self._marks, self._counts, self._table = list(rows), marks, list(n_pages), table
         return table
 
