@@ -260,7 +260,7 @@ class SyncStepper:
 
 class InFlight:
     """The ids of a step's rows, as a set built on the first membership test: a step asks only for rows with
-    a mask, logprobs or an injected fault, and building it costs every step ~1 us a row at large batches."""
+    a mask, logprobs or an injected fault, and building it costs ~70 us a step at 1,024 rows."""
 
     __slots__ = ("rows", "_ids")
 
