@@ -95,3 +95,81 @@ def test_seal_kernel_gives_the_bits_of_mx_quantize(bits, dtype):
         assert mx.array_equal(want, have).item(), name
         assert mx.array_equal(have[mx.array([1, 4])], before[mx.array([1, 4])]).item(), name  # not sealed into
         assert not mx.array_equal(have[6], before[6]).item(), name
+
+
+def _passes(tiny_model, page: int, stores: bool, spec: str, dtype: str):
+    """A run whose prefill chunks (prefill_chunk 24) and verification windows (n-gram, fixed) meet the decode
+    step in flight (the lookahead, on by default on CUDA): more rows than slots, so rows are admitted and
+    prefilled while others decode."""
+    model, tok, spec_ = tiny_model(family="llama", head_dim=64, dtype=dtype)
+    cfg = engine_config(page_size=page, max_batch=3, prefill_chunk=24, prefill_tokens=48, memory_budget=4 << 30,
+                        options=EngineOptions(cuda=CudaLaunch(kernel_stores=stores)),
+                        speculative={"method": spec, "adaptive": False} if spec != "none" else None)
+    eng = Engine(model, tok, spec_, cfg)
+    cache = kv_cache(eng)
+    assert eng.lookahead and cache.attention.launch.kernel_stores == stores
+    rng = random.Random(11)
+    reqs = []
+    for i, n in enumerate((5, 30, 61, 77, 100)):
+        motif = [rng.randrange(256) for _ in range(4 + i)]
+        prompt = (motif * (n // len(motif) + 1))[:n]  # repeats: the n-gram proposer finds matches
+        reqs.append(Request(f"r{i}", prompt, SamplingParams(max_tokens=40 + 9 * i)))
+        eng.hooks.capture_logits.add(f"r{i}")
+    res = {r.key: r for r in eng.generate(reqs)}
+    assert not [r.error_code for r in res.values() if r.error_code]
+    return res, eng.hooks.logits, cache.store.all_arrays(), eng.summary()
+
+
+@pytest.mark.parametrize("page,spec,dtype", [(16, "none", "float32"), (64, "ngram", "float32"),
+                                             (64, "ngram", "bfloat16"), (16, "ngram", "bfloat16")])
+def test_pass_store_kernel_matches_scatter(tiny_model, page, spec, dtype):
+    """Prefill chunks and verification windows stored in place by the kernel (cuda.kernel_stores) give the
+    tokens, logits and pools that MLX's scatter gives, with a decode step in flight at every store (bf16:
+    windows on the tensor cores)."""
+    a, logits_a, bufs_a, sum_a = _passes(tiny_model, page, True, spec, dtype)
+    b, logits_b, bufs_b, sum_b = _passes(tiny_model, page, False, spec, dtype)
+    assert sum_a["prefill_passes"] == sum_b["prefill_passes"] > 5
+    if spec != "none":
+        assert sum_a["spec_passes"] == sum_b["spec_passes"] > 0 and sum_a["spec_proposed"] > 0
+    for key, ra in a.items():
+        assert ra.tokens == b[key].tokens, key
+        assert len(logits_a[key]) == len(logits_b[key]) > 0
+        for la, lb in zip(logits_a[key], logits_b[key]):
+            assert mx.array_equal(la, lb).item(), key
+    for x, y in zip(bufs_a, bufs_b, strict=True):
+        assert x.shape == y.shape and mx.array_equal(x, y).item()
+
+
+def test_pass_store_never_copies_a_pool_in_use():
+    """With a read of the pools in flight, the in-place store writes the pass's rows into the pools' own memory
+    (no copy: peak memory stays under one pool more) and leaves every other row as it was; the table comes
+    back unchanged for the read that follows it."""
+    from kvbatch.engine.kv.routes.cuda_kernels import store_pass_tokens
+    from kvbatch.engine.kv.store import head_rows_array
+
+    pages, H, P, D = 4096, 3, 16, 64  # 24 MiB a pool
+    kp = mx.random.normal((pages, H, P, D)).astype(mx.bfloat16)
+    vp = mx.random.normal((pages, H, P, D)).astype(mx.bfloat16)
+    mx.eval(kp, vp)
+    k0, v0 = kp + 0, vp + 0  # copies of the pools as they were (own buffers)
+    mx.eval(k0, v0)
+    slots = [5 * P + 3 + t for t in range(40)] + [900 * P + t for t in range(P)]  # a page's tail, a whole page
+    rows = mx.array(head_rows_array(slots, P, H))
+    k = mx.random.normal((len(slots), H, D)).astype(mx.bfloat16)
+    v = mx.random.normal((len(slots), H, D)).astype(mx.bfloat16)
+    table = mx.array([[5, 6, 7, 900]], dtype=mx.int32)
+    inflight = kp.astype(mx.float32).sum() + vp.astype(mx.float32).sum()
+    mx.async_eval(inflight)
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    out = store_pass_tokens(kp, vp, rows, k, v, table)
+    mx.eval(out)
+    assert mx.get_peak_memory() - before < kp.nbytes // 2
+    assert out.tolist() == table.tolist()
+    flat_k, flat_v = kp.reshape(-1, D), vp.reshape(-1, D)
+    assert mx.array_equal(flat_k[rows], k.reshape(-1, D)).item()
+    assert mx.array_equal(flat_v[rows], v.reshape(-1, D)).item()
+    keep = mx.ones(flat_k.shape[0], dtype=mx.bool_)
+    keep[rows] = False
+    assert mx.array_equal(mx.where(keep[:, None], flat_k, 0), mx.where(keep[:, None], k0.reshape(-1, D), 0)).item()
+    assert mx.array_equal(mx.where(keep[:, None], flat_v, 0), mx.where(keep[:, None], v0.reshape(-1, D), 0)).item()
