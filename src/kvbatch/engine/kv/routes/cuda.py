@@ -21,7 +21,9 @@ writes the pools in place (`cuda_kernels.store_pass_tokens`, `CudaLaunch.kernel_
 writes in place only when nothing else holds the pool; the decode step in flight (the lookahead) holds
 it, so the scatter copies the layer's whole pool for K and again for V, per layer and pass. The
 store passes the pass's page table through, and attention reads the pages through that copy of it
-(`read_table`), which orders the read after the store.
+(`read_table`), which orders the read after the store. Nothing else depends on a store's output (a
+prefill chunk that completes no prompt has no logits to read), so the pass evaluates the stores with
+the cache's arrays (`pending`, `PagedKVCache.stored`).
 """
 from __future__ import annotations
 
@@ -155,7 +157,11 @@ class CudaDenseRoute(DenseRoute):
 
     def read_table(self, layer: int, meta: DenseStep) -> mx.array:
         """The pass's page table as this layer's in-place store passed it through (the read follows the store)."""
-        return self._stored.pop(layer, meta.table)
+        return self._stored.get(layer, meta.table)
+
+    def pending(self) -> list[mx.array]:
+        """The pass's in-place stores (a prefill chunk that completes no prompt has no other output)."""
+        return list(self._stored.values())
 
     def end(self):
         """Drop the decode K/V and the stores' tables held for the kernels at the end of the pass."""
