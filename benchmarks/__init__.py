@@ -38,8 +38,6 @@ BENCHMARKS = {
     "gpu.step_profile": "where a decode step's host time goes, next to mlx-lm's step",
     "gpu.prefill_shapes": "a mixed-length prefill's passes, cold, warm and on new shapes",
     "gpu.host_cost": "host costs of a CUDA decode step's pieces (mx.array, custom-kernel calls)",
-    "gpu.pass_store": "a prefill chunk's or verification window's K/V stored with a step in flight: MLX's scatter "
-                      "(copies the pool) against the in-place store kernel",
     "gpu.cuda_compile_check": "compile the CUDA decode kernels with nvcc, registers and spills, no GPU",
     "gpu.backend_check": "correctness of the paged engine and the fused kernels on this MLX backend",
     "quality.kv_quality": "each KV mode against kv=none, teacher-forced (KL, top-1, perplexity)",

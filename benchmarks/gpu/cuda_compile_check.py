@@ -8,7 +8,7 @@ device time is spent. Needs nvcc on PATH; imports no MLX CUDA.
 Kernel names: dense_/quant_<D>_<rep>_<dtype>[_split][_store][_q8|_q4|_k8v4]; the tensor-core kernels
 mmaw_ (a window of --window tokens), mmad_ (decode), mmads_ (decode storing its token), bf16/fp16,
 <D>_<rep>_<dtype>[_split], and their merges reducew<tag>_; seal_<D>_<rep>_<dtype>_<bits> (q8/q4 tails into the
-pool); store_<D>_<rep>_<dtype> (a multi-token pass's K/V into the pools). Registers above 128 a thread leave one
+pool). Registers above 128 a thread leave one
 256-thread block per SM instead of two.
 """
 from __future__ import annotations
@@ -83,9 +83,6 @@ def sources(a) -> list[str]:
                         src.append(wrap(f"seal_{i}_{tag}", seal_in, [("o", T)],
                                         dict(T=T, HKV=8, P=64, D=D, GS=consts["GS"], KBITS=kbits, VBITS=vbits),
                                         cs.SEAL))
-            store_in = [("table", "int32_t"), ("kp", T), ("vp", T), ("rows", "int32_t"), ("k", T), ("v", T),
-                        ("meta", "int32_t")]  # a multi-token pass's K/V stored in place
-            src.append(wrap(f"store_{D}_{rep}_{dt}", store_in, [("o", "int32_t")], dict(T=T, D=D), cs.STORE))
             merge_in = [("pm", "float"), ("pl", "float"), ("pacc", "float"), ("meta", "int32_t"), ("lens", "int32_t")]
             for ql in (0, 1):
                 src.append(wrap(f"reduce_{D}_{rep}_{dt}_{ql}", merge_in, [("out", T)],
@@ -123,7 +120,7 @@ def run(a) -> dict:
             print(line)
             problems.append(line)
         elif "Compiling entry function" in line:
-            m = re.search(r"cu\d+((?:dense|quant|seal|store|reduce|reducew\w*|mma\w*)_\w+?)E", line)
+            m = re.search(r"cu\d+((?:dense|quant|seal|reduce|reducew\w*|mma\w*)_\w+?)E", line)
             name = m.group(1) if m else line
         elif "spill" in line and "0 bytes spill stores, 0 bytes spill loads" not in line:
             print(f"{name}: {line.strip()}")

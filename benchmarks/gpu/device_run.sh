@@ -87,8 +87,6 @@
 #            geometry (default 8b; random bf16), $CVE_ROWS rows (256) of $CVE_PROMPT tokens (128), $CVE_NEW new
 #            tokens (512), 2 order-alternating rounds; the job stage's wheels
 #   bench    any benchmark: python -m benchmarks $BENCH (name and options), its JSON bench$BENCH_TAG.json
-#   passstore  gpu.pass_store $PASSSTORE_ARGS: a multi-token pass's K/V stored with a step in flight, MLX's scatter
-#            against the in-place store kernel (time and peak memory over the pools)
 #   profile  gpu.step_profile $PROFILE_ARGS (default: 1B batch 8 at 8k, none and q8, lookahead loop, with
 #            mlx-lm): host phases against the wait for the GPU, to tell a host-bound case from a GPU-bound one
 set -uo pipefail
@@ -266,8 +264,6 @@ pq.write_table(t, sys.argv[2], compression='zstd', compression_level=19)" "$kept
                --prompt 8192 --modes none,q8 --no-sync} 2>&1 | tee -a "$OUT/profile.txt" | cut -c1-1500 ;;
     bench) timeout "$secs" python3 -m benchmarks $BENCH --out "$OUT/bench${BENCH_TAG:-}.json" 2>&1 |
         tee -a "$OUT/bench${BENCH_TAG:-}.txt" | cut -c1-1500 ;;
-    passstore) timeout "$secs" python3 -m benchmarks gpu.pass_store ${PASSSTORE_ARGS:-} --out "$OUT/pass_store.json" 2>&1 |
-        tee -a "$OUT/pass_store.txt" | cut -c1-1500 ;;
     prefill) for c in ${PREFILL_ENVS:-"default:" "nocudnn:MLX_CUDA_USE_CUDNN_SDPA=0"}; do
         name=${c%%:*} vars=${c#*:}; echo "-- $name ${vars//,/ }" | tee -a "$OUT/prefill.txt"
         timeout "$secs" env ${vars//,/ } python3 -m benchmarks gpu.prefill_shapes ${PREFILL_ARGS:---geometry 1b --rows 256 \

@@ -94,9 +94,6 @@ class CudaLaunch:
     unroll: int = 0  # tokens per lane per loop step; 0: the kernel kind's default (dense 2, q8/q4 4)
     warps: int = 0  # most warps per block; 0: the kernel kind's default (dense 8, q8/q4 4)
     kernel_writes: bool = True  # decode stores the step's new K/V inside the kernel (else scatters first)
-    # kv none: multi-token passes (prefill chunks, verification windows) store their K/V in place by a kernel;
-    # else MLX's scatter, which copies the layer's whole pool while a step in flight still reads it
-    kernel_stores: bool = True
     # bf16/fp16 dense decode and speculative verification windows on the tensor cores (mma.sync: a window's
     # pages read once for all its queries, with decode's numbers), else the decode-style kernel
     tensor_cores: bool = True

@@ -137,7 +137,7 @@ class Runner:
                     out.logits = (logits if len(done) == len(rows) else logits[mx.array(done)]).astype(mx.float32)
                     out.finite = mx.isfinite(out.logits).all(axis=-1)
                     lazy += [out.logits, out.finite]
-                mx.eval(*lazy, self.cache.stored())
+                mx.eval(*lazy, self.cache.store.all_arrays())
             finally:
                 self.cache.end()
         except Exception:

@@ -352,11 +352,6 @@ class PagedKVCache:
         return (mx.array(tok, dtype=mx.int32),
                 mx.array(head_rows(slots, N, self.layout.num_kv_heads), dtype=mx.int32))
 
-    def stored(self) -> list[mx.array]:
-        """What a pass evaluates for its K/V to be stored: the store's arrays and the route's pending in-place
-        stores (called before `end`)."""
-        return [*self.store.all_arrays(), *self.attention.pending()]
-
     def end(self) -> None:
         """Close the forward pass begun by `begin`: each row's stored length advances by its tokens."""
         plan = self.plan

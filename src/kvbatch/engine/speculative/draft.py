@@ -197,7 +197,7 @@ class DraftProposer:
         try:
             h, head = forward_hidden(self.model, inputs, self.cache.views)
             if not want:
-                mx.eval(self.cache.stored())
+                mx.eval(self.cache.store.all_arrays())
                 tokens: list[int] = []
             else:
                 last = None if L == min(lens) else mx.array(lens) - 1
@@ -205,7 +205,7 @@ class DraftProposer:
                 rows = [d.row for d in ds]
                 use = keys if keys is not None and any(k is not None for k in keys) else None
                 picked = sample_batch(logits, rows, steps=steps, keys=use).tokens
-                mx.eval(picked, self.cache.stored())
+                mx.eval(picked, self.cache.store.all_arrays())
                 tokens = picked.tolist()  # pyright: ignore[reportAssignmentType]
         finally:
             self.cache.end()

@@ -45,12 +45,6 @@ class Route:
         """(B, Hq, L, D) attention of the pass's queries over each row's pages."""
         raise NotImplementedError
 
-    def pending(self) -> list[mx.array]:
-        """Arrays whose evaluation performs this pass's in-place stores (none here: the store's arrays carry every
-        write). A pass evaluates them with the store's arrays, since no other output needs them when nothing reads
-        the pass's logits."""
-        return []
-
     def end(self) -> None:
         """The pass is over (drop per-pass scratch)."""
 

@@ -11,19 +11,10 @@ A dense pass of a few tokens a row (a speculative verification window: the row's
 k proposals) is attention of several queries per row over the row's pages, each query seeing the
 keys up to its own position (`CudaMulti`): cuda_kernels.paged_window_attention computes it over
 the pages in place, on the tensor cores for bf16/fp16 (each row's pages read once for all its
-window's queries), else with the decode kernel once per position. Its K/V are stored into the
+window's queries), else with the decode kernel once per position. Its K/V are scattered into the
 pages first, as a prefill chunk's are. So verification reads the pages in place like decode instead
 of gathering every row's pages into a contiguous copy and composing matmuls over it
 (`EngineOptions.multi_query`).
-
-A multi-token pass (prefill chunks, a verification window) stores its K/V with one kernel a layer that
-writes the pools in place (`cuda_kernels.store_pass_tokens`, `CudaLaunch.kernel_stores`). MLX's scatter
-writes in place only when nothing else holds the pool; the decode step in flight (the lookahead) holds
-it, so the scatter copies the layer's whole pool for K and again for V, per layer and pass. The
-store passes the pass's page table through, and attention reads the pages through that copy of it
-(`read_table`), which orders the read after the store. Nothing else depends on a store's output (a
-prefill chunk that completes no prompt has no logits to read), so the pass evaluates the stores with
-the cache's arrays (`pending`, `PagedKVCache.stored`).
 """
 from __future__ import annotations
 
@@ -37,8 +28,8 @@ from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.kv.routes.base import Geometry, flat_tokens
 from kvbatch.engine.kv.routes.common import TailWrites, page_table, tail_writes
 from kvbatch.engine.kv.routes.cuda_kernels import (QuantPages, paged_decode_attention, paged_decode_attention_quantized,
-                                                   paged_window_attention, seal_tail_pages, store_pass_tokens)
-from kvbatch.engine.kv.routes.dense import DenseRoute, DenseStep, pass_tokens
+                                                   paged_window_attention, seal_tail_pages)
+from kvbatch.engine.kv.routes.dense import DenseRoute, DenseStep
 from kvbatch.engine.kv.routes.quant import QuantRoute
 from kvbatch.engine.kv.store import head_rows
 
@@ -101,7 +92,6 @@ class CudaDenseRoute(DenseRoute):
         self.name, self.launch, self.reuse = ROUTE_CUDA, launch, StepReuse(step_reuse)  # not DenseRoute's name
         self.composed = True  # prefill: no cuDNN graph per pass shape (dense.composed_attention)
         self._new_kv: dict[int, tuple[mx.array, mx.array]] = {}  # decode K/V the kernel stores
-        self._stored: dict[int, mx.array] = {}  # a multi-token pass's table, passed through its layer's store
 
     def plan(self, rows, L, pos, epoch, lens):
         """Decode: a page table and lengths for the kernel (reused from the previous step while no row gains a page);
@@ -125,17 +115,11 @@ class CudaDenseRoute(DenseRoute):
         return CudaDecode(table, mx.array(new_len, dtype=mx.int32), hrows)
 
     def write(self, layer: int, meta: object, keys: mx.array, values: mx.array) -> None:
-        """Decode: keep the new K/V for the kernel to store (or scatter them first); a multi-token pass (prefill,
-        a verification window): stored in place by a kernel (`CudaLaunch.kernel_stores`), else as the dense
-        route scatters them."""
-        step = meta.step if isinstance(meta, CudaMulti) else meta
-        if isinstance(step, DenseStep):
-            if not self.launch.kernel_stores:
-                return super().write(layer, step, keys, values)
-            st = self.store
-            self._stored[layer] = store_pass_tokens(st.k[layer], st.v[layer], step.rows,
-                                                    *pass_tokens(step, keys, values), step.table)
-            return
+        """Decode: keep the new K/V for the kernel to store (or scatter them first); prefill: as the dense route."""
+        if isinstance(meta, CudaMulti):
+            return super().write(layer, meta.step, keys, values)
+        if isinstance(meta, DenseStep):
+            return super().write(layer, meta, keys, values)
         assert isinstance(meta, CudaDecode)
         if meta.rows is None:
             self._new_kv[layer] = (keys, values)  # stored by the kernel (attend)
@@ -147,26 +131,17 @@ class CudaDenseRoute(DenseRoute):
         """Decode: the fused paged kernel over the rows' pages; prefill: the dense route's attention."""
         st = self.store
         if isinstance(meta, CudaMulti):
-            return paged_window_attention(queries, st.k[layer], st.v[layer], self.read_table(layer, meta.step),
-                                          meta.firsts, meta.lengths, scale, self.launch)
+            return paged_window_attention(queries, st.k[layer], st.v[layer], meta.step.table, meta.firsts,
+                                          meta.lengths, scale, self.launch)
         if isinstance(meta, DenseStep):
             return super().attend(layer, meta, queries, scale)
         assert isinstance(meta, CudaDecode)
         return paged_decode_attention(queries, st.k[layer], st.v[layer], meta.table, meta.lengths, scale,
                                       self.launch, new_kv=self._new_kv.pop(layer, None))
 
-    def read_table(self, layer: int, meta: DenseStep) -> mx.array:
-        """The pass's page table as this layer's in-place store passed it through (the read follows the store)."""
-        return self._stored.get(layer, meta.table)
-
-    def pending(self) -> list[mx.array]:
-        """The pass's in-place stores (a prefill chunk that completes no prompt has no other output)."""
-        return list(self._stored.values())
-
     def end(self):
-        """Drop the decode K/V and the stores' tables held for the kernels at the end of the pass."""
+        """Drop the decode K/V held for the kernel at the end of the pass."""
         self._new_kv.clear()
-        self._stored.clear()
 
 
 @dataclass(frozen=True)

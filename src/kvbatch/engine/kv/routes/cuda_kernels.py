@@ -30,7 +30,7 @@ from typing import Callable, NamedTuple, Optional, cast
 import mlx.core as mx
 
 from kvbatch.engine.config import CudaLaunch
-from kvbatch.engine.kv.routes.cuda_source import SEAL, STORE, kernel_source, mma_source, reduce_source
+from kvbatch.engine.kv.routes.cuda_source import SEAL, kernel_source, mma_source, reduce_source
 
 NE = 8  # head elements per lane
 # Per kernel kind: tokens per lane per loop step and most warps per block (CudaLaunch.unroll /
@@ -44,7 +44,6 @@ _DENSE_INPUTS = ["q", "k", "v", "table", "lengths", "meta", "scale"]
 _QUANT_INPUTS = ["q", "kw", "ks", "kb", "vw", "vs", "vb", "tk", "tv", "tails", "table", "lens", "meta", "scale"]
 _WINDOW_INPUTS = ["q", "k", "v", "table", "firsts", "lengths", "meta", "scale"]
 _SEAL_INPUTS = ["a", "kw", "ks", "kb", "vw", "vs", "vb", "tk", "tv", "tails", "pages", "meta"]
-_STORE_INPUTS = ["table", "kp", "vp", "rows", "k", "v", "meta"]
 
 # mx.fast.cuda_kernel's object: called with inputs= and the launch's keywords, returns the outputs
 _Kernel = Callable[..., list[mx.array]]
@@ -54,15 +53,12 @@ _kernels: dict[tuple, _Kernel] = {}
 def _kernel(kind: str, split: bool, new_kv: bool = False) -> _Kernel:
     """One compiled kernel per variant (kind: dense, quant; mma_{decode,window}_{bf16,f16}: decode and
     verification windows on the tensor cores; reduce, reduce_window: the merges of split rows; seal: q8/q4
-    tail pages quantized into the pool; store: a multi-token pass's K/V into the pools). The name carries a
-    hash of the source: MLX caches compiled kernels on disk by name (/tmp/mlx/<version>/ptx), so a changed
-    source must not reuse an old binary."""
+    tail pages quantized into the pool). The name carries a hash of the source: MLX caches compiled kernels
+    on disk by name (/tmp/mlx/<version>/ptx), so a changed source must not reuse an old binary."""
     key = (kind, split, new_kv)
     if key not in _kernels:
         if kind == "seal":
             src, inputs, outputs = SEAL, _SEAL_INPUTS, ["o"]
-        elif kind == "store":
-            src, inputs, outputs = STORE, _STORE_INPUTS, ["o"]
         elif kind.startswith("mma"):
             window = kind.startswith("mma_window")
             src = mma_source(split, kind.endswith("_f16"), window, new_kv)
@@ -314,21 +310,4 @@ def seal_tail_pages(out: mx.array, pages: QuantPages, tails: mx.array, dest: mx.
                 output_shapes=[out.shape], output_dtypes=[out.dtype])
     meta = _const((out.size, n), mx.int32)
     (o,) = _kernel("seal", False)(inputs=[out, *pages.packed, pages.tail_k, pages.tail_v, tails, dest, meta], **call)
-    return o
-
-
-def store_pass_tokens(k_pool: mx.array, v_pool: mx.array, rows: mx.array, k: mx.array, v: mx.array,
-                      table: mx.array) -> mx.array:
-    """Store a multi-token pass's K/V in place: k, v (N, Hkv, D) into the pools' (pages, Hkv, P, D) head
-    rows `rows` (N * Hkv, int32; kv.store.head_rows), as DenseStore.write's scatter does but never copying
-    a pool another step still reads (cuda_source.STORE). Returns `table` (the pass's page table) passed
-    through: reading the pools through it orders the read after the store."""
-    D = k_pool.shape[-1]
-    n = rows.shape[0] * D
-    threads = min(max(2 * n, table.size), 1 << 22)
-    call = dict(template=[("T", k_pool.dtype), ("D", D)], grid=(-(-threads // 256) * 256, 1, 1),
-                threadgroup=(256, 1, 1), output_shapes=[table.shape], output_dtypes=[table.dtype])
-    meta = mx.array([table.size, n], dtype=mx.int32)
-    (o,) = _kernel("store", False)(inputs=[table, k_pool, v_pool, rows.astype(mx.int32), k.astype(k_pool.dtype),
-                                           v.astype(v_pool.dtype), meta], **call)
     return o

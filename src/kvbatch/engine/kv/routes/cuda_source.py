@@ -492,24 +492,3 @@ SEAL = r"""
         w[wd] = word;
     }
 """
-
-
-# Storing a multi-token pass's K/V (prefill chunks, verification windows) into the pools in place.
-# MLX's scatter writes into its input's memory only when nothing else holds that array; with a decode
-# step in flight (the lookahead) the step's kernels still hold the pools, so MLX copies the layer's whole
-# pool for each K and each V scatter: at 1,024 rows of ~2.6k tokens that is ~4 GB a layer a pass. Here one
-# thread stores one element: rows[r] is the flat (pool row) index of the pass's head row r, k / v hold
-# the pass's real tokens as (N * HKV, D) rows in the pools' dtype. The launch also passes the pass's page
-# table through (table -> o): attention reads the pools through that copy, which orders it after the
-# store in the graph, as SEAL orders itself after the decode kernel. Template constants: T (the pools'
-# dtype), D (the head size).
-STORE = r"""
-    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x, stride = (size_t)gridDim.x * blockDim.x;
-    const size_t n_out = meta[0], n = meta[1];  // table entries; the pass's elements (rows x D)
-    for (size_t e = i; e < n_out; e += stride) o[e] = table[e];
-    for (size_t e = i; e < 2 * n; e += stride) {
-        const bool is_v = e >= n;
-        const size_t r = is_v ? e - n : e;
-        const_cast<T*>(is_v ? vp : kp)[(size_t)rows[r / D] * D + r % D] = (is_v ? v : k)[r];
-    }
-"""

@@ -108,14 +108,6 @@ def paged_grouped_decode(q: mx.array, k_pages: mx.array, v_pages: mx.array, page
     return out.reshape(B, Hkv, n, GL, D).sum(axis=2).reshape(B, Hq, L, D)
 
 
-def pass_tokens(meta: DenseStep, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-    """A pass's K/V (B, H, L, D) as the (N, H, D) tokens it stores: the real ones, in the order of meta.rows."""
-    k, v = flat_tokens(keys, values)
-    if meta.take is not None:
-        k, v = k[meta.take], v[meta.take]
-    return k, v
-
-
 def multi_query_mask(pos: list[int], lens: list[int], L: int, T: int, group: int) -> mx.array:
     """(B, 1, T, group * L) key-major: query j of row b (each of its KV heads' `group` query heads)
     sees keys 0..pos[b] + j; a padding position (j >= lens[b]) sees the row's real keys."""
@@ -228,12 +220,10 @@ class DenseRoute(Route):
 
     def write(self, layer: int, meta: DenseStep, keys: mx.array, values: mx.array) -> None:
         """Store the pass's real tokens' K/V in the head rows the plan chose."""
-        self.store.write(layer, meta.rows, *pass_tokens(meta, keys, values))
-
-    def read_table(self, layer: int, meta: DenseStep) -> mx.array:
-        """The page table a pass's attention reads this layer's pages through (a route that stores in place
-        hands back the one its store passed through, so the read follows the store)."""
-        return meta.table
+        k, v = flat_tokens(keys, values)
+        if meta.take is not None:
+            k, v = k[meta.take], v[meta.take]
+        self.store.write(layer, meta.rows, k, v)
 
     def attend(self, layer: int, meta: DenseStep, queries: mx.array, scale: float) -> mx.array:
         """The pass's queries attending to the rows' dense pages (grouped or in place on the CPU, SDPA otherwise)."""
@@ -245,6 +235,6 @@ class DenseRoute(Route):
                     outs.append(paged_grouped_decode(queries[g.start:g.stop], st.k[layer], st.v[layer],
                                                      g.page_heads, g.query_of, g.mask, scale))
             return mx.concatenate(outs) if len(outs) > 1 else outs[0]
-        k, v = st.gather(layer, self.read_table(layer, meta))
+        k, v = st.gather(layer, meta.table)
         assert meta.mask is not None  # a step not read in place has its mask
         return dense_attention(queries, k, v, meta.mask, scale, self.upcast, self.grouped, self.composed)
