@@ -98,3 +98,44 @@ def test_messages_column_is_an_sft_dataset(tmp_path, model_cache_dir, capsys):
                                                      "content": datasets.Value("string")})
     assert ds[0]["messages"] == by["p"]["messages"]
     capsys.readouterr()
+
+
+def test_rows_encoded_together_give_each_row_its_own_ids(smollm2, smollm2_config):
+    """encode_rows (a worker's claimed rows in one call) gives every row the ids `encode` gives it alone, and a
+    row that cannot be encoded its own ValueError, for the fast tokenizer (one encode_batch call a kind of
+    text: raw prompts with the tokenizer's special tokens, rendered chats without) and for mlx-lm's wrapper
+    (no encode_batch: row by row)."""
+    from mlx_lm.utils import load_tokenizer
+    from pydoc_data.topics import topics
+    from tokenizers import Tokenizer, processors
+
+    from kvbatch.engine.models.sources import resolve_model_dir
+    from kvbatch.pipeline.prompts import encode, encode_rows
+
+    fast = smollm2[1]
+    wrapper = load_tokenizer(resolve_model_dir(smollm2_config))
+    assert hasattr(fast, "encode_batch") and getattr(wrapper, "encode_batch", None) is None
+    bos = copy.copy(fast)  # BOS before every raw encoding (as a Llama GGUF's): a rendered chat must not get one
+    bos.backend_tokenizer = Tokenizer.from_str(fast.backend_tokenizer.to_str())
+    bos.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos.convert_tokens_to_ids("<|im_start|>"))])
+    assert bos.encode("a") == [bos.convert_tokens_to_ids("<|im_start|>")] + fast.encode("a")
+    texts = [topics[k][:n] for k, n in zip(sorted(topics)[:6], (40, 900, 3000, 1, 250, 5000))] + ["héllo 👋"]
+    rows = [{"prompt": t} for t in texts] + [
+        {"messages": [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "1, 2,"}]},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "Yo"}]}]}]
+    for job in (JobConfig(), JobConfig(chat_template=False), JobConfig(system_prompt="Be brief.",
+                                                                         continue_final_message=True)):
+        payloads = [row_payload(r, job) for r in rows]
+        assert not [p for p in payloads if "error" in p]
+        if not job.chat_template:  # no turns and no prompt: its own ValueError without a template
+            payloads.insert(3, {"messages": None})
+        for tok in (fast, bos, wrapper):
+            got = encode_rows(tok, payloads, job)
+            assert len(got) == len(payloads)
+            for i, (payload, ids) in enumerate(zip(payloads, got)):
+                if i == 3 and not job.chat_template:
+                    assert isinstance(ids, ValueError) and "chat_template=true" in str(ids)
+                else:
+                    assert ids == encode(tok, payload, job) and len(ids) > 0
+    assert encode_rows(fast, [], JobConfig()) == []

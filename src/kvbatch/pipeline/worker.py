@@ -67,7 +67,7 @@ from kvbatch.pipeline.config import Config
 from kvbatch.pipeline.durations import deadline_at
 from kvbatch.pipeline.parts import part_name, write_part
 from kvbatch.pipeline.progress import Progress
-from kvbatch.pipeline.prompts import encode
+from kvbatch.pipeline.prompts import encode_rows
 from kvbatch.pipeline.queue import Claimed, Queue
 from kvbatch.pipeline.results import ResultRecord, fit
 
@@ -336,6 +336,9 @@ class Worker:
         claimed = self.q.claim(self.id, want, w.lease_s, idle=not self.inflight,
                                isolate_after=w.isolate_after, max_crashes=w.max_crashes)
         started: list[str] = []
+        plain = [] if self.scoring else [c for c in claimed if "error" not in c.payload]
+        ids_of = dict(zip((c.key for c in plain), encode_rows(self.rt.tokenizer, [c.payload for c in plain],
+                                                              self.cfg.job)))
         for c in claimed:
             self.stats.lost_tokens += c.lost_tokens  # made by a worker that died, beyond the checkpoint
             if c.crashes >= w.max_crashes and c.alone_crashes >= w.max_crashes - w.isolate_after:
@@ -351,10 +354,9 @@ class Worker:
                     started.append(c.key)
             else:
                 p = self._sampling(c)
-                try:
-                    ids = encode(self.rt.tokenizer, c.payload, self.cfg.job)
-                except ValueError as exc:
-                    self._add(self._record(c, code=INVALID_INPUT, msg=str(exc), params=p))
+                ids = ids_of[c.key]
+                if isinstance(ids, ValueError):
+                    self._add(self._record(c, code=INVALID_INPUT, msg=str(ids), params=p))
                     continue
                 if c.crashes >= w.isolate_after:  # a suspect: what finished before it is written first
                     self.flush(force=True)
