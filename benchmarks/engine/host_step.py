@@ -6,7 +6,9 @@ At batch 1,024 on the H200 a SmolLM2 decode step waits ~8.5 ms for the GPU and s
 on any machine: a one-layer model 64 wide (its forward is a small part of the step), `--rows` rows of mixed
 prompt lengths, each generating `--new` tokens, the lookahead stepper (the GPU backends' decode loop) with
 every evaluation made synchronous and timed apart. `host_ms_per_step` = (the decode steps' wall - time
-inside mx.eval / mx.async_eval) / steps, the median over rounds. With speculation, `critical_ms_per_pass`
+inside mx.eval / mx.async_eval) / steps, the median over rounds; `prefill_host_ms_per_pass` the same for the
+steps that ran a prefill pass (admission, the pass's chunks and prefix-cache bookkeeping, the decode step
+beside it), over their passes. With speculation, `critical_ms_per_pass`
 is the median host time from a verification pass's tokens read to the next forward handed to the device:
 the part of a pass's host work the device waits for (the rest runs while the next pass computes, where
 the backend overlaps them, engine.options.lookahead).
@@ -50,12 +52,14 @@ def add_args(ap) -> None:
     ap.add_argument("--spec", default="", help="a speculative.method (ngram), fixed, or none")
     ap.add_argument("--lookahead", default="on", choices=("on", "off"),
                     help="engine.options.lookahead (on: the GPUs' loop; off: the CPU's)")
+    ap.add_argument("--prefill", default="65536/auto",
+                    help="CHUNK/TOKENS: engine.prefill_chunk / engine.prefill_tokens (the CUDA defaults: 512/8192)")
     ap.add_argument("--base", default="", help="a commit measured side by side with this tree")
     ap.add_argument("--side", action="store_true", help="(internal) one measurement, one JSON line")
 
 
 def measure(rows: int, new: int, mode: str, page_size: int, spec_method: str = "", prompt_tokens: str = "8-90",
-            lookahead: str = "on") -> dict:
+            lookahead: str = "on", prefill: str = "65536/auto") -> dict:
     """One engine run in this process: host ms a decode step and a digest of every row's tokens."""
     import mlx.core as mx
     from mlx_lm.models import llama
@@ -72,11 +76,13 @@ def measure(rows: int, new: int, mode: str, page_size: int, spec_method: str = "
     rng = random.Random(0)
     lo, hi = (int(x) for x in prompt_tokens.split("-"))
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(lo, hi))] for _ in range(rows)]
+    chunk, tokens = prefill.split("/")
     kv, opts = h.parse_mode(mode)
     opts.lookahead = lookahead
     speculative = {"method": spec_method, "adaptive": False} if spec_method else None
     eng = h.engine(model, h.NoEos(), spec, mode, options=opts, page_size=page_size, max_batch=rows,
-                   prefill_chunk=1 << 16, memory_budget=int(8e9), allow_unvalidated=True, speculative=speculative)
+                   prefill_chunk=int(chunk), prefill_tokens=tokens if tokens == "auto" else int(tokens),
+                   memory_budget=int(8e9), allow_unvalidated=True, speculative=speculative)
     device = [0.0]
     real_eval, real_async = mx.eval, mx.async_eval
     # a verification pass's critical path: from its tokens read to the next forward handed to the device
@@ -105,22 +111,27 @@ def measure(rows: int, new: int, mode: str, page_size: int, spec_method: str = "
     try:
         for r in h.requests(prompts, new):
             eng.add(r)
-        results, wall, steps, made = [], 0.0, 0, 0
+        results, wall, steps, made, pre_wall, passes = [], 0.0, 0, 0, 0.0, 0
         while eng.has_unfinished():
             decoding = not any(row.prefilling for row in eng.scheduler.running) and not eng.scheduler.waiting
             before, t = device[0], time.perf_counter()
-            out_before = eng.output.generated_tokens
+            out_before, passes_before = eng.output.generated_tokens, eng.runner.times.prefill_passes
             results += eng.step()
+            host = time.perf_counter() - t - (device[0] - before)
             if decoding:  # steps of decode alone: every row past its prompt
-                wall += time.perf_counter() - t - (device[0] - before)
+                wall += host
                 steps += 1
                 made += eng.output.generated_tokens - out_before
+            elif eng.runner.times.prefill_passes > passes_before:  # a step with a prefill pass (and decode)
+                pre_wall += host
+                passes += eng.runner.times.prefill_passes - passes_before
     finally:
         mx.eval, mx.async_eval = real_eval, real_async
     tokens = [r.tokens for r in sorted(results, key=lambda r: int(r.key))]
     assert all(len(t) == new for t in tokens), "every row generates --new tokens"
     stats = eng.summary()
     return {"host_ms_per_step": wall / max(steps, 1) * 1e3, "steps": steps,
+            "prefill_host_ms_per_pass": pre_wall / max(passes, 1) * 1e3, "prefill_passes": passes,
             "critical_ms_per_pass": statistics.median(critical) * 1e3 if critical else None,
             "tokens_per_step": made / max(steps, 1),
             **{k: stats[k] for k in ("spec_passes", "spec_acceptance", "ngram_prepared", "ngram_prepared_used")
@@ -142,7 +153,7 @@ def _side(src: Path, a) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src), str(ROOT), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "benchmarks.engine.host_step", "--side", "--rows", str(a.rows), "--new", str(a.new),
            "--mode", a.mode, "--page-size", str(a.page_size), "--spec", a.spec, "--prompt-tokens", a.prompt_tokens,
-           "--lookahead", a.lookahead]
+           "--lookahead", a.lookahead, "--prefill", a.prefill]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if p.returncode:
         raise RuntimeError(p.stderr[-2000:])
@@ -169,6 +180,10 @@ def run(a) -> dict:
                   if "error" not in b and "error" not in x]
         out["base_over_head"] = statistics.median(ratios) if ratios else None
         out["base_over_head_runs"] = ratios
+        pre = [b["prefill_host_ms_per_pass"] / x["prefill_host_ms_per_pass"]
+               for b, x in zip(runs["base"], runs["head"]) if "error" not in b and "error" not in x]
+        out["prefill_base_over_head"] = statistics.median(pre) if pre else None
+        out["prefill_base_over_head_runs"] = pre
         out["same_tokens"] = len({r["tokens_sha"] for r in runs["base"] + runs["head"] if "tokens_sha" in r}) == 1
     return out
 
@@ -182,4 +197,4 @@ if __name__ == "__main__":  # one side (--side): the measurement of the tree on 
     add_args(ap)
     args = ap.parse_args()
     print(json.dumps(measure(args.rows, args.new, args.mode, args.page_size, args.spec, args.prompt_tokens,
-                             args.lookahead)))
+                             args.lookahead, args.prefill)))
