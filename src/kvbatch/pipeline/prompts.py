@@ -58,8 +58,8 @@ def encode_rows(tokenizer: Any, payloads: list[dict], job: JobConfig) -> list[li
     """Each row's prompt token ids as `encode` gives them, or the ValueError that row's encoding raises.
 
     A tokenizer that encodes many texts in one call (`encode_batch`: the `tokenizers` library spreads them
-    over the cores) takes every row's text together: the rewrite job's 1,024 passages take 1.04 s one by one
-    and 0.55 s together on 2 cores, and a worker encodes the rows it claims before they can start."""
+    over the cores) takes every row's text together: a worker encodes the rows it claims before any of them
+    can start, and a large batch claims a thousand rows at once."""
     out: list[list[int] | ValueError] = []
     batch = getattr(tokenizer, "encode_batch", None)
     if batch is not None:
