@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from typing import Any, Iterable, Optional
 
 from kvbatch.engine.errors import RowError
@@ -126,15 +127,12 @@ class Sharing:
         # page hashes chain, so two rows share a page only if they share their first page too: a row whose first
         # page no other prefilling row has neither waits nor computes a page for another (at 1,024 rows of
         # distinct prompts this skips hashing every row's every page each pass)
-        firsts: dict[bytes, int] = {}
-        for r in prefilling:
-            if r.target >= self.P:
-                h0 = prefix_hashes(r.kv, r.seq, self.P, 1)[0]
-                firsts[h0] = firsts.get(h0, 0) + 1
-        for r in prefilling:  # admission order: the earlier row computes a shared page
+        heads = [prefix_hashes(r.kv, r.seq, self.P, 1)[0] if r.target >= self.P else None for r in prefilling]
+        firsts = Counter(heads)
+        for r, h0 in zip(prefilling, heads):  # admission order: the earlier row computes a shared page
             seq, limit = r.seq, self._limit(r)
             self.take(r, self.cache.computed(r.kv, seq, limit))
-            if r.target < self.P or firsts[prefix_hashes(r.kv, seq, self.P, 1)[0]] < 2:
+            if h0 is None or firsts[h0] < 2:
                 continue
             h = next_hash(r.kv, seq, self.P, limit)
             if h is not None and h in owners:

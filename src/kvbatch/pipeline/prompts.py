@@ -20,14 +20,18 @@ def _ids(out: Any) -> list[int]:
     return [int(t) for t in out]
 
 
+def _raw_prompt(payload: dict) -> str:
+    """The prompt of a row sent as raw text (no chat template)."""
+    if "messages" in payload:
+        raise ValueError("a messages row needs job.chat_template=true")
+    return payload["prompt"]
+
+
 def _source(tokenizer: Any, payload: dict, job: JobConfig) -> tuple[str, bool]:
     """(text, raw) for one valid payload: its prompt as is (raw: encoding it adds the tokenizer's special
     tokens, as `encode` does) or its turns through the chat template (the rendered text holds its own)."""
-    msgs = turns(payload, job)
-    if msgs is None:
-        if "messages" in payload:
-            raise ValueError("a messages row needs job.chat_template=true")
-        return payload["prompt"], True
+    if turns(payload, job) is None:
+        return _raw_prompt(payload), True
     return render(tokenizer, payload, job, tokenize=False), False
 
 
@@ -36,9 +40,8 @@ def render(tokenizer: Any, payload: dict, job: JobConfig, tokenize: bool = True)
     it cannot be encoded. A trailing assistant turn is continued under job.continue_final_message."""
     msgs = turns(payload, job)
     if msgs is None:
-        if "messages" in payload:
-            raise ValueError("a messages row needs job.chat_template=true")
-        return _ids(tokenizer.encode(payload["prompt"])) if tokenize else payload["prompt"]
+        prompt = _raw_prompt(payload)
+        return _ids(tokenizer.encode(prompt)) if tokenize else prompt
     cont = continues(msgs, job)
     try:
         out = tokenizer.apply_chat_template(msgs, add_generation_prompt=not cont, continue_final_message=cont,
