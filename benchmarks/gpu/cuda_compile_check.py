@@ -18,7 +18,6 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from kvbatch.engine.config import CudaLaunch
 from kvbatch.engine.kv.routes import cuda_kernels as ca
 from kvbatch.engine.kv.routes import cuda_source as cs
 
@@ -50,8 +49,6 @@ def add_args(ap) -> None:
     ap.add_argument("--variants", default="plain,split,store,split_store")
     ap.add_argument("--bits", default="8x8,4x4,8x4", help="quantized kernels: key x value bits")
     ap.add_argument("--window", type=int, default=5, help="verification window tokens (k + 1)")
-    ap.add_argument("--stages", type=int, default=CudaLaunch.stages,
-                    help="tensor-core tiles in flight a warp (engine.options.cuda.stages)")
     ap.add_argument("--frontend-only", action="store_true",
                     help="nvcc -cuda: parse and type-check only (no ptxas: no registers, spills)")
 
@@ -94,8 +91,7 @@ def sources(a) -> list[str]:
                 for L, store in ((a.window, False), (1, False), (1, True)):
                     qc = min(L, ca.MMA_ROWS // rep)
                     window = dict(NL=L, QC=qc, NQC=-(-L // qc))
-                    consts = dict(T=T, S=T, D=D, P=64, REP=rep * qc, HKV=8, NW=ca.mma_warps(D),
-                                  ST=ca.mma_stages(D, a.stages), **window)
+                    consts = dict(T=T, S=T, D=D, P=64, REP=rep * qc, HKV=8, NW=ca.mma_warps(D), **window)
                     ins = [("q", T), ("k", T), ("v", T), ("table", "int32_t")] + \
                         ([("firsts", "int32_t")] if L > 1 else []) + \
                         [("lengths", "int32_t"), ("meta", "int32_t"), ("scale", "float")] + \

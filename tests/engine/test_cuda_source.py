@@ -333,29 +333,6 @@ def test_bf16_decode_runs_on_the_tensor_cores_like_a_window(monkeypatch):
                 t = dict(calls[0]["template"])
                 assert (t["NL"], t["QC"], t["NQC"], t["REP"], t["NW"]) == (1, 1, 1, rep, ca.mma_warps(D))
                 assert calls[0]["grid"] == (B * Hkv * 32 * t["NW"], 1, 1) and calls[0]["shapes"] == [(B, Hkv * rep, D)]
-                assert t["ST"] == 2  # CudaLaunch.stages: two tiles of 64-element heads fit beside each other
-
-
-def test_tensor_core_stages_fit_shared_memory_and_leave_the_warps_alone(monkeypatch):
-    """engine.options.cuda.stages reaches the tensor-core launch as ST, cut to what 44 KiB of shared memory
-    holds for the head size (the K and V tiles of every warp's stages); the warps, which decide a query's
-    numbers, stay those of the head size at any stages."""
-    import mlx.core as mx
-
-    calls = _recording_kernels(monkeypatch)
-    for D, most, want in ((64, 1, 1), (64, 2, 2), (64, 8, 2), (128, 2, 2), (128, 3, 2), (96, 2, 1), (256, 4, 2)):
-        nw = ca.mma_warps(D)
-        assert ca.mma_stages(D, most) == want
-        assert nw * want * 2 * 16 * (D + 8) * 2 <= 44 * 1024  # the loop's buffers fit
-        calls.clear()
-        q = mx.zeros((1, 2, 1, D), dtype=mx.bfloat16)
-        pool = mx.zeros((4, 1, 16, D), dtype=mx.bfloat16)
-        ca.paged_decode_attention(q, pool, pool, mx.zeros((1, 2), dtype=mx.int32), mx.array([20], dtype=mx.int32),
-                                  0.5, CudaLaunch(stages=most))
-        t = dict(calls[0]["template"])
-        assert (t["ST"], t["NW"]) == (want, nw)
-    src = cs.mma_source(False, False, False)
-    assert src.count("cp.async.cg.shared.global") == 1 and "cp.async.wait_group" in src
 
 
 def test_launch_settings_per_kernel_kind(monkeypatch):

@@ -97,9 +97,6 @@ class CudaLaunch:
     # bf16/fp16 dense decode and speculative verification windows on the tensor cores (mma.sync: a window's
     # pages read once for all its queries, with decode's numbers), else the decode-style kernel
     tensor_cores: bool = True
-    # tensor-core kernels: 16-token K/V tiles each warp has in flight (cp.async into shared memory) while it
-    # computes one, plus that one; 1 loads each tile when it is needed. Never changes a number
-    stages: int = 2
 
 
 # Options that never change a row's tokens (they change how fast, or what is printed): left out of

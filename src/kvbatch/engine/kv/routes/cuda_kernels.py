@@ -179,17 +179,6 @@ def mma_warps(head_dim: int) -> int:
     return 1
 
 
-def mma_stages(head_dim: int, most: int) -> int:
-    """Tiles a tensor-core warp keeps loading (cp.async) while it computes one, plus that one: the most, up to
-    `most` (CudaLaunch.stages), whose K and V buffers fit 44 KiB of shared memory beside nothing else (the
-    merge buffers reuse those bytes after the loop). Loads never change a number, so neither does this."""
-    nw = mma_warps(head_dim)
-    for st in range(max(most, 1), 1, -1):
-        if nw * st * 2 * 16 * (head_dim + 8) * 2 <= 44 * 1024:
-            return st
-    return 1
-
-
 def tensor_cores(dtype: mx.Dtype, store: mx.Dtype, head_dim: int, heads: int, page: int, chunk: int) -> bool:
     """Whether dense decode and windows run on the tensor cores: bf16/fp16 queries and pages alike, heads of
     a multiple of 16 elements, at most 16 query heads a KV head, 16-token tiles that never cross a page
@@ -211,7 +200,7 @@ def _launch_for(kind: str, B: int, Hq: int, D: int, L: int, dtype: mx.Dtype, g: 
     meta = _const((g.maxp, ns, chunk, unsplit), mx.int32)
     template = [("T", dtype), ("S", g.store_dtype), ("D", D), ("P", g.page), ("REP", rep), ("HKV", g.kv_heads),
                 ("NW", nw), ("LPT", _lanes(D)), ("NE", NE), ("U", launch.unroll or UNROLL.get(kind, 1))]
-    template += list(g.extra) + window + ([("ST", mma_stages(D, launch.stages))] if mma else [])
+    template += list(g.extra) + window
     blocks = B * g.kv_heads * nqc  # before splits
     call = dict(template=template, grid=(blocks * ns * 32 * nw, 1, 1), threadgroup=(32 * nw, 1, 1))
     consts = [meta, _const((float(g.scale),), mx.float32)]
@@ -235,7 +224,7 @@ def _launch(kind: str, inputs: list, q: mx.array, g: _Geometry, launch: CudaLaun
     key counts, which the merge of split rows reads too."""
     B, Hq, L, D = q.shape
     key = (kind, B, Hq, D, L, q.dtype, g, new_kv is not None, launch.chunk, launch.unsplit, launch.unroll,
-           launch.warps, launch.stages)
+           launch.warps)
     run = _launches.get(key)
     if run is None:
         if len(_launches) > 256:

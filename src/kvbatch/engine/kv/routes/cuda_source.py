@@ -296,20 +296,17 @@ def kernel_source(quantized: bool, split: bool, new_kv: bool = False) -> str:
 # block holds REP = (query heads of its KV head) x QC positions (decode: 1) as the 16 rows of
 # mma.m16n8k16's A operand
 # (rows past REP are zero and never written); each warp takes 16-token tiles of the block's range
-# (a tile never crosses a page: it starts at a multiple of 16), copies each tile's K and V rows into
-# shared memory with cp.async ST - 1 tiles ahead of the one it computes (the copies need no registers,
-# so a warp keeps several tiles' bytes in flight while its mma work runs), computes S = Q K^T, keeps an
-# online softmax per row in float32 (FlashAttention-2's layout: a lane holds rows g and g + 8, columns
-# 2c and 2c + 1 of each 8-column tile), and adds P V with P rounded to the page type (tokens past the
-# row's end copied as zeros: a zero weight times an unwritten slot's bits could be NaN). Query slot r
-# sees keys below lim (its position's own count).
+# (a tile never crosses a page: it starts at a multiple of 16), computes S = Q K^T from K read in
+# place, keeps an online softmax per row in float32 (FlashAttention-2's layout: a lane holds rows g
+# and g + 8, columns 2c and 2c + 1 of each 8-column tile), and adds P V with P rounded to the page
+# type and V staged in shared memory (tokens past the row's end as zeros: a zero weight times an
+# unwritten slot's bits could be NaN). Query slot r sees keys below lim (its position's own count).
 # Where the decode-style loop spends a shuffle reduction per (query, token), this spends one mma per
 # 8 tokens x 16 element columns for all of the block's queries at once.
 # A query's numbers depend on its own row of A, its key count and the block's token range only: keys
 # past its count weigh exactly 0, a range with none of its keys merges with weight 0, and the warps
-# (NW) depend on the head size alone (ST changes when bytes arrive, not what is computed). So a
-# (row, position) gets the same bits in a decode step and in a verification window: speculation keeps
-# decode's tokens.
+# (NW) depend on the head size alone. So a (row, position) gets the same bits in a decode step and in a
+# verification window: speculation keeps decode's tokens.
 _MMA = r"""
     const int maxp = meta[0], ns = meta[1];
     const int bq = blockIdx.x / ns, sp = blockIdx.x % ns, bh = bq / NQC, qc = bq % NQC;
@@ -347,40 +344,18 @@ _MMA = r"""
     }
     float o[D / 8][4], m[2] = {{-INFINITY, -INFINITY}}, l[2] = {{0.f, 0.f}};
     for (int nd = 0; nd < D / 8; ++nd) for (int i = 0; i < 4; ++i) o[nd][i] = 0.f;
-    // Shared memory: each warp's ST buffers of a K and a V tile (a row stride of D + 8 keeps the fragment
-    // reads off one bank) during the loop, then the block's merge buffers (sm, sl, sacc) in the same bytes.
-    constexpr int TILES = NW * ST * 2 * 16 * (D + 8) * (int)sizeof(S), MERGE = NW * REP * (D + 2) * 4;
-    __shared__ __align__(16) unsigned char smem[TILES > MERGE ? TILES : MERGE];
-    auto tiles = reinterpret_cast<S (*)[ST][2][16][D + 8]>(smem);
-    // Tile ts's K and V rows into buffer buf, 16-byte cp.async copies (rows past the row's end as zeros),
-    // as one commit group; a tile past the warp's range commits an empty group, so the group count stays
-    // one a tile.
-    auto fetch = [&](int ts, int buf) {
-        if (ts < t1) {
-            const size_t base = (((size_t)table[(size_t)b * maxp + ts / P] * HKV + hk) * P + ts % P) * D;
-            for (int i = lane; i < 4 * D; i += 32) {
-                const int kv = i / (2 * D), row = (i % (2 * D)) / (D / 8), col = (i % (D / 8)) * 8;
-                const S* src = (kv ? v : k) + base + (size_t)row * D + col;
-                const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(&tiles[warp][buf][kv][row][col]));
-                asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-                             :: "r"(dst), "l"(src), "r"(ts + row < len ? 16 : 0));
-            }
+    __shared__ __align__(16) S sv[NW][16][D + 8];  // a row stride of D + 8 keeps the fragment reads off one bank
+    for (int ts = t0 + warp * 16; ts < t1; ts += NW * 16) {
+        const size_t base = (((size_t)table[(size_t)b * maxp + ts / P] * HKV + hk) * P + ts % P) * D;
+        for (int i = lane; i < 2 * D; i += 32) {  // V tile, 16-byte pieces
+            const int row = i / (D / 8), col = (i % (D / 8)) * 8;
+            uint4 w = make_uint4(0u, 0u, 0u, 0u);
+            if (ts + row < len) w = *reinterpret_cast<const uint4*>(v + base + (size_t)row * D + col);
+            *reinterpret_cast<uint4*>(&sv[warp][row][col]) = w;
         }
-        asm volatile("cp.async.commit_group;\n" ::);
-    };
-    // Each warp takes every NW-th tile of the range and keeps ST - 1 tiles loading while it computes one.
-    const int step = NW * 16;
-    for (int i = 0; i < ST - 1; ++i) fetch(t0 + warp * 16 + i * step, i);
-    int buf = 0;
-    for (int ts = t0 + warp * 16; ts < t1; ts += step) {
-        fetch(ts + (ST - 1) * step, (buf + ST - 1) % ST);
-        asm volatile("cp.async.wait_group %0;\n" :: "n"(ST - 1));
-        __syncwarp();
-        const S (*kt)[D + 8] = tiles[warp][buf][0];
-        const S (*vt)[D + 8] = tiles[warp][buf][1];
         float s[2][4] = {{{{0.f, 0.f, 0.f, 0.f}}, {{0.f, 0.f, 0.f, 0.f}}}};
         for (int nt = 0; nt < 2; ++nt) {
-            const S* kr = &kt[nt * 8 + g][2 * c];
+            const S* kr = k + base + (size_t)(nt * 8 + g) * D + 2 * c;
             for (int kk = 0; kk < D / 16; ++kk)
                 mma(s[nt], qa[kk], *reinterpret_cast<const uint32_t*>(kr + kk * 16),
                     *reinterpret_cast<const uint32_t*>(kr + kk * 16 + 8));
@@ -408,23 +383,21 @@ _MMA = r"""
         }
         const uint32_t pa[4] = {{pack(s[0][0], s[0][1]), pack(s[0][2], s[0][3]), pack(s[1][0], s[1][1]),
                                  pack(s[1][2], s[1][3])}};
+        __syncwarp();
         for (int nd = 0; nd < D / 8; ++nd) {
             const int d = nd * 8 + g;
-            mma(o[nd], pa, pack(static_cast<float>(vt[2 * c][d]), static_cast<float>(vt[2 * c + 1][d])),
-                pack(static_cast<float>(vt[2 * c + 8][d]), static_cast<float>(vt[2 * c + 9][d])));
+            mma(o[nd], pa, pack(static_cast<float>(sv[warp][2 * c][d]), static_cast<float>(sv[warp][2 * c + 1][d])),
+                pack(static_cast<float>(sv[warp][2 * c + 8][d]), static_cast<float>(sv[warp][2 * c + 9][d])));
         }
-        __syncwarp();  // every lane done with this buffer before a later fetch refills it
-        buf = (buf + 1) % ST;
+        __syncwarp();
     }
-    asm volatile("cp.async.wait_all;\n" ::);
-    __syncthreads();  // every warp done with its tiles before the merge buffers take their bytes
     for (int h = 0; h < 2; ++h) {
         l[h] += __shfl_xor_sync(0xffffffff, l[h], 1);
         l[h] += __shfl_xor_sync(0xffffffff, l[h], 2);
     }
-    auto sm = reinterpret_cast<float (*)[REP]>(smem);
-    auto sl = reinterpret_cast<float (*)[REP]>(smem + NW * REP * 4);
-    auto sacc = reinterpret_cast<float (*)[REP][D]>(smem + 2 * NW * REP * 4);
+    __shared__ float sm[NW][REP];
+    __shared__ float sl[NW][REP];
+    __shared__ float sacc[NW][REP][D];
     for (int h = 0; h < 2; ++h) {
         const int r = g + 8 * h;
         if (r >= REP) continue;
