@@ -126,8 +126,13 @@ def _brief(r: dict) -> dict:
             if k in r}
     keep.update({k: eng[k] for k in ("decode_s", "prefill_s", "spec_acceptance", "spec_proposed", "spec_accepted",
                                      "spec_passes", "spec_passes_in_flight", "spec_plain_steps", "ngram_prepared",
-                                     "ngram_prepared_used", "max_batch", "peak_concurrency")
+                                     "ngram_prepared_used", "max_batch", "peak_concurrency", "admission",
+                                     "preemptions", "prefill_passes", "budget_bytes", "pool_bytes",
+                                     "peak_pages_in_use", "mlx_peak_memory_bytes")
                  if k in eng})
+    # the pool's growths (each copies the pool): how many, and the seconds they took in all
+    growths = eng.get("growth_events") or []
+    keep.update(pool_growths=len(growths), pool_growth_s=sum(g.get("seconds", 0.0) for g in growths))
     keep["digests"] = {key: hashlib.sha1(json.dumps(t).encode()).hexdigest()[:10]
                        for key, t in sorted(r["outputs"].items())}
     return keep
