@@ -176,14 +176,12 @@ def run(a) -> dict:
         out[name] = h.median_run(rs, "host_ms_per_step")
     if a.base:
         out["base_commit"] = commit
-        ratios = [b["host_ms_per_step"] / x["host_ms_per_step"] for b, x in zip(runs["base"], runs["head"])
-                  if "error" not in b and "error" not in x]
-        out["base_over_head"] = statistics.median(ratios) if ratios else None
-        out["base_over_head_runs"] = ratios
-        pre = [b["prefill_host_ms_per_pass"] / x["prefill_host_ms_per_pass"]
-               for b, x in zip(runs["base"], runs["head"]) if "error" not in b and "error" not in x]
-        out["prefill_base_over_head"] = statistics.median(pre) if pre else None
-        out["prefill_base_over_head_runs"] = pre
+        pairs = [(b, x) for b, x in zip(runs["base"], runs["head"]) if "error" not in b and "error" not in x]
+        for key, name in (("host_ms_per_step", "base_over_head"),
+                          ("prefill_host_ms_per_pass", "prefill_base_over_head")):
+            ratios = [b[key] / x[key] for b, x in pairs]
+            out[name] = statistics.median(ratios) if ratios else None
+            out[f"{name}_runs"] = ratios
         out["same_tokens"] = len({r["tokens_sha"] for r in runs["base"] + runs["head"] if "tokens_sha" in r}) == 1
     return out
 
