@@ -342,7 +342,7 @@ class Engine:
             "kv_restore_s": sh.restore_s,
             "forks": sh.forks, "pages_shared": c.pool.shared, "pages_cached": c.pool.num_cached,
             "pages_evictable": c.pool.num_evictable, "page_evictions": c.pool.evictions,
-            "mlx_peak_memory_bytes": int(mx.get_peak_memory()),
+            "mlx_peak_memory_bytes": int(mx.get_peak_memory()), "cache_clears": t.cache_clears,
             "rows_by_error_code": dict(self.output.results_by_code),
             "lookahead": self.lookahead, "decode_in_flight": self.stepper.inflight,
             "options": asdict(self.cfg.engine.options),

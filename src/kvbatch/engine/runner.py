@@ -211,6 +211,7 @@ class Runner:
         step, so it grows): give it back once active + cached would pass the budget."""
         if mx.get_active_memory() + mx.get_cache_memory() > self.budget:
             mx.clear_cache()
+            self.times.cache_clears += 1
 
 
 class SyncStepper:
