@@ -45,7 +45,8 @@ run: setup
 	$(VENV)/bin/kvbatch $(ARGS)
 
 # Two pytest workers (pytest-xdist), a test file each at a time so its module-scoped models are built once
-# (and one model cache shared by both): 574 tests in 10.3 min on 2 cores (2026-12-03).
+# (and one model cache shared by both), each worker's OpenBLAS on one core (tests/conftest.py): 834 tests in
+# ~11 min on 2 cores, ~18 min beside two busy processes (2026-12-05).
 TEST_WORKERS ?= 2
 test: setup lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile

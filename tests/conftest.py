@@ -16,10 +16,8 @@ import os
 
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
 # OpenBLAS (read when kvbatch.engine loads it, below): a pytest-xdist worker's share of the cores. OpenBLAS
-# starts a thread a core in every process, and its threads spin waiting for work on cores the other worker and
-# anything else on the machine need: under two busy processes on 2 cores, tests/engine/test_engine_smollm2.py
-# takes >200 s at OpenBLAS's default against 68 s with one thread a worker (25 s against 38 s alone on an idle
-# machine, where it has both cores).
+# starts a thread a core in every process, and its idle threads spin on the cores the other worker (and anything
+# else on the machine) needs: on a busy machine a test ran several times slower (benchmarks/notebook, session W).
 if "PYTEST_XDIST_WORKER" in os.environ:  # a worker; the controlling process runs no test
     _share = (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
     os.environ.setdefault("OPENBLAS_NUM_THREADS", str(max(1, _share)))
