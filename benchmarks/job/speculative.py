@@ -128,7 +128,7 @@ def _brief(r: dict) -> dict:
                                      "spec_passes", "spec_passes_in_flight", "spec_plain_steps", "ngram_prepared",
                                      "ngram_prepared_used", "max_batch", "peak_concurrency", "admission",
                                      "preemptions", "prefill_passes", "budget_bytes", "pool_bytes",
-                                     "peak_pages_in_use", "mlx_peak_memory_bytes", "cache_trims")
+                                     "peak_pages_in_use", "mlx_peak_memory_bytes", "cache_clears")
                  if k in eng})
     # the pool's growths (each copies the pool): how many, and the seconds they took in all
     growths = eng.get("growth_events") or []

@@ -59,9 +59,8 @@ class _Unread:
     extended: list[tuple[Row, int]]
 
 
-def _cache_ceiling(step_bytes: int) -> int:
-    """The most MLX may keep of freed buffers for reuse: at least one step's temporaries (MLX's own
-    limit where that is higher). The runner keeps the cache below the budget's room too (Runner.trim_cache).
+def _raise_cache_limit(step_bytes: int) -> None:
+    """Let MLX keep freed buffers of one step's size for reuse (never lowers the limit).
 
     MLX's CPU build caches at most 32 MiB of freed buffers. A decode step's temporaries
     (every layer's gathered K/V) exceed that from batch ~8 on, and then every step maps
@@ -69,9 +68,8 @@ def _cache_ceiling(step_bytes: int) -> int:
     prices this workspace inside the budget.
     """
     old = mx.set_cache_limit(step_bytes)
-    ceiling = max(old, step_bytes)
-    mx.set_cache_limit(ceiling)
-    return ceiling
+    if old > step_bytes:
+        mx.set_cache_limit(old)
 
 
 class Engine:
@@ -116,8 +114,8 @@ class Engine:
         self.memory = MemoryModel(spec, self.layout, int(budget), settings.prefill_chunk, self.max_batch,
                                   self.prefill_tokens, window, draft=draft_memory,
                                   window_in_flight=self.lookahead and window > 1)
-        cache_ceiling = _cache_ceiling(min(self.memory.workspace(self.max_batch, spec.context_length),
-                                           max(int(budget) - self.memory.weights_bytes, 0)))
+        _raise_cache_limit(min(self.memory.workspace(self.max_batch, spec.context_length),
+                               max(int(budget) - self.memory.weights_bytes, 0)))
         dtype = _DTYPES[spec.dtype]
         self.cache = PagedKVCache(self.layout, spec.num_layers, dtype, tail_slots=self.max_batch,
                                   upcast=dtype == mx.float16, query_heads=spec.num_heads, options=opts,
@@ -125,8 +123,7 @@ class Engine:
         self.output = OutputProcessor(tokenizer, spec, self.layout, self.cache, self.hooks)
         self.grammars = Grammars(tokenizer, spec.vocab_size, set(self.output.eos_ids))
         self.adapters = lora.of(model)
-        self.runner = Runner(model, self.cache, self.hooks, self.memory.budget, cache_ceiling, self.grammars,
-                             self.adapters)
+        self.runner = Runner(model, self.cache, self.hooks, self.memory.budget, self.grammars, self.adapters)
         if draft is not None and draft_memory is not None:
             dspec = draft[2]
             ddtype = _DTYPES[dspec.dtype]
@@ -345,7 +342,7 @@ class Engine:
             "kv_restore_s": sh.restore_s,
             "forks": sh.forks, "pages_shared": c.pool.shared, "pages_cached": c.pool.num_cached,
             "pages_evictable": c.pool.num_evictable, "page_evictions": c.pool.evictions,
-            "mlx_peak_memory_bytes": int(mx.get_peak_memory()), "cache_trims": t.cache_trims,
+            "mlx_peak_memory_bytes": int(mx.get_peak_memory()), "cache_clears": t.cache_clears,
             "rows_by_error_code": dict(self.output.results_by_code),
             "lookahead": self.lookahead, "decode_in_flight": self.stepper.inflight,
             "options": asdict(self.cfg.engine.options),

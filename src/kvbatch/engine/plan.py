@@ -57,5 +57,5 @@ class StepTimes:
     prefill_rows_max: int = 0  # most rows in one prefill pass
     decode_time: float = 0.0
     decode_tokens: int = 0
-    cache_trims: int = 0  # steps after which MLX's buffer cache held more than the budget's room (Runner.trim_cache)
+    cache_clears: int = 0  # MLX's buffer cache given back whole to keep within the budget (Runner.trim_cache)
     t_accepted: float = 0.0  # lookahead: when the host last read a step (decode time restarts there)

@@ -72,13 +72,11 @@ class Decoded:
 class Runner:
     """Runs what the Scheduler planned: prefill passes and decode steps through the model, and their sampling."""
 
-    def __init__(self, model: nn.Module, cache: PagedKVCache, hooks: EngineHooks, budget: int, cache_ceiling: int,
+    def __init__(self, model: nn.Module, cache: PagedKVCache, hooks: EngineHooks, budget: int,
                  grammars: Optional[Grammars] = None, adapters: Optional[Adapters] = None):
-        """cache_ceiling: the most MLX may keep of freed buffers (trim_cache)."""
         self.model, self.cache, self.hooks = model, cache, hooks
         self.grammars, self.adapters = grammars, adapters
-        self.budget, self.cache_ceiling = budget, cache_ceiling
-        self._cache_limit = -1  # MLX's cache limit as last set here
+        self.budget = budget
         self.times = StepTimes()
 
     def poison(self, rows: list[Row], ahead: Container[int] = frozenset()) -> Optional[list[bool]]:
@@ -209,21 +207,11 @@ class Runner:
         self.trim_cache()
 
     def trim_cache(self) -> None:
-        """Keep MLX's buffer cache within the room the budget leaves beside the live arrays.
-
-        MLX keeps freed buffers for reuse, but reuses one only for a request of about its size, and
-        a step's sizes change whenever rows join or leave (and, on the CPU, as contexts grow), so
-        stale sizes pile up. Its cache limit follows that room (never above `cache_ceiling`): MLX
-        then gives back the least recently used buffers beyond it at its next allocation, and the
-        buffers the next step asks for again stay. Emptying the cache whole instead made every
-        temporary of the next step a fresh allocation (on the CPU ~0.5 s to unmap 8 GB at once; on
-        MLX CUDA a cudaFree of managed memory, which waits for the device)."""
-        room = min(self.cache_ceiling, max(self.budget - mx.get_active_memory(), 0))
-        if mx.get_cache_memory() > room:
-            self.times.cache_trims += 1
-        if room != self._cache_limit:
-            mx.set_cache_limit(room)
-            self._cache_limit = room
+        """MLX keeps freed buffers in its cache (process memory too; step sizes change every
+        step, so it grows): give it back once active + cached would pass the budget."""
+        if mx.get_active_memory() + mx.get_cache_memory() > self.budget:
+            mx.clear_cache()
+            self.times.cache_clears += 1
 
 
 class SyncStepper:
