@@ -11,7 +11,9 @@ steps that ran a prefill pass (admission, the pass's chunks and prefix-cache boo
 beside it), over their passes. With speculation, `critical_ms_per_pass`
 is the median host time from a verification pass's tokens read to the next forward handed to the device:
 the part of a pass's host work the device waits for (the rest runs while the next pass computes, where
-the backend overlaps them, engine.options.lookahead).
+the backend overlaps them, engine.options.lookahead). `step_ms` is a decode step's whole time, evaluations
+included: on the CPU what a step costs, so work moved from the host into an evaluation (MLX freeing or mapping
+buffers inside an allocation) shows there and not in `host_ms_per_step`.
 
 `--spec ngram` measures the same with n-gram speculation (fixed: `speculative.adaptive=false`), a step being a
 verification pass or a plain step: the random model's greedy tokens fall into loops its own n-grams predict, so
@@ -111,7 +113,7 @@ def measure(rows: int, new: int, mode: str, page_size: int, spec_method: str = "
     try:
         for r in h.requests(prompts, new):
             eng.add(r)
-        results, wall, steps, made, pre_wall, passes = [], 0.0, 0, 0, 0.0, 0
+        results, wall, steps, made, pre_wall, passes, step_wall = [], 0.0, 0, 0, 0.0, 0, 0.0
         while eng.has_unfinished():
             decoding = not any(row.prefilling for row in eng.scheduler.running) and not eng.scheduler.waiting
             before, t = device[0], time.perf_counter()
@@ -120,6 +122,7 @@ def measure(rows: int, new: int, mode: str, page_size: int, spec_method: str = "
             host = time.perf_counter() - t - (device[0] - before)
             if decoding:  # steps of decode alone: every row past its prompt
                 wall += host
+                step_wall += time.perf_counter() - t
                 steps += 1
                 made += eng.output.generated_tokens - out_before
             elif eng.runner.times.prefill_passes > passes_before:  # a step with a prefill pass (and decode)
@@ -131,6 +134,7 @@ def measure(rows: int, new: int, mode: str, page_size: int, spec_method: str = "
     assert all(len(t) == new for t in tokens), "every row generates --new tokens"
     stats = eng.summary()
     return {"host_ms_per_step": wall / max(steps, 1) * 1e3, "steps": steps,
+            "step_ms": step_wall / max(steps, 1) * 1e3,
             "prefill_host_ms_per_pass": pre_wall / max(passes, 1) * 1e3, "prefill_passes": passes,
             "critical_ms_per_pass": statistics.median(critical) * 1e3 if critical else None,
             "tokens_per_step": made / max(steps, 1),
@@ -178,7 +182,8 @@ def run(a) -> dict:
         out["base_commit"] = commit
         pairs = [(b, x) for b, x in zip(runs["base"], runs["head"]) if "error" not in b and "error" not in x]
         for key, name in (("host_ms_per_step", "base_over_head"),
-                          ("prefill_host_ms_per_pass", "prefill_base_over_head")):
+                          ("prefill_host_ms_per_pass", "prefill_base_over_head"),
+                          ("step_ms", "step_base_over_head")):
             ratios = [b[key] / x[key] for b, x in pairs]
             out[name] = statistics.median(ratios) if ratios else None
             out[f"{name}_runs"] = ratios

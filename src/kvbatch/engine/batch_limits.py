@@ -11,11 +11,11 @@ from __future__ import annotations
 from kvbatch.engine.backend import backend
 
 # rows. MLX CUDA: on the H200 decode tok/s still grew from 64 to 256 rows (1B geometry 10.8k -> 29.6k,
-# docs/performance.md); a small model gains beyond (SmolLM2's rewrite job, 1,024 x 512: 16.8k tok/s at 512 rows,
-# 18.4k at 1,024), but 1B/8B are not measured past 256, q8/q4 price a tail page per batch slot (8B: 8.4 MB
-# each), and long answers fill an 80 GB card's KV budget before 512 rows do (the same job at 2,048 x 4,096 on an
-# H100: 17.6k tok/s at 256 rows, 15.0k at 512; why 512 ran slower is not known yet, benchmarks/notebook), so larger
-# batches are asked for by number (engine.max_batch=1024).
+# docs/performance.md); a small model gains beyond (SmolLM2's rewrite job, 1,024 x 2,048 on an H200: 1.33-1.55x
+# the tok/s at 512 rows, slower at 1,024), but 1B/8B are not measured past 256, q8/q4 price a tail page per batch
+# slot (8B: 8.4 MB each), and long answers fill an 80 GB card's KV budget before 512 rows do (the same job at
+# 2,048 x 4,096 on an H100: 17.6k tok/s at 256 rows, 15.0k at 512; benchmarks/notebook), so larger batches are
+# asked for by number (engine.max_batch=512).
 # CPU (python -m benchmarks engine.batch_ceiling, SmolLM2, 2 cores): 175 / 228 / 278 decode tok/s at 32 / 64 / 128 rows,
 # then 261 -> 269 from 128 to 256 (+3%): 128.
 # Metal: not measured (no Apple machine here).
