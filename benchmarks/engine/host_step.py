@@ -119,10 +119,11 @@ def measure(rows: int, new: int, mode: str, page_size: int, spec_method: str = "
             before, t = device[0], time.perf_counter()
             out_before, passes_before = eng.output.generated_tokens, eng.runner.times.prefill_passes
             results += eng.step()
-            host = time.perf_counter() - t - (device[0] - before)
+            now = time.perf_counter()
+            host = now - t - (device[0] - before)
             if decoding:  # steps of decode alone: every row past its prompt
                 wall += host
-                step_wall += time.perf_counter() - t
+                step_wall += now - t
                 steps += 1
                 made += eng.output.generated_tokens - out_before
             elif eng.runner.times.prefill_passes > passes_before:  # a step with a prefill pass (and decode)
