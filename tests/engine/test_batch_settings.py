@@ -5,7 +5,8 @@ import kvbatch.engine  # noqa: F401  (OpenBLAS before mlx)
 import pytest
 
 from kvbatch.engine.backend import backend
-from kvbatch.engine.batch_limits import BATCH_CEILING, PREFILL_TOKENS
+from kvbatch.engine.batch_limits import (BATCH_CEILING, BATCH_CEILING_AT_WORST, PREFILL_TOKENS, BatchLimit,
+                                         resolve_max_batch)
 from kvbatch.engine.engine import Engine
 from kvbatch.engine.errors import KvbatchConfigError
 from kvbatch.engine.params import SamplingParams
@@ -28,6 +29,46 @@ def test_max_batch_auto_is_the_backend_ceiling_and_the_plan_says_so(tiny_model):
     assert f"up to {eng.max_batch} rows (auto: the {name} ceiling)" in eng.plan_line(64)
     fixed = Engine(model, tok, spec, engine_config(max_batch=5, memory_budget=1 << 30))
     assert fixed.max_batch == 5 and "up to 5 rows (engine.max_batch)" in fixed.plan_line(64)
+
+
+def test_auto_on_mlx_cuda_grows_past_its_ceiling_only_at_worst_case():
+    """MLX CUDA's auto limit: 512 slots, rows past 256 only while every row fits at its worst case; the CPU's
+    is its ceiling alone; a number asked for is the limit as asked, with no such rule."""
+    assert BATCH_CEILING_AT_WORST["cuda"] > BATCH_CEILING["cuda"]
+    cuda = resolve_max_batch("auto", "cuda")
+    assert (cuda.rows, cuda.at_worst_from) == (BATCH_CEILING_AT_WORST["cuda"], BATCH_CEILING["cuda"])
+    assert "past 256 only while every row fits at its worst case" in cuda.why
+    assert resolve_max_batch("auto", "cpu") == BatchLimit(BATCH_CEILING["cpu"], "auto: the cpu ceiling")
+    assert resolve_max_batch(300, "cuda") == BatchLimit(300, "engine.max_batch")
+
+
+def test_rows_past_at_worst_from_join_only_while_every_row_fits_at_its_worst_case(tiny_model):
+    """Under optimistic admission, 8 rows that grow to 20 + 200 tokens in a budget that holds 5 of them at
+    their worst case: all 8 join and the growth preempts some. With rows past 3 joining only at worst case
+    (what auto does past MLX CUDA's ceiling), 5 run at once and none is ever preempted; the tokens are the
+    same (greedy)."""
+    model, tok, spec = tiny_model()
+    prompts = [[1 + (i * 7 + j) % 250 for j in range(20)] for i in range(8)]
+    worst = 20 + 200
+    probe = Engine(model, tok, spec, engine_config(max_batch=8, memory_budget=1 << 30, page_size=16,
+                                                   admission="optimistic"))
+    m = probe.memory
+    budget = (m.bytes_for([worst] * 5, 20) + m.bytes_for([worst] * 6, 20)) // 2  # five fit at worst, not six
+
+    def run(at_worst_from):
+        eng = Engine(model, tok, spec, engine_config(max_batch=8, memory_budget=budget, page_size=16,
+                                                     admission="optimistic"))
+        eng.scheduler.at_worst_from = at_worst_from
+        res = eng.generate([Request(f"r{i}", p, SamplingParams(max_tokens=200, ignore_eos=True))
+                            for i, p in enumerate(prompts)])
+        assert all(r.ok and len(r.tokens) == 200 for r in res)
+        return eng.summary(), [r.tokens for r in res]
+
+    held, tokens = run(3)
+    assert (held["peak_concurrency"], held["preemptions"]) == (5, 0)
+    free, free_tokens = run(None)
+    assert free["peak_concurrency"] == 8 and free["preemptions"] > 0
+    assert tokens == free_tokens
 
 
 @pytest.mark.parametrize("kw,key", [(dict(admission="greedy"), "engine.admission"),

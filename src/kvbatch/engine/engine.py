@@ -96,7 +96,8 @@ class Engine:
             budget = resolve_budget("auto", cfg.memory.fraction, cfg.memory.headroom,
                                     resident=spec.weights_bytes + (draft[2].weights_bytes if draft else 0))
         self.layout = layout_for(spec, kv)
-        self.max_batch, self.max_batch_why = resolve_max_batch(settings.max_batch)
+        limit = resolve_max_batch(settings.max_batch)
+        self.max_batch, self.max_batch_why = limit.rows, limit.why
         if cfg.rows is not None and 0 < cfg.rows < self.max_batch:  # a small job: slots for its rows only
             self.max_batch, self.max_batch_why = cfg.rows, f"the job's {cfg.rows} rows; {self.max_batch_why}"
         self.prefill_tokens = resolve_prefill_tokens(settings.prefill_tokens, settings.prefill_chunk)
@@ -144,7 +145,8 @@ class Engine:
             else SyncStepper(self.runner)
         # a preemption first lands the decode step in flight: its rows still write the pages it frees
         self.scheduler = Scheduler(spec, self.memory, self.cache, self.max_batch, kv.page_size,
-                                   cfg.max_prompt_tokens, settings.admission, self.prefill_tokens, self._flush)
+                                   cfg.max_prompt_tokens, settings.admission, self.prefill_tokens, self._flush,
+                                   at_worst_from=limit.at_worst_from)
 
     # ---- public surface --------------------------------------------------------------------
     def add(self, req: Request, score=None, checkpoint: Optional[RowCheckpoint] = None,

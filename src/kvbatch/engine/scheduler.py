@@ -8,7 +8,9 @@ Admission (`engine.admission`):
   fit, the rows admitted after it are preempted, most recent first (pages freed, generated
   tokens kept, back to the head of the queue); readmitted, they prefill prompt + generated
   tokens and continue. A row is refused (`insufficient_memory`) only when it cannot fit alone.
-Every growth is priced before anything is allocated, under both policies. A page several rows
+Rows past `at_worst_from` (engine.max_batch: auto on a backend with a second ceiling: batch_limits.py)
+join only while every running row fits at its worst case, whatever the policy: no growth of theirs
+ever needs a preemption. Every growth is priced before anything is allocated, under both policies. A page several rows
 hold is priced once, and cached pages nobody holds are never priced: they live in the pool's
 free pages and are evicted before anything is refused or preempted (engine/sharing.py: which
 rows take cached pages, wait for a page another row is computing, or are forked as samples).
@@ -44,12 +46,15 @@ class Scheduler:
 
     def __init__(self, spec: ModelSpec, memory: MemoryModel, cache: PagedKVCache, max_batch: int,
                  page_size: int, max_prompt_tokens: Optional[int], admission: str = "reserve",
-                 prefill_tokens: int = 0, flush: Callable[[], None] = lambda: None):
+                 prefill_tokens: int = 0, flush: Callable[[], None] = lambda: None,
+                 at_worst_from: Optional[int] = None):
         """flush: lands the decode step in flight, its rows that end leaving the batch (called
-        before the first preemption of a reservation: that step's rows still write their pages)."""
+        before the first preemption of a reservation: that step's rows still write their pages).
+        at_worst_from: rows past this many join only while every running row fits at its worst case."""
         self.spec, self.memory, self.cache, self.flush = spec, memory, cache, flush
         self.max_batch, self.page_size, self.max_prompt_tokens = max_batch, page_size, max_prompt_tokens
         self.optimistic = admission == "optimistic"
+        self.at_worst_from = at_worst_from
         self.prefill_tokens = prefill_tokens
         self.margin = MARGIN_PAGES * page_size
         self.waiting: deque[Row] = deque()
@@ -60,6 +65,7 @@ class Scheduler:
         # during one admission loop: the running rows' priced totals, [rows counted, pages, largest price,
         # largest target] (admission only appends to `running`, so each admitted row is added once)
         self._totals: Optional[list[int]] = None
+        self._worst_totals: Optional[list[int]] = None  # the same, at the rows' worst cases (admits)
         self.sharing = Sharing(self, cache)
 
     def add(self, row: Row) -> None:
@@ -81,7 +87,7 @@ class Scheduler:
         """Admit what fits, choose the prefill pass and reserve its chunks' pages: the step's plan
         up to its decode rows (schedule_decode)."""
         admitted, refused = [], []
-        self._totals = [0, 0, 0, 0]
+        self._totals, self._worst_totals = [0, 0, 0, 0], [0, 0, 0, 0]
         try:
             while (decision := self.next_admission()) is not None:
                 row, problem = decision
@@ -90,7 +96,7 @@ class Scheduler:
                 else:
                     admitted.append(row)
         finally:
-            self._totals = None
+            self._totals = self._worst_totals = None
         ready, no_room = [], []
         batch = self.prefill_batch()
         # one scan of the running rows for the whole pass: a chunk's reservation stays within its row's
@@ -142,20 +148,30 @@ class Scheduler:
             return r.worst
         return min(r.worst, max(r.kv.reserved, r.target) + self.margin)
 
-    def fits(self, extra: list[Row], shared_pages: int = 0) -> bool:
-        """Whether the running rows and `extra` fit the budget together, the pages they share
-        (beyond those shared now) priced once. In an admission loop the running rows' totals are
-        kept (`_totals`), not summed again for every row it admits."""
-        t = self._totals
+    def admits(self, row: Row, shared_pages: int = 0) -> bool:
+        """Whether the row may join the running rows now: they fit the budget together (`fits`), and a row
+        past `at_worst_from` only while they all fit at their worst cases."""
+        if not self.fits([row], shared_pages):
+            return False
+        return self.at_worst_from is None or len(self.running) < self.at_worst_from \
+            or self.fits([row], shared_pages, at_worst=True)
+
+    def fits(self, extra: list[Row], shared_pages: int = 0, at_worst: bool = False) -> bool:
+        """Whether the running rows and `extra` fit the budget together, each priced by the admission
+        policy (at_worst: at its worst case), the pages they share (beyond those shared now) priced once.
+        In an admission loop the running rows' totals are kept (`_totals`, `_worst_totals`), not summed
+        again for every row it admits."""
+        price_of = (lambda r: r.worst) if at_worst else self.priced
+        t = self._worst_totals if at_worst else self._totals
         if t is None:
             t = [0, 0, 0, 0]
         pages_for = self.memory.layout.pages_for
         for r in self.running[t[0]:]:
-            price = self.priced(r)
+            price = price_of(r)
             t[1] += pages_for(price)
             t[2], t[3] = max(t[2], price), max(t[3], r.target)
         t[0] = len(self.running)
-        prices = [self.priced(r) for r in extra]
+        prices = [price_of(r) for r in extra]
         pages = t[1] + sum(pages_for(p) for p in prices) - self.cache.pool.shared - shared_pages
         top, target = max([t[2], *prices]), max([t[3], *(r.target for r in extra)])
         return self.memory.bytes_for_pages(pages, t[0] + len(extra), top, target) <= self.memory.budget
@@ -177,7 +193,7 @@ class Scheduler:
             return row, problem
         row.target = row.prompt_len + len(row.out)
         hit = self.sharing.hit(row)
-        if not self.fits([row], sum(self.cache.pool.ref(p) > 0 for p in hit)):
+        if not self.admits(row, sum(self.cache.pool.ref(p) > 0 for p in hit)):
             return None  # waits for running rows to finish
         self.waiting.remove(row)
         self.start(row)

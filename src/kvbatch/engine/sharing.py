@@ -158,7 +158,7 @@ class Sharing:
                     or (_scores_prompt(r) and not _scores_prompt(row)) or s.refusal(r):
                 continue
             r.target = r.prompt_len
-            if not s.fits([r], (len(chosen) + 1) * full):  # the pages each chosen fork will share
+            if not s.admits(r, (len(chosen) + 1) * full):  # the pages each chosen fork will share
                 break
             s.start(r)
             chosen.append(r)
