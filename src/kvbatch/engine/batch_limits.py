@@ -4,10 +4,10 @@
 (below: what it rests on so far). A ceiling still matters: every running row costs host work per
 step, and q8/q4 keep one full-precision tail page per batch slot. Where larger batches were measured
 faster only while their rows fit, rows past the ceiling join, up to a second ceiling, only while every
-running row fits the budget at its worst case (prompt + max_tokens): those rows can never need a
-preemption, so the batch grows where memory holds the whole job. `engine.prefill_tokens: auto` is
-the padded token budget of one prefill pass: large enough that a pass fills the device, small enough that running rows
-are not kept waiting long between decode steps.
+running row fits the budget at its worst case (prompt + max_tokens): admitting one never lets the
+batch outgrow the budget, so the batch grows where memory holds all of its rows' answers.
+`engine.prefill_tokens: auto` is the padded token budget of one prefill pass: large enough that a pass
+fills the device, small enough that running rows are not kept waiting long between decode steps.
 """
 from __future__ import annotations
 

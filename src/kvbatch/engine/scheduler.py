@@ -9,11 +9,12 @@ Admission (`engine.admission`):
   tokens kept, back to the head of the queue); readmitted, they prefill prompt + generated
   tokens and continue. A row is refused (`insufficient_memory`) only when it cannot fit alone.
 Rows past `at_worst_from` (engine.max_batch: auto on a backend with a second ceiling: batch_limits.py)
-join only while every running row fits at its worst case, whatever the policy: no growth of theirs
-ever needs a preemption. Every growth is priced before anything is allocated, under both policies. A page several rows
-hold is priced once, and cached pages nobody holds are never priced: they live in the pool's
-free pages and are evicted before anything is refused or preempted (engine/sharing.py: which
-rows take cached pages, wait for a page another row is computing, or are forked as samples).
+join only while every running row fits at its worst case, whatever the policy: admitting one never
+lets the batch outgrow the budget. Every growth is priced before anything is allocated, under both
+policies. A page several rows hold is priced once, and cached pages nobody holds are never priced:
+they live in the pool's free pages and are evicted before anything is refused or preempted
+(engine/sharing.py: which rows take cached pages, wait for a page another row is computing, or are
+forked as samples).
 
 `schedule()` makes a step's plan (engine/plan.py): admissions and refusals, the prefill pass's
 chunks with their pages reserved, and the preemptions that made room; `schedule_decode()`
