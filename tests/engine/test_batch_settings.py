@@ -37,7 +37,7 @@ def test_auto_on_mlx_cuda_grows_past_its_ceiling_only_at_worst_case():
     assert BATCH_CEILING_AT_WORST["cuda"] > BATCH_CEILING["cuda"]
     cuda = resolve_max_batch("auto", "cuda")
     assert (cuda.rows, cuda.at_worst_from) == (BATCH_CEILING_AT_WORST["cuda"], BATCH_CEILING["cuda"])
-    assert "past 256 only while every row fits at its worst case" in cuda.why
+    assert f"past {BATCH_CEILING['cuda']} only while every row fits at its worst case" in cuda.why
     assert resolve_max_batch("auto", "cpu") == BatchLimit(BATCH_CEILING["cpu"], "auto: the cpu ceiling")
     assert resolve_max_batch(300, "cuda") == BatchLimit(300, "engine.max_batch")
 
