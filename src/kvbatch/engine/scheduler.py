@@ -150,12 +150,10 @@ class Scheduler:
         return min(r.worst, max(r.kv.reserved, r.target) + self.margin)
 
     def admits(self, row: Row, shared_pages: int = 0) -> bool:
-        """Whether the row may join the running rows now: they fit the budget together (`fits`), and a row
-        past `at_worst_from` only while they all fit at their worst cases."""
-        if not self.fits([row], shared_pages):
-            return False
-        return self.at_worst_from is None or len(self.running) < self.at_worst_from \
-            or self.fits([row], shared_pages, at_worst=True)
+        """Whether the row may join the running rows now: they fit the budget together (`fits`), a row past
+        `at_worst_from` at their worst cases (which no policy prices above, so that fit implies the other)."""
+        past = self.at_worst_from is not None and len(self.running) >= self.at_worst_from
+        return self.fits([row], shared_pages, at_worst=past)
 
     def fits(self, extra: list[Row], shared_pages: int = 0, at_worst: bool = False) -> bool:
         """Whether the running rows and `extra` fit the budget together, each priced by the admission
