@@ -110,6 +110,33 @@ def test_12_a_full_disk_stops_with_one_line_and_charges_no_row(job, tmp_path):
         subprocess.run(["umount", "-l", str(fs)], capture_output=True)
 
 
+def test_a_device_that_stops_evaluating_stops_the_run_and_charges_no_row(job, tmp_path):
+    """After a device fault that poisons the process (CUDA's "illegal memory access"), every later pass fails:
+    the run stops with one line, keeps the rows finished before it and charges none; the same command in a
+    fresh process finishes the job with the tokens of a run without the fault. (Retrying in the faulted
+    process used to end every row with internal_error.)"""
+    base, ref = job
+    args = base + SMALL + ["worker.flush_rows=1"]
+    out = tmp_path / "out"
+    p = kvbatch(out, args + ["debug.device_fault_after=40"])
+    assert p.returncode == 1, p.stderr
+    # one line says what happened and what to do, last; the failed pass's traceback is logged before it (what
+    # a device bug's report needs)
+    errors = [line for line in p.stderr.splitlines() if line.startswith("kvbatch: error:")]
+    assert errors == [p.stderr.strip().splitlines()[-1]], p.stderr
+    assert errors[0].startswith("kvbatch: error: the device stopped working: RuntimeError: injected device fault "
+                                "after 40 forward passes; finished rows are saved"), errors
+    q = Queue(out / "queue.sqlite")
+    counts = q.counts()
+    assert counts["error"] == 0 and 0 < counts["done"] < len(KEYS) and counts["leased"] == 0, counts
+    assert "device" in [s["stop"] for s in q.sessions()]
+    q.close()
+    p = kvbatch(out, args)
+    assert p.returncode == 0, p.stderr
+    for k, r in _results(out).items():  # nothing charged: attempt 1, no error, same tokens
+        assert (r["error_code"], r["attempt"], r["output_token_ids"]) == (None, 1, ref[k]["output_token_ids"]), k
+
+
 def test_a_surviving_worker_takes_over_the_rows_of_a_worker_killed_meanwhile(job, tmp_path):
     """Worker A holds rows and is killed while worker B runs: B does not exit with A's rows still
     leased (for worker.lease_s), it takes them over and the job ends complete (issue 23, also weak)."""

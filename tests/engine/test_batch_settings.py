@@ -31,21 +31,23 @@ def test_max_batch_auto_is_the_backend_ceiling_and_the_plan_says_so(tiny_model):
     assert fixed.max_batch == 5 and "up to 5 rows (engine.max_batch)" in fixed.plan_line(64)
 
 
-def test_auto_on_mlx_cuda_grows_past_its_ceiling_only_at_worst_case():
-    """MLX CUDA's auto limit: 512 slots, rows past 256 only while every row fits at its worst case; the CPU's
-    is its ceiling alone; a number asked for is the limit as asked, with no such rule."""
-    assert BATCH_CEILING_AT_WORST["cuda"] > BATCH_CEILING["cuda"]
+def test_auto_is_the_ceiling_and_a_second_ceiling_holds_rows_to_their_worst_case(monkeypatch):
+    """Auto is the backend's ceiling; where a backend has a second ceiling (none has one now: batch_limits.py
+    says why), auto's limit is that ceiling and rows past the first join only at worst case. A number asked for
+    is the limit as asked, with no such rule."""
+    for name in ("cpu", "cuda", "metal"):
+        assert resolve_max_batch("auto", name) == BatchLimit(BATCH_CEILING[name], f"auto: the {name} ceiling")
+    monkeypatch.setitem(BATCH_CEILING_AT_WORST, "cuda", 512)
     cuda = resolve_max_batch("auto", "cuda")
-    assert (cuda.rows, cuda.at_worst_from) == (BATCH_CEILING_AT_WORST["cuda"], BATCH_CEILING["cuda"])
+    assert (cuda.rows, cuda.at_worst_from) == (512, BATCH_CEILING["cuda"])
     assert f"past {BATCH_CEILING['cuda']} only while every row fits at its worst case" in cuda.why
-    assert resolve_max_batch("auto", "cpu") == BatchLimit(BATCH_CEILING["cpu"], "auto: the cpu ceiling")
     assert resolve_max_batch(300, "cuda") == BatchLimit(300, "engine.max_batch")
 
 
 def test_rows_past_at_worst_from_join_only_while_every_row_fits_at_its_worst_case(tiny_model):
     """Under optimistic admission, 8 rows that grow to 20 + 200 tokens in a budget that holds 5 of them at
     their worst case: all 8 join and the growth preempts some. With rows past 3 joining only at worst case
-    (what auto does past MLX CUDA's ceiling), 5 run at once and none is ever preempted; the tokens are the
+    (what auto does past a backend's second ceiling), 5 run at once and none is ever preempted; the tokens are the
     same (greedy)."""
     model, tok, spec = tiny_model()
     prompts = [[1 + (i * 7 + j) % 250 for j in range(20)] for i in range(8)]

@@ -34,3 +34,15 @@ def backend() -> Backend:
 def on_cpu() -> bool:
     """Whether this process's MLX backend is the CPU."""
     return backend().on_cpu
+
+
+def device_works() -> bool:
+    """Whether the device still evaluates anything. After some faults (CUDA's "illegal memory access") every
+    later evaluation in the process fails, so a step that failed then is the device's fault, not its rows'."""
+    import mlx.core as mx
+
+    try:
+        mx.eval(mx.array([1]) + 1)
+    except Exception:  # noqa: BLE001 - any failure of a one-element add says the device is gone
+        return False
+    return True

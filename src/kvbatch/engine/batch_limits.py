@@ -17,18 +17,14 @@ from typing import Optional
 from kvbatch.engine.backend import backend
 
 # rows. MLX CUDA: on the H200 decode tok/s still grew from 64 to 256 rows (1B geometry 10.8k -> 29.6k,
-# docs/performance.md). Past 256, SmolLM2's rewrite job ran 1.33-1.55x the tok/s at 512 rows on an H200
-# (1,024 x 2,048) and 1.32x on an H100 (1,024 x 1,024), its rows fitting at their worst case; where 512 long
-# answers outgrew an H100's KV budget (2,048 x 4,096, optimistic admission) it ran 0.85x. So rows past 256 join
-# only while every row fits at its worst case (BATCH_CEILING_AT_WORST). 1B/8B are not measured past 256; q8/q4
-# price a tail page per batch slot (8B: 8.4 MB each), one reason the second ceiling is 512 and not the 1,024 that
-# ran SmolLM2's job fastest on the H100 (2.16x at 1,024 rows, 1.66x at 512, both with engine.options.cuda.chunk=0).
-# CPU (python -m benchmarks engine.batch_ceiling, SmolLM2, 2 cores): 175 / 228 / 278 decode tok/s at 32 / 64 / 128 rows,
-# then 261 -> 269 from 128 to 256 (+3%): 128.
-# Metal: not measured (no Apple machine here).
+# docs/performance.md). CPU (python -m benchmarks engine.batch_ceiling, SmolLM2, 2 cores): 175 / 228 / 278 decode
+# tok/s at 32 / 64 / 128 rows, then 261 -> 269 from 128 to 256 (+3%): 128. Metal: not measured (no Apple machine here).
 BATCH_CEILING = {"cpu": 128, "cuda": 256, "metal": 128}
-# rows past BATCH_CEILING, up to this many, while every running row fits the budget at its worst case
-BATCH_CEILING_AT_WORST = {"cuda": 512}
+# Rows past BATCH_CEILING, up to this many, while every running row fits the budget at its worst case. Empty: on
+# MLX CUDA SmolLM2's rewrite job runs 1.26-2.16x faster past 256 rows where its rows fit, but a job of Llama-1B
+# geometry at 512 rows ends every row with CUDA's "illegal memory access", whose cause is not found; so auto
+# stays at the ceiling on every backend (engine.max_batch=N still runs N rows).
+BATCH_CEILING_AT_WORST: dict[str, int] = {}
 # CPU: one chunk: matmuls of one 512-token chunk already fill the cores, and padding rows to a shared
 # length is compute the CPU pays in full (a 16-row SmolLM2 probe, loaded machine: 52 prompt tok/s batched
 # to 2048 vs 72 one row a pass)

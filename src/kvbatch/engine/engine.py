@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator, Optional, cast
+from typing import Any, Iterator, Optional, Sequence, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from kvbatch.engine import lora, mlx_lm_bridge
-from kvbatch.engine.backend import on_cpu
+from kvbatch.engine.backend import device_works, on_cpu
 from kvbatch.engine.batch_limits import resolve_max_batch, resolve_prefill_tokens
 from kvbatch.engine.config import EngineConfig
-from kvbatch.engine.errors import INTERNAL_ERROR, INVALID_INPUT, KvbatchConfigError, RowError
+from kvbatch.engine.errors import INTERNAL_ERROR, INVALID_INPUT, DeviceFailure, KvbatchConfigError, RowError
 from kvbatch.engine.gate import check_kv_mode
 from kvbatch.engine.grammar import Grammars
 from kvbatch.engine.hooks import EngineHooks
@@ -359,7 +359,7 @@ class Engine:
         """Run the prefill pass; a row whose pass failed ends in error, a completed prompt gets its first token."""
         for p in self.runner.prefill(chunks):
             if p.error is not None:
-                self._end(p.chunks[0].row, "error", INTERNAL_ERROR, p.error)
+                self._failed([p.chunks[0].row], p.error)
             elif p.done:
                 self._first_tokens(p)
 
@@ -416,9 +416,7 @@ class Engine:
             if not r.row.ended:
                 self.output.finish(r.row, "error", r.code, r.message)
         if out.failed:
-            for row in plan.decode:
-                if not row.ended:
-                    self._end(row, "error", INTERNAL_ERROR, out.failed)
+            self._failed(plan.decode, out.failed)
         if sp:  # what this step cost, for whether speculating pays (speculative.adaptive)
             from_pass = flying or (verified and sp.inflight is None)
             self._record_cost(sp, len(rows), from_pass, self.output.generated_tokens - made, t0)
@@ -452,9 +450,7 @@ class Engine:
             self.runner.land(step)
             self._accept(step)
         if u.done.failed:
-            for row in u.rows:
-                if not row.ended:
-                    self._end(row, "error", INTERNAL_ERROR, u.done.failed)
+            self._failed(u.rows, u.done.failed)
 
     def _record_cost(self, sp: Speculator, rows: int, verified: bool, tokens: int, t0: float) -> None:
         """Tell the speculator what a decode step gave and cost (verified: its tokens are a verification
@@ -492,6 +488,15 @@ class Engine:
     def _accept(self, p: TokenPass) -> None:
         for row in self.output.accept(p.rows, p.logits, p.sampled, p.finite, p.read):
             self.scheduler.unschedule(row)
+
+    def _failed(self, rows: Sequence[Row], message: str) -> None:
+        """A pass of these rows raised: each ends with internal_error, unless the device itself stopped evaluating
+        (then no row is at fault, and DeviceFailure ends the engine's work instead)."""
+        if self.hooks.device_faulted or not device_works():
+            raise DeviceFailure(f"the device stopped working: {message}")
+        for row in rows:
+            if not row.ended:
+                self._end(row, "error", INTERNAL_ERROR, message)
 
     def _end(self, row: Row, reason: str, code: str, message: str) -> None:
         self.scheduler.unschedule(row)

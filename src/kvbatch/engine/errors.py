@@ -2,7 +2,8 @@
 
 Row errors never raise out of the engine: they end one row. Config errors
 (`KvbatchConfigError`) are raised before any work starts, with one line that
-names what to fix.
+names what to fix. A device that stops evaluating (`DeviceFailure`) is no row's
+error: it raises out of the engine, so its rows can run again in a fresh process.
 """
 from __future__ import annotations
 
@@ -20,6 +21,11 @@ DETERMINISTIC_ERRORS = frozenset({INVALID_INPUT, PROMPT_TOO_LONG, INSUFFICIENT_M
 
 class KvbatchConfigError(Exception):
     """A bad config, missing file or unsupported model/mode: fail at start, one line."""
+
+
+class DeviceFailure(RuntimeError):
+    """The device stopped evaluating (a CUDA fault that poisons the process): no row is at fault and nothing
+    more runs in this process; the caller hands its rows back, uncharged, for a fresh process."""
 
 
 class UnreservedWriteError(RuntimeError):

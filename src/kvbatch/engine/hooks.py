@@ -1,10 +1,10 @@
 """Test and debug hooks, given to an Engine at construction (production passes none).
 
 One object carries every hook, so nothing monkeypatches the engine and no production type
-grows test-only fields: fault injection (NaN in one row's attention at one step), teacher
-forcing (feed given tokens instead of sampling), logit capture, the points where a
-crash injector may act (pipeline/debug.py subclasses this), and each step's plan (for tests
-and profilers).
+grows test-only fields: fault injection (NaN in one row's attention at one step, a device that
+stops evaluating), teacher forcing (feed given tokens instead of sampling), logit capture, the
+points where a crash injector may act (pipeline/debug.py subclasses this), and each step's plan
+(for tests and profilers).
 """
 from __future__ import annotations
 
@@ -34,6 +34,10 @@ class EngineHooks:
     # share of each row's proposed tokens (rounded down) whatever the model samples, and rows always propose
     # k tokens (no back-off); the kept tokens are the proposals, so outputs are not the model's
     force_acceptance: Optional[float] = None
+    # N: every forward pass after the first N fails as a device fault would (tests: a device that stops
+    # evaluating, on the CPU); `device_faulted` then says so, as the device probe would on the real thing
+    device_fault_after: Optional[int] = None
+    forward_passes: int = 0
     # the clock a decode step's cost is measured with (speculative.adaptive); tests move a clock of their own
     clock: Callable[[], float] = time.perf_counter
 
@@ -42,6 +46,17 @@ class EngineHooks:
         self.forced_tokens[key] = list(tokens)
         if capture:
             self.capture_logits.add(key)
+
+    @property
+    def device_faulted(self) -> bool:
+        """Whether the injected device fault (device_fault_after) has begun."""
+        return self.device_fault_after is not None and self.forward_passes > self.device_fault_after
+
+    def on_forward(self) -> None:
+        """A forward pass is about to be built; past device_fault_after it fails as a faulted device would."""
+        self.forward_passes += 1
+        if self.device_faulted:
+            raise RuntimeError(f"injected device fault after {self.device_fault_after} forward passes")
 
     def on_row_start(self, key: str) -> None:
         """A row's prefill is about to start."""

@@ -91,6 +91,7 @@ class Runner:
               lens: Optional[list[int]] = None) -> None:
         """Before a forward pass of `rows` (each `length` positions; `lens`: each row's real ones): the
         cache's views of their pages, and with per-row adapters, which adapter each row uses."""
+        self.hooks.on_forward()
         self.cache.begin([row.kv for row in rows], length, poison, lens)
         if self.adapters is not None:
             self.adapters.select([row.adapter for row in rows])

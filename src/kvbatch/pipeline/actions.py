@@ -15,7 +15,7 @@ from typing import Callable, Optional, cast
 
 from omegaconf import OmegaConf
 
-from kvbatch.engine.errors import INSUFFICIENT_MEMORY
+from kvbatch.engine.errors import INSUFFICIENT_MEMORY, DeviceFailure
 from kvbatch.engine.params import INT32_MAX
 from kvbatch.engine.sizes import fmt_bytes
 
@@ -238,9 +238,9 @@ def load_runtime(cfg: Config, rows: Optional[int] = None) -> Runtime:
     check_template(tokenizer, cfg.job.chat_template)
     tags = reasoning_tags(cfg, tokenizer)
     ecfg = replace(engine_config(cfg), rows=rows)
-    # every engine of this run gets the same hooks: debug.inject_nonfinite, and the crash
-    # points when KVBATCH_DEBUG_CRASH_AT is set (testing only)
-    hooks = debug.hooks(parse_injection(cfg.debug.inject_nonfinite))
+    # every engine of this run gets the same hooks: debug.inject_nonfinite, debug.device_fault_after, and the
+    # crash points when KVBATCH_DEBUG_CRASH_AT is set (testing only)
+    hooks = debug.hooks(parse_injection(cfg.debug.inject_nonfinite), cfg.debug.device_fault_after)
 
     # speculative.method=draft: the draft model, loaded as the model is (the engine checks it shares the tokenizer)
     draft = load_model(cfg.speculative.model) if cfg.speculative.method == "draft" else None
@@ -339,6 +339,13 @@ def work(job: Job, q: Queue, after_checkpoint: Optional[Callable[[], None]] = No
         where = str(job.out_dir) if q.kind == "sqlite" else f"{job.out_dir} or the queue ({q.where})"
         log.error(f"kvbatch: error: cannot write to {where}: {exc}; rows finished before this are saved, "
                   f"no row was charged: free space (or fix the folder) and run the same command again")
+        raise SystemExit(1) from None
+    except DeviceFailure as exc:  # no row's fault: finished rows written, the rest handed back uncharged
+        progress.close()
+        left = q.counts()
+        log.error(f"kvbatch: error: {exc}; finished rows are saved in parts/, no row was charged, "
+                  f"{left['pending'] + left['leased']} rows remain queued and continue from their last checkpoints: "
+                  f"run the same command again (a fresh process gets the device afresh)")
         raise SystemExit(1) from None
     except KeyboardInterrupt as exc:  # Ctrl-C / SIGTERM: the worker wrote what was done, handed the rest back
         progress.close()

@@ -178,6 +178,9 @@ class DebugConfig:
     deadline_after_rows: Optional[int] = None
     # N: likewise once this run's engine generated N tokens (tests: a stop mid-row, rows' tokens kept)
     deadline_after_tokens: Optional[int] = None
+    # N: every forward pass after the first N fails as a device that stops evaluating would (tests: the run
+    # stops with its rows handed back uncharged, as after CUDA's "illegal memory access")
+    device_fault_after: Optional[int] = None
 
 
 @dataclass
@@ -475,6 +478,7 @@ def run_identity(cfg: Config, input_path: str, include_kv: bool) -> str:
     keyed["model"].pop("cache_dir", None)
     keyed["debug"].pop("deadline_after_rows", None)  # where a run stops, not what its rows hold
     keyed["debug"].pop("deadline_after_tokens", None)
+    keyed["debug"].pop("device_fault_after", None)  # whether a run stops early, not what its rows hold
     keyed["sampling"].pop("defaults", None)  # the values it chose are keyed themselves
     keyed["job"] = {**keyed["job"], "input": str(input_path), "name": None}
     for section, key, default in _SAME_TOKENS_AT_DEFAULT:

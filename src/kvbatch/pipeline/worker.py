@@ -18,7 +18,11 @@ written with `internal_error` without running again.
 Only exceptions out of the engine are charged to the rows in flight (retry, then
 `internal_error`). A storage fault (disk full writing a part, SQLite unable to write)
 is not the rows' fault: it propagates as StorageError and the run stops with one line;
-every exit path hands the worker's leased rows back, attempts not counted.
+nor is a device that stops evaluating (the engine's DeviceFailure: after CUDA's "illegal
+memory access" every later evaluation in the process fails, so retrying rows there would
+only end them all with internal_error): the rows finished before it are written and the run
+stops with one line. Every exit path hands the worker's leased rows back, attempts not
+counted; they continue from their last checkpoints in the next run.
 
 Across hosts (a PostgreSQL queue): a worker knows whether another worker is alive from its
 process only on its own host (`worker.host`); rows held by workers on other hosts come back
@@ -55,7 +59,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from kvbatch.engine.errors import INTERNAL_ERROR, INVALID_INPUT
+from kvbatch.engine.errors import INTERNAL_ERROR, INVALID_INPUT, DeviceFailure
 from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.resume import CheckpointRefused, RowCheckpoint
 from kvbatch.engine.types import Request, Result
@@ -585,6 +589,8 @@ class Worker:
         flight); the worker's own storage calls stay outside, so a full disk is never a row's fault."""
         try:
             return call()
+        except DeviceFailure:
+            raise
         except Exception as exc:  # noqa: BLE001
             raise EngineFailure(f"{type(exc).__name__}: {exc}") from exc
 
@@ -637,6 +643,10 @@ class Worker:
         except self.storage_errors as exc:
             stop = "storage"
             raise StorageError(f"{type(exc).__name__}: {exc}") from None
+        except DeviceFailure:  # no row's fault: the finished rows are written, the rest handed back uncharged
+            stop = "device"
+            self.flush(force=True)
+            raise
         finally:
             _restore_signals(old_handlers)
             keeper.stop()
