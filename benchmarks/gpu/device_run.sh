@@ -86,6 +86,10 @@
 #   cmdeng   job.command_vs_engine (issue 42): the command's decode tok/s against its engine's alone, Llama-$CVE_GEOM
 #            geometry (default 8b; random bf16), $CVE_ROWS rows (256) of $CVE_PROMPT tokens (128), $CVE_NEW new
 #            tokens (512), 2 order-alternating rounds; the job stage's wheels
+#   rowsprobe  which setting a job of Llama-$RP_GEOM geometry (1b) fails at: $RP_ROWS (512) prompts of 32-1999 tokens x
+#            $RP_NEW (16) new tokens through the command, once per variant of $RP_VARIANTS ("label:overrides;...";
+#            default 512 rows, 256, 512 on the portable route, 512 without the tensor cores, 384); each prints its
+#            exit code, its rows' error codes and the last frames of its traceback; SECONDS is per variant
 #   bench    any benchmark: python -m benchmarks $BENCH (name and options), its JSON bench$BENCH_TAG.json
 #   profile  gpu.step_profile $PROFILE_ARGS (default: 1B batch 8 at 8k, none and q8, lookahead loop, with
 #            mlx-lm): host phases against the wait for the GPU, to tell a host-bound case from a GPU-bound one
@@ -267,6 +271,31 @@ pq.write_table(t, sys.argv[2], compression='zstd', compression_level=19)" "$kept
         name=${c%%:*} vars=${c#*:}; echo "-- $name ${vars//,/ }" | tee -a "$OUT/prefill.txt"
         timeout "$secs" env ${vars//,/ } python3 -m benchmarks gpu.prefill_shapes ${PREFILL_ARGS:---geometry 1b --rows 256 \
           --modes none,q8} --out "$OUT/prefill_$name.json" 2>&1 | tee -a "$OUT/prefill.txt" | cut -c1-900
+      done ;;
+    rowsprobe) python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$C"/*.whl || exit 1
+      g=${RP_GEOM:-1b}; [ "$g" = 8b ] && geom=$GEOM8B || geom=$GEOM1B
+      margs=$(for kv in $geom; do printf 'model.%s ' "$kv"; done)
+      inp=$OUT/rowsprobe_prompts.jsonl
+      RP_N=${RP_ROWS:-512} RP_GEOM_ARGS="$geom" RP_INP=$inp python3 - <<'PY' || exit 1
+import json, os
+from benchmarks.job.job_vs_mlx_lm import token_prompts
+g = dict(kv.split("=", 1) for kv in os.environ["RP_GEOM_ARGS"].split())
+cfg = {"source": "tiny", "name": "tiny", **{k: int(v) if v.isdigit() else v for k, v in g.items()}}
+with open(os.environ["RP_INP"], "w") as f:
+    for i, t in enumerate(token_prompts(int(os.environ["RP_N"]), 7, 32, 1999, cfg)):
+        f.write(json.dumps({"id": f"r{i}", "prompt": t}) + "\n")
+PY
+      IFS=';' read -ra variants <<< "${RP_VARIANTS:-b512:engine.max_batch=512;b256:engine.max_batch=256;b512_portable:engine.max_batch=512 engine.options.route=portable;b512_notc:engine.max_batch=512 engine.options.cuda.tensor_cores=false;b384:engine.max_batch=384}"
+      for v in "${variants[@]}"; do
+        name=${v%%:*} over=${v#*:} t0=$(date +%s)
+        # shellcheck disable=SC2086  # one word an override
+        timeout "$secs" python3 -m kvbatch model=tiny $margs job.input="$inp" job.name=rowsprobe job.max_tokens=${RP_NEW:-16} \
+          output.dir=/tmp/rowsprobe_$name output.progress=off worker.max_attempts=1 $over \
+          > "$OUT/rowsprobe_$name.out" 2> "$OUT/rowsprobe_$name.err"
+        echo "== $name ($over): rc $? in $(( $(date +%s) - t0 )) s, $(python3 -c "import collections, pyarrow.parquet as pq
+print(dict(collections.Counter(r['error_code'] for r in pq.read_table('/tmp/rowsprobe_$name/results.parquet').to_pylist())))" 2>&1 | tail -1)" |
+          tee -a "$OUT/rowsprobe.txt"
+        grep -A40 -m1 Traceback "$OUT/rowsprobe_$name.err" | grep 'File\|Error' | tail -6 | cut -c1-240 | tee -a "$OUT/rowsprobe.txt"
       done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

@@ -16,6 +16,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
+from kvbatch.engine.backend import on_cpu
 from kvbatch.engine.config import EngineOptions, KVConfig
 from kvbatch.engine.engine import Engine
 from kvbatch.engine.errors import KvbatchConfigError
@@ -180,6 +181,24 @@ def test_gate_refuses_what_is_not_validated(tiny_model):
     assert res.ok and (eng.stats()["key_bits"], eng.stats()["value_bits"]) == (4, 8)
     with pytest.raises(KvbatchConfigError, match="kv.value_bits=4: needs a quantized kv.mode"):
         Engine(model, tok, spec, engine_config(kv_mode="none", kv={"value_bits": 4}))
+
+
+def test_gate_refuses_the_portable_route_in_half_precision_on_the_cpu(tiny_model):
+    """The portable route reads bfloat16 pages in place with gather_mm, which MLX's CPU backend runs on float32
+    only: a bfloat16 model there is refused at the start in one line (it used to end every row with
+    internal_error); on other backends it runs (float16 on the CPU: test_fp16_huge_scores_stay_finite)."""
+    model, tok, spec = tiny_model(dtype="bfloat16")
+    portable = EngineOptions(route="portable")
+    for mode in ("none", "q8"):
+        cfg = engine_config(kv_mode=mode, page_size=16, memory_budget=BUDGET, options=portable)
+        if on_cpu():
+            with pytest.raises(KvbatchConfigError) as err:
+                Engine(model, tok, spec, cfg)
+            assert "\n" not in str(err.value) and "set model.dtype=float32" in str(err.value)
+            continue
+        (res,) = Engine(model, tok, spec, cfg).generate([Request("a", list(range(60, 80)),
+                                                                  SamplingParams(max_tokens=8))])
+        assert res.ok and len(res.tokens) == 8
 
 
 def test_gate_refuses_rotation_where_not_validated(tiny_model):

@@ -70,6 +70,11 @@ def check_kv_mode(spec: ModelSpec, kv: KVConfig, options: Optional[EngineOptions
                                  f"(supported: {', '.join(sorted(PAGED_FAMILIES))})")
     if mode not in KV_MODES:
         raise KvbatchConfigError(f"kv mode '{mode}' is unknown (choose one of {', '.join(KV_MODES)})")
+    # the portable route reads bfloat16 pages in place with gather_mm, which MLX's CPU backend runs on float32 only
+    # (Metal and CUDA take half precision too; float16 models take their scores in float32, gathered)
+    if options.route == "portable" and name == "cpu" and spec.dtype == "bfloat16":
+        raise KvbatchConfigError("engine.options.route=portable on the CPU cannot run bfloat16 weights (MLX's CPU "
+                                 "gather_mm takes float32 only): set model.dtype=float32")
     if mode == "none":
         return  # the dense route has no head-size specific code
     if kv.group_size not in GROUP_SIZES or spec.head_dim % kv.group_size:
