@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from kvbatch.engine.backend import device_works
 from kvbatch.engine.errors import INTERNAL_ERROR, INVALID_INPUT, DeviceFailure
 from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.resume import CheckpointRefused, RowCheckpoint
@@ -586,12 +587,15 @@ class Worker:
     @staticmethod
     def _engine(call: Callable[[], Any]) -> Any:
         """One call into the engine: its exceptions become EngineFailure (charged to the rows in
-        flight); the worker's own storage calls stay outside, so a full disk is never a row's fault."""
+        flight), or DeviceFailure where the device no longer evaluates anything (no row's fault); the
+        worker's own storage calls stay outside, so a full disk is never a row's fault."""
         try:
             return call()
         except DeviceFailure:
             raise
         except Exception as exc:  # noqa: BLE001
+            if not device_works():
+                raise DeviceFailure(f"the device stopped working: {type(exc).__name__}: {exc}") from exc
             raise EngineFailure(f"{type(exc).__name__}: {exc}") from exc
 
     def _take_over(self, host: str) -> bool:
