@@ -183,7 +183,7 @@ def test_gate_refuses_what_is_not_validated(tiny_model):
         Engine(model, tok, spec, engine_config(kv_mode="none", kv={"value_bits": 4}))
 
 
-def test_gate_refuses_the_portable_route_in_half_precision_on_the_cpu(tiny_model):
+def test_gate_refuses_the_portable_route_in_bfloat16_on_the_cpu(tiny_model):
     """The portable route reads bfloat16 pages in place with gather_mm, which MLX's CPU backend runs on float32
     only: a bfloat16 model there is refused at the start in one line (it used to end every row with
     internal_error); on other backends it runs (float16 on the CPU: test_fp16_huge_scores_stay_finite)."""
