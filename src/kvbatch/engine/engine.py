@@ -493,7 +493,7 @@ class Engine:
         """A pass of these rows raised: each ends with internal_error, unless the device itself stopped evaluating
         (then no row is at fault, and DeviceFailure ends the engine's work instead)."""
         if self.hooks.device_faulted or not device_works():
-            raise DeviceFailure(f"the device stopped working: {message}")
+            raise DeviceFailure(message)
         for row in rows:
             if not row.ended:
                 self._end(row, "error", INTERNAL_ERROR, message)

@@ -27,6 +27,9 @@ class DeviceFailure(RuntimeError):
     """The device stopped evaluating (a CUDA fault that poisons the process): no row is at fault and nothing
     more runs in this process; the caller hands its rows back, uncharged, for a fresh process."""
 
+    def __init__(self, failure: str):
+        super().__init__(f"the device stopped working: {failure}")
+
 
 class UnreservedWriteError(RuntimeError):
     """A KV write touched a slot that was not reserved before the forward pass."""

@@ -595,7 +595,7 @@ class Worker:
             raise
         except Exception as exc:  # noqa: BLE001
             if not device_works():
-                raise DeviceFailure(f"the device stopped working: {type(exc).__name__}: {exc}") from exc
+                raise DeviceFailure(f"{type(exc).__name__}: {exc}") from exc
             raise EngineFailure(f"{type(exc).__name__}: {exc}") from exc
 
     def _take_over(self, host: str) -> bool:
