@@ -88,7 +88,8 @@
 #            tokens (512), 2 order-alternating rounds; the job stage's wheels
 #   rowsprobe  which setting a job of Llama-$RP_GEOM geometry (1b) fails at: $RP_ROWS (512) prompts of 32-1999 tokens x
 #            $RP_NEW (16) new tokens through the command, once per variant of $RP_VARIANTS ("label:overrides;...";
-#            default 512 rows, 256, 512 on the portable route, 512 without the tensor cores, 384); each prints its
+#            default 512 rows, 256, 512 on the portable route, 512 without the tensor cores, 384; a word NAME=value
+#            with an upper-case NAME is the process's environment); each prints its
 #            exit code, its rows' error codes and the last frames of its traceback; SECONDS is per variant
 #   bench    any benchmark: python -m benchmarks $BENCH (name and options), its JSON bench$BENCH_TAG.json
 #   profile  gpu.step_profile $PROFILE_ARGS (default: 1B batch 8 at 8k, none and q8, lookahead loop, with
@@ -274,6 +275,7 @@ pq.write_table(t, sys.argv[2], compression='zstd', compression_level=19)" "$kept
       done ;;
     rowsprobe) python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$C"/*.whl || exit 1
       g=${RP_GEOM:-1b}; [ "$g" = 8b ] && geom=$GEOM8B || geom=$GEOM1B
+      geom=${RP_GEOM_WORDS:-$geom}  # model.* words of another geometry (a small one for a dry run on the CPU)
       margs=$(for kv in $geom; do printf 'model.%s ' "$kv"; done)
       inp=$OUT/rowsprobe_prompts.jsonl
       RP_N=${RP_ROWS:-512} RP_GEOM_ARGS="$geom" RP_INP=$inp python3 - <<'PY' || exit 1
@@ -287,15 +289,21 @@ with open(os.environ["RP_INP"], "w") as f:
 PY
       IFS=';' read -ra variants <<< "${RP_VARIANTS:-b512:engine.max_batch=512;b256:engine.max_batch=256;b512_portable:engine.max_batch=512 engine.options.route=portable;b512_notc:engine.max_batch=512 engine.options.cuda.tensor_cores=false;b384:engine.max_batch=384}"
       for v in "${variants[@]}"; do
-        name=${v%%:*} over=${v#*:} t0=$(date +%s)
+        name=${v%%:*} over=${v#*:} t0=$(date +%s) envs=""
+        # words NAME=value with an upper-case NAME set the process's environment (MLX_USE_CUDA_GRAPHS=0), the rest
+        # are overrides
+        for w in $over; do [[ $w =~ ^[A-Z_]+= ]] && envs="$envs $w"; done
+        over=$(for w in $over; do [[ $w =~ ^[A-Z_]+= ]] || printf '%s ' "$w"; done)
         # shellcheck disable=SC2086  # one word an override
-        timeout "$secs" python3 -m kvbatch model=tiny $margs job.input="$inp" job.name=rowsprobe job.max_tokens=${RP_NEW:-16} \
+        timeout "$secs" env $envs python3 -m kvbatch model=tiny $margs job.input="$inp" job.name=rowsprobe job.max_tokens=${RP_NEW:-16} \
           output.dir=/tmp/rowsprobe_$name output.progress=off worker.max_attempts=1 $over \
           > "$OUT/rowsprobe_$name.out" 2> "$OUT/rowsprobe_$name.err"
         echo "== $name ($over): rc $? in $(( $(date +%s) - t0 )) s, $(python3 -c "import collections, pyarrow.parquet as pq
 print(dict(collections.Counter(r['error_code'] for r in pq.read_table('/tmp/rowsprobe_$name/results.parquet').to_pylist())))" 2>&1 | tail -1)" |
           tee -a "$OUT/rowsprobe.txt"
-        grep -A40 -m1 Traceback "$OUT/rowsprobe_$name.err" | grep 'File\|Error' | tail -6 | cut -c1-240 | tee -a "$OUT/rowsprobe.txt"
+        grep -A40 -m1 Traceback "$OUT/rowsprobe_$name.err" | grep 'File\|Error' | tail -10 | cut -c1-240 | tee -a "$OUT/rowsprobe.txt"
+        grep -h "kvbatch: error\|rows\b.*tok" "$OUT/rowsprobe_$name.out" "$OUT/rowsprobe_$name.err" | tail -3 | cut -c1-400 |
+          tee -a "$OUT/rowsprobe.txt"
       done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

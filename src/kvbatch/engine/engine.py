@@ -22,7 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kvbatch.engine import lora, mlx_lm_bridge
-from kvbatch.engine.backend import device_works, on_cpu
+from kvbatch.engine.backend import on_cpu
 from kvbatch.engine.batch_limits import resolve_max_batch, resolve_prefill_tokens
 from kvbatch.engine.config import EngineConfig
 from kvbatch.engine.errors import INTERNAL_ERROR, INVALID_INPUT, DeviceFailure, KvbatchConfigError, RowError
@@ -492,7 +492,7 @@ class Engine:
     def _failed(self, rows: Sequence[Row], message: str) -> None:
         """A pass of these rows raised: each ends with internal_error, unless the device itself stopped evaluating
         (then no row is at fault, and DeviceFailure ends the engine's work instead)."""
-        if self.hooks.device_faulted or not device_works():
+        if self.runner.device_lost():
             raise DeviceFailure(message)
         for row in rows:
             if not row.ended:

@@ -18,6 +18,7 @@ from typing import Container, Optional, Sequence, cast
 import mlx.core as mx
 import mlx.nn as nn
 
+from kvbatch.engine.backend import device_works
 from kvbatch.engine.grammar import Grammars
 from kvbatch.engine.hooks import EngineHooks
 from kvbatch.engine.kv.cache import PagedKVCache
@@ -87,6 +88,11 @@ class Runner:
             return None
         return [r.req.key == inj[0] and len(r.out) + (id(r) in ahead) == int(inj[1]) for r in rows]
 
+    def device_lost(self) -> bool:
+        """Whether the device no longer evaluates anything (after CUDA's "illegal memory access" every later
+        evaluation in the process fails), so a failed pass is no row's fault."""
+        return self.hooks.device_faulted or not device_works()
+
     def begin(self, rows: list[Row], length: int, poison: Optional[list[bool]],
               lens: Optional[list[int]] = None) -> None:
         """Before a forward pass of `rows` (each `length` positions; `lens`: each row's real ones): the
@@ -112,7 +118,9 @@ class Runner:
         try:
             out = self._forward_chunks(chunks)
         except Exception as e:
-            if len(chunks) > 1:
+            logger.exception("prefill pass of %d rows failed", len(chunks))
+            # split to find the row at fault, unless the device itself stopped: then every pass fails alike
+            if len(chunks) > 1 and not self.device_lost():
                 return [p for one in chunks for p in self._passes([one])]
             return [PrefillPass(chunks, error=f"{type(e).__name__}: {e}")]
         self._record(chunks, t0)
