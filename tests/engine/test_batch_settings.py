@@ -5,8 +5,8 @@ import kvbatch.engine  # noqa: F401  (OpenBLAS before mlx)
 import pytest
 
 from kvbatch.engine.backend import backend
-from kvbatch.engine.batch_limits import (BATCH_CEILING, BATCH_CEILING_AT_WORST, PREFILL_TOKENS, BatchLimit,
-                                         resolve_max_batch)
+from kvbatch.engine.batch_limits import (AT_WORST_MAX_PARAMS, BATCH_CEILING, BATCH_CEILING_AT_WORST, PREFILL_TOKENS,
+                                         BatchLimit, resolve_max_batch)
 from kvbatch.engine.engine import Engine
 from kvbatch.engine.errors import KvbatchConfigError
 from kvbatch.engine.params import SamplingParams
@@ -31,17 +31,23 @@ def test_max_batch_auto_is_the_backend_ceiling_and_the_plan_says_so(tiny_model):
     assert fixed.max_batch == 5 and "up to 5 rows (engine.max_batch)" in fixed.plan_line(64)
 
 
-def test_auto_is_the_ceiling_and_a_second_ceiling_holds_rows_to_their_worst_case(monkeypatch):
-    """Auto is the backend's ceiling; where a backend has a second ceiling (none has one now: batch_limits.py
-    says why), auto's limit is that ceiling and rows past the first join only at worst case. A number asked for
-    is the limit as asked, with no such rule."""
-    for name in ("cpu", "cuda", "metal"):
-        assert resolve_max_batch("auto", name) == BatchLimit(BATCH_CEILING[name], f"auto: the {name} ceiling")
-    monkeypatch.setitem(BATCH_CEILING_AT_WORST, "cuda", 512)
-    cuda = resolve_max_batch("auto", "cuda")
-    assert (cuda.rows, cuda.at_worst_from) == (512, BATCH_CEILING["cuda"])
+def test_auto_is_the_ceiling_and_a_small_model_on_cuda_goes_past_it_at_worst_case():
+    """Auto is the backend's ceiling; on MLX CUDA a model of at most AT_WORST_MAX_PARAMS parameters gets the second
+    ceiling, past the first only while every row fits at its worst case, and a larger one stays at the first. A
+    number asked for is the limit as asked, with no such rule."""
+    small, large = AT_WORST_MAX_PARAMS, AT_WORST_MAX_PARAMS + 1
+    for name in ("cpu", "metal"):
+        for params in (small, large):
+            assert resolve_max_batch("auto", params, name) == BatchLimit(BATCH_CEILING[name],
+                                                                         f"auto: the {name} ceiling")
+    cuda = resolve_max_batch("auto", small, "cuda")
+    assert (cuda.rows, cuda.at_worst_from) == (BATCH_CEILING_AT_WORST["cuda"], BATCH_CEILING["cuda"])
+    assert BATCH_CEILING_AT_WORST["cuda"] > BATCH_CEILING["cuda"]
     assert f"past {BATCH_CEILING['cuda']} only while every row fits at its worst case" in cuda.why
-    assert resolve_max_batch(300, "cuda") == BatchLimit(300, "engine.max_batch")
+    big = resolve_max_batch("auto", large, "cuda")
+    assert (big.rows, big.at_worst_from) == (BATCH_CEILING["cuda"], None)
+    assert "over 0.5B parameters" in big.why
+    assert resolve_max_batch(300, small, "cuda") == BatchLimit(300, "engine.max_batch")
 
 
 def test_rows_past_at_worst_from_join_only_while_every_row_fits_at_its_worst_case(tiny_model):

@@ -20,6 +20,7 @@ from typing import Any, Iterator, Optional, Sequence, cast
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.utils import get_total_parameters
 
 from kvbatch.engine import lora, mlx_lm_bridge
 from kvbatch.engine.backend import on_cpu
@@ -96,7 +97,7 @@ class Engine:
             budget = resolve_budget("auto", cfg.memory.fraction, cfg.memory.headroom,
                                     resident=spec.weights_bytes + (draft[2].weights_bytes if draft else 0))
         self.layout = layout_for(spec, kv)
-        limit = resolve_max_batch(settings.max_batch)
+        limit = resolve_max_batch(settings.max_batch, get_total_parameters(model))
         self.max_batch, self.max_batch_why = limit.rows, limit.why
         if cfg.rows is not None and 0 < cfg.rows < self.max_batch:  # a small job: slots for its rows only
             self.max_batch, self.max_batch_why = cfg.rows, f"the job's {cfg.rows} rows; {self.max_batch_why}"
