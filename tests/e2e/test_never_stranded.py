@@ -137,6 +137,25 @@ def test_a_device_that_stops_evaluating_stops_the_run_and_charges_no_row(job, tm
         assert (r["error_code"], r["attempt"], r["output_token_ids"]) == (None, 1, ref[k]["output_token_ids"]), k
 
 
+def test_a_pass_that_fails_at_evaluation_costs_its_rows_one_retry_not_the_job(job, tmp_path):
+    """A pass that fails when evaluated (an allocation failure, a kernel error) leaves the cache's buffers holding
+    the failed graph: the run names it in one warning line and the rows in flight retry in a new engine; the run
+    completes, every row with the tokens of a run without the fault, the rows in flight then at attempt 2 and the
+    others at 1."""
+    base, ref = job
+    out = tmp_path / "out"
+    p = kvbatch(out, base + SMALL + ["worker.flush_rows=1", "debug.eval_fault_at=40"])
+    assert p.returncode == 0, p.stderr
+    assert "kvbatch: warning: the engine failed (CacheLost: a failed pass left the KV cache unreadable" in p.stderr, \
+        p.stderr
+    rows = _results(out)
+    assert set(rows) == set(KEYS)
+    for k, r in rows.items():
+        assert (r["error_code"], r["output_token_ids"]) == (None, ref[k]["output_token_ids"]), k
+    attempts = sorted(r["attempt"] for r in rows.values())
+    assert attempts[0] == 1 and attempts[-1] == 2, attempts  # the fault hit some rows in flight, not all rows
+
+
 def test_a_surviving_worker_takes_over_the_rows_of_a_worker_killed_meanwhile(job, tmp_path):
     """Worker A holds rows and is killed while worker B runs: B does not exit with A's rows still
     leased (for worker.lease_s), it takes them over and the job ends complete (issue 23, also weak)."""

@@ -16,7 +16,7 @@ from kvbatch.engine.engine import Engine
 from kvbatch.engine.config import EngineOptions
 from kvbatch.engine.hooks import EngineHooks
 from kvbatch.engine.testing import engine_config
-from kvbatch.engine.errors import NON_FINITE_LOGITS
+from kvbatch.engine.errors import NON_FINITE_LOGITS, CacheLost
 from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.types import Request
 from tests.conftest import kv_cache
@@ -214,3 +214,18 @@ def test_nan_written_in_a_shared_pass_does_not_reach_batch_mates(tiny_model, mod
     for k in ("r1", "r2", "r3"):
         assert res[k].ok and res[k].tokens == clean[k], k
     all_pages_free(eng)
+
+
+@pytest.mark.parametrize("fault_at", [2, 6])  # a prefill pass of all four rows; a decode step
+def test_a_pass_that_leaves_the_cache_unreadable_raises_cache_lost(tiny_model, fault_at):
+    """A pass that fails when evaluated leaves its cache writes holding the failed graph (MLX arrays raise again
+    whenever read): the engine says so (CacheLost, naming the failure) at once, rather than ending the rows with
+    internal_error and failing later on an unrelated read, and a prefill pass is not split into one futile pass
+    a row."""
+    model, tok, spec = tiny_model()
+    hooks = EngineHooks(eval_fault_at=fault_at)
+    eng = Engine(model, tok, spec, engine_config(max_batch=4, memory_budget=1 << 30, prefill_chunk=4), hooks)
+    reqs = [Request(f"r{i}", [1 + i, 2, 3, 4, 5, 6], SamplingParams(max_tokens=8, ignore_eos=True)) for i in range(4)]
+    with pytest.raises(CacheLost, match=r"a failed pass left the KV cache unreadable: RuntimeError: \[GatherMM"):
+        eng.generate(reqs)
+    assert hooks.forward_passes == fault_at  # nothing ran after the failed pass

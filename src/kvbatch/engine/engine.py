@@ -26,7 +26,8 @@ from kvbatch.engine import lora, mlx_lm_bridge
 from kvbatch.engine.backend import on_cpu
 from kvbatch.engine.batch_limits import resolve_max_batch, resolve_prefill_tokens
 from kvbatch.engine.config import EngineConfig
-from kvbatch.engine.errors import INTERNAL_ERROR, INVALID_INPUT, DeviceFailure, KvbatchConfigError, RowError
+from kvbatch.engine.errors import (INTERNAL_ERROR, INVALID_INPUT, CacheLost, DeviceFailure, KvbatchConfigError,
+                                  RowError)
 from kvbatch.engine.gate import check_kv_mode
 from kvbatch.engine.grammar import Grammars
 from kvbatch.engine.hooks import EngineHooks
@@ -492,9 +493,12 @@ class Engine:
 
     def _failed(self, rows: Sequence[Row], message: str) -> None:
         """A pass of these rows raised: each ends with internal_error, unless the device itself stopped evaluating
-        (then no row is at fault, and DeviceFailure ends the engine's work instead)."""
+        (then no row is at fault, and DeviceFailure ends the engine's work instead) or the failed pass left the
+        cache unreadable (CacheLost: every row must run again in a new engine)."""
         if self.runner.device_lost():
             raise DeviceFailure(message)
+        if not self.runner.cache_intact():
+            raise CacheLost(message)
         for row in rows:
             if not row.ended:
                 self._end(row, "error", INTERNAL_ERROR, message)

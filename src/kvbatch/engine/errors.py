@@ -31,6 +31,15 @@ class DeviceFailure(RuntimeError):
         super().__init__(f"the device stopped working: {failure}")
 
 
+class CacheLost(RuntimeError):
+    """A failed pass left the KV cache's buffers holding its failed computation (MLX arrays keep a failed graph
+    and raise again whenever read), so no row in this engine can run on: the caller runs the rows again in a new
+    engine (the worker retries them)."""
+
+    def __init__(self, failure: str):
+        super().__init__(f"a failed pass left the KV cache unreadable: {failure}")
+
+
 class UnreservedWriteError(RuntimeError):
     """A KV write touched a slot that was not reserved before the forward pass."""
 

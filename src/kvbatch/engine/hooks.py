@@ -1,9 +1,9 @@
 """Test and debug hooks, given to an Engine at construction (production passes none).
 
 One object carries every hook, so nothing monkeypatches the engine and no production type
-grows test-only fields: fault injection (NaN in one row's attention at one step, a device that
-stops evaluating), teacher forcing (feed given tokens instead of sampling), logit capture, the
-points where a crash injector may act (pipeline/debug.py subclasses this), and each step's plan
+grows test-only fields: fault injection (NaN in one row's attention at one step, a pass that fails when
+evaluated, a device that stops evaluating), teacher forcing (feed given tokens instead of sampling), logit
+capture, the points where a crash injector may act (pipeline/debug.py subclasses this), and each step's plan
 (for tests and profilers).
 """
 from __future__ import annotations
@@ -38,6 +38,9 @@ class EngineHooks:
     # evaluating, on the CPU); `device_faulted` then says so, as the device probe would on the real thing
     device_fault_after: Optional[int] = None
     forward_passes: int = 0
+    # N: the N-th forward pass's graph holds an op that fails when evaluated (tests: a pass that fails as an
+    # allocation failure or a kernel error would, its cache writes holding the failed graph)
+    eval_fault_at: Optional[int] = None
     # the clock a decode step's cost is measured with (speculative.adaptive); tests move a clock of their own
     clock: Callable[[], float] = time.perf_counter
 
@@ -52,11 +55,17 @@ class EngineHooks:
         """Whether the injected device fault (device_fault_after) has begun."""
         return self.device_fault_after is not None and self.forward_passes > self.device_fault_after
 
-    def on_forward(self) -> None:
-        """A forward pass is about to be built; past device_fault_after it fails as a faulted device would."""
+    def on_forward(self) -> Optional[mx.array]:
+        """A forward pass is about to be built. Past device_fault_after it fails as a faulted device would; at
+        eval_fault_at it returns a boolean scalar (False) for the pass's graph whose evaluation fails (MLX's
+        gather_mm takes float32 only on the CPU, which the tests run on); else None."""
         self.forward_passes += 1
         if self.device_faulted:
             raise RuntimeError(f"injected device fault after {self.device_fault_after} forward passes")
+        if self.eval_fault_at != self.forward_passes:
+            return None
+        a, b = mx.ones((1, 1, 2), dtype=mx.bfloat16), mx.ones((1, 2, 2), dtype=mx.bfloat16)
+        return mx.gather_mm(a, b, rhs_indices=mx.array([0])).sum() < 0
 
     def on_row_start(self, key: str) -> None:
         """A row's prefill is about to start."""

@@ -93,11 +93,22 @@ class Runner:
         evaluation in the process fails), so a failed pass is no row's fault."""
         return self.hooks.device_faulted or not device_works()
 
-    def begin(self, rows: list[Row], length: int, poison: Optional[list[bool]],
+    def cache_intact(self) -> bool:
+        """Whether the KV cache's buffers still evaluate: a pass that fails at evaluation leaves its writes
+        holding the failed graph, which raises again on every later read."""
+        try:
+            mx.eval(self.cache.store.all_arrays())
+        except Exception:  # noqa: BLE001 - any failure to read the buffers means they are lost
+            return False
+        return True
+
+    def begin(self, rows: list[Row], length: int, poison: Optional[list[bool] | mx.array],
               lens: Optional[list[int]] = None) -> None:
         """Before a forward pass of `rows` (each `length` positions; `lens`: each row's real ones): the
         cache's views of their pages, and with per-row adapters, which adapter each row uses."""
-        self.hooks.on_forward()
+        fault = self.hooks.on_forward()
+        if fault is not None:  # tests: the pass's graph (and so its cache writes) fails when evaluated
+            poison = mx.logical_and(mx.array(poison or [False] * len(rows)), fault)
         self.cache.begin([row.kv for row in rows], length, poison, lens)
         if self.adapters is not None:
             self.adapters.select([row.adapter for row in rows])
@@ -119,8 +130,9 @@ class Runner:
             out = self._forward_chunks(chunks)
         except Exception as e:
             logger.exception("prefill pass of %d rows failed", len(chunks))
-            # split to find the row at fault, unless the device itself stopped: then every pass fails alike
-            if len(chunks) > 1 and not self.device_lost():
+            # split to find the row at fault, unless the device stopped or the cache holds the failed pass:
+            # then every pass fails alike
+            if len(chunks) > 1 and not self.device_lost() and self.cache_intact():
                 return [p for one in chunks for p in self._passes([one])]
             return [PrefillPass(chunks, error=f"{type(e).__name__}: {e}")]
         self._record(chunks, t0)

@@ -238,9 +238,10 @@ def load_runtime(cfg: Config, rows: Optional[int] = None) -> Runtime:
     check_template(tokenizer, cfg.job.chat_template)
     tags = reasoning_tags(cfg, tokenizer)
     ecfg = replace(engine_config(cfg), rows=rows)
-    # every engine of this run gets the same hooks: debug.inject_nonfinite, debug.device_fault_after, and the
+    # every engine of this run gets the same hooks: debug.inject_nonfinite, device_fault_after, eval_fault_at, the
     # crash points when KVBATCH_DEBUG_CRASH_AT is set (testing only)
-    hooks = debug.hooks(parse_injection(cfg.debug.inject_nonfinite), cfg.debug.device_fault_after)
+    hooks = debug.hooks(parse_injection(cfg.debug.inject_nonfinite), cfg.debug.device_fault_after,
+                        cfg.debug.eval_fault_at)
 
     # speculative.method=draft: the draft model, loaded as the model is (the engine checks it shares the tokenizer)
     draft = load_model(cfg.speculative.model) if cfg.speculative.method == "draft" else None

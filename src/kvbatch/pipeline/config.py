@@ -181,6 +181,9 @@ class DebugConfig:
     # N: every forward pass after the first N fails as a device that stops evaluating would (tests: the run
     # stops with its rows handed back uncharged, as after CUDA's "illegal memory access")
     device_fault_after: Optional[int] = None
+    # N: the run's N-th forward pass fails when evaluated, its cache writes holding the failed graph (tests: the
+    # rows in flight retry in a new engine and the run completes)
+    eval_fault_at: Optional[int] = None
 
 
 @dataclass
@@ -479,6 +482,7 @@ def run_identity(cfg: Config, input_path: str, include_kv: bool) -> str:
     keyed["debug"].pop("deadline_after_rows", None)  # where a run stops, not what its rows hold
     keyed["debug"].pop("deadline_after_tokens", None)
     keyed["debug"].pop("device_fault_after", None)  # whether a run stops early, not what its rows hold
+    keyed["debug"].pop("eval_fault_at", None)
     keyed["sampling"].pop("defaults", None)  # the values it chose are keyed themselves
     keyed["job"] = {**keyed["job"], "input": str(input_path), "name": None}
     for section, key, default in _SAME_TOKENS_AT_DEFAULT:

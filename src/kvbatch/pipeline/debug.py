@@ -119,6 +119,8 @@ class CrashHooks(EngineHooks):
         point("decode")
 
 
-def hooks(nonfinite: Optional[tuple[str, int]] = None, device_fault_after: Optional[int] = None) -> EngineHooks:
+def hooks(nonfinite: Optional[tuple[str, int]] = None, device_fault_after: Optional[int] = None,
+          eval_fault_at: Optional[int] = None) -> EngineHooks:
     """The hooks a worker's engines get: crash points only when KVBATCH_DEBUG_CRASH_AT is set."""
-    return (CrashHooks if _specs else EngineHooks)(nonfinite=nonfinite, device_fault_after=device_fault_after)
+    return (CrashHooks if _specs else EngineHooks)(nonfinite=nonfinite, device_fault_after=device_fault_after,
+                                                   eval_fault_at=eval_fault_at)

@@ -70,6 +70,7 @@ from kvbatch.pipeline import score
 from kvbatch.pipeline.chat import transcript
 from kvbatch.pipeline.config import Config
 from kvbatch.pipeline.durations import deadline_at
+from kvbatch.pipeline.log import log
 from kvbatch.pipeline.parts import part_name, write_part
 from kvbatch.pipeline.progress import Progress
 from kvbatch.pipeline.prompts import encode_rows
@@ -508,6 +509,8 @@ class Worker:
     def _engine_failed(self, exc: BaseException) -> None:
         """An exception out of the engine itself: its rows retry (or end with internal_error)."""
         msg = f"{type(exc).__name__}: {exc}"
+        log.warning("kvbatch: warning: the engine failed (%s); its %d rows in flight retry in a new engine (up to "
+                    "worker.max_attempts)", msg, len(self.inflight))
         for c in list(self.inflight.values()):
             if c.attempt < self.cfg.worker.max_attempts:
                 self.q.release(self.id, [c.key], "retry")

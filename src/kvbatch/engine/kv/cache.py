@@ -306,7 +306,7 @@ class PagedKVCache:
         return self.store
 
     # ---- one forward pass ------------------------------------------------------------------
-    def begin(self, rows: list[CacheRow], L: int, poison: Optional[list[bool]] = None,
+    def begin(self, rows: list[CacheRow], L: int, poison: Optional[list[bool] | mx.array] = None,
               lens: Optional[list[int]] = None) -> None:
         """A pass of L tokens per row; lens: each row's real tokens (a prefill pass of rows with
         different chunks is right-padded to L; None: all L). poison: testing only
@@ -333,7 +333,9 @@ class PagedKVCache:
         offset = pos[0] if len(rows) == 1 else mx.array(pos, dtype=mx.int32)
         self.plan = _Pass(rows, L, lens, offset, self.attention.plan(rows, L, pos, self.epoch, lens),
                           first=self._first_writes(rows, L, pos, lens))
-        if poison is not None and any(poison):
+        if isinstance(poison, mx.array):  # built by the runner's hooks: kept lazy (it may be made to fail)
+            self.plan.poison = poison
+        elif poison is not None and any(poison):
             self.plan.poison = mx.array(poison)
         self._reported = set()
 
