@@ -291,9 +291,9 @@ PY
       for v in "${variants[@]}"; do
         name=${v%%:*} over=${v#*:} t0=$(date +%s) envs=""
         # words NAME=value with an upper-case NAME set the process's environment (MLX_USE_CUDA_GRAPHS=0), the rest
-        # are overrides; a word at_worst=N runs auto with the worst-case rule up to N rows (benchmarks/gpu/kvbatch_at_worst.py)
+        # are overrides; a word at_worst=N runs auto with the worst-case rule up to N rows (benchmarks/kvbatch_at_worst.py)
         cmd="-m kvbatch"
-        for w in $over; do [[ $w =~ ^[A-Z_]+= ]] && envs="$envs $w"; [[ $w =~ ^at_worst= ]] && cmd="-m benchmarks.gpu.kvbatch_at_worst ${w#at_worst=}"; done
+        for w in $over; do [[ $w =~ ^[A-Z_]+= ]] && envs="$envs $w"; [[ $w =~ ^at_worst= ]] && cmd="-m benchmarks.kvbatch_at_worst ${w#at_worst=}"; done
         over=$(for w in $over; do [[ $w =~ ^[A-Z_]+=|^at_worst= ]] || printf '%s ' "$w"; done)
         # shellcheck disable=SC2086  # one word an override
         timeout "$secs" env $envs python3 $cmd model=tiny $margs job.input="$inp" job.name=rowsprobe job.max_tokens=${RP_NEW:-16} \

@@ -1,4 +1,4 @@
-"""`python -m benchmarks.gpu.kvbatch_at_worst ROWS kvbatch-overrides...`: the kvbatch command with
+"""`python -m benchmarks.kvbatch_at_worst ROWS kvbatch-overrides...`: the kvbatch command with
 `engine.max_batch: auto` holding up to ROWS rows past the backend's ceiling while every row fits at its worst
 case (engine/batch_limits.py's BATCH_CEILING_AT_WORST) whatever the model's size, for probing that rule on a device
 beyond the models it is the default for."""
