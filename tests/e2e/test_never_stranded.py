@@ -137,7 +137,7 @@ def test_a_device_that_stops_evaluating_stops_the_run_and_charges_no_row(job, tm
         assert (r["error_code"], r["attempt"], r["output_token_ids"]) == (None, 1, ref[k]["output_token_ids"]), k
 
 
-def test_a_pass_that_fails_at_evaluation_costs_its_rows_one_retry_not_the_job(job, tmp_path):
+def test_a_pass_that_fails_at_evaluation_is_named_and_its_rows_retry_in_a_new_engine(job, tmp_path):
     """A pass that fails when evaluated (an allocation failure, a kernel error) leaves the cache's buffers holding
     the failed graph: the run names it in one warning line and the rows in flight retry in a new engine; the run
     completes, every row with the tokens of a run without the fault, the rows in flight then at attempt 2 and the
