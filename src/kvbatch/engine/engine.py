@@ -26,8 +26,7 @@ from kvbatch.engine import lora, mlx_lm_bridge
 from kvbatch.engine.backend import on_cpu
 from kvbatch.engine.batch_limits import resolve_max_batch, resolve_prefill_tokens
 from kvbatch.engine.config import EngineConfig
-from kvbatch.engine.errors import (INTERNAL_ERROR, INVALID_INPUT, CacheLost, DeviceFailure, KvbatchConfigError,
-                                  RowError)
+from kvbatch.engine.errors import INTERNAL_ERROR, INVALID_INPUT, KvbatchConfigError, RowError
 from kvbatch.engine.gate import check_kv_mode
 from kvbatch.engine.grammar import Grammars
 from kvbatch.engine.hooks import EngineHooks
@@ -495,10 +494,7 @@ class Engine:
         """A pass of these rows raised: each ends with internal_error, unless the device itself stopped evaluating
         (then no row is at fault, and DeviceFailure ends the engine's work instead) or the failed pass left the
         cache unreadable (CacheLost: every row must run again in a new engine)."""
-        if self.runner.device_lost():
-            raise DeviceFailure(message)
-        if not self.runner.cache_intact():
-            raise CacheLost(message)
+        self.runner.check_failure(message)
         for row in rows:
             if not row.ended:
                 self._end(row, "error", INTERNAL_ERROR, message)

@@ -19,6 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kvbatch.engine.backend import device_works
+from kvbatch.engine.errors import CacheLost, DeviceFailure
 from kvbatch.engine.grammar import Grammars
 from kvbatch.engine.hooks import EngineHooks
 from kvbatch.engine.kv.cache import PagedKVCache
@@ -88,19 +89,17 @@ class Runner:
             return None
         return [r.req.key == inj[0] and len(r.out) + (id(r) in ahead) == int(inj[1]) for r in rows]
 
-    def device_lost(self) -> bool:
-        """Whether the device no longer evaluates anything (after CUDA's "illegal memory access" every later
-        evaluation in the process fails), so a failed pass is no row's fault."""
-        return self.hooks.device_faulted or not device_works()
-
-    def cache_intact(self) -> bool:
-        """Whether the KV cache's buffers still evaluate: a pass that fails at evaluation leaves its writes
-        holding the failed graph, which raises again on every later read."""
+    def check_failure(self, message: str) -> None:
+        """After a pass failed with `message`: raise DeviceFailure when the device no longer evaluates anything
+        (after CUDA's "illegal memory access" every later evaluation in the process fails), CacheLost when the KV
+        cache's buffers no longer evaluate (a pass that fails at evaluation leaves its writes holding the failed
+        graph, which raises again on every later read). Returns when the failure is the pass's own."""
+        if self.hooks.device_faulted or not device_works():
+            raise DeviceFailure(message)
         try:
             mx.eval(self.cache.store.all_arrays())
         except Exception:  # noqa: BLE001 - any failure to read the buffers means they are lost
-            return False
-        return True
+            raise CacheLost(message) from None
 
     def begin(self, rows: list[Row], length: int, poison: Optional[list[bool] | mx.array],
               lens: Optional[list[int]] = None) -> None:
@@ -130,11 +129,11 @@ class Runner:
             out = self._forward_chunks(chunks)
         except Exception as e:
             logger.exception("prefill pass of %d rows failed", len(chunks))
-            # split to find the row at fault, unless the device stopped or the cache holds the failed pass:
-            # then every pass fails alike
-            if len(chunks) > 1 and not self.device_lost() and self.cache_intact():
+            error = f"{type(e).__name__}: {e}"
+            self.check_failure(error)  # a lost device or cache fails every pass alike: no split
+            if len(chunks) > 1:  # split to find the row at fault
                 return [p for one in chunks for p in self._passes([one])]
-            return [PrefillPass(chunks, error=f"{type(e).__name__}: {e}")]
+            return [PrefillPass(chunks, error=error)]
         self._record(chunks, t0)
         return [out]
 
