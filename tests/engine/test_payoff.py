@@ -9,7 +9,7 @@ import pytest
 from kvbatch.engine import Engine
 from kvbatch.engine.config import EngineOptions
 from kvbatch.engine.hooks import EngineHooks
-from kvbatch.engine.speculative.payoff import LEARN_EVERY, MIN_STEPS, PROBE_EVERY, Payoff
+from kvbatch.engine.speculative.payoff import LEARN_EVERY, MIN_STEPS, PIPELINED_RUN, PROBE_EVERY, Payoff
 from kvbatch.engine.testing import engine_config
 from kvbatch.engine.types import Request, SamplingParams
 from tests.engine.test_speculative import _requests, _same, prompts
@@ -69,6 +69,45 @@ def test_a_change_in_the_rates_is_followed_through_the_probes():
     assert got[-PROBE_EVERY + 1:].count(True) <= 1  # by the probes, the choice moved to plain
 
 
+def _pipelined_job(p: Payoff, rows: int, steps: int, plain: float, verify: float, refill: float,
+                   ) -> tuple[list[bool], float]:
+    """`steps` decisions for `rows` rows, each recorded at what it costs in a pipelined decode loop: a plain
+    step (`rows` tokens) `plain` seconds in a run of plain steps and `plain + refill` as the first after a pass
+    (nothing to hide its host work behind), a verification pass (2.15 x `rows` tokens) `verify` seconds.
+    The decisions, and the job's output tokens a second."""
+    got, last, spent, made = [], True, 0.0, 0
+    for _ in range(steps):
+        go = p.speculate(rows)
+        tokens, seconds = (round(2.15 * rows), verify) if go else (rows, plain + (refill if last else 0.0))
+        p.record(rows, go, tokens, seconds)
+        got.append(go)
+        last, spent, made = go, spent + seconds, made + tokens
+    return got, made / spent
+
+
+def test_pipelined_plain_decode_is_measured_in_runs_and_chosen_where_it_runs_faster():
+    """With the lookahead a lone plain step between passes costs its host and device work end to end, while a
+    run of them overlaps the two. A job's batch grows from a few rows, where verifying pays, and each larger
+    band starts from its neighbour's choice. At 512 rows here a plain step costs 1.0 s in a run and 2.0 s alone,
+    a pass gives 2.15x a step's tokens in 2.6 s: measured one step at a time, plain looks slower than verifying
+    (256 against 423 tokens a second), so the band keeps verifying; measured in runs, the first after a pass not
+    counted, it moves to plain and the job runs within 10% of plain decode's 512 tokens a second."""
+    rates = {}
+    for pipelined in (False, True):
+        p = Payoff(pipelined=pipelined)
+        for rows in (4, 8, 16, 32, 64, 128, 256):  # rows joining: verifying pays at each of these
+            _pipelined_job(p, rows, 24, plain=1.0, verify=1.0, refill=1.0)
+        rates[pipelined] = _pipelined_job(p, 512, 400, plain=1.0, verify=2.6, refill=1.0)
+    (alone, alone_rate), (runs, runs_rate) = rates[False], rates[True]
+    assert alone[-200:].count(True) > 190 and alone_rate < 440
+    assert runs[-200:].count(False) > 160 and runs_rate > 0.9 * 512
+    probes = [i for i in range(200, 396) if runs[i] and not runs[i - 1]]  # each probe of verifying: a run
+    assert probes and all(runs[i:i + PIPELINED_RUN] == [True] * PIPELINED_RUN for i in probes)
+
+    got, rate = _pipelined_job(Payoff(pipelined=True), 512, 400, plain=1.0, verify=1.5, refill=1.0)
+    assert got[-200:].count(True) > 160 and rate > 1100 / 1.5 * 0.85  # where verifying pays in a run, it stays
+
+
 class _CostClock:
     """A clock that moves, at each reading, by the cost of what ran since the reading before: `verify`
     seconds when a verification pass ran, `plain` seconds otherwise."""
@@ -101,6 +140,7 @@ def test_an_engine_stops_verifying_where_it_costs_more_and_keeps_where_it_pays_s
     slow = _engine(m, _CostClock(verify=10.0, plain=1.0))  # a pass costs 10 steps: plain decode is faster
     _same(ref, slow.generate(_requests(max_tokens=60)))
     s = slow.summary()
+    assert not slow.speculator.payoff.pipelined  # the CPU's loop reads each step: a lone step costs what it does
     assert s["spec_plain_steps"] > 2 * s["spec_passes"] and s["spec_accepted"] > 0
     fast = _engine(m, _CostClock(verify=1.0, plain=10.0))  # a pass costs what a step does: verifying pays
     _same(ref, fast.generate(_requests(max_tokens=60)))
@@ -135,6 +175,7 @@ def test_steps_kept_plain_keep_the_lookahead_and_passes_land_it_first(tiny_model
         assert s["lookahead"] and s["spec_plain_steps"] > 2 * s["spec_passes"] > 0 and s["spec_accepted"] > 0
         assert sum(inflight) > s["spec_plain_steps"] // 2  # plain steps left their step in flight
         assert sum(b.plain.steps for b in slow.speculator.payoff.bands.values()) > 0
+        assert slow.speculator.payoff.pipelined  # measured in runs (test_pipelined_plain_decode_...)
         for adaptive in (True, False):
             fast = _engine(m, _CostClock(verify=1.0, plain=10.0), adaptive=adaptive, lookahead="on")
             _same(ref, fast.generate(reqs()))

@@ -135,7 +135,7 @@ class Engine:
             proposer = DraftProposer(draft[0], dcache, lambda: self.scheduler.kv_limit(draft=True),
                                      settings.prefill_chunk)
         self.speculator = Speculator(cfg.speculative, proposer, self.runner, spec.context_length, kv.page_size,
-                                     self.layout.quantized) if proposer else None
+                                     self.layout.quantized, pipelined=self.lookahead) if proposer else None
         self._mark: Optional[float] = None  # since when landed tokens' cost is unrecorded (Payoff)
         # with the lookahead, a verification pass stays in flight while the host builds nothing else (Speculator.send):
         # the next step reads it, builds the next pass from its tokens and hands that to the device, and only

@@ -11,10 +11,18 @@ compiled kernels for a new shape, seconds where the others take milliseconds, mu
 band), and a step speculates while the first rate is at least the second. A band measures both
 first (MIN_STEPS steps each), unless it is entered next to a band that has (rows finishing, rows
 joining): then it starts from that band's choice, since half or twice the rows pay alike. In a band
-the mode not chosen runs one step in every PROBE_EVERY, so the choice follows acceptance and context
-as they change (one in every LEARN_EVERY while the band has no figures of its own and its
+the mode not chosen runs once in every PROBE_EVERY steps (a probe: one step, or a run, below), so the choice
+follows acceptance and context as they change (once in every LEARN_EVERY while the band has no figures of its own and its
 neighbour's two rates were within CLEAR of each other). Outputs do not depend on the choice (a
 verification pass keeps exactly the tokens decode steps would give); only the speed does.
+
+With the lookahead (the GPU backends' decode loop, `pipelined`) a plain step is built while the step before it
+computes, so in a run of plain steps the host's work hides behind the device's; a verification pass cannot hide
+its own (the next pass needs its tokens). A lone plain step between passes has nothing to hide behind: it costs
+its host work and its device work end to end, where a step in a run of plain steps costs about the larger of the
+two (on MLX CUDA at hundreds of rows, as little as half), so measured alone plain decode looks slower than it runs
+when chosen. When pipelined, each mode is therefore measured in runs of PIPELINED_RUN steps, and the first step after
+a change of mode, which carries the pipeline's refill, is not counted.
 """
 from __future__ import annotations
 
@@ -28,6 +36,7 @@ PROBE_EVERY = 32  # in a band, one step in this many runs the mode not chosen, t
 LEARN_EVERY = 4  # ... one in this many while the band has not measured both modes itself, unless
 CLEAR = 1.25  # the neighbouring band found one mode this many times faster than the other
 RECENT = 5  # a mode's rate in a band: the median of its last this many steps' tokens a second
+PIPELINED_RUN = 4  # pipelined: the steps a probe (or a first measurement) of a mode runs in a row
 
 
 @dataclass
@@ -52,6 +61,7 @@ class _Band:
     verified: _Rate = field(default_factory=_Rate)
     plain: _Rate = field(default_factory=_Rate)
     since_probe: int = 0
+    probe_left: int = 0  # steps of the running probe still to come
 
     @property
     def measured(self) -> bool:
@@ -62,9 +72,12 @@ class _Band:
 class Payoff:
     """Says whether the next step speculates (`speculate`) from the steps measured so far (`record`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, pipelined: bool = False) -> None:
         self.bands: dict[int, _Band] = {}
         self.plain_steps = 0  # steps run without proposals because plain steps measured faster (or to measure them)
+        self.run = PIPELINED_RUN if pipelined else 1  # steps a probe lasts
+        self.pipelined = pipelined
+        self._last: Optional[bool] = None  # the mode of the last step recorded (pipelined: a change is not counted)
 
     def speculate(self, rows: int) -> bool:
         """Whether a step of `rows` decoding rows proposes tokens."""
@@ -75,11 +88,15 @@ class Payoff:
             go = b.verified.steps < MIN_STEPS
         else:
             go = ratio >= 1.0
-            b.since_probe += 1
-            every = PROBE_EVERY if b.measured or not 1 / CLEAR < ratio < CLEAR else LEARN_EVERY
-            if b.since_probe >= every:  # the other mode, once
-                b.since_probe = 0
+            if b.probe_left:  # a probe's run goes on
+                b.probe_left -= 1
                 go = not go
+            else:
+                b.since_probe += 1
+                every = PROBE_EVERY if b.measured or not 1 / CLEAR < ratio < CLEAR else LEARN_EVERY
+                if b.since_probe >= every:  # the other mode, for one run
+                    b.since_probe, b.probe_left = 0, self.run - 1
+                    go = not go
         self.plain_steps += not go
         return go
 
@@ -95,6 +112,10 @@ class Payoff:
 
     def record(self, rows: int, verified: bool, tokens: int, seconds: float) -> None:
         """A step of `rows` decoding rows ran (`verified`: proposals were checked in it) and gave `tokens` output
-        tokens in `seconds` (host and device, start to accepted tokens)."""
+        tokens in `seconds` (host and device, start to accepted tokens). Pipelined, the first step after a
+        change of mode is not counted: it paid for refilling the pipeline, which a run of that mode pays once."""
+        changed, self._last = self._last is not None and verified != self._last, verified
+        if changed and self.pipelined:
+            return
         b = self.bands.setdefault(rows.bit_length(), _Band())
         (b.verified if verified else b.plain).add(tokens, seconds)

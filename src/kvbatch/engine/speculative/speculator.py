@@ -18,11 +18,11 @@ class Speculator:
     """Proposes for the rows that may speculate and verifies them in one pass per step."""
 
     def __init__(self, cfg: SpeculativeConfig, proposer: Proposer, runner: Runner, context_length: int,
-                 page_size: int, quantized: bool):
+                 page_size: int, quantized: bool, pipelined: bool):
         self.cfg, self.proposer = cfg, proposer
         self.verifier = Verifier(runner, cfg.split_pass_tokens)
         self.context_length, self.page_size, self.quantized = context_length, page_size, quantized
-        self.payoff = Payoff() if cfg.adaptive else None
+        self.payoff = Payoff(pipelined) if cfg.adaptive else None
         self.inflight: Optional[Pass] = None  # a pass dispatched and not yet read (`send`)
         self.passes_in_flight = 0  # passes left in flight by `send`
 
