@@ -12,8 +12,8 @@ band), and a step speculates while the first rate is at least the second. A band
 first (MIN_STEPS steps each), unless it is entered next to a band that has (rows finishing, rows
 joining): then it starts from that band's choice, since half or twice the rows pay alike. In a band
 the mode not chosen runs once in every PROBE_EVERY steps (a probe: one step, or a run, below), so the choice
-follows acceptance and context as they change (once in every LEARN_EVERY while the band has no figures of its own and its
-neighbour's two rates were within CLEAR of each other). Outputs do not depend on the choice (a
+follows acceptance and context as they change (once in every LEARN_EVERY while the band has no figures of
+its own and its neighbour's two rates were within CLEAR of each other). Outputs do not depend on the choice (a
 verification pass keeps exactly the tokens decode steps would give); only the speed does.
 
 With the lookahead (the GPU backends' decode loop, `pipelined`) a plain step is built while the step before it
