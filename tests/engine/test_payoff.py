@@ -91,7 +91,8 @@ def test_pipelined_plain_decode_is_measured_in_runs_and_chosen_where_it_runs_fas
     band starts from its neighbour's choice. At 512 rows here a plain step costs 1.0 s in a run and 2.0 s alone,
     a pass gives 2.15x a step's tokens in 2.6 s: measured one step at a time, plain looks slower than verifying
     (256 against 423 tokens a second), so the band keeps verifying; measured in runs, the first after a pass not
-    counted, it moves to plain and the job runs within 10% of plain decode's 512 tokens a second."""
+    counted, it moves to plain and the job runs within 10% of plain decode's 512 tokens a second (probing
+    verification a run of PIPELINED_RUN steps in every PROBE_EVERY x PIPELINED_RUN)."""
     rates = {}
     for pipelined in (False, True):
         p = Payoff(pipelined=pipelined)
@@ -101,6 +102,7 @@ def test_pipelined_plain_decode_is_measured_in_runs_and_chosen_where_it_runs_fas
     (alone, alone_rate), (runs, runs_rate) = rates[False], rates[True]
     assert alone[-200:].count(True) > 190 and alone_rate < 440
     assert runs[-200:].count(False) > 160 and runs_rate > 0.9 * 512
+    assert runs[-200:].count(True) <= 2 * PIPELINED_RUN  # measured itself: a probe's run once in 128 steps
     probes = [i for i in range(200, 396) if runs[i] and not runs[i - 1]]  # each probe of verifying: a run
     assert probes and all(runs[i:i + PIPELINED_RUN] == [True] * PIPELINED_RUN for i in probes)
 

@@ -21,8 +21,9 @@ computes, so in a run of plain steps the host's work hides behind the device's; 
 its own (the next pass needs its tokens). A lone plain step between passes has nothing to hide behind: it costs
 its host work and its device work end to end, where a step in a run of plain steps costs about the larger of the
 two (on MLX CUDA at hundreds of rows, as little as half), so measured alone plain decode looks slower than it runs
-when chosen. When pipelined, each mode is therefore measured in runs of PIPELINED_RUN steps, and the first step after
-a change of mode, which carries the pipeline's refill, is not counted.
+when chosen. When pipelined, each mode is therefore measured in runs of PIPELINED_RUN steps (in a band measured
+itself, a probe once in every PROBE_EVERY x PIPELINED_RUN steps: the same share of steps as one step in
+PROBE_EVERY), and the first step after a change of mode, which carries the pipeline's refill, is not counted.
 """
 from __future__ import annotations
 
@@ -93,7 +94,10 @@ class Payoff:
                 go = not go
             else:
                 b.since_probe += 1
-                every = PROBE_EVERY if b.measured or not 1 / CLEAR < ratio < CLEAR else LEARN_EVERY
+                # in a band measured itself, a run's probe comes run times as rarely: probing takes the same share
+                # of steps from the chosen mode; a neighbour's verdict is checked as soon as before
+                every = PROBE_EVERY * self.run if b.measured else \
+                    PROBE_EVERY if not 1 / CLEAR < ratio < CLEAR else LEARN_EVERY
                 if b.since_probe >= every:  # the other mode, for one run
                     b.since_probe, b.probe_left = 0, self.run - 1
                     go = not go
