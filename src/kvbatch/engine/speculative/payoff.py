@@ -37,7 +37,8 @@ PROBE_EVERY = 32  # in a band, one step in this many runs the mode not chosen, t
 LEARN_EVERY = 4  # ... one in this many while the band has not measured both modes itself, unless
 CLEAR = 1.25  # the neighbouring band found one mode this many times faster than the other
 RECENT = 5  # a mode's rate in a band: the median of its last this many steps' tokens a second
-PIPELINED_RUN = 4  # pipelined: the steps a probe (or a first measurement) of a mode runs in a row
+PIPELINED_RUN = 4  # pipelined: the steps a probe (or a first measurement) of a mode runs in a row; a band measured
+# itself probes with one such run in every PROBE_EVERY x PIPELINED_RUN steps
 
 
 @dataclass
@@ -94,10 +95,10 @@ class Payoff:
                 go = not go
             else:
                 b.since_probe += 1
-                # in a band measured itself, a run's probe comes run times as rarely: probing takes the same share
-                # of steps from the chosen mode; a neighbour's verdict is checked as soon as before
-                every = PROBE_EVERY * self.run if b.measured else \
-                    PROBE_EVERY if not 1 / CLEAR < ratio < CLEAR else LEARN_EVERY
+                if b.measured:  # a run's probe comes run times as rarely: the same share of steps probing
+                    every = PROBE_EVERY * self.run
+                else:  # a neighbour's verdict: checked soon, sooner where its two rates were close
+                    every = PROBE_EVERY if not 1 / CLEAR < ratio < CLEAR else LEARN_EVERY
                 if b.since_probe >= every:  # the other mode, for one run
                     b.since_probe, b.probe_left = 0, self.run - 1
                     go = not go
