@@ -89,14 +89,54 @@ def prompt_lengths(texts: list[str], model_cfg: dict) -> dict:
     return {"min": n[0], "median": statistics.median(n), "max": n[-1], "total": sum(n)}
 
 
+class Cut(subprocess.TimeoutExpired):
+    """A kvbatch side stopped at its time limit. `partial`: what its run did until then, as the queue's record of
+    the worker session keeps it (the line `action=status` prints as "last run"): `cut_rows` finished, `cut_tokens`
+    generated (rows in flight included), `cut_tok_s` over the process's wall, and the engine's summary."""
+
+    def __init__(self, cmd: list[str], timeout: float, partial: dict):
+        super().__init__(cmd, timeout)
+        self.partial = partial
+
+
+def _last_session(out_dir: Path) -> dict:
+    """The last worker session in a run's queue (rows, tokens, engine summary), {} when there is none."""
+    import sqlite3
+
+    path = out_dir / "queue.sqlite"
+    if not path.exists():
+        return {}
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
+        row = db.execute("SELECT rows, tokens, summary FROM workers ORDER BY started_at DESC LIMIT 1").fetchone()
+    return {"rows": row[0], "tokens": row[1], "engine": json.loads(row[2]) if row[2] else {}} if row else {}
+
+
 def run_kvbatch(kvbatch: list[str], input_path: Path, out_dir: Path, model: str, model_args: dict, new: int,
-                extra: list[str], timeout: float | None = None) -> dict:
-    """The kvbatch side as a whole process (subprocess.TimeoutExpired past `timeout` seconds)."""
+                extra: list[str], timeout: float | None = None, grace: float = 60.0) -> dict:
+    """The kvbatch side as a whole process. Past `timeout` seconds it gets SIGTERM (the command stops at its next
+    step, hands its rows back and records its session; up to `grace` seconds more, then SIGKILL), and Cut is
+    raised with what the run did until then."""
     cmd = [*kvbatch, f"model={model}", *[f"model.{k}={v}" for k, v in model_args.items()], f"job.input={input_path}",
            "job.name=bench", f"job.max_tokens={new}", f"output.dir={out_dir}", "output.progress=off", *extra]
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT) as p:
+        try:
+            stdout, stderr = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            wall = time.perf_counter() - t0
+            p.terminate()
+            try:
+                p.communicate(timeout=grace)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.communicate()
+            last = _last_session(out_dir)
+            partial = {"wall_s": wall, "cut_rows": last.get("rows"), "cut_tokens": last.get("tokens"),
+                       "cut_tok_s": last["tokens"] / wall if last.get("tokens") else None,
+                       "engine": last.get("engine") or {}}
+            raise Cut(cmd, timeout or 0.0, partial) from None
     wall = time.perf_counter() - t0
+    p = subprocess.CompletedProcess(cmd, p.returncode, stdout, stderr)
     if p.returncode:
         raise SystemExit(f"kvbatch failed ({p.returncode}):\n{p.stderr[-3000:]}")
     import pyarrow.parquet as pq

@@ -12,7 +12,8 @@ read. `identical_rows`: rows whose tokens are the same with and without speculat
 The JSON record is rewritten as each side ends (`partial: true` until the run ends), each side with
 its figures and a digest of each row's tokens, so a run cut short keeps the sides that ended; --sides
 runs some of them only (one per call where a call is short: rows compare across calls by digest),
---side-timeout cuts one side (recorded `timed_out`) and goes on with the next.
+--side-timeout cuts one side (recorded `timed_out`, with the rows, tokens and engine figures it reached:
+SIGTERM stops the command at its next step) and goes on with the next.
 
     python -m benchmarks job.speculative --rows 16 --max-tokens 256 --rounds 2 --out /tmp/spec_cpu.json
 """
@@ -32,7 +33,7 @@ import time
 from pathlib import Path
 
 from benchmarks import harness
-from benchmarks.job.job_vs_mlx_lm import profile_kvbatch, run_kvbatch, run_mlx_lm
+from benchmarks.job.job_vs_mlx_lm import Cut, profile_kvbatch, run_kvbatch, run_mlx_lm
 
 SMOKE = ["--model", "tiny", "--rows", "2", "--max-tokens", "4", "--min-chars", "200", "--max-chars", "400",
          "--rounds", "1", "--no-warm", "--no-mlx-lm", "--gpu-util"]
@@ -109,6 +110,8 @@ def _side(a, side: str, k: int, inp: Path, tmp: Path, model_cfg: dict) -> dict:
                 cmd = a.spec_b_cmd if side == "spec_b" and a.spec_b_cmd else a.kvbatch_cmd
                 got = run_kvbatch(shlex.split(cmd), inp, tmp / f"{side}{k}", a.model, {}, a.max_tokens, extra,
                                   limit)
+        except Cut as cut:  # what it did until the limit: rows, tokens and the engine's figures so far
+            got = {"timed_out": True, **cut.partial}
         except subprocess.TimeoutExpired:
             got = {"timed_out": True, "wall_s": time.perf_counter() - t0}
     return {**got, **use.result}
@@ -116,13 +119,11 @@ def _side(a, side: str, k: int, inp: Path, tmp: Path, model_cfg: dict) -> dict:
 
 def _brief(r: dict) -> dict:
     """A side's record for the JSON: its figures and each row's tokens as a short digest (rows of sides run
-    in different calls compare by digest)."""
-    if r.get("timed_out"):
-        return r
+    in different calls compare by digest). A side cut at its limit: what it did until then (no digests)."""
     eng = r.get("engine") or {}
-    keep = {k: r[k] for k in ("wall_s", "tokens", "tok_s", "rows", "ok", "prompt_tps", "generation_tps",
-                              "prompt_time", "generation_time", "cpu_s", "gpu_util", "gpu_util_mean",
-                              "gpu_util_tenths")
+    keep = {k: r[k] for k in ("timed_out", "wall_s", "tokens", "tok_s", "rows", "ok", "cut_rows", "cut_tokens",
+                              "cut_tok_s", "prompt_tps", "generation_tps", "prompt_time", "generation_time", "cpu_s",
+                              "gpu_util", "gpu_util_mean", "gpu_util_samples", "gpu_util_tenths")
             if k in r}
     keep.update({k: eng[k] for k in ("decode_s", "prefill_s", "spec_acceptance", "spec_proposed", "spec_accepted",
                                      "spec_passes", "spec_passes_in_flight", "spec_plain_steps", "ngram_prepared",
@@ -133,8 +134,9 @@ def _brief(r: dict) -> dict:
     # the pool's growths (each copies the pool): how many, and the seconds they took in all
     growths = eng.get("growth_events") or []
     keep.update(pool_growths=len(growths), pool_growth_s=sum(g.get("seconds", 0.0) for g in growths))
-    keep["digests"] = {key: hashlib.sha1(json.dumps(t).encode()).hexdigest()[:10]
-                       for key, t in sorted(r["outputs"].items())}
+    if "outputs" in r:
+        keep["digests"] = {key: hashlib.sha1(json.dumps(t).encode()).hexdigest()[:10]
+                           for key, t in sorted(r["outputs"].items())}
     return keep
 
 
