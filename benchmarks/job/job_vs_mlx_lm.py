@@ -119,24 +119,24 @@ def run_kvbatch(kvbatch: list[str], input_path: Path, out_dir: Path, model: str,
     cmd = [*kvbatch, f"model={model}", *[f"model.{k}={v}" for k, v in model_args.items()], f"job.input={input_path}",
            "job.name=bench", f"job.max_tokens={new}", f"output.dir={out_dir}", "output.progress=off", *extra]
     t0 = time.perf_counter()
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT) as p:
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT) as proc:
         try:
-            stdout, stderr = p.communicate(timeout=timeout)
+            stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             wall = time.perf_counter() - t0
-            p.terminate()
+            proc.terminate()
             try:
-                p.communicate(timeout=grace)
+                proc.communicate(timeout=grace)
             except subprocess.TimeoutExpired:
-                p.kill()
-                p.communicate()
+                proc.kill()
+                proc.communicate()
             last = _last_session(out_dir)
             partial = {"wall_s": wall, "cut_rows": last.get("rows"), "cut_tokens": last.get("tokens"),
                        "cut_tok_s": last["tokens"] / wall if last.get("tokens") else None,
                        "engine": last.get("engine") or {}}
             raise Cut(cmd, timeout or 0.0, partial) from None
     wall = time.perf_counter() - t0
-    p = subprocess.CompletedProcess(cmd, p.returncode, stdout, stderr)
+    p = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     if p.returncode:
         raise SystemExit(f"kvbatch failed ({p.returncode}):\n{p.stderr[-3000:]}")
     import pyarrow.parquet as pq
