@@ -136,9 +136,8 @@ def run_kvbatch(kvbatch: list[str], input_path: Path, out_dir: Path, model: str,
                        "engine": last.get("engine") or {}}
             raise Cut(cmd, timeout or 0.0, partial) from None
     wall = time.perf_counter() - t0
-    p = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
-    if p.returncode:
-        raise SystemExit(f"kvbatch failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    if proc.returncode:
+        raise SystemExit(f"kvbatch failed ({proc.returncode}):\n{stderr[-3000:]}")
     import pyarrow.parquet as pq
 
     t = pq.read_table(out_dir / "results.parquet").to_pylist()
@@ -148,7 +147,7 @@ def run_kvbatch(kvbatch: list[str], input_path: Path, out_dir: Path, model: str,
     return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "rows": len(t),
             "ok": sum(r["error_code"] is None for r in t), "engine": eng,
             "outputs": {r["row_key"]: r["output_token_ids"] for r in t},
-            "plan": next((ln for ln in p.stderr.splitlines() + p.stdout.splitlines() if "memory plan" in ln), None)}
+            "plan": next((ln for ln in stderr.splitlines() + stdout.splitlines() if "memory plan" in ln), None)}
 
 
 MLX_LM = r"""

@@ -77,9 +77,13 @@ class Payoff:
     def __init__(self, pipelined: bool = False) -> None:
         self.bands: dict[int, _Band] = {}
         self.plain_steps = 0  # steps run without proposals because plain steps measured faster (or to measure them)
-        self.run = PIPELINED_RUN if pipelined else 1  # steps a probe lasts
         self.pipelined = pipelined
         self._last: Optional[bool] = None  # the mode of the last step recorded (pipelined: a change is not counted)
+
+    @property
+    def run(self) -> int:
+        """The steps a probe lasts."""
+        return PIPELINED_RUN if self.pipelined else 1
 
     def speculate(self, rows: int) -> bool:
         """Whether a step of `rows` decoding rows proposes tokens."""
