@@ -61,7 +61,8 @@
 #            gets SIGTERM, stops at its next step and reports the rows, tokens and engine figures it reached (leave
 #            the stage ~30 s past the last side's limit for that); spec_<sides>.json is rewritten as each side ends;
 #            $SPEC_KV: both kvbatch sides' overrides; $SPEC_B_ARGS: the spec_b side's; $SPEC_B_CMD: the spec_b side's command
-#            (e.g. an older tree's src/ on PYTHONPATH); SPEC_PROFILE=plain|spec: first one untimed run of that side
+#            (e.g. an older tree's src/ on PYTHONPATH); $SPEC_CMD: the other kvbatch sides' command (e.g.
+#            "python3 -m benchmarks.job.local_workers --workers 2 --budget 32GiB": the job as 2 worker processes); SPEC_PROFILE=plain|spec: first one untimed run of that side
 #            under cProfile (spec_cmd_profile.txt); $SPEC_TAG: a suffix of the JSON's name; $SPEC_KEEP: a folder to keep
 #            the prompts and the last round's results in (plain where it ran), for the ceiling stage
 #            Every side records the GPU's busy percent (nvidia-smi, mean and by tenths of the run) and its CPU seconds
@@ -215,7 +216,7 @@ for arg in "$@"; do
       # a side cut before it ends gives no figure: refuse at once rather than spend the device time
       if [ "$side_s" -lt 60 ]; then echo "spec: $side_s s a side is too short; give the stage more seconds"; continue; fi
       timeout "$secs" python3 -m benchmarks job.speculative --model ${SPEC_MODEL:-smollm2} --rows ${SPEC_ROWS:-256} \
-        --max-tokens ${SPEC_NEW:-1024} --rounds ${SPEC_ROUNDS:-2} --kvbatch-cmd "python3 -m kvbatch" --python python3 \
+        --max-tokens ${SPEC_NEW:-1024} --rounds ${SPEC_ROUNDS:-2} --kvbatch-cmd "${SPEC_CMD:-python3 -m kvbatch}" --python python3 \
         --sides "$sides" --side-timeout "$side_s" \
         ${SPEC_ARGS:+--spec-args "$SPEC_ARGS"} ${SPEC_B_ARGS:+--spec-b-args "$SPEC_B_ARGS"} ${SPEC_B_CMD:+--spec-b-cmd "$SPEC_B_CMD"} ${SPEC_KV:+--kvbatch-args "$SPEC_KV"} ${SPEC_KEEP:+--keep "$SPEC_KEEP"} \
         ${SPEC_PROFILE:+--profile "$OUT/spec_cmd_profile.txt" --profile-side $SPEC_PROFILE} --gpu-util --out "$OUT/spec_${sides//,/_}${SPEC_TAG:-}.json" 2>&1 | tee -a "$OUT/spec.txt" |
