@@ -8,8 +8,6 @@ running row fits the budget at its worst case (prompt + max_tokens): admitting o
 batch outgrow the budget, so the batch grows where memory holds all of its rows' answers.
 `engine.prefill_tokens: auto` is the padded token budget of one prefill pass: large enough that a pass
 fills the device, small enough that running rows are not kept waiting long between decode steps.
-`engine.refill_rows: auto` is how many free slots let waiting rows join a batch that is decoding: on a GPU
-one prefill pass for a group of them instead of one for each row that ends.
 """
 from __future__ import annotations
 
@@ -34,12 +32,6 @@ AT_WORST_MAX_PARAMS = 500_000_000
 # length is compute the CPU pays in full (a 16-row SmolLM2 probe, loaded machine: 52 prompt tok/s batched
 # to 2048 vs 72 one row a pass)
 PREFILL_TOKENS = {"cpu": 512, "cuda": 8192, "metal": 4096}
-# engine.refill_rows: auto = the batch over this (at least 1), or 1 where absent. MLX CUDA (H100, SmolLM2's rewrite
-# job, 1,024 rows x 1,024 at 512 a batch): rows that end one by one were refilled by ~210 prefill passes of 1-3
-# rows, each a whole forward's launches plus the lookahead's step in flight read first (31-70 ms a pass against a
-# ~20 ms decode step; docs/performance.md). Metal: the same lookahead loop, not measured. CPU: a prefill pass is one
-# row's chunk (PREFILL_TOKENS) and compute-bound, so grouping rows saves nothing there.
-REFILL_DIVISOR = {"cuda": 16, "metal": 16}
 
 
 @dataclass(frozen=True)
@@ -66,14 +58,6 @@ def resolve_max_batch(setting: int | str, params: int, name: Optional[str] = Non
         return BatchLimit(base, f"auto: the {name} ceiling for a model over {AT_WORST_MAX_PARAMS / 1e9:g}B parameters")
     return BatchLimit(top, f"auto: the {name} ceiling, past {base} only while every row fits at its worst case",
                       base)
-
-
-def resolve_refill_rows(setting: int | str, max_batch: int, name: Optional[str] = None) -> int:
-    """Free slots that let waiting rows join a decoding batch, for engine.refill_rows (auto: per backend)."""
-    if setting != "auto":
-        return int(setting)
-    divisor = REFILL_DIVISOR.get(name or backend().name)
-    return max(1, max_batch // divisor) if divisor else 1
 
 
 def resolve_prefill_tokens(setting: int | str, prefill_chunk: int) -> int:

@@ -148,12 +148,6 @@ class EngineSettings:
     # most tokens of one prefill pass, all its rows together (padding included): vLLM's
     # max_num_batched_tokens; "auto" = the backend's default (engine/batch_limits.py)
     prefill_tokens: Any = "auto"
-    # waiting rows join a batch that is decoding in groups: once this many slots are free (or as many as rows
-    # wait), or once a slot has been free for refill_wait_steps steps. A prefill pass costs a whole forward's
-    # fixed work (and, under the lookahead, the step in flight), so one pass for a group instead of one for each
-    # row that ends; "auto" = the backend's default (engine/batch_limits.py); 1: each row joins at once
-    refill_rows: Any = "auto"
-    refill_wait_steps: int = 64
     # reserve: a row is admitted only if its worst case (prompt + max_tokens) fits, and never stops;
     # optimistic: admitted when what it needs now fits; when growth cannot fit, the most recently
     # admitted rows are preempted (pages freed, tokens kept) and resume later
@@ -280,12 +274,11 @@ def check_speculative(sp: SpeculativeConfig) -> None:
 
 def check_settings(s: EngineSettings) -> None:
     """Raise KvbatchConfigError when an engine.* setting (batch sizes, prefill chunk, options) is out of range."""
-    for key in ("max_batch", "prefill_tokens", "refill_rows"):
+    for key in ("max_batch", "prefill_tokens"):
         v = getattr(s, key)
         _need(v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1), f"engine.{key}", v,
               "must be auto or an integer >= 1")
     _need(s.prefill_chunk >= 1, "engine.prefill_chunk", s.prefill_chunk, "must be >= 1")
-    _need(s.refill_wait_steps >= 0, "engine.refill_wait_steps", s.refill_wait_steps, "must be >= 0")
     _need(s.admission in ADMISSIONS, "engine.admission", s.admission, f"choose one of {', '.join(ADMISSIONS)}")
     o = s.options
     for name, choices in _CHOICES.items():

@@ -24,7 +24,7 @@ from mlx_lm.utils import get_total_parameters
 
 from kvbatch.engine import lora, mlx_lm_bridge
 from kvbatch.engine.backend import on_cpu
-from kvbatch.engine.batch_limits import resolve_max_batch, resolve_prefill_tokens, resolve_refill_rows
+from kvbatch.engine.batch_limits import resolve_max_batch, resolve_prefill_tokens
 from kvbatch.engine.config import EngineConfig
 from kvbatch.engine.errors import INTERNAL_ERROR, INVALID_INPUT, KvbatchConfigError, RowError
 from kvbatch.engine.gate import check_kv_mode
@@ -147,9 +147,7 @@ class Engine:
         # a preemption first lands the decode step in flight: its rows still write the pages it frees
         self.scheduler = Scheduler(spec, self.memory, self.cache, self.max_batch, kv.page_size,
                                    cfg.max_prompt_tokens, settings.admission, self.prefill_tokens, self._flush,
-                                   at_worst_from=limit.at_worst_from,
-                                   refill_rows=resolve_refill_rows(settings.refill_rows, self.max_batch),
-                                   refill_wait_steps=settings.refill_wait_steps)
+                                   at_worst_from=limit.at_worst_from)
 
     # ---- public surface --------------------------------------------------------------------
     def add(self, req: Request, score=None, checkpoint: Optional[RowCheckpoint] = None,
@@ -335,7 +333,6 @@ class Engine:
             "pool_bytes": c.capacity_bytes, "peak_pages_in_use": c.pool.peak_in_use,
             "pages_in_use": c.pool.in_use, "pages_free": c.pool.num_free, "growth_events": list(c.growth_events),
             "max_batch": self.max_batch, "max_batch_why": self.max_batch_why, "prefill_tokens": self.prefill_tokens,
-            "refill_rows": self.scheduler.refill_rows,
             "admission": self.cfg.engine.admission, "preemptions": self.scheduler.preemptions,
             "rows_running": len(self.scheduler.running), "rows_waiting": len(self.scheduler.waiting),
             "peak_concurrency": self.scheduler.peak_concurrency, "generated_tokens": self.output.generated_tokens,
@@ -389,9 +386,8 @@ class Engine:
         flying = sp is not None and sp.inflight is not None
         if not (st.inflight or flying or any(not r.prefilling for r in s.running)):
             return plan
-        ending = st.slots_freed() + (sp.slots_freed() if sp is not None else 0)
-        if ending and s.refill_open(ending):
-            self._flush()  # slots free with the step in flight: read it now, so the waiting rows join the next step
+        if s.waiting and (st.frees_slot() or (sp is not None and sp.frees_slot())):
+            self._flush()  # a slot frees with the step in flight: read it now, so the waiting row joins the next step
             self.hooks.on_decode_step()
             return plan
         n = len(plan.no_room)

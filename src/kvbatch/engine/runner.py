@@ -245,9 +245,9 @@ class SyncStepper:
         """Whether a decode step is in flight (never, for this stepper)."""
         return False
 
-    def slots_freed(self) -> int:
-        """Rows that end with the step in flight whatever its token (none here)."""
-        return 0
+    def frees_slot(self) -> bool:
+        """Whether a row ends with the step in flight whatever its token (none here)."""
+        return False
 
     def candidates(self, decoding: list[Row]) -> list[Row]:
         """The decoding rows that take part in the next step: all of them."""
@@ -324,10 +324,10 @@ class LookaheadStepper:
         prev = self._step
         return [] if prev is None else [row for row in prev.rows if row.last_step]
 
-    def slots_freed(self) -> int:
-        """Rows of the step in flight that end with it whatever their token: where waiting rows may take
-        their slots, the engine reads that step now instead of dispatching another, so they join the next one."""
-        return len(self._ending())
+    def frees_slot(self) -> bool:
+        """Whether a row of the step in flight ends with it whatever its token: with rows waiting,
+        the engine reads that step now instead of dispatching another, so they join the next one."""
+        return bool(self._ending())
 
     def candidates(self, decoding: list[Row]) -> list[Row]:
         """The decoding rows that take part in the next step: not those whose in-flight token is their last."""

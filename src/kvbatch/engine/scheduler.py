@@ -48,19 +48,15 @@ class Scheduler:
     def __init__(self, spec: ModelSpec, memory: MemoryModel, cache: PagedKVCache, max_batch: int,
                  page_size: int, max_prompt_tokens: Optional[int], admission: str = "reserve",
                  prefill_tokens: int = 0, flush: Callable[[], None] = lambda: None,
-                 at_worst_from: Optional[int] = None, refill_rows: int = 1, refill_wait_steps: int = 0):
+                 at_worst_from: Optional[int] = None):
         """flush: lands the decode step in flight, its rows that end leaving the batch (called
         before the first preemption of a reservation: that step's rows still write their pages).
-        at_worst_from: rows past this many join only while every running row fits at its worst case.
-        refill_rows, refill_wait_steps: waiting rows join a decoding batch once this many slots are free
-        (or as many as rows wait), or once a slot has been free this many steps (`refill_open`)."""
+        at_worst_from: rows past this many join only while every running row fits at its worst case."""
         self.spec, self.memory, self.cache, self.flush = spec, memory, cache, flush
         self.max_batch, self.page_size, self.max_prompt_tokens = max_batch, page_size, max_prompt_tokens
         self.optimistic = admission == "optimistic"
         self.at_worst_from = at_worst_from
         self.prefill_tokens = prefill_tokens
-        self.refill_rows, self.refill_wait_steps = refill_rows, refill_wait_steps
-        self._held_steps = 0  # steps that waiting rows were held back with a slot free (refill_open)
         self.margin = MARGIN_PAGES * page_size
         self.waiting: deque[Row] = deque()
         self.running: list[Row] = []  # in admission order
@@ -93,11 +89,8 @@ class Scheduler:
         up to its decode rows (schedule_decode)."""
         admitted, refused = [], []
         self._totals, self._worst_totals = [0, 0, 0, 0], [0, 0, 0, 0]
-        opened = self.refill_open()
-        self._held_steps = 0 if opened or not self.waiting or len(self.running) >= self.max_batch \
-            else self._held_steps + 1
         try:
-            while opened and (decision := self.next_admission()) is not None:
+            while (decision := self.next_admission()) is not None:
                 row, problem = decision
                 if problem:
                     refused.append(Refusal(row, *problem))
@@ -181,18 +174,6 @@ class Scheduler:
         pages = t[1] + sum(pages_for(p) for p in prices) - self.cache.pool.shared - shared_pages
         top, target = max([t[2], *prices]), max([t[3], *(r.target for r in extra)])
         return self.memory.bytes_for_pages(pages, t[0] + len(extra), top, target) <= self.memory.budget
-
-    def refill_open(self, freeing: int = 0) -> bool:
-        """Whether waiting rows may join now, with `freeing` more slots about to be free. Into a batch that
-        is decoding they join in groups: each prefill pass costs a whole forward's fixed work, so rows that
-        end one by one are replaced by one pass for several, once refill_rows slots are free (or as many as
-        rows wait) or a slot has waited refill_wait_steps steps. With nothing decoding they join at once."""
-        free = self.max_batch - len(self.running) + freeing
-        if not self.waiting or free <= 0:
-            return False
-        group = min(self.refill_rows, self.max_batch, len(self.waiting))
-        return free >= group or self._held_steps >= self.refill_wait_steps or \
-            not any(not r.prefilling for r in self.running)
 
     def next_admission(self) -> Optional[tuple[Row, Optional[tuple[str, str]]]]:
         """The next waiting row that can be decided now: (row, None) = admitted (its cache row

@@ -9,8 +9,7 @@ def engine_config(kv_mode: str = "none", page_size: int = 64, group_size: int = 
                   prefill_chunk: int = 512, memory_budget=None, memory_fraction: float = 0.8,
                   memory_headroom: str = "1GiB", allow_unvalidated: bool = False,
                   max_prompt_tokens=None, options=None, prefill_tokens="auto", admission: str = "reserve",
-                  prefix_cache: bool = True, kv=None, speculative=None, refill_rows="auto",
-                  refill_wait_steps: int = 64):
+                  prefix_cache: bool = True, kv=None, speculative=None):
     """An EngineConfig from the few settings tests vary (memory_budget: bytes, None = auto; kv: more
     KVConfig fields, e.g. {"rotate_keys": True}; speculative: SpeculativeConfig fields, e.g.
     {"method": "ngram"})."""
@@ -20,8 +19,7 @@ def engine_config(kv_mode: str = "none", page_size: int = 64, group_size: int = 
         memory=MemoryConfig(budget="auto" if memory_budget is None else str(int(memory_budget)),
                             fraction=memory_fraction, headroom=memory_headroom),
         engine=EngineSettings(max_batch=max_batch, prefill_chunk=prefill_chunk, prefill_tokens=prefill_tokens,
-                              admission=admission, prefix_cache=prefix_cache, options=options or EngineOptions(),
-                              refill_rows=refill_rows, refill_wait_steps=refill_wait_steps),
+                              admission=admission, prefix_cache=prefix_cache, options=options or EngineOptions()),
         speculative=SpeculativeConfig(**(speculative or {})),
         max_prompt_tokens=max_prompt_tokens)
 

@@ -83,10 +83,10 @@ class Speculator:
         assert sent is not None, "land() without a pass in flight"
         return (*self.verifier.land(sent), sent.rows)
 
-    def slots_freed(self) -> int:
-        """Rows of the pass in flight that end with it whatever its tokens (it gives each row one at least)."""
+    def frees_slot(self) -> bool:
+        """Whether a row of the pass in flight ends with it whatever its tokens (it gives each row one at least)."""
         sent = self.inflight
-        return 0 if sent is None else sum(row.last_step for row in sent.rows if not row.ended)
+        return sent is not None and any(row.last_step for row in sent.rows if not row.ended)
 
     def record(self, rows: int, verified: bool, tokens: int, seconds: float) -> None:
         """A decode step ran (see Payoff.record)."""
