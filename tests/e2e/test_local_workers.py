@@ -1,4 +1,4 @@
-"""benchmarks/job/local_workers.py: a job run as N worker processes on one queue, as a drop-in for the kvbatch
+"""benchmarks/local_workers.py: a job run as N worker processes on one queue, as a drop-in for the kvbatch
 command in a benchmark side. Every row comes back once, each worker generated some of them, and the side reads
 the results as it reads the command's."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ def test_the_job_runs_as_two_workers_and_reads_like_the_command(tmp_path, model_
     model = {"name": "tiny", "cache_dir": str(model_cache_dir)}
     # 4 rows a claim, so both workers take rows while the other runs
     extra = ["engine.max_batch=4", "worker.prefetch=0"]
-    cmd = [sys.executable, "-m", "benchmarks.job.local_workers", "--workers", "2", "--budget", "2GiB"]
+    cmd = [sys.executable, "-m", "benchmarks.local_workers", "--workers", "2", "--budget", "2GiB"]
     got = run_kvbatch(cmd, inp, tmp_path / "two", "tiny", model, 24, extra)
     one = run_kvbatch([sys.executable, "-m", "kvbatch"], inp, tmp_path / "one", "tiny", model, 24, extra)
     assert got["rows"] == 12 and got["ok"] == one["ok"] > 0

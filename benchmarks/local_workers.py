@@ -1,5 +1,5 @@
 """A job run by several worker processes on one device, as a drop-in for the `kvbatch` command in a
-benchmark side (`--spec-b-cmd "python -m benchmarks.job.local_workers --workers 2 --budget 30GiB"`):
+benchmark side (`--spec-b-cmd "python -m benchmarks.local_workers --workers 2 --budget 30GiB"`):
 `action=enqueue`, then N `action=work` processes at once on the job's queue (each with the fixed memory
 budget given, so that together they fit the device), then `action=finalize`. Its stdout and stderr are the
 finalize's (the last line: results.parquet's path), so the side reads the results as it reads the command's.
@@ -7,7 +7,7 @@ finalize's (the last line: results.parquet's path), so the side reads the result
 Where one process's host work (graph building, kernel launches) leaves the device idle between steps,
 a second process's steps can fill those gaps: this measures how much.
 
-    python -m benchmarks.job.local_workers --workers 2 --budget 30GiB model=tiny job.name=x ...
+    python -m benchmarks.local_workers --workers 2 --budget 30GiB model=tiny job.name=x ...
 """
 from __future__ import annotations
 
