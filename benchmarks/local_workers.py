@@ -15,6 +15,7 @@ import argparse
 import signal
 import subprocess
 import sys
+import tempfile
 
 
 def main(argv: list[str]) -> int:
@@ -29,15 +30,22 @@ def main(argv: list[str]) -> int:
         sys.stderr.write(enq.stderr)
         return enq.returncode
     work = [*kvbatch, "action=work", "memory=fixed", f"memory.budget={a.budget}"]
-    procs = [subprocess.Popen(work, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-             for _ in range(a.workers)]
+    # each worker's stderr to a file: a pipe read only after the worker before it ends could fill and stall it
+    logs = [tempfile.TemporaryFile("w+") for _ in range(a.workers)]
+    procs = [subprocess.Popen(work, stdout=subprocess.DEVNULL, stderr=log, text=True) for log in logs]
 
     def forward(sig: int, _frame) -> None:  # a benchmark's cut stops every worker at its next step
         for p in procs:
             p.send_signal(sig)
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
-    errs = [p.communicate()[1] for p in procs]
+    for p in procs:
+        p.wait()
+    errs = []
+    for log in logs:
+        log.seek(0)
+        errs.append(log.read())
+        log.close()
     for p, err in zip(procs, errs):
         if p.returncode:
             sys.stderr.write(err[-3000:])
