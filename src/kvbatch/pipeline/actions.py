@@ -326,12 +326,41 @@ def work(job: Job, q: Queue, after_checkpoint: Optional[Callable[[], None]] = No
     todo = counts["pending"] + counts["leased"]
     if not todo:
         return None
-    runtime = load_runtime(job.cfg, todo)
-    _reset_peak()  # this run's peak: not an earlier run's in this process (the API, a sweep)
-    # a row ends at the context whatever its max_tokens (an OpenAI batch request without one)
-    cap = runtime.context_length or INT32_MAX
+    if job.cfg.worker.processes > 1:
+        from kvbatch.pipeline.processes import run_workers
+
+        # each row's budget is its max_tokens here: the context that may cut it is known once a model loads
+        stats = run_workers(job.cfg, job.out_dir, job.input_path, job.config_hash, todo, new_progress(job, q, todo))
+        if stats is None:
+            return None
+    else:
+        stats = generate(job, q, todo, after_checkpoint=after_checkpoint)
+    for why, n in sorted(stats.started_over.items()):
+        say(f"kvbatch: {n} rows started over: their checkpoint could not be used ({why})")
+    if stats.stopped_by_deadline:
+        left = q.counts()
+        say(f"kvbatch: deadline reached; {left['pending'] + left['leased']} rows remain queued, "
+            f"{stats.kept_at_stop} tokens of rows in flight kept in checkpoints{_kv_kept(stats)} "
+            f"(run the same command again to continue)")
+    return stats
+
+
+def new_progress(job: Job, q: Queue, rows: int, context_length: Optional[int] = None) -> Progress:
+    """The run's progress over `rows` rows and the queue's token budget for them (a row ends at the model's
+    context whatever its max_tokens: an OpenAI batch request without one)."""
+    cap = context_length or INT32_MAX
     budget = sum(min(row_budget(p, job.cfg.job.max_tokens), cap) for p in q.todo_payloads())
-    progress = Progress(todo, budget, job.cfg.output.progress, durations.seconds(job.cfg.output.progress_every))
+    return Progress(rows, budget, job.cfg.output.progress, durations.seconds(job.cfg.output.progress_every))
+
+
+def generate(job: Job, q: Queue, rows: int, progress: Optional[Progress] = None,
+             after_checkpoint: Optional[Callable[[], None]] = None) -> WorkStats:
+    """Load the model and run one worker over the queue until nothing is claimable (`rows`: how many rows the
+    run has to generate, what its engines get batch slots for); exits (SystemExit) with one line when the
+    folder, the queue or the device fails, or on Ctrl-C / SIGTERM, as the command does."""
+    runtime = load_runtime(job.cfg, rows)
+    _reset_peak()  # this run's peak: not an earlier run's in this process (the API, a sweep)
+    progress = progress or new_progress(job, q, rows, runtime.context_length)
     try:
         stats = Worker(job.cfg, q, job.out_dir / "parts", runtime, progress=progress,
                        after_checkpoint=after_checkpoint).run()
@@ -357,13 +386,6 @@ def work(job: Job, q: Queue, after_checkpoint: Optional[Callable[[], None]] = No
         raise SystemExit(143 if isinstance(exc, Terminated) else 130) from None
     finally:
         progress.close()
-    for why, n in sorted(stats.started_over.items()):
-        say(f"kvbatch: {n} rows started over: their checkpoint could not be used ({why})")
-    if stats.stopped_by_deadline:
-        left = q.counts()
-        say(f"kvbatch: deadline reached; {left['pending'] + left['leased']} rows remain queued, "
-            f"{stats.kept_at_stop} tokens of rows in flight kept in checkpoints{_kv_kept(stats)} "
-            f"(run the same command again to continue)")
     return stats
 
 
@@ -429,7 +451,8 @@ def finish(job: Job, q: Queue, stats: Optional[WorkStats], t0: Optional[float] =
            "resumed_tokens": stats.resumed_tokens, "lost_tokens": stats.lost_tokens,
            "checkpoints": stats.checkpoints, "checkpoint_s": stats.checkpoint_s,
            "kv_restored_tokens": stats.engine_summary.get("kv_restored_tokens", 0),
-           "kv_kept_tokens": stats.kv_kept_tokens, "kv_save_s": stats.kv_save_s} if stats else None
+           "kv_kept_tokens": stats.kv_kept_tokens, "kv_save_s": stats.kv_save_s,
+           "workers_rss_bytes": stats.workers_rss_bytes} if stats else None
     extra = {"job": job.cfg.job.name, "model": job.cfg.model.name, "kv_mode": job.cfg.kv.mode,
              "options": asdict(job.cfg.engine.options),  # the engine options this config ran with
              "config_hash": job.config_hash, "output_dir": str(job.out_dir), "results": str(fin.path),
@@ -475,11 +498,8 @@ def run(job: Job) -> Path:
     if fin.requeued:  # lost parts: generate those rows again, once
         more = work(job, q)
         if more:
-            stats = more if stats is None else WorkStats(
-                stats.rows + more.rows, stats.tokens + more.tokens, time.perf_counter() - t0,
-                resumed_tokens=stats.resumed_tokens + more.resumed_tokens,
-                lost_tokens=stats.lost_tokens + more.lost_tokens, checkpoints=stats.checkpoints + more.checkpoints,
-                checkpoint_s=stats.checkpoint_s + more.checkpoint_s)
+            stats = more if stats is None else replace(stats.plus(more, at_once=False),
+                                                       wall_s=time.perf_counter() - t0)
         fin, s = finish(job, q, stats, t_start)
     out.info(summ.one_line(s))
     out.info(fin.path)

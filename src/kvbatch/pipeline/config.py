@@ -145,6 +145,9 @@ class WorkerConfig:
     # workers of other hosts by lease; set it where machines (containers) share a hostname
     host: Optional[str] = None
     replica: int = 0  # which of N identical workers this is (a launcher's sweep over worker.replica=range(N))
+    # worker processes this command runs on this machine, on the job's one queue, each with 1/N of the memory
+    # budget: N > 1 pays where one process leaves the device idle between steps (a small model on a GPU)
+    processes: int = 1
     # queue.shards=N: which shard this worker generates (0 to N-1); None: Slurm's SLURM_ARRAY_TASK_ID
     shard: Optional[int] = None
     checkpoint_every: CheckpointEvery = field(default_factory=CheckpointEvery)
@@ -351,6 +354,9 @@ def validate(cfg: Config) -> None:
           "worker.host", w.host,
           "use letters, digits, '_', '-', '.' (it names the worker and its parts)")
     _need(w.replica >= 0, "worker.replica", w.replica, "must be >= 0")
+    _need(w.processes >= 1, "worker.processes", w.processes, "must be >= 1")
+    _need(w.processes == 1 or not cfg.queue.shards, "worker.processes", w.processes,
+          f"a sharded job (queue.shards={cfg.queue.shards}) runs one process a shard: run more shards instead")
     ce = w.checkpoint_every
     _need(ce.seconds >= 0, "worker.checkpoint_every.seconds", ce.seconds, "must be >= 0 (0: not by time)")
     _need(ce.tokens >= 0, "worker.checkpoint_every.tokens", ce.tokens, "must be >= 0 (0: not by tokens)")

@@ -69,6 +69,7 @@ class Progress:
         self.total, self.done_tokens = max(token_budget, 0), 0
         self.every_s = every_s
         self.speculation: Optional[tuple[int, int]] = None  # speculative decoding: (proposed, accepted) tokens
+        self.rss: Callable[[], int] = rss_bytes  # the memory shown: this process's (worker processes: theirs too)
         self.clock = clock
         self.t0 = clock()
         self.last_line = self.t0
@@ -80,7 +81,7 @@ class Progress:
     def _postfix_text(self) -> str:
         eta = self.eta_s()
         return (f"rows {self.rows}/{self.rows_total}, ETA {fmt_duration(eta) if eta is not None else '?'}, "
-                f"rss {fmt_bytes(rss_bytes())}{spec_text(self.speculation)}")
+                f"rss {fmt_bytes(self.rss())}{spec_text(self.speculation)}")
 
     def _postfix(self) -> None:
         if self.bar_on:
@@ -138,7 +139,7 @@ class Progress:
         eta_s = self.eta_s()
         eta = fmt_duration(eta_s) if eta_s is not None else "unknown"
         return (f"kvbatch: progress: {self.rows}/{self.rows_total} rows, {self.done_tokens}/{self.total} tokens, "
-                f"{rate:.1f} tok/s, elapsed {fmt_duration(elapsed)}, ETA {eta}, rss {fmt_bytes(rss_bytes())}"
+                f"{rate:.1f} tok/s, elapsed {fmt_duration(elapsed)}, ETA {eta}, rss {fmt_bytes(self.rss())}"
                 f"{spec_text(self.speculation)}")
 
     def _maybe_line(self) -> None:

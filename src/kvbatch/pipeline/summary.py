@@ -98,7 +98,8 @@ def build(table: pa.Table, counts: dict[str, int], sessions: list[dict], this_ru
         # MLX's peak over every run of the job (this_run.peak_memory_bytes: this run's)
         "peak_memory_bytes": max([s["summary"].get("mlx_peak_memory_bytes", 0) for s in sessions
                                   if s.get("summary")] or [0]) or None,
-        "peak_rss_bytes": peak_rss_bytes(),  # this process's peak resident memory (the OS's count)
+        # this process's peak resident memory (the OS's count), and its worker processes' (worker.processes)
+        "peak_rss_bytes": peak_rss_bytes() + run.get("workers_rss_bytes", 0),
         "engine": last or None,
         "sessions": [{k: s[k] for k in ("worker", "started_at", "ended_at", "rows", "tokens", "wall_s")}
                      for s in sessions],

@@ -171,6 +171,29 @@ class WorkStats:
     kv_kept_tokens: int = 0  # ... of them, tokens whose K/V pages were kept on disk too (worker.keep_kv)
     kv_save_s: float = 0.0  # time spent writing those pages
     started_over: dict = field(default_factory=dict)  # reason -> rows whose checkpoint could not be used
+    workers_rss_bytes: int = 0  # worker.processes > 1: the workers' peak resident memory, added up
+
+    def plus(self, other: "WorkStats", at_once: bool) -> "WorkStats":
+        """Two runs' counts as one: worker processes side by side (`at_once`), or a job's second pass after its
+        first. Counts and times add up, the deadline stopped it if it stopped either; of engine_summary, the
+        K/V restored adds up and MLX's peak memory too for processes side by side (else the larger)."""
+        both = (self.engine_summary, other.engine_summary)
+        peaks = [int(s.get("mlx_peak_memory_bytes") or 0) for s in both]
+        summary = {"mlx_peak_memory_bytes": sum(peaks) if at_once else max(peaks),
+                   "kv_restored_tokens": sum(int(s.get("kv_restored_tokens") or 0) for s in both)}
+        return WorkStats(
+            rows=self.rows + other.rows, tokens=self.tokens + other.tokens, wall_s=self.wall_s + other.wall_s,
+            retried=self.retried + other.retried, released=self.released + other.released,
+            gave_up=self.gave_up + other.gave_up,
+            stopped_by_deadline=self.stopped_by_deadline or other.stopped_by_deadline,
+            engine_summary=summary, resumed_tokens=self.resumed_tokens + other.resumed_tokens,
+            lost_tokens=self.lost_tokens + other.lost_tokens, checkpoints=self.checkpoints + other.checkpoints,
+            checkpoint_s=self.checkpoint_s + other.checkpoint_s, kept_at_stop=self.kept_at_stop + other.kept_at_stop,
+            kv_kept_tokens=self.kv_kept_tokens + other.kv_kept_tokens, kv_save_s=self.kv_save_s + other.kv_save_s,
+            started_over={k: self.started_over.get(k, 0) + other.started_over.get(k, 0)
+                          for k in {*self.started_over, *other.started_over}},
+            workers_rss_bytes=(self.workers_rss_bytes + other.workers_rss_bytes if at_once
+                               else max(self.workers_rss_bytes, other.workers_rss_bytes)))
 
 
 class Worker:
