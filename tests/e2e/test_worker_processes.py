@@ -107,7 +107,7 @@ def test_each_worker_gets_its_share_of_the_budget_and_its_own_id():
     auto = worker_config(cfg, 2)
     assert auto.memory.fraction == pytest.approx(cfg.memory.fraction / 4)
     assert parse_size(auto.memory.headroom) == parse_size(cfg.memory.headroom) // 4
-    assert (auto.worker.processes, auto.worker.id) == (1, "gpu0-2")
+    assert (auto.worker.processes, auto.worker.id, auto.memory.limit_allocator) == (1, "gpu0-2", True)
     fixed = worker_config(replace(cfg, memory=MemoryConfig(budget="8GiB")), 0)
     assert fixed.memory.budget_bytes == 2 * 2**30
     assert worker_config(Config(worker=WorkerConfig(processes=2)), 1).worker.id is None  # each its own

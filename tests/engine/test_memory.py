@@ -329,3 +329,26 @@ def test_growth_within_budget_and_refusal_moves_nothing(tiny_model):
     # what fits without growing is still given
     cache.reserve(b, 3 * P, limit)
     assert len(b.pages) == 3 and cache.capacity_pages == 12
+
+
+def test_limit_allocator_holds_mlx_to_the_budget_and_is_off_by_default(tiny_model):
+    """memory.limit_allocator: MLX's allocator gets the engine's budget as its memory limit (so its cache of freed
+    buffers goes back before the process passes the budget); without it MLX's own limit stays."""
+    from dataclasses import replace
+
+    import mlx.core as mx
+
+    from kvbatch.engine.engine import Engine
+    from kvbatch.engine.testing import engine_config
+
+    model, tok, spec = tiny_model()
+    mine = 1 << 40
+    before = mx.set_memory_limit(mine)
+    try:
+        Engine(model, tok, spec, engine_config(memory_budget=3 << 28))
+        assert mx.set_memory_limit(mine) == mine  # untouched
+        cfg = engine_config(memory_budget=3 << 28)
+        Engine(model, tok, spec, replace(cfg, memory=replace(cfg.memory, limit_allocator=True)))
+        assert mx.set_memory_limit(mine) == 3 << 28
+    finally:
+        mx.set_memory_limit(before)

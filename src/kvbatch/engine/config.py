@@ -77,6 +77,10 @@ class MemoryConfig:
     budget: str = "auto"  # "auto" or a size such as 8GiB (weights included)
     fraction: float = 0.8  # auto: share of the memory the machine can give now
     headroom: str = "1GiB"  # auto: kept free for everything else
+    # hold MLX's allocator to the budget too: its cache of freed buffers is given back to the device before the
+    # process would pass the budget (processes sharing a device cannot use each other's cache; worker.processes
+    # > 1 sets it)
+    limit_allocator: bool = False
 
     @property
     def budget_bytes(self) -> Optional[int]:

@@ -96,6 +96,8 @@ class Engine:
         if budget is None:
             budget = resolve_budget("auto", cfg.memory.fraction, cfg.memory.headroom,
                                     resident=spec.weights_bytes + (draft[2].weights_bytes if draft else 0))
+        if cfg.memory.limit_allocator:
+            mx.set_memory_limit(int(budget))
         self.layout = layout_for(spec, kv)
         limit = resolve_max_batch(settings.max_batch, get_total_parameters(model))
         self.max_batch, self.max_batch_why = limit.rows, limit.why

@@ -37,13 +37,15 @@ RELAY_S = 0.5
 
 
 def worker_config(cfg: Config, i: int) -> Config:
-    """Worker `i`'s config: one process's share (1/N) of the memory budget, its own id when worker.id is set."""
+    """Worker `i`'s config: one process's share (1/N) of the memory budget, MLX's allocator held to it, and its own
+    id when worker.id is set."""
     n, mem, w = cfg.worker.processes, cfg.memory, cfg.worker
     budget = mem.budget_bytes
     if budget is None:  # auto: each takes 1/N of what the device can give, less 1/N of the headroom
         mem = replace(mem, fraction=mem.fraction / n, headroom=str(parse_size(mem.headroom) // n))
     else:
         mem = replace(mem, budget=str(budget // n))
+    mem = replace(mem, limit_allocator=True)  # another process's cache of freed buffers is not this one's to use
     return replace(cfg, memory=mem, worker=replace(w, processes=1, id=f"{w.id}-{i}" if w.id else None))
 
 
