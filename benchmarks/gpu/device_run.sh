@@ -62,7 +62,7 @@
 #            the stage ~30 s past the last side's limit for that); spec_<sides>.json is rewritten as each side ends;
 #            $SPEC_KV: both kvbatch sides' overrides; $SPEC_B_ARGS: the spec_b side's; $SPEC_B_CMD: the spec_b side's command
 #            (e.g. an older tree's src/ on PYTHONPATH); $SPEC_CMD: the other kvbatch sides' command (e.g.
-#            "python3 -m benchmarks.local_workers --workers 2 --budget 32GiB": the job as 2 worker processes); SPEC_PROFILE=plain|spec: first one untimed run of that side
+#            "env PYTHONPATH=... python3 -m kvbatch"; two worker processes: SPEC_B_ARGS="worker.processes=2"); SPEC_PROFILE=plain|spec: first one untimed run of that side
 #            under cProfile (spec_cmd_profile.txt); $SPEC_TAG: a suffix of the JSON's name; $SPEC_KEEP: a folder to keep
 #            the prompts and the last round's results in (plain where it ran), for the ceiling stage
 #            Every side records the GPU's busy percent (nvidia-smi, mean and by tenths of the run) and its CPU seconds
