@@ -35,8 +35,9 @@ def kvbatch(out, args):
                           capture_output=True, text=True, timeout=300)
 
 
-@pytest.fixture
-def job(tmp_path, model_cache_dir):
+@pytest.fixture(scope="module")
+def job(tmp_path_factory, model_cache_dir):
+    tmp_path = tmp_path_factory.mktemp("processes")
     inp = tmp_path / "in.jsonl"
     inp.write_text("".join(json.dumps({"id": f"r{i:02d}", "prompt": f"Count the stones of river {i}."}) + "\n"
                            for i in range(ROWS)))
@@ -44,7 +45,8 @@ def job(tmp_path, model_cache_dir):
             "engine.max_batch=4", "worker.prefetch=0", "output.progress=off"]
     ref = kvbatch(tmp_path / "one", args)
     assert ref.returncode == 0, ref.stderr
-    return args, _tokens(tmp_path / "one")
+    budget = json.loads((tmp_path / "one" / "summary.json").read_text())["engine"]["budget_bytes"]
+    return args, _tokens(tmp_path / "one"), budget
 
 
 def _tokens(out) -> dict:
@@ -53,7 +55,7 @@ def _tokens(out) -> dict:
 
 
 def test_two_processes_generate_every_row_once_with_one_process_tokens(job, tmp_path):
-    args, ref = job
+    args, ref, one = job
     out = tmp_path / "two"
     p = kvbatch(out, args + ["worker.processes=2"])
     assert p.returncode == 0, p.stderr
@@ -66,14 +68,13 @@ def test_two_processes_generate_every_row_once_with_one_process_tokens(job, tmp_
     summary = json.loads((out / "summary.json").read_text())
     assert summary["this_run"]["rows"] == ROWS and summary["this_run"]["generated_tokens"] == summary["output_tokens"]
     # each worker planned with half the auto budget (what the machine can give moves a little between runs)
-    one = json.loads((tmp_path / "one" / "summary.json").read_text())["engine"]["budget_bytes"]
     assert 0.35 < summary["engine"]["budget_bytes"] / one < 0.65, (summary["engine"]["budget_bytes"], one)
     # the run's resident memory counts the workers' (each holds a model), not only this process's
     assert summary["peak_rss_bytes"] > 2 * 100 * 2**20, summary["peak_rss_bytes"]
 
 
 def test_a_workers_deadline_is_the_runs_and_the_same_command_finishes_the_job(job, tmp_path):
-    args, ref = job
+    args, ref, _ = job
     out = tmp_path / "two"
     p = kvbatch(out, args + ["worker.processes=2", "debug.deadline_after_rows=2"])
     assert p.returncode == 0, p.stderr
@@ -89,7 +90,7 @@ def test_a_workers_deadline_is_the_runs_and_the_same_command_finishes_the_job(jo
 
 
 def test_a_worker_whose_device_fails_fails_the_run_and_the_same_command_finishes(job, tmp_path):
-    args, ref = job
+    args, ref, _ = job
     out = tmp_path / "two"
     p = kvbatch(out, args + ["worker.processes=2", "worker.flush_rows=1", "debug.device_fault_after=30"])
     assert p.returncode == 1, p.stderr
@@ -155,8 +156,8 @@ def test_sigterm_to_the_command_stops_every_worker_and_the_same_command_continue
     """SIGTERM reaches the command alone (its workers run in their own session, as a terminal's Ctrl-C would): it
     hands the stop to each worker, which checkpoints its rows and hands them back; the command exits 143, no
     worker is left running, and the same command finishes the job without charging a row."""
-    args, _ = job
-    args = args + ["job.ignore_eos=true", "job.max_tokens=3000", "worker.processes=2"]
+    args, _, _ = job
+    args = args + ["job.ignore_eos=true", "job.max_tokens=800", "worker.processes=2"]
     out = tmp_path / "two"
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     front = subprocess.Popen([sys.executable, "-m", "kvbatch", *args, f"output.dir={out}"], env=env,
@@ -186,3 +187,39 @@ def test_sigterm_to_the_command_stops_every_worker_and_the_same_command_continue
     assert p.returncode == 0, p.stderr
     got = pq.read_table(out / "results.parquet").to_pylist()
     assert len(got) == ROWS and {r["error_code"] for r in got} == {None} and {r["attempt"] for r in got} == {1}
+
+
+def test_a_killed_worker_fails_the_run_in_one_line_and_loses_no_row(job, tmp_path):
+    """kill -9 of one worker (what the kernel's OOM killer does): the other worker goes on, the command exits 1 with
+    one line naming the kill, and the same command finishes the job: every row once, none charged."""
+    args, _, _ = job
+    args = args + ["job.ignore_eos=true", "job.max_tokens=800", "worker.processes=2"]
+    out = tmp_path / "two"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    front = subprocess.Popen([sys.executable, "-m", "kvbatch", *args, f"output.dir={out}"], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        victim = None
+        for _ in range(1200):  # a worker holding rows (state, not time: up to 120 s)
+            if (out / "queue.sqlite").exists():
+                q = Queue(out / "queue.sqlite")
+                holding = {r[2] for r in q.attempts() if r[5] is None}
+                victim = next((s["pid"] for s in q.sessions() if s["worker"] in holding), None)
+                q.close()
+                if victim:
+                    break
+            assert front.poll() is None, front.communicate()
+            time.sleep(0.1)
+        assert victim
+        os.kill(victim, 9)
+        _, err = front.communicate(timeout=300)
+    finally:
+        front.kill()
+    assert front.returncode == 1, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("kvbatch: error: worker process ") and "was killed by SIGKILL" in last, err
+    p = kvbatch(out, args)
+    assert p.returncode == 0, p.stderr
+    got = pq.read_table(out / "results.parquet").to_pylist()
+    assert sorted(r["row_key"] for r in got) == [f"r{i:02d}" for i in range(ROWS)]
+    assert {r["error_code"] for r in got} == {None}

@@ -28,6 +28,7 @@ from typing import IO, Any, Callable, Optional
 
 from kvbatch.engine.sizes import parse_size
 from kvbatch.pipeline.config import Config, as_dict
+from kvbatch.pipeline.log import log
 from kvbatch.pipeline.progress import Progress, rss_bytes
 from kvbatch.pipeline.worker import WorkStats
 
@@ -187,8 +188,13 @@ def run_workers(cfg: Config, out_dir: Path, input_path: Path, config_hash: str, 
         for sig, handler in old.items():
             signal.signal(sig, handler)
         progress.close()
+    for i, c in enumerate(codes):
+        if c < 0:  # killed (the kernel's OOM killer, kill -9): it said nothing itself
+            log.error(f"kvbatch: error: worker process {i} was killed by {signal.Signals(-c).name}; the other workers "
+                      f"went on, finished rows are saved in parts/, its rows in flight continue from their last "
+                      f"checkpoints: run the same command again")
     failed = [c for c in codes if c]
     if failed:
-        # interrupted first (the person asked for the stop), then the first failure's own code
-        raise SystemExit(next((c for c in failed if c in (130, 143)), failed[0]))
+        # interrupted first (the person asked for the stop), then the first failure's own code (a kill: 1)
+        raise SystemExit(next((c for c in failed if c in (130, 143)), max(failed[0], 1)))
     return workers.merged(time.perf_counter() - t0)
