@@ -163,12 +163,12 @@ def test_sigterm_to_the_command_stops_every_worker_and_the_same_command_continue
     front = subprocess.Popen([sys.executable, "-m", "kvbatch", *args, f"output.dir={out}"], env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        for _ in range(1200):  # both workers have started and claimed rows (state, not time: up to 120 s)
+        for _ in range(1200):  # both workers hold rows (state, not time: up to 120 s)
             if (out / "queue.sqlite").exists():
                 q = Queue(out / "queue.sqlite")
-                started, leased = len(q.sessions()), q.counts()["leased"]
+                holding = {r[2] for r in q.attempts() if r[5] is None}
                 q.close()
-                if started == 2 and leased:
+                if len(holding) == 2:
                     break
             assert front.poll() is None, front.communicate()
             time.sleep(0.1)

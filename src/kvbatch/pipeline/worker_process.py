@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import kvbatch.engine  # noqa: F401  (loads OpenBLAS before anything imports mlx)
 from omegaconf import OmegaConf
@@ -21,6 +23,9 @@ from kvbatch.pipeline.worker import Terminated
 
 def main() -> int:
     """One worker: its config from stdin, progress and counts as JSON lines on the stdout it was given."""
+    # a stop before the worker's loop takes over its signals (loading the model): exit as interrupted (143), not as
+    # killed by SIGTERM's default action
+    signal.signal(signal.SIGTERM, _terminated)
     report = os.fdopen(os.dup(1), "w")  # the front reads this; anything else printed goes to stderr
     os.dup2(2, 1)
     configure_command()
@@ -40,6 +45,10 @@ def main() -> int:
         q.close()
     relay.finish(replace(stats, workers_rss_bytes=peak_rss_bytes()) if stats else None)
     return 0
+
+
+def _terminated(signum: int, _frame: Any) -> None:
+    raise Terminated(f"signal {signum}")
 
 
 if __name__ == "__main__":
