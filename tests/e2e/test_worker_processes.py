@@ -152,26 +152,38 @@ def test_the_workers_progress_reaches_the_front_in_few_messages_and_adds_up(tmp_
     assert progress.speculation == (50, 35)  # both workers' proposals, each worker's latest
 
 
+LONG = ["job.ignore_eos=true", "job.max_tokens=800", "worker.processes=2"]
+
+
+def _when_workers_hold_rows(args, out, n: int):
+    """The command started on a long job, returned once `n` of its workers hold rows (the state, polled: up to
+    120 s), with the pids of the workers holding rows."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    front = subprocess.Popen([sys.executable, "-m", "kvbatch", *args, f"output.dir={out}"], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for _ in range(1200):
+        if (out / "queue.sqlite").exists():
+            q = Queue(out / "queue.sqlite")
+            holding = {r[2] for r in q.attempts() if r[5] is None}
+            pids = [s["pid"] for s in q.sessions() if s["worker"] in holding]
+            q.close()
+            if len(pids) >= n:
+                return front, pids
+        if front.poll() is not None:
+            raise AssertionError(front.communicate())
+        time.sleep(0.1)
+    front.kill()
+    raise AssertionError("the workers never held rows")
+
+
 def test_sigterm_to_the_command_stops_every_worker_and_the_same_command_continues(job, tmp_path):
     """SIGTERM reaches the command alone (its workers run in their own session, as a terminal's Ctrl-C would): it
     hands the stop to each worker, which checkpoints its rows and hands them back; the command exits 143, no
     worker is left running, and the same command finishes the job without charging a row."""
-    args, _, _ = job
-    args = args + ["job.ignore_eos=true", "job.max_tokens=800", "worker.processes=2"]
+    args = job[0] + LONG
     out = tmp_path / "two"
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    front = subprocess.Popen([sys.executable, "-m", "kvbatch", *args, f"output.dir={out}"], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    front, _ = _when_workers_hold_rows(args, out, 2)
     try:
-        for _ in range(1200):  # both workers hold rows (state, not time: up to 120 s)
-            if (out / "queue.sqlite").exists():
-                q = Queue(out / "queue.sqlite")
-                holding = {r[2] for r in q.attempts() if r[5] is None}
-                q.close()
-                if len(holding) == 2:
-                    break
-            assert front.poll() is None, front.communicate()
-            time.sleep(0.1)
         front.terminate()
         _, err = front.communicate(timeout=120)
     finally:
@@ -192,26 +204,11 @@ def test_sigterm_to_the_command_stops_every_worker_and_the_same_command_continue
 def test_a_killed_worker_fails_the_run_in_one_line_and_loses_no_row(job, tmp_path):
     """kill -9 of one worker (what the kernel's OOM killer does): the other worker goes on, the command exits 1 with
     one line naming the kill, and the same command finishes the job: every row once, none charged."""
-    args, _, _ = job
-    args = args + ["job.ignore_eos=true", "job.max_tokens=800", "worker.processes=2"]
+    args = job[0] + LONG
     out = tmp_path / "two"
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    front = subprocess.Popen([sys.executable, "-m", "kvbatch", *args, f"output.dir={out}"], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    front, pids = _when_workers_hold_rows(args, out, 1)
     try:
-        victim = None
-        for _ in range(1200):  # a worker holding rows (state, not time: up to 120 s)
-            if (out / "queue.sqlite").exists():
-                q = Queue(out / "queue.sqlite")
-                holding = {r[2] for r in q.attempts() if r[5] is None}
-                victim = next((s["pid"] for s in q.sessions() if s["worker"] in holding), None)
-                q.close()
-                if victim:
-                    break
-            assert front.poll() is None, front.communicate()
-            time.sleep(0.1)
-        assert victim
-        os.kill(victim, 9)
+        os.kill(pids[0], 9)
         _, err = front.communicate(timeout=300)
     finally:
         front.kill()
@@ -222,4 +219,4 @@ def test_a_killed_worker_fails_the_run_in_one_line_and_loses_no_row(job, tmp_pat
     assert p.returncode == 0, p.stderr
     got = pq.read_table(out / "results.parquet").to_pylist()
     assert sorted(r["row_key"] for r in got) == [f"r{i:02d}" for i in range(ROWS)]
-    assert {r["error_code"] for r in got} == {None}
+    assert {r["error_code"] for r in got} == {None} and {r["attempt"] for r in got} == {1}
