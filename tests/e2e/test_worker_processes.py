@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 import time
 from dataclasses import replace
 
@@ -20,6 +18,7 @@ import pytest
 from kvbatch.pipeline.compose import compose_config
 from kvbatch.pipeline.config import Config, ConfigError, WorkerConfig
 from kvbatch.pipeline import procs
+from tests.e2e.test_durable import kvbatch, start
 from kvbatch.pipeline.processes import Relay, Workers, worker_config
 from kvbatch.pipeline.progress import Progress
 from kvbatch.pipeline.queue import Queue
@@ -27,12 +26,6 @@ from kvbatch.engine.config import MemoryConfig
 from kvbatch.engine.sizes import parse_size
 
 ROWS = 12
-
-
-def kvbatch(out, args):
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    return subprocess.run([sys.executable, "-m", "kvbatch", *args, f"output.dir={out}"], env=env,
-                          capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -156,11 +149,9 @@ LONG = ["job.ignore_eos=true", "job.max_tokens=800", "worker.processes=2"]
 
 
 def _when_workers_hold_rows(args, out, n: int):
-    """The command started on a long job, returned once `n` of its workers hold rows (the state, polled: up to
-    120 s), with the pids of the workers holding rows."""
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    front = subprocess.Popen([sys.executable, "-m", "kvbatch", *args, f"output.dir={out}"], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    """The command started on a long job (stderr in out's folder), returned once `n` of its workers hold rows (the
+    state, polled: up to 120 s), with the pids of the workers holding rows."""
+    front = start(out, args, out.parent / "front.log")
     for _ in range(1200):
         if (out / "queue.sqlite").exists():
             q = Queue(out / "queue.sqlite")
@@ -170,7 +161,7 @@ def _when_workers_hold_rows(args, out, n: int):
             if len(pids) >= n:
                 return front, pids
         if front.poll() is not None:
-            raise AssertionError(front.communicate())
+            raise AssertionError((out.parent / "front.log").read_text())
         time.sleep(0.1)
     front.kill()
     raise AssertionError("the workers never held rows")
@@ -185,9 +176,10 @@ def test_sigterm_to_the_command_stops_every_worker_and_the_same_command_continue
     front, _ = _when_workers_hold_rows(args, out, 2)
     try:
         front.terminate()
-        _, err = front.communicate(timeout=120)
+        front.wait(timeout=120)
     finally:
         front.kill()
+    err = (out.parent / "front.log").read_text()
     assert front.returncode == 143, err
     assert err.count("kvbatch: terminated; finished rows are saved") >= 1, err
     q = Queue(out / "queue.sqlite")
@@ -209,9 +201,10 @@ def test_a_killed_worker_fails_the_run_in_one_line_and_loses_no_row(job, tmp_pat
     front, pids = _when_workers_hold_rows(args, out, 1)
     try:
         os.kill(pids[0], 9)
-        _, err = front.communicate(timeout=300)
+        front.wait(timeout=300)
     finally:
         front.kill()
+    err = (out.parent / "front.log").read_text()
     assert front.returncode == 1, err
     last = err.strip().splitlines()[-1]
     assert last.startswith("kvbatch: error: worker process ") and "was killed by SIGKILL" in last, err
