@@ -452,7 +452,7 @@ def finish(job: Job, q: Queue, stats: Optional[WorkStats], t0: Optional[float] =
            "checkpoints": stats.checkpoints, "checkpoint_s": stats.checkpoint_s,
            "kv_restored_tokens": stats.engine_summary.get("kv_restored_tokens", 0),
            "kv_kept_tokens": stats.kv_kept_tokens, "kv_save_s": stats.kv_save_s,
-           "workers_rss_bytes": stats.workers_rss_bytes} if stats else None
+           "workers_rss_bytes": stats.workers_rss_bytes, "engine": stats.engine_summary} if stats else None
     extra = {"job": job.cfg.job.name, "model": job.cfg.model.name, "kv_mode": job.cfg.kv.mode,
              "options": asdict(job.cfg.engine.options),  # the engine options this config ran with
              "config_hash": job.config_hash, "output_dir": str(job.out_dir), "results": str(fin.path),

@@ -58,6 +58,8 @@ def build(table: pa.Table, counts: dict[str, int], sessions: list[dict], this_ru
     worked = [s for s in sessions if s.get("tokens") and s.get("wall_s")]  # ended cleanly
     last = next((s["summary"] for s in reversed(sessions) if s.get("summary")), None) or {}
     run = this_run or {}
+    # this run's engine (its worker processes' together: pipeline/engine_stats.py), else the last run's
+    engine = run.get("engine") or last
     total_tokens = sum(s["tokens"] for s in worked)
     total_wall = sum(s["wall_s"] or 0 for s in worked)
     run_tps = (run["tokens"] / run["wall_s"]) if run.get("wall_s") and run.get("tokens") else None
@@ -93,14 +95,14 @@ def build(table: pa.Table, counts: dict[str, int], sessions: list[dict], this_ru
                      "kv_kept_tokens": run.get("kv_kept_tokens", 0), "kv_save_s": run.get("kv_save_s", 0.0)},
         "resumed_tokens": col("resumed_tokens"),  # results' output tokens carried over from checkpoints
         "tokens_per_s": total_tokens / total_wall if total_wall else None,
-        "kv_mode": last.get("kv_mode", extra.get("kv_mode")),
-        "route": last.get("route"),
+        "kv_mode": engine.get("kv_mode", extra.get("kv_mode")),
+        "route": engine.get("route"),
         # MLX's peak over every run of the job (this_run.peak_memory_bytes: this run's)
         "peak_memory_bytes": max([s["summary"].get("mlx_peak_memory_bytes", 0) for s in sessions
                                   if s.get("summary")] or [0]) or None,
         # this process's peak resident memory (the OS's count), and its worker processes' (worker.processes)
         "peak_rss_bytes": peak_rss_bytes() + run.get("workers_rss_bytes", 0),
-        "engine": last or None,
+        "engine": engine or None,
         "sessions": [{k: s[k] for k in ("worker", "started_at", "ended_at", "rows", "tokens", "wall_s")}
                      for s in sessions],
     }

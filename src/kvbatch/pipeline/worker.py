@@ -65,7 +65,7 @@ from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.resume import CheckpointRefused, RowCheckpoint
 from kvbatch.engine.types import Request, Result
 from kvbatch.engine import scoring
-from kvbatch.pipeline import checkpoints, debug, job_identity, kept_kv, procs, response_format, row_params, samples
+from kvbatch.pipeline import checkpoints, debug, engine_stats, job_identity, kept_kv, procs, response_format, row_params, samples
 from kvbatch.pipeline import score
 from kvbatch.pipeline.chat import transcript
 from kvbatch.pipeline.config import Config
@@ -175,12 +175,9 @@ class WorkStats:
 
     def plus(self, other: "WorkStats", at_once: bool) -> "WorkStats":
         """Two runs' counts as one: worker processes side by side (`at_once`), or a job's second pass after its
-        first. Counts and times add up, the deadline stopped it if it stopped either; of engine_summary, the
-        K/V restored adds up and MLX's peak memory too for processes side by side (else the larger)."""
-        both = (self.engine_summary, other.engine_summary)
-        peaks = [int(s.get("mlx_peak_memory_bytes") or 0) for s in both]
-        summary = {"mlx_peak_memory_bytes": sum(peaks) if at_once else max(peaks),
-                   "kv_restored_tokens": sum(int(s.get("kv_restored_tokens") or 0) for s in both)}
+        first. Counts and times add up, the deadline stopped it if it stopped either; the engines' figures merge
+        as pipeline/engine_stats.py says."""
+        summary = engine_stats.merge(self.engine_summary, other.engine_summary, at_once)
         return WorkStats(
             rows=self.rows + other.rows, tokens=self.tokens + other.tokens, wall_s=self.wall_s + other.wall_s,
             retried=self.retried + other.retried, released=self.released + other.released,

@@ -1,0 +1,77 @@
+"""Two runs' engine figures (Engine.stats(): summary.json's "engine") as one run's.
+
+Worker processes side by side (`worker.processes`, `at_once`) each report their own engine; so does a job's second
+pass after its first (lost parts generated again). summary.json shows one engine for the run, so the figures are
+merged by what each one is: the configuration is the same in every worker; counts add up; sizes (budgets, pools,
+slots) and peaks add up for engines side by side (they held memory at the same time) and take the larger one after
+the other;
+times are the longer worker's side by side and add up one after the other; a rate adds up side by side (both
+engines produced tokens at once) and is the time-weighted mean one after the other; ratios are computed again.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+# what describes the engine's configuration, not what it did: the same in every worker of a job
+CONFIG = frozenset({
+    "kv_mode", "route", "page_size", "kv_k_axis", "group_size", "kv_label", "key_bits", "value_bits", "rotate_keys",
+    "full_precision_tokens", "kv_bytes_per_token", "page_bytes", "weights_bytes", "max_batch_why", "admission",
+    "prefix_cache", "lookahead", "options", "speculative"})
+# the state at the end of a run: side by side they add up, one after the other the later one's stands
+STATE = frozenset({"pages_in_use", "pages_free", "rows_running", "rows_waiting", "pages_cached",
+                   "pages_evictable", "decode_in_flight"})
+# the largest of one pass, not a total: the larger either way
+LARGEST = frozenset({"prefill_rows_max"})
+# what an engine holds or may hold (memory, pages, slots): side by side they add up, one after the other the larger
+SIZES = frozenset({"budget_bytes", "pool_capacity_pages", "pool_bytes", "kv_tail_bytes", "max_batch",
+                   "spec_draft_pool_bytes"})
+# a rate, and the time it is a rate over
+RATES = {"decode_tokens_per_s": "decode_s", "prefill_tokens_per_s": "prefill_s"}
+# a ratio, from the totals it divides
+RATIOS = {"spec_acceptance": ("spec_accepted", "spec_proposed")}
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def merge(a: dict, b: dict, at_once: bool) -> dict:
+    """`a` and `b` as one run's figures; either may be empty (a worker that never built an engine)."""
+    if not a or not b:
+        return dict(a or b)
+    out: dict[str, Any] = {}
+    for key in {**a, **b}:
+        x, y = a.get(key), b.get(key)
+        if x is None or y is None:
+            out[key] = y if x is None else x
+        elif key in CONFIG:
+            out[key] = x
+        elif key in STATE:
+            out[key] = x + y if at_once else y
+        elif key in RATES or key in RATIOS:
+            continue  # below, once the totals they come from are merged
+        elif isinstance(x, list) and isinstance(y, list):
+            out[key] = x + y
+        elif isinstance(x, dict) and isinstance(y, dict):
+            out[key] = {k: x.get(k, 0) + y.get(k, 0) for k in {**x, **y}}
+        elif not (_number(x) and _number(y)):
+            out[key] = y  # neither a count nor a time: the later one's
+        elif key in LARGEST or (not at_once and (key in SIZES or "peak" in key)):
+            out[key] = max(x, y)
+        elif key.endswith("_s") and at_once:
+            out[key] = max(x, y)
+        else:
+            out[key] = x + y
+    for key, time_key in RATES.items():
+        x, y = a.get(key), b.get(key)
+        if x is None or y is None:
+            out[key] = y if x is None else x
+        elif at_once:
+            out[key] = x + y
+        else:
+            tx, ty = a.get(time_key) or 0.0, b.get(time_key) or 0.0
+            out[key] = (x * tx + y * ty) / (tx + ty) if tx + ty else None
+    for key, (num, den) in RATIOS.items():
+        if key in a or key in b:
+            out[key] = out[num] / out[den] if out.get(den) else None
+    return out
