@@ -39,30 +39,9 @@ def merge(a: dict, b: dict, at_once: bool) -> dict:
     """`a` and `b` as one run's figures; either may be empty (a worker that never built an engine)."""
     if not a or not b:
         return dict(a or b)
-    out: dict[str, Any] = {}
-    for key in {**a, **b}:
-        x, y = a.get(key), b.get(key)
-        if x is None or y is None:
-            out[key] = y if x is None else x
-        elif key in CONFIG:
-            out[key] = x
-        elif key in STATE:
-            out[key] = x + y if at_once else y
-        elif key in RATES or key in RATIOS:
-            continue  # below, once the totals they come from are merged
-        elif isinstance(x, list) and isinstance(y, list):
-            out[key] = x + y
-        elif isinstance(x, dict) and isinstance(y, dict):
-            out[key] = {k: x.get(k, 0) + y.get(k, 0) for k in {**x, **y}}
-        elif not (_number(x) and _number(y)):
-            out[key] = y  # neither a count nor a time: the later one's
-        elif key in LARGEST or (not at_once and (key in SIZES or "peak" in key)):
-            out[key] = max(x, y)
-        elif key.endswith("_s") and at_once:
-            out[key] = max(x, y)
-        else:
-            out[key] = x + y
-    for key, time_key in RATES.items():
+    out = {key: _one(key, a.get(key), b.get(key), at_once) for key in {**a, **b}
+           if key not in RATES and key not in RATIOS}
+    for key, time_key in RATES.items():  # once the totals they come from are merged
         x, y = a.get(key), b.get(key)
         if x is None or y is None:
             out[key] = y if x is None else x
@@ -75,3 +54,22 @@ def merge(a: dict, b: dict, at_once: bool) -> dict:
         if key in a or key in b:
             out[key] = out[num] / out[den] if out.get(den) else None
     return out
+
+
+def _one(key: str, x: Any, y: Any, at_once: bool) -> Any:
+    """One figure of two runs (`x` the first's, `y` the second's) as one run's."""
+    if x is None or y is None:
+        return y if x is None else x
+    if key in CONFIG:
+        return x
+    if key in STATE:
+        return x + y if at_once else y
+    if isinstance(x, list) and isinstance(y, list):
+        return x + y
+    if isinstance(x, dict) and isinstance(y, dict):
+        return {k: x.get(k, 0) + y.get(k, 0) for k in {**x, **y}}
+    if not (_number(x) and _number(y)):
+        return y  # neither a count nor a size nor a time: the later one's
+    if key in LARGEST or (not at_once and (key in SIZES or "peak" in key)) or (at_once and key.endswith("_s")):
+        return max(x, y)
+    return x + y

@@ -65,8 +65,8 @@ from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.resume import CheckpointRefused, RowCheckpoint
 from kvbatch.engine.types import Request, Result
 from kvbatch.engine import scoring
-from kvbatch.pipeline import checkpoints, debug, engine_stats, job_identity, kept_kv, procs, response_format, row_params, samples
-from kvbatch.pipeline import score
+from kvbatch.pipeline import checkpoints, debug, engine_stats, job_identity, kept_kv, procs, response_format
+from kvbatch.pipeline import row_params, samples, score
 from kvbatch.pipeline.chat import transcript
 from kvbatch.pipeline.config import Config
 from kvbatch.pipeline.durations import deadline_at
