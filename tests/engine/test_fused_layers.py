@@ -179,13 +179,14 @@ def test_cuda_kernels_match_mlx_ops(dtype):
     x, r = (mx.array(rng.standard_normal((5, 3, 576)).astype(np.float32)).astype(dtype) for _ in range(2))
     norm = nn.RMSNorm(576)
     norm.weight = mx.array(rng.standard_normal(576).astype(np.float32)).astype(dtype)
-    h, n = fused_layers._add_norm(x, r, norm)
+    h, n = fused_layers._add_norm(x, r, norm, True)
     assert mx.allclose(h, x + r, atol=tol).item()
     assert mx.allclose(n, mx.fast.rms_norm(x + r, norm.weight, norm.eps), atol=tol, rtol=tol).item()
     gu = mx.array(rng.standard_normal((4, 2, 2 * 96)).astype(np.float32)).astype(dtype)
     from mlx_lm.models.activations import swiglu
 
-    assert mx.allclose(fused_layers._swiglu(gu, 96, True), swiglu(gu[..., :96], gu[..., 96:]), atol=tol).item()
+    p = fused_layers._Pass.of(4, 2, 0)
+    assert mx.allclose(fused_layers._swiglu(gu, 96, p), swiglu(gu[..., :96], gu[..., 96:]), atol=tol).item()
     for traditional in (False, True):
         for L, offset in ((1, mx.array([0, 5, 300, 4095], dtype=mx.int32)), (3, mx.array([2, 9, 0, 70])), (2, 17)):
             B = 4
@@ -195,7 +196,7 @@ def test_cuda_kernels_match_mlx_ops(dtype):
             f = fused_layers._Layer(mx.zeros((1, 1)), mx.zeros((1, 1)), (), 6, 2, 64, traditional,
                                     mx.array(inv.astype(np.float32)))
             qkv = mx.array(rng.standard_normal((B, L, 10 * 64)).astype(np.float32)).astype(dtype)
-            q, k, v = fused_layers._rope_split(qkv, f, offset)
+            q, k, v = fused_layers._rope_split(qkv, f, fused_layers._Pass.of(B, L, offset))
             heads = qkv.reshape(B, L, 10, 64).transpose(0, 2, 1, 3)
             assert mx.allclose(q, rope(heads[:, :6], offset=offset), atol=tol).item()
             assert mx.allclose(k, rope(heads[:, 6:8], offset=offset), atol=tol).item()

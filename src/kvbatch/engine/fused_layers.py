@@ -21,6 +21,7 @@ are those of mlx-lm's layers up to rounding: a matmul over concatenated weights 
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from dataclasses import dataclass
@@ -255,6 +256,29 @@ def _in_place(inner: Any, fused: _Fused) -> bool:
     return True
 
 
+@dataclass
+class _Pass:
+    """What every layer's kernels of one pass share, made once a pass: the rows' RoPE offsets and the sizes
+    the kernels' guards read (kernel arguments, so no size compiles a kernel of its own)."""
+
+    offsets: mx.array  # (B,) int32, or (1,) for one offset for every row
+    rope_meta: mx.array  # [B, whether offsets has one per row]
+    rows_meta: mx.array  # [B * L]
+
+    @staticmethod
+    def of(B: int, L: int, offset: Any) -> "_Pass":
+        per_row = isinstance(offset, mx.array) and offset.size > 1
+        offs = (offset.astype(mx.int32).reshape(-1) if isinstance(offset, mx.array)
+                else mx.array([int(offset)], dtype=mx.int32))
+        return _Pass(offs, mx.array([B, int(per_row)], dtype=mx.int32), mx.array([B * L], dtype=mx.int32))
+
+
+@functools.cache
+def _scalar(value: float) -> mx.array:
+    """A float32 constant a kernel reads (one array for every call: the norms share their epsilon)."""
+    return mx.array([value], dtype=mx.float32)
+
+
 def _forward(self: Any, inputs: mx.array, cache: Optional[Sequence[Any]] = None,
              input_embeddings: Optional[mx.array] = None) -> mx.array:
     """The llama model's forward with fused layers (the paged cache's passes); mlx-lm's otherwise."""
@@ -263,57 +287,58 @@ def _forward(self: Any, inputs: mx.array, cache: Optional[Sequence[Any]] = None,
         return fused.base.__call__(self, inputs, cache=cache, input_embeddings=input_embeddings)
     h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)
     layers = self.layers
+    kernels = fused.layers[0].inv_freq is not None
+    p = _Pass.of(h.shape[0], h.shape[1], cache[0].offset) if kernels else None
     n = mx.fast.rms_norm(h, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
     r: Optional[mx.array] = None
     for layer, f, c in zip(layers, fused.layers, cache):
         if r is not None:
-            h, n = _add_norm(h, r, layer.input_layernorm)
-        h, n = _add_norm(h, _attention(layer.self_attn, f, n, c), layer.post_attention_layernorm)
-        r = layer.mlp.down_proj(_swiglu(n @ f.gate_up.T, f.gate_up.shape[0] // 2, f.inv_freq is not None))
+            h, n = _add_norm(h, r, layer.input_layernorm, kernels)
+        h, n = _add_norm(h, _attention(layer.self_attn, f, n, c, p), layer.post_attention_layernorm, kernels)
+        r = layer.mlp.down_proj(_swiglu(n @ f.gate_up.T, f.gate_up.shape[0] // 2, p))
     assert r is not None
-    return _add_norm(h, r, self.norm)[1]
+    return _add_norm(h, r, self.norm, kernels)[1]
 
 
-def _add_norm(x: mx.array, r: mx.array, norm: Any) -> tuple[mx.array, mx.array]:
-    """(x + r, RMSNorm(x + r)) in one kernel on MLX CUDA."""
-    if not backend().cuda_kernels:
+def _add_norm(x: mx.array, r: mx.array, norm: Any, kernels: bool) -> tuple[mx.array, mx.array]:
+    """(x + r, RMSNorm(x + r)), in one kernel on MLX CUDA."""
+    if not kernels:
         h = x + r
         return h, mx.fast.rms_norm(h, norm.weight, norm.eps)
     H = x.shape[-1]
-    rows = x.size // H
-    h, n = _kernel("add_norm")(inputs=[x, r, norm.weight, mx.array([norm.eps], dtype=mx.float32)],
-                               template=[("T", x.dtype), ("H", H)], grid=(rows * 256, 1, 1), threadgroup=(256, 1, 1),
-                               output_shapes=[x.shape, x.shape], output_dtypes=[x.dtype, x.dtype])
+    h, n = _kernel("add_norm")(inputs=[x, r, norm.weight, _scalar(float(norm.eps))],
+                               template=[("T", x.dtype), ("H", H)], grid=(x.size // H * 256, 1, 1),
+                               threadgroup=(256, 1, 1), output_shapes=[x.shape, x.shape],
+                               output_dtypes=[x.dtype, x.dtype])
     return h, n
 
 
-def _attention(a: Any, f: _Layer, x: mx.array, cache: Any) -> mx.array:
+def _attention(a: Any, f: _Layer, x: mx.array, cache: Any, p: Optional[_Pass]) -> mx.array:
     """The attention block from the normed states: one q/k/v matmul, RoPE and the heads' layout in one kernel,
     the paged cache's write and attention (what mlx-lm's layer reaches through its cache), the output projection."""
     B, L, _ = x.shape
     qkv = x @ f.qkv.T
-    if f.inv_freq is None:
+    if p is None:
         nq, nk = f.heads * f.head_dim, f.kv_heads * f.head_dim
         q = qkv[..., :nq].reshape(B, L, f.heads, -1).transpose(0, 2, 1, 3)
         k = qkv[..., nq:nq + nk].reshape(B, L, f.kv_heads, -1).transpose(0, 2, 1, 3)
         v = qkv[..., nq + nk:].reshape(B, L, f.kv_heads, -1).transpose(0, 2, 1, 3)
         q, k = a.rope(q, offset=cache.offset), a.rope(k, offset=cache.offset)
     else:
-        q, k, v = _rope_split(qkv, f, cache.offset)
+        q, k, v = _rope_split(qkv, f, p)
     cache.update_and_fetch(k, v)
     out = cache.paged_attend(q, a.scale)
     return a.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
-def _rope_split(qkv: mx.array, f: _Layer, offset: Any) -> tuple[mx.array, mx.array, mx.array]:
+def _rope_split(qkv: mx.array, f: _Layer, p: _Pass) -> tuple[mx.array, mx.array, mx.array]:
+    """q and k rotated at each row's positions, and v, by head: (B, heads, L, D) each, from (B, L, ·)."""
     B, L, _ = qkv.shape
     D = f.head_dim
-    per_row = isinstance(offset, mx.array) and offset.size > 1
-    offs = offset.astype(mx.int32) if isinstance(offset, mx.array) else mx.array([int(offset)], dtype=mx.int32)
     threads = B * L * (f.heads + 2 * f.kv_heads) * (D // 2)
     assert f.inv_freq is not None
     q, k, v = _kernel("rope_split")(
-        inputs=[qkv, offs.reshape(-1), f.inv_freq, mx.array([B, int(per_row)], dtype=mx.int32)],
+        inputs=[qkv, p.offsets, f.inv_freq, p.rope_meta],
         template=[("T", qkv.dtype), ("HQ", f.heads), ("HKV", f.kv_heads), ("D", D), ("L", L),
                   ("TRAD", int(f.traditional))],
         grid=(-(-threads // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
@@ -322,13 +347,13 @@ def _rope_split(qkv: mx.array, f: _Layer, offset: Any) -> tuple[mx.array, mx.arr
     return q, k, v
 
 
-def _swiglu(gu: mx.array, inter: int, kernels: bool) -> mx.array:
+def _swiglu(gu: mx.array, inter: int, p: Optional[_Pass]) -> mx.array:
     """silu(gate) * up of the fused gate/up projection's output (..., 2 I) -> (..., I)."""
-    if not kernels:
+    if p is None:
         from mlx_lm.models.activations import swiglu
 
         return swiglu(gu[..., :inter], gu[..., inter:])
     rows = gu.size // (2 * inter)
-    return _kernel("swiglu")(inputs=[gu, mx.array([rows], dtype=mx.int32)], template=[("T", gu.dtype), ("I", inter)],
+    return _kernel("swiglu")(inputs=[gu, p.rows_meta], template=[("T", gu.dtype), ("I", inter)],
                              grid=(-(-rows * inter // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
                              output_shapes=[(*gu.shape[:-1], inter)], output_dtypes=[gu.dtype])[0]
