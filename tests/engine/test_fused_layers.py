@@ -193,7 +193,7 @@ def test_cuda_kernels_match_mlx_ops(dtype):
             rope: Any = nn.RoPE(64, traditional=traditional, base=100000.0)  # offsets: an int or one a row
             inv = fused_layers._inverse_frequencies(rope, 64)
             assert inv is not None
-            f = fused_layers._Layer(mx.zeros((1, 1)), mx.zeros((1, 1)), (), 6, 2, 64, traditional,
+            f = fused_layers._Layer(mx.zeros((1, 1)), mx.zeros((1, 1)), 6, 2, 64, traditional,
                                     mx.array(inv.astype(np.float32)))
             qkv = mx.array(rng.standard_normal((B, L, 10 * 64)).astype(np.float32)).astype(dtype)
             q, k, v = fused_layers._rope_split(qkv, f, fused_layers._Pass.of(B, L, offset))

@@ -129,7 +129,6 @@ class _Layer:
 
     qkv: mx.array  # (Hq + 2 Hkv) * D rows: q's, k's, v's weights
     gate_up: mx.array  # 2 I rows: gate's, up's
-    views: tuple[mx.array, ...]  # the five projections' weights as views of the two above (checked each pass)
     heads: int
     kv_heads: int
     head_dim: int
@@ -143,6 +142,8 @@ class _Fused:
 
     layers: list[_Layer]
     base: type
+    # (module, key, what it held when fused): the projections in their layers, the fused weights in them
+    watched: list[tuple[dict, str, Any]]
 
 
 _MARK = "_kvbatch_fused"
@@ -196,9 +197,21 @@ def _fuse(layer: Any, kernels: bool) -> _Layer:
     a.q_proj.weight, a.k_proj.weight, a.v_proj.weight = qkv[:nq], qkv[nq:nq + nk], qkv[nq + nk:]
     m.gate_proj.weight, m.up_proj.weight = gate_up[:ni], gate_up[ni:]
     inv = _inverse_frequencies(a.rope, a.head_dim)
-    return _Layer(qkv, gate_up, (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, m.gate_proj.weight,
-                                 m.up_proj.weight), a.n_heads, a.n_kv_heads, a.head_dim, bool(a.rope.traditional),
+    return _Layer(qkv, gate_up, a.n_heads, a.n_kv_heads, a.head_dim, bool(a.rope.traditional),
                   mx.array(inv.astype(np.float32)) if kernels and inv is not None else None)
+
+
+def _watch(inner: Any) -> list[tuple[dict, str, Any]]:
+    """What `_in_place` checks: each layer's seven projections and the five fused weights they hold."""
+    out: list[tuple[dict, str, Any]] = []
+    for layer in inner.layers:
+        for parent, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                              (layer.mlp, ("gate_proj", "down_proj", "up_proj"))):
+            for name in names:
+                out.append((parent, name, parent[name]))
+                if name not in ("o_proj", "down_proj"):
+                    out.append((parent[name], "weight", parent[name]["weight"]))
+    return out
 
 
 def wanted(options: EngineOptions) -> bool:
@@ -222,7 +235,7 @@ def install(model: nn.Module) -> bool:
     base = type(inner)
     if base not in _classes:
         _classes[base] = type(f"Fused{base.__name__}", (base,), {"__call__": _forward})
-    object.__setattr__(inner, _MARK, _Fused(layers, base))
+    object.__setattr__(inner, _MARK, _Fused(layers, base, _watch(inner)))
     inner.__class__ = _classes[base]
     logger.info("fused layers: %d llama layers in fewer kernels (%s)", len(layers),
                 "MLX CUDA kernels" if kernels else "MLX ops")
@@ -244,16 +257,10 @@ def installed(model: nn.Module) -> bool:
     return inner is not None and getattr(inner, _MARK, None) is not None
 
 
-def _in_place(inner: Any, fused: _Fused) -> bool:
-    """Whether every layer still has the weights it was fused with (no adapter, no reload since)."""
-    for layer, f in zip(inner.layers, fused.layers):
-        a, m = layer.self_attn, layer.mlp
-        projections = (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj)
-        if any(type(p) is not nn.Linear or p.weight is not w for p, w in zip(projections, f.views)):
-            return False
-        if type(a.o_proj) is not nn.Linear or type(m.down_proj) is not nn.Linear:
-            return False
-    return True
+def _in_place(fused: _Fused) -> bool:
+    """Whether every layer still has the modules and weights it was fused with (no adapter, no reload since):
+    identity checks on the modules' own dicts, cheap enough for every pass."""
+    return all(parent[key] is child for parent, key, child in fused.watched)
 
 
 @dataclass
@@ -283,7 +290,7 @@ def _forward(self: Any, inputs: mx.array, cache: Optional[Sequence[Any]] = None,
              input_embeddings: Optional[mx.array] = None) -> mx.array:
     """The llama model's forward with fused layers (the paged cache's passes); mlx-lm's otherwise."""
     fused: _Fused = getattr(self, _MARK)
-    if cache is None or not all(isinstance(c, PagedLayerCache) for c in cache) or not _in_place(self, fused):
+    if cache is None or not all(isinstance(c, PagedLayerCache) for c in cache) or not _in_place(fused):
         return fused.base.__call__(self, inputs, cache=cache, input_embeddings=input_embeddings)
     h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)
     layers = self.layers
