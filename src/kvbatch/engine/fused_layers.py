@@ -72,6 +72,7 @@ ADD_NORM = r"""
 # TRAD: pairs (2i, 2i + 1), else (i, i + D / 2); inv: the inverse frequencies (RoPE's scale folded in)
 ROPE_SPLIT = r"""
     constexpr int HALF = D / 2, HT = HQ + 2 * HKV;
+    const int L = meta[2];  // a pass's positions a row: an argument, not a template constant (one kernel)
     const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (size_t)meta[0] * L * HT * HALF) return;
     const int i = idx % HALF;
@@ -146,6 +147,9 @@ class _Fused:
     watched: list[tuple[dict, str, Any]]
 
 
+# passes of at most this many tokens a row run fused: decode steps and verification windows, whose kernel
+# launches outlast the GPU's work; longer (prefill) passes are the GPU's work and run mlx-lm's layers
+MOST_TOKENS = 16
 _MARK = "_kvbatch_fused"
 _classes: dict[type, type] = {}
 
@@ -269,7 +273,7 @@ class _Pass:
     the kernels' guards read (kernel arguments, so no size compiles a kernel of its own)."""
 
     offsets: mx.array  # (B,) int32, or (1,) for one offset for every row
-    rope_meta: mx.array  # [B, whether offsets has one per row]
+    rope_meta: mx.array  # [B, whether offsets has one per row, L]
     rows_meta: mx.array  # [B * L]
 
     @staticmethod
@@ -277,7 +281,7 @@ class _Pass:
         per_row = isinstance(offset, mx.array) and offset.size > 1
         offs = (offset.astype(mx.int32).reshape(-1) if isinstance(offset, mx.array)
                 else mx.array([int(offset)], dtype=mx.int32))
-        return _Pass(offs, mx.array([B, int(per_row)], dtype=mx.int32), mx.array([B * L], dtype=mx.int32))
+        return _Pass(offs, mx.array([B, int(per_row), L], dtype=mx.int32), mx.array([B * L], dtype=mx.int32))
 
 
 @functools.cache
@@ -290,7 +294,9 @@ def _forward(self: Any, inputs: mx.array, cache: Optional[Sequence[Any]] = None,
              input_embeddings: Optional[mx.array] = None) -> mx.array:
     """The llama model's forward with fused layers (the paged cache's passes); mlx-lm's otherwise."""
     fused: _Fused = getattr(self, _MARK)
-    if cache is None or not all(isinstance(c, PagedLayerCache) for c in cache) or not _in_place(fused):
+    tokens = (inputs if input_embeddings is None else input_embeddings).shape[1]
+    if (cache is None or tokens > MOST_TOKENS or not all(isinstance(c, PagedLayerCache) for c in cache)
+            or not _in_place(fused)):
         return fused.base.__call__(self, inputs, cache=cache, input_embeddings=input_embeddings)
     h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)
     layers = self.layers
@@ -346,8 +352,7 @@ def _rope_split(qkv: mx.array, f: _Layer, p: _Pass) -> tuple[mx.array, mx.array,
     assert f.inv_freq is not None
     q, k, v = _kernel("rope_split")(
         inputs=[qkv, p.offsets, f.inv_freq, p.rope_meta],
-        template=[("T", qkv.dtype), ("HQ", f.heads), ("HKV", f.kv_heads), ("D", D), ("L", L),
-                  ("TRAD", int(f.traditional))],
+        template=[("T", qkv.dtype), ("HQ", f.heads), ("HKV", f.kv_heads), ("D", D), ("TRAD", int(f.traditional))],
         grid=(-(-threads // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[(B, f.heads, L, D), (B, f.kv_heads, L, D), (B, f.kv_heads, L, D)],
         output_dtypes=[qkv.dtype] * 3)
