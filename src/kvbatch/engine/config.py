@@ -107,7 +107,6 @@ class CudaLaunch:
 # a run's identity (`identity()`), so they do not move results to another output folder.
 _SAME_OUTPUTS = frozenset({"lookahead", "step_reuse", "attention_trace", "attention_threads"})
 _CHOICES = {"route": ("auto", "portable"), "lookahead": ("auto", "on", "off"),
-            "fused_layers": ("auto", "on", "off"),
             "attention_trace": ("off", "nonfinite", "all")}
 
 
@@ -126,10 +125,6 @@ class EngineOptions:
     q_in_place: bool = True  # CPU q8/q4 decode reads packed pages in place (gather_qmm), else gathers
     rope_table: bool = True  # CPU decode RoPE from one cos/sin table per step (else MLX's kernel per call)
     cpu_swiglu: bool = True  # CPU SwiGLU MLPs take e^x by a compiled polynomial (else mlx-lm's swiglu: scalar exp)
-    # llama-family layers in fewer kernels a pass (engine/fused_layers.py): auto = on for MLX CUDA's own route
-    # (where the host's kernel launches bound a step), off elsewhere; on: everywhere (other backends compose
-    # the same steps from MLX's ops); off: mlx-lm's layers
-    fused_layers: str = "auto"
     step_reuse: bool = True  # CUDA decode reuses the last step's page table while no row gains a page
     # passes of 2..multi_query tokens a row (speculative verification windows, short prompt tails) read
     # the pages as decode does, each query over the keys up to its own position (kv none; q8/q4 on the

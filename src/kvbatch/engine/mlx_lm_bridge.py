@@ -14,7 +14,6 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from kvbatch.engine import fused_layers
 from kvbatch.engine.config import EngineOptions
 from kvbatch.engine.kv.routes import rope_cpu, swiglu_cpu
 from kvbatch.engine.kv.routes.select import cpu_route
@@ -24,29 +23,23 @@ _CPU_KERNELS = (rope_cpu, swiglu_cpu)  # the modules prepare_model may wrap, in 
 
 
 def prepare_model(model: nn.Module, options: EngineOptions) -> None:
-    """Route the model's attention to paged caches; run llama layers fused where `options.fused_layers`
-    asks (engine/fused_layers.py); on the CPU route give its decode RoPE one cos/sin table per step
-    (`options.rope_table`) and its SwiGLU MLPs a polynomial e^x (`options.cpu_swiglu`); MLX's and mlx-lm's
-    own kernels elsewhere."""
+    """Route the model's attention to paged caches; on the CPU route give its decode RoPE one
+    cos/sin table per step (`options.rope_table`) and its SwiGLU MLPs a polynomial e^x
+    (`options.cpu_swiglu`); MLX's and mlx-lm's own kernels elsewhere."""
     install(model)
     cpu = cpu_route(options)
-    for kernel in _CPU_KERNELS:  # off first: the fused layers recognize mlx-lm's own modules
-        kernel.uninstall(model)
-    fused = fused_layers.wanted(options) and fused_layers.install(model)
-    if not fused:
-        fused_layers.uninstall(model)
-    # the fused layers run their own SwiGLU; a CPU RoPE table still serves their composed RoPE
-    for kernel, wanted in zip(_CPU_KERNELS, (options.rope_table, options.cpu_swiglu and not fused)):
+    for kernel, wanted in zip(_CPU_KERNELS, (options.rope_table, options.cpu_swiglu)):
         if cpu and wanted:
             kernel.install(model)
+        else:
+            kernel.uninstall(model)
 
 
 def as_shipped(model: nn.Module) -> None:
-    """Undo `prepare_model`'s CPU kernels and fused layers (benchmarks run mlx-lm on the model as it ships; the
+    """Undo `prepare_model`'s CPU kernels (benchmarks run mlx-lm on the model as it ships; the
     attention hook only acts on kvbatch's own caches)."""
     for kernel in _CPU_KERNELS:
         kernel.uninstall(model)
-    fused_layers.uninstall(model)
 
 
 def forward_last(model: nn.Module, tokens: mx.array, cache: list, last: Optional[mx.array] = None) -> mx.array:
