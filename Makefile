@@ -45,8 +45,8 @@ run: setup
 	$(VENV)/bin/kvbatch $(ARGS)
 
 # Two pytest workers (pytest-xdist), a test file each at a time so its module-scoped models are built once
-# (and one model cache shared by both), each worker's OpenBLAS on one core (tests/conftest.py): 836 tests in
-# ~11 min on 2 cores, 17-21 min beside two busy processes (2026-12-05/06).
+# (and one model cache shared by both), each worker's OpenBLAS on one core (tests/conftest.py): 855 tests in
+# ~11 min on 2 cores (~13 with a fresh setup), 17-25 min beside two busy processes (2026-12-06).
 TEST_WORKERS ?= 2
 test: setup lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
