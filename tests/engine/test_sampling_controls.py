@@ -54,7 +54,7 @@ def test_penalties_per_row_equal_mlx_lm_over_the_whole_history():
     outs[2][:10] = [7] * 10  # a token output many times (frequency counts it)
     params = [SamplingParams(repetition_penalty=1.3), SamplingParams(presence_penalty=0.7, repetition_penalty=0.8),
               SamplingParams(frequency_penalty=0.4, presence_penalty=-0.5), SamplingParams()]
-    got = penalties.apply(logits, [(i, p, np.unique(prompts[i]), outs[i])
+    got = penalties.apply(logits, [(i, p, np.unique(prompts[i]), penalties.Counts().read(outs[i], V))
                                    for i, p in enumerate(params) if penalties.used(p)])
     for i, p in enumerate(params):
         want = logits[i:i + 1]
@@ -70,6 +70,34 @@ def test_penalties_per_row_equal_mlx_lm_over_the_whole_history():
     assert not mx.allclose(got[0], logits[0]).item() and not mx.allclose(got[2], logits[2]).item()
     drop = (logits[2, 7] - got[2, 7]).item()  # ten times output: presence once, frequency ten times
     assert drop == pytest.approx(-0.5 + 10 * 0.4, abs=1e-5)
+
+
+def test_a_rows_token_counts_follow_its_tokens_through_appends_cuts_and_replacements():
+    """Counts reads only what changed since its last read (a step's token, not the whole answer) and equals a
+    count of the whole list after every kind of change a row's tokens see, and after any other."""
+    rng = np.random.default_rng(3)
+    out, counts = penalties.Tokens(), penalties.Counts()
+    for step in range(400):
+        kind = step % 9
+        if kind in (0, 1, 2, 3):
+            out.append(int(rng.integers(0, V + 5)))  # some ids past the vocabulary: never counted
+        elif kind == 4:
+            out.extend(rng.integers(0, V, int(rng.integers(0, 90))).tolist())  # a verification pass's tokens
+        elif kind == 5 and out:
+            del out[len(out) - int(rng.integers(0, min(len(out), 5) + 1)):]  # a pass's kept tokens taken back
+        elif kind == 6 and out:
+            out[int(rng.integers(0, len(out)))] = int(rng.integers(0, V))
+        elif kind == 7 and out:
+            out.pop(int(rng.integers(0, len(out))))
+        elif kind == 8 and out:
+            out.insert(int(rng.integers(0, len(out))), int(rng.integers(0, V)))
+        ids, got = counts.read(out, V)
+        want = np.bincount([t for t in out if t < V], minlength=V)
+        assert np.array_equal(got, want), step
+        assert sorted(ids.tolist()) == np.flatnonzero(want).tolist(), step
+    resumed = out.copy()  # another list (a plain one): counted whole
+    resumed.append(3)
+    assert np.array_equal(counts.read(resumed, V)[1], np.bincount([t for t in resumed if t < V], minlength=V))
 
 
 def _engine(m, **kw):

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Optional
 
 from kvbatch.engine import grammar
+from kvbatch.engine.penalties import Tokens
 from kvbatch.engine.row import Row
 from kvbatch.engine.types import Logprobs, RowCheckpoint
 
@@ -57,7 +58,7 @@ def restore(row: Row, ck: RowCheckpoint) -> Optional[str]:
                 return f"the checkpoint's tokens do not match the response_format: {refused}"
         if s.reasoning is not None and s.reasoning.open and s.reasoning.advance(out):
             s.matcher = s.reasoning.matcher
-    row.out = out
+    row.out = Tokens(out)
     row.resumed = len(ck.tokens)
     row.sampler.skip(len(ck.tokens))
     if row.logprobs is not None and ck.logprobs is not None:

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from kvbatch.engine.kv.pages import CacheRow
+from kvbatch.engine.penalties import Tokens
 from kvbatch.engine.sampling import RowSampler
 from kvbatch.engine.types import Logprobs, Request
 
@@ -19,7 +20,7 @@ class Row:
     worst: int  # prompt + max(max_tokens, 0), capped at the context: what `reserve` admission prices
     t_submit: float
     forced: Optional[list[int]] = None  # hooks: teacher-forced tokens
-    out: list[int] = field(default_factory=list)
+    out: list[int] = field(default_factory=Tokens)  # a Tokens: penalties count only what changed
     target: int = 0  # tokens its prefill stores: the prompt, plus the tokens generated before a preemption
     t_admit: Optional[float] = None  # first admission
     t_first: Optional[float] = None

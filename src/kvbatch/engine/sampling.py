@@ -43,6 +43,7 @@ class RowSampler:
         self.key = None if self.greedy else mx.random.key(params.seed)
         self.matcher = matcher
         self.penalized = penalties.used(params)
+        self.counts = penalties.Counts()  # the output's token counts (penalized rows)
         self.prompt_ids = np.unique(np.asarray(prompt, dtype=np.int64)) \
             if penalties.on_prompt(params) else None
         banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
@@ -107,7 +108,9 @@ def sample_batch(logits: mx.array, rows: list, grammars: Optional[Grammars] = No
             lp_rows.append(i)
     x = logits
     if pen:
-        x = penalties.apply(x, [(i, samplers[i].params, samplers[i].prompt_ids, rows[i].out) for i in pen])
+        V = x.shape[-1]
+        x = penalties.apply(x, [(i, samplers[i].params, samplers[i].prompt_ids, samplers[i].counts.read(rows[i].out, V))
+                                for i in pen])
     if steps is None:  # read only for rows with a mask or logprobs
         steps = [len(r.out) + (id(r) in ahead) for r in rows] if maybe_masked or lp_rows else []
     masked = [i for i in maybe_masked if (s := samplers[i]).matcher is not None
