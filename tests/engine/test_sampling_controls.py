@@ -91,13 +91,19 @@ def test_a_rows_token_counts_follow_its_tokens_through_appends_cuts_and_replacem
             out.pop(int(rng.integers(0, len(out))))
         elif kind == 8 and out:
             out.insert(int(rng.integers(0, len(out))), int(rng.integers(0, V)))
-        ids, got = counts.read(out, V)
         want = np.bincount([t for t in out if t < V], minlength=V)
-        assert np.array_equal(got, want), step
-        assert sorted(ids.tolist()) == np.flatnonzero(want).tolist(), step
+        assert _dense(*counts.read(out, V)).tolist() == want.tolist(), step
     resumed = out.copy()  # another list (a plain one): counted whole
     resumed.append(3)
-    assert np.array_equal(counts.read(resumed, V)[1], np.bincount([t for t in resumed if t < V], minlength=V))
+    assert _dense(*counts.read(resumed, V)).tolist() == np.bincount([t for t in resumed if t < V], minlength=V).tolist()
+
+
+def _dense(ids: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Counts by id from (distinct ids, their counts); each id once, every count above 0."""
+    assert len(set(ids.tolist())) == len(ids) and (counts > 0).all()
+    out = np.zeros(V, dtype=np.int64)
+    out[ids] = counts
+    return out
 
 
 def _engine(m, **kw):

@@ -43,11 +43,11 @@ class Tokens(list):
         self.low = min(self.low, max(at, 0))
 
     def __delitem__(self, key: Any) -> None:
-        self._cut(key.indices(len(self))[0] if isinstance(key, slice) else key % len(self))
+        self._cut(key.indices(len(self))[0] if isinstance(key, slice) else key % max(len(self), 1))
         super().__delitem__(key)
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        self._cut(key.indices(len(self))[0] if isinstance(key, slice) else key % len(self))
+        self._cut(key.indices(len(self))[0] if isinstance(key, slice) else key % max(len(self), 1))
         super().__setitem__(key, value)
 
     def pop(self, index: SupportsIndex = -1) -> int:
@@ -82,44 +82,71 @@ class Tokens(list):
 
 
 class Counts:
-    """A row's output token counts (tokens below the vocabulary's size) and its distinct tokens, brought up to
-    date from its `Tokens` by what changed since the last read; any other list (a test's) is counted whole."""
+    """A row's distinct output tokens (below the vocabulary's size) and how often each was output, brought up to
+    date from its `Tokens` by what changed since the last read (any other list is counted whole). Memory is
+    O(distinct tokens): a token's place in two growing arrays, found through a dict."""
 
     def __init__(self) -> None:
-        self.counts = np.zeros(0, dtype=np.int64)
-        self.ids: list[int] = []  # the tokens whose count is above 0
-        self.seen: list[int] = []  # the tokens counted, in order (what a cut takes back off the counts)
         self.of: Optional[list[int]] = None
+        self.vocab = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.place: dict[int, int] = {}  # token -> its index in ids / counts
+        self.ids = np.zeros(64, dtype=np.int64)
+        self.counts = np.zeros(64, dtype=np.int64)
+        self.n = 0  # distinct tokens held
+        self.seen: list[int] = []  # the tokens counted, in order (what a cut takes back)
 
     def read(self, out: list[int], vocab: int) -> tuple[np.ndarray, np.ndarray]:
-        """(the distinct tokens of `out`, (vocab,) int64 counts of its tokens)."""
-        if len(self.counts) != vocab or out is not self.of or not isinstance(out, Tokens):
-            self.counts, self.ids, self.seen, self.of = np.zeros(vocab, dtype=np.int64), [], [], out
+        """(the distinct tokens of `out`, how often each was output), aligned."""
+        if vocab != self.vocab or out is not self.of or not isinstance(out, Tokens):
+            self._reset()
+            self.of, self.vocab = out, vocab
         keep = min(out.low, len(self.seen)) if isinstance(out, Tokens) else 0
-        new = out[keep:] if len(out) > keep else []
-        if keep < len(self.seen) or len(new) > 64:  # a cut, or many at once: count the changes in one go
-            gone = np.asarray(self.seen[keep:], dtype=np.int64)
-            np.subtract.at(self.counts, gone[gone < vocab], 1)
-            arr = np.asarray(new, dtype=np.int64)
-            np.add.at(self.counts, arr[(arr >= 0) & (arr < vocab)], 1)
-            self.ids = np.flatnonzero(self.counts).tolist()
-        else:
-            for t in new:  # a step's few tokens
-                if 0 <= t < vocab:
-                    if not self.counts[t]:
-                        self.ids.append(t)
-                    self.counts[t] += 1
+        for t in self.seen[keep:]:
+            self._take(t)
+        new = out[keep:]
+        for t in new:
+            self._add(t)
         del self.seen[keep:]
         self.seen.extend(new)
         if isinstance(out, Tokens):
             out.low = len(out)
-        return np.asarray(self.ids, dtype=np.int64), self.counts
+        return self.ids[:self.n], self.counts[:self.n]
+
+    def _add(self, t: int) -> None:
+        if not 0 <= t < self.vocab:
+            return
+        i = self.place.get(t)
+        if i is not None:
+            self.counts[i] += 1
+            return
+        if self.n == len(self.ids):
+            self.ids, self.counts = np.resize(self.ids, 2 * self.n), np.resize(self.counts, 2 * self.n)
+        self.place[t] = self.n
+        self.ids[self.n], self.counts[self.n] = t, 1
+        self.n += 1
+
+    def _take(self, t: int) -> None:
+        i = self.place.get(t)
+        if i is None:  # never counted (outside the vocabulary)
+            return
+        self.counts[i] -= 1
+        if self.counts[i]:
+            return
+        last = self.n - 1  # the last distinct token takes its place
+        moved = int(self.ids[last])
+        self.ids[i], self.counts[i] = moved, self.counts[last]
+        self.place[moved] = i
+        del self.place[t]
+        self.n = last
 
 
 def apply(logits: mx.array,
           rows: list[tuple[int, SamplingParams, Optional[np.ndarray], tuple[np.ndarray, np.ndarray]]]) -> mx.array:
-    """logits (B, V) with each (index, params, the prompt's distinct ids, (the output's distinct tokens, its
-    token counts by id): Counts.read) row penalized."""
+    """logits (B, V) with each (index, params, the prompt's distinct ids, (the output's distinct tokens, how often
+    each was output): Counts.read) row penalized."""
     B, V = logits.shape
     rep, sub = [], []
     factor = np.ones((B, 1), dtype=np.float32)
@@ -131,7 +158,7 @@ def apply(logits: mx.array,
             rep.append((i, seen, np.ones(len(seen), dtype=np.float32)))
             factor[i] = p.repetition_penalty
         if (p.presence_penalty or p.frequency_penalty) and len(ids):
-            sub.append((i, ids, p.presence_penalty + p.frequency_penalty * counts[ids]))
+            sub.append((i, ids, p.presence_penalty + p.frequency_penalty * counts))
     x = logits
     if rep:
         seen = _scatter((B, V), rep) > 0
