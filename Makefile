@@ -45,7 +45,7 @@ run: setup
 	$(VENV)/bin/kvbatch $(ARGS)
 
 # Two pytest workers (pytest-xdist), a test file each at a time so its module-scoped models are built once
-# (and one model cache shared by both), each worker's OpenBLAS on one core (tests/conftest.py): 855 tests in
+# (and one model cache shared by both), each worker's OpenBLAS on one core (tests/conftest.py): 856 tests in
 # ~11 min on 2 cores (~13 with a fresh setup), 17-25 min beside two busy processes (2026-12-06).
 TEST_WORKERS ?= 2
 test: setup lint
