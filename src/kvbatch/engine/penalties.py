@@ -4,9 +4,9 @@ vLLM's definitions, which are mlx-lm's processors (make_repetition_penalty, make
 make_frequency_penalty) over the whole history instead of a 20-token window: the repetition penalty
 divides a positive logit (multiplies a negative one) of every token in the prompt or the output so
 far; the presence penalty is subtracted once from every token in the output so far, the frequency
-penalty once per occurrence. Each row keeps its output's token counts up to date (`Counts`: the tokens
-added or taken back since the row's last step, not its whole answer, so a step costs the same at token 30,000 as
-at token 100), and one scatter per kind builds the (B, V) terms of their distinct tokens on the device.
+penalty once per occurrence. Each row keeps its output's token counts up to date (`Counts`: from the tokens
+added or taken back since the row's last step, not from its whole answer), and one scatter per kind builds the
+(B, V) terms of the rows' distinct tokens on the device.
 """
 from __future__ import annotations
 

@@ -4,9 +4,8 @@ Worker processes side by side (`worker.processes`, `at_once`) each report their 
 pass after its first (lost parts generated again). summary.json shows one engine for the run, so the figures are
 merged by what each one is: the configuration is the same in every worker; counts add up; sizes (budgets, pools,
 slots) and peaks add up for engines side by side (they held memory at the same time) and take the larger one after
-the other;
-times are the longer worker's side by side and add up one after the other; a rate adds up side by side (both
-engines produced tokens at once) and is the time-weighted mean one after the other; ratios are computed again.
+the other; times are the longer worker's side by side and add up one after the other; a rate adds up side by side
+(both engines produced tokens at once) and is the time-weighted mean one after the other; ratios are computed again.
 """
 from __future__ import annotations
 
