@@ -6,7 +6,8 @@ device time is spent. Needs nvcc on PATH; imports no MLX CUDA.
     python -m benchmarks gpu.cuda_compile_check [--warps 4] [--unroll 1]
 
 Kernel names: dense_/quant_<D>_<rep>_<dtype>[_split][_store][_q8|_q4|_k8v4]; the tensor-core kernels
-mmaw_ (a window of --window tokens), mmad_ (decode), mmads_ (decode storing its token), bf16/fp16,
+mmaw_ (a window of --window tokens), mmad_ (decode), mmads_ (decode storing its token), mmaq_ / mmaqs_
+(q8 decode, storing its token), bf16/fp16,
 <D>_<rep>_<dtype>[_split], and their merges reducew<tag>_; seal_<D>_<rep>_<dtype>_<bits> (q8/q4 tails into the
 pool). Registers above 128 a thread leave one
 256-thread block per SM instead of two.
@@ -103,6 +104,19 @@ def sources(a) -> list[str]:
                                         cs.mma_source(split, dt == "float16", L > 1, store)))
                     src.append(wrap(f"reducew{tag}_{D}_{rep}_{dt}", merge_in, [("out", T)],
                                     dict(T=T, D=D, REP=rep * qc, HKV=8, QL=0, **window), cs.reduce_source(True)))
+                if "8x8" in a.bits.split(","):  # q8 decode on the tensor cores (storing its token or not)
+                    gs = 32 if D % 64 else 64
+                    consts = dict(T=T, S=T, D=D, P=64, REP=rep, HKV=8, NW=ca.mma_warps(D), NL=1, QC=1, NQC=1,
+                                  KBITS=8, VBITS=8, GS=gs)
+                    qin = [("q", T), ("kw", "uint32_t"), ("ks", T), ("kb", T), ("vw", "uint32_t"), ("vs", T),
+                           ("vb", T), ("tk", T), ("tv", T), ("tails", "int32_t"), ("table", "int32_t"),
+                           ("lens", "int32_t"), ("meta", "int32_t"), ("scale", "float")]
+                    for split in (False, True):
+                        for store in (False, True):
+                            outs = [("pm", "float"), ("pl", "float"), ("pacc", "float")] if split else [("out", T)]
+                            src.append(wrap(f"mmaq{'s' if store else ''}_{D}_{rep}_{dt}{'_split' if split else ''}",
+                                            qin + ([("kn", T), ("vn", T)] if store else []), outs, consts,
+                                            cs.mma_quant_source(split, dt == "float16", store)))
     return src + ["}\n"]
 
 

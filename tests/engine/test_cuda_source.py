@@ -68,6 +68,16 @@ def test_kernel_variants_differ_where_they_should():
                 assert (".f16.f16." in src) == half and (".bf16.bf16." in src) != half
                 assert ("kn +" in src or "? kn :" in src) == store
     assert cs.reduce_source(True) != cs.reduce_source()
+    quant = set()
+    for split in (False, True):  # q8 decode on the tensor cores: fp16 products of codes, tail pages in page type
+        for half in (False, True):
+            for store in (False, True):
+                src = cs.mma_quant_source(split, half, store)
+                quant.add(src)
+                assert ".f32.f16.f16.f32" in src and (".f32.bf16.bf16.f32" in src) != half
+                assert ("pacc[" in src) == split and ("tails[b] * HKV + hk) * P + (len - 1 - n_main)" in src) == store
+                assert "ab[h][gi] *= corr" in src and "+ ab[h][nd / NPG]" in src
+    assert len(quant) == 8
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CUDA toolkit) to compile the kernels")
@@ -77,8 +87,9 @@ def test_every_kernel_variant_compiles(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "nvcc exit 0" in r.stdout
     # every kernel (dense and q8/q4/k8v4 for 4 head geometries x 2 dtypes x split/store, the merges and the
-    # q8/q4/k8v4 seals) and for bf16 the tensor-core kernels (window, decode, decode storing: plain, split, merge)
-    assert r.stdout.count(" registers") == 4 * 2 * (4 * 4 + 2 + 3) + 4 * 3 * 3
+    # q8/q4/k8v4 seals) and for bf16 the tensor-core kernels (window, decode, decode storing: plain, split, merge;
+    # q8 decode: plain, split, storing or not)
+    assert r.stdout.count(" registers") == 4 * 2 * (4 * 4 + 2 + 3) + 4 * 3 * 3 + 4 * 4
 
 
 def _cache_as_on_cuda(mode: str, P: int, H: int, kernel_writes: bool, step_reuse: bool = True):
@@ -333,6 +344,46 @@ def test_bf16_decode_runs_on_the_tensor_cores_like_a_window(monkeypatch):
                 t = dict(calls[0]["template"])
                 assert (t["NL"], t["QC"], t["NQC"], t["REP"], t["NW"]) == (1, 1, 1, rep, ca.mma_warps(D))
                 assert calls[0]["grid"] == (B * Hkv * 32 * t["NW"], 1, 1) and calls[0]["shapes"] == [(B, Hkv * rep, D)]
+
+
+def test_q8_decode_runs_on_the_tensor_cores_where_dense_decode_does(monkeypatch):
+    """q8 decode of bf16/fp16 tails takes the tensor-core q8 kernel (its merge reads (sealed, tail) counts), with
+    a decode's launch (one position, the warps of the head size), storing the step's K/V when asked; q4, k8v4,
+    groups of 16, float32, a page size not a multiple of 16 and tensor_cores=false keep the decode-style kernel."""
+    import mlx.core as mx
+
+    calls = _recording_kernels(monkeypatch)
+    B, Hkv, rep, D, P = 2, 2, 4, 64, 16
+    lens = mx.array([[32, 5], [1040, 9]], dtype=mx.int32)
+    cases = ((mx.bfloat16, P, 8, 8, 64, CudaLaunch(), "mma_quant_bf16"),
+             (mx.float16, P, 8, 8, 32, CudaLaunch(), "mma_quant_f16"),
+             (mx.bfloat16, P, 4, 4, 64, CudaLaunch(), "quant"),
+             (mx.bfloat16, P, 8, 4, 64, CudaLaunch(), "quant"),
+             (mx.bfloat16, P, 8, 8, 16, CudaLaunch(), "quant"),
+             (mx.float32, P, 8, 8, 64, CudaLaunch(), "quant"),
+             (mx.bfloat16, 8, 8, 8, 64, CudaLaunch(), "quant"),
+             (mx.bfloat16, P, 8, 8, 64, CudaLaunch(tensor_cores=False), "quant"))
+    for dtype, page, kbits, vbits, group, launch, kind in cases:
+        packed = ([mx.zeros((12, Hkv, page, D * kbits // 32), dtype=mx.uint32)]
+                  + [mx.zeros((12, Hkv, page, D // group), dtype=dtype)] * 2
+                  + [mx.zeros((12, Hkv, page, D * vbits // 32), dtype=mx.uint32)]
+                  + [mx.zeros((12, Hkv, page, D // group), dtype=dtype)] * 2)
+        tail = mx.zeros((B, Hkv, page, D), dtype=dtype)
+        for new_kv in (None, (mx.zeros((B, Hkv, 1, D), dtype=dtype),) * 2):
+            calls.clear()
+            q = mx.zeros((B, Hkv * rep, 1, D), dtype=dtype)
+            out = ca.paged_decode_attention_quantized(q, ca.QuantPages(packed, tail, tail, kbits, group, vbits),
+                                                      mx.array([1, 0], dtype=mx.int32),
+                                                      mx.zeros((B, 1100 // page), dtype=mx.int32), lens, 0.5, launch,
+                                                      new_kv)
+            assert out.shape == (B, Hkv * rep, 1, D)
+            assert calls[0]["key"] == (kind, True, new_kv is not None)  # the longest row splits (over 1,024 keys)
+            assert len(calls[0]["inputs"]) == 14 + 2 * (new_kv is not None)
+            t = dict(calls[0]["template"])
+            if kind.startswith("mma"):
+                assert (t["NL"], t["QC"], t["NQC"], t["REP"], t["NW"]) == (1, 1, 1, rep, ca.mma_warps(D))
+                assert (t["KBITS"], t["VBITS"], t["GS"]) == (8, 8, group)
+            assert dict(calls[1]["template"])["QL"] == 1  # the merge adds sealed and tail counts
 
 
 def test_launch_settings_per_kernel_kind(monkeypatch):

@@ -186,11 +186,11 @@ class MemoryModel:
           and probabilities, float32 logits (the engine computes last-position logits only); with
           speculative decoding, a pass of decode_window tokens a row with logits at every one (and,
           with window_in_flight, the logits of the pass before it, whose outputs are applied later);
-        - prefill: the larger of a pass of one row's chunk (up to prefill_chunk tokens) at up to
-          max_prompt tokens of context (None = max_tokens), and a pass of as many such chunks
-          as prefill_tokens holds (up to `rows`) at the chunk's own length of context. The
+        - prefill: a pass of as many chunks (up to prefill_chunk tokens each) as prefill_tokens
+          holds (up to `rows`), each at up to max_prompt tokens of context (None = max_tokens). The
           scheduler puts several rows' chunks into one pass only while `prefill_pass` stays
-          within this, so short prompts batch and long ones run alone or nearly.
+          within this, so a long prompt's later chunks batch as its first ones do, whatever the
+          decode term (q8/q4's is a fraction of kv none's).
         """
         s, lay = self.spec, self.layout
         rows, T = max(rows, 1), max(max_tokens, 1)
@@ -205,7 +205,7 @@ class MemoryModel:
             logits = (3 if self.window_in_flight else 2) * rows * W * s.vocab_size * 4
             decode = max(decode, self.prefill_pass(rows, W, T) + logits)
         batched = min(rows, max(1, self.prefill_tokens // c))
-        return max(decode, self.prefill_pass(1, c, Tp), self.prefill_pass(batched, c, c))
+        return max(decode, self.prefill_pass(batched, c, Tp))
 
     def prefill_pass(self, rows: int, L: int, T: int) -> int:
         """Transient bytes of one prefill pass: `rows` rows right-padded to L tokens, each attending

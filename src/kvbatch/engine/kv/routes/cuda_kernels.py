@@ -30,7 +30,7 @@ from typing import Callable, NamedTuple, Optional, cast
 import mlx.core as mx
 
 from kvbatch.engine.config import CudaLaunch
-from kvbatch.engine.kv.routes.cuda_source import SEAL, kernel_source, mma_source, reduce_source
+from kvbatch.engine.kv.routes.cuda_source import SEAL, kernel_source, mma_quant_source, mma_source, reduce_source
 
 NE = 8  # head elements per lane
 # Per kernel kind: tokens per lane per loop step and most warps per block (CudaLaunch.unroll /
@@ -52,13 +52,18 @@ _kernels: dict[tuple, _Kernel] = {}
 
 def _kernel(kind: str, split: bool, new_kv: bool = False) -> _Kernel:
     """One compiled kernel per variant (kind: dense, quant; mma_{decode,window}_{bf16,f16}: decode and
-    verification windows on the tensor cores; reduce, reduce_window: the merges of split rows; seal: q8/q4
+    verification windows on the tensor cores; mma_quant_{bf16,f16}: q8 decode on the tensor cores; reduce,
+    reduce_window: the merges of split rows; seal: q8/q4
     tail pages quantized into the pool). The name carries a hash of the source: MLX caches compiled kernels
     on disk by name (/tmp/mlx/<version>/ptx), so a changed source must not reuse an old binary."""
     key = (kind, split, new_kv)
     if key not in _kernels:
         if kind == "seal":
             src, inputs, outputs = SEAL, _SEAL_INPUTS, ["o"]
+        elif kind.startswith("mma_quant"):
+            src = mma_quant_source(split, kind.endswith("_f16"), new_kv)
+            inputs = _QUANT_INPUTS + (["kn", "vn"] if new_kv else [])
+            outputs = ["pm", "pl", "pacc"] if split else ["out"]
         elif kind.startswith("mma"):
             window = kind.startswith("mma_window")
             src = mma_source(split, kind.endswith("_f16"), window, new_kv)
@@ -187,6 +192,14 @@ def tensor_cores(dtype: mx.Dtype, store: mx.Dtype, head_dim: int, heads: int, pa
             and heads <= MMA_ROWS and page % 16 == 0 and chunk % 16 == 0)
 
 
+def quant_tensor_cores(dtype: mx.Dtype, store: mx.Dtype, head_dim: int, heads: int, page: int, chunk: int,
+                       key_bits: int, value_bits: int, group_size: int) -> bool:
+    """Whether q8 decode runs on the tensor cores (cuda_source.mma_quant_source): where dense decode would, with
+    8-bit keys and values in groups of 32, 64 or 128 elements (whole words a lane, one group a column tile)."""
+    return (tensor_cores(dtype, store, head_dim, heads, page, chunk) and key_bits == value_bits == 8
+            and group_size in (32, 64, 128) and head_dim % group_size == 0)
+
+
 def _launch_for(kind: str, B: int, Hq: int, D: int, L: int, dtype: mx.Dtype, g: _Geometry, new_kv: bool,
                 launch: CudaLaunch) -> _Launch:
     heads = Hq // g.kv_heads
@@ -213,7 +226,7 @@ def _launch_for(kind: str, B: int, Hq: int, D: int, L: int, dtype: mx.Dtype, g: 
                    dict(call, output_shapes=[(n,), (n,), (n * D,)], output_dtypes=[mx.float32] * 3), consts,
                    _kernel("reduce_window" if window else "reduce", False),
                    dict(template=[("T", dtype), ("D", D), ("REP", rep), ("HKV", g.kv_heads),
-                                  ("QL", int(kind == "quant"))] + window,
+                                  ("QL", int("quant" in kind))] + window,
                         grid=(blocks * 128, 1, 1), threadgroup=(128, 1, 1),
                         output_shapes=[shape], output_dtypes=[dtype]))
 
@@ -270,7 +283,12 @@ def paged_decode_attention_quantized(q: mx.array, pages: QuantPages, tails: mx.a
                    ("GS", pages.group_size)))
     inputs = [*pages.packed, pages.tail_k, pages.tail_v, tails.astype(mx.int32), table.astype(mx.int32),
               lens.astype(mx.int32)]
-    return _launch("quant", inputs, q, g, launch, new_kv)
+    kind = "quant"
+    if launch.tensor_cores and quant_tensor_cores(q.dtype, pages.tail_k.dtype, pages.tail_k.shape[-1],
+                                                  q.shape[1] // Hkv, P, launch.chunk, pages.key_bits,
+                                                  pages.value_bits or pages.key_bits, pages.group_size):
+        kind = "mma_quant_f16" if q.dtype == mx.float16 else "mma_quant_bf16"
+    return _launch(kind, inputs, q, g, launch, new_kv)
 
 
 def paged_window_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, firsts: mx.array,

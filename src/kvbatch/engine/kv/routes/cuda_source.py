@@ -307,12 +307,12 @@ def kernel_source(quantized: bool, split: bool, new_kv: bool = False) -> str:
 # past its count weigh exactly 0, a range with none of its keys merges with weight 0, and the warps
 # (NW) depend on the head size alone. So a (row, position) gets the same bits in a decode step and in a
 # verification window: speculation keeps decode's tokens.
-_MMA = r"""
+_MMA_HEAD = r"""
     const int maxp = meta[0], ns = meta[1];
     const int bq = blockIdx.x / ns, sp = blockIdx.x % ns, bh = bq / NQC, qc = bq % NQC;
     const int b = bh / HKV, hk = bh % HKV;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-    const int len = lengths[b], first = {first};
+    {lens}
     const int chunk = len > meta[3] ? meta[2] : len;
     const int t0 = sp * chunk, t1 = min(len, t0 + chunk);
     if (sp > 0 && t0 >= len) return;
@@ -324,12 +324,18 @@ _MMA = r"""
         return *reinterpret_cast<uint32_t*>(&t);
     };
     auto mma = [](float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 {{%0,%1,%2,%3}}, {{%4,%5,%6,%7}}, "
-                     "{{%8,%9}}, {{%0,%1,%2,%3}};\n"
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+                     "{%8,%9}, {%0,%1,%2,%3};\n"
                      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
     };
-    // this lane's rows g and g + 8: slot, position, keys seen
+    float o[D / 8][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    for (int nd = 0; nd < D / 8; ++nd) for (int i = 0; i < 4; ++i) o[nd][i] = 0.f;
+    __shared__ __align__(16) S sv[NW][16][D + 8];  // a row stride of D + 8 keeps the fragment reads off one bank
+"""
+
+# This lane's query rows g and g + 8 (slots of the block): their key counts and the A operand, page type.
+_MMA_Q = r"""
     int lim[2];
     uint32_t qa[D / 16][4];
     for (int h = 0; h < 2; ++h) {
@@ -342,29 +348,16 @@ _MMA = r"""
             qa[kk][2 + h] = real ? *reinterpret_cast<const uint32_t*>(qp + kk * 16 + 8 + 2 * c) : 0u;
         }
     }
-    float o[D / 8][4], m[2] = {{-INFINITY, -INFINITY}}, l[2] = {{0.f, 0.f}};
-    for (int nd = 0; nd < D / 8; ++nd) for (int i = 0; i < 4; ++i) o[nd][i] = 0.f;
-    __shared__ __align__(16) S sv[NW][16][D + 8];  // a row stride of D + 8 keeps the fragment reads off one bank
-    for (int ts = t0 + warp * 16; ts < t1; ts += NW * 16) {
-        const size_t base = (((size_t)table[(size_t)b * maxp + ts / P] * HKV + hk) * P + ts % P) * D;
-        for (int i = lane; i < 2 * D; i += 32) {  // V tile, 16-byte pieces
-            const int row = i / (D / 8), col = (i % (D / 8)) * 8;
-            uint4 w = make_uint4(0u, 0u, 0u, 0u);
-            if (ts + row < len) w = *reinterpret_cast<const uint4*>(v + base + (size_t)row * D + col);
-            *reinterpret_cast<uint4*>(&sv[warp][row][col]) = w;
-        }
-        float s[2][4] = {{{{0.f, 0.f, 0.f, 0.f}}, {{0.f, 0.f, 0.f, 0.f}}}};
-        for (int nt = 0; nt < 2; ++nt) {
-            const S* kr = k + base + (size_t)(nt * 8 + g) * D + 2 * c;
-            for (int kk = 0; kk < D / 16; ++kk)
-                mma(s[nt], qa[kk], *reinterpret_cast<const uint32_t*>(kr + kk * 16),
-                    *reinterpret_cast<const uint32_t*>(kr + kk * 16 + 8));
-        }
+"""
+
+# The online softmax over a tile's scores s[nt][2h + e] (row g + 8h, token ts + nt * 8 + 2c + e): scores become
+# weights, the row's max / sum / output (and {rescale}: other sums kept beside the output) follow.
+_MMA_SOFTMAX = r"""
         for (int h = 0; h < 2; ++h) {
             float mx = m[h];
             for (int nt = 0; nt < 2; ++nt) for (int e = 0; e < 2; ++e) {
                 const int t = ts + nt * 8 + 2 * c + e;
-                const float x = t < lim[h] ? s[nt][2 * h + e] * sc : -INFINITY;
+                const float x = t < lim[h] ? {score} : -INFINITY;
                 s[nt][2 * h + e] = x;
                 mx = fmaxf(mx, x);
             }
@@ -374,6 +367,7 @@ _MMA = r"""
             const float corr = __expf(m[h] - mu);
             l[h] *= corr;
             for (int nd = 0; nd < D / 8; ++nd) { o[nd][2 * h] *= corr; o[nd][2 * h + 1] *= corr; }
+            {rescale}
             for (int nt = 0; nt < 2; ++nt) for (int e = 0; e < 2; ++e) {
                 const float pv = __expf(s[nt][2 * h + e] - mu);
                 s[nt][2 * h + e] = pv;
@@ -381,50 +375,110 @@ _MMA = r"""
             }
             m[h] = mx;
         }
-        const uint32_t pa[4] = {{pack(s[0][0], s[0][1]), pack(s[0][2], s[0][3]), pack(s[1][0], s[1][1]),
-                                 pack(s[1][2], s[1][3])}};
+"""
+
+# 16-token tiles of pages in the page type: `base` the tile's first token's K/V offset; output column n of
+# column tile nd is head element {col}.
+_MMA_TILES = r"""
+    for (int ts = {start} + warp * 16; ts < {stop}; ts += NW * 16) {
+        const size_t base = {base};
+        for (int i = lane; i < 2 * D; i += 32) {  // V tile, 16-byte pieces
+            const int row = i / (D / 8), col = (i % (D / 8)) * 8;
+            uint4 w = make_uint4(0u, 0u, 0u, 0u);
+            if (ts + row < len) w = *reinterpret_cast<const uint4*>({v} + base + (size_t)row * D + col);
+            *reinterpret_cast<uint4*>(&sv[warp][row][col]) = w;
+        }
+        float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        for (int nt = 0; nt < 2; ++nt) {
+            const S* kr = {k} + base + (size_t)(nt * 8 + g) * D + 2 * c;
+            for (int kk = 0; kk < D / 16; ++kk)
+                mma(s[nt], qa[kk], *reinterpret_cast<const uint32_t*>(kr + kk * 16),
+                    *reinterpret_cast<const uint32_t*>(kr + kk * 16 + 8));
+        }
+{softmax}
+        const uint32_t pa[4] = {pack(s[0][0], s[0][1]), pack(s[0][2], s[0][3]), pack(s[1][0], s[1][1]),
+                                pack(s[1][2], s[1][3])};
         __syncwarp();
         for (int nd = 0; nd < D / 8; ++nd) {
-            const int d = nd * 8 + g;
+            const int d = {col};
             mma(o[nd], pa, pack(static_cast<float>(sv[warp][2 * c][d]), static_cast<float>(sv[warp][2 * c + 1][d])),
                 pack(static_cast<float>(sv[warp][2 * c + 8][d]), static_cast<float>(sv[warp][2 * c + 9][d])));
         }
         __syncwarp();
     }
+"""
+
+# The block's warps' partials into shared memory (_MERGE_WARPS merges them): output column n of column
+# tile nd is head element {col}; {extra}(h, nd) is added to it (the q8 value biases' part).
+_MMA_END = r"""
     for (int h = 0; h < 2; ++h) {
         l[h] += __shfl_xor_sync(0xffffffff, l[h], 1);
         l[h] += __shfl_xor_sync(0xffffffff, l[h], 2);
     }
+    {reduce_extra}
     __shared__ float sm[NW][REP];
     __shared__ float sl[NW][REP];
     __shared__ float sacc[NW][REP][D];
     for (int h = 0; h < 2; ++h) {
         const int r = g + 8 * h;
         if (r >= REP) continue;
-        if (c == 0) {{ sm[warp][r] = m[h]; sl[warp][r] = l[h]; }}
-        for (int nd = 0; nd < D / 8; ++nd) {{
-            sacc[warp][r][nd * 8 + 2 * c] = o[nd][2 * h];
-            sacc[warp][r][nd * 8 + 2 * c + 1] = o[nd][2 * h + 1];
-        }}
+        if (c == 0) { sm[warp][r] = m[h]; sl[warp][r] = l[h]; }
+        for (int nd = 0; nd < D / 8; ++nd) for (int e = 0; e < 2; ++e) {
+            const int n = 2 * c + e;
+            sacc[warp][r][{col}] = o[nd][2 * h + e]{extra};
+        }
     }
 """
 
+_STANDARD_COL = "nd * 8 + {n}"
+
+
+def _tiles(start: str, stop: str, base: str, k: str, v: str, col: str) -> str:
+    softmax = _MMA_SOFTMAX.replace("{score}", "s[nt][2 * h + e] * sc").replace("{rescale}", "")
+    return (_MMA_TILES.replace("{start}", start).replace("{stop}", stop).replace("{base}", base)
+            .replace("{k}", k).replace("{v}", v).replace("{col}", col.format(n="g")).replace("{softmax}", softmax))
+
+
+# Decode and verification windows on the tensor cores (bf16/fp16 pages, page size a multiple of 16): a
+# block holds REP = (query heads of its KV head) x QC positions (decode: 1) as the 16 rows of
+# mma.m16n8k16's A operand
+# (rows past REP are zero and never written); each warp takes 16-token tiles of the block's range
+# (a tile never crosses a page: it starts at a multiple of 16), computes S = Q K^T from K read in
+# place, keeps an online softmax per row in float32 (FlashAttention-2's layout: a lane holds rows g
+# and g + 8, columns 2c and 2c + 1 of each 8-column tile), and adds P V with P rounded to the page
+# type and V staged in shared memory (tokens past the row's end as zeros: a zero weight times an
+# unwritten slot's bits could be NaN). Query slot r sees keys below lim (its position's own count).
+# Where the decode-style loop spends a shuffle reduction per (query, token), this spends one mma per
+# 8 tokens x 16 element columns for all of the block's queries at once.
+# A query's numbers depend on its own row of A, its key count and the block's token range only: keys
+# past its count weigh exactly 0, a range with none of its keys merges with weight 0, and the warps
+# (NW) depend on the head size alone. So a (row, position) gets the same bits in a decode step and in a
+# verification window: speculation keeps decode's tokens.
+_MMA_DENSE = (_MMA_HEAD.replace("{lens}", "const int len = lengths[b], first = {first};") + _MMA_Q
+              + _tiles("t0", "t1", "(((size_t)table[(size_t)b * maxp + ts / P] * HKV + hk) * P + ts % P) * D",
+                       "k", "v", _STANDARD_COL)
+              + _MMA_END.replace("{reduce_extra}", "").replace("{col}", _STANDARD_COL.format(n="n"))
+              .replace("{extra}", ""))
+
 
 # Decode's new token (`new_kv`, inputs kn / vn (B, HKV, D)): the block whose range holds it stores it into
-# its page slot before any warp reads its tile (the barrier; no other block of the launch reads that slot).
+# its slot ({dst}: a page slot, or the q8 row's tail slot) before any warp reads its tile (the barrier; no
+# other block of the launch reads that slot).
 _MMA_STORE = r"""
     if (t0 <= len - 1 && len - 1 < t1) {
-        const size_t dst = (((size_t)table[(size_t)b * maxp + (len - 1) / P] * HKV + hk) * P + (len - 1) % P) * D;
+        const size_t dst = {dst};
         const size_t src = ((size_t)b * HKV + hk) * D;
         for (int i = threadIdx.x; i < D / 4; i += blockDim.x) {  // K then V, 16-byte pieces
             const int col = (i % (D / 8)) * 8;
             const S* from = (i < D / 8 ? kn : vn) + src + col;
-            S* to = const_cast<S*>(i < D / 8 ? k : v) + dst + col;
+            S* to = const_cast<S*>(i < D / 8 ? {k} : {v}) + dst + col;
             *reinterpret_cast<uint4*>(to) = *reinterpret_cast<const uint4*>(from);
         }
     }
     __syncthreads();
 """
+_DENSE_DST = "(((size_t)table[(size_t)b * maxp + (len - 1) / P] * HKV + hk) * P + (len - 1) % P) * D"
+_TAIL_DST = "(((size_t)tails[b] * HKV + hk) * P + (len - 1 - n_main)) * D"
 
 
 def mma_source(split: bool, half: bool, window: bool, new_kv: bool = False) -> str:
@@ -432,10 +486,141 @@ def mma_source(split: bool, half: bool, window: bool, new_kv: bool = False) -> s
     pages, else bf16; window: row b's queries start at firsts[b] (else decode: one query, at len - 1);
     new_kv: decode stores its token (kn, vn) first."""
     assert not (window and new_kv), "a window's K/V are stored by its pass before it attends"
-    body = (_MMA.replace("{ty}", "f16" if half else "bf16")
-            .replace("{first}", "firsts[b]" if window else "len - 1")
-            .replace("{store}", _MMA_STORE if new_kv else "")
-            .replace("{{", "{").replace("}}", "}"))
+    store = _MMA_STORE.replace("{dst}", _DENSE_DST).replace("{k}", "k").replace("{v}", "v") if new_kv else ""
+    body = (_MMA_DENSE.replace("{ty}", "f16" if half else "bf16")
+            .replace("{first}", "firsts[b]" if window else "len - 1").replace("{store}", store))
+    return body + _MERGE_WARPS + (_WRITE_PART if split else _WRITE_OUT).format(**_OUTPUTS[True])
+
+
+# q8 decode on the tensor cores: sealed pages' codes enter fp16 mma.m16n8k16 as exact integers (a byte c
+# placed under fp16 1024.0's exponent is 1024 + c; one packed subtraction leaves c), and each group's scale and
+# bias are folded in around the products as in the decode-style kernel (q.(s*c + b) = s*(q.c) + b*sum(q);
+# sum_t p*(s*c + b) = sum_t (p*s)*c + sum_t p*b), so no element is dequantized. The query enters as fp16
+# (scaled by the softmax scale, clamped to fp16's range), the value weights p*s too. The order of the head's
+# elements is free in both products, so each lane reads its codes as whole words:
+# - scores: step kk of the 16 k-steps of group gi = kk / KPG takes, from lane c, the word of bytes
+#   gi*GS + c*GS/4 + (kk % KPG)*4 .. +3 of token g (KPG words of a group in one load); the query's A
+#   fragment is laid out alike;
+# - values: output column n of column tile nd is element gi*GS + n*NPG + nd % NPG (gi = nd / NPG), so lane g
+#   reads NPG contiguous bytes of each of its four tokens per group (the B operand's k = tokens 2c, 2c + 1,
+#   2c + 8, 2c + 9 of the tile), and each column tile stays in one group (one A operand p*s a group).
+# The row's tail page (full precision) follows as the dense kernel's tiles, in its column order.
+# Template constants as the dense kernel's plus KBITS = VBITS = 8 and GS (32, 64 or 128).
+_QCOL = "(nd / NPG) * GS + {n} * NPG + nd % NPG"
+_MMA_Q8 = r"""
+    constexpr int G = D / GS, KPG = GS / 16, NPG = GS / 8;
+    struct alignas(4 * KPG) KW { uint32_t x[KPG]; };
+    struct alignas(NPG) VW { uint32_t x[NPG / 4]; };
+    auto mma16 = [](float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+                     "{%8,%9}, {%0,%1,%2,%3};\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    };
+    auto f16x2 = [](float lo, float hi) -> uint32_t {
+        uint32_t r;
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    };
+    auto codes = [](uint32_t w, uint32_t sel) -> uint32_t {  // two bytes of w (sel) -> two fp16 integers
+        uint32_t r, x = __byte_perm(w, 0x64646464u, sel);
+        asm("sub.f16x2 %0, %1, %2;" : "=r"(r) : "r"(x), "r"(0x64006400u));
+        return r;
+    };
+    float ab[2][G];
+    for (int h = 0; h < 2; ++h) for (int gi = 0; gi < G; ++gi) ab[h][gi] = 0.f;
+    {
+        int lim[2];
+        uint32_t qh[D / 16][4];
+        float qs[2][G];
+        for (int h = 0; h < 2; ++h) {
+            const int r = g + 8 * h;
+            const bool real = r < REP;
+            lim[h] = real ? len : 0;
+            const T* qp = q + (real ? ((size_t)bh * REP + r) * D : 0);
+            auto qf = [&](int d) {  // within fp16's range
+                return real ? fminf(fmaxf(static_cast<float>(qp[d]) * sc, -65504.f), 65504.f) : 0.f;
+            };
+            for (int gi = 0; gi < G; ++gi) {
+                float sum = 0.f;
+                for (int e = 0; e < GS; ++e) sum += __half2float(__float2half_rn(qf(gi * GS + e)));
+                qs[h][gi] = sum;
+            }
+            for (int kk = 0; kk < D / 16; ++kk) {
+                const int d0 = (kk / KPG) * GS + c * (GS / 4) + (kk % KPG) * 4;
+                qh[kk][h] = f16x2(qf(d0), qf(d0 + 2));
+                qh[kk][2 + h] = f16x2(qf(d0 + 1), qf(d0 + 3));
+            }
+        }
+        for (int ts = t0 + warp * 16; ts < min(t1, n_main); ts += NW * 16) {
+            const size_t slot0 = ((size_t)table[(size_t)b * maxp + ts / P] * HKV + hk) * P + ts % P;
+            float s[2][4];
+            for (int nt = 0; nt < 2; ++nt) {
+                float sg[G][4];
+                for (int gi = 0; gi < G; ++gi) {
+                    for (int i = 0; i < 4; ++i) sg[gi][i] = 0.f;
+                    const KW w = *reinterpret_cast<const KW*>(kw + (slot0 + nt * 8 + g) * (D / 4) + gi * (GS / 4)
+                                                              + c * KPG);
+                    for (int j = 0; j < KPG; ++j)
+                        mma16(sg[gi], qh[gi * KPG + j], codes(w.x[j], 0x5250u), codes(w.x[j], 0x5351u));
+                }
+                for (int e = 0; e < 2; ++e) {  // this lane's score columns: tokens nt * 8 + 2c + e
+                    const size_t st = (slot0 + nt * 8 + 2 * c + e) * G;
+                    for (int h = 0; h < 2; ++h) {
+                        float x = 0.f;
+                        for (int gi = 0; gi < G; ++gi)
+                            x += static_cast<float>(ks[st + gi]) * sg[gi][2 * h + e]
+                                 + static_cast<float>(kb[st + gi]) * qs[h][gi];
+                        s[nt][2 * h + e] = x;
+                    }
+                }
+            }
+{softmax}
+            const size_t s0 = slot0 + 2 * c;  // the B operand's tokens: 2c, 2c + 1, 2c + 8, 2c + 9
+            for (int gi = 0; gi < G; ++gi) {
+                auto at = [&](const T* a, size_t t) { return static_cast<float>(a[t * G + gi]); };
+                const float v0 = at(vs, s0), v1 = at(vs, s0 + 1), v2 = at(vs, s0 + 8), v3 = at(vs, s0 + 9);
+                const uint32_t pa[4] = {f16x2(s[0][0] * v0, s[0][1] * v1), f16x2(s[0][2] * v0, s[0][3] * v1),
+                                        f16x2(s[1][0] * v2, s[1][1] * v3), f16x2(s[1][2] * v2, s[1][3] * v3)};
+                const float b0 = at(vb, s0), b1 = at(vb, s0 + 1), b2 = at(vb, s0 + 8), b3 = at(vb, s0 + 9);
+                ab[0][gi] += s[0][0] * b0 + s[0][1] * b1 + s[1][0] * b2 + s[1][1] * b3;
+                ab[1][gi] += s[0][2] * b0 + s[0][3] * b1 + s[1][2] * b2 + s[1][3] * b3;
+                const size_t wo = gi * (GS / 4) + g * (NPG / 4);
+                const VW w0 = *reinterpret_cast<const VW*>(vw + s0 * (D / 4) + wo);
+                const VW w1 = *reinterpret_cast<const VW*>(vw + (s0 + 1) * (D / 4) + wo);
+                const VW w2 = *reinterpret_cast<const VW*>(vw + (s0 + 8) * (D / 4) + wo);
+                const VW w3 = *reinterpret_cast<const VW*>(vw + (s0 + 9) * (D / 4) + wo);
+                for (int jn = 0; jn < NPG; jn += 2) {  // column tiles gi * NPG + jn and + 1: bytes jn, jn + 1
+                    const uint32_t sel = jn % 4 ? 0x7362u : 0x5140u;  // (token a, token b) of both bytes
+                    const uint32_t x01 = __byte_perm(w0.x[jn / 4], w1.x[jn / 4], sel);
+                    const uint32_t x23 = __byte_perm(w2.x[jn / 4], w3.x[jn / 4], sel);
+                    mma16(o[gi * NPG + jn], pa, codes(x01, 0x4140u), codes(x23, 0x4140u));
+                    mma16(o[gi * NPG + jn + 1], pa, codes(x01, 0x4342u), codes(x23, 0x4342u));
+                }
+            }
+        }
+    }
+    {
+        const int first = len - 1;
+"""
+
+
+def mma_quant_source(split: bool, half: bool, new_kv: bool = False) -> str:
+    """The q8 tensor-core decode kernel's body (template constants of mma_source's decode, plus KBITS, VBITS
+    (both 8) and GS); half: fp16 tail pages and queries, else bf16; new_kv: it stores its token (kn, vn) in
+    the row's tail page first."""
+    store = _MMA_STORE.replace("{dst}", _TAIL_DST).replace("{k}", "tk").replace("{v}", "tv") if new_kv else ""
+    softmax = (_MMA_SOFTMAX.replace("{score}", "s[nt][2 * h + e]")
+               .replace("{rescale}", "for (int gi = 0; gi < G; ++gi) ab[h][gi] *= corr;"))
+    tail = _tiles("max(t0, n_main)", "t1", "(((size_t)tails[b] * HKV + hk) * P + ts - n_main) * D", "tk", "tv",
+                  _QCOL)
+    end = (_MMA_END.replace("{reduce_extra}", "for (int h = 0; h < 2; ++h) for (int gi = 0; gi < G; ++gi) {\n"
+                            "        ab[h][gi] += __shfl_xor_sync(0xffffffff, ab[h][gi], 1);\n"
+                            "        ab[h][gi] += __shfl_xor_sync(0xffffffff, ab[h][gi], 2);\n    }")
+           .replace("{col}", _QCOL.format(n="n")).replace("{extra}", " + ab[h][nd / NPG]"))
+    body = (_MMA_HEAD.replace("{lens}", "const int n_main = lens[2 * b], len = n_main + lens[2 * b + 1];")
+            + _MMA_Q8.replace("{softmax}", softmax) + _MMA_Q + tail + "    }\n" + end)
+    body = body.replace("{ty}", "f16" if half else "bf16").replace("{store}", store)
     return body + _MERGE_WARPS + (_WRITE_PART if split else _WRITE_OUT).format(**_OUTPUTS[True])
 
 
