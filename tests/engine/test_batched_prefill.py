@@ -66,6 +66,31 @@ def test_rows_admitted_mid_prefill_share_passes(tiny_model, mode):
         assert mx.abs(a - batched[key]).max().item() <= TOL[mode], key
 
 
+def test_long_prompts_batch_their_later_chunks_alike_in_every_kv_mode(tiny_model):
+    """Where the budget has room, a pass takes every long prompt's next chunk however much context it attends
+    to: kv none and q8/q4 (whose priced decode workspace is a fraction of none's) run the same passes, each
+    within the budget; where the budget is only what the rows' worst cases and their priced workspace need,
+    later chunks (larger scores) fit fewer to a pass."""
+    m = tiny_model(num_layers=2)
+    lengths = (150,) * 6  # 10 chunks of 16 a row
+    passes = {}
+    for mode in ("none", "q8", "q4"):
+        _, s = _run(m, mode, 16, prefill_tokens=96, lengths=lengths)
+        passes[mode] = (s["prefill_passes"], s["prefill_rows_max"])
+        assert s["mlx_peak_memory_bytes"] <= s["budget_bytes"]
+    assert passes == {mode: (10, 6) for mode in passes}
+    model, tok, spec = m
+    probe = Engine(model, tok, spec, engine_config(kv_mode="q8", page_size=16, max_batch=8, prefill_chunk=16,
+                                                  memory_budget=2 << 30, prefill_tokens=96))
+    tight = probe.memory.bytes_for([150 + STEPS] * 6, 150)
+    eng = Engine(model, tok, spec, engine_config(kv_mode="q8", page_size=16, max_batch=8, prefill_chunk=16,
+                                                memory_budget=tight, prefill_tokens=96))
+    res = eng.generate([Request(f"r{i}", p, SamplingParams(max_tokens=STEPS))
+                        for i, p in enumerate(prompts_of(list(lengths), salt=5))])
+    s = eng.summary()
+    assert all(r.ok for r in res) and s["prefill_passes"] > 10
+
+
 @pytest.mark.parametrize("mode,family,head_dim", [("none", "llama", 64), ("none", "qwen3", 128), ("q8", "qwen3", 128)])
 def test_composed_prefill_attention_matches_fused(tiny_model, mode, family, head_dim):
     """The CUDA routes prefill through dense.composed_attention (matmuls, no cuDNN graph per shape):

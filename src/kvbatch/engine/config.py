@@ -99,7 +99,7 @@ class CudaLaunch:
     warps: int = 0  # most warps per block; 0: the kernel kind's default (dense 8, q8/q4 4)
     kernel_writes: bool = True  # decode stores the step's new K/V inside the kernel (else scatters first)
     # bf16/fp16 dense decode and speculative verification windows on the tensor cores (mma.sync: a window's
-    # pages read once for all its queries, with decode's numbers), else the decode-style kernel
+    # pages read once for all its queries, with decode's numbers), and q8 decode too; else the decode-style kernels
     tensor_cores: bool = True
 
 

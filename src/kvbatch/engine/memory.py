@@ -186,11 +186,11 @@ class MemoryModel:
           and probabilities, float32 logits (the engine computes last-position logits only); with
           speculative decoding, a pass of decode_window tokens a row with logits at every one (and,
           with window_in_flight, the logits of the pass before it, whose outputs are applied later);
-        - prefill: a pass of as many chunks (up to prefill_chunk tokens each) as prefill_tokens
-          holds (up to `rows`), each at up to max_prompt tokens of context (None = max_tokens). The
+        - prefill: the larger of a pass of one row's chunk (up to prefill_chunk tokens) at up to
+          max_prompt tokens of context (None = max_tokens), and a pass of as many such chunks
+          as prefill_tokens holds (up to `rows`) at the chunk's own length of context. The
           scheduler puts several rows' chunks into one pass only while `prefill_pass` stays
-          within this, so a long prompt's later chunks batch as its first ones do, whatever the
-          decode term (q8/q4's is a fraction of kv none's).
+          within this, so short prompts batch and long ones run alone or nearly.
         """
         s, lay = self.spec, self.layout
         rows, T = max(rows, 1), max(max_tokens, 1)
@@ -205,7 +205,17 @@ class MemoryModel:
             logits = (3 if self.window_in_flight else 2) * rows * W * s.vocab_size * 4
             decode = max(decode, self.prefill_pass(rows, W, T) + logits)
         batched = min(rows, max(1, self.prefill_tokens // c))
-        return max(decode, self.prefill_pass(batched, c, Tp))
+        return max(decode, self.prefill_pass(1, c, Tp), self.prefill_pass(batched, c, c))
+
+    def pass_room(self, pool_pages: int, rows: int, max_tokens: int, max_prompt: int | None = None) -> int:
+        """Transient bytes a prefill pass may take now: the priced step workspace, or the room the budget has
+        beyond the weights, the pool's `pool_pages` pages and the workspace (with the batch slots) of a
+        decode step still in flight, whichever is larger. A pass runs after the step's pool growth and
+        is evaluated before the next step grows the pool, so nothing else claims that room meanwhile."""
+        ws = self.step_workspace(rows, max_tokens, max_prompt)
+        room = self.budget - self.weights_bytes - pool_pages * self.page_bytes - self.workspace(rows, max_tokens,
+                                                                                               max_prompt)
+        return max(ws, room)
 
     def prefill_pass(self, rows: int, L: int, T: int) -> int:
         """Transient bytes of one prefill pass: `rows` rows right-padded to L tokens, each attending

@@ -247,9 +247,9 @@ class Scheduler:
     def prefill_batch(self) -> list[tuple[Row, int]]:
         """The next prefill pass: (row, tokens) of admitted rows still prefilling, up to
         prefill_chunk tokens each and prefill_tokens in all (padded to the longest chunk; the
-        first row always goes, so prefill_tokens=1 means one row a pass), and
-        within the workspace the memory model priced. Chosen longest chunks first, so a pass pads
-        little; returned in admission order. Before it, rows take the cached pages that continue
+        first row always goes, so prefill_tokens=1 means one row a pass), and within the room
+        the memory model gives a pass (MemoryModel.pass_room). Chosen longest chunks first, so a
+        pass pads little; returned in admission order. Before it, rows take the cached pages that continue
         them, and rows whose next page an earlier row is computing are left out (Sharing)."""
         chunk = self.memory.prefill_chunk
         prefilling = [r for r in self.running if r.prefilling]
@@ -260,7 +260,9 @@ class Scheduler:
                        key=lambda r: -self._chunk(r, chunk))
         if not cands:
             return []
-        cap = self._step_workspace()
+        tokens = [self.priced(r) for r in self.running]
+        cap = self.memory.pass_room(self.cache.pool.capacity, len(tokens), max(tokens),
+                                    max(r.target for r in self.running))
         batch: list[tuple[Row, int]] = []
         L = T = 0
         for r in cands:
@@ -278,10 +280,6 @@ class Scheduler:
         """A row's next prefill chunk (a scored text's chunks end at page boundaries: engine/scoring.py)."""
         n = min(r.target - r.kv.length, chunk)
         return n if r.score is None else r.score.chunk(r.kv.length, n, self.page_size)
-
-    def _step_workspace(self) -> int:
-        tokens = [self.priced(r) for r in self.running] or [1]
-        return self.memory.step_workspace(len(tokens), max(tokens), max(r.target for r in self.running))
 
     # ---- growth ----------------------------------------------------------------------------
     def pool_want(self) -> int:
