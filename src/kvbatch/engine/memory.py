@@ -209,9 +209,10 @@ class MemoryModel:
 
     def pass_room(self, pool_pages: int, rows: int, max_tokens: int, max_prompt: int | None = None) -> int:
         """Transient bytes a prefill pass may take now: the priced step workspace, or the room the budget has
-        beyond the weights, the pool's `pool_pages` pages and the workspace (with the batch slots) of a
-        decode step still in flight, whichever is larger. A pass runs after the step's pool growth and
-        is evaluated before the next step grows the pool, so nothing else claims that room meanwhile."""
+        beyond the weights, a pool of `pool_pages` pages and the workspace (with the batch slots) of a decode
+        step still in flight, whichever is larger. pool_pages: the most the pool can hold before the pass
+        ends (its pages now, or what the running rows can ever need if larger: the pass's own chunks may grow
+        it first); the next growth comes after the pass is evaluated."""
         ws = self.step_workspace(rows, max_tokens, max_prompt)
         room = self.budget - self.weights_bytes - pool_pages * self.page_bytes - self.workspace(rows, max_tokens,
                                                                                                max_prompt)

@@ -261,7 +261,7 @@ class Scheduler:
         if not cands:
             return []
         tokens = [self.priced(r) for r in self.running]
-        cap = self.memory.pass_room(self.cache.pool.capacity, len(tokens), max(tokens),
+        cap = self.memory.pass_room(max(self.cache.pool.capacity, self.pool_want()), len(tokens), max(tokens),
                                     max(r.target for r in self.running))
         batch: list[tuple[Row, int]] = []
         L = T = 0
