@@ -433,8 +433,8 @@ _MMA_END = r"""
 _STANDARD_COL = "nd * 8 + {n}"
 
 
-def _tiles(start: str, stop: str, base: str, k: str, v: str, col: str) -> str:
-    softmax = _MMA_SOFTMAX.replace("{score}", "s[nt][2 * h + e] * sc").replace("{rescale}", "")
+def _tiles(start: str, stop: str, base: str, k: str, v: str, col: str, rescale: str = "") -> str:
+    softmax = _MMA_SOFTMAX.replace("{score}", "s[nt][2 * h + e] * sc").replace("{rescale}", rescale)
     return (_MMA_TILES.replace("{start}", start).replace("{stop}", stop).replace("{base}", base)
             .replace("{k}", k).replace("{v}", v).replace("{col}", col.format(n="g")).replace("{softmax}", softmax))
 
@@ -610,10 +610,10 @@ def mma_quant_source(split: bool, half: bool, new_kv: bool = False) -> str:
     (both 8) and GS); half: fp16 tail pages and queries, else bf16; new_kv: it stores its token (kn, vn) in
     the row's tail page first."""
     store = _MMA_STORE.replace("{dst}", _TAIL_DST).replace("{k}", "tk").replace("{v}", "tv") if new_kv else ""
-    softmax = (_MMA_SOFTMAX.replace("{score}", "s[nt][2 * h + e]")
-               .replace("{rescale}", "for (int gi = 0; gi < G; ++gi) ab[h][gi] *= corr;"))
+    rescale = "for (int gi = 0; gi < G; ++gi) ab[h][gi] *= corr;"  # the value biases' sum, as the output
+    softmax = _MMA_SOFTMAX.replace("{score}", "s[nt][2 * h + e]").replace("{rescale}", rescale)
     tail = _tiles("max(t0, n_main)", "t1", "(((size_t)tails[b] * HKV + hk) * P + ts - n_main) * D", "tk", "tv",
-                  _QCOL)
+                  _QCOL, rescale)
     end = (_MMA_END.replace("{reduce_extra}", "for (int h = 0; h < 2; ++h) for (int gi = 0; gi < G; ++gi) {\n"
                             "        ab[h][gi] += __shfl_xor_sync(0xffffffff, ab[h][gi], 1);\n"
                             "        ab[h][gi] += __shfl_xor_sync(0xffffffff, ab[h][gi], 2);\n    }")
