@@ -99,8 +99,11 @@ class CudaLaunch:
     warps: int = 0  # most warps per block; 0: the kernel kind's default (dense 8, q8/q4 4)
     kernel_writes: bool = True  # decode stores the step's new K/V inside the kernel (else scatters first)
     # bf16/fp16 dense decode and speculative verification windows on the tensor cores (mma.sync: a window's
-    # pages read once for all its queries, with decode's numbers), and q8 decode too; else the decode-style kernels
+    # pages read once for all its queries, with decode's numbers), else the decode-style kernel
     tensor_cores: bool = True
+    # q8 decode of bf16/fp16 tails on the tensor cores (cuda_source.mma_quant_source), else the decode-style q8
+    # kernel. Off until its float64-reference checks pass on a GPU (docs/performance.md)
+    quant_tensor_cores: bool = False
 
 
 # Options that never change a row's tokens (they change how fast, or what is printed): left out of

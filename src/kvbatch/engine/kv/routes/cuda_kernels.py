@@ -284,7 +284,7 @@ def paged_decode_attention_quantized(q: mx.array, pages: QuantPages, tails: mx.a
     inputs = [*pages.packed, pages.tail_k, pages.tail_v, tails.astype(mx.int32), table.astype(mx.int32),
               lens.astype(mx.int32)]
     kind = "quant"
-    if launch.tensor_cores and quant_tensor_cores(q.dtype, pages.tail_k.dtype, pages.tail_k.shape[-1],
+    if launch.quant_tensor_cores and quant_tensor_cores(q.dtype, pages.tail_k.dtype, pages.tail_k.shape[-1],
                                                   q.shape[1] // Hkv, P, launch.chunk, pages.key_bits,
                                                   pages.value_bits or pages.key_bits, pages.group_size):
         kind = "mma_quant_f16" if q.dtype == mx.float16 else "mma_quant_bf16"
