@@ -53,9 +53,9 @@ _kernels: dict[tuple, _Kernel] = {}
 def _kernel(kind: str, split: bool, new_kv: bool = False) -> _Kernel:
     """One compiled kernel per variant (kind: dense, quant; mma_{decode,window}_{bf16,f16}: decode and
     verification windows on the tensor cores; mma_quant_{bf16,f16}: q8 decode on the tensor cores; reduce,
-    reduce_window: the merges of split rows; seal: q8/q4
-    tail pages quantized into the pool). The name carries a hash of the source: MLX caches compiled kernels
-    on disk by name (/tmp/mlx/<version>/ptx), so a changed source must not reuse an old binary."""
+    reduce_window: the merges of split rows; seal: q8/q4 tail pages quantized into the pool). The name carries
+    a hash of the source: MLX caches compiled kernels on disk by name (/tmp/mlx/<version>/ptx), so a changed
+    source must not reuse an old binary."""
     key = (kind, split, new_kv)
     if key not in _kernels:
         if kind == "seal":
