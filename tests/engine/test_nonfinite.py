@@ -102,13 +102,13 @@ def parse_trace(err: str) -> list[dict]:
 
 @pytest.mark.parametrize("mode", ["none", "q8"])
 @pytest.mark.parametrize("step", [0, 7])
-def test_nan_row_ends_alone_and_trace_names_it(tiny_model, clean_runs, monkeypatch, capfd, mode, step):
+def test_nan_row_ends_alone_and_trace_names_it(tiny_model, clean_runs, monkeypatch, caplog, mode, step):
     m = tiny_model()
     eng = make_engine(m, mode, inject=("r1", step), trace="nonfinite")
     passes = spy_passes(eng)
-    capfd.readouterr()
+    caplog.clear()
     res = {r.key: r for r in eng.generate(requests())}
-    err = capfd.readouterr().err
+    err = "\n".join(caplog.messages)
 
     bad = res["r1"]
     assert bad.finish_reason == "error" and bad.error_code == NON_FINITE_LOGITS
@@ -140,13 +140,13 @@ def test_nan_row_ends_alone_and_trace_names_it(tiny_model, clean_runs, monkeypat
     assert not any(ln["row"] != "r1" for ln in lines)
 
 
-def test_prefill_injection_over_several_chunks(tiny_model, clean_runs, monkeypatch, capfd):
+def test_prefill_injection_over_several_chunks(tiny_model, clean_runs, monkeypatch, caplog):
     """Step 0 with a prompt of 3 chunks: every chunk of that row's prefill is poisoned and traced."""
     eng = make_engine(tiny_model(), "none", inject=("r1", 0), chunk=5, trace="nonfinite")  # r1's 14-token prompt: 5+5+4
     passes = spy_passes(eng)
-    capfd.readouterr()
+    caplog.clear()
     res = {r.key: r for r in eng.generate(requests())}
-    lines = parse_trace(capfd.readouterr().err)
+    lines = parse_trace("\n".join(caplog.messages))
     assert res["r1"].error_code == NON_FINITE_LOGITS and res["r1"].tokens == []
     assert all(res[k].tokens == clean_runs["none"][k] for k in ("r0", "r2", "r3"))  # chunking changes nothing
     poisoned = [(offs[0], L) for keys, offs, L, cap, flags in passes if any(flags)]
@@ -156,30 +156,30 @@ def test_prefill_injection_over_several_chunks(tiny_model, clean_runs, monkeypat
     all_pages_free(eng)
 
 
-def test_trace_off_prints_nothing(tiny_model, monkeypatch, capfd):
+def test_trace_off_logs_nothing(tiny_model, monkeypatch, caplog):
     eng = make_engine(tiny_model(), "none", inject=("r2", 3))
     assert eng.stats()["options"]["attention_trace"] == "off"
-    capfd.readouterr()
+    caplog.clear()
     res = {r.key: r for r in eng.generate(requests())}
     assert res["r2"].error_code == NON_FINITE_LOGITS
-    assert TRACE not in capfd.readouterr().err
+    assert TRACE not in "\n".join(caplog.messages)
 
 
-def test_trace_nonfinite_is_silent_on_a_clean_run(tiny_model, monkeypatch, capfd):
+def test_trace_nonfinite_is_silent_on_a_clean_run(tiny_model, monkeypatch, caplog):
     eng = make_engine(tiny_model(), "q8", trace="nonfinite")
-    capfd.readouterr()
+    caplog.clear()
     assert all(r.ok for r in eng.generate(requests()))
-    assert TRACE not in capfd.readouterr().err
+    assert TRACE not in "\n".join(caplog.messages)
 
 
-def test_trace_all_prints_every_attention_call(tiny_model, monkeypatch, capfd):
+def test_trace_all_logs_every_attention_call(tiny_model, monkeypatch, caplog):
     m = tiny_model()
     eng = make_engine(m, "none", trace="all")
     passes = spy_passes(eng)
-    capfd.readouterr()
+    caplog.clear()
     reqs = requests()[:2]
     assert all(r.ok for r in eng.generate(reqs))
-    lines = parse_trace(capfd.readouterr().err)
+    lines = parse_trace("\n".join(caplog.messages))
     # one line per row per layer per pass, all finite
     layers = m[2].num_layers
     assert len(lines) == layers * sum(len(keys) for keys, *_ in passes)

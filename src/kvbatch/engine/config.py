@@ -136,7 +136,7 @@ class EngineOptions:
     # CPU decode attention spreads over this many streams (kv none: groups of rows; q8/q4: runs of
     # pages); 0: min(cores, 4); 1: off
     attention_threads: int = 0
-    attention_trace: str = "off"  # off | nonfinite (print bad attention calls) | all (print every call)
+    attention_trace: str = "off"  # off | nonfinite (log bad attention calls) | all (log every call)
     cuda: CudaLaunch = field(default_factory=CudaLaunch)
 
     def identity(self) -> dict[str, Any]:

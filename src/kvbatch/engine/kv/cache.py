@@ -14,7 +14,7 @@ a shared or cached page.
 """
 from __future__ import annotations
 
-import sys
+import logging
 import time
 from dataclasses import dataclass
 from typing import Optional, cast
@@ -32,6 +32,10 @@ from kvbatch.engine.kv.store import QuantizedStore, head_rows
 from kvbatch.engine.kv.routes.base import flat_tokens
 from kvbatch.engine.kv.routes.select import select_route
 from kvbatch.engine.sizes import fmt_bytes
+
+# engine.options.attention_trace's lines: warnings, so they reach stderr under the command and, through
+# Python's last-resort handler, where the caller configured no logging
+trace_log = logging.getLogger("kvbatch.attention")
 
 
 @dataclass
@@ -401,9 +405,9 @@ class PagedKVCache:
             if self.trace == "nonfinite" and (not n_bad or r.key in self._reported):
                 continue
             self._reported.add(r.key)
-            print(f"[kvbatch attention] layer={layer} cache={self.views[layer]!r} route={self.route} "
-                  f"row={r.key} offset={r.length} L={plan.L} capacity={self.capacity_pages * self.P} "
-                  f"reserved={r.reserved} nonfinite={n_bad}", file=sys.stderr, flush=True)
+            trace_log.warning("[kvbatch attention] layer=%d cache=%r route=%s row=%s offset=%d L=%d capacity=%d "
+                              "reserved=%d nonfinite=%d", layer, self.views[layer], self.route, r.key, r.length,
+                              plan.L, self.capacity_pages * self.P, r.reserved, n_bad)
 
 
 def mlx_cached_memory() -> int:
