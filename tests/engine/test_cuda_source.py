@@ -26,7 +26,7 @@ def test_launch_defaults_and_never_split():
     """The launch settings are engine options (engine.options.cuda.*): their defaults are the
     measured best, 0 chunk tokens never splits, 0 unroll/warps mean the kernel kind's defaults."""
     assert CudaLaunch() == CudaLaunch(chunk=1024, unsplit=1024, unroll=0, warps=0, kernel_writes=True,
-                                      tensor_cores=True, quant_tensor_cores=False)
+                                      tensor_cores=True, quant_tensor_cores=True)
     assert ca.splits_for(100_000, 0, 0)[0] == 1  # 0 = never split
     assert ca.splits_for(100_000, 48, 48) == (-(-100_000 // 48), 48, 48)
     assert ca.splits_for(1000, 256, 1024)[0] == 1  # rows up to `unsplit` tokens are not split
@@ -351,14 +351,14 @@ def test_bf16_decode_runs_on_the_tensor_cores_like_a_window(monkeypatch):
 def test_q8_decode_runs_on_the_tensor_cores_where_dense_decode_does(monkeypatch):
     """With cuda.quant_tensor_cores, q8 decode of bf16/fp16 tails takes the tensor-core q8 kernel (its merge reads
     (sealed, tail) counts), with a decode's launch (one position, the warps of the head size), storing the step's
-    K/V when asked; q4, k8v4, groups of 16, float32, a page size not a multiple of 16 and the default
-    (quant_tensor_cores=false) keep the decode-style kernel."""
+    K/V when asked, by default; q4, k8v4, groups of 16, float32, a page size not a multiple of 16 and
+    quant_tensor_cores=false keep the decode-style kernel."""
     import mlx.core as mx
 
     calls = _recording_kernels(monkeypatch)
     B, Hkv, rep, D, P = 2, 2, 4, 64, 16
     lens = mx.array([[32, 5], [1040, 9]], dtype=mx.int32)
-    on = CudaLaunch(quant_tensor_cores=True)
+    on = CudaLaunch()
     cases = ((mx.bfloat16, P, 8, 8, 64, on, "mma_quant_bf16"),
              (mx.float16, P, 8, 8, 32, on, "mma_quant_f16"),
              (mx.bfloat16, P, 4, 4, 64, on, "quant"),
@@ -366,7 +366,7 @@ def test_q8_decode_runs_on_the_tensor_cores_where_dense_decode_does(monkeypatch)
              (mx.bfloat16, P, 8, 8, 16, on, "quant"),
              (mx.float32, P, 8, 8, 64, on, "quant"),
              (mx.bfloat16, 8, 8, 8, 64, on, "quant"),
-             (mx.bfloat16, P, 8, 8, 64, CudaLaunch(), "quant"))
+             (mx.bfloat16, P, 8, 8, 64, CudaLaunch(quant_tensor_cores=False), "quant"))
     for dtype, page, kbits, vbits, group, launch, kind in cases:
         packed = ([mx.zeros((12, Hkv, page, D * kbits // 32), dtype=mx.uint32)]
                   + [mx.zeros((12, Hkv, page, D // group), dtype=dtype)] * 2

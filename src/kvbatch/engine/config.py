@@ -102,8 +102,8 @@ class CudaLaunch:
     # pages read once for all its queries, with decode's numbers), else the decode-style kernel
     tensor_cores: bool = True
     # q8 decode of bf16/fp16 tails on the tensor cores (cuda_source.mma_quant_source), else the decode-style q8
-    # kernel. Off until its float64-reference checks pass on a GPU (docs/performance.md)
-    quant_tensor_cores: bool = False
+    # kernel
+    quant_tensor_cores: bool = True
 
 
 # Options that never change a row's tokens (they change how fast, or what is printed): left out of
