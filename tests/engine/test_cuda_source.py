@@ -108,7 +108,7 @@ def _cache_as_on_cuda(mode: str, P: int, H: int, kernel_writes: bool, step_reuse
     opts = EngineOptions(route="portable", step_reuse=step_reuse, cuda=CudaLaunch(kernel_writes=kernel_writes))
     cache = PagedKVCache(lay, 1, mx.float32, tail_slots=4, upcast=False, query_heads=H, options=opts)
     geom = Geometry(P, H, 64, H)
-    cache.attention = (CudaQuantRoute(cache.store, geom, opts.cuda, opts.step_reuse) if mode != "none" else
+    cache.attention = (CudaQuantRoute(cache.store, geom, opts.cuda, opts.step_reuse, False) if mode != "none" else
                        CudaDenseRoute(cache.store, geom, False, opts.cuda, opts.step_reuse))
     return cache
 

@@ -35,7 +35,7 @@ from kvbatch.engine.kv.routes.dense import dense_attention
 from kvbatch.engine.kv.routes.portable import (PortableDenseRoute, PortableQuantRoute, PortableQuantStep, PortableStep,
                                               row_groups)
 from kvbatch.engine.kv.store import QuantizedStore
-from kvbatch.engine.memory import kv_layout
+from kvbatch.engine.memory import KVLayout, kv_layout
 from kvbatch.engine.mlx_lm_bridge import forward_last, prepare_model
 from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.testing import engine_config
@@ -132,6 +132,33 @@ def test_row_groups_keep_each_gather_call_within_the_launch_limit():
     assert row_groups(8, 8 * 257) == [(0, 8)]
     assert row_groups(3, 70_000) == [(0, 1), (1, 2), (2, 3)]  # a row too large alone still runs, alone
 
+
+
+@pytest.mark.parametrize("dtype,route,upcast", [(mx.bfloat16, "portable", False), (mx.float16, "portable", True),
+                                                (mx.bfloat16, "auto", True)])
+def test_quantized_prefill_attends_in_the_dtype_kv_none_does(dtype, route, upcast):
+    """A q8 prefill pass's attention on a GPU route runs in a bf16 model's dtype, as kv none's does (float32
+    matmuls take several times as long on a GPU); fp16 models' scores, and the CPU's (float32 BLAS), are in
+    float32. The pass's output is exactly dense attention over its own K/V at that precision, and not the
+    other precision's."""
+    P, H, D, L = 64, 2, 64, 40
+    lay = KVLayout(num_kv_layers=1, num_kv_heads=H, head_dim=D, dtype_bytes=2, mode="q8", group_size=64, page_size=P)
+    options = EngineOptions(route=route)
+    cache = PagedKVCache(lay, 1, dtype, 2, dtype == mx.float16, 2 * H, options)
+    row = CacheRow("r")
+    cache.admit(row)
+    cache.reserve(row, L, 1 << 40)
+    q, k, v = (mx.random.normal((1, n, L, D), key=mx.random.key(i)).astype(dtype)
+               for i, n in ((1, 2 * H), (2, H), (3, H)))
+    cache.begin([row], L)
+    cache.write(0, k, v)
+    got = cache.attend(0, q, D ** -0.5)
+    cache.end()
+    causal = mx.tril(mx.ones((L, L), dtype=mx.bool_))[None, None]
+    want, other = (dense_attention(q, k, v, causal, D ** -0.5, upcast=u) for u in (upcast, not upcast))
+    assert got.dtype == dtype
+    assert mx.array_equal(got, want).item()
+    assert not mx.array_equal(got, other).item()
 
 # The smallest model that runs the engine's whole decode path: one layer, one head of 16.
 TINY = dict(num_layers=1, hidden_size=16, num_heads=1, num_kv_heads=1, head_dim=16, intermediate_size=16,

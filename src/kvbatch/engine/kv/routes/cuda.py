@@ -160,8 +160,8 @@ class CudaQuantRoute(QuantRoute):
 
     name = ROUTE_CUDA_Q
 
-    def __init__(self, store, geom: Geometry, launch: CudaLaunch, step_reuse: bool):
-        super().__init__(store, geom, streams=[None], in_place=False)
+    def __init__(self, store, geom: Geometry, launch: CudaLaunch, step_reuse: bool, upcast: bool):
+        super().__init__(store, geom, streams=[None], in_place=False, upcast=upcast)
         self.launch, self.reuse = launch, StepReuse(step_reuse)
         self.composed = True
         self._new_kv: dict[int, tuple[mx.array, mx.array]] = {}

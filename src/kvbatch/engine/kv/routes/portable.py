@@ -251,8 +251,8 @@ class PortableQuantRoute(QuantRoute):
     place (`portable_quantized_decode`); steps with no sealed page, prefill, and fp16 models (whose
     scores are taken in float32) as QuantRoute."""
 
-    def __init__(self, store: QuantizedStore, geom: Geometry, multi_query: int = 1):
-        super().__init__(store, geom, [None], in_place=False, multi_query=multi_query)
+    def __init__(self, store: QuantizedStore, geom: Geometry, multi_query: int = 1, upcast: bool = True):
+        super().__init__(store, geom, [None], in_place=False, multi_query=multi_query, upcast=upcast)
 
     def plan(self, rows: list[CacheRow], L: int, pos: list[int], epoch: int, lens: list[int]) -> object:
         """Decode steps whose rows hold sealed pages read them in place, and so do passes of a few tokens a

@@ -269,10 +269,14 @@ class QuantRoute(Route):
 
     name = ROUTE_QMM
 
-    def __init__(self, store: QuantizedStore, geom: Geometry, streams: list, in_place: bool, multi_query: int = 1):
+    def __init__(self, store: QuantizedStore, geom: Geometry, streams: list, in_place: bool, multi_query: int = 1,
+                 upcast: bool = True):
         """streams: see cpu_streams.py; in_place: CPU decode reads the packed pages in place; multi_query:
-        in place, passes of 2 to this many tokens a row, each in its tail page, are read like decode."""
-        self.store, self.geom, self.streams, self.in_place = store, geom, streams, in_place
+        in place, passes of 2 to this many tokens a row, each in its tail page, are read like decode; upcast:
+        prefill attention in float32 (the CPU, whose float32 matmuls run on BLAS; fp16 models), else in the
+        model's dtype as kv none's (GPU backends: a bf16 pass's matmuls on the tensor cores, where float32
+        ones take several times as long)."""
+        self.store, self.geom, self.streams, self.in_place, self.upcast = store, geom, streams, in_place, upcast
         self.multi_query = multi_query
         self.composed = False  # prefill attention through dense.composed_attention (the CUDA route)
         self._segment: dict[int, tuple[mx.array, ...]] = {}  # prefill: the rows' segments (K, V) as written
@@ -465,7 +469,7 @@ class QuantRoute(Route):
                 dv = mx.concatenate([mx.where(meta.first, fv[:, :, :F].astype(dv.dtype), dv[:, :, :F]), dv[:, :, F:]],
                                     axis=2)
             sk, sv = mx.concatenate([dk, sk], axis=2), mx.concatenate([dv, sv], axis=2)
-        return dense_attention(queries, sk, sv, meta.mask, scale, upcast=True, composed=self.composed)
+        return dense_attention(queries, sk, sv, meta.mask, scale, upcast=self.upcast, composed=self.composed)
 
     def end(self) -> None:
         """Drop the prefill K/V kept for the pass's attention."""

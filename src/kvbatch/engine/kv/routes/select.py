@@ -71,9 +71,9 @@ def select_route(layout: KVLayout, num_layers: int, dtype: mx.Dtype, tail_slots:
         if fused:
             if layout.full_precision_tokens:  # engine/gate.py refuses it first, in one line
                 raise ValueError("kv.full_precision_tokens is not built in the fused CUDA kernel")
-            return store, CudaQuantRoute(store, geom, options.cuda, options.step_reuse)
+            return store, CudaQuantRoute(store, geom, options.cuda, options.step_reuse, upcast)
         if not cpu:
-            return store, PortableQuantRoute(store, geom, options.multi_query)
+            return store, PortableQuantRoute(store, geom, options.multi_query, upcast)
         return store, QuantRoute(store, geom, _streams(cpu, options), in_place=cpu_pages and options.q_in_place,
                                  multi_query=options.multi_query)
     store = DenseStore(num_layers, layout.num_kv_heads, layout.head_dim, layout.page_size, dtype)
