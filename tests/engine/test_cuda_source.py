@@ -137,34 +137,35 @@ def test_quantized_fused_decode_plan(kernel_writes):
     cache = _cache_as_on_cuda("q8", P, H, kernel_writes)
     pos = [0, P - 1, P, 2 * P + 2]
     rows = _rows_at(cache, pos, reserve=1)
-    t = cache.attention.plan(rows, 1, pos, cache.epoch, [1] * len(rows))
+    t = cache.attention.plan(rows, 1, pos, [1] * len(rows))
     assert t.tails.tolist() == [r.tail for r in rows]
     assert t.lens.tolist() == [[0, 1], [0, P], [P, 1], [2 * P, 3]]
     assert [x[:n] for x, n in zip(t.table_q.tolist(), [0, 0, 1, 2])] == [r.pages[:n] for r, n in
                                                                         zip(rows, [0, 0, 1, 2])]
     tails = [r.tail for r in rows]
     assert cache.store.k_axis == "token"  # keys per token, as on MLX CUDA: the seal comes as whole pages
-    if kernel_writes:  # row 1 fills its tail: the kernel still stores the tokens, then one launch seals
+    if kernel_writes:  # row 1 fills its tail: the kernel still stores the tokens, then one launch seals it
         assert t.writes is None
-        src, dst = t.seal
+        src, dst = t.seal  # every row's tail, the page it seals into or -1
+        assert src.tolist() == tails and dst.tolist() == [-1, rows[1].pages[0], -1, -1]
     else:  # this step writes first, then seals
         assert t.writes is not None and t.seal is None
         assert t.writes.tail_write.tolist() == head_rows([a * P + p % P for a, p in zip(tails, pos)], P, H)
         src, dst = t.writes.seal_pages
-    assert src.tolist() == [tails[1]] and dst.tolist() == [rows[1].pages[0]]
+        assert src.tolist() == [tails[1]] and dst.tolist() == [rows[1].pages[0]]
     rest = [rows[0], rows[2], rows[3]]  # no row seals: the kernel stores the token, if it may
-    t = cache.attention.plan(rest, 1, [0, P, 2 * P + 2], cache.epoch, [1] * 3)
+    t = cache.attention.plan(rest, 1, [0, P, 2 * P + 2], [1] * 3)
     assert (t.writes is None) == kernel_writes and t.seal is None  # None: the kernel stores it; else the step
     assert t.writes is None or (t.writes.seal_pages is None and t.writes.seal_from is None)
 
 
 @pytest.mark.parametrize("mode", ["none", "q8"])
 def test_decode_steps_reuse_tables_only_while_no_page_changes(mode):
-    """The CUDA decode reuses the last step's device tables (routes/cuda.py StepReuse) and advances its
-    counts on the device. Every step's arrays must equal a fresh build from the rows, across
-    page boundaries (a dense row gains a page, a q8 row seals its tail), after a step that was
-    built and dropped (lookahead), and when a row released and given other pages comes back at
-    the counts it had."""
+    """The CUDA decode carries the last step's device arrays (routes/cuda.py StepArrays: positions, tails;
+    PageTables: the table while no page count moves) and derives its counts, and the pages full q8 tails
+    seal into, on the device. Every step's arrays must equal a fresh build from the rows, across page
+    boundaries (a dense row gains a page, a q8 row seals its tail), after a step that was built and dropped
+    (lookahead), and when a row released and given other pages comes back at the counts it had."""
     from kvbatch.engine.kv.pages import CacheRow
 
     P = 4
@@ -184,6 +185,8 @@ def test_decode_steps_reuse_tables_only_while_no_page_changes(mode):
             cache.reserve(r, 1, 1 << 30)
         cache.begin(rows, 1)
         t = cache.plan.meta
+        assert cache.plan.offset is t.positions  # the RoPE offsets: the positions the route carries
+        assert t.positions.tolist() == [r.length for r in rows]
         want, n = expected(rows)
         tab = "table" if mode == "none" else "table_q"
         for k, v in want.items():
@@ -191,11 +194,19 @@ def test_decode_steps_reuse_tables_only_while_no_page_changes(mode):
             if k == tab:
                 got = [g[:m] for g, m in zip(got, n)]
             assert got == v, (k, [r.length for r in rows])
+        if mode == "q8":  # a full tail seals into the row's page at its position, the others into none
+            pos = [r.length for r in rows]
+            seal = [r.pages[p // P] if p % P == P - 1 else -1 for r, p in zip(rows, pos)]
+            assert (t.seal is None if max(seal) < 0 else
+                    (t.seal[0].tolist(), t.seal[1].tolist()) == ([r.tail for r in rows], seal))
+            seals.append(max(seal) >= 0)
         cache.end()
         return getattr(t, tab)
 
+    seals: list[bool] = []
     rows = _rows_at(cache, [0, P, 2 * P], reserve=0)  # in step: they cross page boundaries together
     tables = [step(rows) for _ in range(9)]
+    assert mode == "none" or any(seals)
     same = [a is b for a, b in zip(tables, tables[1:])]
     assert any(same) and not all(same)  # reused between page changes, rebuilt at them
     for r in rows:

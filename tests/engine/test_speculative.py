@@ -572,8 +572,8 @@ def test_multi_query_option_decides_how_windows_are_read(tiny_model, route, mode
         attention.multi_query = mq
         plan, kinds = attention.plan, set()
 
-        def watch(rows, L, pos, epoch, lens, plan=plan, kinds=kinds):
-            meta = plan(rows, L, pos, epoch, lens)
+        def watch(rows, L, pos, lens, plan=plan, kinds=kinds):
+            meta = plan(rows, L, pos, lens)
             if 1 < L <= 5 and all(a > 0 for a in pos):  # verification windows (k = 4), no prompt chunk
                 name = type(meta).__name__  # a DenseStep with groups: read in place on the CPU
                 kinds.add(name + ("+groups" if name == "DenseStep" and getattr(meta, "groups", None) else ""))

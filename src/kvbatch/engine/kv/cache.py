@@ -111,9 +111,6 @@ class PagedKVCache:
         self.peak_capacity_pages = 0
         self.trace = options.attention_trace if options.attention_trace != "off" else ""
         self._reported: set = set()
-        # bumped whenever a row gains or loses pages or a tail: a route may reuse the last step's
-        # page tables within one epoch (routes/cuda.py StepReuse)
-        self.epoch = 0
 
     @property
     def route(self) -> str:
@@ -134,7 +131,6 @@ class PagedKVCache:
     # ---- reservation -----------------------------------------------------------------------
     def admit(self, row: CacheRow) -> None:
         """Give a newly admitted row its claim on the cache (and, for quantized modes, a tail page)."""
-        self.epoch += 1
         row.admissions += 1
         if self.store.quantized:
             if not self.free_tails:
@@ -163,7 +159,6 @@ class PagedKVCache:
             return
         need_tokens = row.length + n_tokens
         need_pages = -(-need_tokens // self.P) - len(row.pages)
-        self.epoch += 1
         if need_pages > self.pool.num_free:
             self._grow(self.pool.in_use + need_pages, kv_limit_bytes, want_pages)
         row.pages += self.pool.allocate(need_pages)
@@ -175,7 +170,6 @@ class PagedKVCache:
         full pages of known tokens stay cached for later rows. scrub: zero the pages it alone held
         first (a row that ended in error may hold NaN/inf K/V; the next owner's masked slots must not
         carry it; pages others hold, or cached when its prompt gave finite logits, are left as they are)."""
-        self.epoch += 1
         if scrub:
             own = [p for p in row.pages if self.pool.ref(p) == 1 and not self.pool.is_cached(p)]
             if own:
@@ -201,7 +195,6 @@ class PagedKVCache:
         row.length = row.reserved = length
         keep = -(-length // self.P)
         if keep < len(row.pages):
-            self.epoch += 1
             row.cuts += 1
             self.pool.free(row.pages[keep:])
             del row.pages[keep:]
@@ -215,7 +208,6 @@ class PagedKVCache:
         """The row continues with these cached pages (full, computed): held, not computed again."""
         if not pages:
             return
-        self.epoch += 1
         self.pool.share(pages)
         row.pages += pages
         row.length = len(row.pages) * self.P
@@ -233,7 +225,6 @@ class PagedKVCache:
         tail page). Raises RowError (dst then holds nothing) when the copy's page cannot be had."""
         P = self.P
         full = src.length // P
-        self.epoch += 1
         self.pool.share(src.pages[:full])
         if self.first:
             self._quantized_store().copy_first(src.tail_slot, dst.tail_slot)
@@ -334,9 +325,11 @@ class PagedKVCache:
             r = next(r for r, n in zip(rows, lens) if bad[0] in r.pages[r.length // P:(r.length + n - 1) // P + 1])
             raise UnreservedWriteError(f"row {r.key}: a write into page {bad[0]}, which is shared "
                                        f"or cached (held {self.pool.ref(bad[0])}x)")
-        offset = pos[0] if len(rows) == 1 else mx.array(pos, dtype=mx.int32)
-        self.plan = _Pass(rows, L, lens, offset, self.attention.plan(rows, L, pos, self.epoch, lens),
-                          first=self._first_writes(rows, L, pos, lens))
+        meta = self.attention.plan(rows, L, pos, lens)
+        offset = pos[0] if len(rows) == 1 else self.attention.positions(meta)
+        if offset is None:
+            offset = mx.array(pos, dtype=mx.int32)
+        self.plan = _Pass(rows, L, lens, offset, meta, first=self._first_writes(rows, L, pos, lens))
         if isinstance(poison, mx.array):  # built by the runner's hooks: kept lazy (it may be made to fail)
             self.plan.poison = poison
         elif poison is not None and any(poison):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Optional
+
 import mlx.core as mx
 
 from kvbatch.engine.kv.pages import CacheRow
@@ -30,12 +32,16 @@ class Route:
 
     name: str = ""
 
-    def plan(self, rows: list[CacheRow], L: int, pos: list[int], epoch: int, lens: list[int]) -> object:
+    def plan(self, rows: list[CacheRow], L: int, pos: list[int], lens: list[int]) -> object:
         """The pass's metadata: rows at positions `pos` (their stored lengths), lens[b] <= L tokens
         each (a prefill pass is right-padded to L: the padding is neither stored nor attended to by
-        real tokens). epoch: the cache's counter of page-table changes (a route may reuse last
-        step's arrays)."""
+        real tokens)."""
         raise NotImplementedError
+
+    def positions(self, meta) -> Optional[mx.array]:
+        """The rows' positions (int32, B) as a device array the plan holds already (the pass's RoPE offsets
+        then need no upload of their own), or None."""
+        return None
 
     def write(self, layer: int, meta, keys: mx.array, values: mx.array) -> None:
         """Store the pass's new K/V (B, H, L, D) of one layer."""

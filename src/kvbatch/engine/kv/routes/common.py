@@ -41,16 +41,24 @@ class PageTables:
         self._marks: list[int] = []
         self._counts: list[int] = []
         self._table: Optional[np.ndarray] = None
+        self._device: Optional[mx.array] = None  # `_table` on the device, where `table` made it
 
-    def table(self, rows: list[CacheRow], n_pages: list[int]) -> mx.array:
-        """page_table(rows, n_pages), the same entries."""
-        return mx.array(self.padded(rows, n_pages))
+    def table(self, rows: list[CacheRow], n_pages: list[int], reuse: bool = True) -> mx.array:
+        """page_table(rows, n_pages), the same entries: the last call's device array where it holds them (the
+        same rows, marks and counts: see the class docstring) and `reuse`, else the table uploaded."""
+        if (reuse and self._device is not None and n_pages == self._counts and len(rows) == len(self._rows)
+                and all(map(operator.is_, rows, self._rows)) and [r.admissions + r.cuts for r in rows] == self._marks):
+            return self._device
+        device = mx.array(self.padded(rows, n_pages))
+        self._device = device
+        return device
 
     def padded(self, rows: list[CacheRow], n_pages: list[int]) -> np.ndarray:
         """The same table as an int32 array of the host's (a new one each call). Decode steps and
         verification windows take turns here: a window reaches a page further for some rows, so the
         table narrows and widens by a column between calls and only those rows change."""
         width = max(max(n_pages), 1)
+        self._device = None  # made for the table this call replaces
         last, marks, before = self._table, [r.admissions + r.cuts for r in rows], self._counts
         if last is None or len(rows) != len(self._rows) or not all(map(operator.is_, rows, self._rows)):
             table = np.array(_padded(rows, n_pages, width), dtype=np.int32).reshape(len(rows), width)

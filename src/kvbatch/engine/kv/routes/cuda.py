@@ -3,9 +3,11 @@ portable dense / quantized routes, with attention composed of matmuls (dense.com
 no cuDNN graph per pass shape).
 
 A decode step's arrays come from host lists; in the H200's decode loop each such array costs the
-host 0.1-0.15 ms (docs/performance.md), so while no row gains or loses a page (the cache's epoch
-is unchanged) a step reuses the previous step's page table and advances its lengths on the
-device with one add (`options.step_reuse`).
+host 0.1-0.15 ms, and over 1 ms where MLX hands it a freed device buffer (docs/performance.md). So
+a step builds few (`options.step_reuse`): while the same rows decode, one token on, their positions
+advance on the device with one add and their tail slots stay (`StepArrays`); the page table is the
+previous step's while no row's page count moved (`PageTables`); lengths, a q8/q4 row's sealed and
+tail counts and the pages its full tail seals into are derived on the device from the positions.
 
 A dense pass of a few tokens a row (a speculative verification window: the row's token and its
 k proposals) is attention of several queries per row over the row's pages, each query seeing the
@@ -19,7 +21,7 @@ of gathering every row's pages into a contiguous copy and composing matmuls over
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import mlx.core as mx
 
@@ -37,31 +39,32 @@ ROUTE_CUDA = "paged_cuda_kernel"
 ROUTE_CUDA_Q = "paged_cuda_qkernel"
 
 _ONE = mx.array(1, dtype=mx.int32)
-_TAIL_STEP = mx.array([[0, 1]], dtype=mx.int32)  # lens (B, 2): sealed tokens stay, the tail grows by one
 
 
-class StepReuse:
-    """The last decode step's arrays, for the next step to reuse (see the module docstring)."""
+class StepArrays:
+    """A decode step's per-row device arrays, carried from the step before (see the module docstring):
+    the rows' positions (int32, B) and, for a quantized cache, their tail slots. Carried while the same
+    rows (the same admissions: a row admitted again may hold another tail) decode in the same order:
+    positions one token on (the step before's + 1) or the same (a step built and dropped). Else
+    built from the host's lists. enabled=False (engine.options.step_reuse): built every step."""
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
-        self.last: Optional[tuple] = None
+        self._key: Optional[tuple] = None
+        self._pos: list[int] = []
+        self._arrays: tuple[mx.array, Optional[mx.array]] = (_ONE, None)
 
-    def arrays(self, epoch: int, rows: list[CacheRow], fixed: tuple, counts: list, before: list, step: mx.array,
-               build: Callable[[], tuple]) -> tuple:
-        """(fixed arrays..., counts array). fixed: what the fixed arrays are made of besides the
-        rows' pages (page counts, tails); counts: this step's per-row counts (host list); before:
-        the same one token earlier. Reused when the epoch, the rows and `fixed` are the same and
-        the last step's counts were `before`: the fixed arrays as they are, the counts as the old
-        array + `step`. Else `build()` makes them from the host lists."""
-        key = (epoch, tuple(map(id, rows)), fixed)
-        last = self.last if self.enabled else None
-        if last is not None and last[0] == key and last[1] == before:
-            arrays = last[2][:-1] + (last[2][-1] + step,)
-        else:
-            arrays = build()
-        self.last = (key, counts, arrays)
-        return arrays
+    def get(self, rows: list[CacheRow], pos: list[int], tails: bool) -> tuple[mx.array, Optional[mx.array]]:
+        """(positions, tail slots or None) of `rows` at positions `pos`."""
+        key = (tuple(map(id, rows)), tuple(r.admissions for r in rows), tails)
+        p, t = self._arrays
+        if not (self.enabled and key == self._key and (pos == self._pos or pos == [a + 1 for a in self._pos])):
+            p, t = mx.array(pos, dtype=mx.int32), (mx.array([r.tail_slot for r in rows], dtype=mx.int32)
+                                                   if tails else None)
+        elif pos != self._pos:
+            p = p + _ONE
+        self._key, self._pos, self._arrays = key, pos, (p, t)
+        return p, t
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,7 @@ class CudaDecode:
     table: mx.array
     lengths: mx.array  # (B,) keys stored, the new token included
     rows: Optional[mx.array] = None  # head rows of the new token, when it is scattered before the kernel
+    positions: Optional[mx.array] = None  # (B,) the rows' positions, where StepArrays carries them
 
 
 @dataclass(frozen=True)
@@ -89,13 +93,13 @@ class CudaDenseRoute(DenseRoute):
     def __init__(self, store, geom: Geometry, upcast: bool, launch: CudaLaunch, step_reuse: bool,
                  multi_query: int = 1):
         super().__init__(store, geom, upcast, cpu=False, in_place=False, multi_query=multi_query)
-        self.name, self.launch, self.reuse = ROUTE_CUDA, launch, StepReuse(step_reuse)  # not DenseRoute's name
+        self.name, self.launch, self.steps = ROUTE_CUDA, launch, StepArrays(step_reuse)  # not DenseRoute's name
         self.composed = True  # prefill: no cuDNN graph per pass shape (dense.composed_attention)
         self._new_kv: dict[int, tuple[mx.array, mx.array]] = {}  # decode K/V the kernel stores
 
-    def plan(self, rows, L, pos, epoch, lens):
-        """Decode: a page table and lengths for the kernel (reused from the previous step while no row gains a page);
-        prefill: the dense route's plan."""
+    def plan(self, rows, L, pos, lens):
+        """Decode: a page table and lengths for the kernel (see the module docstring); prefill: the dense route's
+        plan."""
         if L > self.multi_query:
             return self.prefill_plan(rows, L, pos, lens)
         if L > 1:
@@ -103,16 +107,18 @@ class CudaDenseRoute(DenseRoute):
             return CudaMulti(step, mx.array(pos, dtype=mx.int32),
                              mx.array([a + n for a, n in zip(pos, lens)], dtype=mx.int32))
         P = self.geom.page_size
-        new_len = [a + 1 for a in pos]
-        n_pages = [-(-n // P) for n in new_len]
+        n_pages = [a // P + 1 for a in pos]
         if self.launch.kernel_writes:  # the kernel stores the token (slot len - 1)
-            table, lengths = self.reuse.arrays(epoch, rows, tuple(n_pages), new_len, pos, _ONE, lambda: (
-                self.tables.table(rows, n_pages), mx.array(new_len, dtype=mx.int32)))
-            return CudaDecode(table, lengths)
+            p, _ = self.steps.get(rows, pos, tails=False)
+            return CudaDecode(self.tables.table(rows, n_pages, self.steps.enabled), p + _ONE, positions=p)
         table = page_table(rows, n_pages)
         slots = [r.pages[a // P] * P + a % P for r, a in zip(rows, pos)]
         hrows = mx.array(head_rows(slots, P, self.geom.kv_heads), dtype=mx.int32)
-        return CudaDecode(table, mx.array(new_len, dtype=mx.int32), hrows)
+        return CudaDecode(table, mx.array([a + 1 for a in pos], dtype=mx.int32), hrows)
+
+    def positions(self, meta: object) -> Optional[mx.array]:
+        """A decode step's positions as StepArrays carries them."""
+        return meta.positions if isinstance(meta, CudaDecode) else None
 
     def write(self, layer: int, meta: object, keys: mx.array, values: mx.array) -> None:
         """Decode: keep the new K/V for the kernel to store (or scatter them first); prefill: as the dense route."""
@@ -149,10 +155,12 @@ class CudaQuantDecode:
     """A CUDA quantized decode step's metadata: tails, sealed-page table and lengths the fused kernel reads."""
 
     tails: mx.array
-    table_q: mx.array  # (B, n) sealed pages
+    table_q: mx.array  # (B, n) each row's pages up to the one its tail seals into (the kernel reads the sealed ones)
     lens: mx.array  # (B, 2) tokens on sealed pages and in the tail, the new one included
     writes: Optional[TailWrites] = None  # None: the kernel stores the token in the tail
-    seal: Optional[tuple[mx.array, mx.array]] = None  # (tails, pool pages) that fill this step, sealed after it
+    # (tails, pool pages) after the kernel: a row whose tail fills this step seals it into that page, the others -1
+    seal: Optional[tuple[mx.array, mx.array]] = None
+    positions: Optional[mx.array] = None  # (B,) the rows' positions (StepArrays)
 
 
 class CudaQuantRoute(QuantRoute):
@@ -162,37 +170,36 @@ class CudaQuantRoute(QuantRoute):
 
     def __init__(self, store, geom: Geometry, launch: CudaLaunch, step_reuse: bool, upcast: bool):
         super().__init__(store, geom, streams=[None], in_place=False, upcast=upcast)
-        self.launch, self.reuse = launch, StepReuse(step_reuse)
+        self.launch, self.steps = launch, StepArrays(step_reuse)
         self.composed = True
         self._new_kv: dict[int, tuple[mx.array, mx.array]] = {}
 
-    def plan(self, rows, L, pos, epoch, lens):
+    def plan(self, rows, L, pos, lens):
         """Decode: one token per row into its tail; a row that fills its tail page seals it."""
         if L > 1:
-            return super().plan(rows, L, pos, epoch, lens)
+            return super().plan(rows, L, pos, lens)
         P = self.geom.page_size
-        tails = [r.tail_slot for r in rows]
-        n_before = [a // P for a in pos]  # pages sealed before this step
+        p, tails = self.steps.get(rows, pos, tails=True)
+        assert tails is not None  # asked for
+        table = self.tables.table(rows, [a // P + 1 for a in pos], self.steps.enabled)
+        tail_count = p % P + _ONE  # tokens in the tail, this one included
+        lens = mx.stack([p + _ONE - tail_count, tail_count], axis=1)
         fill = [a % P for a in pos]  # tokens in the tail before this one
-
-        def build() -> tuple:
-            return (mx.array(tails, dtype=mx.int32), self.tables.table(rows, n_before),
-                    mx.array([[n * P, f + 1] for n, f in zip(n_before, fill)], dtype=mx.int32))
-
-        arrays = self.reuse.arrays(epoch, rows, (tuple(n_before), tuple(tails)), [f + 1 for f in fill], fill,
-                                   _TAIL_STEP, build)
         if self.launch.kernel_writes and P - 1 not in fill:
-            return CudaQuantDecode(*arrays)
+            return CudaQuantDecode(tails, table, lens, positions=p)
         if self.launch.kernel_writes and self.store.k_axis == "token":
             # With 256 rows at random lengths some row fills its tail at nearly every step: the kernel still
             # stores the tokens, and one launch a layer seals the filled tails, where TailWrites' scatters and
             # quantizations are ~12 launches a layer
-            done = [i for i, f in enumerate(fill) if f == P - 1]
-            return CudaQuantDecode(*arrays, seal=(mx.array([tails[i] for i in done], dtype=mx.int32),
-                                                  mx.array([rows[i].pages[pos[i] // P] for i in done],
-                                                           dtype=mx.int32)))
-        return CudaQuantDecode(*arrays, writes=tail_writes(P, self.geom.kv_heads, self.store.k_axis, rows, pos, tails,
-                                                           fill))
+            dest = mx.take_along_axis(table, (p // P)[:, None], axis=1)[:, 0]
+            return CudaQuantDecode(tails, table, lens, seal=(tails, mx.where(tail_count == P, dest, -1)), positions=p)
+        return CudaQuantDecode(tails, table, lens, writes=tail_writes(P, self.geom.kv_heads, self.store.k_axis, rows,
+                                                                      pos, [r.tail_slot for r in rows], fill),
+                               positions=p)
+
+    def positions(self, meta: object) -> Optional[mx.array]:
+        """A decode step's positions as StepArrays carries them."""
+        return meta.positions if isinstance(meta, CudaQuantDecode) else None
 
     def write(self, layer, meta, keys, values):
         """Decode: keep the new K/V for the kernel to store in the tails (or write them first); prefill: the quantized

@@ -316,9 +316,10 @@ def paged_window_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, tabl
 
 
 def seal_tail_pages(out: mx.array, pages: QuantPages, tails: mx.array, dest: mx.array) -> mx.array:
-    """Quantize the q8/q4 tail pages `tails` (int32, N) into pool pages `dest` (N), keys stored per token,
-    in place; returns `out` (the layer's attention output) passed through, so the seal runs after the
-    decode kernel that stored the pages' last tokens (cuda_source.SEAL). Bits as mx.quantize gives."""
+    """Quantize the q8/q4 tail pages `tails` (int32, N) into pool pages `dest` (N; -1: that tail stays as it
+    is), keys stored per token, in place; returns `out` (the layer's attention output) passed through, so the
+    seal runs after the decode kernel that stored the pages' last tokens (cuda_source.SEAL). Bits as
+    mx.quantize gives."""
     _, Hkv, P, D = pages.tail_k.shape
     n, gs = tails.shape[0], pages.group_size
     threads = max(2 * n * Hkv * P * (D // gs), -(-out.size // 8))

@@ -646,6 +646,7 @@ SEAL = r"""
     const int t = r % P; r /= P;
     const int h = r % HKV;
     const int n = r / HKV;
+    if (pages[n] < 0) return;  // a row whose tail does not fill this step
     const int bits = is_v ? VBITS : KBITS;
     const T* src = (is_v ? tv : tk) + (((size_t)tails[n] * HKV + h) * P + t) * D + g * GS;
     float lo = 3.402823466e+38f, hi = 0.f;  // as MLX: the max starts at 0

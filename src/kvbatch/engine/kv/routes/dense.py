@@ -153,7 +153,7 @@ class DenseRoute(Route):
         self.name = ROUTE_DENSE_F32 if upcast else ROUTE_DENSE
         self.tables = PageTables()  # decode steps' page tables
 
-    def plan(self, rows: list[CacheRow], L: int, pos: list[int], epoch: int, lens: list[int]) -> object:
+    def plan(self, rows: list[CacheRow], L: int, pos: list[int], lens: list[int]) -> object:
         """A decode plan for one-token passes; for a few tokens a row read in place, the decode plan's
         reads with each query's own keys (`multi_plan`); a prefill plan otherwise."""
         if L == 1:

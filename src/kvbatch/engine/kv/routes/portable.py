@@ -193,7 +193,7 @@ class PortableDenseRoute(DenseRoute):
     def __init__(self, store: DenseStore, geom: Geometry, upcast: bool, multi_query: int = 1):
         super().__init__(store, geom, upcast, cpu=False, in_place=False, multi_query=multi_query)
 
-    def plan(self, rows: list[CacheRow], L: int, pos: list[int], epoch: int, lens: list[int]) -> object:
+    def plan(self, rows: list[CacheRow], L: int, pos: list[int], lens: list[int]) -> object:
         """A few tokens a row read in place, each query over its own keys; other passes as DenseRoute plans them."""
         if 1 < L <= self.multi_query and not self.upcast:
             step = self.prefill_plan(rows, L, pos, lens, mask=False)
@@ -202,7 +202,7 @@ class PortableDenseRoute(DenseRoute):
             mask = multi_query_mask(pos, lens, L, width * P, G)  # (B, 1, T, G * L) key-major
             mask = mask.reshape(len(rows), 1, width, P, G * L).swapaxes(-1, -2)
             return self._in_place(step.rows, step.table, mask, L, step.take)
-        return super().plan(rows, L, pos, epoch, lens)
+        return super().plan(rows, L, pos, lens)
 
     def decode_plan(self, rows: list[CacheRow], pos: list[int]) -> DenseStep | PortableStep:  # type: ignore[override]
         """A one-token pass read in place, built from Python lists (see DenseRoute.decode_plan)."""
@@ -254,14 +254,14 @@ class PortableQuantRoute(QuantRoute):
     def __init__(self, store: QuantizedStore, geom: Geometry, multi_query: int = 1, upcast: bool = True):
         super().__init__(store, geom, [None], in_place=False, multi_query=multi_query, upcast=upcast)
 
-    def plan(self, rows: list[CacheRow], L: int, pos: list[int], epoch: int, lens: list[int]) -> object:
+    def plan(self, rows: list[CacheRow], L: int, pos: list[int], lens: list[int]) -> object:
         """Decode steps whose rows hold sealed pages read them in place, and so do passes of a few tokens a
         row that stay in each row's tail page (verification windows); other passes as QuantRoute plans them."""
         P, H, D = self.geom.page_size, self.geom.kv_heads, self.geom.head_dim
         st = self.store
         # fp16 stores: scores past fp16's range; QuantRoute's gathered decode takes them in float32
         if (L > 1 and not self.window_in_tails(L, pos, lens)) or max(pos) < P or st.dtype == mx.float16:
-            return super().plan(rows, L, pos, epoch, lens)
+            return super().plan(rows, L, pos, lens)
         counts = lens if L > 1 else None
         tails, writes, t, use_first = self.tail_plan(rows, pos, counts, [None])
         heads = t["q_page_heads"]

@@ -282,7 +282,7 @@ class QuantRoute(Route):
         self._segment: dict[int, tuple[mx.array, ...]] = {}  # prefill: the rows' segments (K, V) as written
         self.tables = PageTables()  # decode steps' tables of sealed pages
 
-    def plan(self, rows: list[CacheRow], L: int, pos: list[int], epoch: int, lens: list[int]) -> object:
+    def plan(self, rows: list[CacheRow], L: int, pos: list[int], lens: list[int]) -> object:
         """A pass attends to pages sealed before it (quantized) and to everything it wrote or that is
         still in a tail page (full precision), like mlx-lm's quantized cache."""
         P, H, D = self.geom.page_size, self.geom.kv_heads, self.geom.head_dim
