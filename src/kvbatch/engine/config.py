@@ -128,7 +128,7 @@ class EngineOptions:
     q_in_place: bool = True  # CPU q8/q4 decode reads packed pages in place (gather_qmm), else gathers
     rope_table: bool = True  # CPU decode RoPE from one cos/sin table per step (else MLX's kernel per call)
     cpu_swiglu: bool = True  # CPU SwiGLU MLPs take e^x by a compiled polynomial (else mlx-lm's swiglu: scalar exp)
-    step_reuse: bool = True  # CUDA decode reuses the last step's page table while no row gains a page
+    step_reuse: bool = True  # CUDA decode carries positions on the device and reuses an unchanged page table
     # passes of 2..multi_query tokens a row (speculative verification windows, short prompt tails) read
     # the pages as decode does, each query over the keys up to its own position (kv none; q8/q4 on the
     # CPU and the portable route when the window stays in the row's tail page); 1: the prefill path
