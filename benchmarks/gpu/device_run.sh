@@ -45,7 +45,8 @@
 #            omegaconf, antlr4, tqdm: `pip download --only-binary ... --python-version 3.12`); JOB_PROFILE=1 first
 #            profiles one kvbatch run (job_profile.txt), JOB_ROUNDS (default 2; medians of the rounds); JOB_OTHER (e.g.
 #            kv=q8): a second kvbatch side with these overrides too, in the same alternation (its wall against the
-#            first side's); JOB_MATCH=0 leaves out mlx-lm at kvbatch's batch size; JOB_ROWS / JOB_NEW (256 / 512): the
+#            first side's); JOB_MATCH=0 leaves out mlx-lm at kvbatch's batch size; JOB_MLX=0 (with JOB_OTHER and JOB_MATCH=0)
+#            leaves out mlx-lm altogether (the two kvbatch sides only); JOB_ROWS / JOB_NEW (256 / 512): the
 #            rows and new tokens; JOB_TAG: a suffix of the JSON's name
 #   trtgrid  the job stage at TensorRT-LLM's input/output grid ($TRT_PAIRS, default 128/128 2048/2048 128/2048
 #            128/4096 tokens), Llama-$JOB_GEOM geometry (default 8b), $TRT_ROWS rows (256), kvbatch against mlx-lm
@@ -199,7 +200,7 @@ for arg in "$@"; do
       timeout "$secs" python3 -m benchmarks job.job_vs_mlx_lm --model tiny --model-args "$geom" --rows ${JOB_ROWS:-256} \
         --new ${JOB_NEW:-512} \
         --prompt-tokens ${JOB_PROMPT_TOKENS:-32-1999} --rounds ${JOB_ROUNDS:-2} ${JOB_KV:+--kvbatch-args "$JOB_KV"} ${JOB_OTHER:+--other-args "$JOB_OTHER"} \
-        ${JOB_PROFILE:+--profile $OUT/job_profile.txt} $([ "${JOB_MATCH:-1}" = 1 ] && echo --match) --kvbatch-cmd "python3 -m kvbatch" --python python3 \
+        ${JOB_PROFILE:+--profile $OUT/job_profile.txt} $([ "${JOB_MATCH:-1}" = 1 ] && echo --match) $([ "${JOB_MLX:-1}" = 0 ] && echo --no-mlx-lm) --kvbatch-cmd "python3 -m kvbatch" --python python3 \
         --out "$OUT/job_$tag.json" 2>&1 | tee "$OUT/job_$tag.txt" | cut -c1-1500 ;;
     trtgrid) for io in ${TRT_PAIRS:-128/128 2048/2048 128/2048 128/4096}; do  # TensorRT-LLM's input/output grid
         i=${io%/*} o=${io#*/}; echo "-- $i in / $o out, ${TRT_ROWS:-256} rows"

@@ -10,7 +10,8 @@ ratio is reported and the median of those ratios is the number to read (with eac
 wall; the prompts' token lengths in `prompt_tokens`).
 
 With --other-args, a second kvbatch side (the same overrides plus these, e.g. kv=q8) runs in the same
-alternation, and its wall is compared with the first side's (`other_vs_kvbatch_wall`).
+alternation, and its wall is compared with the first side's (`other_vs_kvbatch_wall`); --no-mlx-lm then
+leaves mlx-lm out (the two kvbatch sides alone: a mode against another at a third of the device time).
 
 mlx-lm runs at its defaults and, with --match, also with completion_batch_size set to the batch
 kvbatch ran at (read from its summary.json).
@@ -224,6 +225,8 @@ def add_args(ap) -> None:
                     help="a second kvbatch side with these overrides as well (e.g. kv=q8), in the same alternation")
     ap.add_argument("--profile", help="first one untimed kvbatch run under cProfile; its top functions to this file")
     ap.add_argument("--no-warm", action="store_true", help="no untimed first run (that builds or converts the model)")
+    ap.add_argument("--no-mlx-lm", action="store_true",
+                    help="with --other-args: only the two kvbatch sides (no mlx-lm side, no ratio to it)")
 
 
 def _same_rows(a: dict, b: dict) -> int:
@@ -239,7 +242,7 @@ def _engine_fields(side: dict) -> dict:
 
 
 def _round(a, k: int, inp: Path, tmp: Path, model_cfg: dict, model_args: dict, extra: list[str]) -> dict:
-    order = ["kvbatch"] + (["other"] if a.other_args else []) + ["mlx_lm"]
+    order = ["kvbatch"] + (["other"] if a.other_args else []) + ([] if a.no_mlx_lm else ["mlx_lm"])
     order = order if k % 2 == 0 else order[::-1]
     rnd = {}
     for side in order:
@@ -251,27 +254,30 @@ def _round(a, k: int, inp: Path, tmp: Path, model_cfg: dict, model_args: dict, e
                                     extra + more)
     if a.match:
         rnd["mlx_lm_matched"] = run_mlx_lm(a.python, inp, model_cfg, a.new, rnd["kvbatch"]["engine"].get("max_batch"))
-    kv, ml = rnd["kvbatch"], rnd["mlx_lm"]
-    same = _same_rows(kv, ml)
-    line = {"round": k, "order": order, "kvbatch_tok_s": kv["tok_s"], "mlx_lm_tok_s": ml["tok_s"],
-            "ratio": kv["tok_s"] / ml["tok_s"], "kvbatch_wall_s": kv["wall_s"], "mlx_lm_wall_s": ml["wall_s"],
-            "kvbatch_tokens": kv["tokens"], "mlx_lm_tokens": ml["tokens"], "identical_rows": same,
-            "kvbatch_engine": _engine_fields(kv),
-            "mlx_lm_prompt_time": ml["prompt_time"], "mlx_lm_generation_time": ml["generation_time"],
-            "kvbatch_plan": kv["plan"]}
+    kv, ml = rnd["kvbatch"], rnd.get("mlx_lm")
+    line = {"round": k, "order": order, "kvbatch_tok_s": kv["tok_s"], "kvbatch_wall_s": kv["wall_s"],
+            "kvbatch_tokens": kv["tokens"], "kvbatch_engine": _engine_fields(kv), "kvbatch_plan": kv["plan"]}
+    if ml is not None:
+        line.update(mlx_lm_tok_s=ml["tok_s"], ratio=kv["tok_s"] / ml["tok_s"], mlx_lm_wall_s=ml["wall_s"],
+                    mlx_lm_tokens=ml["tokens"], identical_rows=_same_rows(kv, ml), mlx_lm_prompt_time=ml["prompt_time"],
+                    mlx_lm_generation_time=ml["generation_time"])
     if a.match:
         mm = rnd["mlx_lm_matched"]
         line.update(mlx_lm_matched_tok_s=mm["tok_s"], ratio_matched=kv["tok_s"] / mm["tok_s"])
     if a.other_args:  # the second kvbatch side: its wall against the first's (>= 1: as fast or faster)
         ot = rnd["other"]
         line.update(other_tok_s=ot["tok_s"], other_wall_s=ot["wall_s"], other_tokens=ot["tokens"],
-                    other_ratio=ot["tok_s"] / ml["tok_s"], other_vs_kvbatch_wall=kv["wall_s"] / ot["wall_s"],
-                    other_identical_rows=_same_rows(ot, kv), other_engine=_engine_fields(ot))
+                    other_vs_kvbatch_wall=kv["wall_s"] / ot["wall_s"], other_identical_rows=_same_rows(ot, kv),
+                    other_engine=_engine_fields(ot))
+        if ml is not None:
+            line["other_ratio"] = ot["tok_s"] / ml["tok_s"]
     print(json.dumps(line), flush=True)
     return line
 
 
 def run(a) -> dict:
+    if a.no_mlx_lm and (a.match or not a.other_args):
+        raise SystemExit("--no-mlx-lm compares two kvbatch sides: give --other-args, and no --match")
     tmp = Path(tempfile.mkdtemp(prefix="kvbatch-job-"))
     inp = tmp / "prompts.jsonl"
     model_args = dict(kv.split("=", 1) for kv in shlex.split(a.model_args))
@@ -293,14 +299,14 @@ def run(a) -> dict:
     if a.profile:
         profile_kvbatch(a.python, inp, tmp / "profiled", a.model, model_args, a.new, extra, a.profile)
     rounds = [_round(a, k, inp, tmp, model_cfg, model_args, extra) for k in range(a.rounds)]
-    result = {"median_ratio": statistics.median(r["ratio"] for r in rounds),
-              **{f"median_{k}": statistics.median(r[k] for r in rounds)
-                 for k in ("kvbatch_tok_s", "mlx_lm_tok_s", "kvbatch_wall_s", "mlx_lm_wall_s")},
-              "prompt_tokens": prompt_lengths(texts, model_cfg), "rounds": rounds}
+    sides = ("kvbatch",) if a.no_mlx_lm else ("kvbatch", "mlx_lm")
+    keys = ([] if a.no_mlx_lm else ["ratio"]) + [f"{s}_{f}" for s in sides for f in ("tok_s", "wall_s")]
+    result = {f"median_{k}": statistics.median(r[k] for r in rounds) for k in keys}
+    result.update(prompt_tokens=prompt_lengths(texts, model_cfg), rounds=rounds)
     if a.match:
         result["median_ratio_matched"] = statistics.median(r["ratio_matched"] for r in rounds)
     if a.other_args:
         result.update({f"median_{key}": statistics.median(r[key] for r in rounds)
-                       for key in ("other_tok_s", "other_ratio", "other_vs_kvbatch_wall")})
+                       for key in ("other_tok_s", "other_vs_kvbatch_wall") + (() if a.no_mlx_lm else ("other_ratio",))})
     print(json.dumps({k: result[k] for k in result if k != "rounds"}))
     return result
