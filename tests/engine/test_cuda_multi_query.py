@@ -36,7 +36,7 @@ def test_window_plan_counts_each_rows_keys():
     store = DenseStore(1, 2, 64, P, mx.float32)
     store.grow(6)
     route = CudaDenseRoute(store, Geometry(P, 2, 64, 8), False, CudaLaunch(), False, 8)
-    meta = route.plan(_rows(pos, [1, 3]), 3, pos, 0, lens)
+    meta = route.plan(_rows(pos, [1, 3]), 3, pos, lens)
     assert isinstance(meta, CudaMulti)
     assert meta.firsts.tolist() == [5, 37] and meta.lengths.tolist() == [8, 38]
     assert meta.step.table.shape[0] == 2  # one table row a row, not one a position
@@ -58,7 +58,7 @@ def test_multi_query_pass_matches_prefill_path(page):
         store.v[0] = mx.random.normal(store.v[0].shape).astype(mx.bfloat16)
         rows = _rows(pos, n_pages)
         route = CudaDenseRoute(store, Geometry(page, Hkv, D, Hq), False, launch, False, multi)
-        meta = route.plan(rows, L, pos, 0, lens)
+        meta = route.plan(rows, L, pos, lens)
         assert isinstance(meta, CudaMulti if multi > 1 else DenseStep)
         q = mx.random.normal((len(pos), Hq, L, D)).astype(mx.bfloat16)
         k = mx.random.normal((len(pos), Hkv, L, D)).astype(mx.bfloat16)

@@ -149,7 +149,7 @@ def test_few_token_pass_in_place_equals_gathered(P, G, route):
         portable = in_place and route == "portable"
         r: DenseRoute = (PortableDenseRoute(store, geom, upcast=False, multi_query=8) if portable
                          else DenseRoute(store, geom, upcast=False, cpu=True, in_place=in_place, multi_query=8))
-        meta = r.plan(rows, L, pos, 0, lens)
+        meta = r.plan(rows, L, pos, lens)
         if route == "portable" and in_place:
             assert isinstance(meta, PortableStep) and meta.take is not None
         else:
@@ -191,11 +191,11 @@ def test_few_token_quantized_pass_in_place_equals_gathered(k_axis, bits, route, 
              QuantRoute(store, geom, [None], in_place=in_place, multi_query=8))
         rows = [CacheRow(f"r{i}", pages=[3 * i + j for j in range(3)][::-1] + [9 + i], tail=i) for i in range(3)]
         for row, a, (pk, pv) in zip(rows, pos, prefix):  # each row's prefix, one prefill pass a row
-            meta = r.plan([row], a, [0], 0, [a])
+            meta = r.plan([row], a, [0], [a])
             r.write(0, meta, pk, pv)
             r.end()
             row.length = a
-        meta = r.plan(rows, L, pos, 0, lens)
+        meta = r.plan(rows, L, pos, lens)
         assert isinstance(meta, (PortableQuantStep if route == "portable" else QuantPagedDecode) if in_place
                           else QuantPrefill)
         r.write(0, meta, k, v)

@@ -30,7 +30,7 @@ def _route(bits: int, k_axis: str, first: int) -> tuple[QuantRoute, QuantizedSto
 
 
 def _pass(route: QuantRoute, rows, pos, lens, q, k, v, first: int, store: QuantizedStore) -> mx.array:
-    meta = route.plan(rows, q.shape[2], pos, 0, lens)
+    meta = route.plan(rows, q.shape[2], pos, lens)
     assert isinstance(meta, QuantPrefill)
     if first:  # the cache writes the first-token copies before the route (kv/cache.py)
         for b, (a, n) in enumerate(zip(pos, lens)):
