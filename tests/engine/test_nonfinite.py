@@ -95,6 +95,11 @@ def clean_runs(tiny_model):
     return out
 
 
+def logged(caplog) -> str:
+    """The log messages captured so far, one a line."""
+    return "\n".join(caplog.messages)
+
+
 def parse_trace(err: str) -> list[dict]:
     lines = [ln for ln in err.splitlines() if ln.startswith(TRACE)]
     return [dict(re.findall(r"(\w+)=(\S+?(?:\([^)]*\))?)(?=\s|$)", ln)) for ln in lines]
@@ -108,7 +113,7 @@ def test_nan_row_ends_alone_and_trace_names_it(tiny_model, clean_runs, monkeypat
     passes = spy_passes(eng)
     caplog.clear()
     res = {r.key: r for r in eng.generate(requests())}
-    err = "\n".join(caplog.messages)
+    err = logged(caplog)
 
     bad = res["r1"]
     assert bad.finish_reason == "error" and bad.error_code == NON_FINITE_LOGITS
@@ -146,7 +151,7 @@ def test_prefill_injection_over_several_chunks(tiny_model, clean_runs, monkeypat
     passes = spy_passes(eng)
     caplog.clear()
     res = {r.key: r for r in eng.generate(requests())}
-    lines = parse_trace("\n".join(caplog.messages))
+    lines = parse_trace(logged(caplog))
     assert res["r1"].error_code == NON_FINITE_LOGITS and res["r1"].tokens == []
     assert all(res[k].tokens == clean_runs["none"][k] for k in ("r0", "r2", "r3"))  # chunking changes nothing
     poisoned = [(offs[0], L) for keys, offs, L, cap, flags in passes if any(flags)]
@@ -162,14 +167,14 @@ def test_trace_off_logs_nothing(tiny_model, monkeypatch, caplog):
     caplog.clear()
     res = {r.key: r for r in eng.generate(requests())}
     assert res["r2"].error_code == NON_FINITE_LOGITS
-    assert TRACE not in "\n".join(caplog.messages)
+    assert TRACE not in logged(caplog)
 
 
 def test_trace_nonfinite_is_silent_on_a_clean_run(tiny_model, monkeypatch, caplog):
     eng = make_engine(tiny_model(), "q8", trace="nonfinite")
     caplog.clear()
     assert all(r.ok for r in eng.generate(requests()))
-    assert TRACE not in "\n".join(caplog.messages)
+    assert TRACE not in logged(caplog)
 
 
 def test_trace_all_logs_every_attention_call(tiny_model, monkeypatch, caplog):
@@ -179,7 +184,7 @@ def test_trace_all_logs_every_attention_call(tiny_model, monkeypatch, caplog):
     caplog.clear()
     reqs = requests()[:2]
     assert all(r.ok for r in eng.generate(reqs))
-    lines = parse_trace("\n".join(caplog.messages))
+    lines = parse_trace(logged(caplog))
     # one line per row per layer per pass, all finite
     layers = m[2].num_layers
     assert len(lines) == layers * sum(len(keys) for keys, *_ in passes)

@@ -39,9 +39,9 @@ class Route:
         raise NotImplementedError
 
     def positions(self, meta) -> Optional[mx.array]:
-        """The rows' positions (int32, B) as a device array the plan holds already (the pass's RoPE offsets
-        then need no upload of their own), or None."""
-        return None
+        """The rows' positions (int32, B) where the plan holds them as a device array already (its
+        `positions` field: the pass's RoPE offsets then need no upload of their own), else None."""
+        return getattr(meta, "positions", None)
 
     def write(self, layer: int, meta, keys: mx.array, values: mx.array) -> None:
         """Store the pass's new K/V (B, H, L, D) of one layer."""

@@ -116,10 +116,6 @@ class CudaDenseRoute(DenseRoute):
         hrows = mx.array(head_rows(slots, P, self.geom.kv_heads), dtype=mx.int32)
         return CudaDecode(table, mx.array([a + 1 for a in pos], dtype=mx.int32), hrows)
 
-    def positions(self, meta: object) -> Optional[mx.array]:
-        """A decode step's positions as StepArrays carries them."""
-        return meta.positions if isinstance(meta, CudaDecode) else None
-
     def write(self, layer: int, meta: object, keys: mx.array, values: mx.array) -> None:
         """Decode: keep the new K/V for the kernel to store (or scatter them first); prefill: as the dense route."""
         if isinstance(meta, CudaMulti):
@@ -196,10 +192,6 @@ class CudaQuantRoute(QuantRoute):
         return CudaQuantDecode(tails, table, lens, writes=tail_writes(P, self.geom.kv_heads, self.store.k_axis, rows,
                                                                       pos, [r.tail_slot for r in rows], fill),
                                positions=p)
-
-    def positions(self, meta: object) -> Optional[mx.array]:
-        """A decode step's positions as StepArrays carries them."""
-        return meta.positions if isinstance(meta, CudaQuantDecode) else None
 
     def write(self, layer, meta, keys, values):
         """Decode: keep the new K/V for the kernel to store in the tails (or write them first); prefill: the quantized
