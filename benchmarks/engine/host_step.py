@@ -56,12 +56,14 @@ def add_args(ap) -> None:
                     help="engine.options.lookahead (on: the GPUs' loop; off: the CPU's)")
     ap.add_argument("--prefill", default="65536/auto",
                     help="CHUNK/TOKENS: engine.prefill_chunk / engine.prefill_tokens (the CUDA defaults: 512/8192)")
+    ap.add_argument("--ngram-search", default="host", choices=("host", "device"),
+                    help="speculative.ngram_search with --spec ngram (device: the search's time is the device's)")
     ap.add_argument("--base", default="", help="a commit measured side by side with this tree")
     ap.add_argument("--side", action="store_true", help="(internal) one measurement, one JSON line")
 
 
 def measure(rows: int, new: int, mode: str, page_size: int, spec_method: str = "", prompt_tokens: str = "8-90",
-            lookahead: str = "on", prefill: str = "65536/auto") -> dict:
+            lookahead: str = "on", prefill: str = "65536/auto", ngram_search: str = "host") -> dict:
     """One engine run in this process: host ms a decode step and a digest of every row's tokens."""
     import mlx.core as mx
     from mlx_lm.models import llama
@@ -82,6 +84,8 @@ def measure(rows: int, new: int, mode: str, page_size: int, spec_method: str = "
     kv, opts = h.parse_mode(mode)
     opts.lookahead = lookahead
     speculative = {"method": spec_method, "adaptive": False} if spec_method else None
+    if speculative is not None and ngram_search != "host":  # (a tree before the option has only the host's)
+        speculative["ngram_search"] = ngram_search
     eng = h.engine(model, h.NoEos(), spec, mode, options=opts, page_size=page_size, max_batch=rows,
                    prefill_chunk=int(chunk), prefill_tokens=tokens if tokens == "auto" else int(tokens),
                    memory_budget=int(8e9), allow_unvalidated=True, speculative=speculative)
@@ -159,6 +163,7 @@ def _side(src: Path, a) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.engine.host_step", "--side", "--rows", str(a.rows), "--new", str(a.new),
            "--mode", a.mode, "--page-size", str(a.page_size), "--spec", a.spec, "--prompt-tokens", a.prompt_tokens,
            "--lookahead", a.lookahead, "--prefill", a.prefill]
+    cmd += ["--ngram-search", a.ngram_search] if a.ngram_search != "host" else []
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if p.returncode:
         raise RuntimeError(p.stderr[-2000:])
@@ -176,7 +181,7 @@ def run(a) -> dict:
         sides = {"base": lambda: _side(base_src, a), **sides}
     runs = h.alternate(sides, a.rounds)
     out: dict = {"rows": a.rows, "new": a.new, "mode": a.mode, "page_size": a.page_size, "spec": a.spec,
-                 "prompt_tokens": a.prompt_tokens, "lookahead": a.lookahead}
+                 "prompt_tokens": a.prompt_tokens, "lookahead": a.lookahead, "ngram_search": a.ngram_search}
     for name, rs in runs.items():
         out[name] = h.median_run(rs, "host_ms_per_step")
     if a.base:
@@ -201,4 +206,4 @@ if __name__ == "__main__":  # one side (--side): the measurement of the tree on 
     add_args(ap)
     args = ap.parse_args()
     print(json.dumps(measure(args.rows, args.new, args.mode, args.page_size, args.spec, args.prompt_tokens,
-                             args.lookahead, args.prefill)))
+                             args.lookahead, args.prefill, args.ngram_search)))

@@ -166,6 +166,7 @@ class EngineSettings:
 
 
 SPEC_METHODS = ("none", "ngram", "draft")
+NGRAM_SEARCHES = ("host", "device")
 
 
 @dataclass
@@ -182,6 +183,9 @@ class SpeculativeConfig:
     # ngram: the suffix of the row's tokens matched against its earlier tokens, longest first
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    # ngram: where the rows' suffixes are looked up: host (an index per row, Python) | device (every
+    # proposing row at once over its tokens kept on the device: engine/speculative/ngram_device.py)
+    ngram_search: str = "host"
     # no proposals in a step with more decoding rows than this (vLLM's disable_by_batch_size): where a
     # batch already keeps the device's compute busy, verifying k more tokens a row costs about k steps
     disable_by_batch_size: Optional[int] = None
@@ -271,6 +275,8 @@ def check_speculative(sp: SpeculativeConfig) -> None:
     _need(sp.method in SPEC_METHODS, "speculative.method", sp.method, f"choose one of {', '.join(SPEC_METHODS)}")
     _need(1 <= sp.num_tokens <= 64, "speculative.num_tokens", sp.num_tokens, "must be in [1, 64]")
     _need(sp.prompt_lookup_min >= 1, "speculative.prompt_lookup_min", sp.prompt_lookup_min, "must be >= 1")
+    _need(sp.ngram_search in NGRAM_SEARCHES, "speculative.ngram_search", sp.ngram_search,
+          f"choose one of {', '.join(NGRAM_SEARCHES)}")
     _need(sp.prompt_lookup_max >= sp.prompt_lookup_min, "speculative.prompt_lookup_max", sp.prompt_lookup_max,
           f"must be >= speculative.prompt_lookup_min ({sp.prompt_lookup_min})")
     n = sp.disable_by_batch_size

@@ -1,7 +1,8 @@
 """Speculative decoding: a row's next tokens proposed cheaply, checked by the model in one
 verification pass with the rest of the batch (engine/speculative/verify.py).
 
-A proposer is anything with `propose(rows, ks)`: n-gram lookup in each row's own tokens (ngram.py)
+A proposer is anything with `propose(rows, ks)`: n-gram lookup in each row's own tokens (ngram.py, or
+ngram_device.py searching every row at once on the device)
 or a draft model's small decode steps over its own paged cache (draft.py); a model's
 multi-token-prediction heads plug in at the same seam. Whether a step proposes at all follows what
 verifying was measured to pay at the batch size running (payoff.py, speculative.adaptive).
@@ -13,6 +14,7 @@ from typing import Optional, Protocol
 from kvbatch.engine.config import SpeculativeConfig
 from kvbatch.engine.row import Row
 from kvbatch.engine.speculative.ngram import NgramProposer
+from kvbatch.engine.speculative.ngram_device import DeviceNgramProposer
 
 
 class Proposer(Protocol):
@@ -40,5 +42,7 @@ def make_proposer(cfg: SpeculativeConfig) -> Optional[Proposer]:
     """The proposer speculative.method names that needs nothing but the config (ngram); None:
     no speculation, or a draft model (the engine builds its DraftProposer over its own cache)."""
     if cfg.method == "ngram":
+        if cfg.ngram_search == "device":
+            return DeviceNgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         return NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
     return None
