@@ -4,8 +4,8 @@ prompt_lookup_max down to prompt_lookup_min tokens, and the tokens that followed
 proposing row of a step at once by a few array operations over the rows' tokens kept on the device.
 
 Why: at ~1,000 rows a verification pass on a GPU waits for the host, and keeping each row's n-gram
-index and looking its suffix up is Python per row (~10 µs a row a pass: a third of a pass's host work at
-1,024 rows on a 2-core CPU, docs/performance.md). Here the host only appends each row's new tokens to
+index and looking its suffix up is Python per row (~9 µs a row a pass, ~40% of a pass's host work at
+1,024 rows on a 2-core CPU: docs/performance.md). Here the host only appends each row's new tokens to
 its history (one scatter a step) and reads back up to k tokens a row. The search compares every earlier
 position of every row (rows x tokens x prompt_lookup_max), which a GPU does in well under a millisecond
 and a CPU core does not: the host index stays the default.
@@ -22,10 +22,6 @@ from typing import cast
 import mlx.core as mx
 
 from kvbatch.engine.row import Row
-
-# tokens: the search covers the rows' longest history rounded up to this, so a step's array shapes change
-# once every this many tokens rather than at every step
-SEARCH_ROUND = 256
 
 
 def ngram_search(hist: mx.array, lens: mx.array, n_min: int, n_max: int, k: int) -> tuple[mx.array, mx.array]:
@@ -82,11 +78,8 @@ class DeviceNgramProposer:
         self._fit(max(lens))
         if put_tok:
             self.hist[mx.array(put_slot), mx.array(put_pos)] = mx.array(put_tok, dtype=mx.int32)
-        width = min(self.hist.shape[1], -(-max(lens) // SEARCH_ROUND) * SEARCH_ROUND)
-        k = max(ks)
-        place, after = ngram_search(mx.take(self.hist[:, :width], mx.array(slots), axis=0),
-                                    mx.array(lens, dtype=mx.int32), self.n_min, self.n_max, k)
-        mx.eval(place, after)
+        _, after = ngram_search(mx.take(self.hist[:, :max(lens)], mx.array(slots), axis=0),
+                                mx.array(lens, dtype=mx.int32), self.n_min, self.n_max, max(ks))
         found = cast(list[list[int]], after.tolist())
         return [[t for t in toks[:kk] if t >= 0] for toks, kk in zip(found, ks)]
 
