@@ -105,6 +105,7 @@ def test_engine_tokens_and_counts_as_the_host_search(tiny_model, mode, split):
     assert s["spec_accepted"] > 0 and s["pages_in_use"] == 0
     assert (s["spec_proposed"], s["spec_accepted"], s["spec_passes"]) == \
         (h["spec_proposed"], h["spec_accepted"], h["spec_passes"])
+    assert (s["ngram_search"], h["ngram_search"]) == ("device", "host")  # summary.json's engine says which ran
 
 
 def test_preempted_rows_continue_with_their_tokens_stored_again(tiny_model):

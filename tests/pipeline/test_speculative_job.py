@@ -36,6 +36,10 @@ def test_job_with_ngram_speculation_records_acceptance_and_matches_without(run_a
     split, _ = run_app(f"job.input={src}", "job.max_tokens=24", "speculative.method=ngram",
                        "speculative.split_pass_tokens=0")  # how a pass runs its rows, not what they keep
     assert split == spec
+    device, _ = run_app(f"job.input={src}", "job.max_tokens=24", "speculative.method=ngram",
+                        "speculative.ngram_search=device")  # where the same proposals are looked up
+    assert device == spec
+    assert s["engine"]["ngram_search"] == "host"
 
 
 def test_progress_line_shows_the_acceptance_rate():

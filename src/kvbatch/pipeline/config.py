@@ -513,7 +513,8 @@ def run_identity(cfg: Config, input_path: str, include_kv: bool) -> str:
             keyed["prefix_cache"] = False
         if cfg.speculative.method != "none":  # the verification pass's numerics can move a near-tie
             keyed["speculative"] = asdict(cfg.speculative)
-            for key in ("adaptive", "split_pass_tokens"):  # which steps verify and how, not what they keep
+            # which steps verify and how, and where the same proposals are looked up: not what the rows keep
+            for key in ("adaptive", "split_pass_tokens", "ngram_search"):
                 keyed["speculative"].pop(key)
             if cfg.speculative.method == "draft":
                 keyed["speculative"]["model"].pop("cache_dir", None)

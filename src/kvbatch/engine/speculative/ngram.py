@@ -153,5 +153,6 @@ class NgramProposer:
         """Nothing to drop: a row's index lives with the row."""
 
     def stats(self) -> dict:
-        """Rows whose proposal was prepared while their pass was in flight, and how many of those were used."""
-        return {"ngram_prepared": self.prepared, "ngram_prepared_used": self.prepared_used}
+        """Where the rows' suffixes are looked up; rows whose proposal was prepared while their pass was in flight,
+        and how many of those were used."""
+        return {"ngram_search": "host", "ngram_prepared": self.prepared, "ngram_prepared_used": self.prepared_used}
