@@ -143,8 +143,8 @@ def measure(rows: int, new: int, mode: str, page_size: int, spec_method: str = "
             "prefill_host_ms_per_pass": pre_wall / max(passes, 1) * 1e3, "prefill_passes": passes,
             "critical_ms_per_pass": statistics.median(critical) * 1e3 if critical else None,
             "tokens_per_step": made / max(steps, 1),
-            **{k: stats[k] for k in ("spec_passes", "spec_acceptance", "ngram_prepared", "ngram_prepared_used")
-               if k in stats},
+            **{k: stats[k] for k in ("spec_passes", "spec_acceptance", "spec_passes_chained", "ngram_prepared",
+                                     "ngram_prepared_used") if k in stats},
             "tokens_sha": hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]}
 
 

@@ -9,10 +9,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from kvbatch.engine.config import EngineOptions
 from kvbatch.engine.errors import KvbatchConfigError
 from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.params import SamplingParams
 from kvbatch.engine.row import Row
+from kvbatch.engine.samples import samples
 from kvbatch.engine.sampling import RowSampler
 from kvbatch.engine.speculative.ngram import NgramProposer
 from kvbatch.engine.speculative.ngram_device import DeviceNgramProposer, ngram_search
@@ -126,3 +128,126 @@ def test_preempted_rows_continue_with_their_tokens_stored_again(tiny_model):
 def test_unknown_search_fails_at_once(tiny_model):
     with pytest.raises(KvbatchConfigError, match="speculative.ngram_search"):
         _engine(tiny_model(), dict(DEVICE, ngram_search="gpu"))
+
+
+
+# ---- chained passes (speculative/chain.py) ------------------------------------------------------
+# passes in flight with the device search: each pass built on the device from the one before it, unread.
+# A one-token lookup finds a proposal nearly everywhere, and many are rejected
+CHAINED = dict(DEVICE, split_pass_tokens=IN_FLIGHT, prompt_lookup_min=1, prompt_lookup_max=2)
+
+
+def _greedy(n: int = 7, max_tokens: int = 40, **sp) -> list[Request]:
+    """Greedy rows of random tokens from a narrow range (so n-grams recur), of several lengths."""
+    rng = np.random.default_rng(3)
+    return [Request(f"r{i}", rng.integers(60, 70, 40 + 7 * i).tolist(), SamplingParams(max_tokens=max_tokens + 9 * i,
+                                                                                          **sp)) for i in range(n)]
+
+
+@pytest.mark.parametrize("family,mode,page,route", [("llama", "none", 1, "auto"), ("llama", "none", 16, "auto"),
+                                                    ("qwen3", "none", 64, "auto"), ("qwen3", "none", 4, "auto"),
+                                                    ("llama", "none", 16, "portable"), ("llama", "q8", 16, "auto")])
+def test_chained_passes_keep_the_tokens(tiny_model, family, mode, page, route):
+    """Seven greedy rows through four slots (rows join and leave), proposals accepted and rejected: the tokens
+    of decoding without speculation and the counts of the unchained host search's passes (its windows are
+    the same proposals), every page back at the end; kv none chains most passes, on the CPU's route and the
+    portable one (a quantized cache has no chained plan: its passes run unchained)."""
+    m = tiny_model(family=family)
+    opts = EngineOptions(route=route)
+    ref, got, eng = _both(m, _greedy, spec=CHAINED, mode=mode, page=page, options=opts)
+    _same(ref, got)
+    host = _engine(m, dict(CHAINED, ngram_search="host"), mode=mode, page=page, options=opts)
+    _same(ref, host.generate(_greedy()))
+    s, h = eng.summary(), host.summary()
+    assert s["pages_in_use"] == 0 and 0 < s["spec_accepted"] < s["spec_proposed"]
+    assert (s["spec_proposed"], s["spec_accepted"]) == (h["spec_proposed"], h["spec_accepted"])
+    assert sum(r.stats.spec_accepted for r in got) == s["spec_accepted"]
+    assert h["spec_passes_chained"] == 0
+    if mode == "none":
+        assert s["spec_passes_chained"] > s["spec_passes"] // 2
+    else:
+        assert s["spec_passes_chained"] == 0
+
+
+def test_chained_pass_rows_hold_only_kept_tokens_and_its_window(tiny_model):
+    """Page size 1, greedy: after every step each running row holds exactly the pages of its stored tokens and
+    of the window of the pass in flight (for a chained pass: its whole k + 1), reserves nothing beyond them,
+    and the pool's pages in use are the rows' pages and no more."""
+    eng = _engine(tiny_model(), CHAINED, page=1, prefix_cache=False)
+    for r in _greedy(5):
+        eng.add(r)
+    chained = 0
+    while eng.has_unfinished():
+        eng.step()
+        sent = eng.speculator.inflight
+        assert eng.speculator.older is None  # the pass a chained one was built from is read in the same step
+        window = {id(r): n for r, n in zip(sent.rows, sent.lens)} if sent is not None else {}
+        step = eng.stepper._step  # a plain step in flight: one token a row
+        window.update((id(r), 1) for r in (step.rows if step is not None else ()))
+        for row in eng.scheduler.running:
+            if not row.prefilling:
+                assert len(row.kv.pages) == row.kv.length == row.kv.reserved == \
+                    row.prompt_len + len(row.out) - 1 + window.get(id(row), 0)
+        assert eng.cache.pool.in_use == len({p for row in eng.scheduler.running for p in row.kv.pages})
+        chained = eng.summary()["spec_passes_chained"]
+    s = eng.summary()
+    assert chained > 10 and s["spec_proposed"] > s["spec_accepted"] and s["pages_in_use"] == 0
+
+
+def test_rows_that_finish_their_prompt_join_the_next_pass(tiny_model):
+    """Prompts prefilled a chunk at a time (rows reach decode at different steps, while the others' passes
+    are chained): after every step each decoding row with tokens to go is in the pass or step in flight, so
+    no row waits for the chained passes of the rows before it; the tokens are those without speculation."""
+    m = tiny_model()
+
+    def reqs():
+        return _greedy(8, max_tokens=30)
+    ref, eng = _engine(m, None, max_batch=8).generate(reqs()), _engine(m, CHAINED, max_batch=8, prefill_chunk=24,
+                                                                       prefill_tokens=48)
+    for r in reqs():
+        eng.add(r)
+    got: list = []
+    while eng.has_unfinished():
+        got += eng.step()
+        sent, step = eng.speculator.inflight, eng.stepper._step
+        flying = {id(r) for r in (sent.rows if sent is not None else ())} | \
+            {id(r) for r in (step.rows if step is not None else ())}
+        for row in eng.scheduler.running:
+            if not row.prefilling and not row.ended and len(row.out) < row.end_at:
+                assert id(row) in flying, f"{row.req.key} decodes in no pass"
+    _same(ref, sorted(got, key=lambda r: int(r.key[1:])))
+    assert eng.summary()["spec_passes_chained"] > 0
+
+
+def test_chained_passes_through_preemption_prefix_cache_samples_and_stops(tiny_model):
+    """Greedy rows in a budget for about two (optimistic admission: rows preempted while passes are chained,
+    resuming with their kept tokens), a second wave continuing the first's outputs from the prefix cache, n
+    samples, a stop string past min_tokens, logprobs, and a sampled row (never chained) beside them: the
+    results of decoding without speculation."""
+    m = tiny_model()
+    tok = m[1]
+    probe = _engine(m, None, max_batch=6, admission="reserve")
+    budget = probe.memory.bytes_for([60 + 60] * 2, 60)
+
+    def run(spec):
+        eng = _engine(m, spec, max_batch=6, admission="optimistic", memory_budget=budget)
+        first = eng.generate(_greedy(6, max_tokens=60))
+        s0 = eng.summary()
+        again = [Request(f"b{r.key}", q.prompt_tokens + r.tokens, SamplingParams(max_tokens=20))
+                 for r, q in zip(first[:3], _greedy(3))]
+        base = Request("n", _greedy(1)[0].prompt_tokens, SamplingParams(max_tokens=30), group="n")
+        more = samples(base, 3) + [
+            Request("stop", prompts(1)[0], SamplingParams(max_tokens=40, stop=(tok.decode([28]) * 3,), min_tokens=6)),
+            Request("lp", prompts(2)[1], SamplingParams(max_tokens=30, logprobs=2)),
+            Request("t", prompts(3)[2], SamplingParams(max_tokens=30, temperature=0.7, seed=4))]
+        return first + eng.generate(again + more), s0, eng.summary()
+    (ref, _, r1), (got, s0, s1) = run(None), run(CHAINED)
+    _same(ref, got)
+    lp_ref, lp_got = next(r.logprobs for r in ref if r.key == "lp"), next(r.logprobs for r in got if r.key == "lp")
+    assert lp_ref is not None and lp_got is not None
+    assert np.allclose(lp_ref.tokens, lp_got.tokens, atol=1e-4)  # a window's logits round as decode's nearly
+    assert [[t for t, _ in top] for top in lp_ref.top] == [[t for t, _ in top] for top in lp_got.top]
+    assert next(r for r in got if r.key == "stop").finish_reason == "stop"
+    assert s0["preemptions"] > 0 and s0["spec_passes_chained"] > 0 and all(r.ok for r in got[:6])
+    assert [(r.ok, r.error_code) for r in got] == [(r.ok, r.error_code) for r in ref]
+    assert s1["prompt_tokens_cached"] == r1["prompt_tokens_cached"] > 0

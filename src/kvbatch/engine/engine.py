@@ -200,7 +200,7 @@ class Engine:
         plan = self._decode(plan)
         if self.speculator and not self.scheduler.running:
             self.speculator.proposer.forget()  # the last rows' draft pages go back with theirs
-            self.speculator.inflight = None  # a pass whose rows all ended while it ran: nothing of it is kept
+            self.speculator.drop()  # a pass whose rows all ended while it ran: nothing of it is kept
         self.hooks.on_step(plan, self.runner.times)
         done = list(self.output.done)
         self.output.done.clear()
@@ -224,7 +224,7 @@ class Engine:
         reqs = [r.req for r in s.waiting] + [r.req for r in s.running]
         self.stepper.drop()
         if self.speculator:
-            self.speculator.inflight = None
+            self.speculator.drop()
             self.speculator.proposer.forget(everything=True)
         for r in s.running:
             self.cache.release(r.kv)
@@ -399,6 +399,11 @@ class Engine:
             self._flush()
             rows, flying = st.candidates(s.decoding()), False
         t0, made = (self.hooks.clock(), self.output.generated_tokens) if sp else (0.0, 0)
+        if flying:
+            plan, chained = self._chain(plan, n, t0, made)
+            if chained:
+                return plan
+            flying = sp is not None and sp.inflight is not None  # (a preemption for its windows read it)
         if flying:  # the rows that decode next: not those whose kept tokens end them whatever follows
             kept = self._land_pass()
             rows = [r for r in st.candidates(s.decoding())
@@ -425,6 +430,29 @@ class Engine:
             self._record_cost(sp, len(rows), from_pass, self.output.generated_tokens - made, t0)
         self.hooks.on_decode_step()
         return plan
+
+    def _chain(self, plan: StepPlan, n: int, t0: float, made: int) -> tuple[StepPlan, bool]:
+        """Where the pass in flight can have the next one chained after it (speculative/chain.py): the rows'
+        windows reserved, the next pass built from its unread outputs and sent, then it is read and its outputs
+        applied while the next one computes. The plan (with what reserving did: rows preempted or without room
+        past plan.no_room[:n]) and whether the step ran so; if not, it goes on unchained."""
+        sp, s = self.speculator, self.scheduler
+        assert sp is not None
+        rows = sp.chainable(self.stepper.candidates(s.decoding()))
+        if rows is None:
+            return plan, False
+        window = sp.cfg.num_tokens + 1
+        plan = s.schedule_decode(plan, rows, {id(r): window for r in rows})
+        if sp.inflight is None or plan.decode != tuple(rows) or not sp.chain(rows):
+            return plan, False  # a preemption read the pass in flight, a row found no room, or no chained plan
+        self._land_pass(extend=False)
+        self._read_pass()
+        for r in plan.no_room[n:]:
+            if not r.row.ended:
+                self.output.finish(r.row, "error", r.code, r.message)
+        self._record_cost(sp, len(rows), True, self.output.generated_tokens - made, t0)
+        self.hooks.on_decode_step()
+        return plan, True
 
     def _land_pass(self, extend: bool = True) -> dict[int, list[int]]:
         """Read the verification pass in flight; its outputs wait for `_read_pass`. extend: the next pass is

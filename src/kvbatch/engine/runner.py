@@ -112,6 +112,19 @@ class Runner:
         if self.adapters is not None:
             self.adapters.select([row.adapter for row in rows])
 
+    def begin_chained(self, rows: list[Row], length: int, pos: mx.array, lowest: list[int]) -> bool:
+        """`begin` for a chained verification pass (KVCacheManager.begin_chained: positions on the device only);
+        False where the cache's route cannot plan one."""
+        fault = self.hooks.on_forward()
+        poison = self.poison(rows)
+        if fault is not None:
+            poison = mx.logical_and(mx.array(poison or [False] * len(rows)), fault)
+        if not self.cache.begin_chained([row.kv for row in rows], length, pos, lowest, poison):
+            return False
+        if self.adapters is not None:
+            self.adapters.select([row.adapter for row in rows])
+        return True
+
     # ---- prefill ---------------------------------------------------------------------------
     def prefill(self, chunks: Sequence[Chunk]) -> list[PrefillPass]:
         """One prefill pass: each chunk stores its row's next prompt tokens (pages reserved by the

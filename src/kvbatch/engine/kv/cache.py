@@ -330,11 +330,42 @@ class PagedKVCache:
         if offset is None:
             offset = mx.array(pos, dtype=mx.int32)
         self.plan = _Pass(rows, L, lens, offset, meta, first=self._first_writes(rows, L, pos, lens))
+        self._poison(poison)
+
+    def _poison(self, poison: Optional[list[bool] | mx.array]) -> None:
+        """The pass begun: its testing-only poisoned rows (`begin`), and no row traced yet."""
+        assert self.plan is not None
         if isinstance(poison, mx.array):  # built by the runner's hooks: kept lazy (it may be made to fail)
             self.plan.poison = poison
         elif poison is not None and any(poison):
             self.plan.poison = mx.array(poison)
         self._reported = set()
+
+    def begin_chained(self, rows: list[CacheRow], L: int, pos: mx.array, lowest: list[int],
+                      poison: Optional[list[bool] | mx.array] = None) -> bool:
+        """A pass of L tokens a row at device positions `pos` (int32, B), each at least lowest[b] and at most
+        the row's stored length (a chained verification pass: the pass before it, still computing, decides
+        how many of its tokens stay). Every page the window may write is reserved and the row's own; the
+        stored length advances by L at `end`, as if the pass before kept all its tokens, until that pass is
+        read (Verifier.land cuts it back). False: the route cannot plan such a pass (nothing begun)."""
+        if self.first or self.pool.capacity > self.capacity_pages:
+            return False
+        P = self.P
+        for r in rows:
+            if r.length + L > r.reserved or r.reserved > len(r.pages) * P:
+                raise UnreservedWriteError(f"row {r.key}: chained forward of {L} tokens at <= {r.length} but only "
+                                           f"{r.reserved} reserved")
+        written = [p for r, lo in zip(rows, lowest) for p in r.pages[lo // P:(r.length + L - 1) // P + 1]]
+        bad = self.pool.not_private(written)
+        if bad:
+            raise UnreservedWriteError(f"a chained write into page {bad[0]}, which is shared or cached "
+                                       f"(held {self.pool.ref(bad[0])}x)")
+        meta = self.attention.chained_plan(rows, L, pos, [-(-(r.length + L) // P) for r in rows])
+        if meta is None:
+            return False
+        self.plan = _Pass(rows, L, [L] * len(rows), pos, meta)
+        self._poison(poison)
+        return True
 
     def _first_writes(self, rows: list[CacheRow], L: int, pos: list[int], lens: list[int]):
         """Where the pass's tokens at positions < kv.full_precision_tokens go in the dense copies."""

@@ -59,6 +59,15 @@ class DeviceNgramProposer:
 
     def propose(self, rows: list[Row], ks: list[int]) -> list[list[int]]:
         """Up to ks[i] tokens from rows[i]'s earlier tokens after its latest n-gram match."""
+        slots, lens = self.sync(rows)
+        _, after = ngram_search(mx.take(self.hist[:, :max(lens)], mx.array(slots), axis=0),
+                                mx.array(lens, dtype=mx.int32), self.n_min, self.n_max, max(ks))
+        found = cast(list[list[int]], after.tolist())
+        return [[t for t in toks[:kk] if t >= 0] for toks, kk in zip(found, ks)]
+
+    def sync(self, rows: list[Row], room: int = 0) -> tuple[list[int], list[int]]:
+        """Each row's slot made to hold its tokens so far (prompt and output), in one scatter: the rows'
+        slots and token counts. room: tokens a slot must have room for past them (a chained pass's)."""
         slots, lens, put_slot, put_pos, put_tok = [], [], [], [], []
         for row in rows:
             prompt, out = row.req.prompt_tokens, row.out
@@ -75,13 +84,24 @@ class DeviceNgramProposer:
             self.rows[id(row)] = (row, slot, n)
             slots.append(slot)
             lens.append(n)
-        self._fit(max(lens))
+        self._fit(max(lens) + room)
         if put_tok:
             self.hist[mx.array(put_slot), mx.array(put_pos)] = mx.array(put_tok, dtype=mx.int32)
-        _, after = ngram_search(mx.take(self.hist[:, :max(lens)], mx.array(slots), axis=0),
-                                mx.array(lens, dtype=mx.int32), self.n_min, self.n_max, max(ks))
-        found = cast(list[list[int]], after.tolist())
-        return [[t for t in toks[:kk] if t >= 0] for toks, kk in zip(found, ks)]
+        return slots, lens
+
+    def extend(self, slots: mx.array, lens: mx.array, tokens: mx.array, kept: mx.array, k: int,
+               bound: int) -> tuple[mx.array, mx.array]:
+        """A chained pass's proposals, on the device: each row's window tokens (B, W) written after its
+        `lens` tokens in its slot, `kept` (B,) of them its own (those past them are overwritten later and
+        never read), then searched. bound: the most tokens any slot holds after this (its capacity
+        grown first). Returns the rows' proposals (B, k), -1 where none, and their new token counts."""
+        W = tokens.shape[1]
+        self._fit(bound + W)
+        at = lens[:, None] + mx.arange(W, dtype=mx.int32)[None, :]
+        self.hist[mx.broadcast_to(slots[:, None], at.shape), at] = tokens.astype(mx.int32)
+        lens = lens + kept
+        _, after = ngram_search(mx.take(self.hist[:, :bound], slots, axis=0), lens, self.n_min, self.n_max, k)
+        return after, lens
 
     def _take(self) -> int:
         """A free slot (one given back, else a new one)."""

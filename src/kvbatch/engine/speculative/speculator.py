@@ -8,6 +8,8 @@ from kvbatch.engine.config import SpeculativeConfig
 from kvbatch.engine.row import Row
 from kvbatch.engine.runner import Decoded, Runner
 from kvbatch.engine.speculative import Proposer
+from kvbatch.engine.speculative.chain import host_state, select
+from kvbatch.engine.speculative.ngram_device import DeviceNgramProposer
 from kvbatch.engine.speculative.payoff import Payoff
 from kvbatch.engine.speculative.state import RowSpec
 from kvbatch.engine.speculative.verify import Pass, Verifier
@@ -24,6 +26,8 @@ class Speculator:
         self.context_length, self.page_size, self.quantized = context_length, page_size, quantized
         self.payoff = Payoff(pipelined) if cfg.adaptive else None
         self.inflight: Optional[Pass] = None  # a pass dispatched and not yet read (`send`)
+        self.older: Optional[Pass] = None  # the pass a chained pass was built from, until it is read (`chain`)
+        self.chained = 0  # passes built from the pass before them on the device (`chain`)
         self.passes_in_flight = 0  # passes left in flight by `send`
 
     def wants(self, rows: int) -> bool:
@@ -78,10 +82,67 @@ class Speculator:
         return Decoded([])
 
     def land(self) -> tuple[Decoded, dict[int, list[int]], list[Row]]:
-        """Read the pass in flight (Verifier.land); its rows too."""
-        sent, self.inflight = self.inflight, None
+        """Read the oldest pass in flight (Verifier.land); its rows too."""
+        if self.older is not None:
+            sent, self.older = self.older, None
+        else:
+            sent, self.inflight = self.inflight, None
         assert sent is not None, "land() without a pass in flight"
         return (*self.verifier.land(sent), sent.rows)
+
+    def drop(self) -> None:
+        """Forget the passes in flight unread (their rows ended or were cancelled)."""
+        self.inflight = self.older = None
+
+    def chainable(self, decoding: list[Row]) -> Optional[list[Row]]:
+        """The rows the pass chained after the one in flight would verify (those of it still running), where
+        such a pass can be built (chain.py: every row greedy with no per-step host state, room for a whole
+        window past the pass in flight; the device n-gram search; no test hook that reads tokens) and holds
+        every row that decodes next (`decoding`: a row that has just finished its prompt joins an unchained
+        pass); else None."""
+        p, hooks = self.inflight, self.verifier.r.hooks
+        if p is None or not isinstance(self.proposer, DeviceNgramProposer) or hooks.force_acceptance is not None \
+                or hooks.nonfinite:
+            return None
+        flying = set(map(id, p.rows))
+        if any(id(row) not in flying for row in decoding):
+            return None
+        k, rows = self.cfg.num_tokens, []
+        for row, n in zip(p.rows, p.lens):
+            if row.ended or not row.active:
+                continue
+            s, m = row.sampler, len(row.out) + n + k + 1  # its output tokens at most, once the chained pass ran
+            if s.key is not None or s.reasoning is not None or (s.min_tokens_ban is not None and
+                                                                 len(row.out) < row.req.sampling.min_tokens) \
+                    or m > row.end_at or row.prompt_len + m > self.context_length:
+                return None
+            rows.append(row)
+        return rows or None
+
+    def chain(self, rows: list[Row]) -> bool:
+        """Dispatch the pass chained after the one in flight, over `rows` (`chainable`'s, their windows of
+        num_tokens + 1 reserved), before that one is read: it becomes the pass in flight, and `land` reads the
+        older one next. False where it could not be built (nothing changed)."""
+        p, proposer = self.inflight, self.proposer
+        assert p is not None and isinstance(proposer, DeviceNgramProposer)
+        at = {id(row): i for i, row in enumerate(p.rows)}
+        keep = [at[id(row)] for row in rows]
+        if p.state is None:  # a pass built on the host: its state from the host's lists, the histories synced
+            slots, hist = proposer.sync(rows, room=2 * max(p.lens) + self.cfg.num_tokens)
+            s = host_state(p.sampled.tokens, [p.offs[i] for i in keep], [p.lens[i] for i in keep],
+                           [p.props[i] for i in keep], [p.before[i] for i in keep], slots, hist)
+            p.hist = [0] * len(p.rows)
+            for i, n in zip(keep, hist):
+                p.hist[i] = n
+        else:
+            s = select(p.state, keep)
+        nxt = self.verifier.chain(p, keep, s, proposer, self.cfg.num_tokens)
+        if nxt is None:
+            return False
+        self.older, self.inflight = p, nxt
+        self.chained += 1
+        self.passes_in_flight += 1
+        return True
 
     def frees_slot(self) -> bool:
         """Whether a row of the pass in flight ends with it whatever its tokens (it gives each row one at least)."""
@@ -101,4 +162,5 @@ class Speculator:
                 "spec_split_passes": v.split_passes,
                 "spec_acceptance": v.accepted / v.proposed if v.proposed else None,
                 "spec_plain_steps": self.payoff.plain_steps if self.payoff is not None else 0,
-                "spec_passes_in_flight": self.passes_in_flight, **self.proposer.stats()}
+                "spec_passes_in_flight": self.passes_in_flight, "spec_passes_chained": self.chained,
+                **self.proposer.stats()}

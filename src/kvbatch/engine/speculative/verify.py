@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional, cast
 
 import mlx.core as mx
@@ -37,6 +37,9 @@ from kvbatch.engine.mlx_lm_bridge import forward_hidden
 from kvbatch.engine.row import Row
 from kvbatch.engine.runner import Decoded, Runner, TokenPass
 from kvbatch.engine.sampling import Sampled, sample_batch
+from kvbatch.engine.speculative.chain import ChainState, accepted
+from kvbatch.engine.speculative.ngram_device import DeviceNgramProposer
+from kvbatch.engine.speculative.state import RowSpec
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +91,10 @@ class Pass:
     sampled: Sampled
     finite: mx.array
     t0: float
+    state: Optional[ChainState] = None  # what a pass chained after this one is built from (chain.py)
+    found: Optional[mx.array] = None  # a chained pass: its rows' proposals (B, k), -1 past each row's, unread
+    next: Optional["Pass"] = None  # the pass chained after this one, in flight (its `before` set by this one's land)
+    hist: Optional[list[int]] = None  # with `state`: each row's n-gram history length before the window (the host's)
 
 
 class Verifier:
@@ -161,6 +168,41 @@ class Verifier:
             return self._failed(rows, before, e)
         return Pass(rows, props, lens, offs, before, afters, logits, sampled, finite, t0)
 
+    def chain(self, p: Pass, keep: list[int], s: ChainState, proposer: DeviceNgramProposer, k: int) -> Optional[Pass]:
+        """Build and dispatch the pass chained after `p` (in flight) for its rows at `keep` (their windows of
+        k + 1 tokens reserved), from s, those rows' state of p's unread outputs (chain.py). The pass in
+        flight, or None where the route cannot plan it or it could not be built (nothing then changed)."""
+        r, t0 = self.r, time.perf_counter()
+        rows = [p.rows[i] for i in keep]
+        held = [row.kv.length for row in rows]
+        L = k + 1
+        try:
+            a = accepted(s.tokens, s.props)
+            last = mx.take_along_axis(s.tokens, a[:, None], axis=1)
+            pos = s.pos + a + 1
+            found, hist = proposer.extend(s.slots, s.hist, s.tokens, a + 1, k, s.bound)
+            inputs = mx.concatenate([last, mx.maximum(found, 0)], axis=1)
+            if not r.begin_chained(rows, L, pos, [p.before[i] + 1 for i in keep]):
+                return None
+            try:
+                h, head = forward_hidden(r.model, inputs, r.cache.views)
+            finally:
+                r.cache.end()
+            logits = head(h.reshape(len(rows) * L, h.shape[-1])).astype(mx.float32)
+            sampled = sample_batch(logits, [row for row in rows for _ in range(L)], r.grammars)
+            finite = mx.isfinite(logits).all(axis=-1)
+            state = ChainState(sampled.tokens.reshape(len(rows), L), found, pos, hist, s.slots, s.bound + L)
+            mx.async_eval(*sampled.arrays(), finite, found, pos, hist, proposer.hist)
+        except Exception:
+            for row, n in zip(rows, held):
+                row.kv.length = n
+            logger.exception("chained verification pass of %d rows could not be built", len(rows))
+            return None
+        nxt = Pass(rows, [[] for _ in rows], [L] * len(rows), [i * L for i in range(len(rows))], [0] * len(rows),
+                   [None] * len(rows), logits, sampled, finite, t0, state=state, found=found, hist=[0] * len(rows))
+        p.next = nxt
+        return nxt
+
     def _failed(self, rows: list[Row], before: list[int], e: Exception) -> Decoded:
         """A pass that failed: its rows' stored lengths back to where it started; nothing accepted."""
         for row, n in zip(rows, before):
@@ -177,6 +219,8 @@ class Verifier:
         r, rows = self.r, p.rows
         try:
             toks, ok = cast(list[int], p.sampled.tokens.tolist()), cast(list[bool], p.finite.tolist())
+            if p.found is not None:  # a chained pass's proposals (each a prefix of found tokens)
+                p.props = [[t for t in f if t >= 0] for f in cast(list[list[int]], p.found.tolist())]
         except Exception as e:
             return self._failed(rows, p.before, e), {}
         force = r.hooks.force_acceptance
@@ -184,6 +228,9 @@ class Verifier:
             toks = _forced(toks, p.offs, p.props, force)
             p.sampled.tokens = mx.array(toks)
         acc, kept = [], {}
+        nxt = p.next
+        # rows of a pass chained after this one keep its window past their kept tokens (chain.py)
+        at_next = {id(row): j for j, row in enumerate(nxt.rows)} if nxt is not None else {}
         for i, row in enumerate(rows):
             if row.ended:  # its pages went back with its result; this pass's tokens are dropped
                 acc.append(0)
@@ -193,10 +240,20 @@ class Verifier:
                 else int(force * len(props))
             acc.append(a)
             kept[id(row)] = toks[p.offs[i]:p.offs[i] + a + 1]
-            r.cache.rollback(row.kv, p.before[i] + a + 1)
+            j = at_next.get(id(row))
+            if j is None:
+                r.cache.rollback(row.kv, p.before[i] + a + 1)
+            else:
+                assert nxt is not None
+                nxt.before[j] = p.before[i] + a + 1
+                if p.hist is not None and nxt.hist is not None:
+                    nxt.hist[j] = p.hist[i] + a + 1
+                r.cache.rollback(row.kv, p.before[i] + a + 1 + nxt.lens[j])
             after = p.afters[i]
             if after is not None:
                 row.sampler.key = after[a]  # the key after the a + 1 output steps it takes
+            if props and row.spec is None:  # a chained pass's row that had not proposed before
+                row.spec = RowSpec()
             if props and row.spec is not None:  # a row that proposed has its RowSpec (Speculator.propose)
                 row.spec.verified(len(props), a)
                 if force is not None:  # the benchmark's rows propose k tokens every step
@@ -205,6 +262,8 @@ class Verifier:
                 self.proposed += len(props)
                 self.accepted += a
         self.passes += 1
+        if nxt is not None and nxt.state is not None and nxt.hist is not None:  # its histories' true bound now
+            nxt.state = replace(nxt.state, bound=max(nxt.hist) + max(nxt.lens))
         return Decoded(self._by_step(rows, acc, p.offs, p.logits, p.sampled, p.finite, (toks, ok), p.t0)), kept
 
     def _forward(self, rows: list[Row], props: list[list[int]], lens: list[int]) -> tuple[mx.array, Callable]:

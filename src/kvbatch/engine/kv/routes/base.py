@@ -38,6 +38,14 @@ class Route:
         real tokens)."""
         raise NotImplementedError
 
+    def chained_plan(self, rows: list[CacheRow], L: int, pos: mx.array, n_pages: list[int]) -> Optional[object]:
+        """The metadata of a pass of L tokens a row whose positions `pos` (int32, B) are on the device only: a
+        chained verification pass, built from the pass before it while that one still computes
+        (engine/speculative/chain.py). Every token is real; each row's table is its first n_pages pages
+        (reserved for the window at its furthest). None: the route has no such plan (the pass is then built
+        after the one before it is read)."""
+        return None
+
     def positions(self, meta) -> Optional[mx.array]:
         """The rows' positions (int32, B) where the plan holds them as a device array already (its
         `positions` field: the pass's RoPE offsets then need no upload of their own), else None."""

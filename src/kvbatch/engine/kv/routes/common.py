@@ -115,15 +115,25 @@ def pass_slots(rows: list[CacheRow], P: int, pos: list[int], lens: list[int],
     return padded[which, t // P].astype(np.int64) * P + t % P, mx.array(padded)
 
 
+def window_rows(table: mx.array, pos: mx.array, L: int, P: int, H: int) -> mx.array:
+    """A window of L tokens a row at device positions pos (B,) int32 (a chained verification pass, whose
+    positions the device computed and the host never read): the head rows (kv.store.head_rows) of its
+    tokens, row after row, found through the page table on the device."""
+    t = pos[:, None] + mx.arange(L, dtype=mx.int32)[None, :]  # (B, L) each token's position
+    page = mx.take_along_axis(table, t // P, axis=1)
+    rows = ((page * H)[..., None] + mx.arange(H, dtype=mx.int32)) * P + (t % P)[..., None]  # (B, L, H)
+    return rows.reshape(-1).astype(mx.int32)
+
+
 def token_slots(r: CacheRow, P: int, start: int, stop: int) -> np.ndarray:
     """Pool slots (page * P + offset) of row r's tokens start..stop-1."""
     p = np.arange(start, stop)
     return np.asarray(r.pages, dtype=np.int64)[p // P] * P + p % P
 
 
-def causal_mask(pos: np.ndarray, L: int, T: int, extra_dims: int) -> mx.array:
+def causal_mask(pos: np.ndarray | mx.array, L: int, T: int, extra_dims: int) -> mx.array:
     """(B, 1 x extra_dims, L, T): query i of row b (at pos[b] + i) sees keys 0..pos[b] + i."""
-    qpos = mx.array(pos)[:, None] + mx.arange(L)[None]  # (B, L)
+    qpos = (pos if isinstance(pos, mx.array) else mx.array(pos))[:, None] + mx.arange(L)[None]  # (B, L)
     mask = mx.arange(T)[None, None, :] <= qpos[:, :, None]  # (B, L, T)
     return mask.reshape(mask.shape[0], *([1] * extra_dims), L, T)
 

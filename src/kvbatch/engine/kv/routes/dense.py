@@ -20,7 +20,8 @@ from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.kv.store import DenseStore, head_rows, head_rows_array
 from kvbatch.engine.kv.routes.base import Geometry, Route, flat_tokens, real_tokens
 from kvbatch.engine.kv.routes.cpu_streams import stream_split
-from kvbatch.engine.kv.routes.common import PageTables, causal_mask, page_heads, pass_slots, window_last
+from kvbatch.engine.kv.routes.common import (PageTables, causal_mask, page_heads, page_table, pass_slots, window_last,
+                                             window_rows)
 from kvbatch.engine.kv.routes.softmax_cpu import masked_softmax
 
 ROUTE_DENSE = "paged_sdpa"
@@ -108,10 +109,15 @@ def paged_grouped_decode(q: mx.array, k_pages: mx.array, v_pages: mx.array, page
     return out.reshape(B, Hkv, n, GL, D).sum(axis=2).reshape(B, Hq, L, D)
 
 
-def multi_query_mask(pos: list[int], lens: list[int], L: int, T: int, group: int) -> mx.array:
+def multi_query_mask(pos: list[int] | mx.array, lens: Optional[list[int]], L: int, T: int, group: int) -> mx.array:
     """(B, 1, T, group * L) key-major: query j of row b (each of its KV heads' `group` query heads)
-    sees keys 0..pos[b] + j; a padding position (j >= lens[b]) sees the row's real keys."""
-    last = mx.array(window_last(pos, lens, L))  # (B, L)
+    sees keys 0..pos[b] + j; a padding position (j >= lens[b]) sees the row's real keys. pos as a
+    device array (a chained pass): every row's L tokens are real (lens None)."""
+    if isinstance(pos, mx.array):
+        last = pos[:, None] + mx.arange(L, dtype=mx.int32)[None, :]
+    else:
+        assert lens is not None
+        last = mx.array(window_last(pos, lens, L))  # (B, L)
     mask = mx.arange(T)[None, :, None] <= last[:, None, :]  # (B, T, L)
     return mx.tile(mask, (1, 1, group))[:, None]
 
@@ -183,6 +189,18 @@ class DenseRoute(Route):
         return DenseStep(mx.array(head_rows_array(tokens, P, self.geom.kv_heads)), table,
                          causal_mask(np.array(pos, dtype=np.int32), L, table.shape[1] * P, 1) if mask else None,
                          take=real_tokens(L, lens))
+
+    def chained_plan(self, rows: list[CacheRow], L: int, pos: mx.array, n_pages: list[int]) -> Optional[object]:
+        """A window of L tokens a row at device positions `pos` (a chained verification pass: see
+        Route.chained_plan), each row's table its first n_pages pages; read as `plan` reads such a window."""
+        g, P = self.geom, self.geom.page_size
+        table = mx.array(self.tables.padded(rows, n_pages)) if L <= self.multi_query else page_table(rows, n_pages)
+        hrows = window_rows(table, pos, L, P, g.kv_heads)
+        T = table.shape[1] * P
+        if self.in_place and L <= self.multi_query:
+            return DenseStep(hrows, table, groups=self._groups(table, multi_query_mask(pos, None, L, T,
+                                                                                        g.query_heads // g.kv_heads)))
+        return DenseStep(hrows, table, causal_mask(pos, L, T, 1))
 
     def decode_slots(self, rows: list[CacheRow], pos: list[int]) -> tuple[mx.array, mx.array, mx.array]:
         """A one-token pass's page table, the head rows its new token is written to, and the (B, T) mask of
