@@ -15,6 +15,10 @@ the backend overlaps them, engine.options.lookahead). `step_ms` is a decode step
 included: on the CPU what a step costs, so work moved from the host into an evaluation (MLX freeing or mapping
 buffers inside an allocation) shows there and not in `host_ms_per_step`.
 
+`--ngram-search device` searches on the device, and its passes are chained (speculative.chain; `--chain off`: not):
+a chained pass is handed to the device before the pass it is built from is read, so no host time lies between a
+read and the next hand-off; `critical_ms_per_pass` then times the read to the hand-off of the pass after next.
+
 `--spec ngram` measures the same with n-gram speculation (fixed: `speculative.adaptive=false`), a step being a
 verification pass or a plain step: the random model's greedy tokens fall into loops its own n-grams predict, so
 most proposals are accepted, as in a rewrite job. `tokens_per_step` is the output tokens a decode step.
@@ -58,12 +62,14 @@ def add_args(ap) -> None:
                     help="CHUNK/TOKENS: engine.prefill_chunk / engine.prefill_tokens (the CUDA defaults: 512/8192)")
     ap.add_argument("--ngram-search", default="host", choices=("host", "device"),
                     help="speculative.ngram_search with --spec ngram (device: the search's time is the device's)")
+    ap.add_argument("--chain", default="on", choices=("on", "off"),
+                    help="speculative.chain with --ngram-search device (off: each pass built after the last is read)")
     ap.add_argument("--base", default="", help="a commit measured side by side with this tree")
     ap.add_argument("--side", action="store_true", help="(internal) one measurement, one JSON line")
 
 
 def measure(rows: int, new: int, mode: str, page_size: int, spec_method: str = "", prompt_tokens: str = "8-90",
-            lookahead: str = "on", prefill: str = "65536/auto", ngram_search: str = "host") -> dict:
+            lookahead: str = "on", prefill: str = "65536/auto", ngram_search: str = "host", chain: str = "on") -> dict:
     """One engine run in this process: host ms a decode step and a digest of every row's tokens."""
     import mlx.core as mx
     from mlx_lm.models import llama
@@ -86,6 +92,8 @@ def measure(rows: int, new: int, mode: str, page_size: int, spec_method: str = "
     speculative = {"method": spec_method, "adaptive": False} if spec_method else None
     if speculative is not None and ngram_search != "host":  # (a tree before the option has only the host's)
         speculative["ngram_search"] = ngram_search
+    if speculative is not None and chain == "off":  # (likewise)
+        speculative["chain"] = False
     eng = h.engine(model, h.NoEos(), spec, mode, options=opts, page_size=page_size, max_batch=rows,
                    prefill_chunk=int(chunk), prefill_tokens=tokens if tokens == "auto" else int(tokens),
                    memory_budget=int(8e9), allow_unvalidated=True, speculative=speculative)
@@ -164,6 +172,7 @@ def _side(src: Path, a) -> dict:
            "--mode", a.mode, "--page-size", str(a.page_size), "--spec", a.spec, "--prompt-tokens", a.prompt_tokens,
            "--lookahead", a.lookahead, "--prefill", a.prefill]
     cmd += ["--ngram-search", a.ngram_search] if a.ngram_search != "host" else []
+    cmd += ["--chain", a.chain] if a.chain != "on" else []
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if p.returncode:
         raise RuntimeError(p.stderr[-2000:])
@@ -181,7 +190,8 @@ def run(a) -> dict:
         sides = {"base": lambda: _side(base_src, a), **sides}
     runs = h.alternate(sides, a.rounds)
     out: dict = {"rows": a.rows, "new": a.new, "mode": a.mode, "page_size": a.page_size, "spec": a.spec,
-                 "prompt_tokens": a.prompt_tokens, "lookahead": a.lookahead, "ngram_search": a.ngram_search}
+                 "prompt_tokens": a.prompt_tokens, "lookahead": a.lookahead, "ngram_search": a.ngram_search,
+                 "chain": a.chain}
     for name, rs in runs.items():
         out[name] = h.median_run(rs, "host_ms_per_step")
     if a.base:
@@ -206,4 +216,4 @@ if __name__ == "__main__":  # one side (--side): the measurement of the tree on 
     add_args(ap)
     args = ap.parse_args()
     print(json.dumps(measure(args.rows, args.new, args.mode, args.page_size, args.spec, args.prompt_tokens,
-                             args.lookahead, args.prefill, args.ngram_search)))
+                             args.lookahead, args.prefill, args.ngram_search, args.chain)))

@@ -169,6 +169,20 @@ def test_chained_passes_keep_the_tokens(tiny_model, family, mode, page, route):
         assert s["spec_passes_chained"] == 0
 
 
+def test_chain_off_builds_each_pass_after_the_one_before_is_read(tiny_model):
+    """speculative.chain=false: the device search's passes are built after the pass before is read, none chained,
+    and the tokens and counts are the chained run's; summary.json's engine says whether passes chain."""
+    m = tiny_model()
+    chained = _engine(m, CHAINED)
+    a = chained.generate(_greedy())
+    off = _engine(m, dict(CHAINED, chain=False))
+    _same(a, off.generate(_greedy()))
+    s, o = chained.summary(), off.summary()
+    assert s["spec_passes_chained"] > 0 and s["spec_chain"] is True
+    assert o["spec_passes_chained"] == 0 and o["spec_chain"] is False and o["spec_passes_in_flight"] > 0
+    assert (s["spec_proposed"], s["spec_accepted"]) == (o["spec_proposed"], o["spec_accepted"])
+
+
 def test_chained_pass_rows_hold_only_kept_tokens_and_its_window(tiny_model):
     """Page size 1, greedy: after every step each running row holds exactly the pages of its stored tokens and
     of the window of the pass in flight (for a chained pass: its whole k + 1), reserves nothing beyond them,

@@ -39,7 +39,10 @@ def test_job_with_ngram_speculation_records_acceptance_and_matches_without(run_a
     device, _ = run_app(f"job.input={src}", "job.max_tokens=24", "speculative.method=ngram",
                         "speculative.ngram_search=device")  # where the same proposals are looked up
     assert device == spec
-    assert s["engine"]["ngram_search"] == "host"
+    unchained, _ = run_app(f"job.input={src}", "job.max_tokens=24", "speculative.method=ngram",
+                           "speculative.ngram_search=device", "speculative.chain=false")  # when passes are built
+    assert unchained == spec
+    assert s["engine"]["ngram_search"] == "host" and s["engine"]["spec_chain"] is False
 
 
 def test_progress_line_shows_the_acceptance_rate():

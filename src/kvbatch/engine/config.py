@@ -186,6 +186,9 @@ class SpeculativeConfig:
     # ngram: where the rows' suffixes are looked up: host (an index per row, Python) | device (every
     # proposing row at once over its tokens kept on the device: engine/speculative/ngram_device.py)
     ngram_search: str = "host"
+    # ngram_search=device with the lookahead: each verification pass built on the device from the unread pass
+    # in flight, not after the host read it (engine/speculative/chain.py); the same tokens either way
+    chain: bool = True
     # no proposals in a step with more decoding rows than this (vLLM's disable_by_batch_size): where a
     # batch already keeps the device's compute busy, verifying k more tokens a row costs about k steps
     disable_by_batch_size: Optional[int] = None

@@ -441,8 +441,7 @@ class Engine:
         rows = sp.chainable(self.stepper.candidates(s.decoding()))
         if rows is None:
             return plan, False
-        window = sp.cfg.num_tokens + 1
-        plan = s.schedule_decode(plan, rows, {id(r): window for r in rows})
+        plan = s.schedule_decode(plan, rows, {id(r): sp.width for r in rows})
         if sp.inflight is None or plan.decode != tuple(rows) or not sp.chain(rows):
             return plan, False  # a preemption read the pass in flight, a row found no room, or no chained plan
         self._land_pass(extend=False)

@@ -514,7 +514,7 @@ def run_identity(cfg: Config, input_path: str, include_kv: bool) -> str:
         if cfg.speculative.method != "none":  # the verification pass's numerics can move a near-tie
             keyed["speculative"] = asdict(cfg.speculative)
             # which steps verify and how, and where the same proposals are looked up: not what the rows keep
-            for key in ("adaptive", "split_pass_tokens", "ngram_search"):
+            for key in ("adaptive", "split_pass_tokens", "ngram_search", "chain"):
                 keyed["speculative"].pop(key)
             if cfg.speculative.method == "draft":
                 keyed["speculative"]["model"].pop("cache_dir", None)

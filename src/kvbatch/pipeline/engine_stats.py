@@ -15,7 +15,7 @@ from typing import Any
 CONFIG = frozenset({
     "kv_mode", "route", "page_size", "kv_k_axis", "group_size", "kv_label", "key_bits", "value_bits", "rotate_keys",
     "full_precision_tokens", "kv_bytes_per_token", "page_bytes", "weights_bytes", "max_batch_why", "admission",
-    "prefix_cache", "lookahead", "options", "speculative", "ngram_search"})
+    "prefix_cache", "lookahead", "options", "speculative", "ngram_search", "spec_chain"})
 # the state at the end of a run: side by side they add up, one after the other the later one's stands
 STATE = frozenset({"pages_in_use", "pages_free", "rows_running", "rows_waiting", "pages_cached",
                    "pages_evictable", "decode_in_flight"})

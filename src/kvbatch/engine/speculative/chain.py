@@ -9,9 +9,10 @@ sampled before each position), its last token, its next position, its history ex
 and the n-gram search over it (ngram_device.py). The next pass is built from those lazy arrays and handed
 to the device behind the pass in flight; the host then reads the older pass while the newer one computes.
 
-What the host cannot know before the read, it takes at its furthest: every row's window is k + 1 tokens
-(its token and k proposal positions; a position without a proposal holds token 0 and is verified like any
-other, kept only where the model's own token is 0 there), and its pages are reserved as if the pass in
+What the host cannot know before the read, it takes at its furthest: every row's window has one width (its
+token and as many positions as the longest proposal of the last pass read, at least one, at most k; a row's
+proposal past them is cut, and a position without a proposal holds token 0 and is verified like any other,
+kept only where the model's own token is 0 there), and its pages are reserved as if the pass in
 flight kept all its tokens. Reading that pass then cuts each row back to what it kept plus the chained
 window (Verifier.land). So a chained pass holds only rows that decode greedily with no per-step host state
 (no grammar, penalties, min_tokens mask or reasoning budget still pending), have room for a whole window

@@ -62,6 +62,7 @@ class DeviceNgramProposer:
         slots, lens = self.sync(rows)
         _, after = ngram_search(mx.take(self.hist[:, :max(lens)], mx.array(slots), axis=0),
                                 mx.array(lens, dtype=mx.int32), self.n_min, self.n_max, max(ks))
+        mx.eval(after)  # the search is the device's work: evaluated apart from the read, as a profile shows it
         found = cast(list[list[int]], after.tolist())
         return [[t for t in toks[:kk] if t >= 0] for toks, kk in zip(found, ks)]
 

@@ -28,6 +28,9 @@ class Speculator:
         self.inflight: Optional[Pass] = None  # a pass dispatched and not yet read (`send`)
         self.older: Optional[Pass] = None  # the pass a chained pass was built from, until it is read (`chain`)
         self.chained = 0  # passes built from the pass before them on the device (`chain`)
+        # a chained pass's window: one more than the longest proposal of the last pass read (at least one), so
+        # that rows whose searches find fewer than k tokens do not verify k positions each
+        self.width = cfg.num_tokens + 1
         self.passes_in_flight = 0  # passes left in flight by `send`
 
     def wants(self, rows: int) -> bool:
@@ -88,7 +91,9 @@ class Speculator:
         else:
             sent, self.inflight = self.inflight, None
         assert sent is not None, "land() without a pass in flight"
-        return (*self.verifier.land(sent), sent.rows)
+        out = self.verifier.land(sent)
+        self.width = 1 + min(self.cfg.num_tokens, max(sent.longest, 1))
+        return (*out, sent.rows)
 
     def drop(self) -> None:
         """Forget the passes in flight unread (their rows ended or were cancelled)."""
@@ -101,8 +106,8 @@ class Speculator:
         every row that decodes next (`decoding`: a row that has just finished its prompt joins an unchained
         pass); else None."""
         p, hooks = self.inflight, self.verifier.r.hooks
-        if p is None or not isinstance(self.proposer, DeviceNgramProposer) or hooks.force_acceptance is not None \
-                or hooks.nonfinite:
+        if p is None or not self.cfg.chain or not isinstance(self.proposer, DeviceNgramProposer) \
+                or hooks.force_acceptance is not None or hooks.nonfinite:
             return None
         flying = set(map(id, p.rows))
         if any(id(row) not in flying for row in decoding):
@@ -121,8 +126,8 @@ class Speculator:
 
     def chain(self, rows: list[Row]) -> bool:
         """Dispatch the pass chained after the one in flight, over `rows` (`chainable`'s, their windows of
-        num_tokens + 1 reserved), before that one is read: it becomes the pass in flight, and `land` reads the
-        older one next. False where it could not be built (nothing changed)."""
+        `width` reserved), before that one is read: it becomes the pass in flight, and `land` reads the older
+        one next. False where it could not be built (nothing changed)."""
         p, proposer = self.inflight, self.proposer
         assert p is not None and isinstance(proposer, DeviceNgramProposer)
         at = {id(row): i for i, row in enumerate(p.rows)}
@@ -136,7 +141,7 @@ class Speculator:
                 p.hist[i] = n
         else:
             s = select(p.state, keep)
-        nxt = self.verifier.chain(p, keep, s, proposer, self.cfg.num_tokens)
+        nxt = self.verifier.chain(p, keep, s, proposer, self.cfg.num_tokens, self.width)
         if nxt is None:
             return False
         self.older, self.inflight = p, nxt
@@ -163,4 +168,5 @@ class Speculator:
                 "spec_acceptance": v.accepted / v.proposed if v.proposed else None,
                 "spec_plain_steps": self.payoff.plain_steps if self.payoff is not None else 0,
                 "spec_passes_in_flight": self.passes_in_flight, "spec_passes_chained": self.chained,
+                "spec_chain": self.cfg.chain and isinstance(self.proposer, DeviceNgramProposer),
                 **self.proposer.stats()}

@@ -95,6 +95,7 @@ class Pass:
     found: Optional[mx.array] = None  # a chained pass: its rows' proposals (B, k), -1 past each row's, unread
     next: Optional["Pass"] = None  # the pass chained after this one, in flight (its `before` set by this one's land)
     hist: Optional[list[int]] = None  # with `state`: each row's n-gram history length before the window (the host's)
+    longest: int = 0  # read: the most tokens a row's proposal had (a chained pass's: found, before its window cut it)
 
 
 class Verifier:
@@ -168,20 +169,22 @@ class Verifier:
             return self._failed(rows, before, e)
         return Pass(rows, props, lens, offs, before, afters, logits, sampled, finite, t0)
 
-    def chain(self, p: Pass, keep: list[int], s: ChainState, proposer: DeviceNgramProposer, k: int) -> Optional[Pass]:
+    def chain(self, p: Pass, keep: list[int], s: ChainState, proposer: DeviceNgramProposer, k: int,
+              L: int) -> Optional[Pass]:
         """Build and dispatch the pass chained after `p` (in flight) for its rows at `keep` (their windows of
-        k + 1 tokens reserved), from s, those rows' state of p's unread outputs (chain.py). The pass in
-        flight, or None where the route cannot plan it or it could not be built (nothing then changed)."""
+        L <= k + 1 tokens reserved), from s, those rows' state of p's unread outputs (chain.py): each row's
+        search finds up to k tokens, of which the first L - 1 are verified. The pass in flight, or None where
+        the route cannot plan it or it could not be built (nothing then changed)."""
         r, t0 = self.r, time.perf_counter()
         rows = [p.rows[i] for i in keep]
         held = [row.kv.length for row in rows]
-        L = k + 1
         try:
             a = accepted(s.tokens, s.props)
             last = mx.take_along_axis(s.tokens, a[:, None], axis=1)
             pos = s.pos + a + 1
             found, hist = proposer.extend(s.slots, s.hist, s.tokens, a + 1, k, s.bound)
-            inputs = mx.concatenate([last, mx.maximum(found, 0)], axis=1)
+            props = found[:, :L - 1]
+            inputs = mx.concatenate([last, mx.maximum(props, 0)], axis=1)
             if not r.begin_chained(rows, L, pos, [p.before[i] + 1 for i in keep]):
                 return None
             try:
@@ -191,7 +194,7 @@ class Verifier:
             logits = head(h.reshape(len(rows) * L, h.shape[-1])).astype(mx.float32)
             sampled = sample_batch(logits, [row for row in rows for _ in range(L)], r.grammars)
             finite = mx.isfinite(logits).all(axis=-1)
-            state = ChainState(sampled.tokens.reshape(len(rows), L), found, pos, hist, s.slots, s.bound + L)
+            state = ChainState(sampled.tokens.reshape(len(rows), L), props, pos, hist, s.slots, s.bound + L)
             mx.async_eval(*sampled.arrays(), finite, found, pos, hist, proposer.hist)
         except Exception:
             for row, n in zip(rows, held):
@@ -219,14 +222,18 @@ class Verifier:
         r, rows = self.r, p.rows
         try:
             toks, ok = cast(list[int], p.sampled.tokens.tolist()), cast(list[bool], p.finite.tolist())
-            if p.found is not None:  # a chained pass's proposals (each a prefix of found tokens)
-                p.props = [[t for t in f if t >= 0] for f in cast(list[list[int]], p.found.tolist())]
+            if p.found is not None:  # a chained pass's proposals: of each row's found tokens, those it verified
+                found = [[t for t in f if t >= 0] for f in cast(list[list[int]], p.found.tolist())]
+                p.props = [f[:n - 1] for f, n in zip(found, p.lens)]
+                p.longest = max(map(len, found), default=0)
         except Exception as e:
             return self._failed(rows, p.before, e), {}
         force = r.hooks.force_acceptance
         if force is not None:
             toks = _forced(toks, p.offs, p.props, force)
             p.sampled.tokens = mx.array(toks)
+        if p.found is None:
+            p.longest = max(map(len, p.props), default=0)
         acc, kept = [], {}
         nxt = p.next
         # rows of a pass chained after this one keep its window past their kept tokens (chain.py)
