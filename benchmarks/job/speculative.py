@@ -126,7 +126,8 @@ def _brief(r: dict) -> dict:
                               "gpu_util", "gpu_util_mean", "gpu_util_samples", "gpu_util_tenths")
             if k in r}
     keep.update({k: eng[k] for k in ("decode_s", "prefill_s", "spec_acceptance", "spec_proposed", "spec_accepted",
-                                     "spec_passes", "spec_passes_in_flight", "spec_plain_steps", "ngram_prepared",
+                                     "spec_passes", "spec_passes_in_flight", "spec_passes_chained", "spec_plain_steps",
+                                     "ngram_search", "spec_chain", "ngram_prepared",
                                      "ngram_prepared_used", "max_batch", "peak_concurrency", "admission",
                                      "preemptions", "prefill_passes", "budget_bytes", "pool_bytes",
                                      "peak_pages_in_use", "mlx_peak_memory_bytes", "cache_clears")
