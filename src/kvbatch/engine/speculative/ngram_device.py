@@ -66,9 +66,9 @@ class DeviceNgramProposer:
         found = cast(list[list[int]], after.tolist())
         return [[t for t in toks[:kk] if t >= 0] for toks, kk in zip(found, ks)]
 
-    def sync(self, rows: list[Row], room: int = 0) -> tuple[list[int], list[int]]:
+    def sync(self, rows: list[Row]) -> tuple[list[int], list[int]]:
         """Each row's slot made to hold its tokens so far (prompt and output), in one scatter: the rows'
-        slots and token counts. room: tokens a slot must have room for past them (a chained pass's)."""
+        slots and token counts."""
         slots, lens, put_slot, put_pos, put_tok = [], [], [], [], []
         for row in rows:
             prompt, out = row.req.prompt_tokens, row.out
@@ -85,7 +85,7 @@ class DeviceNgramProposer:
             self.rows[id(row)] = (row, slot, n)
             slots.append(slot)
             lens.append(n)
-        self._fit(max(lens) + room)
+        self._fit(max(lens))
         if put_tok:
             self.hist[mx.array(put_slot), mx.array(put_pos)] = mx.array(put_tok, dtype=mx.int32)
         return slots, lens

@@ -133,7 +133,7 @@ class Speculator:
         at = {id(row): i for i, row in enumerate(p.rows)}
         keep = [at[id(row)] for row in rows]
         if p.state is None:  # a pass built on the host: its state from the host's lists, the histories synced
-            slots, hist = proposer.sync(rows, room=2 * max(p.lens) + self.cfg.num_tokens)
+            slots, hist = proposer.sync(rows)
             s = host_state(p.sampled.tokens, [p.offs[i] for i in keep], [p.lens[i] for i in keep],
                            [p.props[i] for i in keep], [p.before[i] for i in keep], slots, hist)
             p.hist = [0] * len(p.rows)

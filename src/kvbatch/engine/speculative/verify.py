@@ -259,9 +259,9 @@ class Verifier:
             after = p.afters[i]
             if after is not None:
                 row.sampler.key = after[a]  # the key after the a + 1 output steps it takes
-            if props and row.spec is None:  # a chained pass's row that had not proposed before
-                row.spec = RowSpec()
-            if props and row.spec is not None:  # a row that proposed has its RowSpec (Speculator.propose)
+            if props:
+                if row.spec is None:  # (a row of a chained pass may not have proposed on the host yet)
+                    row.spec = RowSpec()
                 row.spec.verified(len(props), a)
                 if force is not None:  # the benchmark's rows propose k tokens every step
                     row.spec.misses = row.spec.pause = 0
