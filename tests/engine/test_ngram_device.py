@@ -149,9 +149,9 @@ def _greedy(n: int = 7, max_tokens: int = 40, **sp) -> list[Request]:
                                                     ("llama", "none", 16, "portable"), ("llama", "q8", 16, "auto")])
 def test_chained_passes_keep_the_tokens(tiny_model, family, mode, page, route):
     """Seven greedy rows through four slots (rows join and leave), proposals accepted and rejected: the tokens
-    of decoding without speculation and the counts of the unchained host search's passes (its windows are
-    the same proposals), every page back at the end; kv none chains most passes, on the CPU's route and the
-    portable one (a quantized cache has no chained plan: its passes run unchained)."""
+    of decoding without speculation (and of the unchained host search), each row's counts adding up to the
+    engine's, every page back at the end; kv none chains most passes, on the CPU's route and the portable one
+    (a quantized cache has no chained plan: its passes run unchained)."""
     m = tiny_model(family=family)
     opts = EngineOptions(route=route)
     ref, got, eng = _both(m, _greedy, spec=CHAINED, mode=mode, page=page, options=opts)
@@ -160,8 +160,8 @@ def test_chained_passes_keep_the_tokens(tiny_model, family, mode, page, route):
     _same(ref, host.generate(_greedy()))
     s, h = eng.summary(), host.summary()
     assert s["pages_in_use"] == 0 and 0 < s["spec_accepted"] < s["spec_proposed"]
-    assert (s["spec_proposed"], s["spec_accepted"]) == (h["spec_proposed"], h["spec_accepted"])
     assert sum(r.stats.spec_accepted for r in got) == s["spec_accepted"]
+    assert sum(r.stats.spec_proposed for r in got) == s["spec_proposed"]
     assert h["spec_passes_chained"] == 0
     if mode == "none":
         assert s["spec_passes_chained"] > s["spec_passes"] // 2
@@ -171,7 +171,7 @@ def test_chained_passes_keep_the_tokens(tiny_model, family, mode, page, route):
 
 def test_chain_off_builds_each_pass_after_the_one_before_is_read(tiny_model):
     """speculative.chain=false: the device search's passes are built after the pass before is read, none chained,
-    and the tokens and counts are the chained run's; summary.json's engine says whether passes chain."""
+    and the tokens are the chained run's; summary.json's engine says whether passes chain."""
     m = tiny_model()
     chained = _engine(m, CHAINED)
     a = chained.generate(_greedy())
@@ -180,7 +180,7 @@ def test_chain_off_builds_each_pass_after_the_one_before_is_read(tiny_model):
     s, o = chained.summary(), off.summary()
     assert s["spec_passes_chained"] > 0 and s["spec_chain"] is True
     assert o["spec_passes_chained"] == 0 and o["spec_chain"] is False and o["spec_passes_in_flight"] > 0
-    assert (s["spec_proposed"], s["spec_accepted"]) == (o["spec_proposed"], o["spec_accepted"])
+    assert o["spec_accepted"] > 0
 
 
 def test_chained_pass_rows_hold_only_kept_tokens_and_its_window(tiny_model):

@@ -51,6 +51,24 @@ def host_state(tokens: mx.array, offs: list[int], lens: list[int], props: list[l
                       max(hist) + W)
 
 
+def joined_state(last: list[int], pos: list[int], slots: list[int], hist: list[int], W: int) -> ChainState:
+    """The state of rows that join a chained pass from the host (their prompt just finished, or the pass in
+    flight did not hold them): each as if it had been in the pass in flight with only its last token, kept
+    (no proposal: accepted 0), so the chained pass takes that token at its position `pos` (its stored length)
+    and its history (`hist` tokens, the last one that token) stays as it is."""
+    B = len(last)
+    return ChainState(mx.array([[t] * W for t in last], dtype=mx.int32), mx.full((B, W - 1), -1, dtype=mx.int32),
+                      mx.array(pos, dtype=mx.int32) - 1, mx.array(hist, dtype=mx.int32) - 1,
+                      mx.array(slots, dtype=mx.int32), max(hist) + W)
+
+
+def concat(a: ChainState, b: ChainState) -> ChainState:
+    """The rows of a, then those of b."""
+    return ChainState(mx.concatenate([a.tokens, b.tokens.astype(a.tokens.dtype)]), mx.concatenate([a.props, b.props]),
+                      mx.concatenate([a.pos, b.pos]), mx.concatenate([a.hist, b.hist]),
+                      mx.concatenate([a.slots, b.slots]), max(a.bound, b.bound))
+
+
 def accepted(tokens: mx.array, props: mx.array) -> mx.array:
     """(B,) int32: each row's accepted proposed tokens, on the device (verify.accepted_prefix of every row)."""
     if props.shape[1] == 0:

@@ -8,7 +8,7 @@ from kvbatch.engine.config import SpeculativeConfig
 from kvbatch.engine.row import Row
 from kvbatch.engine.runner import Decoded, Runner
 from kvbatch.engine.speculative import Proposer
-from kvbatch.engine.speculative.chain import host_state, select
+from kvbatch.engine.speculative.chain import concat, host_state, joined_state, select
 from kvbatch.engine.speculative.ngram_device import DeviceNgramProposer
 from kvbatch.engine.speculative.payoff import Payoff
 from kvbatch.engine.speculative.state import RowSpec
@@ -100,29 +100,26 @@ class Speculator:
         self.inflight = self.older = None
 
     def chainable(self, decoding: list[Row]) -> Optional[list[Row]]:
-        """The rows the pass chained after the one in flight would verify (those of it still running), where
-        such a pass can be built (chain.py: every row greedy with no per-step host state, room for a whole
-        window past the pass in flight; the device n-gram search; no test hook that reads tokens) and holds
-        every row that decodes next (`decoding`: a row that has just finished its prompt joins an unchained
-        pass); else None."""
+        """The rows of the pass chained after the one in flight: those of it still running, then the other rows
+        that decode next (`decoding`: rows that have just finished their prompt, whose tokens the host holds),
+        where such a pass can be built (chain.py: every row greedy with no per-step host state, room for a
+        whole window past the pass in flight; the device n-gram search; no test hook that reads tokens); else
+        None."""
         p, hooks = self.inflight, self.verifier.r.hooks
         if p is None or not self.cfg.chain or not isinstance(self.proposer, DeviceNgramProposer) \
                 or hooks.force_acceptance is not None or hooks.nonfinite:
             return None
-        flying = set(map(id, p.rows))
-        if any(id(row) not in flying for row in decoding):
-            return None
-        k, rows = self.cfg.num_tokens, []
-        for row, n in zip(p.rows, p.lens):
-            if row.ended or not row.active:
-                continue
-            s, m = row.sampler, len(row.out) + n + k + 1  # its output tokens at most, once the chained pass ran
+        flying = {id(row): n for row, n in zip(p.rows, p.lens) if not row.ended and row.active}
+        rows = [row for row in p.rows if id(row) in flying]
+        rows += [row for row in decoding if id(row) not in flying]
+        k = self.cfg.num_tokens
+        for row in rows:
+            s, m = row.sampler, len(row.out) + flying.get(id(row), 0) + k + 1  # its output tokens at most after
             if s.key is not None or s.reasoning is not None or (s.min_tokens_ban is not None and
                                                                  len(row.out) < row.req.sampling.min_tokens) \
                     or m > row.end_at or row.prompt_len + m > self.context_length:
                 return None
-            rows.append(row)
-        return rows or None
+        return rows if flying else None
 
     def chain(self, rows: list[Row]) -> bool:
         """Dispatch the pass chained after the one in flight, over `rows` (`chainable`'s, their windows of
@@ -131,9 +128,10 @@ class Speculator:
         p, proposer = self.inflight, self.proposer
         assert p is not None and isinstance(proposer, DeviceNgramProposer)
         at = {id(row): i for i, row in enumerate(p.rows)}
-        keep = [at[id(row)] for row in rows]
+        keep = [at[id(row)] for row in rows if id(row) in at]
+        joined = rows[len(keep):]  # (chainable puts the rows of the pass in flight first)
         if p.state is None:  # a pass built on the host: its state from the host's lists, the histories synced
-            slots, hist = proposer.sync(rows)
+            slots, hist = proposer.sync(rows[:len(keep)])
             s = host_state(p.sampled.tokens, [p.offs[i] for i in keep], [p.lens[i] for i in keep],
                            [p.props[i] for i in keep], [p.before[i] for i in keep], slots, hist)
             p.hist = [0] * len(p.rows)
@@ -141,9 +139,20 @@ class Speculator:
                 p.hist[i] = n
         else:
             s = select(p.state, keep)
-        nxt = self.verifier.chain(p, keep, s, proposer, self.cfg.num_tokens, self.width)
+        lowest = [p.before[i] + 1 for i in keep]
+        known: list[tuple[int, int]] = []
+        if joined:  # as if each had been in the pass in flight with its last token alone, kept
+            slots, hist = proposer.sync(joined)
+            known = [(row.kv.length, n) for row, n in zip(joined, hist)]
+            s = concat(s, joined_state([row.out[-1] for row in joined], [b for b, _ in known], slots, hist,
+                                       s.tokens.shape[1]))
+            lowest += [b for b, _ in known]
+        nxt = self.verifier.chain(p, rows, s, lowest, proposer, self.cfg.num_tokens, self.width)
         if nxt is None:
             return False
+        assert nxt.hist is not None
+        for j, (b, n) in enumerate(known, start=len(keep)):
+            nxt.before[j], nxt.hist[j] = b, n
         self.older, self.inflight = p, nxt
         self.chained += 1
         self.passes_in_flight += 1

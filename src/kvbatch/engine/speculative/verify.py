@@ -169,14 +169,14 @@ class Verifier:
             return self._failed(rows, before, e)
         return Pass(rows, props, lens, offs, before, afters, logits, sampled, finite, t0)
 
-    def chain(self, p: Pass, keep: list[int], s: ChainState, proposer: DeviceNgramProposer, k: int,
-              L: int) -> Optional[Pass]:
-        """Build and dispatch the pass chained after `p` (in flight) for its rows at `keep` (their windows of
-        L <= k + 1 tokens reserved), from s, those rows' state of p's unread outputs (chain.py): each row's
-        search finds up to k tokens, of which the first L - 1 are verified. The pass in flight, or None where
-        the route cannot plan it or it could not be built (nothing then changed)."""
+    def chain(self, p: Pass, rows: list[Row], s: ChainState, lowest: list[int], proposer: DeviceNgramProposer,
+              k: int, L: int) -> Optional[Pass]:
+        """Build and dispatch the pass chained after `p` (in flight) over `rows` (p's that go on, and rows that
+        join; their windows of L <= k + 1 tokens reserved), from s, their state (chain.py): each row's search
+        finds up to k tokens, of which the first L - 1 are verified; lowest: the first position each window
+        can have. The pass in flight, or None where the route cannot plan it or it could not be built
+        (nothing then changed)."""
         r, t0 = self.r, time.perf_counter()
-        rows = [p.rows[i] for i in keep]
         held = [row.kv.length for row in rows]
         try:
             a = accepted(s.tokens, s.props)
@@ -185,7 +185,7 @@ class Verifier:
             found, hist = proposer.extend(s.slots, s.hist, s.tokens, a + 1, k, s.bound)
             props = found[:, :L - 1]
             inputs = mx.concatenate([last, mx.maximum(props, 0)], axis=1)
-            if not r.begin_chained(rows, L, pos, [p.before[i] + 1 for i in keep]):
+            if not r.begin_chained(rows, L, pos, lowest):
                 return None
             try:
                 h, head = forward_hidden(r.model, inputs, r.cache.views)
