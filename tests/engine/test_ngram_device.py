@@ -99,7 +99,8 @@ def test_engine_tokens_and_counts_as_the_host_search(tiny_model, mode, split):
     """Six rows through four slots, greedy: the tokens of decoding without speculation, and exactly the
     host search's proposals (the same counts proposed and accepted, pass for pass)."""
     m = tiny_model()
-    ref, got, eng = _both(m, _requests, spec=dict(DEVICE, split_pass_tokens=split), mode=mode)
+    # (unchained: a chained pass verifies windows of its own width; tests of chained passes below)
+    ref, got, eng = _both(m, _requests, spec=dict(DEVICE, split_pass_tokens=split, chain=False), mode=mode)
     _same(ref, got)
     host = _engine(m, dict(NGRAM, split_pass_tokens=split), mode=mode)
     _same(ref, host.generate(_requests()))
@@ -211,7 +212,8 @@ def test_chained_pass_rows_hold_only_kept_tokens_and_its_window(tiny_model):
 def test_rows_that_finish_their_prompt_join_the_next_pass(tiny_model):
     """Prompts prefilled a chunk at a time (rows reach decode at different steps, while the others' passes
     are chained): after every step each decoding row with tokens to go is in the pass or step in flight, so
-    no row waits for the chained passes of the rows before it; the tokens are those without speculation."""
+    no row waits for the chained passes of the rows before it (but one near its max_tokens, which sits out a
+    step while the pass that may end it is read); the tokens are those without speculation."""
     m = tiny_model()
 
     def reqs():
@@ -226,11 +228,13 @@ def test_rows_that_finish_their_prompt_join_the_next_pass(tiny_model):
         sent, step = eng.speculator.inflight, eng.stepper._step
         flying = {id(r) for r in (sent.rows if sent is not None else ())} | \
             {id(r) for r in (step.rows if step is not None else ())}
+        near_end = 2 * (CHAINED["num_tokens"] + 1)
         for row in eng.scheduler.running:
-            if not row.prefilling and not row.ended and len(row.out) < row.end_at:
+            if not row.prefilling and not row.ended and len(row.out) + near_end <= row.end_at:
                 assert id(row) in flying, f"{row.req.key} decodes in no pass"
     _same(ref, sorted(got, key=lambda r: int(r.key[1:])))
-    assert eng.summary()["spec_passes_chained"] > 0
+    s = eng.summary()  # rows joining and rows near their end do not break the chain
+    assert s["spec_passes_chained"] > 3 * s["spec_passes"] // 4
 
 
 def test_chained_passes_through_preemption_prefix_cache_samples_and_stops(tiny_model):

@@ -438,11 +438,12 @@ class Engine:
         past plan.no_room[:n]) and whether the step ran so; if not, it goes on unchained."""
         sp, s = self.speculator, self.scheduler
         assert sp is not None
-        rows = sp.chainable(self.stepper.candidates(s.decoding()))
-        if rows is None:
+        got = sp.chainable(self.stepper.candidates(s.decoding()))
+        if got is None:
             return plan, False
-        plan = s.schedule_decode(plan, rows, {id(r): sp.width for r in rows})
-        if sp.inflight is None or plan.decode != tuple(rows) or not sp.chain(rows):
+        rows, width = got
+        plan = s.schedule_decode(plan, rows, {id(r): width for r in rows})
+        if sp.inflight is None or plan.decode != tuple(rows) or not sp.chain(rows, width):
             return plan, False  # a preemption read the pass in flight, a row found no room, or no chained plan
         self._land_pass(extend=False)
         self._read_pass()

@@ -99,32 +99,38 @@ class Speculator:
         """Forget the passes in flight unread (their rows ended or were cancelled)."""
         self.inflight = self.older = None
 
-    def chainable(self, decoding: list[Row]) -> Optional[list[Row]]:
-        """The rows of the pass chained after the one in flight: those of it still running, then the other rows
-        that decode next (`decoding`: rows that have just finished their prompt, whose tokens the host holds),
-        where such a pass can be built (chain.py: every row greedy with no per-step host state, room for a
-        whole window past the pass in flight; the device n-gram search; no test hook that reads tokens); else
-        None."""
+    def chainable(self, decoding: list[Row]) -> Optional[tuple[list[Row], int]]:
+        """The rows of the pass chained after the one in flight and its window (tokens a row): those of the pass
+        in flight still running, then the other rows that decode next (`decoding`: rows that have just finished
+        their prompt, whose tokens the host holds), where such a pass can be built (chain.py: every row greedy
+        with no per-step host state; the device n-gram search; no test hook that reads tokens); else None.
+        A row of the pass in flight without room for a window past that pass's tokens at their most (near its
+        max_tokens or the context) sits this pass out: once that pass is read it joins the next like a row whose
+        prompt has just finished. The window is `width`, narrowed to what the joining rows have room for."""
         p, hooks = self.inflight, self.verifier.r.hooks
         if p is None or not self.cfg.chain or not isinstance(self.proposer, DeviceNgramProposer) \
                 or hooks.force_acceptance is not None or hooks.nonfinite:
             return None
         flying = {id(row): n for row, n in zip(p.rows, p.lens) if not row.ended and row.active}
-        rows = [row for row in p.rows if id(row) in flying]
-        rows += [row for row in decoding if id(row) not in flying]
-        k = self.cfg.num_tokens
-        for row in rows:
-            s, m = row.sampler, len(row.out) + flying.get(id(row), 0) + k + 1  # its output tokens at most after
+        width, rows, joined = self.width, [], []
+        for row in [r for r in p.rows if id(r) in flying] + [r for r in decoding if id(r) not in flying]:
+            s = row.sampler
             if s.key is not None or s.reasoning is not None or (s.min_tokens_ban is not None and
-                                                                 len(row.out) < row.req.sampling.min_tokens) \
-                    or m > row.end_at or row.prompt_len + m > self.context_length:
+                                                                 len(row.out) < row.req.sampling.min_tokens):
                 return None
-        return rows if flying else None
+            n = flying.get(id(row))  # its tokens in flight, at their most
+            room = min(row.end_at, self.context_length - row.prompt_len) - len(row.out) - (n or 0)
+            if n is None:
+                joined.append(row)
+                width = min(width, room)
+            elif room >= self.width:
+                rows.append(row)
+        return (rows + joined, width) if rows and width >= 1 else None
 
-    def chain(self, rows: list[Row]) -> bool:
-        """Dispatch the pass chained after the one in flight, over `rows` (`chainable`'s, their windows of
-        `width` reserved), before that one is read: it becomes the pass in flight, and `land` reads the older
-        one next. False where it could not be built (nothing changed)."""
+    def chain(self, rows: list[Row], width: int) -> bool:
+        """Dispatch the pass chained after the one in flight, over `rows` with windows of `width` tokens
+        (`chainable`'s, reserved), before that one is read: it becomes the pass in flight, and `land` reads the
+        older one next. False where it could not be built (nothing changed)."""
         p, proposer = self.inflight, self.proposer
         assert p is not None and isinstance(proposer, DeviceNgramProposer)
         at = {id(row): i for i, row in enumerate(p.rows)}
@@ -147,7 +153,7 @@ class Speculator:
             s = concat(s, joined_state([row.out[-1] for row in joined], [b for b, _ in known], slots, hist,
                                        s.tokens.shape[1]))
             lowest += [b for b, _ in known]
-        nxt = self.verifier.chain(p, rows, s, lowest, proposer, self.cfg.num_tokens, self.width)
+        nxt = self.verifier.chain(p, rows, s, lowest, proposer, self.cfg.num_tokens, width)
         if nxt is None:
             return False
         assert nxt.hist is not None
