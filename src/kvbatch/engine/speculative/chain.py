@@ -14,11 +14,14 @@ token and as many positions as the longest proposal of the last pass read, at le
 proposal past them is cut, and a position without a proposal holds token 0 and is verified like any other,
 kept only where the model's own token is 0 there), and its pages are reserved as if the pass in
 flight kept all its tokens. Reading that pass then cuts each row back to what it kept plus the chained
-window (Verifier.land). So a chained pass holds only rows that decode greedily with no per-step host state
-(no grammar, penalties, min_tokens mask or reasoning budget still pending), have room for a whole window
-past the pass in flight (max_tokens, context), and a route that plans windows at device positions
-(Route.chained_plan: kv none). A pass that ends a row (EOS, a stop) is read after the next one is sent: that
-row's chained tokens are computed and dropped, as a plain lookahead step's are.
+window (Verifier.land). Rows whose prompt has just finished join with their last token (as if they had been
+in the pass in flight with that token alone, kept), narrowing the window to their room; a row of the pass in
+flight without room for a window past that pass's tokens at their most (max_tokens, context) sits the
+chained pass out and joins the next. A chained pass holds only rows that decode greedily with no per-step
+host state (no grammar, penalties, min_tokens mask or reasoning budget still pending), and needs a route
+that plans windows at device positions (Route.chained_plan: kv none). A pass that ends a row (EOS, a stop)
+is read after the next one is sent: that row's chained tokens are computed and dropped, as a plain lookahead
+step's are.
 """
 from __future__ import annotations
 
