@@ -113,7 +113,7 @@ class Runner:
             self.adapters.select([row.adapter for row in rows])
 
     def begin_chained(self, rows: list[Row], length: int, pos: mx.array, lowest: list[int]) -> bool:
-        """`begin` for a chained verification pass (KVCacheManager.begin_chained: positions on the device only);
+        """`begin` for a chained verification pass (PagedKVCache.begin_chained: positions on the device only);
         False where the cache's route cannot plan one."""
         fault = self.hooks.on_forward()
         poison = self.poison(rows)

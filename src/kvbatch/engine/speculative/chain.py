@@ -37,7 +37,7 @@ class ChainState:
     tokens: mx.array  # (B, W) the token sampled at each window position (past a row's window: its last one)
     props: mx.array  # (B, W - 1) the proposal each position verified, -1 past the row's proposal
     pos: mx.array  # (B,) int32 the window's first position
-    hist: mx.array  # (B,) int32 the row's n-gram history length before the window's tokens
+    hist: mx.array  # (B,) int32 the row's n-gram history length (it ends with the window's first input token)
     slots: mx.array  # (B,) int32 the row's n-gram history slot
     bound: int  # the most tokens any of these histories can hold after the window's (host's upper bound)
 

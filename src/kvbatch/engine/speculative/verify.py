@@ -94,7 +94,7 @@ class Pass:
     state: Optional[ChainState] = None  # what a pass chained after this one is built from (chain.py)
     found: Optional[mx.array] = None  # a chained pass: its rows' proposals (B, k), -1 past each row's, unread
     next: Optional["Pass"] = None  # the pass chained after this one, in flight (its `before` set by this one's land)
-    hist: Optional[list[int]] = None  # with `state`: each row's n-gram history length before the window (the host's)
+    hist: Optional[list[int]] = None  # with `state`: each row's n-gram history length, the host's (chain.ChainState)
     longest: int = 0  # read: the most tokens a row's proposal had (a chained pass's: found, before its window cut it)
 
 
