@@ -420,9 +420,7 @@ class Engine:
         for step in out.landed:
             self.runner.land(step)
             self._accept(step)
-        for r in plan.no_room[n:]:  # after the in-flight token it may still have
-            if not r.row.ended:
-                self.output.finish(r.row, "error", r.code, r.message)
+        self._end_without_room(plan, n)
         if out.failed:
             self._failed(plan.decode, out.failed)
         if sp:  # what this step cost, for whether speculating pays (speculative.adaptive)
@@ -447,12 +445,17 @@ class Engine:
             return plan, False  # a preemption read the pass in flight, a row found no room, or no chained plan
         self._land_pass(extend=False)
         self._read_pass()
-        for r in plan.no_room[n:]:
-            if not r.row.ended:
-                self.output.finish(r.row, "error", r.code, r.message)
+        self._end_without_room(plan, n)
         self._record_cost(sp, len(rows), True, self.output.generated_tokens - made, t0)
         self.hooks.on_decode_step()
         return plan, True
+
+    def _end_without_room(self, plan: StepPlan, n: int) -> None:
+        """The rows this step's reservations found no room for (plan.no_room past its first n) end in error,
+        after the in-flight token they may still have had."""
+        for r in plan.no_room[n:]:
+            if not r.row.ended:
+                self.output.finish(r.row, "error", r.code, r.message)
 
     def _land_pass(self, extend: bool = True) -> dict[int, list[int]]:
         """Read the verification pass in flight; its outputs wait for `_read_pass`. extend: the next pass is

@@ -105,25 +105,30 @@ class Runner:
               lens: Optional[list[int]] = None) -> None:
         """Before a forward pass of `rows` (each `length` positions; `lens`: each row's real ones): the
         cache's views of their pages, and with per-row adapters, which adapter each row uses."""
-        fault = self.hooks.on_forward()
-        if fault is not None:  # tests: the pass's graph (and so its cache writes) fails when evaluated
-            poison = mx.logical_and(mx.array(poison or [False] * len(rows)), fault)
-        self.cache.begin([row.kv for row in rows], length, poison, lens)
-        if self.adapters is not None:
-            self.adapters.select([row.adapter for row in rows])
+        self.cache.begin([row.kv for row in rows], length, self._faulted(rows, poison), lens)
+        self._select_adapters(rows)
 
     def begin_chained(self, rows: list[Row], length: int, pos: mx.array, lowest: list[int]) -> bool:
         """`begin` for a chained verification pass (PagedKVCache.begin_chained: positions on the device only);
         False where the cache's route cannot plan one."""
+        if not self.cache.begin_chained([row.kv for row in rows], length, pos, lowest,
+                                        self._faulted(rows, self.poison(rows))):
+            return False
+        self._select_adapters(rows)
+        return True
+
+    def _faulted(self, rows: list[Row], poison: Optional[list[bool] | mx.array]) -> Optional[list[bool] | mx.array]:
+        """The pass's poisoned rows, with the hooks' injected fault (tests: the pass's graph, and so its cache
+        writes, fails when evaluated)."""
         fault = self.hooks.on_forward()
-        poison = self.poison(rows)
         if fault is not None:
             poison = mx.logical_and(mx.array(poison or [False] * len(rows)), fault)
-        if not self.cache.begin_chained([row.kv for row in rows], length, pos, lowest, poison):
-            return False
+        return poison
+
+    def _select_adapters(self, rows: list[Row]) -> None:
+        """With per-row adapters, which adapter each row of the pass uses."""
         if self.adapters is not None:
             self.adapters.select([row.adapter for row in rows])
-        return True
 
     # ---- prefill ---------------------------------------------------------------------------
     def prefill(self, chunks: Sequence[Chunk]) -> list[PrefillPass]:

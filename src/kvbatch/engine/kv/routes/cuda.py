@@ -28,7 +28,7 @@ import mlx.core as mx
 from kvbatch.engine.config import CudaLaunch
 from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.kv.routes.base import Geometry, flat_tokens
-from kvbatch.engine.kv.routes.common import TailWrites, page_table, tail_writes, window_rows
+from kvbatch.engine.kv.routes.common import TailWrites, page_table, tail_writes
 from kvbatch.engine.kv.routes.cuda_kernels import (QuantPages, paged_decode_attention, paged_decode_attention_quantized,
                                                    paged_window_attention, seal_tail_pages)
 from kvbatch.engine.kv.routes.dense import DenseRoute, DenseStep
@@ -120,8 +120,7 @@ class CudaDenseRoute(DenseRoute):
         """A chained window (Route.chained_plan) read in place by paged_window_attention, as `plan` reads a window."""
         if L > self.multi_query:
             return super().chained_plan(rows, L, pos, n_pages)
-        table = mx.array(self.tables.padded(rows, n_pages))
-        hrows = window_rows(table, pos, L, self.geom.page_size, self.geom.kv_heads)
+        table, hrows = self.chained_writes(rows, L, pos, n_pages)
         return CudaMulti(DenseStep(hrows, table), pos, pos + L)
 
     def write(self, layer: int, meta: object, keys: mx.array, values: mx.array) -> None:

@@ -194,13 +194,19 @@ class DenseRoute(Route):
         """A window of L tokens a row at device positions `pos` (a chained verification pass: see
         Route.chained_plan), each row's table its first n_pages pages; read as `plan` reads such a window."""
         g, P = self.geom, self.geom.page_size
-        table = mx.array(self.tables.padded(rows, n_pages)) if L <= self.multi_query else page_table(rows, n_pages)
-        hrows = window_rows(table, pos, L, P, g.kv_heads)
+        table, hrows = self.chained_writes(rows, L, pos, n_pages)
         T = table.shape[1] * P
         if self.in_place and L <= self.multi_query:
             return DenseStep(hrows, table, groups=self._groups(table, multi_query_mask(pos, None, L, T,
                                                                                         g.query_heads // g.kv_heads)))
         return DenseStep(hrows, table, causal_mask(pos, L, T, 1))
+
+    def chained_writes(self, rows: list[CacheRow], L: int, pos: mx.array,
+                       n_pages: list[int]) -> tuple[mx.array, mx.array]:
+        """A chained window's page table (the decode tables' for a window-sized pass, as pass_slots builds it)
+        and the head rows its tokens are written to, found on the device from its positions."""
+        table = mx.array(self.tables.padded(rows, n_pages)) if L <= self.multi_query else page_table(rows, n_pages)
+        return table, window_rows(table, pos, L, self.geom.page_size, self.geom.kv_heads)
 
     def decode_slots(self, rows: list[CacheRow], pos: list[int]) -> tuple[mx.array, mx.array, mx.array]:
         """A one-token pass's page table, the head rows its new token is written to, and the (B, T) mask of

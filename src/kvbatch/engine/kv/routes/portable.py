@@ -30,7 +30,7 @@ import mlx.core as mx
 from kvbatch.engine.kv.pages import CacheRow
 from kvbatch.engine.kv.store import DenseStore, QuantizedStore
 from kvbatch.engine.kv.routes.base import Geometry, real_tokens
-from kvbatch.engine.kv.routes.common import TailWrites, page_heads, window_rows
+from kvbatch.engine.kv.routes.common import TailWrites, page_heads
 from kvbatch.engine.kv.routes.dense import DenseRoute, DenseStep, multi_query_mask
 from kvbatch.engine.kv.routes.quant import QuantRoute
 
@@ -209,10 +209,10 @@ class PortableDenseRoute(DenseRoute):
         if not (1 < L <= self.multi_query and not self.upcast):
             return super().chained_plan(rows, L, pos, n_pages)
         P, G = self.geom.page_size, self.geom.query_heads // self.geom.kv_heads
-        table = mx.array(self.tables.padded(rows, n_pages))
+        table, hrows = self.chained_writes(rows, L, pos, n_pages)
         width = table.shape[1]
         mask = multi_query_mask(pos, None, L, width * P, G).reshape(len(rows), 1, width, P, G * L).swapaxes(-1, -2)
-        return self._in_place(window_rows(table, pos, L, P, self.geom.kv_heads), table, mask, L)
+        return self._in_place(hrows, table, mask, L)
 
     def decode_plan(self, rows: list[CacheRow], pos: list[int]) -> DenseStep | PortableStep:  # type: ignore[override]
         """A one-token pass read in place, built from Python lists (see DenseRoute.decode_plan)."""
