@@ -88,7 +88,8 @@
 #            $ON_NEW (4096) new tokens, uninterrupted, then stopped by worker.deadline at 50% and run again
 #   cmdeng   job.command_vs_engine (issue 42): the command's decode tok/s against its engine's alone, Llama-$CVE_GEOM
 #            geometry (default 8b; random bf16), $CVE_ROWS rows (256) of $CVE_PROMPT tokens (128), $CVE_NEW new
-#            tokens (512), 2 order-alternating rounds; the job stage's wheels
+#            tokens (512), 2 order-alternating rounds; $CVE_ARGS: overrides for both sides (e.g. kv=q8), $CVE_TAG: a
+#            suffix of the JSON's name; the job stage's wheels
 #   rowsprobe  which setting a job of Llama-$RP_GEOM geometry (1b) fails at: $RP_ROWS (512) prompts of 32-1999 tokens x
 #            $RP_NEW (16) new tokens through the command, once per variant of $RP_VARIANTS ("label:overrides;...";
 #            default 512 rows, 256, 512 on the portable route, 512 without the tensor cores, 384; a word NAME=value
@@ -267,8 +268,8 @@ pq.write_table(t, sys.argv[2], compression='zstd', compression_level=19)" "$kept
     cmdeng) python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$C"/*.whl || exit 1
       g=${CVE_GEOM:-8b}; [ "$g" = 8b ] && geom=$GEOM8B || geom=$GEOM1B
       timeout "$secs" python3 -m benchmarks job.command_vs_engine --model-args "$geom" --rows ${CVE_ROWS:-256} \
-        --prompt ${CVE_PROMPT:-128} --new ${CVE_NEW:-512} --rounds 2 --python python3 \
-        --out "$OUT/cmdeng_$g.json" 2>&1 | tee "$OUT/cmdeng_$g.txt" | cut -c1-1500 ;;
+        --prompt ${CVE_PROMPT:-128} --new ${CVE_NEW:-512} --rounds 2 --python python3 ${CVE_ARGS:+--kvbatch-args "$CVE_ARGS"} \
+        --out "$OUT/cmdeng_$g${CVE_TAG:-}.json" 2>&1 | tee "$OUT/cmdeng_$g${CVE_TAG:-}.txt" | cut -c1-1500 ;;
     profile) timeout "$secs" python3 -m benchmarks gpu.step_profile ${PROFILE_ARGS:---geometry 1b --batches 8 \
                --prompt 8192 --modes none,q8 --no-sync} 2>&1 | tee -a "$OUT/profile.txt" | cut -c1-1500 ;;
     bench) timeout "$secs" python3 -m benchmarks $BENCH --out "$OUT/bench${BENCH_TAG:-}.json" 2>&1 |

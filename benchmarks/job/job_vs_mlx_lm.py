@@ -238,7 +238,8 @@ def _engine_fields(side: dict) -> dict:
     """A kvbatch side's engine figures from its summary.json."""
     return {key: side["engine"].get(key) for key in (
         "max_batch", "peak_concurrency", "prefill_s", "decode_s", "prefill_tokens_per_s", "decode_tokens_per_s",
-        "prefill_passes", "prefill_rows_max", "preemptions")}
+        "prefill_passes", "prefill_rows_max", "preemptions", "kv_mode", "route", "admission", "cache_clears",
+        "mlx_peak_memory_bytes")}
 
 
 def _round(a, k: int, inp: Path, tmp: Path, model_cfg: dict, model_args: dict, extra: list[str]) -> dict:
@@ -268,7 +269,7 @@ def _round(a, k: int, inp: Path, tmp: Path, model_cfg: dict, model_args: dict, e
         ot = rnd["other"]
         line.update(other_tok_s=ot["tok_s"], other_wall_s=ot["wall_s"], other_tokens=ot["tokens"],
                     other_vs_kvbatch_wall=kv["wall_s"] / ot["wall_s"], other_identical_rows=_same_rows(ot, kv),
-                    other_engine=_engine_fields(ot))
+                    other_engine=_engine_fields(ot), other_plan=ot["plan"])
         if ml is not None:
             line["other_ratio"] = ot["tok_s"] / ml["tok_s"]
     print(json.dumps(line), flush=True)
