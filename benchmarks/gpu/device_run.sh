@@ -94,7 +94,8 @@
 #            $RP_NEW (16) new tokens through the command, once per variant of $RP_VARIANTS ("label:overrides;...";
 #            default 512 rows, 256, 512 on the portable route, 512 without the tensor cores, 384; a word NAME=value
 #            with an upper-case NAME is the process's environment); each prints its
-#            exit code, its rows' error codes and the last frames of its traceback; SECONDS is per variant
+#            exit code, its rows' error codes, its engine figures (summary.json) and the last frames of its traceback; the
+#            word cprofile: the command under cProfile (rowsprobe_NAME_prof.txt); SECONDS is per variant
 #   bench    any benchmark: python -m benchmarks $BENCH (name and options), its JSON bench$BENCH_TAG.json
 #   profile  gpu.step_profile $PROFILE_ARGS (default: 1B batch 8 at 8k, none and q8, lookahead loop, with
 #            mlx-lm): host phases against the wait for the GPU, to tell a host-bound case from a GPU-bound one
@@ -303,8 +304,10 @@ PY
         # words NAME=value with an upper-case NAME set the process's environment (MLX_USE_CUDA_GRAPHS=0), the rest
         # are overrides; a word at_worst=N runs auto with the worst-case rule up to N rows (benchmarks/kvbatch_at_worst.py)
         cmd="-m kvbatch"
-        for w in $over; do [[ $w =~ ^[A-Z_]+= ]] && envs="$envs $w"; [[ $w =~ ^at_worst= ]] && cmd="-m benchmarks.kvbatch_at_worst ${w#at_worst=}"; done
-        over=$(for w in $over; do [[ $w =~ ^[A-Z_]+=|^at_worst= ]] || printf '%s ' "$w"; done)
+        # the word cprofile runs the command under cProfile (its main thread's own times, top 30, in rowsprobe_NAME_prof.txt)
+        for w in $over; do [[ $w =~ ^[A-Z_]+= ]] && envs="$envs $w"; [[ $w =~ ^at_worst= ]] && cmd="-m benchmarks.kvbatch_at_worst ${w#at_worst=}"
+          [ "$w" = cprofile ] && cmd="-m cProfile -o /tmp/rowsprobe_$name.prof -m kvbatch"; done
+        over=$(for w in $over; do [[ $w =~ ^[A-Z_]+=|^at_worst=|^cprofile$ ]] || printf '%s ' "$w"; done)
         # shellcheck disable=SC2086  # one word an override
         timeout "$secs" env $envs python3 $cmd model=tiny $margs job.input="$inp" job.name=rowsprobe job.max_tokens=${RP_NEW:-16} \
           output.dir=/tmp/rowsprobe_$name output.progress=off worker.max_attempts=1 $over \
@@ -312,6 +315,14 @@ PY
         echo "== $name ($over): rc $? in $(( $(date +%s) - t0 )) s, $(python3 -c "import collections, pyarrow.parquet as pq
 print(dict(collections.Counter(r['error_code'] for r in pq.read_table('/tmp/rowsprobe_$name/results.parquet').to_pylist())))" 2>&1 | tail -1)" |
           tee -a "$OUT/rowsprobe.txt"
+        # the run's engine figures (summary.json): where a variant's time went
+        python3 -c "import json; s = json.load(open('/tmp/rowsprobe_$name/summary.json')); e = s.get('engine') or {}
+print('   wall', round((s.get('this_run') or {}).get('wall_s') or 0, 2), {k: (round(v, 2) if isinstance(v, float) else v)
+      for k, v in e.items() if k in ('max_batch', 'peak_concurrency', 'prefill_s', 'decode_s', 'decode_tokens_per_s',
+      'prefill_passes', 'preemptions', 'admission', 'cache_clears', 'route', 'mlx_peak_memory_bytes')})" 2>&1 |
+          tail -2 | cut -c1-600 | tee -a "$OUT/rowsprobe.txt"
+        [ -f "/tmp/rowsprobe_$name.prof" ] && python3 -c "import pstats; pstats.Stats('/tmp/rowsprobe_$name.prof').sort_stats('tottime').print_stats(30)" \
+          > "$OUT/rowsprobe_${name}_prof.txt" 2>&1
         grep -A40 -m1 Traceback "$OUT/rowsprobe_$name.err" | grep 'File\|Error' | tail -10 | cut -c1-240 | tee -a "$OUT/rowsprobe.txt"
         grep -h "kvbatch: error\|rows\b.*tok" "$OUT/rowsprobe_$name.out" "$OUT/rowsprobe_$name.err" | tail -3 | cut -c1-400 |
           tee -a "$OUT/rowsprobe.txt"
