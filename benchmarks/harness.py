@@ -469,19 +469,40 @@ def kv_pool(eng: Engine) -> dict:
 
 
 class PrefillPasses(EngineHooks):
-    """Each prefill pass's shape and seconds, from the step's plan (`passes`: rows, L, tokens, s)."""
+    """Each prefill pass's shape and seconds, from the step's plan (`passes`: rows, L, tokens, s), and each
+    decode step's rows and the decode seconds counted at it (`steps`: rows, s, whether a prefill pass ran in
+    the same engine step)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.passes: list[dict] = []
+        self.steps: list[tuple[int, float, bool]] = []
         self._seen = 0.0
+        self._decoded = 0.0
 
     def on_step(self, plan: StepPlan, times: StepTimes) -> None:
         if plan.prefill:
             lens = [c.tokens for c in plan.prefill]
             self.passes.append({"rows": len(lens), "L": max(lens), "tokens": sum(lens),
                                 "s": round(times.prefill_time - self._seen, 4)})
-        self._seen = times.prefill_time
+        if plan.decode:
+            self.steps.append((len(plan.decode), times.decode_time - self._decoded, bool(plan.prefill)))
+        self._seen, self._decoded = times.prefill_time, times.decode_time
+
+    def step_summary(self) -> dict:
+        """Decode steps at the batch's most rows (steady state): their count, median and p90 ms, the seconds
+        of steps over twice the median (stalls) and of all; the rest of the decode seconds (ramp steps, and
+        steps beside a prefill pass) apart."""
+        if not self.steps:
+            return {}
+        most = max(b for b, _, _ in self.steps)
+        full = sorted(s for b, s, p in self.steps if b == most and not p)
+        med = full[len(full) // 2] if full else 0.0
+        return {"rows": most, "full_steps": len(full), "full_median_ms": round(1e3 * med, 3),
+                "full_p90_ms": round(1e3 * full[int(len(full) * 0.9)], 3) if full else None,
+                "full_s": round(sum(full), 3), "stall_s": round(sum(s for s in full if s > 2 * med), 3),
+                "other_steps": len(self.steps) - len(full),
+                "other_s": round(sum(s for b, s, p in self.steps if b != most or p), 3)}
 
 
 def bytes_for(eng: Engine, worst_tokens: list[int], max_prompt: int) -> int:
