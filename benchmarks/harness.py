@@ -222,7 +222,7 @@ def kv_bytes_per_token(spec, mode: str, page_size: int = 64, group_size: int = 6
 
 
 def engine(model, tok, spec, mode: str = "none", hooks: EngineHooks | None = None, **kw) -> Engine:
-    """An Engine for a benchmark mode (mode_config's settings); hooks: e.g. PrefillPasses, to watch each step."""
+    """An Engine for a benchmark mode (mode_config's settings); hooks: e.g. PassTimes, to watch each step."""
     return Engine(model, tok, spec, mode_config(mode, **kw), hooks=hooks)
 
 
@@ -468,7 +468,7 @@ def kv_pool(eng: Engine) -> dict:
             "growths": len(s["growth_events"]), "tail_bytes": s["kv_tail_bytes"]}
 
 
-class PrefillPasses(EngineHooks):
+class PassTimes(EngineHooks):
     """Each prefill pass's shape and seconds, from the step's plan (`passes`: rows, L, tokens, s), and each
     decode step's rows and the decode seconds counted at it (`steps`: rows, s, whether a prefill pass ran in
     the same engine step)."""

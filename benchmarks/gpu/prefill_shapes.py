@@ -41,7 +41,7 @@ def mixed_prompts(n: int, vocab: int, longest: int, seed: int = 0, shortest: int
 
 
 def one(model, spec, ps, mode: str, budget: int, new: int, chunk: int = 2048, pass_tokens: str = "auto") -> dict:
-    passes = h.PrefillPasses()
+    passes = h.PassTimes()
     eng = h.engine(model, h.NoEos(), spec, mode, hooks=passes, page_size=64, max_batch=len(ps), prefill_chunk=chunk,
                    prefill_tokens=pass_tokens if pass_tokens == "auto" else int(pass_tokens),
                    memory_budget=budget, allow_unvalidated=True)
