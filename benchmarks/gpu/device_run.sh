@@ -95,7 +95,8 @@
 #            default 512 rows, 256, 512 on the portable route, 512 without the tensor cores, 384; a word NAME=value
 #            with an upper-case NAME is the process's environment); each prints its
 #            exit code, its rows' error codes, its engine figures (summary.json) and the last frames of its traceback; the
-#            word cprofile: the command under cProfile (rowsprobe_NAME_prof.txt); SECONDS is per variant
+#            word cprofile: the command under cProfile (rowsprobe_NAME_prof.txt); tree=DIR: the kvbatch of DIR/src (another
+#            commit's src, e.g. .gpu/old, carried), A/B in one call; SECONDS is per variant
 #   bench    any benchmark: python -m benchmarks $BENCH (name and options), its JSON bench$BENCH_TAG.json
 #   profile  gpu.step_profile $PROFILE_ARGS (default: 1B batch 8 at 8k, none and q8, lookahead loop, with
 #            mlx-lm): host phases against the wait for the GPU, to tell a host-bound case from a GPU-bound one
@@ -304,10 +305,12 @@ PY
         # words NAME=value with an upper-case NAME set the process's environment (MLX_USE_CUDA_GRAPHS=0), the rest
         # are overrides; a word at_worst=N runs auto with the worst-case rule up to N rows (benchmarks/kvbatch_at_worst.py)
         cmd="-m kvbatch"
-        # the word cprofile runs the command under cProfile (its main thread's own times, top 30, in rowsprobe_NAME_prof.txt)
+        # the word cprofile runs the command under cProfile (its main thread's own times, top 30, in rowsprobe_NAME_prof.txt);
+        # tree=DIR runs the kvbatch of DIR/src (another tree: `git archive OTHER src | tar -x -C .gpu/old`, carried)
         for w in $over; do [[ $w =~ ^[A-Z_]+= ]] && envs="$envs $w"; [[ $w =~ ^at_worst= ]] && cmd="-m benchmarks.kvbatch_at_worst ${w#at_worst=}"
+          [[ $w =~ ^tree= ]] && envs="$envs PYTHONPATH=$SITE:$PWD/${w#tree=}/src:$PWD"
           [ "$w" = cprofile ] && cmd="-m cProfile -o /tmp/rowsprobe_$name.prof -m kvbatch"; done
-        over=$(for w in $over; do [[ $w =~ ^[A-Z_]+=|^at_worst=|^cprofile$ ]] || printf '%s ' "$w"; done)
+        over=$(for w in $over; do [[ $w =~ ^[A-Z_]+=|^at_worst=|^cprofile$|^tree= ]] || printf '%s ' "$w"; done)
         # shellcheck disable=SC2086  # one word an override
         timeout "$secs" env $envs python3 $cmd model=tiny $margs job.input="$inp" job.name=rowsprobe job.max_tokens=${RP_NEW:-16} \
           output.dir=/tmp/rowsprobe_$name output.progress=off worker.max_attempts=1 $over \
