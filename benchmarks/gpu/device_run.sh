@@ -319,10 +319,10 @@ PY
 print(dict(collections.Counter(r['error_code'] for r in pq.read_table('/tmp/rowsprobe_$name/results.parquet').to_pylist())))" 2>&1 | tail -1)" |
           tee -a "$OUT/rowsprobe.txt"
         # the run's engine figures (summary.json): where a variant's time went
-        python3 -c "import json; s = json.load(open('/tmp/rowsprobe_$name/summary.json')); e = s.get('engine') or {}
+        python3 -c "import json; from benchmarks.job.job_vs_mlx_lm import engine_fields
+s = json.load(open('/tmp/rowsprobe_$name/summary.json'))
 print('   wall', round((s.get('this_run') or {}).get('wall_s') or 0, 2), {k: (round(v, 2) if isinstance(v, float) else v)
-      for k, v in e.items() if k in ('max_batch', 'peak_concurrency', 'prefill_s', 'decode_s', 'decode_tokens_per_s',
-      'prefill_passes', 'preemptions', 'admission', 'cache_clears', 'route', 'mlx_peak_memory_bytes')})" 2>&1 |
+      for k, v in engine_fields({'engine': s.get('engine') or {}}).items()})" 2>&1 |
           tail -2 | cut -c1-600 | tee -a "$OUT/rowsprobe.txt"
         [ -f "/tmp/rowsprobe_$name.prof" ] && python3 -c "import pstats; pstats.Stats('/tmp/rowsprobe_$name.prof').sort_stats('tottime').print_stats(30)" \
           > "$OUT/rowsprobe_${name}_prof.txt" 2>&1

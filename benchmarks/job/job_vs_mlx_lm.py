@@ -234,7 +234,7 @@ def _same_rows(a: dict, b: dict) -> int:
     return sum(a["outputs"].get(key) == toks for key, toks in b["outputs"].items())
 
 
-def _engine_fields(side: dict) -> dict:
+def engine_fields(side: dict) -> dict:
     """A kvbatch side's engine figures from its summary.json."""
     return {key: side["engine"].get(key) for key in (
         "max_batch", "peak_concurrency", "prefill_s", "decode_s", "prefill_tokens_per_s", "decode_tokens_per_s",
@@ -257,7 +257,7 @@ def _round(a, k: int, inp: Path, tmp: Path, model_cfg: dict, model_args: dict, e
         rnd["mlx_lm_matched"] = run_mlx_lm(a.python, inp, model_cfg, a.new, rnd["kvbatch"]["engine"].get("max_batch"))
     kv, ml = rnd["kvbatch"], rnd.get("mlx_lm")
     line = {"round": k, "order": order, "kvbatch_tok_s": kv["tok_s"], "kvbatch_wall_s": kv["wall_s"],
-            "kvbatch_tokens": kv["tokens"], "kvbatch_engine": _engine_fields(kv), "kvbatch_plan": kv["plan"]}
+            "kvbatch_tokens": kv["tokens"], "kvbatch_engine": engine_fields(kv), "kvbatch_plan": kv["plan"]}
     if ml is not None:
         line.update(mlx_lm_tok_s=ml["tok_s"], ratio=kv["tok_s"] / ml["tok_s"], mlx_lm_wall_s=ml["wall_s"],
                     mlx_lm_tokens=ml["tokens"], identical_rows=_same_rows(kv, ml), mlx_lm_prompt_time=ml["prompt_time"],
@@ -269,7 +269,7 @@ def _round(a, k: int, inp: Path, tmp: Path, model_cfg: dict, model_args: dict, e
         ot = rnd["other"]
         line.update(other_tok_s=ot["tok_s"], other_wall_s=ot["wall_s"], other_tokens=ot["tokens"],
                     other_vs_kvbatch_wall=kv["wall_s"] / ot["wall_s"], other_identical_rows=_same_rows(ot, kv),
-                    other_engine=_engine_fields(ot), other_plan=ot["plan"])
+                    other_engine=engine_fields(ot), other_plan=ot["plan"])
         if ml is not None:
             line["other_ratio"] = ot["tok_s"] / ml["tok_s"]
     print(json.dumps(line), flush=True)
