@@ -30,6 +30,8 @@ BENCHMARKS = {
     "engine.host_step": "the host's own work a decode step at large batches (scheduler, cache, route arrays, "
                          "output), without the device's; a commit side by side",
     "engine.ngram_cost": "the host time of one pass's n-gram proposals over hundreds of rows (a rewrite job's shape)",
+    "engine.quant_prefill_plan": "the host time of a q8/q4 prefill pass's plan at mixed lengths (segments, slots, "
+                                 "mask), with a fingerprint of the plan to compare two trees",
     "cpu.decode_attention": "one layer's CPU decode attention: dense routes (--kv none) and packed pages "
                             "gathered vs in place (--kv q8,q4)",
     "cpu.blas_matmul": "does loading OpenBLAS before mlx pay off on the Linux CPU",

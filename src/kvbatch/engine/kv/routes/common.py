@@ -18,6 +18,11 @@ def page_table(rows: list[CacheRow], n_pages: list[int]) -> mx.array:
     return mx.array(_padded(rows, n_pages, max(max(n_pages), 1)), dtype=mx.int32)
 
 
+def page_array(rows: list[CacheRow], n_pages: list[int]) -> np.ndarray:
+    """page_table's entries as a host array (B, width) int32, for building a pass's slots with numpy."""
+    return np.array(_padded(rows, n_pages, max(max(n_pages), 1)), dtype=np.int32).reshape(len(rows), -1)
+
+
 def _padded(rows: list[CacheRow], n_pages: list[int], width: int) -> list[list[int]]:
     """Each row's first n pages, padded to `width` with its own first page (masked out): never another
     row's page, whose K/V may be NaN in this very pass (masked slots still meet probs @ V). Built as
@@ -108,7 +113,7 @@ def pass_slots(rows: list[CacheRow], P: int, pos: list[int], lens: list[int],
     if tables is not None:
         padded = tables.padded(rows, n_pages)
     else:
-        padded = np.array(_padded(rows, n_pages, max(max(n_pages), 1)), dtype=np.int32).reshape(len(rows), -1)
+        padded = page_array(rows, n_pages)
     which = np.repeat(np.arange(len(rows)), lens)
     starts = np.cumsum(lens) - np.asarray(lens)  # each row's first token in the pass's list
     t = np.arange(len(which)) - starts[which] + np.asarray(pos, dtype=np.int64)[which]
@@ -123,12 +128,6 @@ def window_rows(table: mx.array, pos: mx.array, L: int, P: int, H: int) -> mx.ar
     page = mx.take_along_axis(table, t // P, axis=1)
     rows = ((page * H)[..., None] + mx.arange(H, dtype=mx.int32)) * P + (t % P)[..., None]  # (B, L, H)
     return rows.reshape(-1).astype(mx.int32)
-
-
-def token_slots(r: CacheRow, P: int, start: int, stop: int) -> np.ndarray:
-    """Pool slots (page * P + offset) of row r's tokens start..stop-1."""
-    p = np.arange(start, stop)
-    return np.asarray(r.pages, dtype=np.int64)[p // P] * P + p % P
 
 
 def causal_mask(pos: np.ndarray | mx.array, L: int, T: int, extra_dims: int) -> mx.array:

@@ -25,9 +25,9 @@ import mlx.core as mx
 import numpy as np
 
 from kvbatch.engine.kv.pages import CacheRow
-from kvbatch.engine.kv.store import QuantizedStore, head_rows
+from kvbatch.engine.kv.store import QuantizedStore, head_rows_array
 from kvbatch.engine.kv.routes.base import Geometry, Route, flat_tokens, real_tokens
-from kvbatch.engine.kv.routes.common import (PageTables, TailWrites, page_heads, page_table, tail_writes, token_slots,
+from kvbatch.engine.kv.routes.common import (PageTables, TailWrites, page_array, page_heads, page_table, tail_writes,
                                              window_last)
 from kvbatch.engine.kv.routes.cpu_streams import stream_split
 from kvbatch.engine.kv.routes.dense import dense_attention
@@ -356,27 +356,29 @@ class QuantRoute(Route):
 
     def _prefill_plan(self, rows: list[CacheRow], L: int, p: np.ndarray, lens: list[int]) -> QuantPrefill:
         P, H, B = self.geom.page_size, self.geom.kv_heads, len(rows)
-        pos = p.tolist()
-        fill = [a % P for a in pos]
-        sealed = [a // P for a in pos]
-        S = max(f + n for f, n in zip(fill, lens))
-        base = B * P if any(fill) else 0  # where the pass's tokens start among the sources
-        seg: list[int] = []
-        page_src: list[int] = []
-        page_slots: list[int] = []
-        tail_src: list[int] = []
-        tail_slots: list[int] = []
-        for b, (r, a, f, n) in enumerate(zip(rows, pos, fill, lens)):
-            src = [b * P + i for i in range(f)] + [base + b * L + i for i in range(n)]
-            seg += src + [src[0]] * (S - len(src))  # padding: the row's own token (masked), never another row's
-            done = (f + n) // P * P  # the segment's tokens on pages the pass completes
-            if done:
-                page_src += src[:done]
-                page_slots += token_slots(r, P, a - f, a - f + done).tolist()
-            keep = range(done, f + n) if done else range(f, f + n)  # an open tail keeps its earlier tokens
-            tail_src += [src[i] for i in keep]
-            tail_slots += [r.tail_slot * P + i - done for i in keep]
-        arr = lambda x: mx.array(x, dtype=mx.int32) if x else None  # noqa: E731
+        fill_a, n_a = p.astype(np.int64) % P, np.asarray(lens, dtype=np.int64)
+        fill, sealed = fill_a.tolist(), (p // P).tolist()
+        m = fill_a + n_a  # each row's segment: its tail's earlier tokens, then its pass tokens
+        S = int(m.max())
+        base = B * P if fill_a.any() else 0  # where the pass's tokens start among the sources
+        # Row b's segment position j comes from its tail page (b * P + j) below fill[b], else from the pass
+        # (base + b * L + j - fill[b]); padding repeats the row's own first token (masked), never another row's.
+        # Numpy over (B, S) at once: a pass holds up to B * S ~ 10^5 positions.
+        b, j = np.arange(B)[:, None], np.arange(S)[None, :]
+        f = fill_a[:, None]
+        src = np.where(j < f, b * P + j, base + b * L + j - f)
+        seg = np.where(j < m[:, None], src, src[:, :1])
+        done = m // P * P  # the segment's tokens on pages the pass completes
+        on_pages = j < done[:, None]
+        kept = (j >= np.where(done > 0, done, fill_a)[:, None]) & (j < m[:, None])  # an open tail keeps its tokens
+        page_src, tail_src = seg[on_pages], seg[kept]
+        # the completed pages' pool slots: each row's pages from the one holding its first segment token
+        n_pages = (sealed + done // P).tolist()
+        table = page_array(rows, n_pages).astype(np.int64)
+        tok = (p[:, None] - f) + j  # each segment position's position in its row
+        page_slots = (table[b, np.minimum(tok // P, table.shape[1] - 1)] * P + tok % P)[on_pages]
+        tail_slots = (np.asarray([r.tail_slot for r in rows], dtype=np.int64)[:, None] * P + j - done[:, None])[kept]
+        arr = lambda x: mx.array(x.astype(np.int32)) if x.size else None  # noqa: E731
         n_q = max(sealed)
         i, t = mx.arange(L)[None, :, None], mx.arange(S)[None, None, :]
         f_a, n_a = mx.array(fill)[:, None, None], mx.array(lens)[:, None, None]
@@ -390,9 +392,9 @@ class QuantRoute(Route):
                 n_first = mx.minimum(mx.array(sealed) * P, F)
                 first = (mx.arange(F)[None, :] < n_first[:, None]).reshape(B, 1, F, 1)
         return QuantPrefill(L, S, mx.array([r.tail_slot for r in rows], dtype=mx.int32), base > 0,
-                            arr(seg) if base or S != L else None, arr(page_src), arr(page_slots), arr(tail_src),
-                            arr(head_rows(tail_slots, P, H)), page_table(rows, sealed) if n_q else None,
-                            mask.reshape(B, 1, L, -1), first)
+                            arr(seg.reshape(-1)) if base or S != L else None, arr(page_src), arr(page_slots),
+                            arr(tail_src), arr(head_rows_array(tail_slots, P, H)),
+                            page_table(rows, sealed) if n_q else None, mask.reshape(B, 1, L, -1), first)
 
     def write(self, layer: int, meta, keys: mx.array, values: mx.array) -> None:
         """Store the pass's K/V: a prefill pass's completed pages quantized and the rest into the tails (keeping each
