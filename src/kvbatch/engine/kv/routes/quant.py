@@ -356,21 +356,21 @@ class QuantRoute(Route):
 
     def _prefill_plan(self, rows: list[CacheRow], L: int, p: np.ndarray, lens: list[int]) -> QuantPrefill:
         P, H, B = self.geom.page_size, self.geom.kv_heads, len(rows)
-        fill_a, n_a = p.astype(np.int64) % P, np.asarray(lens, dtype=np.int64)
-        fill, sealed = fill_a.tolist(), (p // P).tolist()
-        m = fill_a + n_a  # each row's segment: its tail's earlier tokens, then its pass tokens
+        fill_np, lens_np = p.astype(np.int64) % P, np.asarray(lens, dtype=np.int64)
+        fill, sealed = fill_np.tolist(), (p // P).tolist()
+        m = fill_np + lens_np  # each row's segment: its tail's earlier tokens, then its pass tokens
         S = int(m.max())
-        base = B * P if fill_a.any() else 0  # where the pass's tokens start among the sources
+        base = B * P if fill_np.any() else 0  # where the pass's tokens start among the sources
         # Row b's segment position j comes from its tail page (b * P + j) below fill[b], else from the pass
         # (base + b * L + j - fill[b]); padding repeats the row's own first token (masked), never another row's.
         # Numpy over (B, S) at once: a pass holds up to B * S ~ 10^5 positions.
         b, j = np.arange(B)[:, None], np.arange(S)[None, :]
-        f = fill_a[:, None]
+        f = fill_np[:, None]
         src = np.where(j < f, b * P + j, base + b * L + j - f)
         seg = np.where(j < m[:, None], src, src[:, :1])
         done = m // P * P  # the segment's tokens on pages the pass completes
         on_pages = j < done[:, None]
-        kept = (j >= np.where(done > 0, done, fill_a)[:, None]) & (j < m[:, None])  # an open tail keeps its tokens
+        kept = (j >= np.where(done > 0, done, fill_np)[:, None]) & (j < m[:, None])  # an open tail keeps its tokens
         page_src, tail_src = seg[on_pages], seg[kept]
         # the completed pages' pool slots: each row's pages from the one holding its first segment token
         n_pages = (sealed + done // P).tolist()
