@@ -5,9 +5,12 @@ one process with fresh engines, then other prompts of the same spread ("new_shap
 run is much faster than the first and the third is as slow as the first, passes pay for shapes met
 for the first time (kernel compilation, library plans), not for compute. Each
 pass is listed as (rows, padded length L, keys T, seconds). `--modes` A/Bs engine options as
-the harness's mode strings do ("none", "none@prefill_buckets=false", "q8").
+the harness's mode strings do ("none", "none@prefill_buckets=false", "q8"). `--spread uniform` draws
+lengths uniformly, as the whole-job benchmark's rows (52-2,018 there): the skewed default has a mean a third of
+the way from the shortest to the longest, fewer rows over one prefill chunk.
 
     python -m benchmarks gpu.prefill_shapes --geometry 1b --rows 256 --modes none,q8 --out prefill.json
+    python -m benchmarks gpu.prefill_shapes --min-len 52 --max-len 2018 --spread uniform --new 512 --chunk 512
 """
 from __future__ import annotations
 
@@ -32,12 +35,19 @@ def add_args(ap) -> None:
     ap.add_argument("--chunk", type=int, default=2048,
                     help="engine.prefill_chunk (the command's default is 512: longer prompts continue over passes)")
     ap.add_argument("--pass-tokens", default="auto", help="engine.prefill_tokens: tokens of one pass, all rows")
+    ap.add_argument("--spread", choices=("skewed", "uniform"), default="skewed",
+                    help="prompt lengths: skewed short (shortest + (longest - shortest) u^2, u uniform; mean a third "
+                         "of the way) or uniform between shortest and longest, as the whole-job benchmark's rows")
 
 
-def mixed_prompts(n: int, vocab: int, longest: int, seed: int = 0, shortest: int = 20) -> list[list[int]]:
+def mixed_prompts(n: int, vocab: int, longest: int, seed: int = 0, shortest: int = 20,
+                  spread: str = "skewed") -> list[list[int]]:
+    """n prompts of random tokens, lengths from shortest to longest: most short (skewed) or uniform."""
     rnd = random.Random(seed)
-    return [[rnd.randrange(vocab) for _ in range(shortest + int((longest - shortest) * rnd.random() ** 2))]
-            for _ in range(n)]
+    if spread == "skewed":  # the draws every earlier record of this benchmark used
+        return [[rnd.randrange(vocab) for _ in range(shortest + int((longest - shortest) * rnd.random() ** 2))]
+                for _ in range(n)]
+    return [[rnd.randrange(vocab) for _ in range(rnd.randint(shortest, longest))] for _ in range(n)]
 
 
 def one(model, spec, ps, mode: str, budget: int, new: int, chunk: int = 2048, pass_tokens: str = "auto") -> dict:
@@ -58,13 +68,13 @@ def one(model, spec, ps, mode: str, budget: int, new: int, chunk: int = 2048, pa
 
 def run(a) -> dict:
     model, spec = h.build_random(a.geometry)
-    ps = mixed_prompts(a.rows, spec.vocab_size, a.max_len, shortest=a.min_len)
+    ps = mixed_prompts(a.rows, spec.vocab_size, a.max_len, shortest=a.min_len, spread=a.spread)
     budget = int(mx.device_info().get("memory_size", 80 << 30) * 0.8)
     out = []
     for mode in a.modes.split(","):
         h.parse_mode(mode)  # fail early on a bad mode string
-        for attempt, prompts in (("cold", ps), ("warm", ps),
-                                 ("new_shapes", mixed_prompts(a.rows, spec.vocab_size, a.max_len, 1, a.min_len))):
+        other = mixed_prompts(a.rows, spec.vocab_size, a.max_len, 1, a.min_len, a.spread)
+        for attempt, prompts in (("cold", ps), ("warm", ps), ("new_shapes", other)):
             r = one(model, spec, prompts, mode, budget, a.new, a.chunk, a.pass_tokens)
             r["attempt"] = attempt
             out.append(r)
