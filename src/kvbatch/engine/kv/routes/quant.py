@@ -357,12 +357,12 @@ class QuantRoute(Route):
     def _prefill_plan(self, rows: list[CacheRow], L: int, p: np.ndarray, lens: list[int]) -> QuantPrefill:
         P, H, B = self.geom.page_size, self.geom.kv_heads, len(rows)
         fill_np, lens_np = p.astype(np.int64) % P, np.asarray(lens, dtype=np.int64)
-        fill, sealed = fill_np.tolist(), (p // P).tolist()
+        sealed = (p // P).tolist()
         m = fill_np + lens_np  # each row's segment: its tail's earlier tokens, then its pass tokens
         S = int(m.max())
         base = B * P if fill_np.any() else 0  # where the pass's tokens start among the sources
-        # Row b's segment position j comes from its tail page (b * P + j) below fill[b], else from the pass
-        # (base + b * L + j - fill[b]); padding repeats the row's own first token (masked), never another row's.
+        # Row b's segment position j comes from its tail page (b * P + j) below its fill, else from the pass
+        # (base + b * L + j - fill); padding repeats the row's own first token (masked), never another row's.
         # Numpy over (B, S) at once: a pass holds up to B * S ~ 10^5 positions.
         b, j = np.arange(B)[:, None], np.arange(S)[None, :]
         f = fill_np[:, None]
@@ -381,7 +381,7 @@ class QuantRoute(Route):
         arr = lambda x: mx.array(x.astype(np.int32)) if x.size else None  # noqa: E731
         n_q = max(sealed)
         i, t = mx.arange(L)[None, :, None], mx.arange(S)[None, None, :]
-        f_a, n_a = mx.array(fill)[:, None, None], mx.array(lens)[:, None, None]
+        f_a, n_a = mx.array(fill_np.astype(np.int32))[:, None, None], mx.array(lens)[:, None, None]
         mask = (t <= f_a + i) & (t < f_a + n_a)  # (B, L, S): a padding query sees the row's real tokens
         first = None
         if n_q:
