@@ -469,7 +469,8 @@ def kv_pool(eng: Engine) -> dict:
 
 
 class PassTimes(EngineHooks):
-    """Each prefill pass's shape and seconds, from the step's plan (`passes`: rows, L, tokens, s), and each
+    """Each prefill pass's shape and seconds, from the step's plan (`passes`: rows, L, tokens, the keys its rows
+    held before it, s), and each
     decode step's rows and the decode seconds counted at it (`steps`: rows, s, whether a prefill pass ran in
     the same engine step)."""
 
@@ -484,6 +485,7 @@ class PassTimes(EngineHooks):
         if plan.prefill:
             lens = [c.tokens for c in plan.prefill]
             self.passes.append({"rows": len(lens), "L": max(lens), "tokens": sum(lens),
+                                "before": sum(c.row.kv.length - c.tokens for c in plan.prefill),
                                 "s": round(times.prefill_time - self._seen, 4)})
         if plan.decode:
             self.steps.append((len(plan.decode), times.decode_time - self._decoded, bool(plan.prefill)))

@@ -59,11 +59,19 @@ def one(model, spec, ps, mode: str, budget: int, new: int, chunk: int = 2048, pa
     res = eng.generate(h.requests(ps, new))
     wall = time.perf_counter() - t0
     s = eng.summary()
-    return {"mode": mode, "wall_s": wall, "prefill_s": s["prefill_s"], "decode_s": s["decode_s"],
+    return {"mode": mode, "wall_s": wall, "later": later_share(passes.passes), "prefill_s": s["prefill_s"], "decode_s": s["decode_s"],
             "prefill_tps": s["prefill_tokens_per_s"], "decode_tps": s["decode_tokens_per_s"],
             "prompt_tokens": sum(map(len, ps)), "generated": sum(len(r.tokens) for r in res),
             "errors": [r.error_code for r in res if r.error_code], "decode_steps": passes.step_summary(),
             "passes": passes.passes}
+
+
+def later_share(passes: list[dict]) -> dict:
+    """The passes that continue rows (their rows held keys before: later prefill chunks) against the rest."""
+    later = [p for p in passes if p["before"]]
+    return {"later_passes": len(later), "later_s": round(sum(p["s"] for p in later), 3),
+            "first_s": round(sum(p["s"] for p in passes if not p["before"]), 3),
+            "later_keys_before": sum(p["before"] for p in later)}
 
 
 def run(a) -> dict:
@@ -79,6 +87,7 @@ def run(a) -> dict:
             r["attempt"] = attempt
             out.append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "passes"}), flush=True)
-            print("  passes:", [(p["rows"], p["L"], p["s"]) for p in r["passes"]], flush=True)
+            print("  passes:", [(p["rows"], p["L"], p["before"], p["s"]) for p in r["passes"]], flush=True)
+            print("  passes over earlier keys:", later_share(r["passes"]), flush=True)
             h.checkpoint({"runs": out})
     return {"runs": out}
