@@ -59,7 +59,8 @@ def one(model, spec, ps, mode: str, budget: int, new: int, chunk: int = 2048, pa
     res = eng.generate(h.requests(ps, new))
     wall = time.perf_counter() - t0
     s = eng.summary()
-    return {"mode": mode, "wall_s": wall, "later": later_share(passes.passes), "prefill_s": s["prefill_s"], "decode_s": s["decode_s"],
+    return {"mode": mode, "wall_s": wall, "later": later_share(passes.passes), "prefill_s": s["prefill_s"],
+            "decode_s": s["decode_s"],
             "prefill_tps": s["prefill_tokens_per_s"], "decode_tps": s["decode_tokens_per_s"],
             "prompt_tokens": sum(map(len, ps)), "generated": sum(len(r.tokens) for r in res),
             "errors": [r.error_code for r in res if r.error_code], "decode_steps": passes.step_summary(),
