@@ -35,6 +35,8 @@ def add_args(ap) -> None:
     ap.add_argument("--chunk", type=int, default=2048,
                     help="engine.prefill_chunk (the command's default is 512: longer prompts continue over passes)")
     ap.add_argument("--pass-tokens", default="auto", help="engine.prefill_tokens: tokens of one pass, all rows")
+    ap.add_argument("--clear-cache", action="store_true",
+                    help="give MLX's buffer cache back before each run: a later run then allocates as the first did")
     ap.add_argument("--spread", choices=("skewed", "uniform"), default="skewed",
                     help="prompt lengths: skewed short (shortest + (longest - shortest) u^2, u uniform; mean a third "
                          "of the way) or uniform between shortest and longest, as the whole-job benchmark's rows")
@@ -63,7 +65,8 @@ def one(model, spec, ps, mode: str, budget: int, new: int, chunk: int = 2048, pa
             "decode_s": s["decode_s"],
             "prefill_tps": s["prefill_tokens_per_s"], "decode_tps": s["decode_tokens_per_s"],
             "prompt_tokens": sum(map(len, ps)), "generated": sum(len(r.tokens) for r in res),
-            "errors": [r.error_code for r in res if r.error_code], "decode_steps": passes.step_summary(),
+            "errors": [r.error_code for r in res if r.error_code], "cache_clears": s["cache_clears"],
+            "decode_steps": passes.step_summary(),
             "passes": passes.passes}
 
 
@@ -84,6 +87,8 @@ def run(a) -> dict:
         h.parse_mode(mode)  # fail early on a bad mode string
         other = mixed_prompts(a.rows, spec.vocab_size, a.max_len, 1, a.min_len, a.spread)
         for attempt, prompts in (("cold", ps), ("warm", ps), ("new_shapes", other)):
+            if a.clear_cache:
+                mx.clear_cache()
             r = one(model, spec, prompts, mode, budget, a.new, a.chunk, a.pass_tokens)
             r["attempt"] = attempt
             out.append(r)
