@@ -46,13 +46,15 @@ res = eng.generate(reqs)
 wall = time.perf_counter() - t0
 s = eng.summary()
 print(json.dumps({"wall_s": wall, "tokens": sum(len(r.tokens) for r in res), "prefill_s": s["prefill_s"],
+                  "decode_s": s["decode_s"],
                   "engine_decode_tps": s["decode_tokens_per_s"], "max_batch": eng.max_batch}))
 """
 
 
 def add_args(ap) -> None:
     ap.add_argument("--rows", type=int, default=32)
-    ap.add_argument("--prompt", type=int, default=128, help="prompt tokens per row")
+    ap.add_argument("--prompt", default="128",
+                    help="prompt tokens per row: N, or LO-HI (uniform, as the whole-job benchmark's rows)")
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--model-args", default="", help="model=tiny geometry: 'num_layers=16 ...'")
@@ -74,6 +76,7 @@ def command(a, inp: Path, out: Path) -> dict:
     s = json.loads((out / "summary.json").read_text())
     run, eng = s["this_run"], s["engine"]
     return {"wall_s": run["wall_s"], "tokens": run["generated_tokens"], "prefill_s": eng["prefill_s"],
+            "decode_s": eng["decode_s"],
             "engine_decode_tps": eng["decode_tokens_per_s"], "max_batch": eng.get("max_batch")}
 
 
@@ -92,7 +95,8 @@ def run(a) -> dict:
     model_cfg = {"source": "tiny", "name": "tiny",
                  **{k: (int(v) if v.lstrip("-").isdigit() else v)
                     for k, v in (kv.split("=", 1) for kv in shlex.split(a.model_args))}}
-    texts = token_prompts(a.rows, 11, a.prompt, a.prompt, model_cfg)
+    lo, _, hi = a.prompt.partition("-")
+    texts = token_prompts(a.rows, 11, int(lo), int(hi or lo), model_cfg)
     inp.write_text("".join(json.dumps({"id": f"r{i}", "prompt": t}) + "\n" for i, t in enumerate(texts)))
     rounds = []
     for k in range(a.rounds):
