@@ -35,6 +35,7 @@ def add_args(ap) -> None:
     ap.add_argument("--chunk", type=int, default=2048,
                     help="engine.prefill_chunk (the command's default is 512: longer prompts continue over passes)")
     ap.add_argument("--pass-tokens", default="auto", help="engine.prefill_tokens: tokens of one pass, all rows")
+    ap.add_argument("--attempts", type=int, default=3, help="runs a mode: cold, then warm, then new shapes")
     ap.add_argument("--clear-cache", action="store_true",
                     help="give MLX's buffer cache back before each run: a later run then allocates as the first did")
     ap.add_argument("--spread", choices=("skewed", "uniform"), default="skewed",
@@ -86,7 +87,7 @@ def run(a) -> dict:
     for mode in a.modes.split(","):
         h.parse_mode(mode)  # fail early on a bad mode string
         other = mixed_prompts(a.rows, spec.vocab_size, a.max_len, 1, a.min_len, a.spread)
-        for attempt, prompts in (("cold", ps), ("warm", ps), ("new_shapes", other)):
+        for attempt, prompts in (("cold", ps), ("warm", ps), ("new_shapes", other))[:a.attempts]:
             if a.clear_cache:
                 mx.clear_cache()
             r = one(model, spec, prompts, mode, budget, a.new, a.chunk, a.pass_tokens)
