@@ -470,9 +470,8 @@ def kv_pool(eng: Engine) -> dict:
 
 class PassTimes(EngineHooks):
     """Each prefill pass's shape and seconds, from the step's plan (`passes`: rows, L, tokens, the keys its rows
-    held before it, s), and each
-    decode step's rows and the decode seconds counted at it (`steps`: rows, s, whether a prefill pass ran in
-    the same engine step)."""
+    held before it, s), and each decode step's rows and the decode seconds counted at it (`steps`: rows, s,
+    whether a prefill pass ran in the same engine step)."""
 
     def __init__(self) -> None:
         super().__init__()

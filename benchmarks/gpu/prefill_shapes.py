@@ -4,7 +4,8 @@
 one process with fresh engines, then other prompts of the same spread ("new_shapes"): when the second
 run is much faster than the first and the third is as slow as the first, passes pay for shapes met
 for the first time (kernel compilation, library plans), not for compute. Each
-pass is listed as (rows, padded length L, keys T, seconds). `--modes` A/Bs engine options as
+pass is listed as (rows, padded length L, keys its rows held before it, seconds), and the seconds of the
+passes over earlier keys (later chunks of longer prompts) apart from the first chunks'. `--modes` A/Bs engine options as
 the harness's mode strings do ("none", "none@prefill_buckets=false", "q8"). `--spread uniform` draws
 lengths uniformly, as the whole-job benchmark's rows (52-2,018 there): the skewed default has a mean a third of
 the way from the shortest to the longest, fewer rows over one prefill chunk.
