@@ -479,12 +479,17 @@ class PassTimes(EngineHooks):
         self.steps: list[tuple[int, float, bool]] = []
         self._seen = 0.0
         self._decoded = 0.0
+        self._held: dict[str, int] = {}  # each prefilling row's keys so far (the cache's length moves with decode)
 
     def on_step(self, plan: StepPlan, times: StepTimes) -> None:
+        for row in plan.preempted:  # prefilled again from its start (or from what it kept)
+            self._held.pop(row.req.key, None)
         if plan.prefill:
             lens = [c.tokens for c in plan.prefill]
-            self.passes.append({"rows": len(lens), "L": max(lens), "tokens": sum(lens),
-                                "before": sum(c.row.kv.length - c.tokens for c in plan.prefill),
+            before = [self._held.get(c.row.req.key, c.row.cached_tokens + c.row.restored) for c in plan.prefill]
+            for c, b in zip(plan.prefill, before):
+                self._held[c.row.req.key] = b + c.tokens
+            self.passes.append({"rows": len(lens), "L": max(lens), "tokens": sum(lens), "before": sum(before),
                                 "s": round(times.prefill_time - self._seen, 4)})
         if plan.decode:
             self.steps.append((len(plan.decode), times.decode_time - self._decoded, bool(plan.prefill)))

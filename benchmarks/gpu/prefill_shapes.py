@@ -37,8 +37,6 @@ def add_args(ap) -> None:
                     help="engine.prefill_chunk (the command's default is 512: longer prompts continue over passes)")
     ap.add_argument("--pass-tokens", default="auto", help="engine.prefill_tokens: tokens of one pass, all rows")
     ap.add_argument("--attempts", type=int, default=3, help="runs a mode: cold, then warm, then new shapes")
-    ap.add_argument("--clear-cache", action="store_true",
-                    help="give MLX's buffer cache back before each run: a later run then allocates as the first did")
     ap.add_argument("--spread", choices=("skewed", "uniform"), default="skewed",
                     help="prompt lengths: skewed short (shortest + (longest - shortest) u^2, u uniform; mean a third "
                          "of the way) or uniform between shortest and longest, as the whole-job benchmark's rows")
@@ -89,13 +87,11 @@ def run(a) -> dict:
         h.parse_mode(mode)  # fail early on a bad mode string
         other = mixed_prompts(a.rows, spec.vocab_size, a.max_len, 1, a.min_len, a.spread)
         for attempt, prompts in (("cold", ps), ("warm", ps), ("new_shapes", other))[:a.attempts]:
-            if a.clear_cache:
-                mx.clear_cache()
             r = one(model, spec, prompts, mode, budget, a.new, a.chunk, a.pass_tokens)
             r["attempt"] = attempt
             out.append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "passes"}), flush=True)
             print("  passes:", [(p["rows"], p["L"], p["before"], p["s"]) for p in r["passes"]], flush=True)
-            print("  passes over earlier keys:", later_share(r["passes"]), flush=True)
+            print("  passes over earlier keys:", r["later"], flush=True)
             h.checkpoint({"runs": out})
     return {"runs": out}
