@@ -496,15 +496,20 @@ class PassTimes(EngineHooks):
         self._seen, self._decoded = times.prefill_time, times.decode_time
 
     def step_summary(self) -> dict:
-        """Decode steps at the batch's most rows (steady state): their count, median and p90 ms, the seconds
+        """Decode steps at the batch's most rows (steady state): their count, median and p90 ms, the median ms
+        of each eighth of them in step order (`full_windows_ms`), the seconds
         of steps over twice the median (stalls) and of all; the rest of the decode seconds (ramp steps, and
         steps beside a prefill pass) apart."""
         if not self.steps:
             return {}
         most = max(b for b, _, _ in self.steps)
-        full = sorted(s for b, s, p in self.steps if b == most and not p)
+        in_order = [s for b, s, p in self.steps if b == most and not p]
+        full = sorted(in_order)
         med = full[len(full) // 2] if full else 0.0
+        span = max(1, -(-len(in_order) // 8))  # eight windows in step order: when a slow state starts
+        windows = [round(1e3 * statistics.median(in_order[i:i + span]), 3) for i in range(0, len(in_order), span)]
         return {"rows": most, "full_steps": len(full), "full_median_ms": round(1e3 * med, 3),
+                "full_windows_ms": windows,
                 "full_p90_ms": round(1e3 * full[int(len(full) * 0.9)], 3) if full else None,
                 "full_s": round(sum(full), 3), "stall_s": round(sum(s for s in full if s > 2 * med), 3),
                 "other_steps": len(self.steps) - len(full),

@@ -12,12 +12,22 @@ the way from the shortest to the longest, fewer rows over one prefill chunk.
 
     python -m benchmarks gpu.prefill_shapes --geometry 1b --rows 256 --modes none,q8 --out prefill.json
     python -m benchmarks gpu.prefill_shapes --min-len 52 --max-len 2018 --spread uniform --new 512 --chunk 512
+
+`--graph-dots DIR` (MLX CUDA) has MLX write each committed CUDA graph as a dot file (MLX_SAVE_CUDA_GRAPHS_DOT_FILE)
+and summarises each run's graphs: how many, how many distinct by MLX's cache key (node kinds and edges), and how
+many an LRU graph cache of 400 (MLX's default) or 4,000 would instantiate; three of each run's files are kept.
+Writing the files slows the run: its seconds are not comparable with a run without them.
 """
 from __future__ import annotations
 
 import json
+import os
 import random
+import re
+import shutil
 import time
+from collections import OrderedDict
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -40,6 +50,7 @@ def add_args(ap) -> None:
     ap.add_argument("--spread", choices=("skewed", "uniform"), default="skewed",
                     help="prompt lengths: skewed short (shortest + (longest - shortest) u^2, u uniform; mean a third "
                          "of the way) or uniform between shortest and longest, as the whole-job benchmark's rows")
+    ap.add_argument("--graph-dots", default="", help="folder for MLX's CUDA graph dumps (see the module's text)")
 
 
 def mixed_prompts(n: int, vocab: int, longest: int, seed: int = 0, shortest: int = 20,
@@ -70,6 +81,80 @@ def one(model, spec, ps, mode: str, budget: int, new: int, chunk: int = 2048, pa
             "passes": passes.passes}
 
 
+_DECL = re.compile(r'^\s*"?(\w+)"?\s*\[', re.M)
+_EDGE = re.compile(r'"?(\w+)"?\s*->\s*"?(\w+)"?')
+_KIND = re.compile(r"cudaGraphNodeType(\w+)|\b([A-Z][A-Z_]{2,})\b")
+
+
+def graph_key(text: str) -> tuple[tuple, tuple, int, bool]:
+    """One dot file's graph: (node kinds and edges, as MLX's graph cache keys it), (each node's text with
+    numbers and addresses blanked, and the edges), its node count, whether a node names a cluster shape."""
+    decls = [m for m in _DECL.finditer(text) if m.group(1) not in ("node", "edge", "graph")]
+    names = {m.group(1): i for i, m in enumerate(decls)}
+    kinds, texts, cluster = [], [], False
+    for m, nxt in zip(decls, decls[1:] + [None]):
+        body = text[m.end():nxt.start() if nxt else len(text)]
+        body = _EDGE.sub("", body)
+        k = _KIND.search(body)
+        kinds.append((k.group(1) or k.group(2)) if k else "?")
+        texts.append(re.sub(r"\d+", "#", re.sub(r"0x[0-9a-fA-F]+", "", body)).strip())
+        cluster |= bool(re.search(r"cluster(?!_)", body, re.I))  # (a child graph is drawn as `subgraph cluster_N`)
+    edges = tuple(sorted((names[a], names[b]) for a, b in _EDGE.findall(text) if a in names and b in names))
+    return (tuple(kinds), edges), (tuple(texts), edges), len(decls), cluster
+
+
+def lru_misses(keys: list, capacity: int) -> int:
+    """How many of these graphs a least-recently-used cache of `capacity` executables instantiates."""
+    cache: OrderedDict = OrderedDict()
+    misses = 0
+    for k in keys:
+        if k in cache:
+            cache.move_to_end(k)
+            continue
+        misses += 1
+        cache[k] = None
+        if len(cache) > capacity:
+            cache.popitem(last=False)
+    return misses
+
+
+def dot_index(p: Path) -> int:
+    return int(p.stem.rsplit("_", 1)[1])
+
+
+def graph_dots(folder: Path, tag: str, lru: OrderedDict) -> dict:
+    """Summarise (then delete, keeping the first, middle and last) the dot files MLX wrote since the last call.
+    `lru` holds the keys of earlier runs in order, so the cache misses count what the process's cache held."""
+    files = sorted(folder.glob("g_*.dot"), key=dot_index)
+    if not files:
+        return {"graphs": 0}
+    tops, fulls, nodes, clusters = [], [], [], 0
+    for f in files:
+        top, full, n, cluster = graph_key(f.read_text(errors="replace"))
+        tops.append(top)
+        fulls.append(full)
+        nodes.append(n)
+        clusters += cluster
+    keep = folder / "kept"
+    keep.mkdir(exist_ok=True)
+    for f in {files[0], files[len(files) // 2], files[-1]}:
+        shutil.copy(f, keep / f"{tag}_{f.name}")
+    for f in files:
+        f.unlink()
+    history = list(lru)
+    out = {"graphs": len(files), "distinct_keys": len(set(tops)), "distinct_with_kernels": len(set(fulls)),
+           "nodes_median": sorted(nodes)[len(nodes) // 2], "graphs_naming_clusters": clusters,
+           "kinds": sorted({k for t in tops for k in t[0]}),
+           "new_keys_by_eighth": [len(set(tops[i:i + max(1, len(tops) // 8)]) - set(tops[:i]) - set(history))
+                                  for i in range(0, len(tops), max(1, len(tops) // 8))]}
+    for cap in (400, 4000):
+        out[f"lru{cap}_instantiations"] = lru_misses(history[-cap:] + tops, cap) - len(set(history[-cap:]))
+    for k in tops:
+        lru[k] = None
+        lru.move_to_end(k)
+    return out
+
+
 def later_share(passes: list[dict]) -> dict:
     """The passes that continue rows (their rows held keys before: later prefill chunks) against the rest."""
     later = [p for p in passes if p["before"]]
@@ -79,7 +164,15 @@ def later_share(passes: list[dict]) -> dict:
 
 
 def run(a) -> dict:
+    dots = Path(a.graph_dots) if a.graph_dots else None
+    if dots:  # MLX reads it at its first commit: before the model's weights are made
+        dots.mkdir(parents=True, exist_ok=True)
+        os.environ["MLX_SAVE_CUDA_GRAPHS_DOT_FILE"] = str(dots / "g")
+    lru: OrderedDict = OrderedDict()
     model, spec = h.build_random(a.geometry)
+    if dots:
+        for f in dots.glob("g_*.dot"):  # the model's own graphs
+            f.unlink()
     ps = mixed_prompts(a.rows, spec.vocab_size, a.max_len, shortest=a.min_len, spread=a.spread)
     budget = int(mx.device_info().get("memory_size", 80 << 30) * 0.8)
     out = []
@@ -89,6 +182,8 @@ def run(a) -> dict:
         for attempt, prompts in (("cold", ps), ("warm", ps), ("new_shapes", other))[:a.attempts]:
             r = one(model, spec, prompts, mode, budget, a.new, a.chunk, a.pass_tokens)
             r["attempt"] = attempt
+            if dots:
+                r["graph_dots"] = graph_dots(dots, f"{mode}_{attempt}", lru)
             out.append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "passes"}), flush=True)
             print("  passes:", [(p["rows"], p["L"], p["before"], p["s"]) for p in r["passes"]], flush=True)
