@@ -17,3 +17,48 @@ def test_pass_times_counts_the_keys_rows_held_before_each_pass():
     assert [(p["rows"], p["tokens"], p["before"]) for p in passes.passes] == [(2, 128, 0), (2, 100, 128), (1, 22, 128)]
     share = later_share(passes.passes)
     assert share["later_passes"] == 2 and share["later_keys_before"] == 256
+
+
+def test_step_summary_windows_follow_step_order():
+    """A slow state that starts half-way shows in the later windows, not in the median alone."""
+    passes = h.PassTimes()
+    passes.steps = [(8, 0.001 * (1 if i < 16 else 3), False) for i in range(32)] + [(4, 1.0, False)]
+    s = passes.step_summary()
+    assert s["full_steps"] == 32 and s["other_steps"] == 1
+    assert s["full_windows_ms"] == [1.0] * 4 + [3.0] * 4
+
+
+DOT = '''digraph dot {
+subgraph cluster_1 {
+"graph_1_node_0"[style="solid" shape="rectangle" label="0
+cudaGraphNodeTypeKernel
+void mlx::core::cu::KERNEL<float>(float*)
+0x7f00aa"];
+"graph_1_node_1"[style="solid" shape="rectangle" label="1
+cudaGraphNodeTypeEmpty"];
+"graph_1_node_0" -> "graph_1_node_1" [style="solid"];
+}
+}
+'''
+
+
+def test_graph_dots_count_keys_and_an_lru_caches_instantiations(tmp_path):
+    from collections import OrderedDict
+
+    from benchmarks.gpu.prefill_shapes import graph_dots, graph_key, lru_misses
+
+    (kinds, edges), _, nodes, cluster = graph_key(DOT)
+    assert kinds == ("Kernel", "Empty") and edges == ((0, 1),) and nodes == 2 and not cluster
+    assert lru_misses([1, 2, 3, 1, 2, 3], 2) == 6 and lru_misses([1, 2, 3, 1, 2, 3], 3) == 3
+    half = DOT.replace("KERNEL<float>", "KERNEL<half>")
+    for i in range(1, 7):  # one key (kinds and edges), two kernels
+        (tmp_path / f"g_{i}.dot").write_text(DOT if i % 2 else half)
+    lru: OrderedDict = OrderedDict()
+    first = graph_dots(tmp_path, "a", lru)
+    assert first["graphs"] == 6 and first["distinct_keys"] == 1 and first["distinct_with_kernels"] == 2
+    assert first["lru400_instantiations"] == 1 and not list(tmp_path.glob("g_*.dot"))
+    (tmp_path / "g_7.dot").write_text(DOT.replace('-> "graph_1_node_1"', '-> "graph_1_node_0"'))
+    (tmp_path / "g_8.dot").write_text(DOT)
+    second = graph_dots(tmp_path, "b", lru)  # the first run's key is still cached: only the new edge instantiates
+    assert second["graphs"] == 2 and second["lru400_instantiations"] == 1 and second["new_keys_by_eighth"] == [1, 0]
+    assert len(list((tmp_path / "kept").iterdir())) == 5
