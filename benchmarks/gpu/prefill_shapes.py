@@ -26,7 +26,7 @@ import random
 import re
 import shutil
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from pathlib import Path
 
 import mlx.core as mx
@@ -83,12 +83,14 @@ def one(model, spec, ps, mode: str, budget: int, new: int, chunk: int = 2048, pa
 
 _DECL = re.compile(r'^\s*"?(\w+)"?\s*\[', re.M)
 _EDGE = re.compile(r'"?(\w+)"?\s*->\s*"?(\w+)"?')
+_NAME = re.compile(r'label="\d+\n([^\n"]*)')  # a node's kernel (or kind): its label's second line
 _KIND = re.compile(r"cudaGraphNodeType(\w+)|\b([A-Z][A-Z_]{2,})\b")
 
 
 def graph_key(text: str) -> tuple[tuple, tuple, int, bool]:
     """One dot file's graph: (node kinds and edges, as MLX's graph cache keys it), (each node's text with
-    numbers and addresses blanked, and the edges), its node count, whether a node names a cluster shape."""
+    numbers and addresses blanked, and the edges: the kernels included), its node count, whether a node names a
+    cluster shape."""
     decls = [m for m in _DECL.finditer(text) if m.group(1) not in ("node", "edge", "graph")]
     names = {m.group(1): i for i, m in enumerate(decls)}
     kinds, texts, cluster = [], [], False
@@ -135,6 +137,9 @@ def graph_dots(folder: Path, tag: str, lru: OrderedDict) -> dict:
         fulls.append(full)
         nodes.append(n)
         clusters += cluster
+    names: Counter = Counter()  # the later half's nodes by kernel (decode, where the rows all start at once)
+    for f in files[len(files) // 2:]:
+        names.update(n[:90] for n in _NAME.findall(f.read_text(errors="replace")))
     keep = folder / "kept"
     keep.mkdir(exist_ok=True)
     for f in {files[0], files[len(files) // 2], files[-1]}:
@@ -142,7 +147,8 @@ def graph_dots(folder: Path, tag: str, lru: OrderedDict) -> dict:
     for f in files:
         f.unlink()
     history = list(lru)
-    out = {"graphs": len(files), "distinct_keys": len(set(tops)), "distinct_with_kernels": len(set(fulls)),
+    out = {"later_half_nodes": names.most_common(60),
+           "graphs": len(files), "distinct_keys": len(set(tops)), "distinct_with_kernels": len(set(fulls)),
            "nodes_median": sorted(nodes)[len(nodes) // 2], "graphs_naming_clusters": clusters,
            "kinds": sorted({k for t in tops for k in t[0]}),
            "new_keys_by_eighth": [len(set(tops[i:i + max(1, len(tops) // 8)]) - set(tops[:i]) - set(history))
