@@ -97,6 +97,9 @@
 #            exit code, its rows' error codes, its engine figures (summary.json) and the last frames of its traceback; the
 #            word cprofile: the command under cProfile (rowsprobe_NAME_prof.txt); tree=DIR: the kvbatch of DIR/src (another
 #            commit's src, e.g. .gpu/old, carried), A/B in one call; SECONDS is per variant
+#   fresh    the engine alone one mode a process, as command runs are: gpu.prefill_shapes --attempts 1 with $FRESH_ARGS
+#            (default: 1B, 256 prompts of 52-2,018 tokens uniform x 512, chunk 512) for each mode of $FRESH_ORDER (default
+#            q8 none none q8 q8 none); each process's record fresh_<i>_<mode>.json; SECONDS is per process
 #   bench    any benchmark: python -m benchmarks $BENCH (name and options), its JSON bench$BENCH_TAG.json
 #   profile  gpu.step_profile $PROFILE_ARGS (default: 1B batch 8 at 8k, none and q8, lookahead loop, with
 #            mlx-lm): host phases against the wait for the GPU, to tell a host-bound case from a GPU-bound one
@@ -280,6 +283,11 @@ pq.write_table(t, sys.argv[2], compression='zstd', compression_level=19)" "$kept
                --prompt 8192 --modes none,q8 --no-sync} 2>&1 | tee -a "$OUT/profile.txt" | cut -c1-1500 ;;
     bench) timeout "$secs" python3 -m benchmarks $BENCH --out "$OUT/bench${BENCH_TAG:-}.json" 2>&1 |
         tee -a "$OUT/bench${BENCH_TAG:-}.txt" | cut -c1-1500 ;;
+    fresh) i=0; for m in ${FRESH_ORDER:-q8 none none q8 q8 none}; do i=$((i + 1))
+        timeout "$secs" python3 -m benchmarks gpu.prefill_shapes ${FRESH_ARGS:---geometry 1b --rows 256 --min-len 52 \
+          --max-len 2018 --spread uniform --new 512 --chunk 512} --attempts 1 --modes "$m" --out "$OUT/fresh_${i}_$m.json" \
+          2>&1 | tee -a "$OUT/fresh.txt" | grep -o '"mode": "[a-z0-9]*", "wall_s": [0-9.]*\|"decode_s": [0-9.]*\|"full_median_ms": [0-9.]*'
+      done ;;
     prefill) for c in ${PREFILL_ENVS:-"default:" "nocudnn:MLX_CUDA_USE_CUDNN_SDPA=0"}; do
         name=${c%%:*} vars=${c#*:}; echo "-- $name ${vars//,/ }" | tee -a "$OUT/prefill.txt"
         timeout "$secs" env ${vars//,/ } python3 -m benchmarks gpu.prefill_shapes ${PREFILL_ARGS:---geometry 1b --rows 256 \
