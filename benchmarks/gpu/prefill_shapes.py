@@ -15,7 +15,8 @@ the way from the shortest to the longest, fewer rows over one prefill chunk.
 
 `--graph-dots DIR` (MLX CUDA) has MLX write each committed CUDA graph as a dot file (MLX_SAVE_CUDA_GRAPHS_DOT_FILE)
 and summarises each run's graphs: how many, how many distinct by MLX's cache key (node kinds and edges), and how
-many an LRU graph cache of 400 (MLX's default) or 4,000 would instantiate; three of each run's files are kept.
+many an LRU graph cache of 400 (MLX's default) or 4,000 would instantiate, and the later half's nodes counted by
+kernel (`later_half_nodes`: what a decode step encodes); three of each run's files are kept.
 Writing the files slows the run: its seconds are not comparable with a run without them.
 """
 from __future__ import annotations
@@ -121,6 +122,7 @@ def lru_misses(keys: list, capacity: int) -> int:
 
 
 def dot_index(p: Path) -> int:
+    """The commit's number in MLX's dump name (<prefix>_<n>.dot)."""
     return int(p.stem.rsplit("_", 1)[1])
 
 
@@ -131,15 +133,16 @@ def graph_dots(folder: Path, tag: str, lru: OrderedDict) -> dict:
     if not files:
         return {"graphs": 0}
     tops, fulls, nodes, clusters = [], [], [], 0
-    for f in files:
-        top, full, n, cluster = graph_key(f.read_text(errors="replace"))
+    names: Counter = Counter()  # the later half's nodes by kernel (decode, where the rows all start at once)
+    for i, f in enumerate(files):
+        text = f.read_text(errors="replace")
+        top, full, n, cluster = graph_key(text)
         tops.append(top)
         fulls.append(full)
         nodes.append(n)
         clusters += cluster
-    names: Counter = Counter()  # the later half's nodes by kernel (decode, where the rows all start at once)
-    for f in files[len(files) // 2:]:
-        names.update(n[:90] for n in _NAME.findall(f.read_text(errors="replace")))
+        if i >= len(files) // 2:
+            names.update(name[:90] for name in _NAME.findall(text))
     keep = folder / "kept"
     keep.mkdir(exist_ok=True)
     for f in {files[0], files[len(files) // 2], files[-1]}:
