@@ -93,7 +93,7 @@ def graph_key(text: str) -> tuple[tuple, tuple, int, bool]:
     numbers and addresses blanked, and the edges: the kernels included), its node count, whether a node names a
     cluster shape."""
     decls = [m for m in _DECL.finditer(text) if m.group(1) not in ("node", "edge", "graph")]
-    names = {m.group(1): i for i, m in enumerate(decls)}
+    index = {m.group(1): i for i, m in enumerate(decls)}
     kinds, texts, cluster = [], [], False
     for m, nxt in zip(decls, decls[1:] + [None]):
         body = text[m.end():nxt.start() if nxt else len(text)]
@@ -102,7 +102,7 @@ def graph_key(text: str) -> tuple[tuple, tuple, int, bool]:
         kinds.append((k.group(1) or k.group(2)) if k else "?")
         texts.append(re.sub(r"\d+", "#", re.sub(r"0x[0-9a-fA-F]+", "", body)).strip())
         cluster |= bool(re.search(r"cluster(?!_)", body, re.I))  # (a child graph is drawn as `subgraph cluster_N`)
-    edges = tuple(sorted((names[a], names[b]) for a, b in _EDGE.findall(text) if a in names and b in names))
+    edges = tuple(sorted((index[a], index[b]) for a, b in _EDGE.findall(text) if a in index and b in index))
     return (tuple(kinds), edges), (tuple(texts), edges), len(decls), cluster
 
 
