@@ -21,8 +21,10 @@ Writing the files slows the run: its seconds are not comparable with a run witho
 """
 from __future__ import annotations
 
+import cProfile
 import json
 import os
+import pstats
 import random
 import re
 import shutil
@@ -34,7 +36,7 @@ import mlx.core as mx
 
 from benchmarks import harness as h
 
-SMOKE = ["--geometry", "tiny", "--rows", "3", "--max-len", "40"]
+SMOKE = ["--geometry", "tiny", "--rows", "3", "--max-len", "40", "--attempts", "2", "--cprofile", "3"]
 
 
 def add_args(ap) -> None:
@@ -52,6 +54,10 @@ def add_args(ap) -> None:
                     help="prompt lengths: skewed short (shortest + (longest - shortest) u^2, u uniform; mean a third "
                          "of the way) or uniform between shortest and longest, as the whole-job benchmark's rows")
     ap.add_argument("--graph-dots", default="", help="folder for MLX's CUDA graph dumps (see the module's text)")
+    ap.add_argument("--cprofile", type=int, default=0,
+                    help="also cProfile each mode's first run: its N functions of most cumulative and of most own "
+                         "time (`cprofile`: [cumulative, own] s), and its `outside_s`: the run's seconds outside "
+                         "prefill passes and decode steps")
 
 
 def mixed_prompts(n: int, vocab: int, longest: int, seed: int = 0, shortest: int = 20,
@@ -64,22 +70,38 @@ def mixed_prompts(n: int, vocab: int, longest: int, seed: int = 0, shortest: int
     return [[rnd.randrange(vocab) for _ in range(rnd.randint(shortest, longest))] for _ in range(n)]
 
 
-def one(model, spec, ps, mode: str, budget: int, new: int, chunk: int = 2048, pass_tokens: str = "auto") -> dict:
+def one(model, spec, ps, mode: str, budget: int, new: int, chunk: int = 2048, pass_tokens: str = "auto",
+        cprofile: int = 0) -> dict:
     passes = h.PassTimes()
     eng = h.engine(model, h.NoEos(), spec, mode, hooks=passes, page_size=64, max_batch=len(ps), prefill_chunk=chunk,
                    prefill_tokens=pass_tokens if pass_tokens == "auto" else int(pass_tokens),
                    memory_budget=budget, allow_unvalidated=True)
+    prof = cProfile.Profile() if cprofile else None
     t0 = time.perf_counter()
+    if prof:
+        prof.enable()
     res = eng.generate(h.requests(ps, new))
+    if prof:
+        prof.disable()
     wall = time.perf_counter() - t0
     s = eng.summary()
-    return {"mode": mode, "wall_s": wall, "later": later_share(passes.passes), "prefill_s": s["prefill_s"],
+    extra = {"cprofile": top_functions(prof, cprofile)} if prof else {}
+    return {**extra, "mode": mode, "wall_s": wall, "outside_s": wall - s["prefill_s"] - s["decode_s"],
+            "growth_s": round(sum(g["seconds"] for g in s["growth_events"]), 3), "growths": len(s["growth_events"]),
+            "later": later_share(passes.passes), "prefill_s": s["prefill_s"],
             "decode_s": s["decode_s"],
             "prefill_tps": s["prefill_tokens_per_s"], "decode_tps": s["decode_tokens_per_s"],
             "prompt_tokens": sum(map(len, ps)), "generated": sum(len(r.tokens) for r in res),
             "errors": [r.error_code for r in res if r.error_code], "cache_clears": s["cache_clears"],
             "decode_steps": passes.step_summary(),
             "passes": passes.passes}
+
+
+def top_functions(prof: cProfile.Profile, n: int) -> dict:
+    """The n functions of most cumulative time and the n of most own time: "file:line:name" -> [cumulative, own] s."""
+    st = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    picked = (sorted(st.items(), key=lambda kv: -kv[1][3])[:n] + sorted(st.items(), key=lambda kv: -kv[1][2])[:n])
+    return {f"{Path(f).name}:{ln}:{fn}": [round(v[3], 3), round(v[2], 3)] for (f, ln, fn), v in picked}
 
 
 _DECL = re.compile(r'^\s*"?(\w+)"?\s*\[', re.M)
@@ -189,12 +211,15 @@ def run(a) -> dict:
         h.parse_mode(mode)  # fail early on a bad mode string
         other = mixed_prompts(a.rows, spec.vocab_size, a.max_len, 1, a.min_len, a.spread)
         for attempt, prompts in (("cold", ps), ("warm", ps), ("new_shapes", other))[:a.attempts]:
-            r = one(model, spec, prompts, mode, budget, a.new, a.chunk, a.pass_tokens)
+            r = one(model, spec, prompts, mode, budget, a.new, a.chunk, a.pass_tokens,
+                    a.cprofile if attempt == "cold" else 0)
             r["attempt"] = attempt
             if dots:
                 r["graph_dots"] = graph_dots(dots, f"{mode}_{attempt}", lru)
             out.append(r)
-            print(json.dumps({k: v for k, v in r.items() if k != "passes"}), flush=True)
+            print(json.dumps({k: v for k, v in r.items() if k not in ("passes", "cprofile")}), flush=True)
+            if "cprofile" in r:
+                print("  cprofile [cumulative, own] s:", json.dumps(r["cprofile"]), flush=True)
             print("  passes:", [(p["rows"], p["L"], p["before"], p["s"]) for p in r["passes"]], flush=True)
             print("  passes over earlier keys:", r["later"], flush=True)
             h.checkpoint({"runs": out})
