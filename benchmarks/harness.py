@@ -480,8 +480,16 @@ class PassTimes(EngineHooks):
         self._seen = 0.0
         self._decoded = 0.0
         self._held: dict[str, int] = {}  # each prefilling row's keys so far (the cache's length moves with decode)
+        self._last: float | None = None  # when the engine step before ended
+        self.uncounted: list[tuple[int, int, bool, float]] = []  # (engine step, decode rows, prefill?, s)
+        self._index = 0
 
     def on_step(self, plan: StepPlan, times: StepTimes) -> None:
+        now = time.perf_counter()
+        if self._last is not None:  # this engine step's wall that neither the prefill nor the decode time counts
+            gap = (now - self._last) - (times.prefill_time - self._seen) - (times.decode_time - self._decoded)
+            self.uncounted.append((self._index, len(plan.decode), bool(plan.prefill), gap))
+        self._last, self._index = now, self._index + 1
         for row in plan.preempted:  # prefilled again from its start (or from what it kept)
             self._held.pop(row.req.key, None)
         if plan.prefill:
@@ -494,6 +502,16 @@ class PassTimes(EngineHooks):
         if plan.decode:
             self.steps.append((len(plan.decode), times.decode_time - self._decoded, bool(plan.prefill)))
         self._seen, self._decoded = times.prefill_time, times.decode_time
+
+    def uncounted_summary(self, top: int = 12) -> dict:
+        """The engine steps' wall outside the prefill and decode times (the first step's start excluded): the
+        total, split by steps with and without a prefill pass, and the `top` largest as (engine step, decode
+        rows, prefill?, s): where a cold process pays what its warm runs do not."""
+        gaps = self.uncounted
+        return {"uncounted_s": round(sum(g for *_, g in gaps), 3),
+                "uncounted_prefill_steps_s": round(sum(g for _, _, p, g in gaps if p), 3),
+                "uncounted_decode_only_s": round(sum(g for _, _, p, g in gaps if not p), 3),
+                "uncounted_top": [(i, b, p, round(g, 4)) for i, b, p, g in sorted(gaps, key=lambda x: -x[3])[:top]]}
 
     def step_summary(self) -> dict:
         """Decode steps at the batch's most rows (steady state): their count, median and p90 ms, the median ms

@@ -286,7 +286,7 @@ pq.write_table(t, sys.argv[2], compression='zstd', compression_level=19)" "$kept
     fresh) i=0; for m in ${FRESH_ORDER:-q8 none none q8 q8 none}; do i=$((i + 1))
         timeout "$secs" python3 -m benchmarks gpu.prefill_shapes ${FRESH_ARGS:---geometry 1b --rows 256 --min-len 52 \
           --max-len 2018 --spread uniform --new 512 --chunk 512} --attempts 1 --modes "$m" --out "$OUT/fresh_${i}_$m.json" \
-          2>&1 | tee -a "$OUT/fresh.txt" | grep -o '"mode": "[a-z0-9]*", "wall_s": [0-9.]*\|"decode_s": [0-9.]*\|"full_median_ms": [0-9.]*'
+          2>&1 | tee -a "$OUT/fresh.txt" | grep -o '"mode": "[a-z0-9]*", "wall_s": [0-9.]*\|"outside_s": [0-9.]*\|"decode_s": [0-9.]*\|"full_median_ms": [0-9.]*\|"uncounted_[a-z_]*": [0-9.]*'
       done ;;
     prefill) for c in ${PREFILL_ENVS:-"default:" "nocudnn:MLX_CUDA_USE_CUDNN_SDPA=0"}; do
         name=${c%%:*} vars=${c#*:}; echo "-- $name ${vars//,/ }" | tee -a "$OUT/prefill.txt"

@@ -93,7 +93,7 @@ def one(model, spec, ps, mode: str, budget: int, new: int, chunk: int = 2048, pa
             "prefill_tps": s["prefill_tokens_per_s"], "decode_tps": s["decode_tokens_per_s"],
             "prompt_tokens": sum(map(len, ps)), "generated": sum(len(r.tokens) for r in res),
             "errors": [r.error_code for r in res if r.error_code], "cache_clears": s["cache_clears"],
-            "decode_steps": passes.step_summary(),
+            "decode_steps": passes.step_summary(), "engine_steps": passes.uncounted_summary(),
             "passes": passes.passes}
 
 
