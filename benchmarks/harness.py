@@ -473,19 +473,24 @@ class PassTimes(EngineHooks):
     held before it, s), and each decode step's rows and the decode seconds counted at it (`steps`: rows, s,
     whether a prefill pass ran in the same engine step)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         super().__init__()
+        self.clock = clock  # the engine's own clocks are perf_counter's: a test injects both
         self.passes: list[dict] = []
         self.steps: list[tuple[int, float, bool]] = []
         self._seen = 0.0
         self._decoded = 0.0
         self._held: dict[str, int] = {}  # each prefilling row's keys so far (the cache's length moves with decode)
-        self._last: float | None = None  # when the engine step before ended
+        self._last: float | None = None  # when the engine step before ended (or the run began: `mark`)
         self.uncounted: list[tuple[int, int, bool, float]] = []  # (engine step, decode rows, prefill?, s)
         self._index = 0
 
+    def mark(self) -> None:
+        """The run begins now: its first engine step's wall counts from here (unmarked, from that step's end)."""
+        self._last = self.clock()
+
     def on_step(self, plan: StepPlan, times: StepTimes) -> None:
-        now = time.perf_counter()
+        now = self.clock()
         if self._last is not None:  # this engine step's wall that neither the prefill nor the decode time counts
             gap = (now - self._last) - (times.prefill_time - self._seen) - (times.decode_time - self._decoded)
             self.uncounted.append((self._index, len(plan.decode), bool(plan.prefill), gap))
@@ -504,7 +509,7 @@ class PassTimes(EngineHooks):
         self._seen, self._decoded = times.prefill_time, times.decode_time
 
     def uncounted_summary(self, top: int = 12) -> dict:
-        """The engine steps' wall outside the prefill and decode times (the first step's start excluded): the
+        """The engine steps' wall outside the prefill and decode times (from `mark`, else the first step's end): the
         total, split by steps with and without a prefill pass, and the `top` largest as (engine step, decode
         rows, prefill?, s): where a cold process pays what its warm runs do not."""
         gaps = self.uncounted

@@ -77,6 +77,7 @@ def one(model, spec, ps, mode: str, budget: int, new: int, chunk: int = 2048, pa
                    prefill_tokens=pass_tokens if pass_tokens == "auto" else int(pass_tokens),
                    memory_budget=budget, allow_unvalidated=True)
     prof = cProfile.Profile() if cprofile else None
+    passes.mark()
     t0 = time.perf_counter()
     if prof:
         prof.enable()
