@@ -64,41 +64,29 @@ def test_graph_dots_count_keys_and_an_lru_caches_instantiations(tmp_path):
     assert len(list((tmp_path / "kept").iterdir())) == 5
 
 
-def test_uncounted_summary_finds_a_dispatch_the_decode_clock_misses(monkeypatch):
-    """A run's wall outside the engine's prefill and decode clocks, engine step by engine step: a decode step
-    dispatched before a prefill pass and read after it loses its dispatch (the decode clock restarts at the
-    pass), so a slow first dispatch shows as that engine step's uncounted seconds. Both clocks are one injected
-    clock that only the dispatch advances, by 5 s each."""
+
+def test_uncounted_summary_sums_each_engine_steps_wall_outside_the_clocks():
+    """Each engine step's wall (from `mark`, then from the step before) less the prefill and decode seconds the
+    engine counted in it, on an injected clock: the totals by kind of step and the largest first."""
     from types import SimpleNamespace
 
-    import mlx.core as mx
+    from kvbatch.engine.plan import StepPlan, StepTimes
 
-    import kvbatch.engine.runner as runner
-
-    now = [0.0]
-    clock = lambda: now[0]  # noqa: E731
-
-    class Dispatch:  # mlx.core, with each dispatch taking 5 s on the injected clock
-        def __getattr__(self, name):
-            return getattr(mx, name)
-
-        def async_eval(self, *arrays):
-            now[0] += 5.0
-            return mx.async_eval(*arrays)
-
-    monkeypatch.setattr(runner, "mx", Dispatch())
-    monkeypatch.setattr(runner, "time", SimpleNamespace(perf_counter=clock))
-    model, spec = h.build_random("tiny")
-    passes = h.PassTimes(clock=clock)
-    opts = h.parse_mode("none@lookahead=on")[1]
-    eng = h.engine(model, h.NoEos(), spec, "none", hooks=passes, page_size=16, max_batch=2, prefill_chunk=64,
-                   prefix_cache=False, options=opts)
+    now = [10.0]
+    passes = h.PassTimes(clock=lambda: now[0])
+    times = StepTimes()
     passes.mark()
-    # the short row decodes from the first step; the long row's second chunk is a prefill pass after that dispatch
-    eng.generate(h.requests([[5 + i % 50 for i in range(20)], [7 + i % 40 for i in range(100)]], 3))
-    s = passes.uncounted_summary()
-    step, rows, prefill, gap = s["uncounted_top"][0]
-    assert (step, rows, prefill, gap) == (0, 1, True, 5.0)  # the first dispatch, in the first engine step
-    assert s["uncounted_s"] == 5.0  # every later dispatch is inside the decode clock
-    t = eng.runner.times
-    assert t.decode_time >= 5.0 and now[0] == t.prefill_time + t.decode_time + s["uncounted_s"]
+    row = SimpleNamespace(req=SimpleNamespace(key="r"), cached_tokens=0, restored=0)
+    chunk = SimpleNamespace(row=row, tokens=4)
+    # (wall, prefill counted, decode counted, a prefill pass?, decode rows) of four engine steps
+    for wall, pre, dec, prefill, rows in ((3.0, 1.0, 0.5, True, 1), (1.0, 0.0, 1.0, False, 2),
+                                          (2.75, 0.5, 0.5, True, 2), (0.25, 0.0, 0.0, False, 0)):
+        now[0] += wall
+        times.prefill_time += pre
+        times.decode_time += dec
+        plan = StepPlan(prefill=(chunk,) if prefill else (), decode=(object(),) * rows)  # type: ignore[arg-type]
+        passes.on_step(plan, times)
+    s = passes.uncounted_summary(top=2)
+    assert s["uncounted_s"] == 3.5 and s["uncounted_prefill_steps_s"] == 3.25
+    assert s["uncounted_decode_only_s"] == 0.25
+    assert s["uncounted_top"] == [(2, 2, True, 1.75), (0, 1, True, 1.5)]

@@ -119,3 +119,38 @@ def test_lookahead_gives_the_step_by_step_results(tiny_model, monkeypatch, mode)
     assert s1["generated_tokens"] == s0["generated_tokens"]
     assert s1["rows_by_error_code"] == s0["rows_by_error_code"] == {"ok": 13, NON_FINITE_LOGITS: 1}
     assert s1["decode_tokens_per_s"] > 0
+
+
+def test_decode_clock_counts_a_step_dispatched_before_a_prefill_pass(tiny_model, monkeypatch):
+    """The engine's decode seconds count every decode dispatch: with lookahead a read counts from the read (or
+    prefill pass) before it, so a step dispatched before a prefill pass and read after it would lose its
+    dispatch (on a GPU a cold process's first decode step dispatches for seconds). One injected clock that only
+    dispatches advance, 5 s each: the prefill and decode seconds together are the run's whole time."""
+    from types import SimpleNamespace
+
+    import kvbatch.engine.runner as runner
+
+    now = [0.0]
+    dispatches = []
+
+    class Dispatch:  # mlx.core, each decode dispatch taking 5 s on the injected clock
+        def __getattr__(self, name):
+            return getattr(mx, name)
+
+        def async_eval(self, *arrays):
+            now[0] += 5.0
+            dispatches.append(now[0])
+            return mx.async_eval(*arrays)
+
+    monkeypatch.setattr(runner, "mx", Dispatch())
+    monkeypatch.setattr(runner, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    model, tok, spec = tiny_model()
+    eng = Engine(model, tok, spec, engine_config(page_size=16, max_batch=2, prefill_chunk=64, memory_budget=2 << 30,
+                                                options=EngineOptions(lookahead="on")))
+    # the short row decodes from the first engine step; the long row's second chunk is a prefill pass after it
+    res = eng.generate([Request("short", _prompt(1)[:20], SamplingParams(max_tokens=3)),
+                        Request("long", [5 + i % 50 for i in range(100)], SamplingParams(max_tokens=3))])
+    assert [len(r.tokens) for r in res] == [3, 3]
+    t = eng.runner.times
+    assert t.prefill_passes == 2 and len(dispatches) >= 3
+    assert t.prefill_time == 0.0 and t.decode_time == 5.0 * len(dispatches)  # none lost, none twice

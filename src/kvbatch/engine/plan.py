@@ -59,3 +59,6 @@ class StepTimes:
     decode_tokens: int = 0
     cache_clears: int = 0  # MLX's buffer cache given back whole to keep within the budget (Runner.trim_cache)
     t_accepted: float = 0.0  # lookahead: when the host last read a step (decode time restarts there)
+    # lookahead: the seconds of the last decode step's dispatch while no read has counted them (a read counts
+    # from the read or prefill pass before it; a step dispatched before a prefill pass is read after it)
+    dispatch_unread: float = 0.0

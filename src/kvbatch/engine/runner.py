@@ -193,6 +193,8 @@ class Runner:
         t = self.times
         t.t_accepted = time.perf_counter()  # lookahead: decode time restarts after a prefill
         t.prefill_time += t.t_accepted - t0
+        t.decode_time += t.dispatch_unread  # a decode step dispatched before this pass: its read will not count it
+        t.dispatch_unread = 0.0
         t.prefill_tokens += sum(c.tokens for c in chunks)
         t.prefill_passes += 1
         t.prefill_rows_max = max(t.prefill_rows_max, len(chunks))
@@ -239,8 +241,8 @@ class Runner:
         if step.read is None:
             step.sampled.tokens.tolist()
         now = time.perf_counter()
-        t.decode_time += now - max(step.t0, t.t_accepted)
-        t.t_accepted = now
+        t.decode_time += now - max(step.t0, t.t_accepted)  # the dispatches since the last read included
+        t.t_accepted, t.dispatch_unread = now, 0.0
         t.decode_tokens += sum(not row.ended for row in step.rows)
         self.trim_cache()
 
@@ -370,6 +372,7 @@ class LookaheadStepper:
                 finally:
                     r.cache.end()
                 self._step = TokenPass(rows, logits, tokens, finite, t0)
+                r.times.dispatch_unread = time.perf_counter() - t0
             except Exception as e:
                 failed = f"{type(e).__name__}: {e}"
                 logger.exception("decode step of %d rows failed", len(rows))
