@@ -522,7 +522,7 @@ class PassTimes(EngineHooks):
         """Decode steps at the batch's most rows (steady state): their count, median and p90 ms, the median ms
         of each eighth of them in step order (`full_windows_ms`), the seconds
         of steps over twice the median (stalls) and of all; the rest of the decode seconds (ramp steps, and
-        steps beside a prefill pass) apart."""
+        steps beside a prefill pass) apart; the five slowest decode steps of all (`slowest`: a cold first step)."""
         if not self.steps:
             return {}
         most = max(b for b, _, _ in self.steps)
@@ -536,7 +536,9 @@ class PassTimes(EngineHooks):
                 "full_p90_ms": round(1e3 * full[int(len(full) * 0.9)], 3) if full else None,
                 "full_s": round(sum(full), 3), "stall_s": round(sum(s for s in full if s > 2 * med), 3),
                 "other_steps": len(self.steps) - len(full),
-                "other_s": round(sum(s for b, s, p in self.steps if b != most or p), 3)}
+                "other_s": round(sum(s for b, s, p in self.steps if b != most or p), 3),
+                "slowest": [(i, b, p, round(s, 4)) for i, (b, s, p) in  # (decode step, rows, beside a prefill?, s)
+                            sorted(enumerate(self.steps), key=lambda x: -x[1][1])[:5]]}
 
 
 def bytes_for(eng: Engine, worst_tokens: list[int], max_prompt: int) -> int:

@@ -26,6 +26,7 @@ def test_step_summary_windows_follow_step_order():
     s = passes.step_summary()
     assert s["full_steps"] == 32 and s["other_steps"] == 1
     assert s["full_windows_ms"] == [1.0] * 4 + [3.0] * 4
+    assert s["slowest"][0] == (32, 4, False, 1.0) and s["slowest"][1][3] == 0.003
 
 
 DOT = '''digraph dot {
