@@ -21,6 +21,7 @@ Writing the files slows the run: its seconds are not comparable with a run witho
 """
 from __future__ import annotations
 
+import contextlib
 import cProfile
 import json
 import os
@@ -79,11 +80,8 @@ def one(model, spec, ps, mode: str, budget: int, new: int, chunk: int = 2048, pa
     prof = cProfile.Profile() if cprofile else None
     passes.mark()
     t0 = time.perf_counter()
-    if prof:
-        prof.enable()
-    res = eng.generate(h.requests(ps, new))
-    if prof:
-        prof.disable()
+    with prof or contextlib.nullcontext():
+        res = eng.generate(h.requests(ps, new))
     wall = time.perf_counter() - t0
     s = eng.summary()
     extra = {"cprofile": top_functions(prof, cprofile)} if prof else {}
