@@ -39,6 +39,8 @@ BENCHMARKS = {
     "gpu.spec_profile": "where the rewrite job's engine time goes with and without n-gram speculation (cProfile)",
     "gpu.step_profile": "where a decode step's host time goes, next to mlx-lm's step",
     "gpu.prefill_shapes": "a mixed-length prefill's passes, cold, warm and on new shapes",
+    "gpu.cold_shapes": "what a process pays the first time it meets a decode batch size, against the second "
+                       "time (matmul alone, the model's forward, and batch sizes padded to a multiple)",
     "gpu.host_cost": "host costs of a CUDA decode step's pieces (mx.array, custom-kernel calls)",
     "gpu.cuda_compile_check": "compile the CUDA decode kernels with nvcc, registers and spills, no GPU",
     "gpu.backend_check": "correctness of the paged engine and the fused kernels on this MLX backend",
