@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional, cast
+from typing import NamedTuple, Optional
 
 import mlx.core as mx
 
 from kvbatch.engine.config import CudaLaunch
+from kvbatch.engine.kv.routes.cuda_build import KernelBuild
 from kvbatch.engine.kv.routes.cuda_source import SEAL, kernel_source, mma_quant_source, mma_source, reduce_source
 
 NE = 8  # head elements per lane
@@ -45,17 +46,15 @@ _QUANT_INPUTS = ["q", "kw", "ks", "kb", "vw", "vs", "vb", "tk", "tv", "tails", "
 _WINDOW_INPUTS = ["q", "k", "v", "table", "firsts", "lengths", "meta", "scale"]
 _SEAL_INPUTS = ["a", "kw", "ks", "kb", "vw", "vs", "vb", "tk", "tv", "tails", "pages", "meta"]
 
-# mx.fast.cuda_kernel's object: called with inputs= and the launch's keywords, returns the outputs
-_Kernel = Callable[..., list[mx.array]]
-_kernels: dict[tuple, _Kernel] = {}
+_kernels: dict[tuple, KernelBuild] = {}
 
 
-def _kernel(kind: str, split: bool, new_kv: bool = False) -> _Kernel:
+def _kernel(kind: str, split: bool, new_kv: bool = False) -> KernelBuild:
     """One compiled kernel per variant (kind: dense, quant; mma_{decode,window}_{bf16,f16}: decode and
     verification windows on the tensor cores; mma_quant_{bf16,f16}: q8 decode on the tensor cores; reduce,
     reduce_window: the merges of split rows; seal: q8/q4 tail pages quantized into the pool). The name carries
-    a hash of the source: MLX caches compiled kernels on disk by name (/tmp/mlx/<version>/ptx), so a changed
-    source must not reuse an old binary."""
+    a hash of the source; cuda_build.KernelBuild keeps each variant's binary on disk by a hash of its whole
+    text, so a changed source never reuses an old binary."""
     key = (kind, split, new_kv)
     if key not in _kernels:
         if kind == "seal":
@@ -77,9 +76,7 @@ def _kernel(kind: str, split: bool, new_kv: bool = False) -> _Kernel:
             inputs = (_QUANT_INPUTS if q else _DENSE_INPUTS) + (["kn", "vn"] if new_kv else [])
             outputs = ["pm", "pl", "pacc"] if split else ["out"]
         tag = hashlib.sha1(src.encode()).hexdigest()[:12]
-        kernel = mx.fast.cuda_kernel(name=f"kvbatch_{kind}{'_split' if split else ''}_{tag}",
-                                     input_names=inputs, output_names=outputs, source=src)
-        _kernels[key] = cast(_Kernel, kernel)  # mlx's stub says `object`: it is the callable kernel
+        _kernels[key] = KernelBuild(f"kvbatch_{kind}{'_split' if split else ''}_{tag}", inputs, outputs, src)
     return _kernels[key]
 
 
@@ -161,12 +158,14 @@ class QuantPages(NamedTuple):
 class _Launch(NamedTuple):
     """Everything a launch needs besides its arrays, worked out once per step shape (`_launch_for`)
     instead of once per layer: the host builds and launches each step while the GPU waits at small
-    batches (docs/performance.md)."""
-    kernel: _Kernel
+    batches (docs/performance.md). The kernels are bound to their variant (KernelBuild.bind) at the
+    shape's first launch."""
+    kernel: KernelBuild
     call: dict  # template, grid, threadgroup, output_shapes, output_dtypes
     consts: list  # [meta, scale]
-    reduce: Optional[_Kernel]  # the merge kernel (split rows), or None
+    reduce: Optional[KernelBuild]  # the merge kernel (split rows), or None
     reduce_call: dict
+    bound: list  # once bound: the kernel's launcher and keywords, then the merge's (_bind)
 
 
 _launches: dict = {}
@@ -220,7 +219,7 @@ def _launch_for(kind: str, B: int, Hq: int, D: int, L: int, dtype: mx.Dtype, g: 
     shape = (B, Hq, L, D) if L > 1 else (B, Hq, D)
     if ns == 1:
         return _Launch(_kernel(kind, False, new_kv), dict(call, output_shapes=[shape], output_dtypes=[dtype]), consts,
-                       None, {})
+                       None, {}, [])
     n = blocks * ns * rep
     return _Launch(_kernel(kind, True, new_kv),
                    dict(call, output_shapes=[(n,), (n,), (n * D,)], output_dtypes=[mx.float32] * 3), consts,
@@ -228,7 +227,7 @@ def _launch_for(kind: str, B: int, Hq: int, D: int, L: int, dtype: mx.Dtype, g: 
                    dict(template=[("T", dtype), ("D", D), ("REP", rep), ("HKV", g.kv_heads),
                                   ("QL", int("quant" in kind))] + window,
                         grid=(blocks * 128, 1, 1), threadgroup=(128, 1, 1),
-                        output_shapes=[shape], output_dtypes=[dtype]))
+                        output_shapes=[shape], output_dtypes=[dtype]), [])
 
 
 def _launch(kind: str, inputs: list, q: mx.array, g: _Geometry, launch: CudaLaunch,
@@ -246,12 +245,23 @@ def _launch(kind: str, inputs: list, q: mx.array, g: _Geometry, launch: CudaLaun
     args = [q if L > 1 else q.reshape(B, Hq, D)] + inputs + run.consts
     if new_kv is not None:
         args += [a.reshape(B, g.kv_heads, D).astype(g.store_dtype) for a in new_kv]
+    if not run.bound:
+        run.bound.extend(_bind(run.kernel, args, run.call))
     if run.reduce is None:
-        (out,) = run.kernel(inputs=args, **run.call)
+        (out,) = run.bound[0](inputs=args, **run.bound[1])
     else:
-        pm, pl, pacc = run.kernel(inputs=args, **run.call)
-        (out,) = run.reduce(inputs=[pm, pl, pacc, run.consts[0], inputs[-1]], **run.reduce_call)
+        pm, pl, pacc = run.bound[0](inputs=args, **run.bound[1])
+        merge_in = [pm, pl, pacc, run.consts[0], inputs[-1]]
+        if len(run.bound) == 2:
+            run.bound.extend(_bind(run.reduce, merge_in, run.reduce_call))
+        (out,) = run.bound[2](inputs=merge_in, **run.bound[3])
     return out.reshape(B, Hq, L, D)
+
+
+def _bind(kernel: KernelBuild, inputs: list, call: dict) -> tuple:
+    """(the variant's launcher, its launch keywords: `call` but the template the launcher holds)."""
+    return (kernel.bind(inputs, call["template"], call["output_dtypes"]),
+            {k: v for k, v in call.items() if k != "template"})
 
 
 def paged_decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array,
@@ -323,7 +333,7 @@ def seal_tail_pages(out: mx.array, pages: QuantPages, tails: mx.array, dest: mx.
     _, Hkv, P, D = pages.tail_k.shape
     n, gs = tails.shape[0], pages.group_size
     threads = max(2 * n * Hkv * P * (D // gs), -(-out.size // 8))
-    call = dict(template=[("T", pages.tail_k.dtype), ("HKV", Hkv), ("P", P), ("D", D), ("GS", gs),
+    call: dict = dict(template=[("T", pages.tail_k.dtype), ("HKV", Hkv), ("P", P), ("D", D), ("GS", gs),
                           ("KBITS", pages.key_bits), ("VBITS", pages.value_bits or pages.key_bits)],
                 grid=(-(-threads // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
                 output_shapes=[out.shape], output_dtypes=[out.dtype])
