@@ -110,6 +110,7 @@ def include_dirs() -> list[str]:
         out += [root / "mlx" / "include", root / "mlx" / "include" / "cccl"]
     for d in _site_dirs():
         out += [Path(p) for p in sorted(glob.glob(str(d / "nvidia" / "cu*" / "include")))]
+        out += [Path(p) for p in sorted(glob.glob(str(d / "nvidia" / "cu*" / "include" / "cccl")))]
         out += [Path(p) for p in sorted(glob.glob(str(d / "nvidia" / "cuda_runtime" / "include")))]
     for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
         if home:
