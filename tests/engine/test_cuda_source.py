@@ -253,6 +253,7 @@ def _recording_kernels(monkeypatch) -> list:
 
     monkeypatch.setattr(ca, "_kernel", lambda *key: Rec(key))
     monkeypatch.setattr(ca, "_launches", {})  # no stand-in left cached for a later (GPU) test
+    monkeypatch.setattr(ca, "_seals", {})
     return calls
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import mlx.core as mx
 
@@ -333,10 +333,15 @@ def seal_tail_pages(out: mx.array, pages: QuantPages, tails: mx.array, dest: mx.
     _, Hkv, P, D = pages.tail_k.shape
     n, gs = tails.shape[0], pages.group_size
     threads = max(2 * n * Hkv * P * (D // gs), -(-out.size // 8))
-    call: dict = dict(template=[("T", pages.tail_k.dtype), ("HKV", Hkv), ("P", P), ("D", D), ("GS", gs),
-                          ("KBITS", pages.key_bits), ("VBITS", pages.value_bits or pages.key_bits)],
-                grid=(-(-threads // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
+    template = (("T", pages.tail_k.dtype), ("HKV", Hkv), ("P", P), ("D", D), ("GS", gs), ("KBITS", pages.key_bits),
+                ("VBITS", pages.value_bits or pages.key_bits))
+    inputs = [out, *pages.packed, pages.tail_k, pages.tail_v, tails, dest, _const((out.size, n), mx.int32)]
+    seal = _seals.get(template)  # the template fixes every input's dtype (the output's is the tails')
+    if seal is None:
+        seal = _seals[template] = _kernel("seal", False).bind(inputs, list(template), [out.dtype])
+    (o,) = seal(inputs=inputs, grid=(-(-threads // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
                 output_shapes=[out.shape], output_dtypes=[out.dtype])
-    meta = _const((out.size, n), mx.int32)
-    (o,) = _kernel("seal", False)(inputs=[out, *pages.packed, pages.tail_k, pages.tail_v, tails, dest, meta], **call)
     return o
+
+
+_seals: dict[tuple, Callable[..., list[mx.array]]] = {}  # the seal's launcher by template (a decode step's every layer)
