@@ -8,7 +8,7 @@ constants and argument types) is wrapped as MLX wraps it, compiled with the NVRT
 its binary kept under `kernel_cache_dir()` by a hash of everything that makes it; later processes load the binary
 and launch it through `mx.fast.precompiled_cuda_kernel`.
 
-Where NVRTC cannot be found or a compile fails, `KernelBuild.launch` falls back to `mx.fast.cuda_kernel` (the same
+Where NVRTC cannot be found or a compile fails, `KernelBuild.bind` falls back to `mx.fast.cuda_kernel` (the same
 source, compiled per process), logging why once.
 """
 from __future__ import annotations
@@ -79,6 +79,11 @@ def _site_dirs() -> list[Path]:
     return [Path(p) for p in sys.path if p and Path(p).is_dir()]
 
 
+def _cuda_homes() -> list[str]:
+    """The CUDA toolkit folders to look in, as MLX's JIT looks: $CUDA_HOME, $CUDA_PATH, /usr/local/cuda."""
+    return [h for h in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda") if h]
+
+
 def _mlx_root() -> Optional[Path]:
     return Path(mx.__file__).resolve().parent.parent if getattr(mx, "__file__", None) else None
 
@@ -95,9 +100,8 @@ def nvrtc_library() -> Optional[str]:
         pass
     found = [p for d in _site_dirs() for p in sorted(glob.glob(str(d / "nvidia" / "*" / "lib" / "libnvrtc.so*")))
              if "builtins" not in p]
-    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if home:
-            found += sorted(glob.glob(os.path.join(home, "lib64", "libnvrtc.so*")))
+    for home in _cuda_homes():
+        found += sorted(glob.glob(os.path.join(home, "lib64", "libnvrtc.so*")))
     return found[0] if found else None
 
 
@@ -112,9 +116,8 @@ def include_dirs() -> list[str]:
         out += [Path(p) for p in sorted(glob.glob(str(d / "nvidia" / "cu*" / "include")))]
         out += [Path(p) for p in sorted(glob.glob(str(d / "nvidia" / "cu*" / "include" / "cccl")))]
         out += [Path(p) for p in sorted(glob.glob(str(d / "nvidia" / "cuda_runtime" / "include")))]
-    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if home:
-            out += [Path(home) / "include", Path(home) / "include" / "cccl"]
+    for home in _cuda_homes():
+        out += [Path(home) / "include", Path(home) / "include" / "cccl"]
     seen: list[str] = []
     for p in out:
         if p.is_dir() and str(p) not in seen:
@@ -168,19 +171,15 @@ def device_arch() -> str:
 
 
 class KernelCache:
-    """Cubins by a hash of what makes them (source, architecture, NVRTC's version), on disk and in memory."""
+    """Cubins on disk by a hash of what makes them (source, architecture, NVRTC's version)."""
 
     def __init__(self, folder: Path, nvrtc: Nvrtc, arch: str, includes: list[str]):
         self.folder, self.nvrtc, self.arch, self.includes = folder, nvrtc, arch, includes
-        self._mem: dict[str, bytes] = {}
 
     def cubin(self, name: str, source: str) -> bytes:
-        """The variant's binary: kept in memory, else read from disk, else compiled and written (atomically:
-        processes compiling the same variant side by side each write a whole file)."""
+        """The variant's binary: read from disk, else compiled and written (atomically: processes compiling the
+        same variant side by side each write a whole file). KernelBuild keeps it in memory for the process."""
         key = hashlib.sha256(f"{self.arch}\n{self.nvrtc.version}\n{source}".encode()).hexdigest()[:24]
-        hit = self._mem.get(key)
-        if hit is not None:
-            return hit
         path = self.folder / f"{name}-{key}.cubin"
         try:
             data = path.read_bytes()
@@ -193,7 +192,6 @@ class KernelCache:
                 os.replace(tmp, path)
             except OSError as e:  # a read-only home: compiled per process, as MLX would
                 logger.warning("cannot keep compiled kernel %s in %s: %s", name, self.folder, e)
-        self._mem[key] = data
         return data
 
 
@@ -257,8 +255,3 @@ class KernelBuild:
         name, cubin = built
         return partial(mx.fast.precompiled_cuda_kernel, name=name, compiled_source=cubin, scalars=[],
                        ensure_row_contiguous=True)
-
-    def __call__(self, *, inputs: list[mx.array], template: list, **launch) -> list[mx.array]:
-        """Launch as mx.fast.cuda_kernel's object is launched (template=, grid=, threadgroup=, output_shapes=,
-        output_dtypes=)."""
-        return self.bind(inputs, template, launch["output_dtypes"])(inputs=inputs, **launch)
