@@ -127,9 +127,9 @@ def kernel_case(mode: str, dtype, D: int, rep: int, P: int, chunk, hkv: int = 2,
         sealed = [t[:m // P] for t, m in zip(tables, n_main)]
         width = max(1, max(len(t) for t in sealed))
         table = mx.array([t + [t[0] if t else 0] * (width - len(t)) for t in sealed], dtype=mx.int32)
-        lens = mx.array([[m, n - m] for m, n in zip(n_main, lengths)], dtype=mx.int32)
+        pos = mx.array([n - 1 for n in lengths], dtype=mx.int32)  # the new token's position: n - 1 keys before it
         out = ca.paged_decode_attention_quantized(q, ca.QuantPages(packed, tk, tv, kb, group, vb),
-                                                  mx.array(tails, dtype=mx.int32), table, lens, scale, tune)
+                                                  mx.array(tails, dtype=mx.int32), table, pos, scale, tune)
         TK, TV = np.array(tk.astype(mx.float32)), np.array(tv.astype(mx.float32))
         rows_k, rows_v = [], []
         for t, m, n, tl in zip(sealed, n_main, lengths, tails):
@@ -230,12 +230,12 @@ def kernel_bench(contexts=(8192,), batches=(1, 8, 64), geometries=((64, 8, 4), (
                         list(mx.quantize(vp, group_size=64, bits=vb))
                     mx.eval(packed)
                     tk, tv = kp[:B], vp[:B]
-                    lens = mx.array([[ctx - P, P]] * B, dtype=mx.int32)
+                    pos = mx.array([ctx - 1] * B, dtype=mx.int32)  # ctx - P sealed, a full tail
                     qbytes = sum(a.nbytes for a in packed) * B * ctx / (npg * P)
                     tails = mx.arange(B).astype(mx.int32)
                     pages = ca.QuantPages(packed, tk, tv, kb, 64, vb)
-                    calls[name] = (lambda tune, pages=pages, lens=lens, tails=tails:
-                                   ca.paged_decode_attention_quantized(q, pages, tails, table[:, :-1], lens,
+                    calls[name] = (lambda tune, pages=pages, pos=pos, tails=tails:
+                                   ca.paged_decode_attention_quantized(q, pages, tails, table[:, :-1], pos,
                                                                        0.1, tune), qbytes)
                 ref = {}
                 for label, settings in variants:

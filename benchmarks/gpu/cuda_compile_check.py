@@ -73,14 +73,14 @@ def sources(a) -> list[str]:
                 for kbits, vbits in (tuple(map(int, b.split("x"))) for b in a.bits.split(",")):
                     qin = [("q", T), ("kw", "uint32_t"), ("ks", T), ("kb", T), ("vw", "uint32_t"), ("vs", T),
                            ("vb", T), ("tk", T), ("tv", T), ("tails", "int32_t")] + ints[:1] + \
-                          [("lens", "int32_t")] + ints[1:]
+                          [("pos", "int32_t")] + ints[1:]
                     consts = dict(base, KBITS=kbits, VBITS=vbits, GS=32 if D % 64 else 64)
                     tag = f"q{kbits}" if kbits == vbits else f"k{kbits}v{vbits}"
                     src.append(wrap(f"quant_{i}_{tag}", qin + store, outs, consts,
                                     cs.kernel_source(True, split, new_kv)))
                     if not split and not new_kv:  # the seal of filled tails after a q8/q4 decode step
-                        seal_in = [("a", T), *qin[1:9], ("tails", "int32_t"), ("pages", "int32_t"),
-                                   ("meta", "int32_t")]
+                        seal_in = [("a", T), *qin[1:9], ("tails", "int32_t"), ("table", "int32_t"),
+                                   ("pos", "int32_t"), ("meta", "int32_t")]
                         src.append(wrap(f"seal_{i}_{tag}", seal_in, [("o", T)],
                                         dict(T=T, HKV=8, P=64, D=D, GS=consts["GS"], KBITS=kbits, VBITS=vbits),
                                         cs.SEAL))
@@ -110,7 +110,7 @@ def sources(a) -> list[str]:
                                   KBITS=8, VBITS=8, GS=gs)
                     qin = [("q", T), ("kw", "uint32_t"), ("ks", T), ("kb", T), ("vw", "uint32_t"), ("vs", T),
                            ("vb", T), ("tk", T), ("tv", T), ("tails", "int32_t"), ("table", "int32_t"),
-                           ("lens", "int32_t"), ("meta", "int32_t"), ("scale", "float")]
+                           ("pos", "int32_t"), ("meta", "int32_t"), ("scale", "float")]
                     for split in (False, True):
                         for store in (False, True):
                             outs = [("pm", "float"), ("pl", "float"), ("pacc", "float")] if split else [("out", T)]

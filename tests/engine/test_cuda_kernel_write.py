@@ -64,7 +64,8 @@ def test_kernel_write_matches_scatter_write(tiny_model, monkeypatch, mode, page,
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
 def test_seal_kernel_gives_the_bits_of_mx_quantize(bits, dtype):
     """cuda_kernels.seal_tail_pages against QuantizedStore.seal_tail_pages (mx.quantize) on the same tails:
-    groups of mixed signs, all negative, all positive, constant and zero; the pool's other pages untouched;
+    groups of mixed signs, all negative, all positive, constant and zero; the pool's other pages untouched (a row
+    whose tail does not fill this step seals nothing);
     the attention output passed through unchanged."""
     from kvbatch.engine.kv.routes.cuda_kernels import QuantPages, seal_tail_pages
     from kvbatch.engine.kv.store import QuantizedStore
@@ -85,10 +86,19 @@ def test_seal_kernel_gives_the_bits_of_mx_quantize(bits, dtype):
         mx.eval(st.q[0])
     tails, dest = mx.array([4, 1, 2, 3, 0], dtype=mx.int32), mx.array([6, 0, 2, 5, 3], dtype=mx.int32)
     stores[0].seal_tail_pages(0, tails, dest)
+    # the kernel's rows: these five at the last slot of their page number n % 3 (that page is dest[n]), and a
+    # sixth whose tail does not fill; every other table entry names a page that must stay as it was (1 or 4)
+    pos = [(n % 3) * P + P - 1 for n in range(5)] + [P + 3]
+    table = [[1, 4, 1] for _ in range(6)]
+    for n, d in enumerate(dest.tolist()):
+        table[n][n % 3] = d
+    table[5][1] = 6
     st = stores[1]
     out = mx.random.normal((2, 4, 1, 8)).astype(dtype)
     kb, vb = (bits, bits) if isinstance(bits, int) else bits
-    got = seal_tail_pages(out, QuantPages(st.q[0], st.tk[0], st.tv[0], kb, gs, vb), tails, dest)
+    got = seal_tail_pages(out, QuantPages(st.q[0], st.tk[0], st.tv[0], kb, gs, vb),
+                          mx.array(tails.tolist() + [1], dtype=mx.int32), mx.array(table, dtype=mx.int32),
+                          mx.array(pos, dtype=mx.int32))
     mx.eval(got)
     assert mx.array_equal(got, out).item()
     for name, want, have, before in zip(("kw", "ks", "kb", "vw", "vs", "vb"), stores[0].q[0], st.q[0], pool):

@@ -139,23 +139,21 @@ def test_quantized_fused_decode_plan(kernel_writes):
     rows = _rows_at(cache, pos, reserve=1)
     t = cache.attention.plan(rows, 1, pos, [1] * len(rows))
     assert t.tails.tolist() == [r.tail for r in rows]
-    assert t.lens.tolist() == [[0, 1], [0, P], [P, 1], [2 * P, 3]]
+    assert t.positions.tolist() == pos  # the kernels derive each row's sealed and tail counts from it
     assert [x[:n] for x, n in zip(t.table_q.tolist(), [0, 0, 1, 2])] == [r.pages[:n] for r, n in
                                                                         zip(rows, [0, 0, 1, 2])]
     tails = [r.tail for r in rows]
     assert cache.store.k_axis == "token"  # keys per token, as on MLX CUDA: the seal comes as whole pages
     if kernel_writes:  # row 1 fills its tail: the kernel still stores the tokens, then one launch seals it
-        assert t.writes is None
-        src, dst = t.seal  # every row's tail, the page it seals into or -1
-        assert src.tolist() == tails and dst.tolist() == [-1, rows[1].pages[0], -1, -1]
+        assert t.writes is None and t.seal  # (the seal kernel finds the rows and pages from positions and table)
     else:  # this step writes first, then seals
-        assert t.writes is not None and t.seal is None
+        assert t.writes is not None and not t.seal
         assert t.writes.tail_write.tolist() == head_rows([a * P + p % P for a, p in zip(tails, pos)], P, H)
         src, dst = t.writes.seal_pages
         assert src.tolist() == [tails[1]] and dst.tolist() == [rows[1].pages[0]]
     rest = [rows[0], rows[2], rows[3]]  # no row seals: the kernel stores the token, if it may
     t = cache.attention.plan(rest, 1, [0, P, 2 * P + 2], [1] * 3)
-    assert (t.writes is None) == kernel_writes and t.seal is None  # None: the kernel stores it; else the step
+    assert (t.writes is None) == kernel_writes and not t.seal  # None: the kernel stores it; else the step
     assert t.writes is None or (t.writes.seal_pages is None and t.writes.seal_from is None)
 
 
@@ -177,7 +175,7 @@ def test_decode_steps_reuse_tables_only_while_no_page_changes(mode):
             n = [-(-(p + 1) // P) for p in pos]
             return {"lengths": [p + 1 for p in pos], "table": [r.pages[:k] for r, k in zip(rows, n)]}, n
         n = [p // P for p in pos]
-        return {"tails": [r.tail for r in rows], "lens": [[k * P, p % P + 1] for k, p in zip(n, pos)],
+        return {"tails": [r.tail for r in rows], "positions": pos,
                 "table_q": [r.pages[:k] for r, k in zip(rows, n)]}, n
 
     def step(rows):
@@ -194,12 +192,10 @@ def test_decode_steps_reuse_tables_only_while_no_page_changes(mode):
             if k == tab:
                 got = [g[:m] for g, m in zip(got, n)]
             assert got == v, (k, [r.length for r in rows])
-        if mode == "q8":  # a full tail seals into the row's page at its position, the others into none
-            pos = [r.length for r in rows]
-            seal = [r.pages[p // P] if p % P == P - 1 else -1 for r, p in zip(rows, pos)]
-            assert (t.seal is None if max(seal) < 0 else
-                    (t.seal[0].tolist(), t.seal[1].tolist()) == ([r.tail for r in rows], seal))
-            seals.append(max(seal) >= 0)
+        if mode == "q8":  # a step seals where a row's tail fills (into the row's page at its position)
+            fills = any(r.length % P == P - 1 for r in rows)
+            assert t.seal == fills
+            seals.append(fills)
         cache.end()
         return getattr(t, tab)
 
@@ -365,14 +361,14 @@ def test_bf16_decode_runs_on_the_tensor_cores_like_a_window(monkeypatch):
 
 def test_q8_decode_runs_on_the_tensor_cores_where_dense_decode_does(monkeypatch):
     """With cuda.quant_tensor_cores, q8 decode of bf16/fp16 tails takes the tensor-core q8 kernel (its merge reads
-    (sealed, tail) counts), with a decode's launch (one position, the warps of the head size), storing the step's
+    the rows' positions), with a decode's launch (one position, the warps of the head size), storing the step's
     K/V when asked, by default; q4, k8v4, groups of 16, float32, a page size not a multiple of 16 and
     quant_tensor_cores=false keep the decode-style kernel."""
     import mlx.core as mx
 
     calls = _recording_kernels(monkeypatch)
     B, Hkv, rep, D, P = 2, 2, 4, 64, 16
-    lens = mx.array([[32, 5], [1040, 9]], dtype=mx.int32)
+    pos = mx.array([36, 1048], dtype=mx.int32)  # 32 + 5 and 1,040 + 9 keys with 16-token pages
     on = CudaLaunch()
     cases = ((mx.bfloat16, P, 8, 8, 64, on, "mma_quant_bf16"),
              (mx.float16, P, 8, 8, 32, on, "mma_quant_f16"),
@@ -393,7 +389,7 @@ def test_q8_decode_runs_on_the_tensor_cores_where_dense_decode_does(monkeypatch)
             q = mx.zeros((B, Hkv * rep, 1, D), dtype=dtype)
             out = ca.paged_decode_attention_quantized(q, ca.QuantPages(packed, tail, tail, kbits, group, vbits),
                                                       mx.array([1, 0], dtype=mx.int32),
-                                                      mx.zeros((B, 1100 // page), dtype=mx.int32), lens, 0.5, launch,
+                                                      mx.zeros((B, 1100 // page), dtype=mx.int32), pos, 0.5, launch,
                                                       new_kv)
             assert out.shape == (B, Hkv * rep, 1, D)
             assert calls[0]["key"] == (kind, True, new_kv is not None)  # the longest row splits (over 1,024 keys)
@@ -402,7 +398,8 @@ def test_q8_decode_runs_on_the_tensor_cores_where_dense_decode_does(monkeypatch)
             if kind.startswith("mma"):
                 assert (t["NL"], t["QC"], t["NQC"], t["REP"], t["NW"]) == (1, 1, 1, rep, ca.mma_warps(D))
                 assert (t["KBITS"], t["VBITS"], t["GS"]) == (8, 8, group)
-            assert dict(calls[1]["template"])["QL"] == 1  # the merge adds sealed and tail counts
+            assert dict(calls[1]["template"])["QL"] == 1  # the merge reads positions: keys are one more
+            assert calls[1]["inputs"][4] is calls[0]["inputs"][11]  # the positions the decode kernel read
 
 
 def test_launch_settings_per_kernel_kind(monkeypatch):
@@ -417,13 +414,13 @@ def test_launch_settings_per_kernel_kind(monkeypatch):
     table = mx.zeros((B, maxp), dtype=mx.int32)
     packed = [mx.zeros((12, Hkv, P, D // 4), dtype=mx.uint32)] + [mx.zeros((12, Hkv, P, D // 32))] * 2
     packed = packed * 2
-    lens = mx.array([[32, 5], [16, 9]], dtype=mx.int32)
+    pos = mx.array([36, 24], dtype=mx.int32)
     for unroll, warps in ((0, 0), (2, 8), (4, 4)):
         tune = CudaLaunch(chunk=0, unsplit=0, unroll=unroll, warps=warps)
         calls.clear()
         ca.paged_decode_attention(q, pool, pool, table, mx.array([40, 48], dtype=mx.int32), 0.5, tune)
         ca.paged_decode_attention_quantized(q, ca.QuantPages(packed, pool, pool, 8, 32),
-                                            mx.array([0, 1], dtype=mx.int32), table, lens, 0.5, tune)
+                                            mx.array([0, 1], dtype=mx.int32), table, pos, 0.5, tune)
         got = [(c["key"][0], dict(c["template"])["NW"], dict(c["template"])["U"], c["threadgroup"][0])
                for c in calls]
         want_d = (warps or 8, unroll or 2)

@@ -377,10 +377,12 @@ def test_decode_never_dequantizes(tiny_model, monkeypatch, in_place):
         raw_dequant.append(1)
         return real_dq(*a, **kw)
 
-    def kernel(q, pages, tails, table, lens, *a, **kw):
-        # packed pool buffers (uint32 codes), the rows' sealed tokens read through their page tables
-        kernel_calls.append((pages.packed[0].dtype, pages.packed[3].dtype, int(lens[:, 0].sum().item()), table.shape))
-        return real_kernel(q, pages, tails, table, lens, *a, **kw)
+    def kernel(q, pages, tails, table, pos, *a, **kw):
+        # packed pool buffers (uint32 codes), the rows' sealed tokens (p - p % P) read through their page tables
+        P = pages.tail_k.shape[2]
+        kernel_calls.append((pages.packed[0].dtype, pages.packed[3].dtype, int((pos - pos % P).sum().item()),
+                             table.shape))
+        return real_kernel(q, pages, tails, table, pos, *a, **kw)
 
     monkeypatch.setattr(mx, "quantized_matmul", qmm)
     monkeypatch.setattr(mx, "gather_qmm", gqmm)

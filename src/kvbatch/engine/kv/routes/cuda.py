@@ -6,8 +6,9 @@ A decode step's arrays come from host lists; in the H200's decode loop each such
 host 0.1-0.15 ms, and over 1 ms where MLX hands it a freed device buffer (docs/performance.md). So
 a step builds few (`options.step_reuse`): while the same rows decode, one token on, their positions
 advance on the device with one add and their tail slots stay (`StepArrays`); the page table is the
-previous step's while no row's page count moved (`PageTables`); lengths, a q8/q4 row's sealed and
-tail counts and the pages its full tail seals into are derived on the device from the positions.
+previous step's while no row's page count moved (`PageTables`); lengths are derived on the device from the
+positions, and the q8/q4 kernels read the positions themselves (a row's sealed and tail counts, and the page
+its full tail seals into).
 
 A dense pass of a few tokens a row (a speculative verification window: the row's token and its
 k proposals) is attention of several queries per row over the row's pages, each query seeing the
@@ -155,15 +156,13 @@ class CudaDenseRoute(DenseRoute):
 
 @dataclass(frozen=True)
 class CudaQuantDecode:
-    """A CUDA quantized decode step's metadata: tails, sealed-page table and lengths the fused kernel reads."""
+    """A CUDA quantized decode step's metadata: the tails, page table and positions the fused kernels read."""
 
     tails: mx.array
     table_q: mx.array  # (B, n) each row's pages up to the one its tail seals into (the kernel reads the sealed ones)
-    lens: mx.array  # (B, 2) tokens on sealed pages and in the tail, the new one included
+    positions: mx.array  # (B,) the rows' positions (StepArrays): the kernels derive sealed and tail counts from them
     writes: Optional[TailWrites] = None  # None: the kernel stores the token in the tail
-    # (tails, pool pages) after the kernel: a row whose tail fills this step seals it into that page, the others -1
-    seal: Optional[tuple[mx.array, mx.array]] = None
-    positions: Optional[mx.array] = None  # (B,) the rows' positions (StepArrays)
+    seal: bool = False  # after the kernel, the rows whose tail fills this step seal it (cuda_kernels.seal_tail_pages)
 
 
 class CudaQuantRoute(QuantRoute):
@@ -185,20 +184,16 @@ class CudaQuantRoute(QuantRoute):
         p, tails = self.steps.get(rows, pos, tails=True)
         assert tails is not None  # asked for
         table = self.tables.table(rows, [a // P + 1 for a in pos], self.steps.enabled)
-        tail_count = p % P + _ONE  # tokens in the tail, this one included
-        lens = mx.stack([p + _ONE - tail_count, tail_count], axis=1)
         fill = [a % P for a in pos]  # tokens in the tail before this one
         if self.launch.kernel_writes and P - 1 not in fill:
-            return CudaQuantDecode(tails, table, lens, positions=p)
+            return CudaQuantDecode(tails, table, p)
         if self.launch.kernel_writes and self.store.k_axis == "token":
             # With 256 rows at random lengths some row fills its tail at nearly every step: the kernel still
             # stores the tokens, and one launch a layer seals the filled tails, where TailWrites' scatters and
             # quantizations are ~12 launches a layer
-            dest = mx.take_along_axis(table, (p // P)[:, None], axis=1)[:, 0]
-            return CudaQuantDecode(tails, table, lens, seal=(tails, mx.where(tail_count == P, dest, -1)), positions=p)
-        return CudaQuantDecode(tails, table, lens, writes=tail_writes(P, self.geom.kv_heads, self.store.k_axis, rows,
-                                                                      pos, [r.tail_slot for r in rows], fill),
-                               positions=p)
+            return CudaQuantDecode(tails, table, p, seal=True)
+        return CudaQuantDecode(tails, table, p, writes=tail_writes(P, self.geom.kv_heads, self.store.k_axis, rows,
+                                                                   pos, [r.tail_slot for r in rows], fill))
 
     def write(self, layer, meta, keys, values):
         """Decode: keep the new K/V for the kernel to store in the tails (or write them first); prefill: the quantized
@@ -217,9 +212,9 @@ class CudaQuantRoute(QuantRoute):
             return super().attend(layer, meta, queries, scale)
         st = self.store
         pages = QuantPages(st.q[layer], st.tk[layer], st.tv[layer], st.key_bits, st.group_size, st.value_bits)
-        out = paged_decode_attention_quantized(queries, pages, meta.tails, meta.table_q, meta.lens, scale,
+        out = paged_decode_attention_quantized(queries, pages, meta.tails, meta.table_q, meta.positions, scale,
                                                self.launch, new_kv=self._new_kv.pop(layer, None))
-        return out if meta.seal is None else seal_tail_pages(out, pages, *meta.seal)
+        return seal_tail_pages(out, pages, meta.tails, meta.table_q, meta.positions) if meta.seal else out
 
     def end(self):
         """Drop the pass's state, the decode K/V held for the kernel included."""

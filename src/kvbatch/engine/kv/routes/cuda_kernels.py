@@ -42,9 +42,9 @@ UNROLL = {"dense": 2, "quant": 4}
 WARPS = {"dense": 8, "quant": 4}
 
 _DENSE_INPUTS = ["q", "k", "v", "table", "lengths", "meta", "scale"]
-_QUANT_INPUTS = ["q", "kw", "ks", "kb", "vw", "vs", "vb", "tk", "tv", "tails", "table", "lens", "meta", "scale"]
+_QUANT_INPUTS = ["q", "kw", "ks", "kb", "vw", "vs", "vb", "tk", "tv", "tails", "table", "pos", "meta", "scale"]
 _WINDOW_INPUTS = ["q", "k", "v", "table", "firsts", "lengths", "meta", "scale"]
-_SEAL_INPUTS = ["a", "kw", "ks", "kb", "vw", "vs", "vb", "tk", "tv", "tails", "pages", "meta"]
+_SEAL_INPUTS = ["a", "kw", "ks", "kb", "vw", "vs", "vb", "tk", "tv", "tails", "table", "pos", "meta"]
 
 _kernels: dict[tuple, KernelBuild] = {}
 
@@ -281,18 +281,18 @@ def paged_decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, tabl
 
 
 def paged_decode_attention_quantized(q: mx.array, pages: QuantPages, tails: mx.array, table: mx.array,
-                                     lens: mx.array, scale: float, launch: CudaLaunch,
+                                     positions: mx.array, scale: float, launch: CudaLaunch,
                                      new_kv: Optional[tuple[mx.array, mx.array]] = None) -> mx.array:
-    """q (B, Hq, 1, D); tails (B,) the rows' tail slots; table (B, maxp) the sealed pages; lens
-    (B, 2) int32: tokens on sealed pages and in the tail (the new token included) -> (B, Hq, 1, D).
-    new_kv as in paged_decode_attention (stored into the tail pages)."""
+    """q (B, Hq, 1, D); tails (B,) the rows' tail slots; table (B, maxp) the rows' pages; positions (B,) int32:
+    each row's new token's position p (the row's keys: p + 1; on sealed pages: p - p % P, the rest in its tail)
+    -> (B, Hq, 1, D). new_kv as in paged_decode_attention (stored into the tail pages)."""
     _, Hkv, P, _ = pages.tail_k.shape
     maxp = table.shape[1]
     g = _Geometry(pages.tail_k.dtype, Hkv, P, maxp * P + P, maxp, scale,
                   (("KBITS", pages.key_bits), ("VBITS", pages.value_bits or pages.key_bits),
                    ("GS", pages.group_size)))
     inputs = [*pages.packed, pages.tail_k, pages.tail_v, tails.astype(mx.int32), table.astype(mx.int32),
-              lens.astype(mx.int32)]
+              positions.astype(mx.int32)]
     kind = "quant"
     if launch.quant_tensor_cores and quant_tensor_cores(q.dtype, pages.tail_k.dtype, pages.tail_k.shape[-1],
                                                   q.shape[1] // Hkv, P, launch.chunk, pages.key_bits,
@@ -325,17 +325,20 @@ def paged_window_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, tabl
     return out.reshape(B, L, Hq, D).transpose(0, 2, 1, 3)
 
 
-def seal_tail_pages(out: mx.array, pages: QuantPages, tails: mx.array, dest: mx.array) -> mx.array:
-    """Quantize the q8/q4 tail pages `tails` (int32, N) into pool pages `dest` (N; -1: that tail stays as it
-    is), keys stored per token, in place; returns `out` (the layer's attention output) passed through, so the
-    seal runs after the decode kernel that stored the pages' last tokens (cuda_source.SEAL). Bits as
-    mx.quantize gives."""
+def seal_tail_pages(out: mx.array, pages: QuantPages, tails: mx.array, table: mx.array,
+                    positions: mx.array) -> mx.array:
+    """Quantize the q8/q4 tail pages `tails` (int32, B) of the rows whose tail fills at their position
+    (`positions`, B: p % P == P - 1) into the row's page at that position (`table`, (B, maxp): table[b, p // P]),
+    keys stored per token, in place; returns `out` (the layer's attention output) passed through, so the seal
+    runs after the decode kernel that stored the pages' last tokens (cuda_source.SEAL). Bits as mx.quantize
+    gives."""
     _, Hkv, P, D = pages.tail_k.shape
     n, gs = tails.shape[0], pages.group_size
     threads = max(2 * n * Hkv * P * (D // gs), -(-out.size // 8))
     template = (("T", pages.tail_k.dtype), ("HKV", Hkv), ("P", P), ("D", D), ("GS", gs), ("KBITS", pages.key_bits),
                 ("VBITS", pages.value_bits or pages.key_bits))
-    inputs = [out, *pages.packed, pages.tail_k, pages.tail_v, tails, dest, _const((out.size, n), mx.int32)]
+    inputs = [out, *pages.packed, pages.tail_k, pages.tail_v, tails, table, positions,
+              _const((out.size, n, table.shape[1]), mx.int32)]
     seal = _seals.get(template)  # the template fixes every input's dtype (the output's is the tails')
     if seal is None:
         seal = _seals[template] = _kernel("seal", False).bind(inputs, list(template), [out.dtype])

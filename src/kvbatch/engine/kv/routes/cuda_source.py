@@ -113,7 +113,7 @@ _WRITE_PART = r"""
 _REDUCE = r"""
     const int ns = meta[1];
     {index}
-    const int len = QL ? lens[2 * b] + lens[2 * b + 1] : lens[b];
+    const int len = lens[b] + QL;  // q8/q4: the rows' positions
     const int nr = len > meta[3] ? min(ns, (len + meta[2] - 1) / meta[2]) : 1;  // this row's own splits
     for (int i = threadIdx.x; i < REP * D; i += blockDim.x) {{
         const int r = i / D, d = i % D;
@@ -281,7 +281,7 @@ def kernel_source(quantized: bool, split: bool, new_kv: bool = False) -> str:
         load = (load.replace(f"({k} + base)", _NEW_SEL.format(n="kn", p=k))
                 .replace(f"({v} + base)", _NEW_SEL.format(n="vn", p=v)))
     if quantized:
-        head = _HEAD.format(lens="const int n_main = lens[2 * b], len = n_main + lens[2 * b + 1];")
+        head = _HEAD.format(lens="const int len = pos[b] + 1, n_main = pos[b] - pos[b] % P;")
         sealed = _QW + _FOLD_START + _RAW_LOOP.format(start="t0", stop="min(t1, n_main)", load=_RAW_QUANT_LOAD,
                                                       **_RAW_QUANT) + _FOLD_END
         body = sealed + _RAW_LOOP.format(start="max(t0, n_main)", stop="t1", load=load, **_RAW_DENSE)
@@ -618,21 +618,22 @@ def mma_quant_source(split: bool, half: bool, new_kv: bool = False) -> str:
                             "        ab[h][gi] += __shfl_xor_sync(0xffffffff, ab[h][gi], 1);\n"
                             "        ab[h][gi] += __shfl_xor_sync(0xffffffff, ab[h][gi], 2);\n    }")
            .replace("{col}", _QCOL.format(n="n")).replace("{extra}", " + ab[h][nd / NPG]"))
-    body = (_MMA_HEAD.replace("{lens}", "const int n_main = lens[2 * b], len = n_main + lens[2 * b + 1];")
+    body = (_MMA_HEAD.replace("{lens}", "const int len = pos[b] + 1, n_main = pos[b] - pos[b] % P;")
             + _MMA_Q8.replace("{softmax}", softmax) + _MMA_Q + tail + "    }\n" + end)
     body = body.replace("{ty}", "f16" if half else "bf16").replace("{store}", store)
     return body + _MERGE_WARPS + (_WRITE_PART if split else _WRITE_OUT).format(**_OUTPUTS[True])
 
 
 # Sealing a q8/q4 decode step's filled tail pages, after the decode kernel stored their last tokens
-# (kernel_writes). One thread quantizes one group of GS elements of one token of one KV head, keys
-# (the first half of the threads, KBITS) or values (VBITS), from tail page tails[n] into pool page
-# pages[n], with MLX's affine quantization (mlx/backend/cuda/quantized/affine_quantize.cu: the same
-# min / max, scale, edge and rounding steps, so a page sealed here holds the bits mx.quantize gives
-# it in prefill). The pool's arrays are written in place through the input pointers, as the decode
-# kernel stores its token. The launch also passes the layer's attention output through (a -> o):
-# that makes the seal part of the step's graph, ordered after the decode kernel, at no other cost.
-# Template constants: T (the tails', scales' and biases' dtype), HKV, P, D, GS, KBITS, VBITS.
+# (kernel_writes). One thread quantizes one group of GS elements of one token of one KV head, keys (the first half
+# of the threads, KBITS) or values (VBITS), of a row whose tail fills this step (its position pos[n] at the page's
+# last slot), from tail page tails[n] into the row's page at that position (its page table, `table`, meta[2] pages
+# wide), with MLX's affine quantization (mlx/backend/cuda/quantized/affine_quantize.cu: the same min / max, scale,
+# edge and rounding steps, so a page sealed here holds the bits mx.quantize gives it in prefill). The pool's
+# arrays are written in place through the input pointers, as the decode kernel stores its token. The launch also
+# passes the layer's attention output through (a -> o): that makes the seal part of the step's graph, ordered
+# after the decode kernel, at no other cost. Template constants: T (the tails', scales' and biases' dtype), HKV,
+# P, D, GS, KBITS, VBITS.
 SEAL = r"""
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x, stride = (size_t)gridDim.x * blockDim.x;
     const size_t n_out = meta[0];
@@ -646,7 +647,9 @@ SEAL = r"""
     const int t = r % P; r /= P;
     const int h = r % HKV;
     const int n = r / HKV;
-    if (pages[n] < 0) return;  // a row whose tail does not fill this step
+    const int p = pos[n];
+    if (p % P != P - 1) return;  // a row whose tail does not fill this step
+    const int page = table[(size_t)n * meta[2] + p / P];  // the row's page at its position
     const int bits = is_v ? VBITS : KBITS;
     const T* src = (is_v ? tv : tk) + (((size_t)tails[n] * HKV + h) * P + t) * D + g * GS;
     float lo = 3.402823466e+38f, hi = 0.f;  // as MLX: the max starts at 0
@@ -664,7 +667,7 @@ SEAL = r"""
     const bool at_zero = q0 == 0.0f;
     sc = at_zero ? sc : edge / q0;
     const float bias = at_zero ? 0.f : edge;
-    const size_t dst = ((size_t)pages[n] * HKV + h) * P + t;  // (page, head, token) of the pool
+    const size_t dst = ((size_t)page * HKV + h) * P + t;  // (page, head, token) of the pool
     const_cast<T*>(is_v ? vs : ks)[dst * G + g] = static_cast<T>(sc);
     const_cast<T*>(is_v ? vb : kb)[dst * G + g] = static_cast<T>(bias);
     const int per = 32 / bits;  // codes a uint32 word, the first in the lowest bits
