@@ -100,6 +100,11 @@
 #   fresh    the engine alone one mode a process, as command runs are: gpu.prefill_shapes --attempts 1 with $FRESH_ARGS
 #            (default: 1B, 256 prompts of 52-2,018 tokens uniform x 512, chunk 512) for each mode of $FRESH_ORDER (default
 #            q8 none none q8 q8 none); each process's record fresh_<i>_<mode>.json; SECONDS is per process
+#   freshab  fresh processes of this tree and an older one in .gpu/old (`git archive OLD src benchmarks tests |
+#            tar -x -C .gpu/old`, carried), alternating: first one warm process per tree and mode ($FRESHAB_WARM args,
+#            default 24 rows x 48 tokens; it compiles that tree's kernels once), then $FRESHAB_ORDER (default
+#            "old:q8 new:q8 new:none new:q8 old:q8 old:none new:q8 old:q8"), each with $FRESH_ARGS; every record
+#            freshab_<i>_<tree>_<mode>.json in freshab.tgz, one line a process in freshab.txt; SECONDS is per process
 #   bench    any benchmark: python -m benchmarks $BENCH (name and options), its JSON bench$BENCH_TAG.json
 #   profile  gpu.step_profile $PROFILE_ARGS (default: 1B batch 8 at 8k, none and q8, lookahead loop, with
 #            mlx-lm): host phases against the wait for the GPU, to tell a host-bound case from a GPU-bound one
@@ -288,6 +293,24 @@ pq.write_table(t, sys.argv[2], compression='zstd', compression_level=19)" "$kept
           --max-len 2018 --spread uniform --new 512 --chunk 512} --attempts 1 --modes "$m" --out "$OUT/fresh_${i}_$m.json" \
           2>&1 | tee -a "$OUT/fresh.txt" | grep -o '"mode": "[a-z0-9]*", "wall_s": [0-9.]*\|"outside_s": [0-9.]*\|"decode_s": [0-9.]*\|"full_median_ms": [0-9.]*\|"uncounted_[a-z_]*": [0-9.]*'
       done ;;
+    freshab) order=${FRESHAB_ORDER:-"old:q8 new:q8 new:none new:q8 old:q8 old:none new:q8 old:q8"}
+      warm=$(for tm in $order; do echo "$tm"; done | sort -u)
+      i=0; mkdir -p "$OUT/freshab"
+      for tm in $warm $order; do i=$((i + 1)); tree=${tm%%:*} m=${tm#*:}
+        args=${FRESH_ARGS:---geometry 1b --rows 256 --min-len 52 --max-len 2018 --spread uniform --new 512 --chunk 512}
+        [ $i -le $(echo $warm | wc -w) ] && { tag=warm; args=${FRESHAB_WARM:---geometry 1b --rows 24 --min-len 52 \
+          --max-len 2018 --spread uniform --new 48 --chunk 512}; } || tag=$i
+        if [ "$tree" = old ]; then pp=$SITE:$PWD/.gpu/old/src:$PWD/.gpu/old; dir=.gpu/old; else pp=$PYTHONPATH; dir=.; fi
+        rec=$OUT/freshab/freshab_${tag}_${tree}_$m.json
+        # shellcheck disable=SC2086  # one word an argument
+        (cd $dir && PYTHONPATH=$pp timeout "$secs" python3 -m benchmarks gpu.prefill_shapes $args --attempts 1 --modes "$m" \
+          --out "$rec" > /dev/null 2>&1)
+        python3 -c "import json, sys; r = json.load(open(sys.argv[1]))['result']['runs'][0]
+print(sys.argv[2], sys.argv[3], sys.argv[4], 'wall', round(r['wall_s'], 2), 'prefill', round(r['prefill_s'], 2),
+      'decode', round(r['decode_s'], 2), 'step_ms', r['decode_steps']['full_median_ms'])" "$rec" "$tag" "$tree" "$m" 2>&1 |
+          tail -1 | tee -a "$OUT/freshab.txt"
+      done
+      tar -czf "$OUT/freshab.tgz" -C "$OUT" freshab && rm -rf "$OUT/freshab" ;;
     prefill) for c in ${PREFILL_ENVS:-"default:" "nocudnn:MLX_CUDA_USE_CUDNN_SDPA=0"}; do
         name=${c%%:*} vars=${c#*:}; echo "-- $name ${vars//,/ }" | tee -a "$OUT/prefill.txt"
         timeout "$secs" env ${vars//,/ } python3 -m benchmarks gpu.prefill_shapes ${PREFILL_ARGS:---geometry 1b --rows 256 \
