@@ -14,13 +14,13 @@ source, compiled per process), logging why once.
 from __future__ import annotations
 
 import ctypes
+import functools
 import glob
 import hashlib
 import logging
 import os
 import sys
 from pathlib import Path
-from functools import partial
 from typing import Callable, Optional, cast
 
 import mlx.core as mx
@@ -115,7 +115,6 @@ def include_dirs() -> list[str]:
     for d in _site_dirs():
         out += [Path(p) for p in sorted(glob.glob(str(d / "nvidia" / "cu*" / "include")))]
         out += [Path(p) for p in sorted(glob.glob(str(d / "nvidia" / "cu*" / "include" / "cccl")))]
-        out += [Path(p) for p in sorted(glob.glob(str(d / "nvidia" / "cuda_runtime" / "include")))]
     for home in _cuda_homes():
         out += [Path(home) / "include", Path(home) / "include" / "cccl"]
     seen: list[str] = []
@@ -195,23 +194,18 @@ class KernelCache:
         return data
 
 
-_cache: list[Optional[KernelCache]] = []
-
-
+@functools.cache
 def kernel_cache() -> Optional[KernelCache]:
     """This process's KernelCache (None: no NVRTC here; the kernels then compile through mx.fast.cuda_kernel)."""
-    if not _cache:
-        lib = nvrtc_library()
-        cache = None
-        if lib is None:
-            logger.info("no NVRTC library found: CUDA kernels compile in every process")
-        else:
-            try:
-                cache = KernelCache(kernel_cache_dir(), Nvrtc(lib), device_arch(), include_dirs())
-            except (OSError, RuntimeError, AttributeError) as e:
-                logger.info("NVRTC at %s unusable (%s): CUDA kernels compile in every process", lib, e)
-        _cache.append(cache)
-    return _cache[0]
+    lib = nvrtc_library()
+    if lib is None:
+        logger.info("no NVRTC library found: CUDA kernels compile in every process")
+        return None
+    try:
+        return KernelCache(kernel_cache_dir(), Nvrtc(lib), device_arch(), include_dirs())
+    except (OSError, RuntimeError, AttributeError) as e:
+        logger.info("NVRTC at %s unusable (%s): CUDA kernels compile in every process", lib, e)
+        return None
 
 
 class KernelBuild:
@@ -251,7 +245,7 @@ class KernelBuild:
             if self._fallback is None:
                 self._fallback = mx.fast.cuda_kernel(name=self.name, input_names=self.input_names,
                                                      output_names=self.output_names, source=self.body)
-            return partial(cast(Callable[..., list[mx.array]], self._fallback), template=template)
+            return functools.partial(cast(Callable[..., list[mx.array]], self._fallback), template=template)
         name, cubin = built
-        return partial(mx.fast.precompiled_cuda_kernel, name=name, compiled_source=cubin, scalars=[],
+        return functools.partial(mx.fast.precompiled_cuda_kernel, name=name, compiled_source=cubin, scalars=[],
                        ensure_row_contiguous=True)
